@@ -1,0 +1,77 @@
+"""`vllm-supervisor`: the daemon's entry point.
+
+    vllm-supervisor run --config FILE     run in the foreground (under systemd, or by hand)
+    vllm-supervisor check --config FILE   validate a config file and exit
+
+A bad config exits with status 78 (EX_CONFIG) and one message naming each bad key,
+before anything is started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import structlog
+
+from supervisor import __version__
+from supervisor.config import EX_CONFIG, Config, ConfigError, load_config
+from supervisor.control.server import ControlSocketError
+from supervisor.daemon import Supervisor, runtime_paths_ok
+from supervisor.gpu import GpuProcessLister, NoGpu, NvmlLister
+from supervisor.logs import configure_logging
+from supervisor.sdnotify import Notifier
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllm-supervisor",
+                                description="Keep a vLLM engine healthy and serving.")
+    p.add_argument("--version", action="version", version=f"vllm-supervisor {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, text in (("run", "run the daemon in the foreground"),
+                       ("check", "validate a config file and exit")):
+        c = sub.add_parser(name, help=text)
+        c.add_argument("--config", required=True, help="path to config.toml")
+    return p
+
+
+def _gpu_lister(cfg: Config) -> GpuProcessLister:
+    log = structlog.get_logger("supervisor.gpu")
+    nvml = NvmlLister(list(cfg.engine.gpus))
+    problem = nvml.init()
+    if problem is not None:
+        if cfg.engine.gpus:
+            log.warning("GPU checks are off", reason=problem, gpus=cfg.engine.gpus)
+        else:
+            log.info("no GPU found; GPU checks are off", reason=problem)
+        return NoGpu()
+    return nvml
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    try:
+        cfg = load_config(ns.config)
+    except ConfigError as exc:
+        print(f"vllm-supervisor: invalid config\n{exc}", file=sys.stderr)
+        return EX_CONFIG
+    if ns.command == "check":
+        print(f"{cfg.source}: ok")
+        return 0
+    configure_logging(cfg.log.level, cfg.log.format)
+    log = structlog.get_logger("supervisor")
+    problem = runtime_paths_ok(cfg)
+    if problem is not None:
+        log.error("cannot start", error=problem)
+        return 1
+    sup = Supervisor(config=cfg, notifier=Notifier(), gpu=_gpu_lister(cfg))
+    try:
+        return asyncio.run(sup.run())
+    except ControlSocketError as exc:
+        log.error("cannot start", error=str(exc))
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

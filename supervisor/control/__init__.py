@@ -1,0 +1,1 @@
+"""The control socket: protocol, server, client and the `vllm-supervisorctl` CLI."""

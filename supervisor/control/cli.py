@@ -1,0 +1,133 @@
+"""`vllm-supervisorctl`: talk to a running daemon over its control socket.
+
+Exit status 0 on success; 1 with a one-line reason on stderr when the daemon refuses or
+cannot be reached; 2 for a usage error (argparse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from supervisor.config import ConfigError, load_config
+from supervisor.control.client import ControlClientError, call
+
+DEFAULT_SOCKET = "/run/vllm-supervisor/control.sock"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllm-supervisorctl",
+                                description="Control a running vllm-supervisor daemon.")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--socket", help="control socket path (default: $VLLM_SUPERVISOR_SOCKET"
+                                        f" or {DEFAULT_SOCKET})")
+    where.add_argument("--config", help="take the socket path from this config file")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds to wait for the reply (default: 30; stop: 3600)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    s = sub.add_parser("status", help="engine state, pid, restarts, last decision")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    r = sub.add_parser("restart", help="drain and restart the engine (also leaves FATAL)")
+    r.add_argument("--reason", default=None, help="recorded in the log and audit trail")
+    sub.add_parser("stop", help="stop the engine and the daemon; waits until done")
+    sub.add_parser("reload", help="re-read the config file (engine settings apply at next start)")
+    e = sub.add_parser("events", help="the audit trail's latest entries")
+    e.add_argument("-n", type=int, default=20, help="how many (default 20)")
+    e.add_argument("--json", action="store_true", help="one JSON object per line")
+    return p
+
+
+def _socket_path(ns: argparse.Namespace) -> str:
+    if ns.socket:
+        return str(ns.socket)
+    if ns.config:
+        return load_config(ns.config).control.socket
+    return os.environ.get("VLLM_SUPERVISOR_SOCKET", DEFAULT_SOCKET)
+
+
+def _duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}h{m:02d}m{sec:02d}s" if h else (f"{m}m{sec:02d}s" if m else f"{sec}s")
+
+
+def format_status(st: dict[str, Any]) -> str:
+    eng = st.get("engine", {})
+    lines = [f"state      {st['state']} for {_duration(st.get('state_for_s'))}: {st.get('reason')}"]
+    pid = st.get("pid")
+    lines.append(f"engine     {'pid ' + str(pid) if pid else 'not running'}, "
+                 f"{eng.get('processes', 0)} processes, {eng.get('host')}:{eng.get('port')}, "
+                 f"up {_duration(st.get('uptime_s'))}")
+    lines.append(f"restarts   {st.get('restarts')}")
+    lines.append(f"throttle   {st.get('throttle_level')}")
+    d = st.get("last_decision")
+    if d:
+        lines.append(f"decision   {d['action']} at {d['time']}: {d['reason']}")
+    if st.get("last_exit"):
+        lines.append(f"last exit  {st['last_exit']}")
+    if st.get("backoff_remaining_s") is not None:
+        lines.append(f"backoff    next start in {st['backoff_remaining_s']:.1f} s")
+    if st.get("fatal_reason"):
+        lines.append(f"fatal      {st['fatal_reason']}")
+        for err in st.get("last_engine_errors", []):
+            lines.append(f"  engine: {err}")
+    for k, v in sorted(st.get("signals", {}).items()):
+        lines.append(f"signal     {k} = {v}")
+    lines.append(f"daemon     pid {st.get('daemon_pid')}, up {_duration(st.get('daemon_uptime_s'))}")
+    return "\n".join(lines)
+
+
+def format_event(ev: dict[str, Any]) -> str:
+    parts = [str(ev.get("time", "?")), str(ev.get("event", "?"))]
+    if "from" in ev or "to" in ev:
+        parts.append(f"{ev.get('from')} -> {ev.get('to')}")
+    rest = {k: v for k, v in ev.items() if k not in ("time", "event", "from", "to")}
+    parts.extend(f"{k}={v}" for k, v in rest.items() if v is not None)
+    return "  ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    try:
+        path = _socket_path(ns)
+    except ConfigError as exc:
+        print(f"vllm-supervisorctl: {exc}", file=sys.stderr)
+        return 1
+    args: dict[str, Any] = {}
+    if ns.command == "restart" and ns.reason:
+        args["reason"] = ns.reason
+    if ns.command == "events":
+        args["n"] = ns.n
+    timeout = ns.timeout if ns.timeout is not None else (3600.0 if ns.command == "stop" else 30.0)
+    try:
+        result = call(path, ns.command, args, timeout_s=timeout)
+    except ControlClientError as exc:
+        print(f"vllm-supervisorctl: {exc}", file=sys.stderr)
+        return 1
+    if ns.command == "status":
+        print(json.dumps(result, indent=2) if ns.json else format_status(result))
+    elif ns.command == "events":
+        for ev in result.get("events", []):
+            print(json.dumps(ev) if ns.json else format_event(ev))
+    elif ns.command == "reload":
+        changed = result.get("changed", [])
+        print("reloaded; changed: " + (", ".join(changed) if changed else "nothing"))
+        if result.get("next_engine_start"):
+            print("engine settings take effect at the next engine start")
+    elif ns.command == "restart":
+        print(f"restarting: {result.get('reason')}")
+    elif ns.command == "stop":
+        print(f"stopped (daemon exit status {result.get('exit_code')})")
+    if ns.command == "stop" and result.get("exit_code"):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

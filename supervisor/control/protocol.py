@@ -1,0 +1,99 @@
+"""The control protocol, version 1.
+
+Transport: a unix stream socket (mode 0660; peers checked with SO_PEERCRED).
+Framing: newline-delimited JSON, one request and one reply per line, UTF-8, at most
+MAX_MESSAGE_BYTES per line including the newline. A connection may carry several
+requests in turn; the server closes it after IDLE_TIMEOUT_S without a request.
+
+Request:  {"v": 1, "cmd": "status", "args": {}}
+          cmd is one of COMMANDS; args is an object (optional), e.g.
+          {"v": 1, "cmd": "restart", "args": {"reason": "new weights"}}
+          {"v": 1, "cmd": "events", "args": {"n": 50}}
+Reply:    {"v": 1, "ok": true, "result": {...}}
+          {"v": 1, "ok": false, "error": "one line saying what was refused and why"}
+
+A malformed, oversized, unknown or unauthorised request gets an error reply (an
+oversized one, or one from an unauthorised peer, also ends the connection); the daemon
+carries on. This module is pure: bytes in, values out.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024
+IDLE_TIMEOUT_S = 30.0
+COMMANDS = ("status", "restart", "stop", "reload", "events")
+
+
+class ProtocolError(ValueError):
+    """A request that does not follow the protocol; the message is sent back."""
+
+
+@dataclass(frozen=True)
+class Request:
+    cmd: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+def encode_request(cmd: str, args: dict[str, Any] | None = None) -> bytes:
+    return _encode({"v": VERSION, "cmd": cmd, "args": args or {}})
+
+
+def encode_ok(result: dict[str, Any]) -> bytes:
+    return _encode({"v": VERSION, "ok": True, "result": result})
+
+
+def encode_error(message: str) -> bytes:
+    return _encode({"v": VERSION, "ok": False, "error": message})
+
+
+def _encode(doc: dict[str, Any]) -> bytes:
+    data = json.dumps(doc, separators=(",", ":"), default=str).encode() + b"\n"
+    if len(data) > MAX_MESSAGE_BYTES:
+        return json.dumps({"v": VERSION, "ok": False,
+                           "error": "reply too large for the protocol"}).encode() + b"\n"
+    return data
+
+
+def decode_request(line: bytes) -> Request:
+    try:
+        doc = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"malformed request: not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ProtocolError("malformed request: expected a JSON object")
+    v = doc.get("v")
+    if v != VERSION:
+        raise ProtocolError(f"unsupported protocol version {v!r}; this daemon speaks {VERSION}")
+    cmd = doc.get("cmd")
+    if not isinstance(cmd, str):
+        raise ProtocolError("malformed request: 'cmd' must be a string")
+    if cmd not in COMMANDS:
+        raise ProtocolError(f"unknown command {cmd!r} (known: {', '.join(COMMANDS)})")
+    args = doc.get("args", {})
+    if not isinstance(args, dict):
+        raise ProtocolError("malformed request: 'args' must be an object")
+    unknown = set(doc) - {"v", "cmd", "args"}
+    if unknown:
+        raise ProtocolError(f"malformed request: unknown field {sorted(unknown)[0]!r}")
+    return Request(cmd, args)
+
+
+def decode_reply(line: bytes) -> dict[str, Any]:
+    """The reply's result; raises ProtocolError with the daemon's error message."""
+    try:
+        doc = json.loads(line)
+    except ValueError as exc:
+        raise ProtocolError(f"malformed reply from the daemon: {exc}") from None
+    if not isinstance(doc, dict) or "ok" not in doc:
+        raise ProtocolError("malformed reply from the daemon")
+    if not doc["ok"]:
+        raise ProtocolError(str(doc.get("error", "unknown error")))
+    result = doc.get("result", {})
+    if not isinstance(result, dict):
+        raise ProtocolError("malformed reply from the daemon")
+    return result

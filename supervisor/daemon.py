@@ -1,0 +1,707 @@
+"""The supervisor: the single task that owns the engine's state.
+
+Everything that happens reaches `Supervisor.run` as a typed event on one queue: the
+engine's exit, its health, the end of a take-down, a backoff timer, a signal, a control
+request, a reloaded config, a tick. Each is handled by a `handle_<name>` method that
+may change state (only through `_set_state`, which checks the transition table), and
+may start jobs: tasks that do I/O (spawn, probe, take down, read files) and report back
+only by putting an event on the queue. No job touches the supervisor's attributes, no
+handler blocks, and no lock exists.
+
+Invariants:
+- at most one engine exists at a time: a new one is spawned only after the previous
+  one's take-down has proven its tree gone (`handle_down`);
+- any exit the daemon did not ask for is a crash, whatever the exit code;
+- every wait is bounded (startup timeout, drain + grace, reap and GPU-release timeouts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, ClassVar
+
+import structlog
+
+from supervisor import engine as eng
+from supervisor import proctree
+from supervisor.audit import AuditTrail
+from supervisor.config import Config, ConfigError, diff_keys, load_config
+from supervisor.control.server import ControlServer
+from supervisor.gpu import GpuProcessLister
+from supervisor.lifecycle import RestartTracker
+from supervisor.logs import set_level
+from supervisor.sdnotify import Notifier
+from supervisor.states import State, check_transition
+
+log = structlog.get_logger("supervisor")
+
+
+# ---- events ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Event:
+    name: ClassVar[str]
+
+
+@dataclass(frozen=True)
+class Spawned(Event):
+    name = "spawned"
+    generation: int
+    engine: eng.EngineProcess | None
+    error: str | None = None
+    leftovers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Exited(Event):
+    name = "exited"
+    generation: int
+    code: int
+
+
+@dataclass(frozen=True)
+class HealthResult(Event):
+    name = "health_result"
+    generation: int
+    healthy: bool
+
+
+@dataclass(frozen=True)
+class TreeSeen(Event):
+    name = "tree_seen"
+    generation: int
+    procs: tuple[proctree.ProcInfo, ...]
+
+
+@dataclass(frozen=True)
+class Down(Event):
+    name = "down"
+    generation: int
+    result: eng.TakeDown | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class BackoffElapsed(Event):
+    name = "backoff_elapsed"
+    generation: int
+
+
+@dataclass(frozen=True)
+class SignalReceived(Event):
+    name = "signal_received"
+    signum: int
+
+
+@dataclass(frozen=True)
+class ControlRequest(Event):
+    name = "control_request"
+    command: str
+    args: dict[str, Any]
+    reply: asyncio.Future[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Reloaded(Event):
+    name = "reloaded"
+    config: Config | None
+    error: str | None
+    reply: asyncio.Future[dict[str, Any]] | None
+
+
+@dataclass(frozen=True)
+class Tick(Event):
+    name = "tick"
+
+
+class CommandError(Exception):
+    """A control request that cannot be carried out now; the message goes to the client."""
+
+
+@dataclass
+class Decision:
+    action: str
+    reason: str
+    wall: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"action": self.action, "reason": self.reason, "time": _iso(self.wall)}
+
+
+def _iso(wall: float) -> str:
+    return datetime.fromtimestamp(wall, UTC).isoformat(timespec="milliseconds")
+
+
+# ---- the supervisor -------------------------------------------------------------------
+
+@dataclass
+class Clock:
+    """Injected time: `monotonic` for every deadline and duration, `wall` only for the
+    timestamps people read."""
+
+    monotonic: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
+
+
+@dataclass
+class Supervisor:
+    config: Config
+    notifier: Notifier
+    gpu: GpuProcessLister
+    clock: Clock = field(default_factory=Clock)
+    environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    tick_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.state = State.STOPPED
+        self.state_reason = "not started"
+        self.state_since = self.clock.monotonic()
+        self.started_at = self.clock.monotonic()
+        self.audit = AuditTrail(self.config.audit.path, self.config.audit.max_bytes,
+                                self.config.audit.backups)
+        self.tracker = RestartTracker(self.config.restart)
+        self.state_file = proctree.StateFile(self.config.state_file)
+        self.guard = proctree.Guard()
+        self.engine: eng.EngineProcess | None = None
+        self.generation = 0
+        self.fatal_errors: list[str] = []
+        self.last_decision: Decision | None = None
+        self.last_exit: str | None = None
+        self.fatal_reason: str | None = None
+        self.exit_code = 0
+        self._spawning = False
+        self._taking_down = False
+        self._force = asyncio.Event()
+        self._restart_reason = ""
+        self._restart_when_down = False
+        self._backoff: asyncio.Task[None] | None = None
+        self._backoff_until: float | None = None
+        self._ready_sent = False
+        self._last_watchdog = 0.0
+        self._stop_replies: list[asyncio.Future[dict[str, Any]]] = []
+        self._jobs: set[asyncio.Task[Any]] = set()
+        self._done = False
+        self._control: ControlServer | None = None
+
+    # ---- running ----------------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Run until the engine is stopped for good. Returns the daemon's exit status."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            # Handlers only enqueue: no logging, no state, nothing that can block.
+            loop.add_signal_handler(sig, self.queue.put_nowait, SignalReceived(sig))
+        self._control = ControlServer(self.config.control, self.submit)
+        await self._control.start()
+        self.guard.disarm()  # starts the guard now, so that its pid is in the first log line
+        log.info("daemon started", pid=os.getpid(), config=self.config.source,
+                 socket=self.config.control.socket, guard_pid=self.guard.pid)
+        self._launch(self._ticker(), "ticker")
+        self._start_engine("daemon started")
+        try:
+            while not self._done:
+                event = await self.queue.get()
+                handler: Callable[[Any], None] = getattr(self, f"handle_{event.name}")
+                handler(event)
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+            await self._control.close()
+            for job in list(self._jobs):
+                job.cancel()
+            await asyncio.gather(*self._jobs, return_exceptions=True)
+            self.guard.close()
+        return self.exit_code
+
+    async def submit(self, command: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Called by the control server: enqueue an intent and wait for its answer."""
+        reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.queue.put_nowait(ControlRequest(command, args, reply))
+        return await reply
+
+    def _launch(self, coro: Coroutine[Any, Any, Any], what: str) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._jobs.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._jobs.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("job failed", job=what, exc_info=t.exception())
+
+        task.add_done_callback(done)
+        return task
+
+    async def _ticker(self) -> None:
+        interval = self.tick_interval_s
+        if self.notifier.watchdog_interval_s is not None:
+            interval = min(interval, self.notifier.watchdog_interval_s)
+        while True:
+            await asyncio.sleep(interval)
+            self.queue.put_nowait(Tick())
+
+    # ---- state ------------------------------------------------------------------------
+
+    def _set_state(self, new: State, reason: str) -> None:
+        old = self.state
+        check_transition(old, new)
+        self.state = new
+        self.state_reason = reason
+        self.state_since = self.clock.monotonic()
+        pid = self.engine.pid if self.engine else None
+        log.info("state change", **{"from": old.value, "to": new.value}, reason=reason, pid=pid)
+        self._audit("state", **{"from": old.value, "to": new.value}, reason=reason, pid=pid)
+        self.notifier.status(f"{new.value}: {reason}"[:200])
+
+    def _decide(self, action: str, reason: str) -> None:
+        self.last_decision = Decision(action, reason, self.clock.wall())
+
+    def _audit(self, event: str, **fields: Any) -> None:
+        err = self.audit.append({"time": _iso(self.clock.wall()), "event": event, **fields})
+        if err is not None:
+            log.warning("audit write failed", error=err)
+
+    # ---- engine lifecycle -------------------------------------------------------------
+
+    def _start_engine(self, reason: str) -> None:
+        assert self.engine is None and not self._spawning
+        self.generation += 1
+        self._spawning = True
+        self._force = asyncio.Event()
+        self._set_state(State.STARTING, reason)
+        self._decide("start", reason)
+        spec = eng.build_spawn_spec(self.config.engine, self.environ)
+        self._launch(self._job_spawn(self.generation, spec), "spawn")
+
+    async def _job_spawn(self, generation: int, spec: eng.SpawnSpec) -> None:
+        cfg = self.config.engine
+        leftovers: list[str] = []
+        try:
+            leftovers = await eng.clean_leftovers(self.state_file, cfg.reap_timeout_s)
+            held = await asyncio.to_thread(proctree.port_holder, spec.host, spec.port)
+            if held is not None:
+                raise RuntimeError(f"engine port refused: {held}")
+            engine = await eng.spawn_engine(spec, generation, self.clock.monotonic())
+            await asyncio.to_thread(self.state_file.write, engine.pgid, engine.known)
+        except (OSError, RuntimeError) as exc:
+            self.queue.put_nowait(Spawned(generation, None, str(exc), tuple(leftovers)))
+            return
+        self.queue.put_nowait(Spawned(generation, engine, None, tuple(leftovers)))
+
+    def handle_spawned(self, ev: Spawned) -> None:
+        self._spawning = False
+        for line in ev.leftovers:
+            log.warning("killed a process left by an earlier run", process=line)
+            self._audit("leftover_killed", process=line)
+        if ev.engine is None:
+            log.error("engine could not be started", error=ev.error)
+            self._audit("spawn_failed", error=ev.error)
+            if self.state is State.STOPPING:
+                self._finish_stop()
+            elif self.state is State.DRAINING:
+                self._start_engine(self._restart_reason)
+            else:
+                self._failure(f"engine could not be started: {ev.error}", healthy_for=None)
+            return
+        engine = ev.engine
+        self.engine = engine
+        self.guard.arm(engine.pgid)
+        log.info("engine spawned", pid=engine.pid, argv=self._argv_for_log())
+        self._audit("spawn", pid=engine.pid, generation=engine.generation)
+        assert engine.proc.stdout is not None and engine.proc.stderr is not None
+        self._launch(eng.relay_output(engine, engine.proc.stdout, "stdout"), "relay stdout")
+        self._launch(eng.relay_output(engine, engine.proc.stderr, "stderr"), "relay stderr")
+        self._launch(self._job_watch(engine), "watch engine")
+        if self.state in (State.STOPPING, State.DRAINING):
+            self._take_down(graceful=True)  # a stop or restart came while it was spawning
+
+    async def _job_watch(self, engine: eng.EngineProcess) -> None:
+        """Report the exit at once (asyncio wakes on SIGCHLD), the first health, and the
+        tree as it grows, so that the tree can be proven gone later."""
+        gen = engine.generation
+        exited: asyncio.Future[int] = asyncio.ensure_future(engine.proc.wait())
+        exited.add_done_callback(
+            lambda f: None if f.cancelled() else self.queue.put_nowait(Exited(gen, f.result())))
+        cfg = self.config.engine
+        url = f"http://{_url_host(cfg.host)}:{cfg.port}{cfg.health_path}"
+        health = asyncio.ensure_future(
+            eng.wait_healthy(url, cfg.health_interval_s, cfg.startup_timeout_s, exited))
+        health.add_done_callback(
+            lambda f: None if f.cancelled() or f.exception() is not None
+            else self.queue.put_nowait(HealthResult(gen, f.result())))
+        try:
+            while not exited.done():
+                procs = await asyncio.to_thread(proctree.snapshot_tree, engine.pid)
+                if procs:
+                    self.queue.put_nowait(TreeSeen(gen, tuple(procs)))
+                    await asyncio.to_thread(self.state_file.write, engine.pgid,
+                                            _merge(engine.known, procs))
+                await asyncio.wait({exited}, timeout=2.0 if engine.healthy_at is None else 10.0)
+        finally:
+            health.cancel()
+
+    def handle_tree_seen(self, ev: TreeSeen) -> None:
+        if self.engine is not None and self.engine.generation == ev.generation:
+            self.engine.known = _merge(self.engine.known, list(ev.procs))
+
+    def handle_exited(self, ev: Exited) -> None:
+        engine = self.engine
+        if engine is None or engine.generation != ev.generation:
+            return
+        engine.exit_code = ev.code
+        self.last_exit = engine.describe_exit()
+        exit_fields = ({"signal": signal.Signals(-ev.code).name} if ev.code < 0
+                       and -ev.code in signal.Signals._value2member_map_
+                       else {"exit_code": ev.code})
+        asked = self._taking_down or self.state not in (State.STARTING, State.RUNNING)
+        log.info("engine exited", pid=engine.pid, asked=asked, **exit_fields)
+        self._audit("exit", pid=engine.pid, asked=asked, **exit_fields)
+        if asked:
+            return
+        # vLLM may exit 0 after its engine core died: any unasked exit is a crash.
+        healthy_for = (self.clock.monotonic() - engine.healthy_at
+                       if engine.healthy_at is not None else None)
+        self._failure(f"engine {self.last_exit} without being asked", healthy_for=healthy_for)
+
+    def handle_health_result(self, ev: HealthResult) -> None:
+        engine = self.engine
+        if (engine is None or engine.generation != ev.generation
+                or self.state is not State.STARTING or self._taking_down):
+            return
+        now = self.clock.monotonic()
+        if ev.healthy:
+            engine.healthy_at = now
+            self._set_state(State.RUNNING,
+                            f"/health answered 200 after {now - engine.started_at:.1f} s")
+            if not self._ready_sent:
+                self._ready_sent = True
+                self.notifier.ready(f"RUNNING: engine pid {engine.pid} serving")
+        elif engine.exit_code is None:
+            self._failure(f"engine not healthy within {self.config.engine.startup_timeout_s:g} s",
+                          healthy_for=None)
+
+    def _failure(self, reason: str, healthy_for: float | None) -> None:
+        """The engine failed (crash, boot failure, startup timeout): back off or give up,
+        and take down whatever is left of its tree."""
+        verdict = self.tracker.record_failure(self.clock.monotonic(), healthy_for_s=healthy_for,
+                                              what=reason)
+        if verdict.fatal:
+            self._give_up(verdict.reason)
+        else:
+            self._backoff_until = self.clock.monotonic() + verdict.delay_s
+            self._set_state(State.BACKOFF, f"{reason}; retrying in {verdict.delay_s:g} s")
+            self._decide("backoff", reason)
+        if self.engine is not None:
+            self._take_down(graceful=False)
+        elif self.state is State.BACKOFF:
+            self._arm_backoff()
+
+    def _give_up(self, reason: str) -> None:
+        errors = list(self.engine.recent_errors) if self.engine else []
+        self.fatal_reason = reason
+        self._set_state(State.FATAL, reason)
+        self._decide("give_up", reason)
+        log.error("giving up on the engine", reason=reason, last_engine_errors=errors[-10:])
+        self.fatal_errors = errors[-10:]
+        if not self._ready_sent:
+            # The daemon is up and answering even though the engine is not: tell systemd,
+            # so that `systemctl start` returns and `status` shows FATAL with the reason.
+            self._ready_sent = True
+            self.notifier.ready(f"FATAL: {reason}"[:200])
+
+    def _arm_backoff(self) -> None:
+        delay = max(0.0, (self._backoff_until or 0.0) - self.clock.monotonic())
+        gen = self.generation
+
+        async def later() -> None:
+            await asyncio.sleep(delay)
+            self.queue.put_nowait(BackoffElapsed(gen))
+
+        self._backoff = self._launch(later(), "backoff timer")
+
+    def _cancel_backoff(self) -> None:
+        if self._backoff is not None:
+            self._backoff.cancel()
+            self._backoff = None
+        self._backoff_until = None
+
+    def handle_backoff_elapsed(self, ev: BackoffElapsed) -> None:
+        self._backoff = None
+        if (self.state is State.BACKOFF and ev.generation == self.generation
+                and self.engine is None and not self._spawning):
+            self._start_engine("backoff elapsed")
+
+    def _take_down(self, graceful: bool) -> None:
+        engine = self.engine
+        assert engine is not None and not self._taking_down
+        self._taking_down = True
+        self._audit("take_down", pid=engine.pid, graceful=graceful)
+        log.info("taking the engine down", pid=engine.pid, graceful=graceful)
+        self._launch(self._job_take_down(engine, graceful, self._force), "take down")
+
+    async def _job_take_down(self, engine: eng.EngineProcess, graceful: bool,
+                             force: asyncio.Event) -> None:
+        try:
+            result = await eng.take_down(engine, self.config.engine, graceful=graceful,
+                                         force=force, gpu=self.gpu)
+        except Exception as exc:  # reported as an event: the lifecycle must not hang
+            self.queue.put_nowait(Down(engine.generation, None, f"take-down failed: {exc!r}"))
+            raise
+        self.queue.put_nowait(Down(engine.generation, result))
+
+    def handle_down(self, ev: Down) -> None:
+        engine = self.engine
+        assert engine is not None
+        self.engine = None
+        self._taking_down = False
+        problem = ev.error
+        if ev.result is not None:
+            r = ev.result
+            engine.exit_code = r.exit_code
+            survivors = [proctree.describe(p.pid) for p in r.survivors]
+            held = {pid: round(mem / 2**20) for pid, mem in r.gpu_holders.items()}
+            fields: dict[str, Any] = {"pid": engine.pid, "duration_s": round(r.duration_s, 3),
+                                      "sigkilled": r.sigkilled, "exit": engine.describe_exit()}
+            if survivors:
+                problem = "processes of the old engine tree survived SIGKILL: " + ", ".join(
+                    survivors)
+                fields["survivors"] = survivors
+            elif held:
+                problem = "GPU memory still held by the old engine tree: " + ", ".join(
+                    f"pid {p} ({mib} MiB)" for p, mib in held.items())
+                fields["gpu_holders_mib"] = held
+            if r.port_problem:
+                fields["port"] = r.port_problem
+            log.info("engine tree reaped", **fields, problem=problem)
+            self._audit("reaped", **fields, problem=problem)
+        if problem is None:
+            self.state_file.remove()
+            self.guard.disarm()
+        else:
+            log.error("engine tree not proven gone", problem=problem)
+
+        if self.state is State.STOPPING:
+            if problem:
+                self.exit_code = 1
+            self._finish_stop()
+        elif problem is not None and self.state is not State.FATAL:
+            self._give_up(problem)
+        elif self.state is State.DRAINING:
+            self._start_engine(self._restart_reason)
+        elif self.state is State.BACKOFF:
+            if self._restart_when_down:
+                self._restart_when_down = False
+                self._cancel_backoff()
+                self._start_engine(self._restart_reason)
+            else:
+                self._arm_backoff()
+        elif self.state is State.FATAL and self._restart_when_down and problem is None:
+            self._restart_when_down = False
+            self._start_engine(self._restart_reason)
+
+    # ---- stop and restart -------------------------------------------------------------
+
+    def _begin_stop(self, reason: str) -> None:
+        if self.state is State.STOPPING:
+            if not self._force.is_set():
+                log.warning("second stop request: skipping to SIGKILL", reason=reason)
+                self._audit("force_stop", reason=reason)
+                self._force.set()
+            return
+        self._cancel_backoff()
+        self._set_state(State.STOPPING, reason)
+        self._decide("stop", reason)
+        self.notifier.stopping(f"STOPPING: {reason}")
+        if self.engine is not None and not self._taking_down:
+            self._take_down(graceful=True)
+        elif self.engine is None and not self._spawning:
+            self._finish_stop()
+        # otherwise: a take-down (ends in handle_down) or a spawn (ends in handle_spawned)
+        # is in flight, and finishes the stop.
+
+    def _finish_stop(self) -> None:
+        self._set_state(State.STOPPED, "engine stopped")
+        for reply in self._stop_replies:
+            if not reply.done():
+                reply.set_result({"state": State.STOPPED.value, "exit_code": self.exit_code})
+        self._done = True
+
+    def _restart(self, reason: str) -> None:
+        s = self.state
+        if s in (State.STARTING, State.RUNNING):
+            self._restart_reason = reason
+            self._set_state(State.DRAINING, reason)
+            self._decide("restart", reason)
+            if self.engine is not None and not self._taking_down:
+                self._take_down(graceful=True)
+            # a take-down already running (a crash being reaped) ends in handle_down
+        elif s in (State.BACKOFF, State.FATAL):
+            self.tracker.reset()
+            self.fatal_reason = None
+            self._cancel_backoff()
+            self._restart_reason = reason
+            self._decide("restart", reason)
+            if self.engine is None and not self._spawning:
+                self._start_engine(reason)
+            else:
+                self._restart_when_down = True
+        elif s is State.DRAINING:
+            raise CommandError("a restart is already in progress")
+        else:
+            raise CommandError(f"the daemon is {s.value}")
+
+    # ---- signals, ticks, reload -------------------------------------------------------
+
+    def handle_signal_received(self, ev: SignalReceived) -> None:
+        name = signal.Signals(ev.signum).name
+        if ev.signum == signal.SIGHUP:
+            log.info("reload requested", signal=name)
+            self._launch(self._job_reload(None), "reload")
+        else:
+            self._begin_stop(f"{name} received")
+
+    def handle_tick(self, _: Tick) -> None:
+        now = self.clock.monotonic()
+        wd = self.notifier.watchdog_interval_s
+        # The keep-alive comes from this loop only: a stuck loop stops it, and systemd's
+        # watchdog then restarts the daemon.
+        if wd is not None and now - self._last_watchdog >= wd:
+            self._last_watchdog = now
+            self.notifier.watchdog()
+        if not self._ready_sent and self.state in (State.STARTING, State.BACKOFF):
+            # First start of a large model can take minutes: keep systemd's start timeout
+            # ahead of us, but only while the engine is starting.
+            self.notifier.extend_timeout(max(30.0, 3 * self.tick_interval_s))
+
+    async def _job_reload(self, reply: asyncio.Future[dict[str, Any]] | None) -> None:
+        try:
+            new = await asyncio.to_thread(load_config, self.config.source)
+        except ConfigError as exc:
+            self.queue.put_nowait(Reloaded(None, str(exc), reply))
+            return
+        self.queue.put_nowait(Reloaded(new, None, reply))
+
+    def handle_reloaded(self, ev: Reloaded) -> None:
+        if ev.config is None:
+            log.warning("reload refused; the running config stays in force", error=ev.error)
+            self._audit("reload_refused", error=ev.error)
+            if ev.reply is not None and not ev.reply.done():
+                ev.reply.set_exception(CommandError(f"reload refused: {ev.error}"))
+            return
+        new = ev.config
+        changed = diff_keys(self.config, new)
+        self.config = new
+        self.tracker.cfg = new.restart
+        set_level(new.log.level)
+        self.audit = AuditTrail(new.audit.path, new.audit.max_bytes, new.audit.backups)
+        engine_keys = [k for k in changed if k.startswith("engine.")]
+        later = [k for k in changed if k.startswith(("control.", "daemon."))]
+        log.info("config reloaded", changed=changed)
+        if engine_keys:
+            log.info("engine settings take effect at the next start", keys=engine_keys)
+        if later:
+            log.info("these settings take effect when the daemon restarts", keys=later)
+        self._audit("reload", changed=changed)
+        if ev.reply is not None and not ev.reply.done():
+            ev.reply.set_result({"changed": changed, "next_engine_start": engine_keys,
+                                 "next_daemon_start": later})
+
+    # ---- control ----------------------------------------------------------------------
+
+    def handle_control_request(self, ev: ControlRequest) -> None:
+        if ev.reply.done():  # the client gave up waiting
+            return
+        try:
+            if ev.command == "status":
+                ev.reply.set_result(self.status())
+            elif ev.command == "restart":
+                reason = str(ev.args.get("reason") or "restart requested by operator")
+                self._audit("control", command="restart", reason=reason)
+                self._restart(reason)
+                ev.reply.set_result({"state": self.state.value, "reason": reason})
+            elif ev.command == "stop":
+                self._audit("control", command="stop")
+                self._stop_replies.append(ev.reply)
+                self._begin_stop("stop requested over the control socket")
+            elif ev.command == "reload":
+                self._audit("control", command="reload")
+                self._launch(self._job_reload(ev.reply), "reload")
+            elif ev.command == "events":
+                n = ev.args.get("n", 20)
+                if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 10000:
+                    raise CommandError("events: n must be an integer from 1 to 10000")
+                self._launch(self._job_events(n, ev.reply), "events")
+            else:
+                raise CommandError(f"unknown command {ev.command!r}")
+        except CommandError as exc:
+            ev.reply.set_exception(exc)
+
+    async def _job_events(self, n: int, reply: asyncio.Future[dict[str, Any]]) -> None:
+        records = await asyncio.to_thread(self.audit.tail, n)
+        if not reply.done():
+            reply.set_result({"events": records})
+
+    def status(self) -> dict[str, Any]:
+        now = self.clock.monotonic()
+        e = self.engine
+        up = now - e.healthy_at if e is not None and e.healthy_at is not None else None
+        return {
+            "state": self.state.value,
+            "reason": self.state_reason,
+            "state_for_s": round(now - self.state_since, 3),
+            "pid": e.pid if e is not None and e.exit_code is None else None,
+            "restarts": max(0, self.generation - 1),
+            "uptime_s": round(up, 3) if up is not None else None,
+            "daemon_pid": os.getpid(),
+            "daemon_uptime_s": round(now - self.started_at, 3),
+            # No admission control exists yet (the front proxy brings it): never throttled.
+            "throttle_level": 0,
+            "last_decision": self.last_decision.as_dict() if self.last_decision else None,
+            "last_exit": self.last_exit,
+            "backoff_remaining_s": (round(max(0.0, self._backoff_until - now), 3)
+                                    if self._backoff_until is not None
+                                    and self.state is State.BACKOFF else None),
+            "fatal_reason": self.fatal_reason if self.state is State.FATAL else None,
+            "last_engine_errors": self.fatal_errors if self.state is State.FATAL else [],
+            "engine": {"host": self.config.engine.host, "port": self.config.engine.port,
+                       "processes": len(e.known) if e is not None else 0},
+            # Latest signal values; the watchdog fills these in.
+            "signals": {},
+            "config": self.config.source,
+        }
+
+    def _argv_for_log(self) -> list[str]:
+        return eng.build_spawn_spec(self.config.engine, {}).argv
+
+
+def _merge(known: list[proctree.ProcInfo],
+           seen: list[proctree.ProcInfo]) -> list[proctree.ProcInfo]:
+    merged = {(p.pid, p.create_time): p for p in known}
+    for p in seen:
+        merged.setdefault((p.pid, p.create_time), p)
+    return list(merged.values())
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def runtime_paths_ok(cfg: Config) -> str | None:
+    """Create the runtime directory; returns a problem instead of raising."""
+    try:
+        Path(cfg.daemon.runtime_dir).mkdir(parents=True, exist_ok=True)
+        Path(cfg.control.socket).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create runtime directory: {exc}"
+    return None

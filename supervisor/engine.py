@@ -1,0 +1,253 @@
+"""One engine process: spawning it, relaying its output, waiting for health, taking it down.
+
+These are the daemon's effects on the engine. They run as tasks started by the
+supervisor's state-owning task and report back only through their return values (the
+owner turns those into events); none of them reads or changes the supervisor's state.
+Every wait here is bounded; every blocking /proc or kernel call goes to a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import httpx
+import structlog
+
+from supervisor import proctree
+from supervisor.config import EngineConfig
+from supervisor.enginelog import parse_engine_line
+from supervisor.gpu import GpuProcessLister
+
+log = structlog.get_logger("supervisor.engine")
+
+# Variables that belong to the daemon's own relation with systemd, never to the engine:
+# an engine that saw NOTIFY_SOCKET could send READY=1 in the daemon's name.
+_PRIVATE_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS",
+                "LISTEN_PID", "LISTEN_FDNAMES")
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+           "error": logging.ERROR, "critical": logging.CRITICAL}
+_PR_SET_PDEATHSIG = 1
+_LINE_LIMIT = 1 << 20
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SpawnSpec:
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    host: str
+    port: int
+
+
+def build_spawn_spec(cfg: EngineConfig, environ: Mapping[str, str]) -> SpawnSpec:
+    env = {k: v for k, v in environ.items() if k not in _PRIVATE_ENV} if cfg.inherit_env else {}
+    env.update(cfg.env)
+    env.setdefault("PYTHONUNBUFFERED", "1")  # engine lines reach the journal as they happen
+    argv = [*cfg.command, "--host", cfg.host, "--port", str(cfg.port),
+            "--shutdown-timeout", f"{cfg.drain_timeout_s:g}", *cfg.args]
+    return SpawnSpec(argv=argv, env=env, cwd=cfg.cwd, host=cfg.host, port=cfg.port)
+
+
+def _libc_prctl() -> object | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name, use_errno=True).prctl if name else None
+    except OSError:
+        return None
+
+
+_prctl = _libc_prctl()
+
+
+def _child_setup() -> None:
+    # Runs in the forked child before exec: ask the kernel to SIGTERM the engine when
+    # the daemon's thread that forked it (the event loop's) dies. The guard process
+    # finishes the job for the rest of the tree.
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)  # type: ignore[operator]
+
+
+@dataclass
+class EngineProcess:
+    generation: int
+    proc: asyncio.subprocess.Process
+    pid: int
+    started_at: float  # monotonic
+    known: list[proctree.ProcInfo] = field(default_factory=list)
+    healthy_at: float | None = None
+    exit_code: int | None = None  # as asyncio reports it: negative = killed by that signal
+    recent_errors: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+
+    @property
+    def pgid(self) -> int:
+        return self.pid  # start_new_session=True: the engine leads its own group
+
+    def describe_exit(self) -> str:
+        code = self.exit_code
+        if code is None:
+            return "still running"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exited with code {code}"
+
+
+async def spawn_engine(spec: SpawnSpec, generation: int, now: float) -> EngineProcess:
+    """Start the engine in its own session. Raises OSError if it cannot be executed."""
+    proc = await asyncio.create_subprocess_exec(
+        *spec.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env=spec.env, cwd=spec.cwd,
+        start_new_session=True, preexec_fn=_child_setup, limit=_LINE_LIMIT)
+    engine = EngineProcess(generation=generation, proc=proc, pid=proc.pid, started_at=now)
+    engine.known = [i for i in await asyncio.to_thread(proctree.snapshot_tree, proc.pid)]
+    return engine
+
+
+async def relay_output(engine: EngineProcess, stream: asyncio.StreamReader, name: str) -> None:
+    """Re-emit each engine line as a structured event until the stream closes."""
+    default_level = "info" if name == "stdout" else "warning"
+    while True:
+        try:
+            raw = await stream.readline()
+        except ValueError:  # a line longer than the limit: take what is buffered
+            raw = await stream.read(_LINE_LIMIT)
+        if not raw:
+            return
+        line = parse_engine_line(raw.decode("utf-8", "replace"), default_level)
+        if not line.message.strip():
+            continue
+        level = _LEVELS[line.level]
+        if level >= logging.WARNING:
+            engine.recent_errors.append(line.message[:500])
+        log.log(level, line.message, source="engine", stream=name, proc=line.proc,
+                proc_pid=line.proc_pid, where=line.where, generation=engine.generation)
+
+
+async def wait_healthy(url: str, interval_s: float, timeout_s: float,
+                       exited: asyncio.Future[int]) -> bool:
+    """Poll `url` until it answers 200 (True), or the time is up or the engine exits
+    (False). The port refuses connections until vLLM is ready, so errors are expected."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=httpx.Timeout(min(5.0, max(interval_s, 1.0)))) as client:
+        while not exited.done():
+            try:
+                r = await client.get(url)
+                if r.status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            await asyncio.wait({exited}, timeout=min(interval_s, remaining))
+    return False
+
+
+@dataclass(frozen=True)
+class TakeDown:
+    """What taking an engine down found: its exit, what survived, what held the GPU."""
+
+    exit_code: int | None
+    survivors: list[proctree.ProcInfo]
+    gpu_holders: dict[int, int]  # pid -> bytes, for pids of the old tree still on the GPU
+    port_problem: str | None
+    duration_s: float
+    sigkilled: bool
+
+
+async def poll_until_clear(check: Callable[[], T], timeout_s: float,
+                           interval_s: float = 0.1) -> T:
+    """Call `check` in a worker thread until it returns a falsy value or time runs out;
+    return the last value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await asyncio.to_thread(check)
+        if not value or time.monotonic() >= deadline:
+            return value
+        await asyncio.sleep(interval_s)
+
+
+async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
+                    force: asyncio.Event, gpu: GpuProcessLister) -> TakeDown:
+    """Stop the engine and prove its tree gone, within one bounded deadline.
+
+    graceful: SIGTERM to the main pid only (vLLM drains for --shutdown-timeout, and its
+    workers exit at once on SIGTERM, so never the group), wait for the drain plus a
+    grace; `force` being set skips the wait. Then, always: SIGKILL the group, wait for
+    every process of the tree to vanish, for the port to free and for the GPU to be
+    released by the old tree.
+    """
+    t0 = time.monotonic()
+    proc = engine.proc
+    sigkilled = False
+    if graceful and proc.returncode is None:
+        proctree.signal_pid(engine.pid, signal.SIGTERM)
+        waiter = asyncio.ensure_future(proc.wait())
+        forced = asyncio.ensure_future(force.wait())
+        await asyncio.wait({waiter, forced}, timeout=cfg.drain_timeout_s + cfg.stop_grace_s,
+                           return_when=asyncio.FIRST_COMPLETED)
+        forced.cancel()
+        waiter.cancel()
+    if proc.returncode is None:
+        sigkilled = True
+    # The group may hold the engine core and workers even when the main pid has exited.
+    known = list(engine.known)
+    await asyncio.to_thread(proctree.kill_group, engine.pgid, known)
+    try:
+        await asyncio.wait_for(proc.wait(), timeout=cfg.reap_timeout_s)
+    except TimeoutError:
+        pass
+    # Kill again each time round: a process forked during the first kill joins the group.
+    def still_there() -> list[proctree.ProcInfo]:
+        left = proctree.survivors(known, engine.pgid)
+        if left:
+            proctree.kill_group(engine.pgid, left)
+        return left
+
+    survivors = await poll_until_clear(still_there, cfg.reap_timeout_s)
+    tree_pids = {i.pid for i in known} | {engine.pid}
+
+    def gpu_held() -> dict[int, int]:
+        listed = gpu.processes() or {}
+        return {pid: mem for pid, mem in listed.items() if pid in tree_pids}
+
+    gpu_holders = await poll_until_clear(gpu_held, cfg.gpu_release_timeout_s, interval_s=0.25)
+    port_problem = await poll_until_clear(
+        lambda: proctree.port_holder(cfg.host, cfg.port), cfg.reap_timeout_s)
+    return TakeDown(exit_code=proc.returncode, survivors=survivors, gpu_holders=gpu_holders,
+                    port_problem=port_problem, duration_s=time.monotonic() - t0,
+                    sigkilled=sigkilled)
+
+
+async def clean_leftovers(state: proctree.StateFile, timeout_s: float) -> list[str]:
+    """Kill what an earlier run of the daemon left alive (per its state file), and wait,
+    bounded, for it to go. Returns one line per process found, for the log and audit.
+    Raises RuntimeError if the file belongs to a daemon that still runs, or if the
+    leftovers survive SIGKILL."""
+    found = await asyncio.to_thread(proctree.leftovers, state)
+    if found is None:
+        return []
+    pgid, alive = found
+    lines = [await asyncio.to_thread(proctree.describe, p.pid) for p in alive]
+    if alive:
+        await asyncio.to_thread(proctree.kill_group, pgid, alive)
+        left = await poll_until_clear(lambda: [p for p in alive if proctree.is_alive(p)],
+                                      timeout_s)
+        if left:
+            raise RuntimeError("processes left by an earlier run survive SIGKILL: "
+                               + ", ".join(str(p.pid) for p in left))
+    await asyncio.to_thread(state.remove)
+    return lines

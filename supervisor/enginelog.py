@@ -1,0 +1,52 @@
+"""Parsing of vLLM's own log lines, so they can be re-emitted as structured events.
+
+vLLM prints lines such as
+    (APIServer pid=4711) INFO 11-22 10:01:02 [api_server.py:1234] Starting vLLM API server
+    (EngineCore_DP0 pid=4790) ERROR 11-22 10:01:09 [core.py:700] EngineCore failed to start.
+    INFO 11-22 10:01:00 [__init__.py:216] Automatically detected platform cpu.
+and, from libraries and tracebacks, anything at all. This module is pure: text in,
+fields out. Unrecognised lines keep their text and take the stream's default level.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_LINE = re.compile(
+    r"^(?:\((?P<tag>[^\s()]+)(?: pid=(?P<pid>\d+))?\)\s+)?"
+    r"(?P<level>DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\s+"
+    r"(?:(?P<ts>\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?)\s+)?"
+    r"(?:\[(?P<where>[^\]]+)\]\s?)?"
+    r"(?P<msg>.*)$"
+)
+_TAG_ONLY = re.compile(r"^\((?P<tag>[^\s()]+)(?: pid=(?P<pid>\d+))?\)\s?(?P<msg>.*)$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+LEVELS = {"DEBUG": "debug", "INFO": "info", "WARNING": "warning", "WARN": "warning",
+          "ERROR": "error", "CRITICAL": "critical"}
+
+
+@dataclass(frozen=True)
+class EngineLine:
+    level: str  # debug, info, warning, error, critical
+    message: str
+    proc: str | None = None  # vLLM's process tag: APIServer, EngineCore_DP0, ...
+    proc_pid: int | None = None
+    where: str | None = None  # vLLM's [file.py:line]
+
+
+def parse_engine_line(raw: str, default_level: str = "info") -> EngineLine:
+    text = _ANSI.sub("", raw).rstrip("\r\n")
+    m = _LINE.match(text)
+    if m:
+        pid = m.group("pid")
+        return EngineLine(level=LEVELS[m.group("level")], message=m.group("msg"),
+                          proc=m.group("tag"), proc_pid=int(pid) if pid else None,
+                          where=m.group("where"))
+    m = _TAG_ONLY.match(text)
+    if m:
+        pid = m.group("pid")
+        return EngineLine(level=default_level, message=m.group("msg"), proc=m.group("tag"),
+                          proc_pid=int(pid) if pid else None)
+    return EngineLine(level=default_level, message=text)

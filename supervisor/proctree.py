@@ -1,0 +1,274 @@
+"""The engine's process tree: finding it, killing it, proving it gone.
+
+Processes are selected only by what this daemon knows for certain: the pid it spawned,
+that pid's process group (the engine is its own session leader, so group = main pid),
+and pids it saw in the tree, each paired with its start time so that a recycled pid is
+never mistaken for ours. Never by a name pattern.
+
+Every function here blocks on /proc or on the kernel (psutil, bind); the daemon calls
+them through `asyncio.to_thread`, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    pid: int
+    create_time: float  # psutil's start time: (pid, create_time) names one process for ever
+    name: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"pid": self.pid, "create_time": self.create_time, "name": self.name}
+
+
+def _info(p: psutil.Process) -> ProcInfo | None:
+    try:
+        with p.oneshot():
+            return ProcInfo(p.pid, p.create_time(), p.name())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def snapshot_tree(root_pid: int) -> list[ProcInfo]:
+    """The root and all its descendants, as they are now."""
+    try:
+        root = psutil.Process(root_pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    return [i for i in map(_info, procs) if i is not None]
+
+
+def group_members(pgid: int) -> list[ProcInfo]:
+    """Every live (non-zombie) process whose process group is pgid."""
+    out = []
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) != pgid:
+                continue
+            proc = psutil.Process(pid)
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+            continue
+        info = _info(proc)
+        if info is not None:
+            out.append(info)
+    return out
+
+
+def is_alive(info: ProcInfo) -> bool:
+    """Whether this very process (same pid and start time) still runs (zombies do not)."""
+    try:
+        p = psutil.Process(info.pid)
+        return (abs(p.create_time() - info.create_time) < 0.01
+                and p.status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def survivors(known: list[ProcInfo], pgid: int | None) -> list[ProcInfo]:
+    """Processes of the tree still alive: the known ones plus any member of its group."""
+    alive = {i.pid: i for i in known if is_alive(i)}
+    if pgid is not None:
+        for i in group_members(pgid):
+            alive.setdefault(i.pid, i)
+    return sorted(alive.values(), key=lambda i: i.pid)
+
+
+def signal_pid(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def kill_group(pgid: int, known: list[ProcInfo]) -> None:
+    """SIGKILL the group, and each known process of the tree that left the group."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    for info in known:
+        if is_alive(info):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(info.pid, signal.SIGKILL)
+
+
+def describe(pid: int) -> str:
+    try:
+        p = psutil.Process(pid)
+        cmd = " ".join(p.cmdline()) or p.name()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return f"pid {pid}"
+    if len(cmd) > 160:
+        cmd = cmd[:157] + "..."
+    return f"pid {pid} ({cmd})"
+
+
+def port_holder(host: str, port: int) -> str | None:
+    """None if host:port can be bound now; otherwise who holds it, as best we can tell."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return None
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                return f"cannot bind {host}:{port}: {exc.strerror}"
+    holders = set()
+    try:
+        for c in psutil.net_connections(kind="inet"):
+            if (c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                    and c.pid is not None):
+                holders.add(c.pid)
+    except psutil.AccessDenied:
+        pass
+    if not holders:
+        return f"{host}:{port} is in use (holder not visible to this user)"
+    return f"{host}:{port} is in use by " + ", ".join(describe(p) for p in sorted(holders))
+
+
+class StateFile:
+    """The engine tree of the running daemon, on disk, so that a later run can clean up
+    what a crashed or SIGKILLed daemon left behind. Written at spawn, refreshed with the
+    tree, removed once the tree is proven gone."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, pgid: int, procs: list[ProcInfo]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"daemon_pid": os.getpid(), "pgid": pgid,
+                                   "procs": [p.as_dict() for p in procs]}))
+        tmp.replace(self.path)
+
+    def read(self) -> tuple[int, int, list[ProcInfo]] | None:
+        """(daemon_pid, pgid, procs), or None if there is no readable state file."""
+        try:
+            doc = json.loads(self.path.read_text())
+            procs = [ProcInfo(int(p["pid"]), float(p["create_time"]), str(p.get("name", "")))
+                     for p in doc["procs"]]
+            return int(doc["daemon_pid"]), int(doc["pgid"]), procs
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def leftovers(state: StateFile) -> tuple[int, list[ProcInfo]] | None:
+    """Processes recorded by an earlier run of the daemon that are still alive.
+
+    Only processes whose pid *and* start time match the record count, and only when the
+    daemon that recorded them is gone (it is not us, and no longer runs).
+    """
+    rec = state.read()
+    if rec is None:
+        return None
+    daemon_pid, pgid, procs = rec
+    if daemon_pid != os.getpid() and psutil.pid_exists(daemon_pid):
+        try:
+            # the recording daemon still runs: another instance owns that tree
+            if psutil.Process(daemon_pid).status() != psutil.STATUS_ZOMBIE:
+                raise RuntimeError(f"state file {state.path} belongs to a running daemon "
+                                   f"({describe(daemon_pid)})")
+        except psutil.NoSuchProcess:
+            pass
+    alive = [p for p in procs if is_alive(p)]
+    # the leader recorded with its start time proves the group is still ours
+    leader = next((p for p in procs if p.pid == pgid), None)
+    if leader is not None and is_alive(leader):
+        for m in group_members(pgid):
+            if m.pid not in {a.pid for a in alive}:
+                alive.append(m)
+    return pgid, alive
+
+
+# The guard: a tiny shell process that outlives a SIGKILLed daemon just long enough to
+# take the engine's group down with it. The daemon writes the engine's pgid to the
+# guard's stdin at every spawn and 0 once the tree is proven gone; when the daemon dies
+# for any reason, the kernel closes the pipe, the guard reads EOF and, if a group is
+# armed, SIGTERMs its leader, then SIGKILLs the group after a grace.
+_GUARD_SCRIPT = r"""
+trap '' INT HUP TERM
+pg=0
+while IFS= read -r line; do pg=$line; done
+case "$pg" in ''|*[!0-9]*|0) exit 0;; esac
+kill -TERM "$pg" 2>/dev/null
+i=0
+while [ "$i" -lt "$GRACE_TENTHS" ] && kill -0 -- "-$pg" 2>/dev/null; do
+  sleep 0.1; i=$((i+1))
+done
+kill -KILL -- "-$pg" 2>/dev/null
+exit 0
+"""
+
+
+class Guard:
+    def __init__(self, grace_s: float = 5.0) -> None:
+        self._grace_tenths = max(1, int(grace_s * 10))
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def _ensure(self) -> subprocess.Popen[bytes]:
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = subprocess.Popen(
+                ["/bin/sh", "-c", _GUARD_SCRIPT, "vllm-supervisor-guard"],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                     "GRACE_TENTHS": str(self._grace_tenths)},
+                start_new_session=True, close_fds=True)
+        return self._proc
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def arm(self, pgid: int) -> None:
+        self._send(str(pgid))
+
+    def disarm(self) -> None:
+        self._send("0")
+
+    def _send(self, line: str) -> None:
+        proc = self._ensure()
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(line.encode() + b"\n")
+            proc.stdin.flush()
+        except BrokenPipeError:
+            self._proc = None
+            proc = self._ensure()
+            assert proc.stdin is not None
+            proc.stdin.write(line.encode() + b"\n")
+            proc.stdin.flush()
+
+    def close(self) -> None:
+        """Disarm and let the guard exit (normal daemon exit: nothing to kill)."""
+        if self._proc is None:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            assert self._proc.stdin is not None
+            self._proc.stdin.write(b"0\n")
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout=2)
+        self._proc = None

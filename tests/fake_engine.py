@@ -1,0 +1,104 @@
+"""A small stand-in for vLLM's API server, for fast, scriptable fault tests.
+
+Takes vLLM's --host/--port/--shutdown-timeout (added by the daemon) and switches that
+script a fault:
+  --startup-delay S     listen only after S seconds (vLLM refuses connections until ready)
+  --never-healthy       listen, but /health answers 503
+  --crash-after S       exit by itself S seconds after becoming healthy
+  --exit-code N         the code for --crash-after (default 0: vLLM can exit 0 unasked)
+  --fail-boot           print an error and exit 1 at once
+  --ignore-sigterm      ignore SIGTERM (only SIGKILL ends it)
+  --child               fork a child in the same process group, like VLLM::EngineCore
+Writes vLLM-shaped log lines, and its pid (and the child's) to $FAKE_ENGINE_PIDFILE.
+Stdlib only: it runs under any interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import os
+import signal
+import sys
+import threading
+import time
+
+
+def log(level: str, msg: str, tag: str = "APIServer") -> None:
+    stamp = time.strftime("%m-%d %H:%M:%S")
+    print(f"({tag} pid={os.getpid()}) {level} {stamp} [fake_engine.py:1] {msg}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--shutdown-timeout", type=float, default=0)
+    p.add_argument("--startup-delay", type=float, default=0)
+    p.add_argument("--never-healthy", action="store_true")
+    p.add_argument("--crash-after", type=float, default=None)
+    p.add_argument("--exit-code", type=int, default=0)
+    p.add_argument("--fail-boot", action="store_true")
+    p.add_argument("--ignore-sigterm", action="store_true")
+    p.add_argument("--child", action="store_true")
+    a = p.parse_args()
+
+    log("INFO", f"fake engine starting, args {sys.argv[1:]}")
+    if a.fail_boot:
+        log("ERROR", "EngineCore failed to start: fake boot failure", tag="EngineCore_DP0")
+        print("Traceback (most recent call last):\nRuntimeError: fake boot failure",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
+    child_pid = None
+    if a.child:
+        child_pid = os.fork()
+        if child_pid == 0:  # the "engine core": sleeps until killed
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            while True:
+                time.sleep(3600)
+    pidfile = os.environ.get("FAKE_ENGINE_PIDFILE")
+    if pidfile:
+        with open(pidfile, "a") as f:
+            f.write(f"{os.getpid()}\n" + (f"{child_pid}\n" if child_pid else ""))
+
+    stopping = threading.Event()
+    if a.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+
+    time.sleep(a.startup_delay)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            code = 503 if a.never_healthy else 200
+            body = b"{}" if self.path == "/health" else b'{"fake": true}'
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer((a.host, a.port), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    log("INFO", f"Uvicorn running on http://{a.host}:{a.port}")
+    deadline = time.monotonic() + a.crash_after if a.crash_after is not None else None
+    while not stopping.is_set():
+        if deadline is not None and time.monotonic() >= deadline:
+            log("ERROR", "engine core died (fake crash)", tag="EngineCore_DP0")
+            if child_pid:
+                os.kill(child_pid, signal.SIGKILL)
+            os._exit(a.exit_code)
+        stopping.wait(0.05)
+    log("INFO", f"shutting down (drain up to {a.shutdown_timeout:g} s)")
+    srv.shutdown()
+    if child_pid:
+        os.kill(child_pid, signal.SIGTERM)
+        os.waitpid(child_pid, 0)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
