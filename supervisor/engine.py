@@ -9,10 +9,10 @@ Every wait here is bounded; every blocking /proc or kernel call goes to a worker
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import logging
-import os
 import signal
 import time
 from collections import deque
@@ -206,10 +206,8 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
     # The group may hold the engine core and workers even when the main pid has exited.
     known = list(engine.known)
     await asyncio.to_thread(proctree.kill_group, engine.pgid, known)
-    try:
+    with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(proc.wait(), timeout=cfg.reap_timeout_s)
-    except TimeoutError:
-        pass
     # Kill again each time round: a process forked during the first kill joins the group.
     def still_there() -> list[proctree.ProcInfo]:
         left = proctree.survivors(known, engine.pgid)

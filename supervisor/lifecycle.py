@@ -32,7 +32,8 @@ class RestartTracker:
     def backoff_delay(self, attempt: int) -> float:
         """Delay before retry number `attempt` (1-based): initial * multiplier^(n-1), capped."""
         c = self.cfg
-        return float(min(c.backoff_max_s, c.backoff_initial_s * c.backoff_multiplier ** (attempt - 1)))
+        delay = c.backoff_initial_s * c.backoff_multiplier ** (attempt - 1)
+        return float(min(c.backoff_max_s, delay))
 
     def record_failure(self, now: float, *, healthy_for_s: float | None, what: str) -> Verdict:
         """Count one failure at `now`. healthy_for_s is how long the engine served (None

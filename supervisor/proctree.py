@@ -75,8 +75,8 @@ def is_alive(info: ProcInfo) -> bool:
     """Whether this very process (same pid and start time) still runs (zombies do not)."""
     try:
         p = psutil.Process(info.pid)
-        return (abs(p.create_time() - info.create_time) < 0.01
-                and p.status() != psutil.STATUS_ZOMBIE)
+        same = abs(p.create_time() - info.create_time) < 0.01
+        return bool(same and p.status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return False
 
@@ -212,10 +212,10 @@ while IFS= read -r line; do pg=$line; done
 case "$pg" in ''|*[!0-9]*|0) exit 0;; esac
 kill -TERM "$pg" 2>/dev/null
 i=0
-while [ "$i" -lt "$GRACE_TENTHS" ] && kill -0 -- "-$pg" 2>/dev/null; do
+while [ "$i" -lt "$GRACE_TENTHS" ] && kill -0 "-$pg" 2>/dev/null; do
   sleep 0.1; i=$((i+1))
 done
-kill -KILL -- "-$pg" 2>/dev/null
+kill -KILL "-$pg" 2>/dev/null
 exit 0
 """
 

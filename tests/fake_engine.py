@@ -70,7 +70,7 @@ def main() -> None:
     time.sleep(a.startup_delay)
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        def do_GET(self) -> None:
             code = 503 if a.never_healthy else 200
             body = b"{}" if self.path == "/health" else b'{"fake": true}'
             self.send_response(code)

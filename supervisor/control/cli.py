@@ -79,7 +79,8 @@ def format_status(st: dict[str, Any]) -> str:
             lines.append(f"  engine: {err}")
     for k, v in sorted(st.get("signals", {}).items()):
         lines.append(f"signal     {k} = {v}")
-    lines.append(f"daemon     pid {st.get('daemon_pid')}, up {_duration(st.get('daemon_uptime_s'))}")
+    lines.append(f"daemon     pid {st.get('daemon_pid')}, "
+                 f"up {_duration(st.get('daemon_uptime_s'))}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,201 @@
+"""Drive the real daemon as operators do: a subprocess in its own session, real signals,
+the real control socket. Waits are on conditions with deadlines, never fixed sleeps."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
+
+from supervisor.control.client import ControlClientError, call
+
+ROOT = Path(__file__).resolve().parent.parent
+FAKE_ENGINE = ROOT / "tests" / "fake_engine.py"
+T = TypeVar("T")
+
+
+def wait_for(cond: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while True:
+        try:
+            value = cond()
+            if value:
+                return value
+        except Exception as exc:  # conditions may race with the process under test
+            last_exc = exc
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}"
+                                 + (f" (last error: {last_exc!r})" if last_exc else ""))
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(v)
+
+
+def write_config(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
+    lines = []
+    for name, table in sections.items():
+        lines.append(f"[{name}]")
+        lines.extend(f"{k} = {toml_value(v)}" for k, v in table.items())
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+def fake_engine_config(tmp: Path, *fake_args: str, port: int | None = None,
+                       **overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    sections: dict[str, dict[str, Any]] = {
+        "engine": {"command": [sys.executable, str(FAKE_ENGINE), *fake_args],
+                   "port": port or free_port(), "drain_timeout_s": 2.0, "stop_grace_s": 2.0,
+                   "reap_timeout_s": 5.0, "health_interval_s": 0.1, "startup_timeout_s": 20.0,
+                   "env": {"FAKE_ENGINE_PIDFILE": str(tmp / "engine.pids")}},
+        "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0},
+        # unix socket paths are limited to 108 bytes: keep the runtime dir short
+        "daemon": {"runtime_dir": tempfile.mkdtemp(prefix="vs-", dir="/tmp")},
+        "audit": {"path": str(tmp / "events.jsonl")},
+        "log": {"format": "json", "level": "debug"},
+    }
+    for name, table in overrides.items():
+        sections.setdefault(name, {}).update(table)
+    return sections
+
+
+class Daemon:
+    """A running `vllm-supervisor run` with helpers; always cleaned up by pid/group."""
+
+    def __init__(self, tmp: Path, sections: dict[str, dict[str, Any]],
+                 env: dict[str, str] | None = None) -> None:
+        self.tmp = tmp
+        self.config = write_config(tmp / "config.toml", sections)
+        self.socket = str(Path(sections["daemon"]["runtime_dir"]) / "control.sock")
+        self.log_path = tmp / "daemon.log"
+        self._log = self.log_path.open("wb")
+        full_env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor", "run", "--config", str(self.config)],
+            stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=str(tmp),
+            start_new_session=True)
+        self.pid = self.proc.pid
+
+    # -- talking to it
+    def ctl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "supervisor.control.cli", "--socket", self.socket, *args],
+            capture_output=True, text=True, timeout=timeout)
+
+    def call(self, cmd: str, args: dict[str, Any] | None = None,
+             timeout: float = 30) -> dict[str, Any]:
+        return call(self.socket, cmd, args, timeout_s=timeout)
+
+    def status(self) -> dict[str, Any]:
+        return self.call("status")
+
+    def wait_state(self, state: str, timeout: float = 30,
+                   extra: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            try:
+                st = self.status()
+            except ControlClientError:
+                return None
+            return st if st["state"] == state and (extra is None or extra(st)) else None
+
+        return wait_for(check, timeout, f"state {state}; log:\n{self.log_tail()}")
+
+    def events(self, n: int = 200) -> list[dict[str, Any]]:
+        return list(self.call("events", {"n": n})["events"])
+
+    def log_records(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def engine_pids(self) -> list[int]:
+        path = self.tmp / "engine.pids"
+        if not path.exists():
+            return []
+        return [int(x) for x in path.read_text().split()]
+
+    def wait_exit(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"daemon did not exit within {timeout} s; log:\n"
+                                 f"{self.log_tail()}") from None
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def close(self) -> None:
+        """Leave nothing behind: the daemon's group, then every engine pid it recorded."""
+        if self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        for pid in self.engine_pids():
+            kill_if_alive(pid)
+        self._log.close()
+
+
+def kill_if_alive(pid: int) -> None:
+    """SIGKILL a fake engine the test started, if it is still there (and still ours:
+    the command line guards against a recycled pid)."""
+    try:
+        p = psutil.Process(pid)
+        if p.status() != psutil.STATUS_ZOMBIE and str(FAKE_ENGINE) in " ".join(p.cmdline()):
+            os.kill(pid, signal.SIGKILL)
+    except (psutil.NoSuchProcess, ProcessLookupError, PermissionError):
+        pass
+
+
+def alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
