@@ -41,6 +41,8 @@ from supervisor.sdnotify import Notifier
 from supervisor.states import State, check_transition
 
 log = structlog.get_logger("supervisor")
+EXTEND_EVERY_S = 10.0  # while the first engine starts, push systemd's start timeout ...
+EXTEND_BY_S = 30.0  # ... this far ahead each time
 
 
 # ---- events ---------------------------------------------------------------------------
@@ -186,6 +188,7 @@ class Supervisor:
         self._backoff_until: float | None = None
         self._ready_sent = False
         self._last_watchdog = 0.0
+        self._last_extend = -EXTEND_EVERY_S
         self._stop_replies: list[asyncio.Future[dict[str, Any]]] = []
         self._jobs: set[asyncio.Task[Any]] = set()
         self._done = False
@@ -575,10 +578,12 @@ class Supervisor:
         if wd is not None and now - self._last_watchdog >= wd:
             self._last_watchdog = now
             self.notifier.watchdog()
-        if not self._ready_sent and self.state in (State.STARTING, State.BACKOFF):
+        if (not self._ready_sent and self.state in (State.STARTING, State.BACKOFF)
+                and now - self._last_extend >= EXTEND_EVERY_S):
             # First start of a large model can take minutes: keep systemd's start timeout
             # ahead of us, but only while the engine is starting.
-            self.notifier.extend_timeout(max(30.0, 3 * self.tick_interval_s))
+            self._last_extend = now
+            self.notifier.extend_timeout(EXTEND_BY_S)
 
     async def _job_reload(self, reply: asyncio.Future[dict[str, Any]] | None) -> None:
         try:

@@ -3,7 +3,9 @@
 One datagram per message to the AF_UNIX socket named by $NOTIFY_SOCKET (a path, or an
 abstract name written with a leading '@'). Without NOTIFY_SOCKET every call is a no-op,
 so the daemon runs the same in a terminal. Sending never blocks and never raises: a
-lost notification is logged by the caller's counters, not fatal.
+lost notification is counted in `failures`, never fatal. Sends wait at most
+SEND_TIMEOUT_S for room in the receiver's queue (a datagram socket queues only a few
+messages): READY=1 dropped because the queue was briefly full would fail the unit's start.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
+
+
+SEND_TIMEOUT_S = 0.25
 
 
 class Notifier:
@@ -36,7 +41,7 @@ class Notifier:
         payload = "\n".join(fields).encode()
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-                s.setblocking(False)
+                s.settimeout(SEND_TIMEOUT_S)
                 s.sendto(payload, self._address)
         except OSError:
             self.failures += 1

