@@ -224,8 +224,10 @@ def _build_section(name: str, cls: type[Any], table: Any, problems: list[str]) -
 
 
 def _resolve(base: Path, path: str) -> str:
+    # normpath, not resolve(): following the symlink of a venv's bin/python would run the
+    # base interpreter, outside the virtualenv.
     p = Path(path).expanduser()
-    return str(p if p.is_absolute() else (base / p).resolve())
+    return os.path.normpath(p if p.is_absolute() else base / p)
 
 
 def parse_config(doc: Mapping[str, Any], source: str = "<config>",
@@ -298,7 +300,7 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         raise ConfigError(str(p), [f"not UTF-8 text: {exc}"]) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(str(p), [f"not valid TOML: {exc}"]) from exc
-    return parse_config(doc, source=str(p), base_dir=p.resolve().parent)
+    return parse_config(doc, source=os.path.abspath(p), base_dir=Path(os.path.abspath(p)).parent)
 
 
 def diff_keys(old: Config, new: Config) -> list[str]:

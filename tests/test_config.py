@@ -1,0 +1,92 @@
+"""Config validation: every kind of bad input names its key and what was expected."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from supervisor.config import ConfigError, diff_keys, load_config, parse_config
+from tests.harness import ROOT
+
+MIN = {"engine": {"command": ["python", "-m", "vllm.entrypoints.openai.api_server"]}}
+
+
+def problems(doc: dict) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(doc, "t.toml", Path("/base"))
+    return info.value.problems
+
+
+def with_engine(**kw: object) -> dict:
+    return {"engine": {**MIN["engine"], **kw}}
+
+
+def test_demo_config_is_valid_and_paths_resolve_against_its_directory():
+    cfg = load_config(ROOT / "config.toml")
+    assert cfg.engine.command[0] == str(ROOT / ".venv-engine" / "bin" / "python")
+    assert cfg.engine.cwd == str(ROOT)
+    assert cfg.control.socket == str(ROOT / "run" / "control.sock")
+    assert cfg.audit.path == str(ROOT / "var" / "events.jsonl")
+
+
+def test_minimal_config_takes_defaults():
+    cfg = parse_config(MIN, "t.toml", Path("/base"))
+    assert cfg.engine.port == 8100 and cfg.engine.host == "127.0.0.1"
+    assert cfg.engine.command[0] == "python"  # a bare name is looked up on PATH, not resolved
+    assert cfg.restart.boot_failures_max == 3
+
+
+@pytest.mark.parametrize(("doc", "expected"), [
+    (with_engine(port=70000), "engine.port: expected a value from 1 to 65535, got 70000"),
+    (with_engine(port="8000"), "engine.port: expected an integer, got '8000'"),
+    (with_engine(port=True), "engine.port: expected an integer, got True"),
+    (with_engine(command=[]), "engine.command: expected a non-empty list"),
+    (with_engine(command="vllm serve"), "engine.command: expected a list of strings"),
+    (with_engine(args=["--x", 3]), "engine.args: expected a list of strings"),
+    (with_engine(env={"A": 1}), "engine.env: expected a table of strings"),
+    (with_engine(drain_timeout_s=-1), "engine.drain_timeout_s: expected a value from 0"),
+    (with_engine(colour="blue"), "engine.colour: unknown key (known keys:"),
+    (with_engine(args=["--port", "9"]), "engine.args: --port is set by the daemon"),
+    (with_engine(args=["--shutdown-timeout=3"]), "engine.args: --shutdown-timeout is set"),
+    ({**MIN, "log": {"level": "loud"}}, "log.level: expected one of debug, info, warning, error"),
+    ({**MIN, "restart": {"backoff_initial_s": 10, "backoff_max_s": 5}},
+     "restart.backoff_max_s: expected at least restart.backoff_initial_s (10), got 5"),
+    ({**MIN, "restart": 3}, "restart: expected a table [restart], got 3"),
+    ({**MIN, "proxxy": {}}, "proxxy: unknown section"),
+    ({}, "engine: required section [engine] is missing"),
+    ({"engine": {}}, "engine.command: required key is missing"),
+])
+def test_bad_values_are_named_with_what_was_expected(doc, expected):
+    found = problems(doc)
+    assert any(p.startswith(expected) for p in found), found
+
+
+def test_every_problem_is_reported_at_once():
+    found = problems(with_engine(port=0, host="", colour=1))
+    assert len(found) == 3
+
+
+def test_unreadable_and_broken_files_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[engine\ncommand = [")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    binary = tmp_path / "bin.toml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(binary)
+
+
+def test_error_message_names_the_file():
+    with pytest.raises(ConfigError) as info:
+        parse_config(with_engine(port=0), "/etc/vllm-supervisor/config.toml", Path("/"))
+    assert str(info.value).startswith("/etc/vllm-supervisor/config.toml: engine.port:")
+
+
+def test_diff_keys_lists_changed_key_paths():
+    a = parse_config(MIN, "t", Path("/base"))
+    b = parse_config(with_engine(args=["--x"], port=9000), "t", Path("/base"))
+    assert diff_keys(a, b) == ["engine.args", "engine.port"]
