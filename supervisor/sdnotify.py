@@ -14,7 +14,6 @@ import os
 import socket
 from collections.abc import Mapping
 
-
 SEND_TIMEOUT_S = 0.25
 
 

@@ -178,7 +178,7 @@ def test_leftovers_of_an_earlier_run_are_killed_before_start(daemon_factory, tmp
     pids = [int(x) for x in (tmp_path / "engine.pids").read_text().split()]
     # SIGKILL the daemon *and* its guard, as an OOM kill of the whole unit would not:
     # only the state file now knows the tree.
-    guard = [r for r in first.log_records() if r.get("event") == "daemon started"][0]
+    guard = next(r for r in first.log_records() if r.get("event") == "daemon started")
     os.kill(first.pid, signal.SIGKILL)
     os.kill(guard["guard_pid"], signal.SIGKILL)
     first.proc.wait(5)

@@ -6,6 +6,8 @@ import pytest
 
 from supervisor.enginelog import parse_engine_line
 
+ACCESS = 'INFO:     127.0.0.1:48430 - "POST /v1/completions HTTP/1.1" 200 OK'
+
 
 @pytest.mark.parametrize(("line", "level", "proc", "pid", "where", "message"), [
     ("(APIServer pid=2795) INFO 11-22 04:58:59 [entry.py:140] Starting vLLM server on "
@@ -21,8 +23,7 @@ from supervisor.enginelog import parse_engine_line
      "error", "EngineCore_DP0", 10, "core.py:700", "EngineCore failed to start."),
     ("INFO 11-22 10:01:00 [__init__.py:216] Automatically detected platform cpu.",
      "info", None, None, "__init__.py:216", "Automatically detected platform cpu."),
-    ('INFO:     127.0.0.1:48430 - "POST /v1/completions HTTP/1.1" 200 OK',
-     "info", None, None, None, 'INFO:     127.0.0.1:48430 - "POST /v1/completions HTTP/1.1" 200 OK'),
+    (ACCESS, "info", None, None, None, ACCESS),
 ])
 def test_vllm_lines(line, level, proc, pid, where, message):
     p = parse_engine_line(line + "\n")
