@@ -29,7 +29,10 @@ def call(path: str, cmd: str, args: dict[str, Any] | None = None,
                 raise ControlClientError(f"permission denied on {path} (run as root, "
                                          "the daemon's user or a member of control.group)"
                                          ) from None
-            s.sendall(protocol.encode_request(cmd, args))
+            try:
+                s.sendall(protocol.encode_request(cmd, args))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused before our request was read: its reason is waiting to be read
             buf = b""
             while not buf.endswith(b"\n"):
                 chunk = s.recv(65536)

@@ -165,6 +165,8 @@ class ControlServer:
             except Exception as exc:  # a refused command: its message goes to the client
                 writer.write(protocol.encode_error(str(exc)))
             await writer.drain()
+            if req.cmd == "stop":
+                return  # the daemon is gone after this reply: nothing more to read
 
     async def _refuse(self, writer: asyncio.StreamWriter, message: str, *, pid: int,
                       uid: int) -> None:

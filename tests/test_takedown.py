@@ -1,0 +1,87 @@
+"""`engine.take_down` on real processes, with a scripted GPU lister standing in for NVML."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from supervisor import engine as eng
+from supervisor import proctree
+from supervisor.config import EngineConfig
+from supervisor.gpu import NoGpu
+from tests.harness import FAKE_ENGINE, alive, free_port
+
+
+class ScriptedGpu:
+    """Lists the given pids as holding GPU memory for the first `polls` calls."""
+
+    def __init__(self, holders: dict[int, int], polls: int) -> None:
+        self.holders = holders
+        self.polls = polls
+        self.calls = 0
+
+    def processes(self) -> dict[int, int] | None:
+        self.calls += 1
+        return dict(self.holders) if self.calls <= self.polls else {}
+
+
+def engine_config(*args: str, **kw: float) -> EngineConfig:
+    return EngineConfig(command=[sys.executable, str(FAKE_ENGINE), *args], port=free_port(),
+                        cwd=str(Path.cwd()), drain_timeout_s=1, stop_grace_s=1,
+                        reap_timeout_s=3, gpu_release_timeout_s=kw.get("gpu_timeout", 3))
+
+
+async def spawn_running(cfg: EngineConfig) -> eng.EngineProcess:
+    spec = eng.build_spawn_spec(cfg, {"PATH": "/usr/bin:/bin"})
+    e = await eng.spawn_engine(spec, 1, 0.0)
+    exited: asyncio.Future[int] = asyncio.ensure_future(e.proc.wait())
+    assert await eng.wait_healthy(f"http://127.0.0.1:{cfg.port}/health", 0.05, 20, exited)
+    e.known = await asyncio.to_thread(proctree.snapshot_tree, e.pid)
+    return e
+
+
+def test_take_down_waits_until_the_gpu_is_released():
+    async def run() -> tuple[eng.TakeDown, ScriptedGpu, list[int]]:
+        cfg = engine_config("--child")
+        e = await spawn_running(cfg)
+        pids = [p.pid for p in e.known]
+        gpu = ScriptedGpu({pids[-1]: 6 << 30, 999_999: 1 << 30}, polls=3)
+        r = await eng.take_down(e, cfg, graceful=True, force=asyncio.Event(), gpu=gpu)
+        return r, gpu, pids
+
+    r, gpu, pids = asyncio.run(run())
+    assert r.gpu_holders == {} and gpu.calls == 4  # polled until the old tree left the GPU
+    assert r.survivors == [] and alive(pids) == []
+    assert r.exit_code == 0 and not r.sigkilled
+
+
+def test_take_down_reports_gpu_memory_that_is_never_released():
+    async def run() -> tuple[eng.TakeDown, int]:
+        cfg = engine_config(gpu_timeout=0.5)
+        e = await spawn_running(cfg)
+        gpu = ScriptedGpu({e.pid: 24 << 30}, polls=10**6)
+        return await eng.take_down(e, cfg, graceful=False, force=asyncio.Event(),
+                                   gpu=gpu), e.pid
+
+    r, pid = asyncio.run(run())
+    assert r.gpu_holders == {pid: 24 << 30}  # only pids of the old tree; foreign ones are not ours
+    assert r.sigkilled
+
+
+def test_force_skips_the_drain_of_an_engine_ignoring_sigterm():
+    async def run() -> tuple[eng.TakeDown, float]:
+        cfg = EngineConfig(command=[sys.executable, str(FAKE_ENGINE), "--ignore-sigterm"],
+                           port=free_port(), cwd=str(Path.cwd()), drain_timeout_s=60,
+                           stop_grace_s=60, reap_timeout_s=3)
+        e = await spawn_running(cfg)
+        force = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.3, force.set)
+        t0 = loop.time()
+        r = await eng.take_down(e, cfg, graceful=True, force=force, gpu=NoGpu())
+        return r, loop.time() - t0
+
+    r, took = asyncio.run(run())
+    assert r.sigkilled and r.exit_code == -9 and r.survivors == []
+    assert took < 30  # nowhere near the 120 s of drain + grace
