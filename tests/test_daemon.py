@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.control.client import recv_line
 from tests.harness import (
     ROOT,
     Daemon,
@@ -241,13 +242,7 @@ def test_control_socket_refuses_garbage_and_keeps_answering(daemon_factory, tmp_
             s.settimeout(10)
             s.connect(d.socket)
             s.sendall(payload)
-            buf = b""
-            while not buf.endswith(b"\n"):
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                buf += chunk
-        return json.loads(buf)
+            return json.loads(recv_line(s))
 
     assert "not JSON" in raw(b"\x00\xffgarbage\n")["error"]
     assert "unsupported protocol version" in raw(b'{"cmd": "status"}\n')["error"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from typing import Any
 
@@ -10,6 +11,19 @@ from supervisor.control import protocol
 
 class ControlClientError(Exception):
     """Could not talk to the daemon, or the daemon refused: one line for the operator."""
+
+
+def recv_line(s: socket.socket) -> bytes:
+    """One newline-terminated message (or what came before EOF)."""
+    buf = b""
+    while not buf.endswith(b"\n"):
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+        if len(buf) > protocol.MAX_MESSAGE_BYTES:
+            raise ControlClientError("reply from the daemon is too large")
+    return buf
 
 
 def call(path: str, cmd: str, args: dict[str, Any] | None = None,
@@ -29,18 +43,10 @@ def call(path: str, cmd: str, args: dict[str, Any] | None = None,
                 raise ControlClientError(f"permission denied on {path} (run as root, "
                                          "the daemon's user or a member of control.group)"
                                          ) from None
-            try:
+            # refused before our request was read? its reason is still there to be read
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 s.sendall(protocol.encode_request(cmd, args))
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # refused before our request was read: its reason is waiting to be read
-            buf = b""
-            while not buf.endswith(b"\n"):
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                buf += chunk
-                if len(buf) > protocol.MAX_MESSAGE_BYTES:
-                    raise ControlClientError("reply from the daemon is too large")
+            buf = recv_line(s)
     except TimeoutError:
         raise ControlClientError(f"{cmd}: no reply within {timeout_s:g} s") from None
     except OSError as exc:
