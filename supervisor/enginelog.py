@@ -4,7 +4,8 @@ vLLM prints lines such as
     (APIServer pid=4711) INFO 11-22 10:01:02 [api_server.py:1234] Starting vLLM API server
     (EngineCore_DP0 pid=4790) ERROR 11-22 10:01:09 [core.py:700] EngineCore failed to start.
     INFO 11-22 10:01:00 [__init__.py:216] Automatically detected platform cpu.
-and, from libraries and tracebacks, anything at all. This module is pure: text in,
+uvicorn's `INFO:     Started server process [4711]`, and, from libraries and tracebacks,
+anything at all. This module is pure: text in,
 fields out. Unrecognised lines keep their text and take the stream's default level.
 """
 
@@ -20,6 +21,8 @@ _LINE = re.compile(
     r"(?:\[(?P<where>[^\]]+)\]\s?)?"
     r"(?P<msg>.*)$"
 )
+# uvicorn's own format, on stderr: "INFO:     Started server process [2795]"
+_UVICORN = re.compile(r"^(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL):\s+(?P<msg>.*)$")
 _TAG_ONLY = re.compile(r"^\((?P<tag>[^\s()]+)(?: pid=(?P<pid>\d+))?\)\s?(?P<msg>.*)$")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -44,6 +47,9 @@ def parse_engine_line(raw: str, default_level: str = "info") -> EngineLine:
         return EngineLine(level=LEVELS[m.group("level")], message=m.group("msg"),
                           proc=m.group("tag"), proc_pid=int(pid) if pid else None,
                           where=m.group("where"))
+    m = _UVICORN.match(text)
+    if m:
+        return EngineLine(level=LEVELS[m.group("level")], message=m.group("msg"))
     m = _TAG_ONLY.match(text)
     if m:
         pid = m.group("pid")

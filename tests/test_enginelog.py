@@ -23,7 +23,9 @@ ACCESS = 'INFO:     127.0.0.1:48430 - "POST /v1/completions HTTP/1.1" 200 OK'
      "error", "EngineCore_DP0", 10, "core.py:700", "EngineCore failed to start."),
     ("INFO 11-22 10:01:00 [__init__.py:216] Automatically detected platform cpu.",
      "info", None, None, "__init__.py:216", "Automatically detected platform cpu."),
-    (ACCESS, "info", None, None, None, ACCESS),
+    (ACCESS, "info", None, None, None, '127.0.0.1:48430 - "POST /v1/completions HTTP/1.1" 200 OK'),
+    ("ERROR:    Exception in ASGI application", "error", None, None, None,
+     "Exception in ASGI application"),
 ])
 def test_vllm_lines(line, level, proc, pid, where, message):
     p = parse_engine_line(line + "\n")
