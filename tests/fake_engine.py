@@ -9,6 +9,8 @@ script a fault:
   --fail-boot           print an error and exit 1 at once
   --ignore-sigterm      ignore SIGTERM (only SIGKILL ends it)
   --child               fork a child in the same process group, like VLLM::EngineCore
+  --gpu-mib N           that child holds N MiB of GPU memory (torch, CUDA), as EngineCore
+                        does; the engine serves only once it is allocated
 Writes vLLM-shaped log lines, its pid (and the child's) to $FAKE_ENGINE_PIDFILE and its
 environment, as JSON, to $FAKE_ENGINE_ENVFILE.
 Stdlib only: it runs under any interpreter.
@@ -43,6 +45,7 @@ def main() -> None:
     p.add_argument("--fail-boot", action="store_true")
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--child", action="store_true")
+    p.add_argument("--gpu-mib", type=int, default=0)
     a = p.parse_args()
 
     log("INFO", f"fake engine starting, args {sys.argv[1:]}")
@@ -52,12 +55,21 @@ def main() -> None:
               file=sys.stderr, flush=True)
         sys.exit(1)
     child_pid = None
-    if a.child:
+    if a.child or a.gpu_mib:
+        ready_r, ready_w = os.pipe()
         child_pid = os.fork()
-        if child_pid == 0:  # the "engine core": sleeps until killed
+        if child_pid == 0:  # the "engine core": holds its memory, sleeps until killed
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            while True:
+            held = []  # referenced until the process dies, so the memory stays allocated
+            if a.gpu_mib:
+                import torch
+
+                held.append(torch.empty(a.gpu_mib << 20, dtype=torch.uint8, device="cuda"))
+                torch.cuda.synchronize()
+            os.write(ready_w, b"1")
+            while held is not None:
                 time.sleep(3600)
+        os.read(ready_r, 1)
     envfile = os.environ.get("FAKE_ENGINE_ENVFILE")
     if envfile:
         with open(envfile, "w") as f:
