@@ -32,7 +32,7 @@ import structlog
 from supervisor import engine as eng
 from supervisor import proctree
 from supervisor.audit import AuditTrail
-from supervisor.config import Config, ConfigError, diff_keys, load_config
+from supervisor.config import Config, ConfigError, EngineConfig, diff_keys, load_config
 from supervisor.control.server import ControlServer
 from supervisor.gpu import GpuProcessLister
 from supervisor.lifecycle import RestartTracker
@@ -214,6 +214,14 @@ class Supervisor:
                 event = await self.queue.get()
                 handler: Callable[[Any], None] = getattr(self, f"handle_{event.name}")
                 handler(event)
+        except BaseException:
+            # A bug in a handler: do not leave the engine running without its supervisor.
+            if self.engine is not None:
+                log.critical("daemon failing; killing the engine's process group",
+                             pid=self.engine.pid, exc_info=True)
+                proctree.kill_group(self.engine.pgid, self.engine.known)
+            self.exit_code = 70  # EX_SOFTWARE
+            raise
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
@@ -280,21 +288,23 @@ class Supervisor:
         self._force = asyncio.Event()
         self._set_state(State.STARTING, reason)
         self._decide("start", reason)
-        spec = eng.build_spawn_spec(self.config.engine, self.environ)
-        self._launch(self._job_spawn(self.generation, spec), "spawn")
-
-    async def _job_spawn(self, generation: int, spec: eng.SpawnSpec) -> None:
         cfg = self.config.engine
+        spec = eng.build_spawn_spec(cfg, self.environ)
+        self._launch(self._job_spawn(self.generation, spec, cfg), "spawn")
+
+    async def _job_spawn(self, generation: int, spec: eng.SpawnSpec,
+                         cfg: EngineConfig) -> None:
         leftovers: list[str] = []
         try:
             leftovers = await eng.clean_leftovers(self.state_file, cfg.reap_timeout_s)
             held = await asyncio.to_thread(proctree.port_holder, spec.host, spec.port)
             if held is not None:
                 raise RuntimeError(f"engine port refused: {held}")
-            engine = await eng.spawn_engine(spec, generation, self.clock.monotonic())
+            engine = await eng.spawn_engine(spec, generation, self.clock.monotonic(), cfg)
             await asyncio.to_thread(self.state_file.write, engine.pgid, engine.known)
-        except (OSError, RuntimeError) as exc:
-            self.queue.put_nowait(Spawned(generation, None, str(exc), tuple(leftovers)))
+        except Exception as exc:  # any failure here is a failed start, never a stuck one
+            error = str(exc) if isinstance(exc, OSError | RuntimeError) else repr(exc)
+            self.queue.put_nowait(Spawned(generation, None, error, tuple(leftovers)))
             return
         self.queue.put_nowait(Spawned(generation, engine, None, tuple(leftovers)))
 
@@ -316,7 +326,7 @@ class Supervisor:
         engine = ev.engine
         self.engine = engine
         self.guard.arm(engine.pgid)
-        log.info("engine spawned", pid=engine.pid, argv=self._argv_for_log())
+        log.info("engine spawned", pid=engine.pid, argv=engine.spec.argv)
         self._audit("spawn", pid=engine.pid, generation=engine.generation)
         assert engine.proc.stdout is not None and engine.proc.stderr is not None
         self._launch(eng.relay_output(engine, engine.proc.stdout, "stdout"), "relay stdout")
@@ -332,20 +342,24 @@ class Supervisor:
         exited: asyncio.Future[int] = asyncio.ensure_future(engine.proc.wait())
         exited.add_done_callback(
             lambda f: None if f.cancelled() else self.queue.put_nowait(Exited(gen, f.result())))
-        cfg = self.config.engine
+        cfg = engine.config
         url = f"http://{_url_host(cfg.host)}:{cfg.port}{cfg.health_path}"
         health = asyncio.ensure_future(
             eng.wait_healthy(url, cfg.health_interval_s, cfg.startup_timeout_s, exited))
+        # An error in the probe counts as "not healthy": STARTING must never outlive its bound.
         health.add_done_callback(
-            lambda f: None if f.cancelled() or f.exception() is not None
-            else self.queue.put_nowait(HealthResult(gen, f.result())))
+            lambda f: None if f.cancelled() else self.queue.put_nowait(
+                HealthResult(gen, f.exception() is None and f.result())))
         try:
             while not exited.done():
                 procs = await asyncio.to_thread(proctree.snapshot_tree, engine.pid)
                 if procs:
                     self.queue.put_nowait(TreeSeen(gen, tuple(procs)))
-                    await asyncio.to_thread(self.state_file.write, engine.pgid,
-                                            _merge(engine.known, procs))
+                    try:
+                        await asyncio.to_thread(self.state_file.write, engine.pgid,
+                                                _merge(engine.known, procs))
+                    except OSError as exc:
+                        log.warning("cannot write the state file", error=str(exc))
                 await asyncio.wait({exited}, timeout=2.0 if engine.healthy_at is None else 10.0)
         finally:
             health.cancel()
@@ -387,7 +401,7 @@ class Supervisor:
                 self._ready_sent = True
                 self.notifier.ready(f"RUNNING: engine pid {engine.pid} serving")
         elif engine.exit_code is None:
-            self._failure(f"engine not healthy within {self.config.engine.startup_timeout_s:g} s",
+            self._failure(f"engine not healthy within {engine.config.startup_timeout_s:g} s",
                           healthy_for=None)
 
     def _failure(self, reason: str, healthy_for: float | None) -> None:
@@ -452,7 +466,8 @@ class Supervisor:
     async def _job_take_down(self, engine: eng.EngineProcess, graceful: bool,
                              force: asyncio.Event) -> None:
         try:
-            result = await eng.take_down(engine, self.config.engine, graceful=graceful,
+            # the engine's own config: a reload since its start does not change its stop
+            result = await eng.take_down(engine, engine.config, graceful=graceful,
                                          force=force, gpu=self.gpu)
         except Exception as exc:  # reported as an event: the lifecycle must not hang
             self.queue.put_nowait(Down(engine.generation, None, f"take-down failed: {exc!r}"))
@@ -681,9 +696,6 @@ class Supervisor:
             "signals": {},
             "config": self.config.source,
         }
-
-    def _argv_for_log(self) -> list[str]:
-        return eng.build_spawn_spec(self.config.engine, {}).argv
 
 
 def _merge(known: list[proctree.ProcInfo],

@@ -80,10 +80,15 @@ def _child_setup() -> None:
 
 @dataclass
 class EngineProcess:
+    """One spawned engine. The supervisor's task owns it; the only exception is
+    `recent_errors`, which the output relay appends to."""
+
     generation: int
     proc: asyncio.subprocess.Process
     pid: int
     started_at: float  # monotonic
+    spec: SpawnSpec
+    config: EngineConfig  # the settings it was started with (a reload applies at next start)
     known: list[proctree.ProcInfo] = field(default_factory=list)
     healthy_at: float | None = None
     exit_code: int | None = None  # as asyncio reports it: negative = killed by that signal
@@ -105,13 +110,15 @@ class EngineProcess:
         return f"exited with code {code}"
 
 
-async def spawn_engine(spec: SpawnSpec, generation: int, now: float) -> EngineProcess:
+async def spawn_engine(spec: SpawnSpec, generation: int, now: float,
+                       cfg: EngineConfig) -> EngineProcess:
     """Start the engine in its own session. Raises OSError if it cannot be executed."""
     proc = await asyncio.create_subprocess_exec(
         *spec.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, env=spec.env, cwd=spec.cwd,
         start_new_session=True, preexec_fn=_child_setup, limit=_LINE_LIMIT)
-    engine = EngineProcess(generation=generation, proc=proc, pid=proc.pid, started_at=now)
+    engine = EngineProcess(generation=generation, proc=proc, pid=proc.pid, started_at=now,
+                           spec=spec, config=cfg)
     engine.known = [i for i in await asyncio.to_thread(proctree.snapshot_tree, proc.pid)]
     return engine
 

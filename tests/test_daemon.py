@@ -177,14 +177,13 @@ def test_leftovers_of_an_earlier_run_are_killed_before_start(daemon_factory, tmp
     first = daemon_factory(cfg, sub="first")
     first.wait_state("RUNNING", 20)
     pids = [int(x) for x in (tmp_path / "engine.pids").read_text().split()]
-    # SIGKILL the daemon *and* its guard, as an OOM kill of the whole unit would not:
-    # only the state file now knows the tree.
+    # SIGKILL the daemon *and* its guard: only the state file now knows the tree.
     guard = next(r for r in first.log_records() if r.get("event") == "daemon started")
-    os.kill(first.pid, signal.SIGKILL)
-    os.kill(guard["guard_pid"], signal.SIGKILL)
-    first.proc.wait(5)
-    assert alive(pids) != []  # pdeathsig SIGTERM is ignored by this engine
     try:
+        os.kill(guard["guard_pid"], signal.SIGKILL)
+        os.kill(first.pid, signal.SIGKILL)
+        first.proc.wait(5)
+        assert alive(pids) != []  # pdeathsig SIGTERM is ignored by this engine
         second = daemon_factory(cfg, sub="second")
         second.wait_state("RUNNING", 20)
         assert alive(pids) == []

@@ -34,7 +34,7 @@ def engine_config(*args: str, **kw: float) -> EngineConfig:
 
 async def spawn_running(cfg: EngineConfig) -> eng.EngineProcess:
     spec = eng.build_spawn_spec(cfg, {"PATH": "/usr/bin:/bin"})
-    e = await eng.spawn_engine(spec, 1, 0.0)
+    e = await eng.spawn_engine(spec, 1, 0.0, cfg)
     exited: asyncio.Future[int] = asyncio.ensure_future(e.proc.wait())
     assert await eng.wait_healthy(f"http://127.0.0.1:{cfg.port}/health", 0.05, 20, exited)
     e.known = await asyncio.to_thread(proctree.snapshot_tree, e.pid)
