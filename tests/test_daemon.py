@@ -55,14 +55,13 @@ def test_running_to_backoff_when_engine_exits_zero_unasked(daemon_factory, tmp_p
     assert exits and exits[0]["exit_code"] == 0 and exits[0]["asked"] is False
     assert any(e["event"] == "state" and e["from"] == "RUNNING" and e["to"] == "BACKOFF"
                for e in events)
-    # detection is immediate: the exit is logged within a fraction of a second
+    # Detection comes from the exit itself: nothing polls a RUNNING engine (health is
+    # probed only while STARTING), so the crash is the only way to BACKOFF here.
     recs = d.log_records()
-    crash = next(r for r in recs if r.get("event") == "engine core died (fake crash)")
-    backoff = next(r for r in recs if r.get("to") == "BACKOFF")
-    from datetime import datetime
-    gap = (datetime.fromisoformat(backoff["timestamp"])
-           - datetime.fromisoformat(crash["timestamp"])).total_seconds()
-    assert gap < 2.0
+    crash_at = next(i for i, r in enumerate(recs)
+                    if r.get("event") == "engine core died (fake crash)")
+    backoff_at = next(i for i, r in enumerate(recs) if r.get("to") == "BACKOFF")
+    assert crash_at < backoff_at
 
 
 def test_boot_failures_end_in_fatal_and_restart_leaves_it(daemon_factory, tmp_path):
@@ -146,10 +145,18 @@ def test_restart_drains_then_starts_a_new_engine(daemon_factory, tmp_path):
     assert ("RUNNING", "DRAINING") in states and ("DRAINING", "STARTING") in states
     exits = [e for e in d.events() if e["event"] == "exit"]
     assert exits[0]["asked"] is True
-    # a second restart while one is draining is refused with a reason
-    d.ctl("restart")
-    r2 = d.ctl("restart")
-    assert r2.returncode != 0 or "restarting" in r2.stdout
+
+
+def test_restart_while_draining_is_refused_with_a_reason(daemon_factory, tmp_path):
+    # an engine that ignores SIGTERM stays in DRAINING for drain + grace (10 s)
+    d = daemon_factory(fake_engine_config(tmp_path, "--ignore-sigterm",
+                                          engine={"drain_timeout_s": 5, "stop_grace_s": 5}))
+    d.wait_state("RUNNING", 20)
+    assert d.ctl("restart").returncode == 0
+    r = d.ctl("restart")
+    assert r.returncode == 1
+    assert r.stderr.strip() == "vllm-supervisorctl: a restart is already in progress"
+    d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] == 1)
 
 
 def test_port_taken_is_refused_naming_the_holder(daemon_factory, tmp_path):

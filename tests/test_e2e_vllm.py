@@ -121,7 +121,6 @@ def test_sigkill_of_engine_core_is_detected_and_the_engine_serves_again(served):
     }
     print("crash timings:", json.dumps(timings))
     (d.tmp / "crash-timings.json").write_text(json.dumps(timings))
-    assert timings["daemon_action_after_exit_s"] < 1.0
     d.seen_pids = gone + [p.pid for p in tree(st["pid"])]  # type: ignore[attr-defined]
 
 

@@ -1,0 +1,122 @@
+"""vLLM's Prometheus `/metrics` page, parsed into a snapshot. Pure: text in, values out.
+
+Accepts the current metric names and their predecessors (`vllm:gpu_cache_usage_perc`
+for `vllm:kv_cache_usage_perc`, the `vllm:gpu_prefix_cache_hit_rate` gauge beside the
+prefix-cache counters). A series that is absent is unknown: its field is None, never 0
+(`--disable-log-stats` removes every `vllm:*` series). With several engines (data
+parallel), counts and counters are summed and the KV usage is the worst engine's.
+Garbage raises `MetricsParseError`; the poller counts it and carries on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+class MetricsParseError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    kv_cache_usage: float | None = None  # 0..1
+    requests_running: float | None = None
+    requests_waiting: float | None = None
+    preemptions_total: float | None = None
+    prefix_cache_queries_total: float | None = None  # tokens
+    prefix_cache_hits_total: float | None = None  # tokens
+    prefix_cache_hit_rate_gauge: float | None = None  # releases before the counters
+    prompt_tokens_total: float | None = None
+    generation_tokens_total: float | None = None
+    spec_decode_draft_tokens_total: float | None = None
+    spec_decode_accepted_tokens_total: float | None = None
+    num_gpu_blocks: int | None = None  # from vllm:cache_config_info
+    block_size: int | None = None
+    # cumulative histogram of time to first token: upper bound (s) -> count, and count
+    ttft_buckets: tuple[tuple[float, float], ...] = field(default=())
+    ttft_count: float | None = None
+    engines: int = 0  # how many distinct `engine` labels carried vllm:* series
+
+    @property
+    def has_vllm_series(self) -> bool:
+        return self.engines > 0
+
+
+# snapshot field -> metric names that feed it, newest first
+_SUMMED = {
+    "requests_running": ("vllm:num_requests_running",),
+    "requests_waiting": ("vllm:num_requests_waiting",),
+    "preemptions_total": ("vllm:num_preemptions_total", "vllm:num_preemptions"),
+    "prefix_cache_queries_total": ("vllm:prefix_cache_queries_total",
+                                   "vllm:prefix_cache_queries"),
+    "prefix_cache_hits_total": ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits"),
+    "prompt_tokens_total": ("vllm:prompt_tokens_total", "vllm:prompt_tokens"),
+    "generation_tokens_total": ("vllm:generation_tokens_total", "vllm:generation_tokens"),
+    "spec_decode_draft_tokens_total": ("vllm:spec_decode_num_draft_tokens_total",
+                                       "vllm:spec_decode_num_draft_tokens"),
+    "spec_decode_accepted_tokens_total": ("vllm:spec_decode_num_accepted_tokens_total",
+                                          "vllm:spec_decode_num_accepted_tokens"),
+}
+_MAXED = {
+    "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "prefix_cache_hit_rate_gauge": ("vllm:gpu_prefix_cache_hit_rate",),
+}
+_TTFT = "vllm:time_to_first_token_seconds"
+
+
+def _samples(text: str) -> Iterable[tuple[str, dict[str, str], float]]:
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                yield s.name, s.labels, float(s.value)
+    except (ValueError, TypeError, IndexError, KeyError) as exc:
+        raise MetricsParseError(f"not a Prometheus text page: {exc}") from None
+
+
+def parse_metrics(text: str) -> Snapshot:
+    values: dict[str, dict[str, float]] = {}  # metric name -> engine label -> value
+    ttft: dict[float, float] = {}
+    ttft_count: float | None = None
+    engines: set[str] = set()
+    blocks: int | None = None
+    block_size: int | None = None
+    for name, labels, value in _samples(text):
+        if not name.startswith("vllm:"):
+            continue
+        engine = labels.get("engine", "0")
+        engines.add(engine)
+        if math.isnan(value):
+            continue
+        if name == f"{_TTFT}_bucket":
+            le = float(labels.get("le", "nan"))
+            ttft[le] = ttft.get(le, 0.0) + value
+        elif name == f"{_TTFT}_count":
+            ttft_count = (ttft_count or 0.0) + value
+        elif name == "vllm:cache_config_info":
+            blocks = _int_label(labels, "num_gpu_blocks_override") or _int_label(
+                labels, "num_gpu_blocks")
+            block_size = _int_label(labels, "block_size")
+        else:
+            # counters come as `x_total` from prometheus_client's parser whatever the
+            # page's own spelling, so both spellings above are tried
+            values.setdefault(name, {})[engine] = value
+
+    fields: dict[str, float | None] = {}
+    for key, names in _SUMMED.items():
+        fields[key] = next((sum(values[n].values()) for n in names if n in values), None)
+    for key, names in _MAXED.items():
+        fields[key] = next((max(values[n].values()) for n in names if n in values), None)
+    return Snapshot(**fields, num_gpu_blocks=blocks, block_size=block_size,
+                    ttft_buckets=tuple(sorted(ttft.items())), ttft_count=ttft_count,
+                    engines=len(engines))
+
+
+def _int_label(labels: dict[str, str], key: str) -> int | None:
+    raw = labels.get(key)
+    if raw is None or not raw.isdigit():
+        return None
+    return int(raw)

@@ -1,0 +1,83 @@
+"""parse_metrics on real scrapes (vLLM 0.32 CPU, 0.26 H100), old names, and garbage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from supervisor.metrics import MetricsParseError, Snapshot, parse_metrics
+
+FIX = Path(__file__).parent / "fixtures"
+
+
+def scrape(name: str) -> Snapshot:
+    return parse_metrics((FIX / name).read_text())
+
+
+def test_cpu_idle():
+    s = scrape("vllm-0.32-cpu-metrics/idle.txt")
+    assert (s.kv_cache_usage, s.requests_running, s.requests_waiting) == (0.0, 0.0, 0.0)
+    assert (s.num_gpu_blocks, s.block_size) == (8, 128)  # --num-gpu-blocks-override 8
+    assert s.engines == 1 and s.has_vllm_series
+
+
+def test_cpu_kv_saturated():
+    s = scrape("vllm-0.32-cpu-metrics/kv-saturated.txt")
+    assert s.kv_cache_usage == 1.0
+    assert (s.requests_running, s.requests_waiting, s.preemptions_total) == (4.0, 15.0, 9.0)
+    assert (s.prefix_cache_queries_total, s.prefix_cache_hits_total) == (180.0, 0.0)
+    assert s.ttft_count == 10.0 and s.ttft_buckets[-1] == (float("inf"), 10.0)
+    assert all(a[1] <= b[1] for a, b in zip(s.ttft_buckets, s.ttft_buckets[1:], strict=False))
+
+
+def test_cpu_after_load_counters_moved():
+    idle = scrape("vllm-0.32-cpu-metrics/idle.txt")
+    after = scrape("vllm-0.32-cpu-metrics/after-load.txt")
+    assert after.preemptions_total == 45.0 and after.generation_tokens_total == 9600.0
+    assert after.generation_tokens_total > (idle.generation_tokens_total or 0)
+
+
+def test_h100_scrape_of_vllm_026():
+    s = scrape("vllm-0.26-h100-metrics/idle.txt")
+    assert (s.num_gpu_blocks, s.block_size) == (3077454, 16)
+    assert s.kv_cache_usage == 0.0 and s.prefix_cache_queries_total == 4.0
+
+
+def test_old_metric_names_are_accepted():
+    page = """# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="m"} 0.75
+# TYPE vllm:gpu_prefix_cache_hit_rate gauge
+vllm:gpu_prefix_cache_hit_rate{model_name="m"} 0.4
+"""
+    s = parse_metrics(page)
+    assert s.kv_cache_usage == 0.75 and s.prefix_cache_hit_rate_gauge == 0.4
+    assert s.prefix_cache_queries_total is None  # absent is unknown, not zero
+
+
+def test_no_vllm_series_means_unknown_not_zero():
+    s = parse_metrics("# TYPE process_open_fds gauge\nprocess_open_fds 12\n")
+    assert not s.has_vllm_series
+    assert s.kv_cache_usage is None and s.requests_waiting is None and s.ttft_count is None
+
+
+def test_several_engines_sum_counts_and_take_the_worst_usage():
+    page = """# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0"} 0.2
+vllm:kv_cache_usage_perc{engine="1"} 0.9
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0"} 3
+vllm:num_requests_waiting{engine="1"} 4
+"""
+    s = parse_metrics(page)
+    assert s.kv_cache_usage == 0.9 and s.requests_waiting == 7 and s.engines == 2
+
+
+@pytest.mark.parametrize("garbage", [
+    "vllm:kv_cache_usage_perc{engine=\"0\" 1.0\n",
+    "<html><body>502 Bad Gateway</body></html>",
+    "vllm:kv_cache_usage_perc{engine=\"0\"} not-a-number\n",
+])
+def test_garbage_raises_a_parse_error(garbage):
+    with pytest.raises(MetricsParseError):
+        parse_metrics(garbage)
