@@ -367,6 +367,7 @@ class Supervisor:
     def handle_tree_seen(self, ev: TreeSeen) -> None:
         if self.engine is not None and self.engine.generation == ev.generation:
             self.engine.known = _merge(self.engine.known, list(ev.procs))
+            self.engine.live_processes = len(ev.procs)
 
     def handle_exited(self, ev: Exited) -> None:
         engine = self.engine
@@ -691,7 +692,7 @@ class Supervisor:
             "fatal_reason": self.fatal_reason if self.state is State.FATAL else None,
             "last_engine_errors": self.fatal_errors if self.state is State.FATAL else [],
             "engine": {"host": self.config.engine.host, "port": self.config.engine.port,
-                       "processes": len(e.known) if e is not None else 0},
+                       "processes": e.live_processes if e is not None else 0},
             # Latest signal values; the watchdog fills these in.
             "signals": {},
             "config": self.config.source,

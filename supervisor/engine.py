@@ -89,7 +89,9 @@ class EngineProcess:
     started_at: float  # monotonic
     spec: SpawnSpec
     config: EngineConfig  # the settings it was started with (a reload applies at next start)
+    # every process ever seen in its tree (to prove them all gone), and how many live now
     known: list[proctree.ProcInfo] = field(default_factory=list)
+    live_processes: int = 1
     healthy_at: float | None = None
     exit_code: int | None = None  # as asyncio reports it: negative = killed by that signal
     recent_errors: deque[str] = field(default_factory=lambda: deque(maxlen=20))
