@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -375,9 +376,10 @@ class Supervisor:
             return
         engine.exit_code = ev.code
         self.last_exit = engine.describe_exit()
-        exit_fields = ({"signal": signal.Signals(-ev.code).name} if ev.code < 0
-                       and -ev.code in signal.Signals._value2member_map_
-                       else {"exit_code": ev.code})
+        exit_fields: dict[str, Any] = {"exit_code": ev.code}
+        if ev.code < 0:
+            with contextlib.suppress(ValueError):
+                exit_fields = {"signal": signal.Signals(-ev.code).name}
         asked = self._taking_down or self.state not in (State.STARTING, State.RUNNING)
         log.info("engine exited", pid=engine.pid, asked=asked, **exit_fields)
         self._audit("exit", pid=engine.pid, asked=asked, **exit_fields)

@@ -129,7 +129,7 @@ def test_status_and_events_show_what_happened(served):
     st = json.loads(d.ctl("status", "--json").stdout)
     assert st["state"] == "RUNNING" and st["restarts"] == 1
     assert st["last_decision"]["action"] == "start"
-    assert "unasked" in st["last_exit"] or st["last_exit"].startswith(("exited", "killed"))
+    assert st["last_exit"].startswith(("exited with code", "killed by"))
     r = d.ctl("events", "--json", "-n", "100")
     assert r.returncode == 0
     events = [json.loads(line) for line in r.stdout.splitlines()]
