@@ -86,6 +86,15 @@ class RestartConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    # scrape the engine's Prometheus page while it runs (signals in status; the watchdog's input)
+    enabled: bool = _field(True)
+    path: str = _field("/metrics", nonempty=True)
+    period_s: float = _field(2.0, lo=0.1, hi=3600)
+    timeout_s: float = _field(2.0, lo=0.1, hi=60)
+
+
+@dataclasses.dataclass(frozen=True)
 class ControlConfig:
     socket: str = _field("")
     # members of this group may use the socket besides root and the daemon's own user
@@ -116,6 +125,7 @@ class DaemonConfig:
 class Config:
     engine: EngineConfig
     restart: RestartConfig = _field(RestartConfig())
+    metrics: MetricsConfig = _field(MetricsConfig())
     control: ControlConfig = _field(ControlConfig())
     audit: AuditConfig = _field(AuditConfig())
     log: LogConfig = _field(LogConfig())
@@ -130,6 +140,7 @@ class Config:
 _SECTIONS: dict[str, type[Any]] = {
     "engine": EngineConfig,
     "restart": RestartConfig,
+    "metrics": MetricsConfig,
     "control": ControlConfig,
     "audit": AuditConfig,
     "log": LogConfig,
@@ -275,6 +286,7 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
         engine=dataclasses.replace(engine, command=command,
                                    cwd=_resolve(base, engine.cwd or ".")),
         restart=restart,
+        metrics=sections["metrics"],
         control=dataclasses.replace(
             control, socket=_resolve(base, control.socket or
                                      str(Path(runtime_dir) / "control.sock"))),

@@ -28,16 +28,26 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
+import httpx
 import structlog
 
 from supervisor import engine as eng
 from supervisor import proctree
 from supervisor.audit import AuditTrail
-from supervisor.config import Config, ConfigError, EngineConfig, diff_keys, load_config
+from supervisor.config import (
+    Config,
+    ConfigError,
+    EngineConfig,
+    MetricsConfig,
+    diff_keys,
+    load_config,
+)
 from supervisor.control.server import ControlServer
 from supervisor.gpu import GpuProcessLister
 from supervisor.lifecycle import RestartTracker
 from supervisor.logs import set_level
+from supervisor.metrics import Snapshot
+from supervisor.poller import ScrapeHealth, scrape
 from supervisor.sdnotify import Notifier
 from supervisor.states import State, check_transition
 
@@ -74,6 +84,14 @@ class HealthResult(Event):
     name = "health_result"
     generation: int
     healthy: bool
+
+
+@dataclass(frozen=True)
+class MetricsSampled(Event):
+    name = "metrics_sampled"
+    generation: int
+    snapshot: Snapshot | None
+    error: str | None
 
 
 @dataclass(frozen=True)
@@ -176,6 +194,7 @@ class Supervisor:
         self.engine: eng.EngineProcess | None = None
         self.generation = 0
         self.fatal_errors: list[str] = []
+        self.scrapes = ScrapeHealth()
         self.last_decision: Decision | None = None
         self.last_exit: str | None = None
         self.fatal_reason: str | None = None
@@ -285,6 +304,7 @@ class Supervisor:
     def _start_engine(self, reason: str) -> None:
         assert self.engine is None and not self._spawning
         self.generation += 1
+        self.scrapes.reset()
         self._spawning = True
         self._force = asyncio.Event()
         self._set_state(State.STARTING, reason)
@@ -365,6 +385,45 @@ class Supervisor:
         finally:
             health.cancel()
 
+    async def _job_poll(self, engine: eng.EngineProcess, cfg: MetricsConfig) -> None:
+        """Scrape the engine's /metrics every period for as long as this engine lives."""
+        ecfg = engine.config
+        url = f"http://{_url_host(ecfg.host)}:{ecfg.port}{cfg.path}"
+        async with httpx.AsyncClient() as client:
+            while engine.proc.returncode is None:
+                snap, error = await scrape(client, url, cfg.timeout_s)
+                if engine.proc.returncode is not None:
+                    return  # a failed scrape of an engine that is gone says nothing new
+                self.queue.put_nowait(MetricsSampled(engine.generation, snap, error))
+                await asyncio.sleep(cfg.period_s)
+
+    def handle_metrics_sampled(self, ev: MetricsSampled) -> None:
+        if self.engine is None or self.engine.generation != ev.generation:
+            return
+        if ev.snapshot is None:
+            if self.scrapes.failed():  # logged once per streak, counted always
+                log.warning("metrics scrape failed", error=ev.error, pid=self.engine.pid)
+            return
+        ended = self.scrapes.succeeded(ev.snapshot, self.clock.monotonic())
+        if ended:
+            log.info("metrics scrape recovered", failed_scrapes=ended, pid=self.engine.pid)
+
+    def _signals(self, now: float) -> dict[str, Any]:
+        """The latest values the daemon has observed, under the names the watchdog uses.
+        None means unknown (no scrape yet, or the engine does not export the series)."""
+        snap = self.scrapes.last
+        at = self.scrapes.last_at
+        return {
+            "kv_cache_usage": snap.kv_cache_usage if snap else None,
+            "requests_running": snap.requests_running if snap else None,
+            "requests_waiting": snap.requests_waiting if snap else None,
+            "preemptions_total": snap.preemptions_total if snap else None,
+            "generation_tokens_total": snap.generation_tokens_total if snap else None,
+            "metrics_age_s": round(now - at, 3) if at is not None else None,
+            "metrics_staleness_s": round(self.scrapes.staleness_s(now), 3),
+            "scrape_failures_total": self.scrapes.failures_total,
+        }
+
     def handle_tree_seen(self, ev: TreeSeen) -> None:
         if self.engine is not None and self.engine.generation == ev.generation:
             self.engine.known = _merge(self.engine.known, list(ev.procs))
@@ -403,6 +462,8 @@ class Supervisor:
             if not self._ready_sent:
                 self._ready_sent = True
                 self.notifier.ready(f"RUNNING: engine pid {engine.pid} serving")
+            if self.config.metrics.enabled:
+                self._launch(self._job_poll(engine, self.config.metrics), "poll metrics")
         elif engine.exit_code is None:
             self._failure(f"engine not healthy within {engine.config.startup_timeout_s:g} s",
                           healthy_for=None)
@@ -695,8 +756,7 @@ class Supervisor:
             "last_engine_errors": self.fatal_errors if self.state is State.FATAL else [],
             "engine": {"host": self.config.engine.host, "port": self.config.engine.port,
                        "processes": e.live_processes if e is not None else 0},
-            # Latest signal values; the watchdog fills these in.
-            "signals": {},
+            "signals": self._signals(now),
             "config": self.config.source,
         }
 

@@ -9,6 +9,7 @@ script a fault:
   --fail-boot           print an error and exit 1 at once
   --ignore-sigterm      ignore SIGTERM (only SIGKILL ends it)
   --child               fork a child in the same process group, like VLLM::EngineCore
+  --metrics-file PATH   serve /metrics from this file, read afresh on every request
   --gpu-mib N           that child holds N MiB of GPU memory (torch, CUDA), as EngineCore
                         does; the engine serves only once it is allocated
 Writes vLLM-shaped log lines, its pid (and the child's) to $FAKE_ENGINE_PIDFILE and its
@@ -46,6 +47,7 @@ def main() -> None:
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--child", action="store_true")
     p.add_argument("--gpu-mib", type=int, default=0)
+    p.add_argument("--metrics-file", default=None)
     a = p.parse_args()
 
     log("INFO", f"fake engine starting, args {sys.argv[1:]}")
@@ -91,6 +93,11 @@ def main() -> None:
         def do_GET(self) -> None:
             code = 503 if a.never_healthy else 200
             body = b"{}" if self.path == "/health" else b'{"fake": true}'
+            if self.path == "/metrics":
+                body = b"# fake engine: no metrics\n"
+                if a.metrics_file:
+                    with open(a.metrics_file, "rb") as f:
+                        body = f.read()
             self.send_response(code)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()

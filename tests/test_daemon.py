@@ -291,3 +291,27 @@ def _connects(port: int) -> bool:
 
 Daemon.events_from_file = lambda self: [  # type: ignore[attr-defined]
     json.loads(line) for line in (self.tmp / "events.jsonl").read_text().splitlines()]
+
+
+def test_status_shows_scraped_signals_and_survives_a_garbled_metrics_page(daemon_factory,
+                                                                          tmp_path):
+    page = tmp_path / "metrics.txt"
+    saturated = (ROOT / "tests" / "fixtures" / "vllm-0.32-cpu-metrics" / "kv-saturated.txt")
+    page.write_text(saturated.read_text())
+    d = daemon_factory(fake_engine_config(tmp_path, "--metrics-file", str(page),
+                                          metrics={"period_s": 0.1}))
+    d.wait_state("RUNNING", 20)
+    sig = wait_for(lambda: (s := d.status()["signals"])["kv_cache_usage"] is not None and s,
+                   10, "a first scrape")
+    assert (sig["kv_cache_usage"], sig["requests_waiting"], sig["requests_running"]) == (
+        1.0, 15.0, 4.0)
+    # the same page over and over while 4 requests run: the metrics are frozen
+    wait_for(lambda: d.status()["signals"]["metrics_staleness_s"] > 0.5, 10, "staleness")
+    page.write_text("<html>502 Bad Gateway</html>")
+    wait_for(lambda: d.status()["signals"]["scrape_failures_total"] >= 5, 10, "5 failures")
+    assert d.status()["state"] == "RUNNING"
+    page.write_text(saturated.read_text())
+    wait_for(lambda: any(r.get("event") == "metrics scrape recovered"
+                         for r in d.log_records()), 10, "recovery")
+    failed = [r for r in d.log_records() if r.get("event") == "metrics scrape failed"]
+    assert len(failed) == 1 and "not a Prometheus text page" in failed[0]["error"]

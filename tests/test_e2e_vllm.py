@@ -90,6 +90,11 @@ def test_daemon_starts_the_engine_and_a_completion_is_served(served):
     assert all(os.getpgid(p.pid) == st["pid"] for p in procs)  # its own process group
     assert st["engine"]["processes"] >= 3
     d.seen_pids = [p.pid for p in procs]  # type: ignore[attr-defined]
+    # the engine's /metrics are scraped into status: the completion's tokens show up
+    sig = wait_for(lambda: (s := d.status()["signals"])["generation_tokens_total"] and s,
+                   30, "a scrape that counts the completion's tokens")
+    assert sig["generation_tokens_total"] >= 8 and sig["kv_cache_usage"] is not None
+    assert sig["requests_waiting"] == 0
     # engine lines are relayed as structured events with vLLM's process tag kept
     recs = d.log_records()
     assert any(r.get("source") == "engine" and r.get("proc") == "APIServer" for r in recs)
