@@ -67,7 +67,6 @@ class ControlServer:
         self._server: asyncio.AbstractServer | None = None
         self._allowed_gid: int | None = None
         self._conns: set[asyncio.Task[None]] = set()
-        self.refused = 0
 
     async def start(self) -> None:
         if self.group:
@@ -170,7 +169,6 @@ class ControlServer:
 
     async def _refuse(self, writer: asyncio.StreamWriter, message: str, *, pid: int,
                       uid: int) -> None:
-        self.refused += 1
         log.warning("control request refused", error=message, peer_pid=pid, peer_uid=uid)
         writer.write(protocol.encode_error(message))
         with contextlib.suppress(ConnectionError):
