@@ -99,6 +99,9 @@ class TreeSeen(Event):
     name = "tree_seen"
     generation: int
     procs: tuple[proctree.ProcInfo, ...]
+    at: float  # monotonic
+    rss_bytes: int
+    cpu_s: float  # CPU seconds used so far by the live processes
 
 
 @dataclass(frozen=True)
@@ -375,7 +378,9 @@ class Supervisor:
             while not exited.done():
                 procs = await asyncio.to_thread(proctree.snapshot_tree, engine.pid)
                 if procs:
-                    self.queue.put_nowait(TreeSeen(gen, tuple(procs)))
+                    rss, cpu = await asyncio.to_thread(proctree.tree_usage, procs)
+                    self.queue.put_nowait(TreeSeen(gen, tuple(procs), self.clock.monotonic(),
+                                                   rss, cpu))
                     try:
                         await asyncio.to_thread(self.state_file.write, engine.pgid,
                                                 _merge(engine.known, procs))
@@ -422,12 +427,21 @@ class Supervisor:
             "metrics_age_s": round(now - at, 3) if at is not None else None,
             "metrics_staleness_s": round(self.scrapes.staleness_s(now), 3),
             "scrape_failures_total": self.scrapes.failures_total,
+            "engine_rss_bytes": self.engine.rss_bytes if self.engine else None,
+            "engine_cpu_percent": self.engine.cpu_percent if self.engine else None,
         }
 
     def handle_tree_seen(self, ev: TreeSeen) -> None:
         if self.engine is not None and self.engine.generation == ev.generation:
-            self.engine.known = _merge(self.engine.known, list(ev.procs))
-            self.engine.live_processes = len(ev.procs)
+            e = self.engine
+            e.known = _merge(e.known, list(ev.procs))
+            e.live_processes = len(ev.procs)
+            e.rss_bytes = ev.rss_bytes
+            if e.cpu_seen is not None and ev.at > e.cpu_seen[0]:
+                # a process that exited takes its CPU seconds with it: never below zero
+                used = max(0.0, ev.cpu_s - e.cpu_seen[1])
+                e.cpu_percent = round(100 * used / (ev.at - e.cpu_seen[0]), 2)
+            e.cpu_seen = (ev.at, ev.cpu_s)
 
     def handle_exited(self, ev: Exited) -> None:
         engine = self.engine

@@ -92,6 +92,9 @@ class EngineProcess:
     # every process ever seen in its tree (to prove them all gone), and how many live now
     known: list[proctree.ProcInfo] = field(default_factory=list)
     live_processes: int = 1
+    rss_bytes: int | None = None  # resident memory of the live tree, at the last look
+    cpu_percent: float | None = None  # of one core, between the last two looks
+    cpu_seen: tuple[float, float] | None = None  # (monotonic time, CPU seconds) last look
     healthy_at: float | None = None
     exit_code: int | None = None  # as asyncio reports it: negative = killed by that signal
     recent_errors: deque[str] = field(default_factory=lambda: deque(maxlen=20))

@@ -53,6 +53,23 @@ def snapshot_tree(root_pid: int) -> list[ProcInfo]:
     return [i for i in map(_info, procs) if i is not None]
 
 
+def tree_usage(procs: list[ProcInfo]) -> tuple[int, float]:
+    """(resident bytes, CPU seconds used so far) summed over the live processes given."""
+    rss, cpu = 0, 0.0
+    for info in procs:
+        try:
+            p = psutil.Process(info.pid)
+            with p.oneshot():
+                if abs(p.create_time() - info.create_time) >= 0.01:
+                    continue  # a recycled pid: not ours
+                rss += p.memory_info().rss
+                t = p.cpu_times()
+                cpu += t.user + t.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return rss, cpu
+
+
 def group_members(pgid: int) -> list[ProcInfo]:
     """Every live (non-zombie) process whose process group is pgid."""
     out = []

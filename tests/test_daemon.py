@@ -40,6 +40,10 @@ def test_starting_to_running_when_health_answers(daemon_factory, tmp_path):
     for key in ("state", "pid", "restarts", "uptime_s", "throttle_level", "last_decision",
                 "signals"):
         assert key in as_json
+    # psutil's view of the engine tree: memory at once, CPU from the second look on
+    sig = wait_for(lambda: (s := d.status()["signals"])["engine_cpu_percent"] is not None
+                   and s, 15, "two looks at the engine tree")
+    assert sig["engine_rss_bytes"] > 1 << 20 and sig["engine_cpu_percent"] >= 0
 
 
 def test_running_to_backoff_when_engine_exits_zero_unasked(daemon_factory, tmp_path):

@@ -95,6 +95,7 @@ def test_daemon_starts_the_engine_and_a_completion_is_served(served):
                    30, "a scrape that counts the completion's tokens")
     assert sig["generation_tokens_total"] >= 8 and sig["kv_cache_usage"] is not None
     assert sig["requests_waiting"] == 0
+    assert sig["engine_rss_bytes"] > 200 << 20  # API server, engine core and worker
     # engine lines are relayed as structured events with vLLM's process tag kept
     recs = d.log_records()
     assert any(r.get("source") == "engine" and r.get("proc") == "APIServer" for r in recs)
