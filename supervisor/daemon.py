@@ -353,8 +353,9 @@ class Supervisor:
         log.info("engine spawned", pid=engine.pid, argv=engine.spec.argv)
         self._audit("spawn", pid=engine.pid, generation=engine.generation)
         assert engine.proc.stdout is not None and engine.proc.stderr is not None
-        self._launch(eng.relay_output(engine, engine.proc.stdout, "stdout"), "relay stdout")
-        self._launch(eng.relay_output(engine, engine.proc.stderr, "stderr"), "relay stderr")
+        engine.relays = [
+            self._launch(eng.relay_output(engine, engine.proc.stdout, "stdout"), "relay stdout"),
+            self._launch(eng.relay_output(engine, engine.proc.stderr, "stderr"), "relay stderr")]
         self._launch(self._job_watch(engine), "watch engine")
         if self.state in (State.STOPPING, State.DRAINING):
             self._take_down(graceful=True)  # a stop or restart came while it was spawning
@@ -498,8 +499,10 @@ class Supervisor:
         elif self.state is State.BACKOFF:
             self._arm_backoff()
 
-    def _give_up(self, reason: str) -> None:
-        errors = list(self.engine.recent_errors) if self.engine else []
+    def _give_up(self, reason: str, engine: eng.EngineProcess | None = None) -> None:
+        """FATAL, with the last error lines of `engine` (default: the current one)."""
+        engine = engine or self.engine
+        errors = list(engine.recent_errors) if engine else []
         self.fatal_reason = reason
         self._set_state(State.FATAL, reason)
         self._decide("give_up", reason)
@@ -547,6 +550,10 @@ class Supervisor:
             # the engine's own config: a reload since its start does not change its stop
             result = await eng.take_down(engine, engine.config, graceful=graceful,
                                          force=force, gpu=self.gpu)
+            # With the tree gone the pipes close: let the relays log the engine's last
+            # words (a boot failure's traceback) before anyone reads them.
+            if engine.relays:
+                await asyncio.wait(engine.relays, timeout=2.0)
         except Exception as exc:  # reported as an event: the lifecycle must not hang
             self.queue.put_nowait(Down(engine.generation, None, f"take-down failed: {exc!r}"))
             raise
@@ -577,6 +584,8 @@ class Supervisor:
                 fields["port"] = r.port_problem
             log.info("engine tree reaped", **fields, problem=problem)
             self._audit("reaped", **fields, problem=problem)
+        if self.state is State.FATAL:
+            self.fatal_errors = list(engine.recent_errors)[-10:]  # now complete
         if problem is None:
             self.state_file.remove()
             self.guard.disarm()
@@ -588,7 +597,7 @@ class Supervisor:
                 self.exit_code = 1
             self._finish_stop()
         elif problem is not None and self.state is not State.FATAL:
-            self._give_up(problem)
+            self._give_up(problem, engine)
         elif self.state is State.DRAINING:
             self._start_engine(self._restart_reason)
         elif self.state is State.BACKOFF:

@@ -98,6 +98,7 @@ class EngineProcess:
     healthy_at: float | None = None
     exit_code: int | None = None  # as asyncio reports it: negative = killed by that signal
     recent_errors: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+    relays: list[asyncio.Task[None]] = field(default_factory=list)  # stdout, stderr readers
 
     @property
     def pgid(self) -> int:
