@@ -375,6 +375,7 @@ class Supervisor:
         health.add_done_callback(
             lambda f: None if f.cancelled() else self.queue.put_nowait(
                 HealthResult(gen, f.exception() is None and f.result())))
+        recorded = list(engine.known)  # what the state file holds (written at spawn)
         try:
             while not exited.done():
                 procs = await asyncio.to_thread(proctree.snapshot_tree, engine.pid)
@@ -382,11 +383,13 @@ class Supervisor:
                     rss, cpu = await asyncio.to_thread(proctree.tree_usage, procs)
                     self.queue.put_nowait(TreeSeen(gen, tuple(procs), self.clock.monotonic(),
                                                    rss, cpu))
-                    try:
-                        await asyncio.to_thread(self.state_file.write, engine.pgid,
-                                                _merge(engine.known, procs))
-                    except OSError as exc:
-                        log.warning("cannot write the state file", error=str(exc))
+                    merged = _merge(recorded, procs)
+                    if len(merged) > len(recorded):  # rewrite only when the tree grew
+                        try:
+                            await asyncio.to_thread(self.state_file.write, engine.pgid, merged)
+                            recorded = merged
+                        except OSError as exc:
+                            log.warning("cannot write the state file", error=str(exc))
                 await asyncio.wait({exited}, timeout=2.0 if engine.healthy_at is None else 10.0)
         finally:
             health.cancel()

@@ -263,17 +263,17 @@ class Guard:
         self._send("0")
 
     def _send(self, line: str) -> None:
-        proc = self._ensure()
-        assert proc.stdin is not None
-        try:
-            proc.stdin.write(line.encode() + b"\n")
-            proc.stdin.flush()
-        except BrokenPipeError:
-            self._proc = None
+        for attempt in (1, 2):  # a guard that died is started again, once
             proc = self._ensure()
             assert proc.stdin is not None
-            proc.stdin.write(line.encode() + b"\n")
-            proc.stdin.flush()
+            try:
+                proc.stdin.write(line.encode() + b"\n")
+                proc.stdin.flush()
+                return
+            except BrokenPipeError:
+                self._proc = None
+                if attempt == 2:
+                    raise
 
     def close(self) -> None:
         """Disarm and let the guard exit (normal daemon exit: nothing to kill)."""
