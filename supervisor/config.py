@@ -17,6 +17,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from supervisor.conditions import parse_condition
+from supervisor.rules import ACTIONS, DEFAULT_RULES, RuleConfig
+from supervisor.signals import SIGNAL_NAMES, WindowConfig
+
 EX_CONFIG = 78  # sysexits.h: configuration error
 
 
@@ -122,6 +126,78 @@ class DaemonConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CanaryConfig:
+    # a tiny generation with a deadline: the one probe a frozen engine cannot pass
+    enabled: bool = _field(True)
+    period_s: float = _field(10.0, lo=0.5, hi=3600)
+    timeout_s: float = _field(5.0, lo=0.1, hi=600)
+    max_tokens: int = _field(1, lo=1, hi=16)
+    prompt: str = _field("Hello", nonempty=True)
+    # the model name to ask for; empty: the first one the engine's /v1/models lists
+    model: str = _field("")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuConfig:
+    # auto: NVML when a GPU is there, else off; file: scripted readings from `file`
+    sampler: str = _field("auto", choices=("auto", "nvml", "file", "off"))
+    file: str = _field("")
+    period_s: float = _field(5.0, lo=0.5, hi=600)
+    # used only when NVML does not report the card's own slowdown temperature
+    slowdown_fallback_c: float = _field(85.0, lo=30, hi=120)
+
+
+@dataclasses.dataclass(frozen=True)
+class SignalsConfig:
+    rate_window_s: float = _field(60.0, lo=2, hi=3600)
+    baseline_window_s: float = _field(3600.0, lo=60, hi=86400)
+    rss_growth_window_s: float = _field(1800.0, lo=60, hi=86400)
+    min_prefix_queries: float = _field(2048.0, lo=1, hi=1e12)  # tokens
+    min_spec_draft_tokens: float = _field(256.0, lo=1, hi=1e12)
+
+    def window(self, gpu: GpuConfig) -> WindowConfig:
+        return WindowConfig(self.rate_window_s, self.baseline_window_s,
+                            self.rss_growth_window_s, self.min_prefix_queries,
+                            self.min_spec_draft_tokens, gpu.slowdown_fallback_c,
+                            gpu_stale_s=max(30.0, gpu.period_s * 3))
+
+
+@dataclasses.dataclass(frozen=True)
+class ThrottleConfig:
+    # throttle level N relaunches the engine with its batch limits times factor N
+    level_factors: list[float] = _field([0.75, 0.5, 0.25])
+    # the engine's limits when engine.args does not set --max-num-seqs /
+    # --max-num-batched-tokens (vLLM's own defaults vary by version and hardware)
+    max_num_seqs: int = _field(256, lo=1, hi=1 << 20)
+    max_num_batched_tokens: int = _field(8192, lo=16, hi=1 << 24)
+    min_num_batched_tokens: int = _field(256, lo=16, hi=1 << 24)
+    # the thermal rule's last step: batched tokens times this, on top of the level
+    reduce_batch_factor: float = _field(0.5, lo=0.05, hi=0.95)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+    enabled: bool = _field(True)
+    # decisions are logged and audited, never carried out
+    dry_run: bool = _field(False)
+    # restarts the policy may cause in any hour; past it: alert and stop acting
+    max_restarts_per_hour: int = _field(4, lo=0, hi=1000)
+    min_action_gap_s: float = _field(60.0, lo=0, hi=86400)
+    # more_spec_tokens raises num_speculative_tokens up to this; 0: the engine's start value
+    spec_tokens_max: int = _field(0, lo=0, hi=64)
+    # [policy.rules.NAME] tables: merged key by key over the defaults (rules.py)
+    rules: dict[str, RuleConfig] = dataclasses.field(
+        default_factory=lambda: dict(DEFAULT_RULES), metadata={"table": True})
+
+
+@dataclasses.dataclass(frozen=True)
+class ExporterConfig:
+    # the daemon's own /metrics, /healthz and /readyz
+    enabled: bool = _field(True)
+    listen: str = _field("127.0.0.1:9402", nonempty=True)
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     engine: EngineConfig
     restart: RestartConfig = _field(RestartConfig())
@@ -130,6 +206,12 @@ class Config:
     audit: AuditConfig = _field(AuditConfig())
     log: LogConfig = _field(LogConfig())
     daemon: DaemonConfig = _field(DaemonConfig())
+    canary: CanaryConfig = _field(CanaryConfig())
+    gpu: GpuConfig = _field(GpuConfig())
+    signals: SignalsConfig = _field(SignalsConfig())
+    throttle: ThrottleConfig = _field(ThrottleConfig())
+    policy: PolicyConfig = _field(PolicyConfig())
+    exporter: ExporterConfig = _field(ExporterConfig())
     source: str = ""  # the file this came from; not a TOML key
 
     @property
@@ -145,6 +227,12 @@ _SECTIONS: dict[str, type[Any]] = {
     "audit": AuditConfig,
     "log": LogConfig,
     "daemon": DaemonConfig,
+    "canary": CanaryConfig,
+    "gpu": GpuConfig,
+    "signals": SignalsConfig,
+    "throttle": ThrottleConfig,
+    "policy": PolicyConfig,
+    "exporter": ExporterConfig,
 }
 
 
@@ -217,6 +305,11 @@ def _build_section(name: str, cls: type[Any], table: Any, problems: list[str]) -
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
+    for fname, f in list(fields.items()):
+        if f.metadata.get("table"):  # nested tables, built by their own rules
+            del fields[fname]
+            if fname in table:
+                kwargs[fname] = _build_rules(f"{name}.{fname}", table[fname], problems)
     for key in table:
         if key not in fields:
             known = ", ".join(sorted(fields))
@@ -232,6 +325,80 @@ def _build_section(name: str, cls: type[Any], table: Any, problems: list[str]) -
     if len(problems) > before:
         return None
     return cls(**kwargs)
+
+
+_RULE_NUMBERS = ("for_s", "clear_for_s", "cooldown_s", "escalate_after_s")
+
+
+def _build_rules(prefix: str, table: Any, problems: list[str]) -> dict[str, RuleConfig]:
+    """[policy.rules.NAME] tables over the defaults: a default rule takes the keys given
+    and keeps the others; a new rule needs `when` and `action`."""
+    rules = dict(DEFAULT_RULES)
+    if not isinstance(table, dict):
+        problems.append(f"{prefix}: expected tables [{prefix}.NAME], got {table!r}")
+        return rules
+    known = [f.name for f in dataclasses.fields(RuleConfig)]
+    for name, raw in table.items():
+        key = f"{prefix}.{name}"
+        if not isinstance(raw, dict):
+            problems.append(f"{key}: expected a table, got {raw!r}")
+            continue
+        values: dict[str, Any] = {}
+        base = DEFAULT_RULES.get(name)
+        for k, v in raw.items():
+            where = f"{key}.{k}"
+            if k not in known:
+                problems.append(f"{where}: unknown key (known keys: {', '.join(sorted(known))})")
+            elif k == "enabled":
+                if isinstance(v, bool):
+                    values[k] = v
+                else:
+                    problems.append(f"{where}: expected true or false, got {v!r}")
+            elif k in _RULE_NUMBERS:
+                if isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v <= 604800:
+                    values[k] = float(v)
+                else:
+                    problems.append(f"{where}: expected a number of seconds from 0 to 604800, "
+                                    f"got {v!r}")
+            elif k in ("when", "clear_when"):
+                if not isinstance(v, str) or (k == "when" and not v.strip()):
+                    problems.append(f"{where}: expected a condition string, got {v!r}")
+                elif v.strip():
+                    try:
+                        parse_condition(v, SIGNAL_NAMES)
+                        values[k] = v
+                    except ValueError as exc:
+                        problems.append(f"{where}: {exc}")
+                else:
+                    values[k] = ""
+            elif k in ("action", "escalate_action"):
+                allowed = ACTIONS if k == "action" else ("", *ACTIONS)
+                if v in allowed:
+                    values[k] = v
+                else:
+                    problems.append(f"{where}: expected one of {', '.join(ACTIONS)}, got {v!r}")
+        if base is None:
+            for req in ("when", "action"):
+                if req not in raw:
+                    problems.append(f"{key}.{req}: required for a new rule (the default rules "
+                                    f"are {', '.join(DEFAULT_RULES)})")
+            if "when" not in values or "action" not in values:
+                continue
+            rule = RuleConfig(**values)
+        else:
+            rule = dataclasses.replace(base, **values)
+        if rule.escalate_after_s and not rule.escalate_action:
+            problems.append(f"{key}.escalate_action: required when escalate_after_s is set")
+        rules[name] = rule
+    return rules
+
+
+def _check_listen(listen: str) -> str | None:
+    host, sep, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        return f"expected HOST:PORT (e.g. 127.0.0.1:9402 or [::1]:9402), got {listen!r}"
+    return None
 
 
 def _resolve(base: Path, path: str) -> str:
@@ -273,6 +440,17 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
     if restart.backoff_max_s < restart.backoff_initial_s:
         problems.append(f"restart.backoff_max_s: expected at least restart.backoff_initial_s "
                         f"({restart.backoff_initial_s:g}), got {restart.backoff_max_s:g}")
+    exporter: ExporterConfig = sections["exporter"]
+    if exporter.enabled and (bad := _check_listen(exporter.listen)):
+        problems.append(f"exporter.listen: {bad}")
+    gpu: GpuConfig = sections["gpu"]
+    if gpu.sampler == "file" and not gpu.file:
+        problems.append("gpu.file: required when gpu.sampler is \"file\"")
+    factors = sections["throttle"].level_factors
+    if not factors or any(not 0 < f < 1 for f in factors) or factors != sorted(
+            factors, reverse=True):
+        problems.append(f"throttle.level_factors: expected decreasing factors between 0 and 1 "
+                        f"(one per level), got {factors!r}")
     if problems:
         raise ConfigError(source, problems)
 
@@ -295,6 +473,12 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
                                  str(Path(_default_state_dir()) / "events.jsonl"))),
         log=sections["log"],
         daemon=DaemonConfig(runtime_dir=runtime_dir),
+        canary=sections["canary"],
+        gpu=dataclasses.replace(gpu, file=_resolve(base, gpu.file) if gpu.file else ""),
+        signals=sections["signals"],
+        throttle=sections["throttle"],
+        policy=sections["policy"],
+        exporter=exporter,
         source=source,
     )
 

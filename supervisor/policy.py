@@ -1,0 +1,275 @@
+"""The watchdog's judgement: `decide(signals, state, config, now) -> Decision`.
+
+Pure: no I/O, no logging, no clock. Everything the policy remembers between calls (when
+each rule's condition started to hold, throttle levels a rule holds, cooldowns, the
+restarts it caused in the last hour) lives in `PolicyMemory`, passed in with the state
+and returned, changed, in the decision. The daemon stores it and carries the action out
+(or only logs it, in dry-run).
+
+Per rule (see `rules.py`): the condition must hold `for_s` on a serving engine; the rule
+acts, then waits `cooldown_s` before acting again. A one-shot rule (restart, alert...)
+is disarmed when it acts and re-armed once its clear condition has held `clear_for_s`
+(hysteresis: the same symptom does not fire twice without clearing in between). A
+throttle rule steps one level per cooldown while its condition holds, escalates when it
+still holds `escalate_after_s` after reaching the top level, and lifts one step per
+`clear_for_s` of its clear condition.
+
+Guardrails, in order: pause (maintenance), the restart budget (past it: one alert, then
+nothing), the minimum gap between actions (a frozen engine's restart and a hold-down
+skip it), the per-rule cooldown, dry-run (decided, audited, not done).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from supervisor.conditions import Condition, parse_condition
+from supervisor.config import PolicyConfig
+from supervisor.rules import LIFTABLE, RuleConfig
+from supervisor.signals import SIGNAL_NAMES
+
+# Several rules may be due at once; one action per decision, the most drastic first.
+PRIORITY = ("hold_down", "restart_now", "restart", "reduce_batch", "throttle",
+            "fewer_spec_tokens", "more_spec_tokens", "reset_prefix_cache", "lift", "alert")
+HOUR_S = 3600.0
+
+
+@dataclass(frozen=True)
+class RuleMemory:
+    true_since: float | None = None  # the condition has held since (serving engine)
+    clear_since: float | None = None  # the clear condition has held since
+    armed: bool = True  # one-shot rules: may act (again)
+    levels: int = 0  # throttle levels this rule holds
+    reduced: bool = False  # this rule holds the reduced batch
+    top_since: float | None = None  # held at the top throttle level since
+    last_fired: float | None = None
+    trips: int = 0
+
+
+@dataclass(frozen=True)
+class PolicyMemory:
+    rules: Mapping[str, RuleMemory] = field(default_factory=dict)
+    restarts: tuple[float, ...] = ()  # engine restarts the policy caused, last hour
+    last_action_at: float | None = None
+    budget_alerted: bool = False
+    last_note: tuple[str, str] | None = None  # (rule, why held back), reported once
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """What the policy needs to know of the engine and of the remedies it allows."""
+
+    state: str = "RUNNING"
+    throttle_level: int = 0
+    max_throttle_level: int = 3
+    batch_reduced: bool = False
+    spec_tokens: int | None = None  # num_speculative_tokens in force; None: no spec decode
+    spec_tokens_max: int = 0
+    can_reset_prefix_cache: bool = False  # VLLM_SERVER_DEV_MODE=1
+    live_throttle: bool = False  # admission control in front: throttling needs no restart
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    engine: EngineView
+    memory: PolicyMemory = field(default_factory=PolicyMemory)
+    paused: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str  # "none", "lift" or one of rules.ACTIONS
+    memory: PolicyMemory
+    rule: str | None = None
+    reason: str = ""
+    evidence: Mapping[str, float | None] = field(default_factory=dict)
+    throttle_level: int = 0  # in force after this decision
+    batch_reduced: bool = False
+    spec_tokens: int | None = None
+    restarts_engine: bool = False
+    dry_run: bool = False
+    held_back: str | None = None  # a due action not taken, and why (reported once)
+
+
+@functools.lru_cache(maxsize=256)
+def _cond(text: str) -> Condition:
+    return parse_condition(text, SIGNAL_NAMES)
+
+
+@dataclass(frozen=True)
+class _Due:
+    rule: str
+    action: str
+    reason: str
+    evidence: dict[str, float | None]
+
+
+def _evidence(signals: Mapping[str, float | None], *texts: str) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for t in texts:
+        if t:
+            for name in _cond(t).signals:
+                v = signals.get(name)
+                out[name] = round(v, 6) if v is not None else None
+    return out
+
+
+def _step_rule(name: str, rule: RuleConfig, m: RuleMemory, signals: Mapping[str, float | None],
+               e: EngineView, now: float) -> tuple[RuleMemory, _Due | None]:
+    cond = _cond(rule.when).holds(signals)
+    clear = _cond(rule.clear_when).holds(signals) if rule.clear_when else not cond
+    true_since = (now if m.true_since is None else m.true_since) if cond else None
+    clear_since = (now if m.clear_since is None else m.clear_since) if clear else None
+    m = dataclasses.replace(m, true_since=true_since, clear_since=clear_since)
+    cleared = clear_since is not None and now - clear_since >= rule.clear_for_s
+    if cleared and not m.armed:
+        m = dataclasses.replace(m, armed=True)
+    if not cond:
+        m = dataclasses.replace(m, top_since=None)
+    held = true_since is not None and now - true_since >= rule.for_s
+    cooled = m.last_fired is None or now - m.last_fired >= rule.cooldown_s
+    ev = _evidence(signals, rule.when)
+    why = f"{name}: {rule.when} for {rule.for_s:g} s"
+
+    if rule.action in LIFTABLE:
+        if held:
+            can_step = (e.throttle_level < e.max_throttle_level if rule.action == "throttle"
+                        else not e.batch_reduced)
+            if can_step:
+                return m, _Due(name, rule.action, why, ev) if cooled else None
+            top_since = m.top_since if m.top_since is not None else now
+            m = dataclasses.replace(m, top_since=top_since)
+            if rule.escalate_after_s and now - top_since >= rule.escalate_after_s and cooled:
+                esc = rule.escalate_action
+                if esc == "reduce_batch" and e.batch_reduced:
+                    return m, None
+                return m, _Due(name, esc, f"{name}: still {rule.when} after "
+                               f"{now - top_since:.0f} s at the top throttle level", ev)
+            return m, None
+        if clear_since is not None and cleared and (m.levels > 0 or m.reduced) and (
+                m.last_fired is None or now - m.last_fired >= rule.clear_for_s):
+            cev = _evidence(signals, rule.clear_when or rule.when)
+            what = rule.clear_when or f"not ({rule.when})"
+            return m, _Due(name, "lift", f"{name}: {what} for {now - clear_since:.0f} s", cev)
+        return m, None
+
+    if not (held and m.armed and cooled):
+        return m, None
+    action = rule.action
+    if action == "reset_prefix_cache" and not e.can_reset_prefix_cache:
+        action = "restart"
+        why += " (the engine has no /reset_prefix_cache: VLLM_SERVER_DEV_MODE is off)"
+    if action == "fewer_spec_tokens" and not e.spec_tokens:
+        return m, None
+    if action == "more_spec_tokens" and (e.spec_tokens is None
+                                         or e.spec_tokens >= e.spec_tokens_max):
+        return m, None
+    return m, _Due(name, action, why, ev)
+
+
+def _restarts(action: str, e: EngineView) -> bool:
+    if action in ("restart", "restart_now", "reduce_batch", "fewer_spec_tokens",
+                  "more_spec_tokens"):
+        return True
+    if action == "lift":
+        return True  # without a live throttle, restoring limits is a relaunch too
+    return action == "throttle" and not e.live_throttle
+
+
+def decide(signals: Mapping[str, float | None], state: PolicyState, config: PolicyConfig,
+           now: float) -> Decision:
+    e = state.engine
+    mem = state.memory
+    rules = dict(mem.rules)
+    restarts = tuple(t for t in mem.restarts if now - t < HOUR_S)
+
+    def unchanged(memory: PolicyMemory, **kw: object) -> Decision:
+        return Decision("none", memory, throttle_level=e.throttle_level,
+                        batch_reduced=e.batch_reduced, spec_tokens=e.spec_tokens,
+                        dry_run=config.dry_run, **kw)  # type: ignore[arg-type]
+
+    if e.state != "RUNNING":
+        # A condition must hold on a serving engine: timers start again with the next one.
+        for name, m in rules.items():
+            rules[name] = dataclasses.replace(m, true_since=None, clear_since=None,
+                                              top_since=None)
+        return unchanged(dataclasses.replace(mem, rules=rules, restarts=restarts))
+
+    due: list[_Due] = []
+    for name, rule in config.rules.items():
+        if not rule.enabled:
+            continue
+        m, d = _step_rule(name, rule, rules.get(name, RuleMemory()), signals, e, now)
+        rules[name] = m
+        if d is not None:
+            due.append(d)
+    budget_left = len(restarts) < config.max_restarts_per_hour
+    mem = dataclasses.replace(mem, rules=rules, restarts=restarts,
+                              budget_alerted=mem.budget_alerted and not budget_left)
+    if not due:
+        return unchanged(dataclasses.replace(mem, last_note=None))
+    d = min(due, key=lambda x: PRIORITY.index(x.action))
+    restarting = _restarts(d.action, e)
+
+    def held_back(why: str) -> Decision:
+        note = (d.rule, why)
+        new = dataclasses.replace(mem, last_note=note)
+        return unchanged(new, rule=d.rule, reason=d.reason, evidence=d.evidence,
+                         held_back=None if mem.last_note == note
+                         else f"{d.action} held back: {why}")
+
+    if state.paused:
+        return held_back("the policy is paused")
+    if restarting and not budget_left:
+        if mem.budget_alerted:
+            return held_back("restart budget exhausted")
+        mem = dataclasses.replace(mem, budget_alerted=True, last_action_at=now)
+        return Decision(
+            "alert", mem, rule=d.rule, evidence=d.evidence,
+            reason=(f"restart budget exhausted ({len(restarts)} policy restarts in the last "
+                    f"hour, at most {config.max_restarts_per_hour}): not acting on "
+                    f"{d.action} for {d.reason}"), throttle_level=e.throttle_level,
+            batch_reduced=e.batch_reduced, spec_tokens=e.spec_tokens, dry_run=config.dry_run)
+    urgent = d.action in ("restart_now", "hold_down")
+    if (not urgent and mem.last_action_at is not None
+            and now - mem.last_action_at < config.min_action_gap_s):
+        return held_back(f"less than {config.min_action_gap_s:g} s since the last action")
+
+    m = rules[d.rule]
+    level, reduced, spec = e.throttle_level, e.batch_reduced, e.spec_tokens
+    if d.action == "throttle":
+        level += 1
+        m = dataclasses.replace(m, levels=m.levels + (0 if config.dry_run else 1))
+    elif d.action == "reduce_batch":
+        reduced = True
+        m = dataclasses.replace(m, reduced=not config.dry_run)
+    elif d.action == "lift":
+        if m.reduced:
+            reduced = False
+            m = dataclasses.replace(m, reduced=False)
+        else:
+            level = max(0, level - 1)
+            m = dataclasses.replace(m, levels=m.levels - 1)
+        m = dataclasses.replace(m, clear_since=now)  # the next step needs clear_for_s again
+    elif d.action == "fewer_spec_tokens" and spec is not None:
+        spec -= 1
+    elif d.action == "more_spec_tokens" and spec is not None:
+        spec += 1
+    if d.action not in LIFTABLE and d.action != "lift":
+        m = dataclasses.replace(m, armed=False)
+    if d.action == "restart" and m.top_since is not None:
+        m = dataclasses.replace(m, top_since=now)  # an escalation waits its time again
+    m = dataclasses.replace(m, last_fired=now, trips=m.trips + 1)
+    rules[d.rule] = m
+    if restarting and not config.dry_run:
+        restarts = (*restarts, now)
+    if config.dry_run:
+        level, reduced, spec = e.throttle_level, e.batch_reduced, e.spec_tokens
+    mem = dataclasses.replace(mem, rules=rules, restarts=restarts, last_action_at=now,
+                              last_note=None)
+    return Decision(d.action, mem, rule=d.rule, reason=d.reason, evidence=d.evidence,
+                    throttle_level=level, batch_reduced=reduced, spec_tokens=spec,
+                    restarts_engine=restarting, dry_run=config.dry_run)

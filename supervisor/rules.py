@@ -1,0 +1,73 @@
+"""The watchdog's rules: their schema and the defaults that ship. Pure data.
+
+Each rule names a condition over signals (`supervisor.conditions`), how long it must
+hold, a clear condition and how long that must hold (hysteresis), an action, a cooldown,
+and optionally an escalation: what to do when the condition outlives the action (for a
+throttle: still true this long at the top level). Why each default is what it is:
+docs/watchdog.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# What a rule may ask for. "throttle" and "reduce_batch" are lifted again, one step at
+# a time, once the rule's clear condition has held for clear_for_s.
+ACTIONS = ("alert", "throttle", "reduce_batch", "reset_prefix_cache", "restart",
+           "restart_now", "fewer_spec_tokens", "more_spec_tokens", "hold_down")
+LIFTABLE = ("throttle", "reduce_batch")
+
+
+@dataclass(frozen=True)
+class RuleConfig:
+    when: str
+    action: str
+    enabled: bool = True
+    for_s: float = 0.0
+    clear_when: str = ""  # empty: the rule is clear when `when` does not hold
+    clear_for_s: float = 0.0
+    cooldown_s: float = 300.0
+    escalate_after_s: float = 0.0  # 0: never
+    escalate_action: str = ""
+
+
+DEFAULT_RULES: dict[str, RuleConfig] = {
+    "kv_saturation": RuleConfig(
+        when="kv_cache_usage >= 0.95 and requests_waiting > 0 and preemption_rate > 0",
+        for_s=60, clear_when="kv_cache_usage < 0.85", clear_for_s=300,
+        action="throttle", cooldown_s=120, escalate_after_s=300, escalate_action="restart"),
+    "kv_leak": RuleConfig(
+        when="kv_cache_usage >= 0.5 and requests_running == 0", for_s=30,
+        action="restart", cooldown_s=600),
+    "prefix_collapse": RuleConfig(
+        when="prefix_cache_hit_rate < 0.40 and prefix_cache_hit_rate_ratio < 0.5",
+        for_s=300, action="reset_prefix_cache", cooldown_s=1800),
+    "memory_growth": RuleConfig(
+        when="engine_rss_bytes > 6.4e10 or engine_rss_growth_bytes_per_h > 2e9",
+        for_s=60, action="restart", cooldown_s=3600),
+    "hang": RuleConfig(
+        when="canary_failures >= 3 or metrics_staleness_s >= 30", for_s=0,
+        action="restart_now", cooldown_s=60),
+    "thermal": RuleConfig(
+        when="gpu_slowdown_margin_c <= 5 or gpu_thermal_throttled >= 1", for_s=30,
+        clear_when="gpu_slowdown_margin_c >= 8 and gpu_thermal_throttled == 0",
+        clear_for_s=120, action="throttle", cooldown_s=60,
+        escalate_after_s=600, escalate_action="reduce_batch"),
+    "power_budget": RuleConfig(
+        enabled=False, when="gpu_power_w > 600", for_s=60,
+        clear_when="gpu_power_w < 560", clear_for_s=120, action="throttle", cooldown_s=120),
+    "spec_decode_low": RuleConfig(
+        when="spec_decode_acceptance_rate < 0.4", for_s=600,
+        action="fewer_spec_tokens", cooldown_s=600),
+    "spec_decode_high": RuleConfig(
+        when="spec_decode_acceptance_rate > 0.75", for_s=600,
+        action="more_spec_tokens", cooldown_s=600),
+    "max_uptime": RuleConfig(
+        enabled=False,
+        when="engine_uptime_s >= 21600 and requests_running == 0 and requests_waiting == 0",
+        action="restart", cooldown_s=3600),
+    "xid_restart": RuleConfig(when="gpu_xid_restart_errors > 0", action="restart",
+                              cooldown_s=60),
+    "xid_reset": RuleConfig(when="gpu_xid_reset_errors > 0", action="hold_down",
+                            cooldown_s=60),
+}

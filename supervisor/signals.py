@@ -1,0 +1,357 @@
+"""Derived signals: samples in, named values over time windows out.
+
+`SIGNALS` is the one list of signal names. The same names appear in `config.toml`'s rule
+conditions, in log lines, in `status` and (with the unit spelled out, Prometheus style)
+on the exporter. `SignalWindow` is fed by the daemon's state-owning task (metrics
+snapshots, the engine tree's RSS and CPU, canary results, GPU readings) and computes the
+values at a given time. It holds samples, never does I/O and never reads a clock.
+
+Rates come from counter increases over `rate_window_s`, never from one scrape. A value
+that cannot be known (no scrape yet, a series the engine does not export, a window not
+yet covered, too few prefix-cache queries to mean anything) is None, never 0.
+
+What operators call KV "fragmentation" is measured here as what it is: saturation
+(`kv_cache_usage` with `requests_waiting` and `preemption_rate`), blocks held while
+little runs (`kv_blocks_held`, `kv_blocks_per_running_request`), host memory growth
+(`engine_rss_growth_bytes_per_h`) and prefix-cache collapse (`prefix_cache_hit_rate`
+against its own trailing baseline).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from supervisor.metrics import Snapshot
+
+if TYPE_CHECKING:
+    from supervisor.gpu import GpuReading
+
+
+@dataclass(frozen=True)
+class SignalSpec:
+    name: str
+    metric: str  # the exporter's gauge name, after the vllm_supervisor_ prefix
+    help: str
+
+
+def _s(name: str, metric: str, help: str) -> SignalSpec:
+    return SignalSpec(name, metric, help)
+
+
+SIGNALS: tuple[SignalSpec, ...] = (
+    _s("kv_cache_usage", "kv_cache_usage_ratio", "KV cache usage, 0..1 (worst engine)"),
+    _s("kv_blocks_total", "kv_blocks", "KV cache blocks the engine allocated"),
+    _s("kv_blocks_held", "kv_blocks_held", "KV blocks in use (usage x blocks)"),
+    _s("kv_blocks_per_running_request", "kv_blocks_per_running_request",
+       "KV blocks held per running request (the leak signature); unknown when none run"),
+    _s("requests_running", "requests_running", "requests the engine is running"),
+    _s("requests_waiting", "requests_waiting", "requests queued in the engine"),
+    _s("preemption_rate", "preemptions_per_second", "preemptions per second over the window"),
+    _s("prefix_cache_hit_rate", "prefix_cache_hit_ratio",
+       "prefix-cache hits / queries (tokens) over the window, with enough queries"),
+    _s("prefix_cache_hit_rate_baseline", "prefix_cache_hit_ratio_baseline",
+       "prefix-cache hit rate over the trailing baseline window before the current one"),
+    _s("prefix_cache_hit_rate_ratio", "prefix_cache_hit_ratio_to_baseline",
+       "current prefix-cache hit rate / its trailing baseline"),
+    _s("generation_tokens_per_s", "generation_tokens_per_second",
+       "generated tokens per second over the window"),
+    _s("ttft_p99", "ttft_p99_seconds", "99th percentile time to first token over the window"),
+    _s("spec_decode_acceptance_rate", "spec_decode_acceptance_ratio",
+       "accepted / drafted speculative tokens over the window"),
+    _s("engine_rss_bytes", "engine_rss_bytes", "resident memory of the whole engine tree"),
+    _s("engine_rss_growth_bytes_per_h", "engine_rss_growth_bytes_per_hour",
+       "growth of the engine tree's RSS over the growth window, per hour"),
+    _s("engine_cpu_percent", "engine_cpu_percent", "CPU of the engine tree (100 = one core)"),
+    _s("engine_uptime_s", "engine_serving_seconds", "seconds since the engine became healthy"),
+    _s("gpu_temperature_c", "gpu_temperature_celsius", "hottest engine GPU"),
+    _s("gpu_slowdown_temperature_c", "gpu_slowdown_temperature_celsius",
+       "the card's own slowdown threshold (NVML), or the configured fallback"),
+    _s("gpu_slowdown_margin_c", "gpu_slowdown_margin_celsius",
+       "degrees below the slowdown threshold (negative: above it)"),
+    _s("gpu_power_w", "gpu_power_watts", "power draw of the engine GPUs"),
+    _s("gpu_power_limit_w", "gpu_power_limit_watts", "enforced power limit of the engine GPUs"),
+    _s("gpu_power_ratio", "gpu_power_ratio", "power draw / enforced limit"),
+    _s("gpu_utilization", "gpu_utilization_ratio", "GPU utilisation, 0..1"),
+    _s("gpu_memory_used_bytes", "gpu_memory_used_bytes", "memory used on the engine GPUs"),
+    _s("engine_gpu_memory_bytes", "engine_gpu_memory_bytes",
+       "GPU memory NVML attributes to the engine tree's pids"),
+    _s("gpu_thermal_throttled", "gpu_thermal_throttled",
+       "1 when NVML reports SW or HW thermal slowdown"),
+    _s("gpu_power_capped", "gpu_power_capped",
+       "1 when NVML reports SW power cap or HW power brake (normal under full load)"),
+    _s("gpu_xid_restart_errors", "gpu_xid_restart_errors",
+       "XIDs since this engine started that an engine restart clears"),
+    _s("gpu_xid_reset_errors", "gpu_xid_reset_errors",
+       "XIDs since this engine started that need a GPU reset or a reboot"),
+    _s("canary_failures", "canary_failures", "consecutive canary failures without progress"),
+    _s("canary_latency_s", "canary_latency_seconds", "latency of the last passing canary"),
+    _s("metrics_age_s", "metrics_age_seconds", "seconds since the last good /metrics scrape"),
+    _s("metrics_staleness_s", "metrics_staleness_seconds",
+       "seconds the engine's metrics have not moved while requests were running"),
+    _s("scrape_failures_total", "scrape_failures", "failed /metrics scrapes, this daemon"),
+)
+SIGNAL_NAMES: frozenset[str] = frozenset(s.name for s in SIGNALS)
+
+Signals = dict[str, float | None]
+
+
+@dataclass(frozen=True)
+class WindowConfig:
+    rate_window_s: float = 60.0
+    baseline_window_s: float = 3600.0
+    rss_growth_window_s: float = 1800.0
+    min_prefix_queries: float = 2048.0  # tokens over the window for a hit rate to count
+    min_spec_draft_tokens: float = 256.0
+    slowdown_fallback_c: float = 85.0  # when NVML does not report the card's threshold
+    gpu_stale_s: float = 30.0  # a GPU reading older than this is unknown
+
+
+@dataclass(frozen=True)
+class _Gpu:
+    at: float
+    reading: GpuReading
+    engine_bytes: int | None
+
+
+def _rate(first: float | None, last: float | None, dt: float) -> float | None:
+    if first is None or last is None or dt <= 0 or last < first:  # a reset: unknown
+        return None
+    return (last - first) / dt
+
+
+def histogram_quantile(q: float, first: Iterable[tuple[float, float]],
+                       last: Iterable[tuple[float, float]]) -> float | None:
+    """Prometheus' histogram_quantile over the increase between two cumulative bucket
+    sets (upper bound -> count), with linear interpolation inside the bucket."""
+    before = dict(first)
+    buckets = sorted((le, count - before.get(le, 0.0)) for le, count in last)
+    if not buckets or buckets[-1][0] != math.inf:
+        return None
+    total = buckets[-1][1]
+    if total <= 0:
+        return None
+    rank = q * total
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if le == math.inf:
+                return prev_le  # in the open bucket: the highest finite bound
+            width = count - prev_count
+            return prev_le + (le - prev_le) * ((rank - prev_count) / width if width else 1.0)
+        prev_le, prev_count = le, count
+    return None
+
+
+class SignalWindow:
+    """Samples of one engine's life, and the signals they give. Reset at each spawn."""
+
+    def __init__(self, cfg: WindowConfig) -> None:
+        self.cfg = cfg
+        self.reset()
+
+    def reset(self) -> None:
+        self._snaps: deque[tuple[float, Snapshot]] = deque()
+        self._prefix: deque[tuple[float, float, float]] = deque()  # t, queries, hits
+        self._rss: deque[tuple[float, int]] = deque()
+        self._rss_now: int | None = None
+        self._cpu_percent: float | None = None
+        self._gpu: _Gpu | None = None
+        self.canary_failures = 0
+        self.canary_latency_s: float | None = None
+        self.xids: list[int] = []  # codes since this engine started, for evidence
+        self._xid_restart = 0
+        self._xid_reset = 0
+
+    # ---- feeding ----------------------------------------------------------------------
+
+    def add_metrics(self, now: float, snap: Snapshot) -> None:
+        self._snaps.append((now, snap))
+        keep = self.cfg.rate_window_s * 1.5
+        while self._snaps and self._snaps[0][0] < now - keep:
+            self._snaps.popleft()
+        q, h = snap.prefix_cache_queries_total, snap.prefix_cache_hits_total
+        if q is not None and h is not None:
+            # a sparse series for the hour-long baseline: one point per 1/60 of it
+            if not self._prefix or now - self._prefix[-1][0] >= self.cfg.baseline_window_s / 60:
+                self._prefix.append((now, q, h))
+            keep = self.cfg.baseline_window_s + self.cfg.rate_window_s * 2
+            while self._prefix and self._prefix[0][0] < now - keep:
+                self._prefix.popleft()
+
+    def add_tree(self, now: float, rss_bytes: int, cpu_percent: float | None) -> None:
+        self._rss_now = rss_bytes
+        self._cpu_percent = cpu_percent
+        if not self._rss or now - self._rss[-1][0] >= self.cfg.rss_growth_window_s / 120:
+            self._rss.append((now, rss_bytes))
+        while len(self._rss) > 2 and self._rss[1][0] <= now - self.cfg.rss_growth_window_s:
+            self._rss.popleft()
+
+    def add_canary(self, ok: bool, latency_s: float | None, counted: bool) -> None:
+        """A canary result. A failure is `counted` only when the engine made no progress
+        meanwhile: a canary stuck behind a long queue on a busy engine is not a hang."""
+        if ok:
+            self.canary_failures = 0
+            self.canary_latency_s = latency_s
+        elif counted:
+            self.canary_failures += 1
+
+    def add_gpu(self, now: float, reading: GpuReading, engine_pids: Iterable[int],
+                classify: dict[int, str]) -> None:
+        """`classify` maps the reading's XID codes to their remedy ("restart", "reset",
+        "reboot" or "info")."""
+        pids = set(engine_pids)
+        procs = reading.process_memory
+        engine_bytes = (sum(b for p, b in procs.items() if p in pids)
+                        if procs is not None else None)
+        self._gpu = _Gpu(now, reading, engine_bytes)
+        for code in reading.xids:
+            self.xids.append(code)
+            remedy = classify.get(code, "reset")
+            if remedy == "restart":
+                self._xid_restart += 1
+            elif remedy in ("reset", "reboot"):
+                self._xid_reset += 1
+
+    def progressed_between(self, t0: float, t1: float) -> bool:
+        """Did the engine's token counters move between two times (scrapes in [t0, t1],
+        compared with the last one before t0)?"""
+        base: Snapshot | None = None
+        for at, snap in self._snaps:
+            if at < t0:
+                base = snap
+                continue
+            if at > t1:
+                break
+            if base is not None and _tokens(snap) > _tokens(base):
+                return True
+            base = snap
+        return False
+
+    # ---- computing --------------------------------------------------------------------
+
+    def _span(self, now: float) -> tuple[float, Snapshot, Snapshot] | None:
+        """(seconds, first, last) for the rate window, once at least half of it is covered."""
+        if len(self._snaps) < 2:
+            return None
+        start = now - self.cfg.rate_window_s
+        first = next(((t, s) for t, s in self._snaps if t >= start), None)
+        t_last, last = self._snaps[-1]
+        if first is None or t_last - first[0] < self.cfg.rate_window_s / 2:
+            return None
+        return t_last - first[0], first[1], last
+
+    def compute(self, now: float, *, metrics_age_s: float | None, staleness_s: float,
+                scrape_failures_total: int, engine_uptime_s: float | None) -> Signals:
+        out: Signals = dict.fromkeys(s.name for s in SIGNALS)
+        snap = self._snaps[-1][1] if self._snaps else None
+        if snap is not None:
+            out["kv_cache_usage"] = snap.kv_cache_usage
+            out["requests_running"] = snap.requests_running
+            out["requests_waiting"] = snap.requests_waiting
+            if snap.num_gpu_blocks is not None:
+                out["kv_blocks_total"] = float(snap.num_gpu_blocks)
+                if snap.kv_cache_usage is not None:
+                    held = snap.kv_cache_usage * snap.num_gpu_blocks
+                    out["kv_blocks_held"] = held
+                    if snap.requests_running:
+                        out["kv_blocks_per_running_request"] = held / snap.requests_running
+        span = self._span(now)
+        if span is not None:
+            dt, a, b = span
+            out["preemption_rate"] = _rate(a.preemptions_total, b.preemptions_total, dt)
+            out["generation_tokens_per_s"] = _rate(a.generation_tokens_total,
+                                                   b.generation_tokens_total, dt)
+            out["prefix_cache_hit_rate"] = _ratio(
+                a.prefix_cache_hits_total, b.prefix_cache_hits_total,
+                a.prefix_cache_queries_total, b.prefix_cache_queries_total,
+                self.cfg.min_prefix_queries)
+            out["spec_decode_acceptance_rate"] = _ratio(
+                a.spec_decode_accepted_tokens_total, b.spec_decode_accepted_tokens_total,
+                a.spec_decode_draft_tokens_total, b.spec_decode_draft_tokens_total,
+                self.cfg.min_spec_draft_tokens)
+            if b.ttft_buckets:
+                out["ttft_p99"] = histogram_quantile(0.99, a.ttft_buckets, b.ttft_buckets)
+        if out["prefix_cache_hit_rate"] is None and snap is not None \
+                and snap.prefix_cache_queries_total is None:
+            out["prefix_cache_hit_rate"] = snap.prefix_cache_hit_rate_gauge  # older vLLM
+        out["prefix_cache_hit_rate_baseline"] = self._prefix_baseline(now)
+        rate, base = out["prefix_cache_hit_rate"], out["prefix_cache_hit_rate_baseline"]
+        if rate is not None and base:
+            out["prefix_cache_hit_rate_ratio"] = rate / base
+        out["engine_rss_bytes"] = float(self._rss_now) if self._rss_now is not None else None
+        out["engine_rss_growth_bytes_per_h"] = self._rss_growth()
+        out["engine_cpu_percent"] = self._cpu_percent
+        out["engine_uptime_s"] = engine_uptime_s
+        self._gpu_signals(now, out)
+        out["gpu_xid_restart_errors"] = float(self._xid_restart)
+        out["gpu_xid_reset_errors"] = float(self._xid_reset)
+        out["canary_failures"] = float(self.canary_failures)
+        out["canary_latency_s"] = self.canary_latency_s
+        out["metrics_age_s"] = metrics_age_s
+        out["metrics_staleness_s"] = staleness_s
+        out["scrape_failures_total"] = float(scrape_failures_total)
+        return out
+
+    def _prefix_baseline(self, now: float) -> float | None:
+        """Hit rate over [now - baseline, now - rate window]: the engine's own past,
+        excluding the window being judged. None for an engine that never had a hit."""
+        end = now - self.cfg.rate_window_s
+        pts = [p for p in self._prefix if now - self.cfg.baseline_window_s <= p[0] <= end]
+        if len(pts) < 2:
+            return None
+        (_, q0, h0), (_, q1, h1) = pts[0], pts[-1]
+        rate = _ratio(h0, h1, q0, q1, self.cfg.min_prefix_queries)
+        return rate if rate else None
+
+    def _rss_growth(self) -> float | None:
+        if len(self._rss) < 2:
+            return None
+        (t0, r0), (t1, r1) = self._rss[0], self._rss[-1]
+        if t1 - t0 < self.cfg.rss_growth_window_s * 0.9:
+            return None  # not yet a full window: growth at start-up is not a leak
+        return (r1 - r0) / (t1 - t0) * 3600
+
+    def _gpu_signals(self, now: float, out: Signals) -> None:
+        g = self._gpu
+        if g is None or now - g.at > self.cfg.gpu_stale_s:
+            return
+        r = g.reading
+        out["gpu_temperature_c"] = r.temperature_c
+        slowdown = r.slowdown_temperature_c or self.cfg.slowdown_fallback_c
+        out["gpu_slowdown_temperature_c"] = slowdown
+        if r.temperature_c is not None:
+            out["gpu_slowdown_margin_c"] = slowdown - r.temperature_c
+        out["gpu_power_w"] = r.power_w
+        out["gpu_power_limit_w"] = r.power_limit_w
+        if r.power_w is not None and r.power_limit_w:
+            out["gpu_power_ratio"] = r.power_w / r.power_limit_w
+        out["gpu_utilization"] = r.utilization_ratio
+        out["gpu_memory_used_bytes"] = (float(r.memory_used_bytes)
+                                        if r.memory_used_bytes is not None else None)
+        out["engine_gpu_memory_bytes"] = (float(g.engine_bytes)
+                                          if g.engine_bytes is not None else None)
+        out["gpu_thermal_throttled"] = _flag(r.thermal_throttled)
+        out["gpu_power_capped"] = _flag(r.power_capped)
+
+
+def _flag(v: bool | None) -> float | None:
+    return None if v is None else float(v)
+
+
+def _tokens(s: Snapshot) -> float:
+    return (s.generation_tokens_total or 0.0) + (s.prompt_tokens_total or 0.0)
+
+
+def _ratio(num0: float | None, num1: float | None, den0: float | None, den1: float | None,
+           min_den: float) -> float | None:
+    if None in (num0, num1, den0, den1):
+        return None
+    assert num0 is not None and num1 is not None and den0 is not None and den1 is not None
+    dn, dd = num1 - num0, den1 - den0
+    if dd < min_den or dn < 0:
+        return None
+    return dn / dd
