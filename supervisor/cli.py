@@ -19,7 +19,8 @@ from supervisor import __version__
 from supervisor.config import EX_CONFIG, Config, ConfigError, load_config
 from supervisor.control.server import ControlSocketError
 from supervisor.daemon import Supervisor, runtime_paths_ok
-from supervisor.gpu import GpuProcessLister, NoGpu, NvmlLister
+from supervisor.exporter import ExporterError
+from supervisor.gpu import FileSampler, GpuProcessLister, GpuSampler, NoGpu, NvmlSampler
 from supervisor.logs import configure_logging
 from supervisor.sdnotify import Notifier
 
@@ -36,17 +37,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _gpu_lister(cfg: Config) -> GpuProcessLister:
+def _gpu(cfg: Config) -> tuple[GpuProcessLister, GpuSampler | None]:
+    """What lists the GPU's processes (take-down) and what samples it (the watchdog).
+    No GPU is never an error: the daemon runs on, with GPU checks off and one line saying
+    so."""
     log = structlog.get_logger("supervisor.gpu")
-    nvml = NvmlLister(list(cfg.engine.gpus))
+    mode = cfg.gpu.sampler
+    if mode == "file":
+        scripted = FileSampler(cfg.gpu.file)
+        log.info("GPU readings come from a file (scripted)", file=cfg.gpu.file)
+        return scripted, scripted
+    nvml = NvmlSampler(list(cfg.engine.gpus))
     problem = nvml.init()
     if problem is not None:
-        if cfg.engine.gpus:
+        if cfg.engine.gpus or mode == "nvml":
             log.warning("GPU checks are off", reason=problem, gpus=cfg.engine.gpus)
         else:
             log.info("no GPU found; GPU checks are off", reason=problem)
-        return NoGpu()
-    return nvml
+        return NoGpu(), None
+    return nvml, (nvml if mode != "off" else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,10 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         log.error("cannot start", error=problem)
         return 1
-    sup = Supervisor(config=cfg, notifier=Notifier(), gpu=_gpu_lister(cfg))
+    lister, sampler = _gpu(cfg)
+    sup = Supervisor(config=cfg, notifier=Notifier(), gpu=lister, sampler=sampler)
     try:
         return asyncio.run(sup.run())
-    except ControlSocketError as exc:
+    except (ControlSocketError, ExporterError) as exc:
         log.error("cannot start", error=str(exc))
         return 1
 

@@ -305,13 +305,13 @@ def _build_section(name: str, cls: type[Any], table: Any, problems: list[str]) -
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
-    for fname, f in list(fields.items()):
-        if f.metadata.get("table"):  # nested tables, built by their own rules
-            del fields[fname]
-            if fname in table:
-                kwargs[fname] = _build_rules(f"{name}.{fname}", table[fname], problems)
+    nested = [fname for fname, f in fields.items() if f.metadata.get("table")]
+    for fname in nested:  # nested tables, built by their own rules
+        del fields[fname]
+        if fname in table:
+            kwargs[fname] = _build_rules(f"{name}.{fname}", table[fname], problems)
     for key in table:
-        if key not in fields:
+        if key not in fields and key not in nested:
             known = ", ".join(sorted(fields))
             problems.append(f"{name}.{key}: unknown key (known keys: {known})")
     before = len(problems)

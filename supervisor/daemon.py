@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import time
@@ -31,8 +32,8 @@ from typing import Any, ClassVar
 import httpx
 import structlog
 
+from supervisor import canary, proctree, relaunch, xid
 from supervisor import engine as eng
-from supervisor import proctree
 from supervisor.audit import AuditTrail
 from supervisor.config import (
     Config,
@@ -43,12 +44,15 @@ from supervisor.config import (
     load_config,
 )
 from supervisor.control.server import ControlServer
-from supervisor.gpu import GpuProcessLister
+from supervisor.exporter import Exporter, ExporterView
+from supervisor.gpu import GpuProcessLister, GpuReading, GpuSampler
 from supervisor.lifecycle import RestartTracker
 from supervisor.logs import set_level
 from supervisor.metrics import Snapshot
+from supervisor.policy import EngineView, PolicyMemory, PolicyState, decide
 from supervisor.poller import ScrapeHealth, scrape
 from supervisor.sdnotify import Notifier
+from supervisor.signals import SIGNALS, Signals, SignalWindow
 from supervisor.states import State, check_transition
 
 log = structlog.get_logger("supervisor")
@@ -145,18 +149,58 @@ class Tick(Event):
     name = "tick"
 
 
+@dataclass(frozen=True)
+class CanaryDone(Event):
+    name = "canary_done"
+    generation: int
+    outcome: canary.CanaryOutcome
+    started: float  # monotonic
+    ended: float
+
+
+@dataclass(frozen=True)
+class GpuSampled(Event):
+    name = "gpu_sampled"
+    reading: GpuReading
+    at: float
+
+
+@dataclass(frozen=True)
+class PrefixReset(Event):
+    name = "prefix_reset"
+    generation: int
+    error: str | None
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class ViewRequest(Event):
+    name = "view_request"
+    reply: asyncio.Future[ExporterView]
+
+
 class CommandError(Exception):
     """A control request that cannot be carried out now; the message goes to the client."""
 
 
 @dataclass
 class Decision:
+    """The last thing the daemon decided, for `status`: its own lifecycle steps and the
+    policy's actions (with the rule and its evidence)."""
+
     action: str
     reason: str
     wall: float
+    rule: str | None = None
+    evidence: dict[str, Any] | None = None
+    dry_run: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        return {"action": self.action, "reason": self.reason, "time": _iso(self.wall)}
+        d: dict[str, Any] = {"action": self.action, "reason": self.reason,
+                             "time": _iso(self.wall)}
+        if self.rule is not None:
+            d.update(rule=self.rule, evidence=self.evidence, dry_run=self.dry_run)
+        return d
 
 
 def _iso(wall: float) -> str:
@@ -179,6 +223,7 @@ class Supervisor:
     config: Config
     notifier: Notifier
     gpu: GpuProcessLister
+    sampler: GpuSampler | None = None  # NVML or scripted readings; None: no GPU signals
     clock: Clock = field(default_factory=Clock)
     environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     tick_interval_s: float = 1.0
@@ -198,7 +243,8 @@ class Supervisor:
         self.generation = 0
         self.fatal_errors: list[str] = []
         self.scrapes = ScrapeHealth()
-        self.last_decision: Decision | None = None
+        self.last_decision: Decision | None = None  # the latest, lifecycle steps included
+        self.last_policy_decision: Decision | None = None
         self.last_exit: str | None = None
         self.fatal_reason: str | None = None
         self.exit_code = 0
@@ -216,6 +262,19 @@ class Supervisor:
         self._jobs: set[asyncio.Task[Any]] = set()
         self._done = False
         self._control: ControlServer | None = None
+        self._exporter: Exporter | None = None
+        # the watchdog
+        self.window = SignalWindow(self.config.signals.window(self.config.gpu))
+        self.policy_memory = PolicyMemory()
+        self.policy_paused = False
+        self.throttle_level = 0
+        self.batch_reduced = False
+        self.spec_tokens: int | None = relaunch.spec_tokens(self.config.engine.args)
+        self.restarts_by_reason: dict[str, int] = {}
+        self.trips_by_rule: dict[str, int] = {}
+        self.actions_by_kind: dict[str, int] = {}
+        self._gpu_errors_logged = False
+        self._next_graceful = True
 
     # ---- running ----------------------------------------------------------------------
 
@@ -227,10 +286,19 @@ class Supervisor:
             loop.add_signal_handler(sig, self.queue.put_nowait, SignalReceived(sig))
         self._control = ControlServer(self.config.control, self.submit)
         await self._control.start()
+        if self.config.exporter.enabled:
+            self._exporter = Exporter(self.config.exporter.listen, self._view)
+            try:
+                await self._exporter.start()
+            except Exception:
+                await self._control.close()
+                raise
         self.guard.disarm()  # starts the guard now, so that its pid is in the first log line
         log.info("daemon started", pid=os.getpid(), config=self.config.source,
                  socket=self.config.control.socket, guard_pid=self.guard.pid)
         self._launch(self._ticker(), "ticker")
+        if self.sampler is not None:
+            self._launch(self._job_sample_gpu(self.sampler), "gpu sampler")
         self._start_engine("daemon started")
         try:
             while not self._done:
@@ -249,6 +317,8 @@ class Supervisor:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
             await self._control.close()
+            if self._exporter is not None:
+                await self._exporter.close()
             for job in list(self._jobs):
                 job.cancel()
             await asyncio.gather(*self._jobs, return_exceptions=True)
@@ -308,11 +378,17 @@ class Supervisor:
         assert self.engine is None and not self._spawning
         self.generation += 1
         self.scrapes.reset()
+        self.window.reset()
         self._spawning = True
         self._force = asyncio.Event()
         self._set_state(State.STARTING, reason)
         self._decide("start", reason)
         cfg = self.config.engine
+        overrides = self.overrides()
+        if overrides:
+            cfg = dataclasses.replace(cfg, args=relaunch.apply(cfg.args, overrides))
+            log.info("engine arguments overridden", overrides=overrides,
+                     throttle_level=self.throttle_level)
         spec = eng.build_spawn_spec(cfg, self.environ)
         self._launch(self._job_spawn(self.generation, spec, cfg), "spawn")
 
@@ -413,27 +489,22 @@ class Supervisor:
             if self.scrapes.failed():  # logged once per streak, counted always
                 log.warning("metrics scrape failed", error=ev.error, pid=self.engine.pid)
             return
-        ended = self.scrapes.succeeded(ev.snapshot, self.clock.monotonic())
+        now = self.clock.monotonic()
+        ended = self.scrapes.succeeded(ev.snapshot, now)
+        self.window.add_metrics(now, ev.snapshot)
         if ended:
             log.info("metrics scrape recovered", failed_scrapes=ended, pid=self.engine.pid)
 
-    def _signals(self, now: float) -> dict[str, Any]:
-        """The latest values the daemon has observed, under the names the watchdog uses.
-        None means unknown (no scrape yet, or the engine does not export the series)."""
-        snap = self.scrapes.last
+    def _signals(self, now: float) -> Signals:
+        """The watchdog's signals now, under the names used in config, logs, status and
+        the exporter. None means unknown."""
         at = self.scrapes.last_at
-        return {
-            "kv_cache_usage": snap.kv_cache_usage if snap else None,
-            "requests_running": snap.requests_running if snap else None,
-            "requests_waiting": snap.requests_waiting if snap else None,
-            "preemptions_total": snap.preemptions_total if snap else None,
-            "generation_tokens_total": snap.generation_tokens_total if snap else None,
-            "metrics_age_s": round(now - at, 3) if at is not None else None,
-            "metrics_staleness_s": round(self.scrapes.staleness_s(now), 3),
-            "scrape_failures_total": self.scrapes.failures_total,
-            "engine_rss_bytes": self.engine.rss_bytes if self.engine else None,
-            "engine_cpu_percent": self.engine.cpu_percent if self.engine else None,
-        }
+        e = self.engine
+        up = now - e.healthy_at if e is not None and e.healthy_at is not None else None
+        return self.window.compute(
+            now, metrics_age_s=round(now - at, 3) if at is not None else None,
+            staleness_s=round(self.scrapes.staleness_s(now), 3),
+            scrape_failures_total=self.scrapes.failures_total, engine_uptime_s=up)
 
     def handle_tree_seen(self, ev: TreeSeen) -> None:
         if self.engine is not None and self.engine.generation == ev.generation:
@@ -446,6 +517,7 @@ class Supervisor:
                 used = max(0.0, ev.cpu_s - e.cpu_seen[1])
                 e.cpu_percent = round(100 * used / (ev.at - e.cpu_seen[0]), 2)
             e.cpu_seen = (ev.at, ev.cpu_s)
+            self.window.add_tree(ev.at, ev.rss_bytes, e.cpu_percent)
 
     def handle_exited(self, ev: Exited) -> None:
         engine = self.engine
@@ -482,6 +554,8 @@ class Supervisor:
                 self.notifier.ready(f"RUNNING: engine pid {engine.pid} serving")
             if self.config.metrics.enabled:
                 self._launch(self._job_poll(engine, self.config.metrics), "poll metrics")
+            if self.config.canary.enabled:
+                self._launch(self._job_canary(engine), "canary")
         elif engine.exit_code is None:
             self._failure(f"engine not healthy within {engine.config.startup_timeout_s:g} s",
                           healthy_for=None)
@@ -491,6 +565,7 @@ class Supervisor:
         and take down whatever is left of its tree."""
         verdict = self.tracker.record_failure(self.clock.monotonic(), healthy_for_s=healthy_for,
                                               what=reason)
+        self._count_restart("crash" if healthy_for is not None else "boot_failure")
         if verdict.fatal:
             self._give_up(verdict.reason)
         else:
@@ -641,14 +716,14 @@ class Supervisor:
                 reply.set_result({"state": State.STOPPED.value, "exit_code": self.exit_code})
         self._done = True
 
-    def _restart(self, reason: str) -> None:
+    def _restart(self, reason: str, graceful: bool = True) -> None:
         s = self.state
         if s in (State.STARTING, State.RUNNING):
             self._restart_reason = reason
             self._set_state(State.DRAINING, reason)
             self._decide("restart", reason)
             if self.engine is not None and not self._taking_down:
-                self._take_down(graceful=True)
+                self._take_down(graceful=graceful)
             # a take-down already running (a crash being reaped) ends in handle_down
         elif s in (State.BACKOFF, State.FATAL):
             self.tracker.reset()
@@ -664,6 +739,203 @@ class Supervisor:
             raise CommandError("a restart is already in progress")
         else:
             raise CommandError(f"the daemon is {s.value}")
+
+    # ---- the watchdog -----------------------------------------------------------------
+
+    def overrides(self) -> dict[str, str | None]:
+        """Engine flags the next (or current) start replaces: throttle, reduced batch,
+        speculative tokens. None = the flag is removed."""
+        return relaunch.overrides(self.config.engine.args, self.config.throttle,
+                                  self.throttle_level, self.batch_reduced, self.spec_tokens)
+
+    def _rule_status(self, now: float) -> dict[str, dict[str, Any]]:
+        """Where each rule stands: how long its condition (or its clear condition) has
+        held, and the throttle it holds. Answers "why has it not acted (or lifted) yet?"."""
+        out = {}
+        for name, m in self.policy_memory.rules.items():
+            out[name] = {
+                "holding_s": round(now - m.true_since, 3) if m.true_since is not None else None,
+                "clearing_s": (round(now - m.clear_since, 3) if m.clear_since is not None
+                               else None),
+                "levels": m.levels, "reduced_batch": m.reduced, "armed": m.armed,
+                "trips": m.trips}
+        return out
+
+    def _count_restart(self, reason: str) -> None:
+        self.restarts_by_reason[reason] = self.restarts_by_reason.get(reason, 0) + 1
+
+    def _engine_view(self) -> EngineView:
+        env = eng.build_spawn_spec(self.config.engine, self.environ).env
+        return EngineView(
+            state=self.state.value, generation=self.generation,
+            throttle_level=self.throttle_level,
+            max_throttle_level=len(self.config.throttle.level_factors),
+            batch_reduced=self.batch_reduced, spec_tokens=self.spec_tokens,
+            spec_tokens_max=(self.config.policy.spec_tokens_max
+                             or relaunch.spec_tokens(self.config.engine.args) or 0),
+            can_reset_prefix_cache=env.get("VLLM_SERVER_DEV_MODE") == "1",
+            live_throttle=False)  # no admission control in front yet: throttling relaunches
+
+    def _evaluate_policy(self, now: float) -> None:
+        state = PolicyState(self._engine_view(), self.policy_memory, self.policy_paused)
+        d = decide(self._signals(now), state, self.config.policy, now)
+        self.policy_memory = d.memory
+        if d.held_back is not None:
+            log.info("policy action held back", rule=d.rule, held_back=d.held_back,
+                     reason=d.reason, evidence=dict(d.evidence))
+            self._audit("decision_held_back", rule=d.rule, held_back=d.held_back,
+                        reason=d.reason, evidence=dict(d.evidence))
+        if d.action == "none":
+            return
+        assert d.rule is not None
+        # One canonical line and one audit entry per decision.
+        fields: dict[str, Any] = {"rule": d.rule, "action": d.action, "reason": d.reason,
+                                  "evidence": dict(d.evidence), "dry_run": d.dry_run,
+                                  "throttle_level": d.throttle_level}
+        log.warning("policy decision", **fields)
+        self._audit("decision", **fields)
+        self.trips_by_rule[d.rule] = self.trips_by_rule.get(d.rule, 0) + 1
+        self.last_decision = self.last_policy_decision = Decision(
+            d.action, d.reason, self.clock.wall(), d.rule, dict(d.evidence), d.dry_run)
+        if d.dry_run:
+            return
+        self.actions_by_kind[d.action] = self.actions_by_kind.get(d.action, 0) + 1
+        reason = f"policy {d.rule}: {d.action} ({d.reason})"
+        if d.action == "alert":
+            log.error("policy alert", rule=d.rule, reason=d.reason)
+        elif d.action == "hold_down":
+            codes = [f"XID {c} ({xid.describe(c).name})" for c in self.window.xids]
+            why = f"{reason}: {', '.join(codes) or 'GPU error'}; the GPU needs a reset or a " \
+                  "reboot, so the engine stays down until `vllm-supervisorctl restart`"
+            self._give_up(why)
+            if self.engine is not None and not self._taking_down:
+                self._take_down(graceful=True)
+        elif d.action == "reset_prefix_cache":
+            if self.engine is not None:
+                self._launch(self._job_reset_prefix(self.engine), "reset prefix cache")
+        else:
+            # restart, restart_now, and every relaunch with new arguments
+            self.throttle_level = d.throttle_level
+            self.batch_reduced = d.batch_reduced
+            self.spec_tokens = d.spec_tokens
+            self._count_restart("policy")
+            self._restart(reason, graceful=d.action != "restart_now")
+
+    async def _job_reset_prefix(self, engine: eng.EngineProcess) -> None:
+        cfg = engine.config
+        url = f"http://{_url_host(cfg.host)}:{cfg.port}/reset_prefix_cache"
+        t0 = self.clock.monotonic()
+        error: str | None = None
+        try:
+            async with httpx.AsyncClient() as client:
+                r = await client.post(url, timeout=30.0)
+            if r.status_code != 200:
+                error = f"HTTP {r.status_code}: {r.text[:200]}"
+        except httpx.HTTPError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        self.queue.put_nowait(PrefixReset(engine.generation, error,
+                                          self.clock.monotonic() - t0))
+
+    def handle_prefix_reset(self, ev: PrefixReset) -> None:
+        fields = {"duration_s": round(ev.duration_s, 3), "error": ev.error}
+        self._audit("prefix_cache_reset", ok=ev.error is None, **fields)
+        if ev.error is None:
+            log.info("prefix cache reset", **fields)
+            return
+        log.warning("prefix cache reset failed; restarting instead", **fields)
+        if (self.engine is not None and self.engine.generation == ev.generation
+                and self.state is State.RUNNING):
+            self._count_restart("policy")
+            self._restart(f"policy prefix_collapse: /reset_prefix_cache failed ({ev.error})")
+
+    async def _job_canary(self, engine: eng.EngineProcess) -> None:
+        """A tiny generation every period, for as long as this engine lives."""
+        cfg = self.config.canary
+        ecfg = engine.config
+        base = f"http://{_url_host(ecfg.host)}:{ecfg.port}"
+        async with httpx.AsyncClient() as client:
+            model = cfg.model or None
+            while engine.proc.returncode is None:
+                await asyncio.sleep(cfg.period_s)
+                t0 = self.clock.monotonic()
+                if model is None:
+                    model = await canary.find_model(client, base, cfg.timeout_s)
+                if model is None:
+                    outcome = canary.CanaryOutcome(False, self.clock.monotonic() - t0,
+                                                   "/v1/models named no model")
+                else:
+                    outcome = await canary.probe(client, base, model, cfg.prompt,
+                                                 cfg.max_tokens, cfg.timeout_s)
+                if engine.proc.returncode is not None:
+                    return
+                self.queue.put_nowait(CanaryDone(engine.generation, outcome, t0,
+                                                 self.clock.monotonic()))
+
+    def handle_canary_done(self, ev: CanaryDone) -> None:
+        if self.engine is None or self.engine.generation != ev.generation:
+            return
+        o = ev.outcome
+        # A canary that timed out behind a queue while tokens kept flowing is slow, not
+        # hung: only a failure with no progress counts towards the hang rule.
+        counted = not o.ok and not self.window.progressed_between(ev.started, ev.ended)
+        before = self.window.canary_failures
+        self.window.add_canary(o.ok, o.latency_s if o.ok else None, counted)
+        if not o.ok:
+            log.warning("canary failed", error=o.error, latency_s=round(o.latency_s, 3),
+                        counted=counted, consecutive=self.window.canary_failures,
+                        pid=self.engine.pid)
+        elif before:
+            log.info("canary passed again", latency_s=round(o.latency_s, 3),
+                     failures_before=before)
+
+    async def _job_sample_gpu(self, sampler: GpuSampler) -> None:
+        period = self.config.gpu.period_s
+        while True:
+            reading = await asyncio.to_thread(sampler.sample)
+            self.queue.put_nowait(GpuSampled(reading, self.clock.monotonic()))
+            await asyncio.sleep(period)
+
+    def handle_gpu_sampled(self, ev: GpuSampled) -> None:
+        r = ev.reading
+        if r.errors and not self._gpu_errors_logged:
+            log.warning("GPU readings incomplete; retrying each period", errors=list(r.errors))
+        elif not r.errors and self._gpu_errors_logged:
+            log.info("GPU readings complete again")
+        self._gpu_errors_logged = bool(r.errors)
+        pids = [p.pid for p in self.engine.known] if self.engine is not None else []
+        remedies = {c: xid.describe(c).remedy for c in r.xids}
+        for code in r.xids:
+            x = xid.describe(code)
+            log.error("GPU XID event", xid=code, name=x.name, remedy=x.remedy)
+            self._audit("xid", xid=code, name=x.name, remedy=x.remedy)
+        self.window.add_gpu(ev.at, r, pids, remedies)
+
+    async def _view(self) -> ExporterView:
+        """For the exporter: answered by the state-owning task, so that /healthz fails
+        when that task is stuck."""
+        reply: asyncio.Future[ExporterView] = asyncio.get_running_loop().create_future()
+        self.queue.put_nowait(ViewRequest(reply))
+        return await reply
+
+    def handle_view_request(self, ev: ViewRequest) -> None:
+        if ev.reply.done():
+            return
+        now = self.clock.monotonic()
+        signals = self._signals(now)
+        e = self.engine
+        ev.reply.set_result(ExporterView(
+            state=self.state.value,
+            ready=self.state is State.RUNNING and not self._taking_down,
+            throttle_level=self.throttle_level,
+            restarts_by_reason=dict(self.restarts_by_reason),
+            trips_by_rule=dict(self.trips_by_rule),
+            actions_by_kind=dict(self.actions_by_kind),
+            last_decision_wall=self.last_decision.wall if self.last_decision else None,
+            policy_paused=self.policy_paused,
+            dry_run=self.config.policy.dry_run,
+            engine_uptime_s=(now - e.healthy_at if e is not None and e.healthy_at is not None
+                             else None),
+            gauges=[(spec.metric, spec.help, signals[spec.name]) for spec in SIGNALS]))
 
     # ---- signals, ticks, reload -------------------------------------------------------
 
@@ -689,6 +961,8 @@ class Supervisor:
             # ahead of us, but only while the engine is starting.
             self._last_extend = now
             self.notifier.extend_timeout(EXTEND_BY_S)
+        if self.config.policy.enabled:
+            self._evaluate_policy(now)
 
     async def _job_reload(self, reply: asyncio.Future[dict[str, Any]] | None) -> None:
         try:
@@ -735,6 +1009,7 @@ class Supervisor:
                 reason = str(ev.args.get("reason") or "restart requested by operator")
                 self._audit("control", command="restart", reason=reason)
                 self._restart(reason)
+                self._count_restart("operator")
                 ev.reply.set_result({"state": self.state.value, "reason": reason})
             elif ev.command == "stop":
                 self._audit("control", command="stop")
@@ -743,6 +1018,13 @@ class Supervisor:
             elif ev.command == "reload":
                 self._audit("control", command="reload")
                 self._launch(self._job_reload(ev.reply), "reload")
+            elif ev.command in ("pause-policy", "resume-policy"):
+                paused = ev.command == "pause-policy"
+                changed = paused != self.policy_paused
+                self.policy_paused = paused
+                self._audit("control", command=ev.command, changed=changed)
+                log.info("policy paused" if paused else "policy resumed", changed=changed)
+                ev.reply.set_result({"policy_paused": paused, "changed": changed})
             elif ev.command == "events":
                 n = ev.args.get("n", 20)
                 if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 10000:
@@ -771,9 +1053,19 @@ class Supervisor:
             "uptime_s": round(up, 3) if up is not None else None,
             "daemon_pid": os.getpid(),
             "daemon_uptime_s": round(now - self.started_at, 3),
-            # No admission control exists yet (the front proxy brings it): never throttled.
-            "throttle_level": 0,
+            "throttle_level": self.throttle_level,
+            "overrides": self.overrides(),
+            "policy": {"enabled": self.config.policy.enabled,
+                       "paused": self.policy_paused,
+                       "dry_run": self.config.policy.dry_run,
+                       "restarts_last_hour": len([t for t in self.policy_memory.restarts
+                                                  if now - t < 3600]),
+                       "max_restarts_per_hour": self.config.policy.max_restarts_per_hour,
+                       "trips": dict(self.trips_by_rule),
+                       "rules": self._rule_status(now)},
             "last_decision": self.last_decision.as_dict() if self.last_decision else None,
+            "last_policy_decision": (self.last_policy_decision.as_dict()
+                                     if self.last_policy_decision else None),
             "last_exit": self.last_exit,
             "backoff_remaining_s": (round(max(0.0, self._backoff_until - now), 3)
                                     if self._backoff_until is not None

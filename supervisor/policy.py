@@ -47,6 +47,7 @@ class RuleMemory:
     top_since: float | None = None  # held at the top throttle level since
     last_fired: float | None = None
     trips: int = 0
+    generation: int = 0  # the engine the timers and the arming refer to
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class EngineView:
     """What the policy needs to know of the engine and of the remedies it allows."""
 
     state: str = "RUNNING"
+    generation: int = 1  # changes with every engine start
     throttle_level: int = 0
     max_throttle_level: int = 3
     batch_reduced: bool = False
@@ -119,6 +121,12 @@ def _evidence(signals: Mapping[str, float | None], *texts: str) -> dict[str, flo
 
 def _step_rule(name: str, rule: RuleConfig, m: RuleMemory, signals: Mapping[str, float | None],
                e: EngineView, now: float) -> tuple[RuleMemory, _Due | None]:
+    if m.generation != e.generation:
+        # A new engine: its condition must hold on it from now, and a symptom of this
+        # engine is a new occurrence (one-shot rules re-arm; the cooldowns and the restart
+        # budget still bound how often they act).
+        m = dataclasses.replace(m, true_since=None, clear_since=None, top_since=None,
+                                armed=True, generation=e.generation)
     cond = _cond(rule.when).holds(signals)
     clear = _cond(rule.clear_when).holds(signals) if rule.clear_when else not cond
     true_since = (now if m.true_since is None else m.true_since) if cond else None
@@ -192,7 +200,7 @@ def decide(signals: Mapping[str, float | None], state: PolicyState, config: Poli
                         dry_run=config.dry_run, **kw)  # type: ignore[arg-type]
 
     if e.state != "RUNNING":
-        # A condition must hold on a serving engine: timers start again with the next one.
+        # A condition must hold on a serving engine: timers start again when it serves.
         for name, m in rules.items():
             rules[name] = dataclasses.replace(m, true_since=None, clear_since=None,
                                               top_since=None)
@@ -258,7 +266,9 @@ def decide(signals: Mapping[str, float | None], state: PolicyState, config: Poli
         spec -= 1
     elif d.action == "more_spec_tokens" and spec is not None:
         spec += 1
-    if d.action not in LIFTABLE and d.action != "lift":
+    if d.action not in LIFTABLE and d.action != "lift" and not config.dry_run:
+        # (in dry-run the cooldown alone spaces the reports: nothing was done, so the
+        # symptom is still there to report)
         m = dataclasses.replace(m, armed=False)
     if d.action == "restart" and m.top_since is not None:
         m = dataclasses.replace(m, top_since=now)  # an escalation waits its time again

@@ -26,7 +26,8 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     State.STOPPED: frozenset({State.STARTING}),
     State.STARTING: frozenset({State.RUNNING, State.BACKOFF, State.FATAL, State.STOPPING,
                                State.DRAINING}),
-    State.RUNNING: frozenset({State.DRAINING, State.BACKOFF, State.STOPPING}),
+    # RUNNING -> FATAL: the policy holds the engine down (an XID that needs a GPU reset).
+    State.RUNNING: frozenset({State.DRAINING, State.BACKOFF, State.STOPPING, State.FATAL}),
     State.DRAINING: frozenset({State.STARTING, State.BACKOFF, State.FATAL, State.STOPPING}),
     State.BACKOFF: frozenset({State.STARTING, State.FATAL, State.STOPPING}),
     State.FATAL: frozenset({State.STARTING, State.STOPPING}),

@@ -12,8 +12,13 @@ script a fault:
   --metrics-file PATH   serve /metrics from this file, read afresh on every request
   --gpu-mib N           that child holds N MiB of GPU memory (torch, CUDA), as EngineCore
                         does; the engine serves only once it is allocated
-Writes vLLM-shaped log lines, its pid (and the child's) to $FAKE_ENGINE_PIDFILE and its
-environment, as JSON, to $FAKE_ENGINE_ENVFILE.
+  --hang-file PATH      while PATH exists, completions hang (a frozen engine: /health
+                        and /metrics still answer, as vLLM's do with EngineCore stopped)
+Serves GET /health, /metrics, /v1/models, POST /v1/completions (one token) and
+/reset_prefix_cache (counted in $FAKE_ENGINE_PIDFILE's directory as prefix-resets).
+Writes vLLM-shaped log lines, its pid (and the child's) to $FAKE_ENGINE_PIDFILE, its
+environment, as JSON, to $FAKE_ENGINE_ENVFILE, and appends its argv as a JSON line to
+$FAKE_ENGINE_ARGVFILE.
 Stdlib only: it runs under any interpreter.
 """
 
@@ -48,7 +53,8 @@ def main() -> None:
     p.add_argument("--child", action="store_true")
     p.add_argument("--gpu-mib", type=int, default=0)
     p.add_argument("--metrics-file", default=None)
-    a = p.parse_args()
+    p.add_argument("--hang-file", default=None)
+    a, _engine_args = p.parse_known_args()  # the rest: engine flags, e.g. --max-num-seqs
 
     log("INFO", f"fake engine starting, args {sys.argv[1:]}")
     if a.fail_boot:
@@ -72,6 +78,10 @@ def main() -> None:
             while held is not None:
                 time.sleep(3600)
         os.read(ready_r, 1)
+    argvfile = os.environ.get("FAKE_ENGINE_ARGVFILE")
+    if argvfile:
+        with open(argvfile, "a") as f:
+            f.write(json.dumps(sys.argv[1:]) + "\n")
     envfile = os.environ.get("FAKE_ENGINE_ENVFILE")
     if envfile:
         with open(envfile, "w") as f:
@@ -93,11 +103,33 @@ def main() -> None:
         def do_GET(self) -> None:
             code = 503 if a.never_healthy else 200
             body = b"{}" if self.path == "/health" else b'{"fake": true}'
+            if self.path == "/v1/models":
+                body = b'{"object": "list", "data": [{"id": "fake", "object": "model"}]}'
             if self.path == "/metrics":
                 body = b"# fake engine: no metrics\n"
                 if a.metrics_file:
                     with open(a.metrics_file, "rb") as f:
                         body = f.read()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(length)
+            if self.path == "/v1/completions":
+                while a.hang_file and os.path.exists(a.hang_file) and not stopping.is_set():
+                    time.sleep(0.05)
+                body = json.dumps({"object": "text_completion", "model": "fake",
+                                   "choices": [{"index": 0, "text": "x"}]}).encode()
+                code = 200
+            elif self.path == "/reset_prefix_cache" and pidfile:
+                with open(os.path.join(os.path.dirname(pidfile), "prefix-resets"), "a") as f:
+                    f.write("1\n")
+                body, code = b'{"success": true}', 200
+            else:
+                body, code = b'{"error": "not found"}', 404
             self.send_response(code)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()

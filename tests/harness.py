@@ -77,12 +77,16 @@ def fake_engine_config(tmp: Path, *fake_args: str, port: int | None = None,
         "engine": {"command": [sys.executable, str(FAKE_ENGINE), *fake_args],
                    "port": port or free_port(), "drain_timeout_s": 2.0, "stop_grace_s": 2.0,
                    "reap_timeout_s": 5.0, "health_interval_s": 0.1, "startup_timeout_s": 20.0,
-                   "env": {"FAKE_ENGINE_PIDFILE": str(tmp / "engine.pids")}},
+                   "env": {"FAKE_ENGINE_PIDFILE": str(tmp / "engine.pids"),
+                           "FAKE_ENGINE_ARGVFILE": str(tmp / "engine.argv")}},
         "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0},
         # unix socket paths are limited to 108 bytes: keep the runtime dir short
         "daemon": {"runtime_dir": tempfile.mkdtemp(prefix="vs-", dir="/tmp")},
         "audit": {"path": str(tmp / "events.jsonl")},
         "log": {"format": "json", "level": "debug"},
+        # each daemon its own exporter port; no GPU sampling unless a test scripts it
+        "exporter": {"listen": f"127.0.0.1:{free_port()}"},
+        "gpu": {"sampler": "off"},
     }
     for name, table in overrides.items():
         sections.setdefault(name, {}).update(table)
@@ -95,6 +99,7 @@ class Daemon:
     def __init__(self, tmp: Path, sections: dict[str, dict[str, Any]],
                  env: dict[str, str] | None = None) -> None:
         self.tmp = tmp
+        self.sections = sections
         self.config = write_config(tmp / "config.toml", sections)
         self.socket = str(Path(sections["daemon"]["runtime_dir"]) / "control.sock")
         self.log_path = tmp / "daemon.log"
@@ -148,6 +153,20 @@ class Daemon:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
+
+    @property
+    def exporter_url(self) -> str:
+        return "http://" + self.sections["exporter"]["listen"]
+
+    def decisions(self) -> list[dict[str, Any]]:
+        return [e for e in self.events() if e["event"] == "decision"]
+
+    def engine_argvs(self) -> list[list[str]]:
+        """The argv of each fake engine started so far (FAKE_ENGINE_ARGVFILE)."""
+        path = self.tmp / "engine.argv"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line]
 
     def engine_pids(self) -> list[int]:
         path = self.tmp / "engine.pids"

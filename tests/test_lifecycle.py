@@ -93,7 +93,7 @@ def test_allowed_transitions(old, new):
 @pytest.mark.parametrize(("old", "new"), [
     (State.STOPPED, State.RUNNING), (State.RUNNING, State.STARTING),
     (State.STOPPING, State.STARTING), (State.FATAL, State.RUNNING),
-    (State.RUNNING, State.FATAL), (State.STOPPED, State.STOPPED),
+    (State.BACKOFF, State.RUNNING), (State.STOPPED, State.STOPPED),
 ])
 def test_forbidden_transitions_raise(old, new):
     with pytest.raises(TransitionError):

@@ -34,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--reason", default=None, help="recorded in the log and audit trail")
     sub.add_parser("stop", help="stop the engine and the daemon; waits until done")
     sub.add_parser("reload", help="re-read the config file (engine settings apply at next start)")
+    sub.add_parser("pause-policy", help="maintenance: the watchdog takes no action until resumed")
+    sub.add_parser("resume-policy", help="the watchdog acts again")
     e = sub.add_parser("events", help="the audit trail's latest entries")
     e.add_argument("-n", type=int, default=20, help="how many (default 20)")
     e.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -65,7 +67,16 @@ def format_status(st: dict[str, Any]) -> str:
                  f"{eng.get('processes', 0)} processes, {eng.get('host')}:{eng.get('port')}, "
                  f"up {_duration(st.get('uptime_s'))}")
     lines.append(f"restarts   {st.get('restarts')}")
-    lines.append(f"throttle   {st.get('throttle_level')}")
+    over = st.get("overrides") or {}
+    lines.append(f"throttle   {st.get('throttle_level')}" + (
+        "; engine args: " + " ".join(f"{k} {v if v is not None else '(removed)'}"
+                                     for k, v in over.items()) if over else ""))
+    pol = st.get("policy")
+    if pol:
+        mode = ("off" if not pol.get("enabled") else "paused" if pol.get("paused")
+                else "dry-run" if pol.get("dry_run") else "acting")
+        lines.append(f"policy     {mode}, {pol.get('restarts_last_hour')}/"
+                     f"{pol.get('max_restarts_per_hour')} restarts in the last hour")
     d = st.get("last_decision")
     if d:
         lines.append(f"decision   {d['action']} at {d['time']}: {d['reason']}")
@@ -78,7 +89,9 @@ def format_status(st: dict[str, Any]) -> str:
         for err in st.get("last_engine_errors", []):
             lines.append(f"  engine: {err}")
     for k, v in sorted(st.get("signals", {}).items()):
-        lines.append(f"signal     {k} = {v}")
+        if v is not None:  # unknown signals (no GPU, no spec decode...) stay out of the way
+            lines.append(f"signal     {k} = {v:g}" if isinstance(v, float) else
+                         f"signal     {k} = {v}")
     lines.append(f"daemon     pid {st.get('daemon_pid')}, "
                  f"up {_duration(st.get('daemon_uptime_s'))}")
     return "\n".join(lines)
@@ -125,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"restarting: {result.get('reason')}")
     elif ns.command == "stop":
         print(f"stopped (daemon exit status {result.get('exit_code')})")
+    elif ns.command in ("pause-policy", "resume-policy"):
+        now = "paused" if result.get("policy_paused") else "acting"
+        print(f"policy {now}" + ("" if result.get("changed") else " (already)"))
     if ns.command == "stop" and result.get("exit_code"):
         return 1
     return 0

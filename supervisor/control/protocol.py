@@ -9,6 +9,7 @@ Request:  {"v": 1, "cmd": "status", "args": {}}
           cmd is one of COMMANDS; args is an object (optional), e.g.
           {"v": 1, "cmd": "restart", "args": {"reason": "new weights"}}
           {"v": 1, "cmd": "events", "args": {"n": 50}}
+          {"v": 1, "cmd": "pause-policy"}   (maintenance: the watchdog decides nothing)
 Reply:    {"v": 1, "ok": true, "result": {...}}
           {"v": 1, "ok": false, "error": "one line saying what was refused and why"}
 
@@ -26,7 +27,7 @@ from typing import Any
 VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024
 IDLE_TIMEOUT_S = 30.0
-COMMANDS = ("status", "restart", "stop", "reload", "events")
+COMMANDS = ("status", "restart", "stop", "reload", "events", "pause-policy", "resume-policy")
 
 
 class ProtocolError(ValueError):

@@ -1,0 +1,269 @@
+"""The watchdog through the real daemon: a fake engine whose /metrics, completions and
+GPU readings the test scripts, real signals, sockets and HTTP. Each test checks a
+transition the policy drives and the evidence it leaves in the audit trail."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.harness import fake_engine_config, wait_for, write_config
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class MetricsScript:
+    """Writes a vLLM-shaped /metrics page for the fake engine, afresh every 50 ms, with
+    counters that grow at the rates the test sets."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.values: dict[str, float] = {"kv": 0.1, "running": 1, "waiting": 0}
+        self.rates: dict[str, float] = {"preemptions": 0.0, "generation": 50.0}
+        self._counters = {"preemptions": 0.0, "generation": 0.0}
+        self._stop = threading.Event()
+        self._write(0.0)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def set(self, **values: float) -> None:
+        for k, v in values.items():
+            if k in self.rates:
+                self.rates[k] = v
+            else:
+                self.values[k] = v
+
+    def _write(self, dt: float) -> None:
+        for k, r in self.rates.items():
+            self._counters[k] += r * dt
+        lbl = '{engine="0",model_name="fake"}'
+        v, c = self.values, self._counters
+        _atomic_write(self.path, "\n".join([
+            "# TYPE vllm:kv_cache_usage_perc gauge", f"vllm:kv_cache_usage_perc{lbl} {v['kv']}",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{lbl} {v['running']}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{lbl} {v['waiting']}",
+            "# TYPE vllm:num_preemptions counter",
+            f"vllm:num_preemptions_total{lbl} {c['preemptions']}",
+            "# TYPE vllm:generation_tokens counter",
+            f"vllm:generation_tokens_total{lbl} {c['generation']}", ""]))
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(0.05):
+            now = time.monotonic()
+            self._write(now - last)
+            last = now
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+@pytest.fixture
+def metrics(tmp_path: Path) -> Iterator[MetricsScript]:
+    m = MetricsScript(tmp_path / "metrics.txt")
+    yield m
+    m.stop()
+
+
+FAST = {  # windows and periods short enough for a test, same logic as the defaults
+    "metrics": {"period_s": 0.1, "timeout_s": 1.0},
+    "signals": {"rate_window_s": 2.0},
+    "canary": {"period_s": 0.5, "timeout_s": 1.0},
+}
+
+
+def watchdog_config(tmp: Path, *fake_args: str, policy: dict[str, Any] | None = None,
+                    rules: dict[str, dict[str, Any]] | None = None,
+                    **sections: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    cfg = fake_engine_config(tmp, *fake_args, **FAST, **sections)
+    cfg["policy"] = {"min_action_gap_s": 0, **(policy or {})}
+    for name, table in (rules or {}).items():
+        cfg[f"policy.rules.{name}"] = table
+    return cfg
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def scrape_exporter(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_running_to_throttled_relaunch_when_kv_saturated_and_back_when_clear(
+        daemon_factory, tmp_path, metrics):
+    cfg = watchdog_config(
+        tmp_path, "--metrics-file", str(metrics.path),
+        engine={"args": ["--max-num-seqs", "16", "--max-num-batched-tokens", "1024"]},
+        throttle={"level_factors": [0.5]},
+        rules={"kv_saturation": {"for_s": 1, "clear_for_s": 1, "cooldown_s": 1}})
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    metrics.set(kv=0.97, waiting=5, running=4, preemptions=3.0)
+    st = d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] == 1)
+    assert st["throttle_level"] == 1
+    assert st["overrides"] == {"--max-num-seqs": "8", "--max-num-batched-tokens": "512"}
+    argv = d.engine_argvs()[-1]
+    assert flag(argv, "--max-num-seqs") == "8" and flag(argv, "--max-num-batched-tokens") == "512"
+    dec = d.decisions()[-1]
+    assert dec["rule"] == "kv_saturation" and dec["action"] == "throttle"
+    assert dec["evidence"]["kv_cache_usage"] == pytest.approx(0.97)
+    assert dec["evidence"]["requests_waiting"] == 5 and dec["evidence"]["preemption_rate"] > 0
+    assert st["last_policy_decision"]["rule"] == "kv_saturation"
+    assert st["last_decision"]["action"] == "start"  # the lifecycle's own latest step
+
+    # Clear: usage below 0.85 for clear_for_s lifts the level with a relaunch.
+    metrics.set(kv=0.2, waiting=0, preemptions=0.0)
+    st = d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] == 2)
+    assert st["throttle_level"] == 0 and st["overrides"] == {}
+    argv = d.engine_argvs()[-1]
+    assert flag(argv, "--max-num-seqs") == "16"
+    assert [e["action"] for e in d.decisions()] == ["throttle", "lift"]
+
+
+def test_running_to_restart_without_drain_when_the_canary_hangs(daemon_factory, tmp_path):
+    hang = tmp_path / "hang"
+    cfg = watchdog_config(tmp_path, "--hang-file", str(hang),
+                          rules={"hang": {"when": "canary_failures >= 2"}})
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: d.status()["signals"]["canary_latency_s"] is not None, 10, "a canary")
+    t0 = time.monotonic()
+    hang.touch()
+    dec = wait_for(lambda: [e for e in d.decisions() if e["rule"] == "hang"], 30,
+                   "the hang rule")[0]
+    detected_s = time.monotonic() - t0
+    hang.unlink()
+    assert dec["action"] == "restart_now" and dec["evidence"]["canary_failures"] >= 2
+    d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] == 1)
+    downs = [e for e in d.events() if e["event"] == "take_down"]
+    assert downs[-1]["graceful"] is False  # a frozen engine cannot drain
+    failed = [r for r in d.log_records() if r.get("event") == "canary failed"]
+    assert failed and all(r["counted"] for r in failed)
+    print(f"hang detected {detected_s:.2f} s after the engine froze")
+
+
+def test_thermal_throttle_holds_within_hysteresis_and_lifts_when_cool(daemon_factory,
+                                                                      tmp_path):
+    gpu = tmp_path / "gpu.json"
+
+    def reading(temp: float, throttled: bool = False) -> None:
+        _atomic_write(gpu, json.dumps({
+            "temperature_c": temp, "slowdown_temperature_c": 89.0, "power_w": 300.0,
+            "power_limit_w": 700.0, "thermal_throttled": throttled, "power_capped": False,
+            "process_memory": {}}))
+
+    reading(60)
+    cfg = watchdog_config(
+        tmp_path, gpu={"sampler": "file", "file": str(gpu), "period_s": 0.5},
+        engine={"args": ["--max-num-seqs", "16"]},
+        rules={"thermal": {"for_s": 1, "clear_for_s": 2, "cooldown_s": 1}})
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: d.status()["signals"]["gpu_slowdown_margin_c"] == 29, 10, "a reading")
+    reading(86)  # 3 C below the card's own 89 C slowdown mark
+    st = d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] == 1)
+    assert st["throttle_level"] == 1 and st["overrides"]["--max-num-seqs"] == "12"
+    dec = d.decisions()[-1]
+    assert dec["rule"] == "thermal" and dec["evidence"]["gpu_slowdown_margin_c"] == 3
+
+    reading(82)  # 7 C below: cooler, but inside the hysteresis band (lift at 8)
+    at7 = wait_for(lambda: (s := d.status())["signals"]["gpu_slowdown_margin_c"] == 7 and s,
+                   10, "margin 7")["state_for_s"]
+    # the daemon's own clock: 4 s at margin 7, twice clear_for_s
+    wait_for(lambda: d.status()["state_for_s"] > at7 + 4, 15, "4 s at margin 7")
+    st = d.status()
+    assert st["throttle_level"] == 1 and st["restarts"] == 1
+    assert st["policy"]["rules"]["thermal"]["clearing_s"] is None
+
+    reading(81, throttled=True)  # cool enough, but NVML says thermal slowdown: no lift
+    wait_for(lambda: d.status()["signals"]["gpu_thermal_throttled"] == 1, 10, "the flag")
+    reading(80)
+    st = d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] == 2)
+    assert st["throttle_level"] == 0 and st["overrides"] == {}
+    assert [e["action"] for e in d.decisions()] == ["throttle", "lift"]
+
+
+def test_running_to_fatal_hold_down_on_an_xid_that_needs_a_gpu_reset(daemon_factory,
+                                                                     tmp_path):
+    gpu = tmp_path / "gpu.json"
+    _atomic_write(gpu, json.dumps({"temperature_c": 50.0, "xids": []}))
+    cfg = watchdog_config(tmp_path, gpu={"sampler": "file", "file": str(gpu),
+                                         "period_s": 0.5})
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    _atomic_write(gpu, json.dumps({"temperature_c": 50.0, "xids": [79]}))
+    st = d.wait_state("FATAL", 30)
+    assert "XID 79" in st["fatal_reason"] and "reset or a reboot" in st["fatal_reason"]
+    _atomic_write(gpu, json.dumps({"temperature_c": 50.0, "xids": []}))
+    wait_for(lambda: d.status()["pid"] is None and d.status()["engine"]["processes"] == 0,
+             20, "the engine taken down")
+    assert next(e for e in d.events() if e["event"] == "xid")["xid"] == 79
+    # no restart loop: held down until the operator says so
+    assert d.status()["restarts"] == 0
+    assert d.ctl("restart").returncode == 0
+    d.wait_state("RUNNING", 30)
+
+
+def test_dry_run_pause_budget_and_the_exporter(daemon_factory, tmp_path, metrics):
+    metrics.set(kv=0.6, running=0, generation=0.0)  # a leak signature: held, nothing running
+    rules = {"kv_leak": {"for_s": 0.5, "cooldown_s": 1}}
+    cfg = watchdog_config(tmp_path, "--metrics-file", str(metrics.path),
+                          policy={"dry_run": True, "max_restarts_per_hour": 1}, rules=rules)
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    # dry-run: decided and audited, not done
+    dec = wait_for(lambda: d.decisions(), 20, "a dry-run decision")[0]
+    assert dec["rule"] == "kv_leak" and dec["action"] == "restart" and dec["dry_run"] is True
+    assert d.status()["restarts"] == 0 and d.status()["state"] == "RUNNING"
+
+    # paused: due but held back, reported once
+    assert d.ctl("pause-policy").returncode == 0
+    cfg["policy"]["dry_run"] = False
+    write_config(d.config, cfg)
+    assert d.ctl("reload").returncode == 0
+    held = wait_for(lambda: [e for e in d.events() if e["event"] == "decision_held_back"],
+                    20, "an action held back")
+    assert "paused" in held[0]["held_back"]
+    wait_for(lambda: d.status()["policy"]["rules"]["kv_leak"]["holding_s"] > 3, 20, "3 s")
+    assert len([e for e in d.events() if e["event"] == "decision_held_back"]) == 1
+    assert d.status()["restarts"] == 0
+
+    # resumed: it acts, once; the next one would exceed the budget: one alert instead
+    assert d.ctl("resume-policy").returncode == 0
+    d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] == 1)
+    alert = wait_for(lambda: [e for e in d.decisions() if e["action"] == "alert"], 20,
+                     "the budget alert")[0]
+    assert "restart budget exhausted" in alert["reason"]
+    st = d.status()
+    assert st["restarts"] == 1 and st["policy"]["restarts_last_hour"] == 1
+
+    m = scrape_exporter(d.exporter_url)
+    assert m[("vllm_supervisor_engine_state", (("state", "RUNNING"),))] == 1
+    assert m[("vllm_supervisor_engine_restarts_total", (("reason", "policy"),))] == 1
+    assert m[("vllm_supervisor_policy_trips_total", (("rule", "kv_leak"),))] >= 3
+    assert m[("vllm_supervisor_kv_cache_usage_ratio", ())] == pytest.approx(0.6)
+    assert ("vllm_supervisor_gpu_temperature_celsius", ()) not in m  # unknown, not 0
+    assert httpx.get(f"{d.exporter_url}/readyz", timeout=5).status_code == 200
+    assert httpx.get(f"{d.exporter_url}/healthz", timeout=5).status_code == 200
