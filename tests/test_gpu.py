@@ -62,3 +62,87 @@ def test_nvml_lister_reads_the_real_device():
     assert procs is not None  # NVML answered
     for pid, used in procs.items():
         assert pid > 0 and used >= 0
+
+
+def test_nvml_sampler_reads_a_loaded_gpu_and_sees_its_memory_released():
+    """The watchdog's sampler on a real GPU heated by a torch workload: temperature,
+    the card's slowdown mark, power against its limit, clock-event reasons, and the
+    workload's memory attributed to its pid, then gone after SIGKILL."""
+    import subprocess
+    import sys
+
+    from supervisor.gpu import NvmlSampler
+
+    sampler = NvmlSampler([])
+    assert sampler.init() is None
+    idle = sampler.sample()
+    burn = subprocess.Popen([sys.executable, "-m", "tests.gpu_burn", "--seconds", "90"],
+                            stdout=subprocess.PIPE, text=True)
+    readings = []
+    try:
+        assert burn.stdout is not None
+        line = burn.stdout.readline()
+        assert line.startswith("ready "), line
+        pid = int(line.split()[1])
+        t_end = time.monotonic() + 45
+        while time.monotonic() < t_end:
+            readings.append(sampler.sample())
+            time.sleep(1.0)
+        held = max((r.process_memory or {}).get(pid, 0) for r in readings)
+        burn.send_signal(signal.SIGKILL)
+        burn.wait(10)
+        t_kill = time.monotonic()
+        wait_for(lambda: pid not in (sampler.sample().process_memory or {pid: 0}), 30,
+                 "the killed workload's memory to leave NVML's list")
+        release_s = time.monotonic() - t_kill
+    finally:
+        if burn.poll() is None:
+            burn.kill()
+            burn.wait(10)
+    loaded = readings[-10:]
+    temps = [r.temperature_c for r in readings if r.temperature_c is not None]
+    powers = [r.power_w for r in loaded if r.power_w is not None]
+    reasons = sorted({r.clock_event_reasons for r in readings
+                      if r.clock_event_reasons is not None})
+    assert idle.temperature_c is not None and temps
+    assert idle.slowdown_temperature_c is not None and idle.slowdown_temperature_c > 50
+    assert idle.power_w is not None and idle.power_limit_w is not None
+    assert powers and max(powers) > idle.power_w  # the workload draws power
+    assert reasons  # clock-event reasons read on every sample
+    assert held >= 2 << 30
+    errors = sorted({e for r in readings for e in r.errors})
+    print("nvml sampler results:", json.dumps({
+        "idle_temperature_c": idle.temperature_c, "max_loaded_temperature_c": max(temps),
+        "slowdown_temperature_c": idle.slowdown_temperature_c,
+        "idle_power_w": idle.power_w, "max_loaded_power_w": max(powers),
+        "power_limit_w": idle.power_limit_w,
+        "reasons_seen": [hex(r) for r in reasons],
+        "thermal_throttled_seen": any(r.thermal_throttled for r in readings),
+        "power_capped_seen": any(r.power_capped for r in readings),
+        "utilization_max": max((r.utilization_ratio or 0.0) for r in readings),
+        "workload_pid_gpu_mib": held >> 20, "release_after_sigkill_s": round(release_s, 2),
+        "xid_registration": sampler.xid_problem or "registered",
+        "errors": errors}))
+    sampler.close()
+
+
+def test_daemon_shows_nvml_readings_and_the_engine_gpu_memory_in_status_and_exporter(
+        daemon_factory, tmp_path):
+    import httpx
+
+    cfg = fake_engine_config(tmp_path, "--gpu-mib", str(MIB), gpu={"sampler": "nvml",
+                                                                   "period_s": 1.0},
+                             engine={"startup_timeout_s": 120})
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING", 120)
+    sig = wait_for(lambda: (s := d.status()["signals"])["engine_gpu_memory_bytes"] and s,
+                   30, "the engine's GPU memory in status")
+    assert sig["engine_gpu_memory_bytes"] >= MIB << 20
+    assert sig["gpu_temperature_c"] is not None and sig["gpu_power_w"] is not None
+    assert sig["gpu_slowdown_temperature_c"] is not None and sig["gpu_power_limit_w"]
+    assert sig["gpu_thermal_throttled"] in (0.0, 1.0)
+    text = httpx.get(f"{d.exporter_url}/metrics", timeout=5).text
+    assert "vllm_supervisor_gpu_temperature_celsius" in text
+    assert "vllm_supervisor_engine_gpu_memory_bytes" in text
+    print("daemon gpu signals:", json.dumps({k: v for k, v in sig.items()
+                                             if k.startswith(("gpu_", "engine_gpu"))}))
