@@ -92,8 +92,11 @@ def test_nvml_sampler_reads_a_loaded_gpu_and_sees_its_memory_released():
         burn.send_signal(signal.SIGKILL)
         burn.wait(10)
         t_kill = time.monotonic()
-        wait_for(lambda: pid not in (sampler.sample().process_memory or {pid: 0}), 30,
-                 "the killed workload's memory to leave NVML's list")
+        def released() -> bool:
+            procs = sampler.sample().process_memory
+            return procs is not None and pid not in procs  # {} once nothing is left
+
+        wait_for(released, 30, "the killed workload's memory to leave NVML's list")
         release_s = time.monotonic() - t_kill
     finally:
         if burn.poll() is None:
