@@ -138,9 +138,10 @@ def test_daemon_shows_nvml_readings_and_the_engine_gpu_memory_in_status_and_expo
                              engine={"startup_timeout_s": 120})
     d = daemon_factory(cfg)
     d.wait_state("RUNNING", 120)
-    sig = wait_for(lambda: (s := d.status()["signals"])["engine_gpu_memory_bytes"] and s,
-                   30, "the engine's GPU memory in status")
-    assert sig["engine_gpu_memory_bytes"] >= MIB << 20
+    # the core's CUDA context comes first, its 1 GiB tensor a moment later
+    sig = wait_for(lambda: (s := d.status()["signals"])["engine_gpu_memory_bytes"]
+                   and s["engine_gpu_memory_bytes"] >= MIB << 20 and s,
+                   30, "the engine's 1 GiB in status")
     assert sig["gpu_temperature_c"] is not None and sig["gpu_power_w"] is not None
     assert sig["gpu_slowdown_temperature_c"] is not None and sig["gpu_power_limit_w"]
     assert sig["gpu_thermal_throttled"] in (0.0, 1.0)
