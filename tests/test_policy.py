@@ -1,0 +1,444 @@
+"""The policy with a fake clock: for each default rule, series that trip it and series
+that almost do; hysteresis, cooldowns, escalation, the restart budget, the minimum gap,
+pause and dry-run. `decide` is pure: times are plain numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from supervisor.config import PolicyConfig
+from supervisor.policy import Decision, EngineView, PolicyState, decide
+from supervisor.rules import DEFAULT_RULES, RuleConfig
+
+Signals = dict[str, float | None]
+
+
+def config(dry_run: bool = False, budget: int = 100, gap: float = 0.0,
+           **rules: dict[str, Any]) -> PolicyConfig:
+    merged = dict(DEFAULT_RULES)
+    for name, changes in rules.items():
+        merged[name] = dataclasses.replace(merged[name], **changes) if name in merged \
+            else RuleConfig(**changes)
+    return PolicyConfig(dry_run=dry_run, max_restarts_per_hour=budget, min_action_gap_s=gap,
+                        rules=merged)
+
+
+class Run:
+    """Feeds decide() a signal series at given times, carrying the memory and the
+    throttle level forward as the daemon does."""
+
+    def __init__(self, cfg: PolicyConfig, engine: EngineView | None = None) -> None:
+        self.cfg = cfg
+        self.state = PolicyState(engine or EngineView())
+        self.decisions: list[tuple[float, Decision]] = []
+
+    def at(self, now: float, signals: Signals, **engine: Any) -> Decision:
+        e = dataclasses.replace(self.state.engine, **engine) if engine else self.state.engine
+        d = decide(signals, PolicyState(e, self.state.memory, self.state.paused), self.cfg, now)
+        e = dataclasses.replace(e, throttle_level=d.throttle_level,
+                                batch_reduced=d.batch_reduced, spec_tokens=d.spec_tokens)
+        if d.restarts_engine and not d.dry_run:
+            e = dataclasses.replace(e, generation=e.generation + 1)  # the relaunch
+        self.state = PolicyState(e, d.memory, self.state.paused)
+        self.decisions.append((now, d))
+        return d
+
+    def over(self, times: Iterable[float], signals: Signals) -> list[Decision]:
+        return [d for d in (self.at(t, signals) for t in times) if d.action != "none"]
+
+    def pause(self, paused: bool) -> None:
+        self.state = dataclasses.replace(self.state, paused=paused)
+
+
+def seconds(a: float, b: float, step: float = 1.0) -> list[float]:
+    out, t = [], a
+    while t <= b + 1e-9:
+        out.append(t)
+        t += step
+    return out
+
+
+SATURATED: Signals = {"kv_cache_usage": 0.97, "requests_waiting": 5, "preemption_rate": 0.5,
+                      "requests_running": 8}
+ONLY = {name: {"enabled": False} for name in DEFAULT_RULES}
+
+
+def only(*names: str, **changes: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    rules = {n: dict(v) for n, v in ONLY.items()}
+    for n in names:
+        rules[n] = {"enabled": True, **changes.get(n, {})}
+    return rules
+
+
+# ---- kv_saturation ---------------------------------------------------------------------
+
+def test_kv_saturation_throttles_after_60_s_with_its_evidence():
+    r = Run(config(**only("kv_saturation")))
+    acted = r.over(seconds(0, 60), SATURATED)
+    assert len(acted) == 1
+    d = acted[0]
+    assert (d.rule, d.action, d.throttle_level) == ("kv_saturation", "throttle", 1)
+    assert r.decisions[-1][0] == 60
+    assert d.evidence == {"kv_cache_usage": 0.97, "requests_waiting": 5,
+                          "preemption_rate": 0.5}
+    assert d.restarts_engine  # no live throttle yet: a relaunch
+
+
+def test_kv_saturation_almost_trips_59_s_or_without_a_queue_or_preemptions():
+    r = Run(config(**only("kv_saturation")))
+    assert r.over(seconds(0, 59), SATURATED) == []
+    for missing in ({"requests_waiting": 0}, {"preemption_rate": 0.0},
+                    {"preemption_rate": None}, {"kv_cache_usage": 0.94}):
+        r = Run(config(**only("kv_saturation")))
+        assert r.over(seconds(0, 120), {**SATURATED, **missing}) == [], missing
+
+
+def test_kv_saturation_interrupted_starts_its_timer_again():
+    r = Run(config(**only("kv_saturation")))
+    assert r.over(seconds(0, 50), SATURATED) == []
+    assert r.over([51], {**SATURATED, "requests_waiting": 0}) == []
+    assert r.over(seconds(52, 110), SATURATED) == []  # 59 s since the gap
+    assert r.over([112], SATURATED)[0].action == "throttle"
+
+
+def test_kv_saturation_steps_per_cooldown_then_escalates_to_restart_at_the_top():
+    r = Run(config(**only("kv_saturation")), EngineView(max_throttle_level=2))
+    acted = r.over(seconds(0, 1000), SATURATED)
+    steps = [(t, d.action, d.throttle_level) for t, d in r.decisions if d.action != "none"]
+    assert [a for _, a, _ in steps[:3]] == ["throttle", "throttle", "restart"]
+    assert steps[0][0] == 60 and steps[1][0] == 180  # cooldown 120 s
+    assert steps[1][2] == 2  # the top
+    # each throttle is a relaunch: the new engine must show it for 60 s, then 300 s more
+    # at the top level
+    assert steps[2][0] == 181 + 60 + 300
+    assert acted[2].throttle_level == 2  # a restart keeps the throttle
+    assert "top throttle level" in acted[2].reason
+
+
+def test_kv_saturation_lifts_one_level_per_clear_period_with_hysteresis():
+    r = Run(config(**only("kv_saturation")), EngineView(max_throttle_level=3))
+    r.over(seconds(0, 180), SATURATED)
+    assert r.state.engine.throttle_level == 2
+    band = {**SATURATED, "kv_cache_usage": 0.9, "requests_waiting": 0}  # not clear (< 0.85)
+    assert r.over(seconds(181, 900), band) == []
+    clear = {**band, "kv_cache_usage": 0.5}
+    lifts = [(t, d) for t, d in ((t, r.at(t, clear)) for t in seconds(901, 1600))
+             if d.action != "none"]
+    assert [d.action for _, d in lifts] == ["lift", "lift"]
+    # each lift is a relaunch: the next one needs 300 s of clear on the new engine
+    assert lifts[0][0] == 901 + 300 and lifts[1][0] == 1202 + 300
+    assert r.state.engine.throttle_level == 0
+
+
+# ---- kv_leak ---------------------------------------------------------------------------
+
+LEAK: Signals = {"kv_cache_usage": 0.6, "requests_running": 0}
+
+
+def test_kv_leak_restarts_after_30_s_of_blocks_held_with_nothing_running():
+    r = Run(config(**only("kv_leak")))
+    acted = r.over(seconds(0, 30), LEAK)
+    assert [(d.rule, d.action) for d in acted] == [("kv_leak", "restart")]
+    assert acted[0].evidence == {"kv_cache_usage": 0.6, "requests_running": 0}
+
+
+def test_kv_leak_almost_at_29_s_or_with_work_running_or_below_half():
+    assert Run(config(**only("kv_leak"))).over(seconds(0, 29), LEAK) == []
+    assert Run(config(**only("kv_leak"))).over(
+        seconds(0, 100), {**LEAK, "requests_running": 1}) == []
+    assert Run(config(**only("kv_leak"))).over(
+        seconds(0, 100), {**LEAK, "kv_cache_usage": 0.49}) == []
+    assert Run(config(**only("kv_leak"))).over(
+        seconds(0, 100), {**LEAK, "requests_running": None}) == []  # unknown: no trip
+
+
+def test_a_one_shot_rule_does_not_fire_twice_on_one_engine_without_clearing():
+    r = Run(config(**only("kv_leak", kv_leak={"cooldown_s": 10})))
+    # no relaunch: the generation stays (as when the restart was refused or failed)
+    acted = [d for d in (r.at(t, LEAK, generation=1) for t in seconds(0, 300))
+             if d.action != "none"]
+    assert len(acted) == 1
+    r.over([301], {**LEAK, "requests_running": 3})  # clear (clear_for_s 0)
+    again = [d for d in (r.at(t, LEAK, generation=1) for t in seconds(302, 340))
+             if d.action != "none"]
+    assert [d.action for d in again] == ["restart"]
+
+
+def test_a_new_engine_re_arms_a_one_shot_rule_within_its_cooldown_bounds():
+    r = Run(config(**only("kv_leak", kv_leak={"cooldown_s": 100})))
+    first = r.over(seconds(0, 30), LEAK)
+    assert len(first) == 1 and r.state.engine.generation == 2
+    later = [(t, d) for t, d in ((t, r.at(t, LEAK)) for t in seconds(31, 200))
+             if d.action != "none"]
+    assert later[0][0] == 130  # re-armed by the new engine, but the cooldown holds
+
+
+# ---- prefix_collapse -------------------------------------------------------------------
+
+COLLAPSE: Signals = {"prefix_cache_hit_rate": 0.2, "prefix_cache_hit_rate_ratio": 0.3}
+
+
+def test_prefix_collapse_resets_the_cache_when_the_engine_allows_it():
+    r = Run(config(**only("prefix_collapse")), EngineView(can_reset_prefix_cache=True))
+    acted = r.over(seconds(0, 300, 5), COLLAPSE)
+    assert [(d.action, d.restarts_engine) for d in acted] == [("reset_prefix_cache", False)]
+
+
+def test_prefix_collapse_falls_back_to_a_restart_without_dev_mode():
+    r = Run(config(**only("prefix_collapse")))
+    acted = r.over(seconds(0, 300, 5), COLLAPSE)
+    assert acted[0].action == "restart" and "VLLM_SERVER_DEV_MODE" in acted[0].reason
+
+
+def test_prefix_collapse_almost_and_never_for_an_engine_without_a_baseline():
+    cfg = config(**only("prefix_collapse"))
+    assert Run(cfg).over(seconds(0, 295, 5), COLLAPSE) == []
+    # still above half its baseline: a workload whose hit rate was always low
+    assert Run(cfg).over(seconds(0, 900, 5), {**COLLAPSE,
+                                               "prefix_cache_hit_rate_ratio": 0.6}) == []
+    # never had hits: no baseline, so no ratio
+    assert Run(cfg).over(seconds(0, 900, 5), {"prefix_cache_hit_rate": 0.0,
+                                               "prefix_cache_hit_rate_ratio": None}) == []
+
+
+# ---- memory_growth ---------------------------------------------------------------------
+
+def test_memory_growth_restarts_on_growth_or_the_limit():
+    grow = {"engine_rss_bytes": 8e9, "engine_rss_growth_bytes_per_h": 3e9}
+    assert Run(config(**only("memory_growth"))).over(seconds(0, 60), grow)[0].action == \
+        "restart"
+    big = {"engine_rss_bytes": 7e10, "engine_rss_growth_bytes_per_h": None}
+    assert Run(config(**only("memory_growth"))).over(seconds(0, 60), big)[0].action == \
+        "restart"
+
+
+def test_memory_growth_almost():
+    slow = {"engine_rss_bytes": 8e9, "engine_rss_growth_bytes_per_h": 1.9e9}
+    assert Run(config(**only("memory_growth"))).over(seconds(0, 600), slow) == []
+    grow = {"engine_rss_bytes": 8e9, "engine_rss_growth_bytes_per_h": 3e9}
+    assert Run(config(**only("memory_growth"))).over(seconds(0, 59), grow) == []
+
+
+# ---- hang ------------------------------------------------------------------------------
+
+def test_hang_restarts_without_drain_on_canary_failures_or_stale_metrics():
+    d = Run(config(**only("hang"))).at(0, {"canary_failures": 3, "metrics_staleness_s": 0})
+    assert (d.action, d.rule) == ("restart_now", "hang")
+    d = Run(config(**only("hang"))).at(0, {"canary_failures": 0, "metrics_staleness_s": 30})
+    assert d.action == "restart_now"
+
+
+def test_hang_almost():
+    assert Run(config(**only("hang"))).over(
+        seconds(0, 100), {"canary_failures": 2, "metrics_staleness_s": 29.9}) == []
+
+
+def test_hang_wins_over_a_simultaneous_throttle_and_skips_the_gap():
+    r = Run(config(gap=600, **only("hang", "kv_saturation")))
+    r.over(seconds(0, 60), SATURATED)
+    assert r.decisions[-1][1].action == "throttle"
+    d = r.at(61, {**SATURATED, "canary_failures": 3})
+    assert d.action == "restart_now"  # 1 s after the throttle: the gap does not apply
+
+
+def test_one_decision_per_tick_the_most_drastic_first():
+    r = Run(config(**only("hang", "kv_leak", kv_leak={"for_s": 0})))
+    d = r.at(0, {**LEAK, "canary_failures": 5})
+    assert d.action == "restart_now"
+
+
+# ---- thermal ---------------------------------------------------------------------------
+
+def gpu(margin: float, throttled: float = 0.0) -> Signals:
+    return {"gpu_slowdown_margin_c": margin, "gpu_thermal_throttled": throttled}
+
+
+def test_thermal_throttles_within_5_c_of_the_cards_mark_for_30_s():
+    r = Run(config(**only("thermal")))
+    acted = r.over(seconds(0, 30), gpu(4))
+    assert [(d.action, d.throttle_level) for d in acted] == [("throttle", 1)]
+    assert acted[0].evidence == {"gpu_slowdown_margin_c": 4, "gpu_thermal_throttled": 0}
+
+
+def test_thermal_throttles_on_nvml_thermal_slowdown_even_when_cool():
+    assert Run(config(**only("thermal"))).over(seconds(0, 30), gpu(20, 1.0))[0].action == \
+        "throttle"
+
+
+def test_thermal_almost_and_unknown():
+    assert Run(config(**only("thermal"))).over(seconds(0, 29), gpu(4)) == []
+    assert Run(config(**only("thermal"))).over(seconds(0, 300), gpu(5.5)) == []
+    assert Run(config(**only("thermal"))).over(seconds(0, 300), {}) == []  # no GPU
+
+
+def test_thermal_hysteresis_no_lift_at_7_c_then_lift_after_2_min_at_8_c():
+    r = Run(config(**only("thermal")))
+    r.over(seconds(0, 30), gpu(3))
+    assert r.state.engine.throttle_level == 1
+    assert r.over(seconds(31, 600), gpu(7)) == []  # inside the band: holds
+    acted = [(t, d) for t, d in ((t, r.at(t, gpu(8))) for t in seconds(601, 900))
+             if d.action != "none"]
+    assert [(t, d.action, d.throttle_level) for t, d in acted] == [(721, "lift", 0)]
+
+
+def test_thermal_escalates_to_a_reduced_batch_after_10_min_at_the_top_and_lifts_it_first():
+    r = Run(config(**only("thermal")), EngineView(max_throttle_level=1))
+    acted = [(t, d) for t, d in ((t, r.at(t, gpu(2))) for t in seconds(0, 700))
+             if d.action != "none"]
+    assert [d.action for _, d in acted] == ["throttle", "reduce_batch"]
+    # the throttle relaunched: 30 s on the new engine (from 31 s), then 600 s at the top
+    assert acted[1][0] == 31 + 30 + 600
+    assert r.state.engine.batch_reduced and r.state.engine.throttle_level == 1
+    lifts = [d for d in (r.at(t, gpu(10)) for t in seconds(701, 1000)) if d.action != "none"]
+    assert [(d.action, d.batch_reduced, d.throttle_level) for d in lifts] == [
+        ("lift", False, 1), ("lift", False, 0)]
+
+
+# ---- power_budget ----------------------------------------------------------------------
+
+def test_power_budget_is_off_by_default_and_throttles_when_enabled():
+    hot = {"gpu_power_w": 650.0}
+    assert Run(config(**{n: {"enabled": False} for n in DEFAULT_RULES
+                         if n != "power_budget"})).over(seconds(0, 300), hot) == []
+    r = Run(config(**only("power_budget")))
+    assert [d.action for d in r.over(seconds(0, 60), hot)] == ["throttle"]
+    assert r.over(seconds(61, 400), {"gpu_power_w": 580.0}) == []  # hysteresis: < 560
+    assert [d.action for d in r.over(seconds(401, 600), {"gpu_power_w": 500.0})] == ["lift"]
+
+
+def test_power_budget_almost():
+    r = Run(config(**only("power_budget")))
+    assert r.over(seconds(0, 59), {"gpu_power_w": 650.0}) == []
+
+
+# ---- speculative decoding --------------------------------------------------------------
+
+def test_spec_decode_low_takes_one_token_off_down_to_none():
+    r = Run(config(**only("spec_decode_low", spec_decode_low={"cooldown_s": 0})),
+            EngineView(spec_tokens=2, spec_tokens_max=4))
+    low = {"spec_decode_acceptance_rate": 0.3}
+    acted = r.over(seconds(0, 3000, 10), low)
+    assert [(d.action, d.spec_tokens) for d in acted] == [("fewer_spec_tokens", 1),
+                                                          ("fewer_spec_tokens", 0)]
+
+
+def test_spec_decode_high_adds_up_to_the_maximum_and_never_without_spec_decode():
+    high = {"spec_decode_acceptance_rate": 0.8}
+    r = Run(config(**only("spec_decode_high", spec_decode_high={"cooldown_s": 0})),
+            EngineView(spec_tokens=3, spec_tokens_max=4))
+    assert [(d.action, d.spec_tokens) for d in r.over(seconds(0, 3000, 10), high)] == [
+        ("more_spec_tokens", 4)]
+    none = Run(config(**only("spec_decode_high", "spec_decode_low")), EngineView())
+    assert none.over(seconds(0, 3000, 10), high) == []
+
+
+def test_spec_decode_almost():
+    r = Run(config(**only("spec_decode_low")), EngineView(spec_tokens=3))
+    assert r.over(seconds(0, 590, 10), {"spec_decode_acceptance_rate": 0.3}) == []
+    assert r.over(seconds(600, 2000, 10), {"spec_decode_acceptance_rate": 0.45}) == []
+
+
+# ---- max_uptime and XIDs ---------------------------------------------------------------
+
+def test_max_uptime_off_by_default_then_waits_for_a_quiet_moment():
+    busy = {"engine_uptime_s": 30000, "requests_running": 2, "requests_waiting": 0}
+    assert Run(config()).over([0], {**busy, "requests_running": 0}) == []
+    r = Run(config(**only("max_uptime")))
+    assert r.over([0, 1, 2], busy) == []
+    assert r.at(3, {**busy, "requests_running": 0}).action == "restart"
+
+
+def test_xid_needing_a_reset_holds_the_engine_down_and_one_a_restart_clears_restarts():
+    d = Run(config(**only("xid_reset", "xid_restart"))).at(0, {"gpu_xid_reset_errors": 1,
+                                                               "gpu_xid_restart_errors": 1})
+    assert d.action == "hold_down" and not d.restarts_engine
+    d = Run(config(**only("xid_reset", "xid_restart"))).at(0, {"gpu_xid_reset_errors": 0,
+                                                               "gpu_xid_restart_errors": 2})
+    assert d.action == "restart"
+    assert Run(config(**only("xid_reset", "xid_restart"))).at(
+        0, {"gpu_xid_reset_errors": 0, "gpu_xid_restart_errors": 0}).action == "none"
+
+
+# ---- guardrails ------------------------------------------------------------------------
+
+def test_restart_budget_one_alert_then_nothing_until_an_hour_has_passed():
+    r = Run(config(budget=2, **only("kv_leak", kv_leak={"cooldown_s": 60})))
+    acted = [(t, d) for t, d in ((t, r.at(t, LEAK)) for t in seconds(0, 3700, 10))
+             if d.action != "none"]
+    kinds = [(t, d.action) for t, d in acted]
+    assert kinds[:3] == [(30, "restart"), (90, "restart"), (150, "alert")]
+    assert "restart budget exhausted" in acted[2][1].reason
+    held = [d.held_back for _, d in r.decisions if d.held_back]
+    assert held == ["restart held back: restart budget exhausted"]  # reported once
+    assert kinds[3] == (3630, "restart")  # the first restart left the hour at 3630
+
+
+def test_minimum_gap_holds_an_action_back_and_reports_it_once():
+    r = Run(config(gap=100, **only("kv_saturation", "kv_leak",
+                                   kv_saturation={"for_s": 0, "cooldown_s": 0},
+                                   kv_leak={"for_s": 0})))
+    assert r.at(0, SATURATED).action == "throttle"
+    d1 = r.at(1, {**SATURATED, "requests_running": 0, "kv_cache_usage": 0.97})
+    assert d1.action == "none" and d1.held_back and "since the last action" in d1.held_back
+    d2 = r.at(2, {**SATURATED, "requests_running": 0})
+    assert d2.action == "none" and d2.held_back is None
+    assert r.at(100, {**SATURATED, "requests_running": 0}).action == "restart"
+
+
+def test_pause_holds_every_action_back_and_says_so_once():
+    r = Run(config(**only("hang")))
+    r.pause(True)
+    ds = [r.at(t, {"canary_failures": 5}) for t in (0, 1, 2)]
+    assert [d.action for d in ds] == ["none"] * 3
+    assert ds[0].held_back == "restart_now held back: the policy is paused"
+    assert ds[1].held_back is None and ds[2].held_back is None
+    r.pause(False)
+    assert r.at(3, {"canary_failures": 5}).action == "restart_now"
+
+
+def test_dry_run_decides_and_reports_but_changes_nothing_and_honours_the_cooldown():
+    r = Run(config(dry_run=True, **only("kv_saturation")))
+    acted = [(t, d) for t, d in ((t, r.at(t, SATURATED)) for t in seconds(0, 400))
+             if d.action != "none"]
+    assert [t for t, _ in acted] == [60, 180, 300]  # every cooldown, not every tick
+    assert all(d.dry_run and d.throttle_level == 0 for _, d in acted)
+    assert r.state.engine.throttle_level == 0 and r.state.memory.restarts == ()
+    assert r.state.memory.rules["kv_saturation"].levels == 0
+
+
+def test_timers_restart_while_the_engine_is_not_running():
+    r = Run(config(**only("kv_leak")))
+    assert r.over(seconds(0, 20), LEAK) == []
+    assert r.at(21, LEAK, state="DRAINING").action == "none"
+    serving = [r.at(t, LEAK, state="RUNNING").action for t in seconds(22, 52)]
+    assert serving == ["none"] * 30 + ["restart"]  # 30 s on a serving engine, from 22 s
+
+
+def test_a_disabled_rule_never_acts():
+    assert Run(config(hang={"enabled": False})).over(
+        seconds(0, 10), {"canary_failures": 9}) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 30), st.sampled_from(
+    [SATURATED, LEAK, {"canary_failures": 4.0}, gpu(2), gpu(12), {}])), min_size=1,
+    max_size=150), st.integers(0, 3), st.integers(1, 3))
+def test_budget_and_throttle_bounds_hold_for_any_series(steps, budget, levels):
+    r = Run(config(budget=budget, gap=0, kv_saturation={"for_s": 0, "cooldown_s": 0},
+                   kv_leak={"for_s": 0, "cooldown_s": 0}, thermal={"for_s": 0, "cooldown_s": 0},
+                   hang={"cooldown_s": 0}),
+            EngineView(max_throttle_level=levels))
+    t = 0.0
+    restarts: list[float] = []
+    for dt, signals in steps:
+        t += dt
+        d = r.at(t, signals)
+        assert 0 <= d.throttle_level <= levels
+        if d.restarts_engine and not d.dry_run:
+            restarts.append(t)
+        assert len([x for x in restarts if t - x < 3600]) <= budget
