@@ -53,7 +53,7 @@ def _gpu(cfg: Config) -> tuple[GpuProcessLister, GpuSampler | None]:
         if cfg.engine.gpus or mode == "nvml":
             log.warning("GPU checks are off", reason=problem, gpus=cfg.engine.gpus)
         else:
-            log.info("no GPU found; GPU checks are off", reason=problem)
+            log.warning("no GPU found; GPU checks and readings are off", reason=problem)
         return NoGpu(), None
     return nvml, (nvml if mode != "off" else None)
 

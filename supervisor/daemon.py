@@ -872,8 +872,9 @@ class Supervisor:
                                                  self.clock.monotonic()))
 
     def handle_canary_done(self, ev: CanaryDone) -> None:
-        if self.engine is None or self.engine.generation != ev.generation:
-            return
+        if (self.engine is None or self.engine.generation != ev.generation
+                or self.state is not State.RUNNING or self._taking_down):
+            return  # a draining engine refuses work on purpose: not the canary's business
         o = ev.outcome
         # A canary that timed out behind a queue while tokens kept flowing is slow, not
         # hung: only a failure with no progress counts towards the hang rule.
