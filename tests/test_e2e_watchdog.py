@@ -49,15 +49,18 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, 
     gpu = tmp / "gpu.json"
     gpu_reading(gpu, 60)
     cfg.update({
-        "metrics": {"period_s": 0.25, "timeout_s": 2.0},
-        "signals": {"rate_window_s": 3.0},
+        # Under load the API server answers /metrics seconds late (2 cores, a busy
+        # engine): a 10 s rate window still holds two scrapes to take a rate from.
+        "metrics": {"period_s": 0.25, "timeout_s": 10.0},
+        "signals": {"rate_window_s": 10.0},
         "canary": {"period_s": 1.0, "timeout_s": 3.0},
         "gpu": {"sampler": "file", "file": str(gpu), "period_s": 0.5},
         "throttle": {"level_factors": [0.75, 0.5]},
         "policy": {"min_action_gap_s": 0},
         # short windows; the kv rule never lifts here (each lift is a 60 s relaunch)
-        "policy.rules.kv_saturation": {"for_s": 1.5, "cooldown_s": 600,
-                                       "clear_for_s": 3600},
+        # for_s 0: a burst saturates the tiny engine for only a few seconds, and a busy
+        # 2-core machine answers few scrapes meanwhile (the for-duration is unit-tested)
+        "policy.rules.kv_saturation": {"for_s": 0, "cooldown_s": 600, "clear_for_s": 3600},
         "policy.rules.kv_leak": {"enabled": False},  # 8 tiny blocks: not a real leak
         "policy.rules.hang": {"when": "canary_failures >= 2 or metrics_staleness_s >= 15"},
         "policy.rules.thermal": {"for_s": 2, "clear_for_s": 4, "cooldown_s": 5},
@@ -86,6 +89,8 @@ def test_kv_saturation_trips_the_rule_and_throttles_with_evidence(watched):
     d.wait_state("RUNNING", START_TIMEOUT)
     remember(d)
     port = cfg["engine"]["port"]
+    # The brief's recipe: 24 requests of 400 tokens with ignore_eos on 8 blocks. The tiny
+    # model drains a burst in ~5 s, so bursts repeat until the rule trips.
     body = {"model": "tiny-llama", "prompt": "tell me a story", "max_tokens": 400,
             "ignore_eos": True}
     results: list[int | str] = []
@@ -97,12 +102,19 @@ def test_kv_saturation_trips_the_rule_and_throttles_with_evidence(watched):
         except httpx.HTTPError as exc:
             results.append(type(exc).__name__)
 
+    def tripped() -> list[dict[str, Any]]:
+        return [e for e in d.decisions() if e["rule"] == "kv_saturation"]
+
     t0 = time.monotonic()
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(24)]
-    for t in threads:
-        t.start()
-    dec = wait_for(lambda: [e for e in d.decisions() if e["rule"] == "kv_saturation"], 240,
-                   f"the kv_saturation rule; log:\n{d.log_tail()}", interval=0.2)[0]
+    bursts = 0
+    while not tripped() and time.monotonic() - t0 < 150:
+        bursts += 1
+        threads = [threading.Thread(target=client, daemon=True) for _ in range(24)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    dec = wait_for(tripped, 30, f"the kv_saturation rule; log:\n{d.log_tail()}")[0]
     trip_s = time.monotonic() - t0
     assert dec["action"] == "throttle"
     ev = dec["evidence"]
@@ -112,12 +124,11 @@ def test_kv_saturation_trips_the_rule_and_throttles_with_evidence(watched):
     assert st["throttle_level"] == 1 and st["overrides"]["--max-num-seqs"] == "12"
     argv = " ".join(psutil.Process(st["pid"]).cmdline())
     assert "--max-num-seqs 12" in argv
-    for t in threads:
-        t.join(60)
     remember(d)
     first = min(r["timestamp"] for r in d.log_records()
                 if r.get("event") == "policy decision")
     print("kv saturation:", json.dumps({"load_to_decision_s": round(trip_s, 2),
+                                        "bursts": bursts,
                                         "evidence": ev, "decided_at": first,
                                         "client_results": sorted(map(str, results))}))
 
