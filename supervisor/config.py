@@ -10,6 +10,7 @@ demo's `config.toml` works from any working directory.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import tomllib
 import typing
@@ -447,8 +448,8 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
     if gpu.sampler == "file" and not gpu.file:
         problems.append("gpu.file: required when gpu.sampler is \"file\"")
     factors = sections["throttle"].level_factors
-    if not factors or any(not 0 < f < 1 for f in factors) or factors != sorted(
-            factors, reverse=True):
+    if not factors or any(not 0 < f < 1 for f in factors) or any(
+            b >= a for a, b in itertools.pairwise(factors)):
         problems.append(f"throttle.level_factors: expected decreasing factors between 0 and 1 "
                         f"(one per level), got {factors!r}")
     if problems:

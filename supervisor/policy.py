@@ -178,12 +178,14 @@ def _step_rule(name: str, rule: RuleConfig, m: RuleMemory, signals: Mapping[str,
     return m, _Due(name, action, why, ev)
 
 
-def _restarts(action: str, e: EngineView) -> bool:
+def _restarts(action: str, e: EngineView, lifts_batch: bool = False) -> bool:
     if action in ("restart", "restart_now", "reduce_batch", "fewer_spec_tokens",
                   "more_spec_tokens"):
         return True
     if action == "lift":
-        return True  # without a live throttle, restoring limits is a relaunch too
+        # restoring the batch is a relaunch; restoring admission limits is one only
+        # without a live throttle
+        return lifts_batch or not e.live_throttle
     return action == "throttle" and not e.live_throttle
 
 
@@ -220,7 +222,7 @@ def decide(signals: Mapping[str, float | None], state: PolicyState, config: Poli
     if not due:
         return unchanged(dataclasses.replace(mem, last_note=None))
     d = min(due, key=lambda x: PRIORITY.index(x.action))
-    restarting = _restarts(d.action, e)
+    restarting = _restarts(d.action, e, rules[d.rule].reduced)
 
     def held_back(why: str) -> Decision:
         note = (d.rule, why)

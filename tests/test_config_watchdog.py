@@ -3,11 +3,12 @@ that name the full key path."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from supervisor.config import ConfigError, parse_config
+from supervisor.config import ConfigError, GpuConfig, diff_keys, parse_config
 from supervisor.rules import DEFAULT_RULES
 
 
@@ -81,3 +82,74 @@ def test_bad_watchdog_sections(sections, where):
 def test_exporter_off_needs_no_valid_address_and_ipv6_is_fine():
     assert not parse_config(doc(exporter={"enabled": False, "listen": "x"})).exporter.enabled
     assert parse_config(doc(exporter={"listen": "[::1]:9402"})).exporter.listen == "[::1]:9402"
+
+
+def test_watchdog_section_defaults():
+    cfg = parse_config(doc())
+    assert (cfg.canary.enabled, cfg.canary.timeout_s, cfg.canary.max_tokens) == (True, 5.0, 1)
+    assert (cfg.gpu.sampler, cfg.gpu.file, cfg.gpu.slowdown_fallback_c) == ("auto", "", 85.0)
+    assert cfg.signals.rate_window_s == 60 and cfg.signals.min_prefix_queries == 2048
+    assert cfg.throttle.level_factors == [0.75, 0.5, 0.25]
+    p = cfg.policy
+    assert (p.enabled, p.dry_run, p.max_restarts_per_hour, p.min_action_gap_s) == (
+        True, False, 4, 60.0)
+    assert cfg.exporter.enabled
+
+
+def test_the_signal_window_takes_the_gpu_fallback_and_a_staleness_from_the_gpu_period():
+    cfg = parse_config(doc(signals={"rate_window_s": 30},
+                           gpu={"period_s": 20, "slowdown_fallback_c": 80}))
+    w = cfg.signals.window(cfg.gpu)
+    assert (w.rate_window_s, w.slowdown_fallback_c, w.gpu_stale_s) == (30.0, 80.0, 60.0)
+    assert parse_config(doc()).signals.window(GpuConfig()).gpu_stale_s == 30.0
+
+
+def test_a_new_rule_without_when_names_that_key():
+    msg = problems(doc(policy={"rules": {"quiet": {"action": "alert"}}}))
+    assert "policy.rules.quiet.when: required for a new rule" in msg
+    assert "policy.rules.quiet.action" not in msg
+
+
+def test_a_default_rule_can_be_enabled_and_its_condition_replaced():
+    cfg = parse_config(doc(policy={"rules": {"power_budget": {
+        "enabled": True, "when": "gpu_power_ratio > 0.95", "clear_when": ""}}}))
+    rule = cfg.policy.rules["power_budget"]
+    assert rule.enabled and rule.when == "gpu_power_ratio > 0.95" and rule.clear_when == ""
+    assert rule.action == "throttle" and rule.for_s == 60  # the rest stays
+    assert cfg.policy.rules["thermal"] == DEFAULT_RULES["thermal"]
+
+
+def test_problems_start_with_the_source_and_the_full_key_path():
+    with pytest.raises(ConfigError) as e:
+        parse_config(doc(policy={"rules": {"kv_saturation": {"when": "kv_usage > 1"}}}),
+                     source="/etc/vllm-supervisor.toml")
+    assert e.value.problems == [
+        "policy.rules.kv_saturation.when: unknown signal 'kv_usage'"]
+    assert str(e.value) == ("/etc/vllm-supervisor.toml: policy.rules.kv_saturation.when: "
+                            "unknown signal 'kv_usage'")
+
+
+@pytest.mark.parametrize("listen", [":9402", "host:", "host:port", "[::1]", "", "h:-1"])
+def test_bad_exporter_addresses(listen):
+    assert "exporter.listen" in problems(doc(exporter={"listen": listen}))
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:9402", "localhost:9402", "127.0.0.1:0"])
+def test_good_exporter_addresses(listen):
+    assert parse_config(doc(exporter={"listen": listen})).exporter.listen == listen
+
+
+@pytest.mark.parametrize("factors", [[], [0.0], [0.5, 0.5], [0.75, 0.5, 1.0], [0.5, -0.1]])
+def test_level_factors_must_decrease_strictly_between_0_and_1(factors):
+    assert "throttle.level_factors" in problems(doc(throttle={"level_factors": factors}))
+
+
+def test_gpu_file_sampler_with_a_file_resolves_it():
+    cfg = parse_config(doc(gpu={"sampler": "file", "file": "gpu.jsonl"}), base_dir=Path("/b"))
+    assert cfg.gpu.file == "/b/gpu.jsonl"
+
+
+def test_a_changed_rule_shows_in_diff_keys():
+    old = parse_config(doc())
+    new = parse_config(doc(policy={"rules": {"hang": {"cooldown_s": 30}}}))
+    assert diff_keys(old, new) == ["policy.rules"]

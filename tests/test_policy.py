@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -427,12 +428,12 @@ def test_a_disabled_rule_never_acts():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 30), st.sampled_from(
     [SATURATED, LEAK, {"canary_failures": 4.0}, gpu(2), gpu(12), {}])), min_size=1,
-    max_size=150), st.integers(0, 3), st.integers(1, 3))
-def test_budget_and_throttle_bounds_hold_for_any_series(steps, budget, levels):
+    max_size=150), st.integers(0, 3), st.integers(1, 3), st.booleans())
+def test_budget_and_throttle_bounds_hold_for_any_series(steps, budget, levels, live):
     r = Run(config(budget=budget, gap=0, kv_saturation={"for_s": 0, "cooldown_s": 0},
                    kv_leak={"for_s": 0, "cooldown_s": 0}, thermal={"for_s": 0, "cooldown_s": 0},
                    hang={"cooldown_s": 0}),
-            EngineView(max_throttle_level=levels))
+            EngineView(max_throttle_level=levels, live_throttle=live))
     t = 0.0
     restarts: list[float] = []
     for dt, signals in steps:
@@ -442,3 +443,247 @@ def test_budget_and_throttle_bounds_hold_for_any_series(steps, budget, levels):
         if d.restarts_engine and not d.dry_run:
             restarts.append(t)
         assert len([x for x in restarts if t - x < 3600]) <= budget
+
+
+# ---- every default rule, as a table ----------------------------------------------------
+
+# rule -> (engine, a series that trips it, action, evidence)
+TRIPS: dict[str, tuple[EngineView, Signals, str, dict[str, float | None]]] = {
+    "kv_saturation": (EngineView(), SATURATED, "throttle",
+                      {"kv_cache_usage": 0.97, "requests_waiting": 5, "preemption_rate": 0.5}),
+    "kv_leak": (EngineView(), LEAK, "restart", {"kv_cache_usage": 0.6, "requests_running": 0}),
+    "prefix_collapse": (EngineView(can_reset_prefix_cache=True), COLLAPSE, "reset_prefix_cache",
+                        {"prefix_cache_hit_rate": 0.2, "prefix_cache_hit_rate_ratio": 0.3}),
+    "memory_growth": (EngineView(), {"engine_rss_bytes": 8e9,
+                                     "engine_rss_growth_bytes_per_h": 3e9}, "restart",
+                      {"engine_rss_bytes": 8e9, "engine_rss_growth_bytes_per_h": 3e9}),
+    "hang": (EngineView(), {"canary_failures": 3, "metrics_staleness_s": 2.5}, "restart_now",
+             {"canary_failures": 3, "metrics_staleness_s": 2.5}),
+    "thermal": (EngineView(), gpu(4.25), "throttle",
+                {"gpu_slowdown_margin_c": 4.25, "gpu_thermal_throttled": 0}),
+    "power_budget": (EngineView(), {"gpu_power_w": 650.0}, "throttle", {"gpu_power_w": 650.0}),
+    "spec_decode_low": (EngineView(spec_tokens=3, spec_tokens_max=4),
+                        {"spec_decode_acceptance_rate": 0.3}, "fewer_spec_tokens",
+                        {"spec_decode_acceptance_rate": 0.3}),
+    "spec_decode_high": (EngineView(spec_tokens=2, spec_tokens_max=4),
+                         {"spec_decode_acceptance_rate": 0.8}, "more_spec_tokens",
+                         {"spec_decode_acceptance_rate": 0.8}),
+    "max_uptime": (EngineView(), {"engine_uptime_s": 21600, "requests_running": 0,
+                                  "requests_waiting": 0}, "restart",
+                   {"engine_uptime_s": 21600, "requests_running": 0, "requests_waiting": 0}),
+    "xid_restart": (EngineView(), {"gpu_xid_restart_errors": 1}, "restart",
+                    {"gpu_xid_restart_errors": 1}),
+    "xid_reset": (EngineView(), {"gpu_xid_reset_errors": 2}, "hold_down",
+                  {"gpu_xid_reset_errors": 2}),
+}
+
+# rule -> a series that almost trips it: one conjunct missing, or a value on the boundary
+NEAR: dict[str, list[Signals]] = {
+    "kv_saturation": [{**SATURATED, "preemption_rate": 0.0}, {**SATURATED, "requests_waiting": 0},
+                      {**SATURATED, "kv_cache_usage": 0.949}],
+    "kv_leak": [{**LEAK, "requests_running": 1}, {**LEAK, "kv_cache_usage": 0.499}],
+    "prefix_collapse": [{**COLLAPSE, "prefix_cache_hit_rate_ratio": 0.5},
+                        {**COLLAPSE, "prefix_cache_hit_rate": 0.4}],
+    "memory_growth": [{"engine_rss_bytes": 6.4e10, "engine_rss_growth_bytes_per_h": 2e9}],
+    "hang": [{"canary_failures": 2, "metrics_staleness_s": 29.9}],
+    "thermal": [gpu(5.01), gpu(20, 0.0)],
+    "power_budget": [{"gpu_power_w": 600.0}],
+    "spec_decode_low": [{"spec_decode_acceptance_rate": 0.4}],
+    "spec_decode_high": [{"spec_decode_acceptance_rate": 0.75}],
+    "max_uptime": [{"engine_uptime_s": 21599, "requests_running": 0, "requests_waiting": 0},
+                   {"engine_uptime_s": 30000, "requests_running": 0, "requests_waiting": 1}],
+    "xid_restart": [{"gpu_xid_restart_errors": 0}],
+    "xid_reset": [{"gpu_xid_reset_errors": 0}],
+}
+
+
+def test_the_tables_cover_every_default_rule():
+    assert set(TRIPS) == set(DEFAULT_RULES) == set(NEAR)
+
+
+@pytest.mark.parametrize("name", list(DEFAULT_RULES))
+def test_each_default_rule_trips_after_for_s_with_its_action_and_evidence(name):
+    engine, signals, action, evidence = TRIPS[name]
+    for_s = DEFAULT_RULES[name].for_s
+    r = Run(config(**only(name)), engine)
+    acted = [(t, d) for t, d in ((t, r.at(t, signals)) for t in [0.0, for_s / 2, for_s])
+             if d.action != "none"]
+    assert [(t, d.rule, d.action) for t, d in acted] == [(for_s, name, action)]
+    d = acted[0][1]
+    assert d.evidence == evidence
+    assert name in d.reason
+    assert d.restarts_engine is (action in ("restart", "restart_now", "throttle",
+                                            "fewer_spec_tokens", "more_spec_tokens"))
+    if action == "fewer_spec_tokens":
+        assert d.spec_tokens == 2
+    if action == "more_spec_tokens":
+        assert d.spec_tokens == 3
+
+
+@pytest.mark.parametrize("name", [n for n, r in DEFAULT_RULES.items() if r.for_s > 0])
+def test_each_default_rule_held_a_little_less_than_for_s_does_not_trip(name):
+    engine, signals, _, _ = TRIPS[name]
+    for_s = DEFAULT_RULES[name].for_s
+    r = Run(config(**only(name)), engine)
+    assert r.over([0.0, for_s / 2, for_s - 0.5], signals) == []
+    # interrupted once just before: the timer starts again
+    assert r.over([for_s - 0.25], {k: None for k in signals}) == []
+    assert r.over([for_s, for_s + for_s - 0.5], signals) == []
+    assert r.over([2 * for_s], signals)[0].rule == name
+
+
+@pytest.mark.parametrize("name", list(DEFAULT_RULES))
+def test_each_default_rule_almost_trips_with_a_conjunct_missing_or_on_the_boundary(name):
+    engine, _, _, _ = TRIPS[name]
+    for_s = DEFAULT_RULES[name].for_s
+    for near in NEAR[name]:
+        r = Run(config(**only(name)), engine)
+        assert r.over([0.0, for_s, 2 * for_s + 1, 3 * for_s + 600], near) == [], near
+
+
+@pytest.mark.parametrize("name", list(DEFAULT_RULES))
+def test_each_default_rule_never_trips_on_unknown_signals(name):
+    engine, signals, _, _ = TRIPS[name]
+    for_s = DEFAULT_RULES[name].for_s
+    unknown = {k: None for k in signals}
+    r = Run(config(**only(name)), engine)
+    assert r.over([0.0, for_s, 2 * for_s + 1, 3 * for_s + 600], unknown) == []
+    assert Run(config(**only(name)), engine).over([0.0, for_s + 1], {}) == []
+
+
+# ---- more guardrails -------------------------------------------------------------------
+
+def test_hold_down_skips_the_minimum_gap_but_a_restart_does_not():
+    r = Run(config(gap=600, **only("kv_leak", "xid_reset", "xid_restart",
+                                   kv_leak={"for_s": 0})))
+    assert r.at(0, LEAK, generation=1).action == "restart"
+    assert r.at(1, {"gpu_xid_restart_errors": 1}, generation=2).action == "none"
+    d = r.at(2, {"gpu_xid_reset_errors": 1}, generation=2)
+    assert (d.action, d.rule, d.restarts_engine) == ("hold_down", "xid_reset", False)
+
+
+def test_cooldowns_are_per_rule():
+    r = Run(config(**only("kv_leak", "memory_growth", kv_leak={"for_s": 0},
+                          memory_growth={"for_s": 0})))
+    assert r.at(0, LEAK).rule == "kv_leak"
+    # kv_leak is cooling down (600 s); memory_growth has its own
+    d = r.at(1, {"engine_rss_bytes": 7e10})
+    assert (d.rule, d.action) == ("memory_growth", "restart")
+    # a new engine re-arms kv_leak, but its own cooldown still holds until 600 s
+    assert r.over(seconds(2, 599, 1), LEAK) == []
+    assert r.at(600, LEAK).rule == "kv_leak"
+
+
+def test_spec_token_rules_respect_none_zero_and_the_maximum():
+    low = {"spec_decode_acceptance_rate": 0.1}
+    high = {"spec_decode_acceptance_rate": 0.9}
+    both = config(**only("spec_decode_low", "spec_decode_high"))
+    times = [0.0, 600.0, 1300.0]
+    assert Run(both, EngineView(spec_tokens=None, spec_tokens_max=4)).over(times, low) == []
+    assert Run(both, EngineView(spec_tokens=None, spec_tokens_max=4)).over(times, high) == []
+    assert Run(both, EngineView(spec_tokens=0, spec_tokens_max=4)).over(times, low) == []
+    assert Run(both, EngineView(spec_tokens=4, spec_tokens_max=4)).over(times, high) == []
+    assert Run(both, EngineView(spec_tokens=2, spec_tokens_max=0)).over(times, high) == []
+    acted = Run(both, EngineView(spec_tokens=0, spec_tokens_max=4)).over(times, high)
+    assert [(d.action, d.spec_tokens) for d in acted] == [("more_spec_tokens", 1)]
+
+
+def test_pause_leaves_the_throttle_level_alone():
+    r = Run(config(**only("kv_saturation")), EngineView(throttle_level=1))
+    r.pause(True)
+    ds = [r.at(t, SATURATED) for t in seconds(0, 400, 10)]
+    assert all(d.action == "none" and d.throttle_level == 1 for d in ds)
+    assert [d.held_back for d in ds if d.held_back] == [
+        "throttle held back: the policy is paused"]
+
+
+def test_dry_run_one_shot_rule_repeats_per_cooldown_and_restarts_nothing():
+    r = Run(config(dry_run=True, **only("kv_leak")))
+    acted = [(t, d) for t, d in ((t, r.at(t, LEAK)) for t in seconds(0, 1300, 10))
+             if d.action != "none"]
+    assert [(t, d.action, d.dry_run) for t, d in acted] == [
+        (30, "restart", True), (630, "restart", True), (1230, "restart", True)]
+    assert r.state.engine.generation == 1  # nothing was relaunched
+    assert r.state.memory.restarts == ()
+    assert r.state.memory.rules["kv_leak"].armed  # nothing was done: not disarmed
+
+
+def test_dry_run_never_spends_the_restart_budget():
+    r = Run(config(dry_run=True, budget=1, **only("hang")))
+    acted = [d for d in (r.at(t, {"canary_failures": 3}) for t in seconds(0, 600, 60))
+             if d.action != "none"]
+    assert [d.action for d in acted] == ["restart_now"] * 11  # every cooldown (60 s)
+
+
+def test_a_non_running_engine_resets_throttle_and_clear_timers_too():
+    r = Run(config(**only("thermal")))
+    r.over(seconds(0, 30), gpu(3))
+    assert r.state.engine.throttle_level == 1
+    assert r.over(seconds(31, 150), gpu(10)) == []  # 119 s of clear
+    r.at(151, gpu(10), state="STARTING")
+    lifted = [(t, d.action) for t, d in ((t, r.at(t, gpu(10), state="RUNNING"))
+                                         for t in seconds(152, 400)) if d.action != "none"]
+    assert lifted == [(272, "lift")]  # 120 s of clear on a serving engine, from 152 s
+
+
+def test_prefix_collapse_fallback_restart_spends_the_budget():
+    r = Run(config(budget=1, **only("prefix_collapse", prefix_collapse={"cooldown_s": 0})))
+    acted = r.over(seconds(0, 700, 10), COLLAPSE)
+    assert [(d.action, d.restarts_engine) for d in acted] == [("restart", True), ("alert", False)]
+
+
+def test_a_reset_prefix_cache_restarts_nothing_and_spends_no_budget():
+    r = Run(config(budget=0, **only("prefix_collapse")), EngineView(can_reset_prefix_cache=True))
+    acted = r.over(seconds(0, 300, 10), COLLAPSE)
+    assert [(d.action, d.restarts_engine) for d in acted] == [("reset_prefix_cache", False)]
+    assert r.state.memory.restarts == ()
+
+
+def test_the_budget_alerts_again_once_it_has_freed_and_run_out_anew():
+    r = Run(config(budget=1, **only("kv_leak", kv_leak={"cooldown_s": 60})))
+    acted = [(t, d.action) for t, d in ((t, r.at(t, LEAK)) for t in seconds(0, 3800, 10))
+             if d.action != "none"]
+    assert acted == [(30, "restart"), (90, "alert"), (3630, "restart"), (3690, "alert")]
+
+
+def test_an_escalation_to_a_reduced_batch_is_not_repeated_while_it_holds():
+    r = Run(config(**only("thermal")),
+            EngineView(throttle_level=1, max_throttle_level=1, batch_reduced=True))
+    assert r.over(seconds(0, 3000, 10), gpu(1)) == []
+
+
+def test_with_a_live_throttle_throttling_and_lifting_restart_nothing():
+    r = Run(config(budget=0, **only("thermal")), EngineView(live_throttle=True))
+    acted = r.over(seconds(0, 30), gpu(3)) + r.over(seconds(31, 200), gpu(10))
+    assert [(d.action, d.throttle_level, d.restarts_engine) for d in acted] == [
+        ("throttle", 1, False), ("lift", 0, False)]
+    assert r.state.engine.generation == 1 and r.state.memory.restarts == ()
+
+
+def test_with_a_live_throttle_lifting_a_reduced_batch_is_still_a_relaunch():
+    r = Run(config(**only("thermal")), EngineView(live_throttle=True, max_throttle_level=1))
+    acted = r.over(seconds(0, 700, 5), gpu(2))
+    assert [(d.action, d.restarts_engine) for d in acted] == [
+        ("throttle", False), ("reduce_batch", True)]
+    lifts = r.over(seconds(705, 1000, 5), gpu(10))
+    assert [(d.action, d.batch_reduced, d.throttle_level, d.restarts_engine)
+            for d in lifts] == [("lift", False, 1, True), ("lift", False, 0, False)]
+
+
+def test_with_a_live_throttle_each_lift_waits_for_its_own_clear_period():
+    r = Run(config(**only("thermal", thermal={"cooldown_s": 0})),
+            EngineView(live_throttle=True, max_throttle_level=2))
+    r.over(seconds(0, 31), gpu(3))
+    assert r.state.engine.throttle_level == 2  # no relaunch: one step per tick
+    lifts = [(t, d.throttle_level) for t, d in ((t, r.at(t, gpu(10)))
+                                                for t in seconds(32, 600)) if d.action != "none"]
+    assert lifts == [(152, 1), (272, 0)]
+
+
+def test_an_interruption_restarts_the_time_at_the_top_before_escalating():
+    r = Run(config(**only("thermal")), EngineView(live_throttle=True, max_throttle_level=1))
+    assert [d.action for d in r.over(seconds(0, 500), gpu(2))] == ["throttle"]
+    assert r.over([501], gpu(6)) == []  # neither hot nor clear, for one tick
+    acted = [(t, d.action) for t, d in ((t, r.at(t, gpu(2))) for t in seconds(502, 1300))
+             if d.action != "none"]
+    assert acted == [(502 + 30 + 600, "reduce_batch")]
