@@ -128,7 +128,9 @@ def _step_rule(name: str, rule: RuleConfig, m: RuleMemory, signals: Mapping[str,
         m = dataclasses.replace(m, true_since=None, clear_since=None, top_since=None,
                                 armed=True, generation=e.generation)
     cond = _cond(rule.when).holds(signals)
-    clear = _cond(rule.clear_when).holds(signals) if rule.clear_when else not cond
+    # clear: the clear condition holds and the trip condition does not (a card reporting
+    # thermal slowdown is not cool, whatever its temperature reads)
+    clear = not cond and (_cond(rule.clear_when).holds(signals) if rule.clear_when else True)
     true_since = (now if m.true_since is None else m.true_since) if cond else None
     clear_since = (now if m.clear_since is None else m.clear_since) if clear else None
     m = dataclasses.replace(m, true_since=true_since, clear_since=clear_since)

@@ -50,7 +50,9 @@ DEFAULT_RULES: dict[str, RuleConfig] = {
         action="restart_now", cooldown_s=60),
     "thermal": RuleConfig(
         when="gpu_slowdown_margin_c <= 5 or gpu_thermal_throttled >= 1", for_s=30,
-        clear_when="gpu_slowdown_margin_c >= 8 and gpu_thermal_throttled == 0",
+        # (clear also needs `when` to be false: NVML's slowdown flag blocks a lift when
+        # reported, and a card that cannot report its clock reasons can still cool down)
+        clear_when="gpu_slowdown_margin_c >= 8",
         clear_for_s=120, action="throttle", cooldown_s=60,
         escalate_after_s=600, escalate_action="reduce_batch"),
     "power_budget": RuleConfig(

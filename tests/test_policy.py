@@ -687,3 +687,16 @@ def test_an_interruption_restarts_the_time_at_the_top_before_escalating():
     acted = [(t, d.action) for t, d in ((t, r.at(t, gpu(2))) for t in seconds(502, 1300))
              if d.action != "none"]
     assert acted == [(502 + 30 + 600, "reduce_batch")]
+
+
+def test_thermal_lifts_on_a_card_that_cannot_report_clock_reasons_but_never_while_slowed():
+    r = Run(config(**only("thermal")), EngineView(max_throttle_level=1))
+    r.over(seconds(0, 30), gpu(3))
+    assert r.state.engine.throttle_level == 1
+    # cool by temperature, but NVML reports thermal slowdown: the trip condition holds,
+    # so no lift (and no escalation before 600 s at the top)
+    assert r.over(seconds(31, 400), gpu(12, 1.0)) == []
+    unknown_flag: Signals = {"gpu_slowdown_margin_c": 12.0, "gpu_thermal_throttled": None}
+    lifts = [(t, d.action) for t, d in ((t, r.at(t, unknown_flag)) for t in seconds(401, 600))
+             if d.action != "none"]
+    assert lifts == [(521, "lift")] and r.state.engine.throttle_level == 0
