@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.conditions import parse_condition
+from supervisor.exporter import parse_listen
 from supervisor.rules import ACTIONS, DEFAULT_RULES, RuleConfig
 from supervisor.signals import SIGNAL_NAMES, WindowConfig
 
@@ -394,14 +395,6 @@ def _build_rules(prefix: str, table: Any, problems: list[str]) -> dict[str, Rule
     return rules
 
 
-def _check_listen(listen: str) -> str | None:
-    host, sep, port = listen.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        return f"expected HOST:PORT (e.g. 127.0.0.1:9402 or [::1]:9402), got {listen!r}"
-    return None
-
-
 def _resolve(base: Path, path: str) -> str:
     # normpath, not resolve(): following the symlink of a venv's bin/python would run the
     # base interpreter, outside the virtualenv.
@@ -442,8 +435,11 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
         problems.append(f"restart.backoff_max_s: expected at least restart.backoff_initial_s "
                         f"({restart.backoff_initial_s:g}), got {restart.backoff_max_s:g}")
     exporter: ExporterConfig = sections["exporter"]
-    if exporter.enabled and (bad := _check_listen(exporter.listen)):
-        problems.append(f"exporter.listen: {bad}")
+    if exporter.enabled:
+        try:
+            parse_listen(exporter.listen)
+        except ValueError as exc:
+            problems.append(f"exporter.listen: {exc}")
     gpu: GpuConfig = sections["gpu"]
     if gpu.sampler == "file" and not gpu.file:
         problems.append("gpu.file: required when gpu.sampler is \"file\"")
