@@ -6,28 +6,37 @@ Behind two small protocols so that the daemon runs unchanged on a host without a
 (`NoGpu`, no sampler) and tests can script readings (`FileSampler`). Nothing here
 raises into the daemon: no driver, no library or an NVML error means "unknown" (None),
 with the failing call named in the reading's `errors`, and the next sample tries again.
-Every NVML call blocks: the daemon calls these from worker threads.
+A value is never 0 for "unknown", and a sum or extreme over several GPUs is unknown when
+one GPU's part is (a partial sum would understate, a partial maximum could miss the hot
+card). Every NVML call blocks: the daemon calls these from worker threads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
 import json
+import math
+import os
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 
-# clock-event reason bits (nvmlClocksEventReason*; the same values as the older
-# nvmlClocksThrottleReason* names)
+# Clock-event reason bits, as NVML defines them (nvmlClocksEventReason*, formerly
+# nvmlClocksThrottleReason*). NvmlSampler takes the values from the installed pynvml
+# when it has them and falls back to these.
 SW_POWER_CAP = 0x4
 HW_SLOWDOWN = 0x8
 SW_THERMAL_SLOWDOWN = 0x20
 HW_THERMAL_SLOWDOWN = 0x40
 HW_POWER_BRAKE_SLOWDOWN = 0x80
+
+_XID_DRAIN_MAX = 64  # events read per sample: a storm is read over several samples
 
 
 @dataclass(frozen=True)
@@ -37,8 +46,8 @@ class GpuReading:
     temperature_c: float | None = None  # hottest of the engine's GPUs
     slowdown_temperature_c: float | None = None  # lowest NVML slowdown threshold among them
     power_w: float | None = None  # summed draw
-    power_limit_w: float | None = None  # summed enforced limit
-    utilization_ratio: float | None = None  # mean, 0..1
+    power_limit_w: float | None = None  # summed enforced power limit
+    utilization_ratio: float | None = None  # mean GPU utilisation, 0..1
     memory_used_bytes: int | None = None  # summed
     memory_total_bytes: int | None = None
     clock_event_reasons: int | None = None  # OR of the raw bitmasks
@@ -46,7 +55,7 @@ class GpuReading:
     power_capped: bool | None = None  # SW power cap or HW power brake on any GPU
     process_memory: dict[int, int] | None = None  # pid -> bytes, all processes on them
     xids: tuple[int, ...] = ()  # XID codes seen since the previous sample
-    errors: tuple[str, ...] = ()  # what failed this time
+    errors: tuple[str, ...] = ()  # what failed this time, e.g. "GPU 0 temperature: ..."
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -69,85 +78,149 @@ class NoGpu:
         return None
 
 
-class NvmlSampler:
-    """Real NVML through nvidia-ml-py: the GPU lister and the watchdog's sampler."""
+@dataclass(frozen=True)
+class _GpuParts:
+    """One GPU's raw answers; None where that call failed."""
 
-    def __init__(self, indices: list[int]) -> None:
-        self._indices = indices
+    temperature: float | None = None
+    slowdown: float | None = None
+    power_mw: float | None = None
+    limit_mw: float | None = None
+    util_pct: float | None = None
+    used: int | None = None
+    total: int | None = None
+    reasons: int | None = None
+
+
+class NvmlSampler:
+    """Real NVML through nvidia-ml-py: the GPU lister and the watchdog's sampler.
+
+    `init()` before use and `close()` at the end; `sample()` and `processes()` may be
+    called from different threads (one lock serialises the NVML calls)."""
+
+    def __init__(self, indices: list[int], nvml: Any = None) -> None:
+        """`indices`: the engine's GPUs (empty: every GPU NVML sees). `nvml`: the pynvml
+        module (the default, imported at init) or a stand-in with its names, for tests."""
+        self._nvml = nvml
+        self._indices = list(indices)
         self._lock = threading.Lock()
         self._ok = False
         self._events: Any = None  # the XID event set, when registration worked
-        self.xid_problem: str | None = None
+        self._thermal_mask = SW_THERMAL_SLOWDOWN | HW_THERMAL_SLOWDOWN
+        self._power_mask = SW_POWER_CAP | HW_POWER_BRAKE_SLOWDOWN
+        self.xid_problem: str | None = None  # why XID events are not read, if they are not
+        self._xid_problem_told = False
 
     def init(self) -> str | None:
         """Initialise NVML; returns why it is unavailable, or None when it works."""
+        if self._ok:
+            return None
+        nv: Any = self._nvml
         try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            count = pynvml.nvmlDeviceGetCount()
+            if nv is None:
+                nv = importlib.import_module("pynvml")
+            nv.nvmlInit()
         except Exception as exc:  # no library, no driver, no device: all mean "no GPU"
             return f"NVML unavailable: {exc}"
+        try:
+            count = int(nv.nvmlDeviceGetCount())
+        except Exception as exc:  # a driver that answers init but not the count
+            _quiet(nv.nvmlShutdown)
+            return f"NVML unavailable: {exc}"
+        problem = None
         if count == 0:
-            return "NVML found no GPU"
-        if not self._indices:
+            problem = "NVML found no GPU"
+        elif not self._indices:
             self._indices = list(range(count))
-        bad = [i for i in self._indices if i >= count]
-        if bad:
-            return f"engine.gpus names GPU {bad[0]}, but NVML sees only {count}"
+        elif bad := [i for i in self._indices if not 0 <= i < count]:
+            problem = f"engine.gpus names GPU {bad[0]}, but NVML sees only {count}"
+        if problem is not None:
+            _quiet(nv.nvmlShutdown)
+            return problem
+        self._nvml = nv
+        self._thermal_mask = (_bit(nv, "SwThermalSlowdown", SW_THERMAL_SLOWDOWN)
+                              | _bit(nv, "HwThermalSlowdown", HW_THERMAL_SLOWDOWN))
+        self._power_mask = (_bit(nv, "SwPowerCap", SW_POWER_CAP)
+                            | _bit(nv, "HwPowerBrakeSlowdown", HW_POWER_BRAKE_SLOWDOWN))
+        self._register_xids(nv)
         self._ok = True
+        return None
+
+    def _register_xids(self, pynvml: Any) -> None:
+        """One event set for XID critical errors on every engine GPU. XIDs are a bonus:
+        when registration fails the other readings still work, and the first sample says
+        so once."""
+        events = None
         try:
             events = pynvml.nvmlEventSetCreate()
             for i in self._indices:
                 pynvml.nvmlDeviceRegisterEvents(pynvml.nvmlDeviceGetHandleByIndex(i),
                                                 pynvml.nvmlEventTypeXidCriticalError, events)
             self._events = events
-        except Exception as exc:  # XIDs are a bonus: the rest of the readings still work
-            self.xid_problem = f"XID events unavailable: {exc}"
-        return None
+        except Exception as exc:
+            self.xid_problem = f"XID events unavailable: {type(exc).__name__}: {exc}"
+            if events is not None:
+                _quiet(lambda: pynvml.nvmlEventSetFree(events))
 
     def close(self) -> None:
-        if not self._ok:
-            return
-        import pynvml
-
+        """Free the XID event set and shut NVML down; idempotent."""
         with self._lock:
-            try:
-                if self._events is not None:
-                    pynvml.nvmlEventSetFree(self._events)
-                pynvml.nvmlShutdown()
-            except Exception:  # shutting down: nothing left to tell
-                pass
+            if not self._ok:
+                return
+            nv, events = self._nvml, self._events
+            if events is not None:
+                _quiet(lambda: nv.nvmlEventSetFree(events))
+                self._events = None
+            _quiet(nv.nvmlShutdown)
             self._ok = False
 
     def processes(self) -> dict[int, int] | None:
-        if not self._ok:
-            return None
-        import pynvml
-
+        """pid -> bytes over the engine's GPUs (compute and graphics); None if unknown."""
         with self._lock:
+            if not self._ok:
+                return None
             try:
-                return self._processes(pynvml)
-            except pynvml.NVMLError:
+                return self._processes(self._nvml)
+            except Exception:  # unknown, never a guess: the take-down waits and retries
                 return None
 
     def _processes(self, pynvml: Any) -> dict[int, int]:
         out: dict[int, int] = {}
         for i in self._indices:
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            for fn in (pynvml.nvmlDeviceGetComputeRunningProcesses,
-                       pynvml.nvmlDeviceGetGraphicsRunningProcesses):
-                for p in fn(handle):
-                    used = p.usedGpuMemory or 0
-                    out[p.pid] = out.get(p.pid, 0) + int(used)
+            on_gpu: dict[int, int] = {}
+            for fn, optional in ((pynvml.nvmlDeviceGetComputeRunningProcesses, False),
+                                 (pynvml.nvmlDeviceGetGraphicsRunningProcesses, True)):
+                try:
+                    procs = fn(handle)
+                except pynvml.NVMLError_NotSupported:
+                    if not optional:
+                        raise
+                    continue  # no graphics on a headless data-centre GPU
+                for p in procs:
+                    # usedGpuMemory is None where NVML cannot attribute memory (MIG, some
+                    # containers): the pid still holds the GPU, so it stays listed, at 0.
+                    used = int(p.usedGpuMemory or 0)
+                    # a process in both lists is one process with one allocation
+                    on_gpu[int(p.pid)] = max(on_gpu.get(int(p.pid), 0), used)
+            for pid, used in on_gpu.items():
+                out[pid] = out.get(pid, 0) + used
         return out
 
     def sample(self) -> GpuReading:
-        if not self._ok:
-            return GpuReading(errors=("NVML is not initialised",))
-        import pynvml
+        with self._lock:
+            if not self._ok:
+                return GpuReading(errors=("NVML is not initialised",))
+            try:
+                return self._sample(self._nvml)
+            except Exception as exc:  # the contract is "never raises"; say what broke
+                return GpuReading(errors=(f"sample: {type(exc).__name__}: {exc}",))
 
+    def _sample(self, pynvml: Any) -> GpuReading:
         errors: list[str] = []
+        if self.xid_problem is not None and not self._xid_problem_told:
+            errors.append(self.xid_problem)
+            self._xid_problem_told = True
 
         def call(what: str, fn: Callable[[], T]) -> T | None:
             try:
@@ -156,47 +229,33 @@ class NvmlSampler:
                 errors.append(f"{what}: {type(exc).__name__}: {exc}")
                 return None
 
-        temps: list[float] = []
-        slowdowns: list[float] = []
-        power: list[float] = []
-        limits: list[float] = []
-        utils: list[float] = []
-        used: list[int] = []
-        total: list[int] = []
-        reasons: list[int] = []
-        with self._lock:
-            for i in self._indices:
-                t, sl, p, lim, u, m, r = _read_gpu(pynvml, i, call)
-                for values, v, scale in ((temps, t, 1.0), (slowdowns, sl, 1.0),
-                                         (power, p, 1e-3), (limits, lim, 1e-3),
-                                         (utils, u, 1e-2)):
-                    if v is not None:
-                        values.append(float(v) * scale)
-                if m is not None:
-                    used.append(int(m.used))
-                    total.append(int(m.total))
-                if r is not None:
-                    reasons.append(int(r))
-            procs = call("processes", lambda: self._processes(pynvml))
-            xids = self._drain_xids(pynvml, errors)
+        parts = [_read_gpu(pynvml, i, call) for i in self._indices]
+        procs = call("processes", lambda: self._processes(pynvml))
+        xids = self._drain_xids(pynvml, errors)
+        temps = _all([p.temperature for p in parts])
+        slowdowns = _all([p.slowdown for p in parts])
+        power = _all([p.power_mw for p in parts])
+        limits = _all([p.limit_mw for p in parts])
+        utils = _all([p.util_pct for p in parts])
+        used = _all([p.used for p in parts])
+        total = _all([p.total for p in parts])
+        reasons = _all([p.reasons for p in parts])
         mask = None
-        if reasons:
+        if reasons is not None:
             mask = 0
             for r in reasons:
                 mask |= r
         return GpuReading(
             temperature_c=max(temps) if temps else None,
             slowdown_temperature_c=min(slowdowns) if slowdowns else None,
-            power_w=sum(power) if power else None,
-            power_limit_w=sum(limits) if limits else None,
-            utilization_ratio=sum(utils) / len(utils) if utils else None,
+            power_w=sum(power) / 1000.0 if power else None,
+            power_limit_w=sum(limits) / 1000.0 if limits else None,
+            utilization_ratio=sum(utils) / len(utils) / 100.0 if utils else None,
             memory_used_bytes=sum(used) if used else None,
             memory_total_bytes=sum(total) if total else None,
             clock_event_reasons=mask,
-            thermal_throttled=(None if mask is None else
-                               bool(mask & (SW_THERMAL_SLOWDOWN | HW_THERMAL_SLOWDOWN))),
-            power_capped=(None if mask is None else
-                          bool(mask & (SW_POWER_CAP | HW_POWER_BRAKE_SLOWDOWN))),
+            thermal_throttled=None if mask is None else bool(mask & self._thermal_mask),
+            power_capped=None if mask is None else bool(mask & self._power_mask),
             process_memory=procs, xids=tuple(xids), errors=tuple(errors))
 
     def _drain_xids(self, pynvml: Any, errors: list[str]) -> list[int]:
@@ -204,35 +263,47 @@ class NvmlSampler:
         out: list[int] = []
         if self._events is None:
             return out
-        for _ in range(64):  # bounded: a storm of events is read over several samples
+        wait = getattr(pynvml, "nvmlEventSetWait_v2", None) or pynvml.nvmlEventSetWait
+        for _ in range(_XID_DRAIN_MAX):
             try:
-                data = pynvml.nvmlEventSetWait_v2(self._events, 0)
-            except pynvml.NVMLError as exc:
-                if getattr(exc, "value", None) != pynvml.NVML_ERROR_TIMEOUT:
-                    errors.append(f"XID events: {exc}")
+                data = wait(self._events, 0)
+            except pynvml.NVMLError_Timeout:
+                break  # drained
+            except Exception as exc:
+                errors.append(f"XID events: {type(exc).__name__}: {exc}")
                 break
-            if data.eventType == pynvml.nvmlEventTypeXidCriticalError:
+            if int(data.eventType) & int(pynvml.nvmlEventTypeXidCriticalError):
                 out.append(int(data.eventData))
         return out
 
 
-def _read_gpu(pynvml: Any, i: int, call: Callable[[str, Callable[[], Any]], Any]) -> tuple[
-        Any, Any, Any, Any, Any, Any, Any]:
-    """temperature, slowdown mark, power (mW), limit (mW), utilisation (%), memory info
-    and clock-event reasons of GPU `i`; each None when its call failed."""
+def _read_gpu(pynvml: Any, i: int, call: Callable[[str, Callable[[], Any]], Any]) -> _GpuParts:
+    """GPU `i`'s answers, each None when its call failed (named in the errors)."""
     h = call(f"GPU {i} handle", lambda: pynvml.nvmlDeviceGetHandleByIndex(i))
     if h is None:
-        return None, None, None, None, None, None, None
-    return (
-        call("temperature", lambda: pynvml.nvmlDeviceGetTemperature(
-            h, pynvml.NVML_TEMPERATURE_GPU)),
-        call("slowdown threshold", lambda: pynvml.nvmlDeviceGetTemperatureThreshold(
-            h, pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN)),
-        call("power", lambda: pynvml.nvmlDeviceGetPowerUsage(h)),
-        call("power limit", lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(h)),
-        call("utilization", lambda: pynvml.nvmlDeviceGetUtilizationRates(h).gpu),
-        call("memory", lambda: pynvml.nvmlDeviceGetMemoryInfo(h)),
-        call("clock-event reasons", lambda: _reasons(pynvml, h)))
+        return _GpuParts()
+    mem = call(f"GPU {i} memory", lambda: pynvml.nvmlDeviceGetMemoryInfo(h))
+    return _GpuParts(
+        temperature=call(f"GPU {i} temperature", lambda: float(
+            pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU))),
+        slowdown=call(f"GPU {i} slowdown threshold", lambda: float(
+            pynvml.nvmlDeviceGetTemperatureThreshold(
+                h, pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN))),
+        power_mw=call(f"GPU {i} power", lambda: float(pynvml.nvmlDeviceGetPowerUsage(h))),
+        limit_mw=call(f"GPU {i} power limit",
+                      lambda: float(pynvml.nvmlDeviceGetEnforcedPowerLimit(h))),
+        util_pct=call(f"GPU {i} utilization",
+                      lambda: float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)),
+        used=None if mem is None else int(mem.used),
+        total=None if mem is None else int(mem.total),
+        reasons=call(f"GPU {i} clock-event reasons", lambda: _reasons(pynvml, h)))
+
+
+def _all(values: Sequence[T | None]) -> list[T] | None:
+    """The values when every GPU answered, else None (unknown, not a partial figure)."""
+    if not values or any(v is None for v in values):
+        return None
+    return [v for v in values if v is not None]
 
 
 def _reasons(pynvml: Any, handle: Any) -> int:
@@ -241,39 +312,69 @@ def _reasons(pynvml: Any, handle: Any) -> int:
     return int(fn(handle))
 
 
+def _bit(pynvml: Any, name: str, default: int) -> int:
+    """A clock-event reason bit from pynvml: the current name, the older one, or NVML's
+    documented value when this nvidia-ml-py has neither."""
+    for prefix in ("nvmlClocksEventReason", "nvmlClocksThrottleReason"):
+        value = getattr(pynvml, prefix + name, None)
+        if isinstance(value, int):
+            return value
+    return default
+
+
+def _quiet(fn: Callable[[], object]) -> None:
+    # releasing NVML resources on the way out: a failure leaves nothing to tell
+    with contextlib.suppress(Exception):
+        fn()
+
+
 NvmlLister = NvmlSampler  # the lifecycle's name for it
 
 
-@dataclass
+# ---- scripted readings -----------------------------------------------------------------
+
+_FLOATS = ("temperature_c", "slowdown_temperature_c", "power_w", "power_limit_w",
+           "utilization_ratio")
+_INTS = ("memory_used_bytes", "memory_total_bytes", "clock_event_reasons")
+_BOOLS = ("thermal_throttled", "power_capped")
+_FIELDS = tuple(f.name for f in dataclasses.fields(GpuReading))
+
+
 class FileSampler:
     """Scripted readings: each sample re-reads a JSON object whose keys are GpuReading's
-    fields (`process_memory` as {"pid": bytes}; `xids` as a list). For machines without
-    a GPU and for tests, which drive the watchdog by rewriting the file (atomically).
-    A missing or bad file gives a reading with every value unknown and the reason."""
+    field names, all optional (an absent key is unknown, None):
 
-    path: str
-    _fields: dict[str, dataclasses.Field[Any]] = field(init=False, repr=False)
+        {"temperature_c": 91.0, "slowdown_temperature_c": 89.0, "power_w": 650.5,
+         "power_limit_w": 700.0, "utilization_ratio": 0.97,
+         "memory_used_bytes": 7516192768, "memory_total_bytes": 85520809984,
+         "clock_event_reasons": 36, "thermal_throttled": true, "power_capped": true,
+         "process_memory": {"4242": 7012876288}, "xids": [79],
+         "errors": ["GPU 0 power: NVMLError_NotSupported: Not Supported"]}
 
-    def __post_init__(self) -> None:
-        self._fields = {f.name: f for f in dataclasses.fields(GpuReading)
-                        if f.name != "errors"}
+    For machines without a GPU and for tests, which drive the watchdog by rewriting the
+    file (atomically: write a temporary file, then os.replace). A missing, unreadable or
+    malformed file, an unknown key or a value of the wrong type gives a reading with every
+    value unknown and one error naming the file and the problem."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = str(path)
 
     def _fail(self, why: str) -> GpuReading:
         return GpuReading(errors=(f"{self.path}: {why}",))
 
     def sample(self) -> GpuReading:
         try:
-            doc = json.loads(Path(self.path).read_text())
+            doc = json.loads(Path(self.path).read_text(encoding="utf-8"))
         except OSError as exc:
             return self._fail(f"cannot read: {exc.strerror or exc}")
-        except ValueError as exc:
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both
             return self._fail(f"not JSON: {exc}")
         if not isinstance(doc, dict):
             return self._fail("expected a JSON object of GPU readings")
         values: dict[str, Any] = {}
         for key, raw in doc.items():
-            if key not in self._fields:
-                return self._fail(f"unknown key {key!r} (known: {', '.join(self._fields)})")
+            if key not in _FIELDS:
+                return self._fail(f"unknown key {key!r} (known: {', '.join(_FIELDS)})")
             try:
                 values[key] = _coerce(key, raw)
             except (TypeError, ValueError) as exc:
@@ -284,22 +385,18 @@ class FileSampler:
         return self.sample().process_memory
 
 
-_FLOATS = ("temperature_c", "slowdown_temperature_c", "power_w", "power_limit_w",
-           "utilization_ratio")
-_INTS = ("memory_used_bytes", "memory_total_bytes", "clock_event_reasons")
-_BOOLS = ("thermal_throttled", "power_capped")
-
-
 def _coerce(key: str, raw: Any) -> Any:
     if raw is None:
-        return None
+        return () if key in ("xids", "errors") else None
     if key in _FLOATS:
-        if isinstance(raw, bool) or not isinstance(raw, int | float):
-            raise TypeError(f"expected a number, got {raw!r}")
+        if isinstance(raw, bool) or not isinstance(raw, int | float) or not math.isfinite(raw):
+            raise TypeError(f"expected a finite number, got {raw!r}")
+        if key == "utilization_ratio" and not 0.0 <= raw <= 1.0:
+            raise ValueError(f"expected a ratio between 0 and 1, got {raw!r}")
         return float(raw)
     if key in _INTS:
-        if isinstance(raw, bool) or not isinstance(raw, int):
-            raise TypeError(f"expected an integer, got {raw!r}")
+        if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+            raise TypeError(f"expected a non-negative integer, got {raw!r}")
         return raw
     if key in _BOOLS:
         if not isinstance(raw, bool):
@@ -307,16 +404,21 @@ def _coerce(key: str, raw: Any) -> Any:
         return raw
     if key == "process_memory":
         if not isinstance(raw, dict):
-            raise TypeError(f"expected {{\"pid\": bytes}}, got {raw!r}")
+            raise TypeError(f'expected {{"pid": bytes}}, got {raw!r}')
         out = {}
         for pid, used in raw.items():
-            if not str(pid).isdigit() or isinstance(used, bool) or not isinstance(used, int):
-                raise ValueError(f"expected {{\"pid\": bytes}}, got {pid!r}: {used!r}")
+            if not (pid.isascii() and pid.isdigit() and int(pid) > 0) or isinstance(
+                    used, bool) or not isinstance(used, int) or used < 0:
+                raise ValueError(f'expected {{"pid": bytes}}, got {pid!r}: {used!r}')
             out[int(pid)] = used
         return out
     if key == "xids":
         if not isinstance(raw, list) or not all(
-                isinstance(x, int) and not isinstance(x, bool) for x in raw):
+                isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in raw):
             raise TypeError(f"expected a list of XID codes, got {raw!r}")
         return tuple(raw)
-    raise ValueError("not a reading")
+    if key == "errors":
+        if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
+            raise TypeError(f"expected a list of strings, got {raw!r}")
+        return tuple(raw)
+    raise ValueError("not a reading")  # pragma: no cover - _FIELDS covers every key

@@ -1,26 +1,32 @@
-"""On a GPU host only (skipped without NVML): the daemon's NVML view of the engine tree.
+"""On a GPU host only (skipped without NVML): the daemon's NVML view of the engine tree,
+and the watchdog's NVML sampler on a GPU under load.
 
 A fake engine whose child holds GPU memory through torch stands in for vLLM's
-EngineCore. Run on the lent H100 with `tests/gpu_run.sh`; the results are written to
-docs/gpu-validation.md by hand from that run's output.
+EngineCore; tests/gpu_burn.py heats the GPU. Run on the lent H100 with the command in
+docs/gpu-validation.md; the results are written there by hand from that run's output
+(the JSON lines this file prints).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from supervisor.gpu import NvmlLister
+from supervisor.gpu import GpuReading, NvmlLister, NvmlSampler
 from tests.harness import alive, fake_engine_config, wait_for
 
 nvml = NvmlLister([])
 NO_GPU = nvml.init()
 pytestmark = pytest.mark.skipif(NO_GPU is not None, reason=f"no GPU: {NO_GPU}")
 MIB = 1024
+LOAD_S = 45.0  # seconds of sampling under load
 
 
 def holders() -> dict[int, int]:
@@ -64,69 +70,90 @@ def test_nvml_lister_reads_the_real_device():
         assert pid > 0 and used >= 0
 
 
+def _read_ready_pid(burn: subprocess.Popen[str], timeout: float) -> int:
+    """The workload's "ready PID" line, within `timeout` (CUDA start-up, 2 GiB allocation)."""
+    assert burn.stdout is not None
+    ready, _, _ = select.select([burn.stdout], [], [], timeout)
+    assert ready, f"gpu_burn printed nothing in {timeout:g} s (exit code {burn.poll()})"
+    line = burn.stdout.readline()
+    assert line.startswith("ready "), f"gpu_burn said {line!r} (exit code {burn.poll()})"
+    return int(line.split()[1])
+
+
 def test_nvml_sampler_reads_a_loaded_gpu_and_sees_its_memory_released():
     """The watchdog's sampler on a real GPU heated by a torch workload: temperature,
     the card's slowdown mark, power against its limit, clock-event reasons, and the
     workload's memory attributed to its pid, then gone after SIGKILL."""
-    import subprocess
-    import sys
-
-    from supervisor.gpu import NvmlSampler
-
     sampler = NvmlSampler([])
     assert sampler.init() is None
     idle = sampler.sample()
-    burn = subprocess.Popen([sys.executable, "-m", "tests.gpu_burn", "--seconds", "90"],
-                            stdout=subprocess.PIPE, text=True)
-    readings = []
+    burn = subprocess.Popen([sys.executable, "-m", "tests.gpu_burn", "--seconds", "90",
+                             "--gib", "2"], stdout=subprocess.PIPE, text=True)
+    loaded: list[GpuReading] = []
+    after_kill: list[GpuReading] = []
     try:
-        assert burn.stdout is not None
-        line = burn.stdout.readline()
-        assert line.startswith("ready "), line
-        pid = int(line.split()[1])
-        t_end = time.monotonic() + 45
-        while time.monotonic() < t_end:
-            readings.append(sampler.sample())
-            time.sleep(1.0)
-        held = max((r.process_memory or {}).get(pid, 0) for r in readings)
+        pid = _read_ready_pid(burn, 120)
+        t_end = time.monotonic() + LOAD_S
+        next_t = time.monotonic()
+        while next_t < t_end:  # one sample a second, as the daemon's period would
+            loaded.append(sampler.sample())
+            next_t += 1.0
+            time.sleep(max(0.0, next_t - time.monotonic()))
+        assert burn.poll() is None, "the workload ended before it was killed"
+        held = max((r.process_memory or {}).get(pid, 0) for r in loaded)
         burn.send_signal(signal.SIGKILL)
-        burn.wait(10)
         t_kill = time.monotonic()
+
         def released() -> bool:
-            procs = sampler.sample().process_memory
-            return procs is not None and pid not in procs  # {} once nothing is left
+            r = sampler.sample()
+            after_kill.append(r)
+            return r.process_memory is not None and pid not in r.process_memory
 
         wait_for(released, 30, "the killed workload's memory to leave NVML's list")
         release_s = time.monotonic() - t_kill
+        burn.wait(10)
     finally:
         if burn.poll() is None:
             burn.kill()
             burn.wait(10)
-    loaded = readings[-10:]
-    temps = [r.temperature_c for r in readings if r.temperature_c is not None]
-    powers = [r.power_w for r in loaded if r.power_w is not None]
-    reasons = sorted({r.clock_event_reasons for r in readings
+        sampler.close()
+    every = [idle, *loaded, *after_kill]
+    hot = loaded[len(loaded) // 2:]  # the second half: the card has warmed up
+    temps = [r.temperature_c for r in loaded if r.temperature_c is not None]
+    powers = [r.power_w for r in hot if r.power_w is not None]
+    reasons = sorted({r.clock_event_reasons for r in every
                       if r.clock_event_reasons is not None})
-    assert idle.temperature_c is not None and temps
+    utils = [r.utilization_ratio for r in loaded if r.utilization_ratio is not None]
+    errors = sorted({e for r in every for e in r.errors})
+    results = {
+        "samples": len(loaded),
+        "idle_temperature_c": idle.temperature_c,
+        "max_loaded_temperature_c": max(temps, default=None),
+        "slowdown_temperature_c": idle.slowdown_temperature_c,
+        "idle_power_w": idle.power_w, "max_loaded_power_w": max(powers, default=None),
+        "idle_power_limit_w": idle.power_limit_w,
+        "loaded_power_limit_w": sorted({r.power_limit_w for r in loaded}, key=str),
+        "idle_reasons": None if idle.clock_event_reasons is None
+        else hex(idle.clock_event_reasons),
+        "reasons_seen": [hex(r) for r in reasons],
+        "thermal_throttled_seen": any(r.thermal_throttled for r in every),
+        "power_capped_seen": any(r.power_capped for r in every),
+        "max_utilization_ratio": max(utils, default=None),
+        "workload_pid_gpu_mib": held >> 20, "release_after_sigkill_s": round(release_s, 3),
+        "samples_after_kill": len(after_kill),
+        "xid_registration": sampler.xid_problem or "registered",
+        "xids_seen": sorted({x for r in every for x in r.xids}),
+        "errors": errors}
+    print("nvml sampler results:", json.dumps(results))
+    assert idle.temperature_c is not None and len(temps) == len(loaded)
     assert idle.slowdown_temperature_c is not None and idle.slowdown_temperature_c > 50
     assert idle.power_w is not None and idle.power_limit_w is not None
-    assert powers and max(powers) > idle.power_w  # the workload draws power
-    assert reasons  # clock-event reasons read on every sample
+    assert len(powers) == len(hot) and max(powers) > idle.power_w  # the workload draws power
+    assert all(isinstance(r.clock_event_reasons, int) for r in loaded)
+    assert all(isinstance(r.thermal_throttled, bool) and isinstance(r.power_capped, bool)
+               for r in loaded)
     assert held >= 2 << 30
-    errors = sorted({e for r in readings for e in r.errors})
-    print("nvml sampler results:", json.dumps({
-        "idle_temperature_c": idle.temperature_c, "max_loaded_temperature_c": max(temps),
-        "slowdown_temperature_c": idle.slowdown_temperature_c,
-        "idle_power_w": idle.power_w, "max_loaded_power_w": max(powers),
-        "power_limit_w": idle.power_limit_w,
-        "reasons_seen": [hex(r) for r in reasons],
-        "thermal_throttled_seen": any(r.thermal_throttled for r in readings),
-        "power_capped_seen": any(r.power_capped for r in readings),
-        "utilization_max": max((r.utilization_ratio or 0.0) for r in readings),
-        "workload_pid_gpu_mib": held >> 20, "release_after_sigkill_s": round(release_s, 2),
-        "xid_registration": sampler.xid_problem or "registered",
-        "errors": errors}))
-    sampler.close()
+    assert errors == []
 
 
 def test_daemon_shows_nvml_readings_and_the_engine_gpu_memory_in_status_and_exporter(
