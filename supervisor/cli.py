@@ -22,6 +22,7 @@ from supervisor.daemon import Supervisor, runtime_paths_ok
 from supervisor.exporter import ExporterError
 from supervisor.gpu import FileSampler, GpuProcessLister, GpuSampler, NoGpu, NvmlSampler
 from supervisor.logs import configure_logging
+from supervisor.proxy import ProxyError
 from supervisor.sdnotify import Notifier
 
 
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     sup = Supervisor(config=cfg, notifier=Notifier(), gpu=lister, sampler=sampler)
     try:
         return asyncio.run(sup.run())
-    except (ControlSocketError, ExporterError) as exc:
+    except (ControlSocketError, ExporterError, ProxyError) as exc:
         log.error("cannot start", error=str(exc))
         return 1
 

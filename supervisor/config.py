@@ -193,6 +193,27 @@ class PolicyConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProxyConfig:
+    # the public port: the engine's whole serving API, with drain-and-hold and admission
+    enabled: bool = _field(True)
+    listen: str = _field("127.0.0.1:8000", nonempty=True)
+    # live throttle: level N scales these by throttle.level_factors[N-1]
+    max_concurrency: int = _field(256, lo=1, hi=1 << 20)
+    max_tokens_in_flight: int = _field(0, lo=0, hi=1 << 40)  # 0: no token budget
+    hold_queue_max: int = _field(1024, lo=0, hi=1 << 20)
+    # a request waits at most this long for a drain, a restart or a slot, then gets 503
+    hold_timeout_s: float = _field(300.0, lo=0.1, hi=3600)
+    # the KV circuit breaker: no new requests from usage >= high until usage < low
+    kv_breaker_high: float = _field(0.88, lo=0.01, hi=1.0)
+    kv_breaker_low: float = _field(0.80, lo=0.0, hi=1.0)
+    max_body_bytes: int = _field(16 << 20, lo=1024, hi=1 << 31)
+    max_header_bytes: int = _field(16 << 10, lo=1024, hi=1 << 20)
+    retry_after_s: int = _field(5, lo=1, hi=3600)
+    # path prefixes forwarded besides the serving API (the allow-list in proxy.py)
+    extra_routes: list[str] = _field([])
+
+
+@dataclasses.dataclass(frozen=True)
 class ExporterConfig:
     # the daemon's own /metrics, /healthz and /readyz
     enabled: bool = _field(True)
@@ -214,6 +235,7 @@ class Config:
     throttle: ThrottleConfig = _field(ThrottleConfig())
     policy: PolicyConfig = _field(PolicyConfig())
     exporter: ExporterConfig = _field(ExporterConfig())
+    proxy: ProxyConfig = _field(ProxyConfig())
     source: str = ""  # the file this came from; not a TOML key
 
     @property
@@ -235,6 +257,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "throttle": ThrottleConfig,
     "policy": PolicyConfig,
     "exporter": ExporterConfig,
+    "proxy": ProxyConfig,
 }
 
 
@@ -440,6 +463,18 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
             parse_listen(exporter.listen)
         except ValueError as exc:
             problems.append(f"exporter.listen: {exc}")
+    proxy: ProxyConfig = sections["proxy"]
+    if proxy.enabled:
+        try:
+            parse_listen(proxy.listen)
+        except ValueError as exc:
+            problems.append(f"proxy.listen: {exc}")
+        if proxy.kv_breaker_low >= proxy.kv_breaker_high:
+            problems.append(f"proxy.kv_breaker_low: expected less than proxy.kv_breaker_high "
+                            f"({proxy.kv_breaker_high:g}), got {proxy.kv_breaker_low:g}")
+        if any(not r.startswith("/") for r in proxy.extra_routes):
+            problems.append(f"proxy.extra_routes: expected path prefixes starting with /, "
+                            f"got {proxy.extra_routes!r}")
     gpu: GpuConfig = sections["gpu"]
     if gpu.sampler == "file" and not gpu.file:
         problems.append("gpu.file: required when gpu.sampler is \"file\"")
@@ -476,6 +511,7 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
         throttle=sections["throttle"],
         policy=sections["policy"],
         exporter=exporter,
+        proxy=proxy,
         source=source,
     )
 

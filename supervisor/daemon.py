@@ -34,6 +34,7 @@ import structlog
 
 from supervisor import canary, proctree, relaunch, xid
 from supervisor import engine as eng
+from supervisor.admission import Gate, GateLimits
 from supervisor.audit import AuditTrail
 from supervisor.config import (
     Config,
@@ -44,13 +45,14 @@ from supervisor.config import (
     load_config,
 )
 from supervisor.control.server import ControlServer
-from supervisor.exporter import Exporter, ExporterView
+from supervisor.exporter import Exporter, ExporterView, parse_listen
 from supervisor.gpu import GpuProcessLister, GpuReading, GpuSampler
 from supervisor.lifecycle import RestartTracker
 from supervisor.logs import set_level
 from supervisor.metrics import Snapshot
 from supervisor.policy import EngineView, PolicyMemory, PolicyState, decide
 from supervisor.poller import ScrapeHealth, scrape
+from supervisor.proxy import FrontProxy, ProxyError, ProxySettings
 from supervisor.sdnotify import Notifier
 from supervisor.signals import SIGNALS, Signals, SignalWindow
 from supervisor.states import State, check_transition
@@ -174,6 +176,16 @@ class PrefixReset(Event):
 
 
 @dataclass(frozen=True)
+class GateProbe(Event):
+    """The first canary of a new engine: its answer opens the gate (held requests go)."""
+
+    name = "gate_probe"
+    generation: int
+    ok: bool
+    error: str | None
+
+
+@dataclass(frozen=True)
 class ViewRequest(Event):
     name = "view_request"
     reply: asyncio.Future[ExporterView]
@@ -274,7 +286,10 @@ class Supervisor:
         self.trips_by_rule: dict[str, int] = {}
         self.actions_by_kind: dict[str, int] = {}
         self._gpu_errors_logged = False
-        self._next_graceful = True
+        # the front door: present when [proxy] is enabled
+        self.proxy: FrontProxy | None = None
+        self.gate = Gate(self._gate_limits())
+        self.drained_by_operator = False
 
     # ---- running ----------------------------------------------------------------------
 
@@ -286,6 +301,13 @@ class Supervisor:
             loop.add_signal_handler(sig, self.queue.put_nowait, SignalReceived(sig))
         self._control = ControlServer(self.config.control, self.submit)
         await self._control.start()
+        if self.config.proxy.enabled:
+            self.proxy = self._make_proxy()
+            try:
+                await self.proxy.start()
+            except ProxyError:
+                await self._control.close()
+                raise
         if self.config.exporter.enabled:
             self._exporter = Exporter(self.config.exporter.listen, self._view)
             try:
@@ -319,6 +341,9 @@ class Supervisor:
             await self._control.close()
             if self._exporter is not None:
                 await self._exporter.close()
+            if self.proxy is not None:
+                self.gate.close("the daemon is stopping")
+                await self.proxy.close()
             for job in list(self._jobs):
                 job.cancel()
             await asyncio.gather(*self._jobs, return_exceptions=True)
@@ -361,6 +386,11 @@ class Supervisor:
         self.state_since = self.clock.monotonic()
         pid = self.engine.pid if self.engine else None
         log.info("state change", **{"from": old.value, "to": new.value}, reason=reason, pid=pid)
+        if new in (State.FATAL, State.STOPPING, State.STOPPED):
+            self.gate.close(f"the engine is {new.value}: {reason}")
+        elif new is not State.RUNNING:
+            self.gate.hold(f"the engine is {new.value}: {reason}")
+        # RUNNING opens the gate only once a canary has passed (handle_gate_probe)
         self._audit("state", **{"from": old.value, "to": new.value}, reason=reason, pid=pid)
         self.notifier.status(f"{new.value}: {reason}"[:200])
 
@@ -492,6 +522,7 @@ class Supervisor:
         now = self.clock.monotonic()
         ended = self.scrapes.succeeded(ev.snapshot, now)
         self.window.add_metrics(now, ev.snapshot)
+        self.gate.set_kv_usage(ev.snapshot.kv_cache_usage)
         if ended:
             log.info("metrics scrape recovered", failed_scrapes=ended, pid=self.engine.pid)
 
@@ -556,6 +587,7 @@ class Supervisor:
                 self._launch(self._job_poll(engine, self.config.metrics), "poll metrics")
             if self.config.canary.enabled:
                 self._launch(self._job_canary(engine), "canary")
+            self._launch(self._job_gate_probe(engine), "gate probe")
         elif engine.exit_code is None:
             self._failure(f"engine not healthy within {engine.config.startup_timeout_s:g} s",
                           healthy_for=None)
@@ -745,8 +777,20 @@ class Supervisor:
     def overrides(self) -> dict[str, str | None]:
         """Engine flags the next (or current) start replaces: throttle, reduced batch,
         speculative tokens. None = the flag is removed."""
+        level = 0 if self.proxy is not None else self.throttle_level  # live at the proxy
         return relaunch.overrides(self.config.engine.args, self.config.throttle,
-                                  self.throttle_level, self.batch_reduced, self.spec_tokens)
+                                  level, self.batch_reduced, self.spec_tokens)
+
+    def _admission_status(self) -> dict[str, Any] | None:
+        if self.proxy is None:
+            return None
+        g = self.gate
+        return {"listen": self.config.proxy.listen, "held": g.held_reason,
+                "in_flight": g.in_flight, "tokens_in_flight": g.tokens_in_flight,
+                "waiting": g.waiting, "max_concurrency": g.concurrency_limit,
+                "max_tokens_in_flight": g.token_limit or None,
+                "kv_breaker_open": g.breaker_open,
+                "drained_by_operator": self.drained_by_operator}
 
     def _rule_status(self, now: float) -> dict[str, dict[str, Any]]:
         """Where each rule stands: how long its condition (or its clear condition) has
@@ -761,6 +805,68 @@ class Supervisor:
                 "trips": m.trips}
         return out
 
+    def _gate_limits(self) -> GateLimits:
+        p = self.config.proxy
+        return GateLimits(concurrency=p.max_concurrency, tokens=p.max_tokens_in_flight,
+                          level_factors=tuple(self.config.throttle.level_factors),
+                          queue_max=p.hold_queue_max, max_wait_s=p.hold_timeout_s,
+                          kv_high=p.kv_breaker_high, kv_low=p.kv_breaker_low)
+
+    def _make_proxy(self) -> FrontProxy:
+        p = self.config.proxy
+        host, port = parse_listen(p.listen)
+        e = self.config.engine
+        settings = ProxySettings(listen_host=host, listen_port=port,
+                                 upstream=f"http://{_url_host(e.host)}:{e.port}",
+                                 max_body_bytes=p.max_body_bytes,
+                                 max_header_bytes=p.max_header_bytes,
+                                 retry_after_s=p.retry_after_s,
+                                 extra_routes=tuple(p.extra_routes))
+        return FrontProxy(settings, self.gate, self._ready)
+
+    def _ready(self) -> bool:
+        """Serving: the engine runs and the gate lets requests through."""
+        return self.state is State.RUNNING and self.gate.held_reason is None \
+            and not self._taking_down
+
+    async def _job_gate_probe(self, engine: eng.EngineProcess) -> None:
+        """Healthy is not enough to release held requests: one canary must pass first
+        (bounded: a few tries, then the gate opens anyway and the hang rule judges)."""
+        cfg = self.config.canary
+        ecfg = engine.config
+        base = f"http://{_url_host(ecfg.host)}:{ecfg.port}"
+        error: str | None = None
+        async with httpx.AsyncClient() as client:
+            for _ in range(3):
+                model = cfg.model or await canary.find_model(client, base, cfg.timeout_s)
+                if model is None:
+                    error = "/v1/models named no model"
+                else:
+                    outcome = await canary.probe(client, base, model, cfg.prompt,
+                                                 cfg.max_tokens, cfg.timeout_s)
+                    if outcome.ok:
+                        self.queue.put_nowait(GateProbe(engine.generation, True, None))
+                        return
+                    error = outcome.error
+                await asyncio.sleep(0.5)
+        self.queue.put_nowait(GateProbe(engine.generation, False, error))
+
+    def handle_gate_probe(self, ev: GateProbe) -> None:
+        if (self.engine is None or self.engine.generation != ev.generation
+                or self.state is not State.RUNNING):
+            return
+        if not ev.ok:
+            log.warning("the first canary failed; releasing held requests anyway",
+                        error=ev.error, waiting=self.gate.waiting)
+        if self.drained_by_operator:
+            log.info("engine ready; requests stay held until `resume`", waiting=self.gate.waiting)
+            return
+        waiting = self.gate.waiting
+        self.gate.release()
+        if waiting:
+            log.info("held requests released", count=waiting)
+            self._audit("released", count=waiting)
+
     def _count_restart(self, reason: str) -> None:
         self.restarts_by_reason[reason] = self.restarts_by_reason.get(reason, 0) + 1
 
@@ -774,7 +880,8 @@ class Supervisor:
             spec_tokens_max=(self.config.policy.spec_tokens_max
                              or relaunch.spec_tokens(self.config.engine.args) or 0),
             can_reset_prefix_cache=env.get("VLLM_SERVER_DEV_MODE") == "1",
-            live_throttle=False)  # no admission control in front yet: throttling relaunches
+            # with the proxy, throttling is admission control; without it, a relaunch
+            live_throttle=self.proxy is not None)
 
     def _evaluate_policy(self, now: float) -> None:
         state = PolicyState(self._engine_view(), self.policy_memory, self.policy_paused)
@@ -814,12 +921,15 @@ class Supervisor:
             if self.engine is not None:
                 self._launch(self._job_reset_prefix(self.engine), "reset prefix cache")
         else:
-            # restart, restart_now, and every relaunch with new arguments
+            # throttle and lift at the proxy, or a relaunch: restart, restart_now, and
+            # every relaunch with new arguments
             self.throttle_level = d.throttle_level
             self.batch_reduced = d.batch_reduced
             self.spec_tokens = d.spec_tokens
-            self._count_restart("policy")
-            self._restart(reason, graceful=d.action != "restart_now")
+            self.gate.set_level(self.throttle_level if self.proxy is not None else 0)
+            if d.restarts_engine:
+                self._count_restart("policy")
+                self._restart(reason, graceful=d.action != "restart_now")
 
     async def _job_reset_prefix(self, engine: eng.EngineProcess) -> None:
         cfg = engine.config
@@ -926,7 +1036,8 @@ class Supervisor:
         e = self.engine
         ev.reply.set_result(ExporterView(
             state=self.state.value,
-            ready=self.state is State.RUNNING and not self._taking_down,
+            ready=self._ready() if self.proxy is not None
+            else self.state is State.RUNNING and not self._taking_down,
             throttle_level=self.throttle_level,
             restarts_by_reason=dict(self.restarts_by_reason),
             trips_by_rule=dict(self.trips_by_rule),
@@ -1019,6 +1130,36 @@ class Supervisor:
             elif ev.command == "reload":
                 self._audit("control", command="reload")
                 self._launch(self._job_reload(ev.reply), "reload")
+            elif ev.command == "drain":
+                self.drained_by_operator = True
+                self.gate.hold("drain requested by operator")
+                self._audit("control", command="drain")
+                log.info("drain: new requests are held", in_flight=self.gate.in_flight)
+                ev.reply.set_result({"held": True, "in_flight": self.gate.in_flight,
+                                     "waiting": self.gate.waiting})
+            elif ev.command == "resume":
+                self.drained_by_operator = False
+                waiting = self.gate.waiting
+                if self.state is State.RUNNING and not self._taking_down:
+                    self.gate.release()
+                self._audit("control", command="resume", released=waiting)
+                ev.reply.set_result({"held": self.gate.held_reason is not None,
+                                     "released": waiting})
+            elif ev.command in ("throttle", "unthrottle"):
+                level = 0 if ev.command == "unthrottle" else ev.args.get("level")
+                top = len(self.config.throttle.level_factors)
+                if not isinstance(level, int) or isinstance(level, bool) or not 0 <= level <= top:
+                    raise CommandError(f"throttle: LEVEL must be an integer from 0 to {top}")
+                self._audit("control", command=ev.command, level=level)
+                changed = level != self.throttle_level
+                self.throttle_level = level
+                if self.proxy is not None:
+                    self.gate.set_level(level)
+                elif changed:  # no proxy: the throttle is a drained relaunch
+                    self._restart(f"throttle level {level} requested by operator")
+                    self._count_restart("operator")
+                ev.reply.set_result({"throttle_level": level, "live": self.proxy is not None,
+                                     "max_concurrency": self.gate.concurrency_limit})
             elif ev.command in ("pause-policy", "resume-policy"):
                 paused = ev.command == "pause-policy"
                 changed = paused != self.policy_paused
@@ -1056,6 +1197,7 @@ class Supervisor:
             "daemon_uptime_s": round(now - self.started_at, 3),
             "throttle_level": self.throttle_level,
             "overrides": self.overrides(),
+            "admission": self._admission_status(),
             "policy": {"enabled": self.config.policy.enabled,
                        "paused": self.policy_paused,
                        "dry_run": self.config.policy.dry_run,

@@ -14,6 +14,11 @@ script a fault:
                         does; the engine serves only once it is allocated
   --hang-file PATH      while PATH exists, completions hang (a frozen engine: /health
                         and /metrics still answer, as vLLM's do with EngineCore stopped)
+  --token-delay S       seconds between streamed tokens (default 0.01)
+Completions honour "max_tokens" and "stream" (SSE, one chunk per token, then [DONE]).
+On SIGTERM it stops accepting and lets running requests finish for --shutdown-timeout,
+as vLLM does. A client that goes away mid-stream is counted in <pidfile dir>/aborts;
+the most requests ever running at once is written to <pidfile dir>/max-running.
 Serves GET /health, /metrics, /v1/models, POST /v1/completions (one token) and
 /reset_prefix_cache (counted in $FAKE_ENGINE_PIDFILE's directory as prefix-resets).
 Writes vLLM-shaped log lines, its pid (and the child's) to $FAKE_ENGINE_PIDFILE, its
@@ -54,6 +59,7 @@ def main() -> None:
     p.add_argument("--gpu-mib", type=int, default=0)
     p.add_argument("--metrics-file", default=None)
     p.add_argument("--hang-file", default=None)
+    p.add_argument("--token-delay", type=float, default=0.01)
     a, _engine_args = p.parse_known_args()  # the rest: engine flags, e.g. --max-num-seqs
 
     log("INFO", f"fake engine starting, args {sys.argv[1:]}")
@@ -92,6 +98,8 @@ def main() -> None:
             f.write(f"{os.getpid()}\n" + (f"{child_pid}\n" if child_pid else ""))
 
     stopping = threading.Event()
+    lock = threading.Lock()
+    running = [0, 0]  # now, most ever
     if a.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:
@@ -117,10 +125,29 @@ def main() -> None:
 
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
-            self.rfile.read(length)
+            raw = self.rfile.read(length)
             if self.path == "/v1/completions":
-                while a.hang_file and os.path.exists(a.hang_file) and not stopping.is_set():
-                    time.sleep(0.05)
+                try:
+                    req = json.loads(raw or b"{}")
+                except ValueError:
+                    req = {}
+                with lock:
+                    running[0] += 1
+                    peak = max(running[1], running[0])
+                    running[1] = peak
+                if pidfile:
+                    with open(os.path.join(os.path.dirname(pidfile), "max-running"), "w") as f:
+                        f.write(str(peak))
+                try:
+                    while a.hang_file and os.path.exists(a.hang_file) and not stopping.is_set():
+                        time.sleep(0.05)
+                    if req.get("stream"):
+                        self._stream(int(req.get("max_tokens") or 16))
+                        return
+                    time.sleep(a.token_delay * int(req.get("max_tokens") or 1))
+                finally:
+                    with lock:
+                        running[0] -= 1
                 body = json.dumps({"object": "text_completion", "model": "fake",
                                    "choices": [{"index": 0, "text": "x"}]}).encode()
                 code = 200
@@ -134,6 +161,24 @@ def main() -> None:
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+
+        def _stream(self, tokens: int) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("X-Fake-Engine", "1")
+            self.end_headers()
+            try:
+                for i in range(tokens):
+                    chunk = {"choices": [{"index": 0, "text": f"t{i} "}]}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.flush()
+                    time.sleep(a.token_delay)
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                if pidfile:
+                    with open(os.path.join(os.path.dirname(pidfile), "aborts"), "a") as f:
+                        f.write("1\n")
 
         def log_message(self, *args: object) -> None:
             pass
@@ -151,6 +196,10 @@ def main() -> None:
         stopping.wait(0.05)
     log("INFO", f"shutting down (drain up to {a.shutdown_timeout:g} s)")
     srv.shutdown()
+    srv.socket.close()  # new connections are refused from now, as vLLM's are
+    drain_until = time.monotonic() + a.shutdown_timeout
+    while running[0] > 0 and time.monotonic() < drain_until:
+        time.sleep(0.02)
     if child_pid:
         os.kill(child_pid, signal.SIGTERM)
         os.waitpid(child_pid, 0)

@@ -87,6 +87,7 @@ def fake_engine_config(tmp: Path, *fake_args: str, port: int | None = None,
         # each daemon its own exporter port; no GPU sampling unless a test scripts it
         "exporter": {"listen": f"127.0.0.1:{free_port()}"},
         "gpu": {"sampler": "off"},
+        "proxy": {"enabled": False},  # the proxy's tests turn it on
     }
     for name, table in overrides.items():
         sections.setdefault(name, {}).update(table)

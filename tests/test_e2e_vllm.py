@@ -48,6 +48,7 @@ def vllm_config(tmp: Path) -> dict[str, dict[str, object]]:
         "log": {"format": "json", "level": "info"},
         "exporter": {"listen": f"127.0.0.1:{free_port()}"},
         "gpu": {"sampler": "off"},
+        "proxy": {"enabled": False},  # these tests talk to the engine's own port
     }
 
 

@@ -34,6 +34,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--reason", default=None, help="recorded in the log and audit trail")
     sub.add_parser("stop", help="stop the engine and the daemon; waits until done")
     sub.add_parser("reload", help="re-read the config file (engine settings apply at next start)")
+    sub.add_parser("drain", help="hold new requests at the proxy (in-flight ones finish)")
+    sub.add_parser("resume", help="release held requests, without a restart")
+    t = sub.add_parser("throttle", help="admission limits scaled down to LEVEL (live with the "
+                                        "proxy; a drained relaunch without it)")
+    t.add_argument("level", type=int, metavar="LEVEL")
+    sub.add_parser("unthrottle", help="throttle level 0")
     sub.add_parser("pause-policy", help="maintenance: the watchdog takes no action until resumed")
     sub.add_parser("resume-policy", help="the watchdog acts again")
     e = sub.add_parser("events", help="the audit trail's latest entries")
@@ -67,6 +73,12 @@ def format_status(st: dict[str, Any]) -> str:
                  f"{eng.get('processes', 0)} processes, {eng.get('host')}:{eng.get('port')}, "
                  f"up {_duration(st.get('uptime_s'))}")
     lines.append(f"restarts   {st.get('restarts')}")
+    adm = st.get("admission")
+    if adm:
+        lines.append(f"proxy      {adm['listen']}: {adm['in_flight']} in flight "
+                     f"(max {adm['max_concurrency']}), {adm['waiting']} waiting"
+                     + (f", held: {adm['held']}" if adm.get("held") else "")
+                     + (", KV breaker open" if adm.get("kv_breaker_open") else ""))
     over = st.get("overrides") or {}
     lines.append(f"throttle   {st.get('throttle_level')}" + (
         "; engine args: " + " ".join(f"{k} {v if v is not None else '(removed)'}"
@@ -118,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         args["reason"] = ns.reason
     if ns.command == "events":
         args["n"] = ns.n
+    if ns.command == "throttle":
+        args["level"] = ns.level
     timeout = ns.timeout if ns.timeout is not None else (3600.0 if ns.command == "stop" else 30.0)
     try:
         result = call(path, ns.command, args, timeout_s=timeout)
@@ -138,6 +152,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"restarting: {result.get('reason')}")
     elif ns.command == "stop":
         print(f"stopped (daemon exit status {result.get('exit_code')})")
+    elif ns.command == "drain":
+        print(f"new requests held; {result.get('in_flight')} in flight, "
+              f"{result.get('waiting')} waiting")
+    elif ns.command == "resume":
+        print(f"released {result.get('released')} held requests")
+    elif ns.command in ("throttle", "unthrottle"):
+        how = "live at the proxy" if result.get("live") else "by a drained relaunch"
+        print(f"throttle level {result.get('throttle_level')} ({how}; at most "
+              f"{result.get('max_concurrency')} requests in flight)")
     elif ns.command in ("pause-policy", "resume-policy"):
         now = "paused" if result.get("policy_paused") else "acting"
         print(f"policy {now}" + ("" if result.get("changed") else " (already)"))

@@ -10,6 +10,7 @@ Request:  {"v": 1, "cmd": "status", "args": {}}
           {"v": 1, "cmd": "restart", "args": {"reason": "new weights"}}
           {"v": 1, "cmd": "events", "args": {"n": 50}}
           {"v": 1, "cmd": "pause-policy"}   (maintenance: the watchdog decides nothing)
+          {"v": 1, "cmd": "throttle", "args": {"level": 2}}
 Reply:    {"v": 1, "ok": true, "result": {...}}
           {"v": 1, "ok": false, "error": "one line saying what was refused and why"}
 
@@ -27,7 +28,8 @@ from typing import Any
 VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024
 IDLE_TIMEOUT_S = 30.0
-COMMANDS = ("status", "restart", "stop", "reload", "events", "pause-policy", "resume-policy")
+COMMANDS = ("status", "restart", "stop", "reload", "events", "pause-policy", "resume-policy",
+            "drain", "resume", "throttle", "unthrottle")
 
 
 class ProtocolError(ValueError):

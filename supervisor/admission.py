@@ -1,0 +1,196 @@
+"""Admission control in front of the engine: the live throttle, the hold, the KV breaker.
+
+vLLM cannot change its batch limits at run time, so the daemon limits what reaches it:
+at most `concurrency` requests and `tokens` estimated tokens in flight (both scaled down
+by the throttle level), none while the gate is held (a drain, a restart, an engine not
+serving), and none while the KV circuit breaker is open (usage at or above its high mark,
+until it falls below the low mark). Requests that cannot go now wait in one bounded FIFO,
+each for at most `max_wait_s`; a full queue or a wait past its deadline is a rejection
+with a reason, which the proxy turns into 503 with Retry-After.
+
+Owned by the event loop's thread: every method is synchronous except `acquire`, and none
+blocks. The daemon's state-owning task calls hold/release/set_level/set_kv_usage; the
+proxy's request handlers call acquire and done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class Rejected(Exception):
+    """The request cannot be admitted; `reason` is a label for metrics and the 503 body."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+@dataclass
+class Ticket:
+    tokens: int
+    waited_s: float
+    held: bool  # it waited for a hold to end (a drain or restart), not only for a slot
+
+
+@dataclass
+class _Waiter:
+    tokens: int
+    future: asyncio.Future[None]
+    since: float
+    held: bool = False
+
+
+@dataclass
+class GateLimits:
+    concurrency: int = 256
+    tokens: int = 0  # 0: no limit on tokens in flight
+    level_factors: tuple[float, ...] = (0.75, 0.5, 0.25)
+    queue_max: int = 1024
+    max_wait_s: float = 300.0
+    kv_high: float = 0.88
+    kv_low: float = 0.80
+
+
+@dataclass
+class Gate:
+    limits: GateLimits = field(default_factory=GateLimits)
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        self.level = 0
+        self.held_reason: str | None = "engine not started"  # held until the daemon opens it
+        self.closed_reason: str | None = None  # refusing at once: no engine will come
+        self.breaker_open = False
+        self.in_flight = 0
+        self.tokens_in_flight = 0
+        self._waiters: deque[_Waiter] = deque()
+
+    # ---- the daemon's side ----------------------------------------------------------
+
+    def hold(self, reason: str) -> None:
+        """New requests wait (in order) instead of going to the engine."""
+        self.held_reason = reason
+        self.closed_reason = None
+
+    def release(self) -> None:
+        """Let waiting requests go, in arrival order, as limits allow."""
+        self.held_reason = None
+        self.closed_reason = None
+        self._wake()
+
+    def close(self, reason: str) -> None:
+        """No engine is coming (FATAL, stopping): waiting and new requests fail at once."""
+        self.closed_reason = reason
+        self.held_reason = reason
+        self.reject_all("engine_down", reason)
+
+    def set_level(self, level: int) -> None:
+        self.level = max(0, min(level, len(self.limits.level_factors)))
+        self._wake()
+
+    def set_kv_usage(self, usage: float | None) -> None:
+        if usage is None:
+            return  # unknown: the breaker stays as it is
+        if not self.breaker_open and usage >= self.limits.kv_high:
+            self.breaker_open = True
+        elif self.breaker_open and usage < self.limits.kv_low:
+            self.breaker_open = False
+            self._wake()
+
+    def reject_all(self, reason: str, detail: str) -> int:
+        """Fail every waiter now (the engine is gone for good, the daemon stops)."""
+        n = 0
+        while self._waiters:
+            w = self._waiters.popleft()
+            if not w.future.done():
+                w.future.set_exception(Rejected(reason, detail))
+                n += 1
+        return n
+
+    # ---- limits ---------------------------------------------------------------------
+
+    @property
+    def factor(self) -> float:
+        return 1.0 if self.level == 0 else self.limits.level_factors[self.level - 1]
+
+    @property
+    def concurrency_limit(self) -> int:
+        return max(1, int(self.limits.concurrency * self.factor))
+
+    @property
+    def token_limit(self) -> int:
+        return 0 if not self.limits.tokens else max(1, int(self.limits.tokens * self.factor))
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def _fits(self, tokens: int) -> bool:
+        if self.held_reason is not None or self.breaker_open:
+            return False
+        if self.in_flight >= self.concurrency_limit:
+            return False
+        # one request alone always fits: a request larger than the budget is not starved
+        limit = self.token_limit
+        return not limit or self.in_flight == 0 or self.tokens_in_flight + tokens <= limit
+
+    def _admit(self, tokens: int) -> None:
+        self.in_flight += 1
+        self.tokens_in_flight += tokens
+
+    def _wake(self) -> None:
+        while self._waiters:
+            w = self._waiters[0]
+            if w.future.done():  # timed out or cancelled meanwhile
+                self._waiters.popleft()
+                continue
+            if not self._fits(w.tokens):
+                return  # strict FIFO: nobody overtakes the head
+            self._waiters.popleft()
+            self._admit(w.tokens)
+            w.future.set_result(None)
+
+    # ---- the proxy's side -----------------------------------------------------------
+
+    async def acquire(self, tokens: int) -> Ticket:
+        """Wait (bounded) for a slot; raises Rejected."""
+        t0 = self.clock()
+        if self.closed_reason is not None:
+            raise Rejected("engine_down", self.closed_reason)
+        if not self._waiters and self._fits(tokens):
+            self._admit(tokens)
+            return Ticket(tokens, 0.0, held=False)
+        if len(self._waiters) >= self.limits.queue_max:
+            raise Rejected("queue_full", f"the hold queue is full ({self.limits.queue_max} "
+                                         f"requests waiting)")
+        w = _Waiter(tokens, asyncio.get_running_loop().create_future(), t0,
+                    held=self.held_reason is not None)
+        self._waiters.append(w)
+        try:
+            await asyncio.wait_for(asyncio.shield(w.future), self.limits.max_wait_s)
+        except TimeoutError:
+            if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
+                return Ticket(tokens, self.clock() - t0, w.held)  # admitted at the deadline
+            w.future.cancel()
+            why = self.held_reason or ("the KV cache is saturated" if self.breaker_open
+                                       else "the engine is at its admission limit")
+            raise Rejected("hold_timeout", f"waited {self.limits.max_wait_s:g} s: {why}") \
+                from None
+        except BaseException:
+            # the client went away while waiting: give the slot back if it was granted
+            if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
+                self.done(Ticket(tokens, 0.0, w.held))
+            else:
+                w.future.cancel()
+            raise
+        return Ticket(tokens, self.clock() - t0, w.held)
+
+    def done(self, ticket: Ticket) -> None:
+        self.in_flight -= 1
+        self.tokens_in_flight -= ticket.tokens
+        self._wake()

@@ -1,0 +1,239 @@
+"""The front door: a reverse proxy on the public port, in front of the engine.
+
+Owns the public listening socket and the requests on it; never the engine's lifecycle.
+Every request passes the admission gate (`admission.Gate`): held during a drain or a
+restart, limited by the throttle level, stopped by the KV breaker; then it is forwarded
+to the engine's internal port and its answer streamed back chunk by chunk (SSE included),
+status and headers kept. A client that goes away cancels its upstream request (aiohttp's
+handler cancellation closes the upstream connection, and vLLM aborts the request).
+
+Only the serving API is forwarded (an allow-list of path prefixes); the engine's
+administrative routes (`/sleep`, `/wake_up`, `/reset_*`, `/pause`, `/collective_rpc`,
+`/server_info`...) are refused with 403: vLLM leaves them unauthenticated and only the
+daemon calls them, on the internal port.
+
+A connection refused by the engine means the request never reached it, so it goes back
+to the gate (which holds it while the daemon restarts the engine) and is sent again; a
+request the engine had started fails fast with 502 and a clear error, since it cannot be
+saved. The proxy's own `/healthz` and `/readyz` answer load balancers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from supervisor.admission import Gate, Rejected
+
+log = structlog.get_logger("supervisor.proxy")
+
+# Forwarded path prefixes: the OpenAI-compatible API and vLLM's public extras.
+ALLOWED = ("/v1/", "/tokenize", "/detokenize", "/health", "/ping", "/version", "/metrics",
+           "/pooling", "/classify", "/score", "/rerank", "/invocations")
+# Refused with 403 (counted, logged): vLLM's unauthenticated administrative routes.
+ADMIN = ("/sleep", "/wake_up", "/is_sleeping", "/reset_", "/pause", "/resume",
+         "/is_paused", "/collective_rpc", "/scale_elastic_ep", "/is_scaling_elastic_ep",
+         "/server_info", "/start_profile", "/stop_profile", "/update_weights",
+         "/init_weight_transfer", "/abort", "/load_lora_adapter", "/unload_lora_adapter")
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+              "trailer", "transfer-encoding", "upgrade", "host", "content-length"}
+HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass
+class ProxyStats:
+    """Counters for the exporter; the proxy's handlers update them on the loop's thread."""
+
+    responses: dict[str, int] = field(default_factory=dict)  # status code -> count
+    rejections: dict[str, int] = field(default_factory=dict)  # reason -> count
+    hold_wait_buckets: list[int] = field(default_factory=lambda: [0] * len(HOLD_BUCKETS))
+    hold_wait_count: int = 0
+    hold_wait_sum: float = 0.0
+    retried_connects: int = 0
+
+    def count(self, status: int) -> None:
+        self.responses[str(status)] = self.responses.get(str(status), 0) + 1
+
+    def reject(self, reason: str) -> None:
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
+
+    def waited(self, seconds: float) -> None:
+        self.hold_wait_count += 1
+        self.hold_wait_sum += seconds
+        for i, le in enumerate(HOLD_BUCKETS):
+            if seconds <= le:
+                self.hold_wait_buckets[i] += 1
+
+
+@dataclass
+class ProxySettings:
+    listen_host: str
+    listen_port: int
+    upstream: str  # http://127.0.0.1:8100
+    max_body_bytes: int = 16 << 20
+    max_header_bytes: int = 16 << 10
+    retry_after_s: int = 5
+    extra_routes: tuple[str, ...] = ()
+    connect_timeout_s: float = 5.0
+    idle_read_timeout_s: float = 600.0  # between two chunks of an answer
+
+
+def estimate_tokens(body: bytes) -> int:
+    """Prompt tokens (about 4 characters each) plus max_tokens: a cheap, safe over-estimate
+    for the token budget. Unparseable bodies count as their length / 4."""
+    try:
+        doc = json.loads(body) if body else {}
+    except ValueError:
+        return len(body) // 4
+    if not isinstance(doc, dict):
+        return len(body) // 4
+    prompt = doc.get("prompt", doc.get("messages", doc.get("input", "")))
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt)
+    out = doc.get("max_tokens", doc.get("max_completion_tokens", 16))
+    out = out if isinstance(out, int) and not isinstance(out, bool) and out > 0 else 16
+    return len(text) // 4 + out
+
+
+class FrontProxy:
+    def __init__(self, settings: ProxySettings, gate: Gate,
+                 ready: Callable[[], bool]) -> None:
+        self.s = settings
+        self.gate = gate
+        self.ready = ready  # the daemon's view: engine serving and the gate open
+        self.stats = ProxyStats()
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        """Listen; raises ProxyError naming the address when it cannot."""
+        app = web.Application(client_max_size=self.s.max_body_bytes)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(
+            app, handle_signals=False, access_log=None, handler_cancellation=True,
+            max_line_size=self.s.max_header_bytes, max_field_size=self.s.max_header_bytes)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.s.listen_host, self.s.listen_port,
+                           reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            raise ProxyError(f"proxy cannot listen on {self.s.listen_host}:"
+                             f"{self.s.listen_port}: {exc}") from exc
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            auto_decompress=False, timeout=aiohttp.ClientTimeout(
+                total=None, connect=self.s.connect_timeout_s,
+                sock_read=self.s.idle_read_timeout_s))
+        log.info("proxy listening", host=self.s.listen_host, port=self.port,
+                 upstream=self.s.upstream)
+
+    @property
+    def port(self) -> int:
+        assert self._runner is not None
+        for site in self._runner.sites:
+            server = getattr(site, "_server", None)
+            if server is not None and server.sockets:
+                return int(server.sockets[0].getsockname()[1])
+        return self.s.listen_port
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    # ---- requests -------------------------------------------------------------------
+
+    def _error(self, status: int, message: str, reason: str | None = None) -> web.Response:
+        headers = {"Retry-After": str(self.s.retry_after_s)} if status == 503 else {}
+        if reason is not None:
+            self.stats.reject(reason)
+        self.stats.count(status)
+        body = {"error": {"message": message, "type": reason or "proxy_error", "code": status}}
+        return web.json_response(body, status=status, headers=headers)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        if path in ("/healthz", "/readyz"):
+            if path == "/healthz" or self.ready():
+                return web.Response(text="ok\n" if path == "/healthz" else "ready\n")
+            return web.Response(status=503, text="not ready\n")
+        if path.startswith(ADMIN):
+            log.warning("administrative route refused", path=path, peer=request.remote)
+            return self._error(403, f"{path} is an administrative route of the engine and "
+                                    "is not served here", "admin_route")
+        if not path.startswith(ALLOWED + self.s.extra_routes):
+            return self._error(404, f"{path} is not a route this proxy forwards", "not_allowed")
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._error(413, f"request body over {self.s.max_body_bytes} bytes",
+                               "body_too_large")
+        tokens = estimate_tokens(body)
+        while True:
+            try:
+                ticket = await self.gate.acquire(tokens)
+            except Rejected as exc:
+                return self._error(503, str(exc), exc.reason)
+            if ticket.waited_s > 0:
+                self.stats.waited(ticket.waited_s)
+            try:
+                return await self._forward(request, body)
+            except _NotDelivered:
+                # the engine refused the connection: the request never reached it, and the
+                # gate holds it while the daemon brings the engine back
+                self.stats.retried_connects += 1
+                await asyncio.sleep(0.2)
+            finally:
+                self.gate.done(ticket)
+
+    async def _forward(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        assert self._session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        url = self.s.upstream + request.path_qs
+        resp: web.StreamResponse | None = None
+        try:
+            async with self._session.request(request.method, url, headers=headers, data=body,
+                                             allow_redirects=False) as up:
+                resp = web.StreamResponse(status=up.status, reason=up.reason)
+                for k, v in up.headers.items():
+                    if k.lower() not in HOP_BY_HOP:
+                        resp.headers.add(k, v)
+                await resp.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                self.stats.count(up.status)
+                return resp
+        except aiohttp.ClientConnectorError as exc:
+            if resp is None:
+                raise _NotDelivered from exc
+            raise
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            if resp is not None and resp.prepared:
+                # the answer had started: nothing to do but cut it, so the client sees an
+                # incomplete stream rather than a truncated success
+                self.stats.count(502)
+                log.warning("engine answer cut", path=request.path, error=repr(exc))
+                with contextlib.suppress(Exception):
+                    if request.transport is not None:
+                        request.transport.close()
+                return resp
+            return self._error(502, f"the engine failed during the request: "
+                                    f"{type(exc).__name__}: {exc}", "engine_failed")
+
+
+class ProxyError(Exception):
+    pass
+
+
+class _NotDelivered(Exception):
+    """The engine refused the connection: the request never reached it."""

@@ -1,0 +1,277 @@
+"""The front door through the real daemon and a fake engine: streaming passes through,
+restarts lose no request, the hold and the throttle are bounded and observable, the
+engine's administrative routes stay private, and bad HTTP input is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.harness import fake_engine_config, free_port, wait_for
+
+
+def proxy_config(tmp: Path, *fake: str, **proxy: Any) -> dict[str, dict[str, Any]]:
+    cfg = fake_engine_config(tmp, "--child", *fake,
+                             canary={"period_s": 0.5, "timeout_s": 2.0})
+    cfg["proxy"] = {"enabled": True, "listen": f"127.0.0.1:{free_port()}", **proxy}
+    return cfg
+
+
+def url(cfg: dict[str, Any], path: str = "/v1/completions") -> str:
+    return f"http://{cfg['proxy']['listen']}{path}"
+
+
+def stream(cfg: dict[str, Any], tokens: int = 20, timeout: float = 60) -> list[str]:
+    """One streamed completion through the proxy; its SSE data lines."""
+    body = {"model": "fake", "prompt": "hi", "max_tokens": tokens, "stream": True}
+    with httpx.stream("POST", url(cfg), json=body, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        return [line for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def complete(cfg: dict[str, Any], tokens: int = 2, timeout: float = 60) -> httpx.Response:
+    return httpx.post(url(cfg), json={"model": "fake", "prompt": "hi", "max_tokens": tokens},
+                      timeout=timeout)
+
+
+def test_streams_pass_through_chunk_by_chunk_with_status_and_headers(daemon_factory,
+                                                                     tmp_path):
+    cfg = proxy_config(tmp_path, "--token-delay", "0.05")
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: d.status()["admission"]["held"] is None, 10, "the gate to open")
+    body = {"model": "fake", "prompt": "hi", "max_tokens": 10, "stream": True}
+    arrivals = []
+    with httpx.stream("POST", url(cfg), json=body, timeout=30) as r:
+        assert r.status_code == 200
+        assert r.headers["x-fake-engine"] == "1"
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                arrivals.append((time.monotonic(), line))
+    assert [line for _, line in arrivals][-1] == "data: [DONE]" and len(arrivals) == 11
+    # unbuffered: the chunks arrived spread over the stream, not all at its end
+    assert arrivals[-1][0] - arrivals[0][0] > 0.2
+    assert httpx.get(url(cfg, "/v1/models"), timeout=5).json()["data"][0]["id"] == "fake"
+    r = httpx.post(url(cfg, "/v1/nothing"), json={}, timeout=5)
+    assert r.status_code == 404  # the engine's own 404, passed through
+
+
+def test_admin_routes_are_refused_and_health_endpoints_answer(daemon_factory, tmp_path):
+    cfg = proxy_config(tmp_path)
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: httpx.get(url(cfg, "/readyz"), timeout=5).status_code == 200, 10,
+             "readyz")
+    for path in ("/sleep?level=1", "/wake_up", "/reset_prefix_cache", "/collective_rpc",
+                 "/server_info", "/pause", "/scale_elastic_ep", "/is_sleeping"):
+        r = httpx.post(url(cfg, path), timeout=5)
+        assert r.status_code == 403, path
+    assert not (tmp_path / "prefix-resets").exists()  # never reached the engine
+    assert httpx.get(url(cfg, "/admin/anything"), timeout=5).status_code == 404
+    assert httpx.get(url(cfg, "/healthz"), timeout=5).text == "ok\n"
+    recs = [r for r in d.log_records() if r.get("event") == "administrative route refused"]
+    assert len(recs) == 8
+
+
+def test_restart_under_streaming_load_loses_no_request(daemon_factory, tmp_path):
+    cfg = proxy_config(tmp_path, "--token-delay", "0.02")
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: d.status()["admission"]["held"] is None, 10, "the gate to open")
+    results: list[Any] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            try:
+                lines = stream(cfg, tokens=25)
+                results.append("ok" if lines[-1] == "data: [DONE]" and len(lines) == 26
+                               else f"incomplete: {len(lines)}")
+            except Exception as exc:  # counted, then asserted on
+                results.append(repr(exc))
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(16)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: len(results) >= 16, 30, "some streams")
+    assert d.ctl("restart", "--reason", "proxy test").returncode == 0
+    d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] == 1)
+    n = len(results)
+    wait_for(lambda: len(results) >= n + 32, 30, "streams after the restart")
+    stop.set()
+    for t in threads:
+        t.join(30)
+    failed = [r for r in results if r != "ok"]
+    assert failed == [] and len(results) > 48
+    released = [e for e in d.events() if e["event"] == "released"]
+    assert released and released[-1]["count"] > 0  # requests were held, then released
+
+
+def test_hold_timeout_and_full_queue_give_503_with_retry_after(daemon_factory, tmp_path):
+    cfg = proxy_config(tmp_path, hold_timeout_s=0.5, hold_queue_max=2)
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: d.status()["admission"]["held"] is None, 10, "the gate to open")
+    assert d.ctl("drain").returncode == 0
+    r = complete(cfg)
+    assert r.status_code == 503 and r.headers["retry-after"] == "5"
+    assert "drain requested" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "hold_timeout"
+    out: list[int] = []
+    threads = [threading.Thread(target=lambda: out.append(complete(cfg).status_code))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: d.status()["admission"]["waiting"] == 2, 5, "two held")
+    full = complete(cfg)
+    assert full.status_code == 503 and full.json()["error"]["type"] == "queue_full"
+    for t in threads:
+        t.join(10)
+    assert out == [503, 503]
+    assert d.ctl("resume").returncode == 0
+    assert complete(cfg).status_code == 200
+
+
+def test_resume_releases_held_requests_in_order_without_a_restart(daemon_factory, tmp_path):
+    cfg = proxy_config(tmp_path)
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: d.status()["admission"]["held"] is None, 10, "the gate to open")
+    assert d.ctl("drain").returncode == 0
+    out: list[int] = []
+    threads = [threading.Thread(target=lambda: out.append(complete(cfg).status_code))
+               for _ in range(5)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: d.status()["admission"]["waiting"] == 5, 10, "five held")
+    assert d.ctl("resume").returncode == 0
+    for t in threads:
+        t.join(20)
+    assert out == [200] * 5 and d.status()["restarts"] == 0
+
+
+def test_throttle_levels_cap_concurrency_live(daemon_factory, tmp_path):
+    cfg = proxy_config(tmp_path, "--token-delay", "0.02", max_concurrency=8)
+    cfg["throttle"] = {"level_factors": [0.25]}
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: d.status()["admission"]["held"] is None, 10, "the gate to open")
+    r = d.ctl("throttle", "1")
+    assert r.returncode == 0 and "at most 2" in r.stdout
+    (tmp_path / "max-running").unlink(missing_ok=True)
+    out: list[int] = []
+    threads = [threading.Thread(target=lambda: out.append(complete(cfg, 20).status_code))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out == [200] * 8
+    peak = int((tmp_path / "max-running").read_text())
+    assert peak <= 2 + 1  # the canary may run beside two requests
+    assert d.status()["restarts"] == 0 and d.status()["throttle_level"] == 1
+    assert d.ctl("unthrottle").returncode == 0
+    assert d.status()["admission"]["max_concurrency"] == 8
+
+
+def test_a_client_that_disconnects_cancels_its_upstream_request(daemon_factory, tmp_path):
+    cfg = proxy_config(tmp_path, "--token-delay", "0.05")
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: d.status()["admission"]["held"] is None, 10, "the gate to open")
+    body = {"model": "fake", "prompt": "hi", "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", url(cfg), json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        next(lines)
+        next(lines)
+    # the engine sees its client gone long before the 20 s the stream would take
+    wait_for(lambda: (tmp_path / "aborts").exists(), 10, "the engine to see the abort")
+    wait_for(lambda: d.status()["admission"]["in_flight"] == 0, 10, "the slot freed")
+
+
+def test_engine_crash_fails_in_flight_fast_and_later_requests_succeed(daemon_factory,
+                                                                      tmp_path):
+    cfg = proxy_config(tmp_path, "--token-delay", "0.05")
+    d = daemon_factory(cfg)
+    st = d.wait_state("RUNNING")
+    wait_for(lambda: d.status()["admission"]["held"] is None, 10, "the gate to open")
+    in_flight: list[Any] = []
+
+    def long_stream() -> None:
+        t0 = time.monotonic()
+        try:
+            lines = stream(cfg, tokens=400)
+            in_flight.append(("ok" if lines[-1] == "data: [DONE]" else "cut",
+                              time.monotonic() - t0))
+        except Exception as exc:  # the point: it fails, and fast
+            in_flight.append((repr(exc), time.monotonic() - t0))
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    wait_for(lambda: d.status()["admission"]["in_flight"] >= 1, 10, "the stream to start")
+    os.killpg(st["pid"], signal.SIGKILL)  # the whole engine, as a crash
+    later: list[int] = []
+    waiters = [threading.Thread(target=lambda: later.append(complete(cfg).status_code))
+               for _ in range(4)]
+    for w in waiters:
+        w.start()
+    t.join(30)
+    for w in waiters:
+        w.join(60)
+    assert in_flight and in_flight[0][0] != "ok" and in_flight[0][1] < 10  # not 20 s
+    assert later == [200] * 4  # held through the backoff and the restart
+    assert d.status()["restarts"] == 1
+
+
+def test_bad_http_input_is_refused_and_a_slow_client_stalls_no_one(daemon_factory,
+                                                                   tmp_path):
+    cfg = proxy_config(tmp_path, max_body_bytes=4096, max_header_bytes=2048)
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: d.status()["admission"]["held"] is None, 10, "the gate to open")
+    host, port = cfg["proxy"]["listen"].split(":")
+
+    def raw(data: bytes) -> bytes:
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(data)
+            return s.recv(4096)
+
+    def status_of(answer: bytes) -> int:
+        return int(answer.split(b" ", 2)[1])
+
+    assert status_of(raw(b"NONSENSE\r\n\r\n")) == 400
+    assert status_of(raw(b"GET /v1/models HTTP/1.1\r\nX-Big: " + b"a" * 5000
+                         + b"\r\n\r\n")) in (400, 431)
+    r = httpx.post(url(cfg), content=b"x" * 10000, timeout=5,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    # a client that sends half a request and stalls does not hold up the others
+    slow = socket.create_connection((host, int(port)), timeout=5)
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    try:
+        t0 = time.monotonic()
+        assert complete(cfg).status_code == 200
+        assert time.monotonic() - t0 < 5
+    finally:
+        slow.close()
+    assert d.status()["state"] == "RUNNING"
+
+
+def test_status_shows_admission(daemon_factory, tmp_path):
+    cfg = proxy_config(tmp_path)
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    adm = wait_for(lambda: (a := d.status()["admission"])["held"] is None and a, 10, "open")
+    assert adm["listen"] == cfg["proxy"]["listen"] and adm["max_concurrency"] == 256
+    text = d.ctl("status").stdout
+    assert "proxy " in text and "in flight" in text
+    assert json.loads(d.ctl("status", "--json").stdout)["admission"]["waiting"] == 0
