@@ -16,6 +16,7 @@ proxy's request handlers call acquire and done.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -177,6 +178,7 @@ class Gate:
             if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
                 return Ticket(tokens, self.clock() - t0, w.held)  # admitted at the deadline
             w.future.cancel()
+            self._forget(w)
             why = self.held_reason or ("the KV cache is saturated" if self.breaker_open
                                        else "the engine is at its admission limit")
             raise Rejected("hold_timeout", f"waited {self.limits.max_wait_s:g} s: {why}") \
@@ -187,8 +189,16 @@ class Gate:
                 self.done(Ticket(tokens, 0.0, w.held))
             else:
                 w.future.cancel()
+                self._forget(w)
             raise
         return Ticket(tokens, self.clock() - t0, w.held)
+
+    def _forget(self, w: _Waiter) -> None:
+        """A waiter that gave up leaves the queue at once: it holds no place and counts
+        towards no limit."""
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(w)
+        self._wake()  # it may have been the head that held the others back
 
     def done(self, ticket: Ticket) -> None:
         self.in_flight -= 1

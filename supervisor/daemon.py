@@ -45,14 +45,14 @@ from supervisor.config import (
     load_config,
 )
 from supervisor.control.server import ControlServer
-from supervisor.exporter import Exporter, ExporterView, parse_listen
+from supervisor.exporter import Exporter, ExporterView, ProxyView, parse_listen
 from supervisor.gpu import GpuProcessLister, GpuReading, GpuSampler
 from supervisor.lifecycle import RestartTracker
 from supervisor.logs import set_level
 from supervisor.metrics import Snapshot
 from supervisor.policy import EngineView, PolicyMemory, PolicyState, decide
 from supervisor.poller import ScrapeHealth, scrape
-from supervisor.proxy import FrontProxy, ProxyError, ProxySettings
+from supervisor.proxy import HOLD_BUCKETS, FrontProxy, ProxyError, ProxySettings
 from supervisor.sdnotify import Notifier
 from supervisor.signals import SIGNALS, Signals, SignalWindow
 from supervisor.states import State, check_transition
@@ -1047,7 +1047,20 @@ class Supervisor:
             dry_run=self.config.policy.dry_run,
             engine_uptime_s=(now - e.healthy_at if e is not None and e.healthy_at is not None
                              else None),
-            gauges=[(spec.metric, spec.help, signals[spec.name]) for spec in SIGNALS]))
+            gauges=[(spec.metric, spec.help, signals[spec.name]) for spec in SIGNALS],
+            proxy=self._proxy_view()))
+
+    def _proxy_view(self) -> ProxyView | None:
+        if self.proxy is None:
+            return None
+        st = self.proxy.stats
+        return ProxyView(
+            responses_by_code=dict(st.responses), rejections_by_reason=dict(st.rejections),
+            in_flight=self.gate.in_flight, held=self.gate.waiting,
+            # ProxyStats counts each wait in every bucket it fits: already cumulative
+            hold_wait_buckets=list(zip(HOLD_BUCKETS, st.hold_wait_buckets, strict=True)),
+            hold_wait_count=st.hold_wait_count, hold_wait_sum_s=st.hold_wait_sum,
+            connect_retries=st.retried_connects)
 
     # ---- signals, ticks, reload -------------------------------------------------------
 

@@ -32,7 +32,12 @@ from dataclasses import dataclass, field
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 log = structlog.get_logger("supervisor.exporter")
@@ -67,6 +72,19 @@ class ExporterView:
     dry_run: bool
     engine_uptime_s: float | None
     gauges: Sequence[tuple[str, str, float | None]]  # (name, help, value); None: omitted
+    proxy: ProxyView | None = None  # the front proxy's counters, when it runs
+
+
+@dataclass(frozen=True)
+class ProxyView:
+    responses_by_code: Mapping[str, int]
+    rejections_by_reason: Mapping[str, int]
+    in_flight: int
+    held: int  # waiting at the gate
+    hold_wait_buckets: Sequence[tuple[float, int]]  # (upper bound s, cumulative count)
+    hold_wait_count: int
+    hold_wait_sum_s: float
+    connect_retries: int
 
 
 class ExporterError(Exception):
@@ -174,6 +192,8 @@ class _ViewCollector(Collector):
             yield GaugeMetricFamily(PREFIX + "last_decision_timestamp_seconds",
                                     "unix time of the last policy decision",
                                     value=float(v.last_decision_wall))
+        if v.proxy is not None:
+            yield from _proxy_metrics(v.proxy)
         yield from self._gauges()
 
     def _gauges(self) -> Iterator[Metric]:
@@ -181,7 +201,12 @@ class _ViewCollector(Collector):
         # repeat one (a repeated family makes the whole exposition invalid).
         taken = {PREFIX + n for n in (
             "engine_state", "engine_ready", "engine_uptime_seconds", "throttle_level",
-            "policy_paused", "policy_dry_run", "last_decision_timestamp_seconds")}
+            "policy_paused", "policy_dry_run", "last_decision_timestamp_seconds",
+            "proxy_in_flight", "proxy_held")}
+        for n in ("proxy_responses", "proxy_rejections", "proxy_connect_retries",
+                  "proxy_hold_wait_seconds"):
+            taken |= {PREFIX + n, PREFIX + n + "_total", PREFIX + n + "_created",
+                      PREFIX + n + "_bucket", PREFIX + n + "_count", PREFIX + n + "_sum"}
         for n in ("engine_restarts", "policy_trips", "policy_actions"):
             taken |= {PREFIX + n, PREFIX + n + "_total", PREFIX + n + "_created"}
         for name, helptext, value in self.view.gauges:
@@ -201,6 +226,33 @@ class _ViewCollector(Collector):
                               name=name, value=repr(value))
                 continue
             yield GaugeMetricFamily(PREFIX + name, str(helptext), value=number)
+
+
+def _proxy_metrics(p: ProxyView) -> Iterator[Metric]:
+    codes = CounterMetricFamily(PREFIX + "proxy_responses", "proxy answers, by status code",
+                                labels=["code"])
+    for code, n in sorted(p.responses_by_code.items()):
+        codes.add_metric([code], float(n))
+    yield codes
+    rejected = CounterMetricFamily(PREFIX + "proxy_rejections",
+                                   "requests the proxy refused, by reason", labels=["reason"])
+    for reason, n in sorted(p.rejections_by_reason.items()):
+        rejected.add_metric([reason], float(n))
+    yield rejected
+    yield GaugeMetricFamily(PREFIX + "proxy_in_flight", "requests at the engine",
+                            value=float(p.in_flight))
+    yield GaugeMetricFamily(PREFIX + "proxy_held", "requests waiting at the gate",
+                            value=float(p.held))
+    yield CounterMetricFamily(PREFIX + "proxy_connect_retries",
+                              "requests sent again after the engine refused the connection",
+                              value=float(p.connect_retries))
+    buckets = [(("+Inf" if le == float("inf") else f"{le:g}"), float(n))
+               for le, n in p.hold_wait_buckets]
+    if not buckets or buckets[-1][0] != "+Inf":
+        buckets.append(("+Inf", float(p.hold_wait_count)))
+    yield HistogramMetricFamily(PREFIX + "proxy_hold_wait_seconds",
+                                "time requests waited at the gate before going to the engine",
+                                buckets=buckets, sum_value=p.hold_wait_sum_s)
 
 
 def render_metrics(view: ExporterView, bad: _BadNames | None = None) -> bytes:

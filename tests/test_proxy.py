@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import fake_engine_config, free_port, wait_for
 
@@ -137,6 +138,10 @@ def test_hold_timeout_and_full_queue_give_503_with_retry_after(daemon_factory, t
     for t in threads:
         t.join(10)
     assert out == [503, 503]
+    text = httpx.get(f"{d.exporter_url}/metrics", timeout=5).text
+    assert 'vllm_supervisor_proxy_rejections_total{reason="queue_full"} 1.0' in text
+    assert 'vllm_supervisor_proxy_rejections_total{reason="hold_timeout"} 3.0' in text
+    assert "vllm_supervisor_engine_ready 0.0" in text  # drained: not ready
     assert d.ctl("resume").returncode == 0
     assert complete(cfg).status_code == 200
 
@@ -157,6 +162,13 @@ def test_resume_releases_held_requests_in_order_without_a_restart(daemon_factory
     for t in threads:
         t.join(20)
     assert out == [200] * 5 and d.status()["restarts"] == 0
+    text = httpx.get(f"{d.exporter_url}/metrics", timeout=5).text
+    m = {(s.name, tuple(sorted(s.labels.items()))): s.value
+         for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert m[("vllm_supervisor_proxy_responses_total", (("code", "200"),))] >= 5
+    assert m[("vllm_supervisor_proxy_hold_wait_seconds_count", ())] >= 5
+    assert m[("vllm_supervisor_proxy_hold_wait_seconds_bucket", (("le", "+Inf"),))] >= 5
+    assert m[("vllm_supervisor_proxy_held", ())] == 0
 
 
 def test_throttle_levels_cap_concurrency_live(daemon_factory, tmp_path):

@@ -1,0 +1,149 @@
+"""The admission gate on its own: order, limits, throttle levels, the KV breaker, holds,
+timeouts and a full queue. Real asyncio, no HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from supervisor.admission import Gate, GateLimits, Rejected
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def gate(**limits: object) -> Gate:
+    g = Gate(GateLimits(**limits))  # type: ignore[arg-type]
+    g.release()
+    return g
+
+
+def test_held_requests_go_in_arrival_order_when_released():
+    async def go() -> list[int]:
+        g = Gate(GateLimits(concurrency=10))  # held until released
+        order: list[int] = []
+
+        async def req(i: int) -> None:
+            t = await g.acquire(1)
+            order.append(i)
+            assert t.held
+            g.done(t)
+
+        tasks = [asyncio.create_task(req(i)) for i in range(5)]
+        await asyncio.sleep(0.01)
+        assert g.waiting == 5 and order == []
+        g.release()
+        await asyncio.gather(*tasks)
+        return order
+
+    assert run(go()) == [0, 1, 2, 3, 4]
+
+
+def test_concurrency_limit_scales_with_the_throttle_level():
+    g = gate(concurrency=8, level_factors=(0.5, 0.25))
+    assert g.concurrency_limit == 8
+    g.set_level(1)
+    assert g.concurrency_limit == 4
+    g.set_level(2)
+    assert g.concurrency_limit == 2
+    g.set_level(9)
+    assert g.level == 2  # clamped to the top level
+
+
+def test_a_slot_freed_admits_the_next_waiter():
+    async def go() -> None:
+        g = gate(concurrency=1)
+        first = await g.acquire(1)
+        waiter = asyncio.create_task(g.acquire(1))
+        await asyncio.sleep(0.01)
+        assert not waiter.done() and g.waiting == 1
+        g.done(first)
+        second = await waiter
+        assert g.in_flight == 1 and second.waited_s >= 0
+        g.done(second)
+        assert g.in_flight == 0
+
+    run(go())
+
+
+def test_token_budget_but_one_large_request_alone_always_fits():
+    async def go() -> None:
+        g = gate(concurrency=10, tokens=100)
+        big = await g.acquire(500)  # alone: admitted
+        blocked = asyncio.create_task(g.acquire(10))
+        await asyncio.sleep(0.01)
+        assert not blocked.done()
+        g.done(big)
+        g.done(await blocked)
+
+    run(go())
+
+
+def test_kv_breaker_opens_at_high_and_closes_below_low():
+    async def go() -> None:
+        g = gate(kv_high=0.88, kv_low=0.80)
+        g.set_kv_usage(0.9)
+        assert g.breaker_open
+        waiter = asyncio.create_task(g.acquire(1))
+        await asyncio.sleep(0.01)
+        g.set_kv_usage(0.85)  # between the marks: still open
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        g.set_kv_usage(None)  # unknown changes nothing
+        assert g.breaker_open
+        g.set_kv_usage(0.79)
+        g.done(await waiter)
+        assert not g.breaker_open
+
+    run(go())
+
+
+def test_timeout_and_full_queue_reject_with_a_reason_and_free_their_place():
+    async def go() -> None:
+        g = Gate(GateLimits(max_wait_s=0.05, queue_max=1))
+        g.hold("restart in progress")
+        with pytest.raises(Rejected) as e:
+            await g.acquire(1)
+        assert e.value.reason == "hold_timeout" and "restart in progress" in str(e.value)
+        assert g.waiting == 0  # the timed-out waiter left the queue
+        waiter = asyncio.create_task(g.acquire(1))
+        await asyncio.sleep(0.01)
+        with pytest.raises(Rejected) as e:
+            await g.acquire(1)
+        assert e.value.reason == "queue_full"
+        with pytest.raises(Rejected):
+            await waiter
+
+    run(go())
+
+
+def test_close_fails_waiters_and_new_requests_at_once():
+    async def go() -> None:
+        g = Gate(GateLimits(max_wait_s=60))
+        waiter = asyncio.create_task(g.acquire(1))
+        await asyncio.sleep(0.01)
+        g.close("the engine is FATAL")
+        with pytest.raises(Rejected) as e:
+            await waiter
+        assert e.value.reason == "engine_down"
+        with pytest.raises(Rejected):
+            await g.acquire(1)
+        g.release()
+        g.done(await g.acquire(1))
+
+    run(go())
+
+
+def test_a_cancelled_waiter_leaves_the_queue():
+    async def go() -> None:
+        g = Gate(GateLimits(max_wait_s=60))
+        waiter = asyncio.create_task(g.acquire(1))
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert g.waiting == 0 and g.in_flight == 0
+
+    run(go())
