@@ -1,0 +1,190 @@
+"""End-to-end: the front proxy in front of the real vLLM CPU engine.
+
+One daemon, in order: (a) 32 concurrent streaming clients run across
+`vllm-supervisorctl restart`: no request fails, every stream is complete; (b) a client
+that disconnects mid-stream shows up in vLLM's own abort counter; (c) SIGKILL of
+`VLLM::EngineCore`: requests in flight fail fast, requests not yet started succeed after
+the restart; both are counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.harness import Daemon, alive, free_port, wait_for
+from tests.test_e2e_vllm import START_TIMEOUT, tree, vllm_config
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def fronted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, dict]]:
+    tmp = tmp_path_factory.mktemp("e2e-proxy")
+    cfg: dict[str, Any] = vllm_config(tmp)
+    cfg["proxy"] = {"enabled": True, "listen": f"127.0.0.1:{free_port()}",
+                    "hold_timeout_s": 240.0}
+    cfg["canary"] = {"period_s": 2.0, "timeout_s": 5.0}
+    cfg["engine"]["drain_timeout_s"] = 20.0  # in-flight streams finish during a restart
+    d = Daemon(tmp, cfg)
+    d.seen_pids = []  # type: ignore[attr-defined]
+    try:
+        yield d, cfg
+    finally:
+        seen = d.seen_pids  # type: ignore[attr-defined]
+        d.close()
+        for pid in alive(seen):
+            os.kill(pid, signal.SIGKILL)
+
+
+def remember(d: Daemon) -> None:
+    pid = d.status()["pid"]
+    if pid:
+        d.seen_pids += [p.pid for p in tree(pid)]  # type: ignore[attr-defined]
+
+
+def proxy_url(cfg: dict[str, Any], path: str = "/v1/completions") -> str:
+    return f"http://{cfg['proxy']['listen']}{path}"
+
+
+def stream(cfg: dict[str, Any], tokens: int, timeout: float = 300) -> list[str]:
+    body = {"model": "tiny-llama", "prompt": "once upon a time", "max_tokens": tokens,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", proxy_url(cfg), json=body, timeout=timeout) as r:
+        if r.status_code != 200:
+            raise AssertionError(f"HTTP {r.status_code}: {r.read()[:200]!r}")
+        return [line for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def engine_metric(cfg: dict[str, Any], name: str, **labels: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{cfg['engine']['port']}/metrics", timeout=10).text
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def test_32_streams_across_a_restart_lose_nothing(fronted):
+    d, cfg = fronted
+    d.wait_state("RUNNING", START_TIMEOUT)
+    wait_for(lambda: d.status()["admission"]["held"] is None, 60, "the gate to open")
+    remember(d)
+    results: list[str] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            try:
+                lines = stream(cfg, 64)
+                done = lines[-1] == "data: [DONE]"
+                results.append("ok" if done and len(lines) == 65 else f"incomplete {len(lines)}")
+            except Exception as exc:  # counted, then asserted on
+                results.append(repr(exc)[:200])
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(32)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: len(results) >= 32, 120, "a first round of streams")
+    t0 = time.monotonic()
+    assert d.ctl("restart", "--reason", "e2e proxy").returncode == 0
+    d.wait_state("RUNNING", START_TIMEOUT, extra=lambda s: s["restarts"] == 1)
+    before = len(results)
+    wait_for(lambda: len(results) >= before + 32, 120, "streams after the restart")
+    stop.set()
+    for t in threads:
+        t.join(120)
+    restart_s = time.monotonic() - t0
+    failed = [r for r in results if r != "ok"]
+    released = [e for e in d.events() if e["event"] == "released"]
+    print("restart under load:", json.dumps({
+        "streams": len(results), "failed": len(failed), "restart_s": round(restart_s, 1),
+        "released_after_restart": released[-1]["count"] if released else 0}))
+    assert failed == [], failed[:5]
+    assert released and released[-1]["count"] > 0  # held through the restart, then sent
+    remember(d)
+
+
+def test_a_client_disconnect_aborts_the_request_in_vllm(fronted):
+    d, cfg = fronted
+    d.wait_state("RUNNING", START_TIMEOUT)
+    before = engine_metric(cfg, "vllm:request_success_total", finished_reason="abort")
+    body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 480, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", proxy_url(cfg), json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+        next(lines)  # two chunks in, then the client goes away
+    wait_for(lambda: engine_metric(cfg, "vllm:request_success_total",
+                                   finished_reason="abort") > before, 30,
+             "vLLM's abort counter to count the disconnect")
+
+
+def test_core_sigkill_fails_in_flight_fast_and_later_requests_succeed(fronted):
+    d, cfg = fronted
+    st = d.wait_state("RUNNING", START_TIMEOUT)
+    wait_for(lambda: d.status()["admission"]["held"] is None, 60, "the gate to open")
+    remember(d)
+    in_flight: list[tuple[str, float]] = []
+    later: list[str] = []
+
+    def long_stream() -> None:
+        t0 = time.monotonic()
+        try:
+            lines = stream(cfg, 480, timeout=120)
+            in_flight.append(("ok" if lines[-1] == "data: [DONE]" else "cut",
+                              time.monotonic() - t0))
+        except Exception as exc:  # expected: it cannot be saved
+            in_flight.append((type(exc).__name__, time.monotonic() - t0))
+
+    def short() -> None:
+        try:
+            r = httpx.post(proxy_url(cfg), timeout=300, json={
+                "model": "tiny-llama", "prompt": "hi", "max_tokens": 8})
+            later.append(str(r.status_code))
+        except Exception as exc:  # counted
+            later.append(repr(exc)[:200])
+
+    streams = [threading.Thread(target=long_stream) for _ in range(4)]
+    for t in streams:
+        t.start()
+    wait_for(lambda: d.status()["admission"]["in_flight"] >= 4, 30, "streams in flight")
+    core = next(p for p in tree(st["pid"]) if p.name().startswith("VLLM::EngineCor"))
+    core.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    time.sleep(0.5)  # requests that arrive after the crash, before the daemon sees it
+    shorts = [threading.Thread(target=short) for _ in range(8)]
+    for t in shorts:
+        t.start()
+    for t in streams:
+        t.join(120)
+    d.wait_state("RUNNING", START_TIMEOUT, extra=lambda s: s["restarts"] == 2)
+    for t in shorts:
+        t.join(300)
+    fail_s = max(s for _, s in in_flight)
+    print("crash:", json.dumps({
+        "in_flight": [r for r, _ in in_flight], "in_flight_failed_within_s": round(fail_s, 2),
+        "since_kill_s": round(time.monotonic() - killed, 1), "later": later}))
+    assert len(in_flight) == 4 and all(r != "ok" for r, _ in in_flight)
+    assert later == ["200"] * 8
+    remember(d)
+    text = httpx.get(f"http://{cfg['exporter']['listen']}/metrics", timeout=5).text
+    m = {(x.name, tuple(sorted(x.labels.items()))): x.value
+         for fam in text_string_to_metric_families(text) for x in fam.samples}
+    assert m[("vllm_supervisor_proxy_responses_total", (("code", "200"),))] >= 64 + 8
+    assert m[("vllm_supervisor_proxy_hold_wait_seconds_count", ())] >= 8  # held, then sent
+    assert m[("vllm_supervisor_engine_restarts_total", (("reason", "crash"),))] == 1
+    r = d.ctl("stop", timeout=120)
+    assert r.returncode == 0 and d.wait_exit(60) == 0
+    assert alive(d.seen_pids) == []  # type: ignore[attr-defined]
+
