@@ -70,6 +70,8 @@ class Gate:
         self.in_flight = 0
         self.tokens_in_flight = 0
         self._waiters: deque[_Waiter] = deque()
+        self._idle = asyncio.Event()  # set while nothing is in flight
+        self._idle.set()
 
     # ---- the daemon's side ----------------------------------------------------------
 
@@ -143,6 +145,7 @@ class Gate:
     def _admit(self, tokens: int) -> None:
         self.in_flight += 1
         self.tokens_in_flight += tokens
+        self._idle.clear()
 
     def _wake(self) -> None:
         while self._waiters:
@@ -203,4 +206,14 @@ class Gate:
     def done(self, ticket: Ticket) -> None:
         self.in_flight -= 1
         self.tokens_in_flight -= ticket.tokens
+        if self.in_flight == 0:
+            self._idle.set()
         self._wake()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is at the engine (a drain); False if the time ran out."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True

@@ -176,6 +176,16 @@ class PrefixReset(Event):
 
 
 @dataclass(frozen=True)
+class Drained(Event):
+    """The proxy has no request left at the engine (or the drain timeout ran out)."""
+
+    name = "drained"
+    generation: int
+    idle: bool
+    waited_s: float
+
+
+@dataclass(frozen=True)
 class GateProbe(Event):
     """The first canary of a new engine: its answer opens the gate (held requests go)."""
 
@@ -755,7 +765,12 @@ class Supervisor:
             self._set_state(State.DRAINING, reason)
             self._decide("restart", reason)
             if self.engine is not None and not self._taking_down:
-                self._take_down(graceful=graceful)
+                if graceful and self.proxy is not None and self.gate.in_flight:
+                    # The gate holds new requests now; let the ones at the engine finish
+                    # before SIGTERM (vLLM's own drain aborts streams), bounded.
+                    self._launch(self._job_drain(self.engine), "drain")
+                else:
+                    self._take_down(graceful=graceful)
             # a take-down already running (a crash being reaped) ends in handle_down
         elif s in (State.BACKOFF, State.FATAL):
             self.tracker.reset()
@@ -850,6 +865,21 @@ class Supervisor:
                     error = outcome.error
                 await asyncio.sleep(0.5)
         self.queue.put_nowait(GateProbe(engine.generation, False, error))
+
+    async def _job_drain(self, engine: eng.EngineProcess) -> None:
+        t0 = self.clock.monotonic()
+        idle = await self.gate.wait_idle(engine.config.drain_timeout_s)
+        self.queue.put_nowait(Drained(engine.generation, idle, self.clock.monotonic() - t0))
+
+    def handle_drained(self, ev: Drained) -> None:
+        engine = self.engine
+        log.info("proxy drained" if ev.idle else "drain timeout: requests still in flight",
+                 waited_s=round(ev.waited_s, 3), in_flight=self.gate.in_flight)
+        self._audit("drained", idle=ev.idle, waited_s=round(ev.waited_s, 3))
+        if (engine is None or engine.generation != ev.generation or self._taking_down
+                or self.state not in (State.DRAINING, State.STOPPING)):
+            return  # the engine is gone already (a crash being reaped) or a stop took over
+        self._take_down(graceful=True)
 
     def handle_gate_probe(self, ev: GateProbe) -> None:
         if (self.engine is None or self.engine.generation != ev.generation

@@ -147,3 +147,17 @@ def test_a_cancelled_waiter_leaves_the_queue():
         assert g.waiting == 0 and g.in_flight == 0
 
     run(go())
+
+
+def test_wait_idle_returns_when_the_last_request_is_done_or_times_out():
+    async def go() -> tuple[bool, bool, bool]:
+        g = gate()
+        assert await g.wait_idle(0.01)  # nothing in flight
+        t = await g.acquire(1)
+        timed_out = await g.wait_idle(0.02)
+        waiter = asyncio.create_task(g.wait_idle(5))
+        await asyncio.sleep(0.01)
+        g.done(t)
+        return True, timed_out, await waiter
+
+    assert run(go()) == (True, False, True)
