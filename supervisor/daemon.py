@@ -765,6 +765,9 @@ class Supervisor:
             self._set_state(State.DRAINING, reason)
             self._decide("restart", reason)
             if self.engine is not None and not self._taking_down:
+                if self.proxy is not None:
+                    log.info("restart: new requests held", in_flight=self.gate.in_flight,
+                             waiting=self.gate.waiting)
                 if graceful and self.proxy is not None and self.gate.in_flight:
                     # The gate holds new requests now; let the ones at the engine finish
                     # before SIGTERM (vLLM's own drain aborts streams), bounded.

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -207,17 +207,24 @@ class FrontProxy:
                 for k, v in up.headers.items():
                     if k.lower() not in HOP_BY_HOP:
                         resp.headers.add(k, v)
-                await resp.prepare(request)
-                async for chunk in up.content.iter_any():
-                    await resp.write(chunk)
-                await resp.write_eof()
+                try:
+                    await resp.prepare(request)
+                    async for chunk in _chunks(up):
+                        await resp.write(chunk)
+                    await resp.write_eof()
+                except (ConnectionError, aiohttp.ClientConnectionResetError):
+                    # the client went away: leaving this block closes the upstream
+                    # connection, and vLLM aborts the request
+                    self.stats.count(499)
+                    self.stats.reject("client_gone")
+                    return resp
                 self.stats.count(up.status)
                 return resp
         except aiohttp.ClientConnectorError as exc:
             if resp is None:
                 raise _NotDelivered from exc
             raise
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, aiohttp.ClientError, _UpstreamFailed) as exc:
             if resp is not None and resp.prepared:
                 # the answer had started: nothing to do but cut it, so the client sees an
                 # incomplete stream rather than a truncated success
@@ -229,6 +236,20 @@ class FrontProxy:
                 return resp
             return self._error(502, f"the engine failed during the request: "
                                     f"{type(exc).__name__}: {exc}", "engine_failed")
+
+
+async def _chunks(up: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The upstream body as it arrives; an upstream failure is raised as _UpstreamFailed,
+    so that it is never mistaken for the client going away."""
+    try:
+        async for chunk in up.content.iter_any():
+            yield chunk
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        raise _UpstreamFailed(exc) from exc
+
+
+class _UpstreamFailed(Exception):
+    pass
 
 
 class ProxyError(Exception):
