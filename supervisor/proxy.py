@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -160,6 +161,15 @@ class FrontProxy:
         body = {"error": {"message": message, "type": reason or "proxy_error", "code": status}}
         return web.json_response(body, status=status, headers=headers)
 
+    async def _engine_healthy(self) -> bool:
+        assert self._session is not None
+        try:
+            async with self._session.get(self.s.upstream + "/health",
+                                         timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                return r.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
         if path in ("/healthz", "/readyz"):
@@ -178,6 +188,7 @@ class FrontProxy:
             return self._error(413, f"request body over {self.s.max_body_bytes} bytes",
                                "body_too_large")
         tokens = estimate_tokens(body)
+        give_up = time.monotonic() + self.gate.limits.max_wait_s
         while True:
             try:
                 ticket = await self.gate.acquire(tokens)
@@ -187,10 +198,14 @@ class FrontProxy:
                 self.stats.waited(ticket.waited_s)
             try:
                 return await self._forward(request, body)
-            except _NotDelivered:
-                # the engine refused the connection: the request never reached it, and the
-                # gate holds it while the daemon brings the engine back
+            except _NotDelivered as exc:
+                # the engine refused the connection or is dying: the client has seen
+                # nothing, and the gate holds the request while the daemon brings the
+                # engine back (bounded by the hold timeout)
                 self.stats.retried_connects += 1
+                if time.monotonic() >= give_up:
+                    return self._error(503, f"the engine did not come back: {exc}",
+                                       "hold_timeout")
                 await asyncio.sleep(0.2)
             finally:
                 self.gate.done(ticket)
@@ -203,6 +218,11 @@ class FrontProxy:
         try:
             async with self._session.request(request.method, url, headers=headers, data=body,
                                              allow_redirects=False) as up:
+                if up.status >= 500 and not await self._engine_healthy():
+                    # nothing has reached the client, and the engine is dying (vLLM answers
+                    # 500 to new requests between its core's death and its own exit): the
+                    # answer goes to the engine that replaces it instead
+                    raise _NotDelivered(f"HTTP {up.status} from a dying engine")
                 resp = web.StreamResponse(status=up.status, reason=up.reason)
                 for k, v in up.headers.items():
                     if k.lower() not in HOP_BY_HOP:

@@ -72,7 +72,8 @@ def complete_stream(lines: list[str]) -> bool:
     if len(lines) < 2 or lines[-1] != "data: [DONE]":
         return False
     last = json.loads(lines[-2][len("data: "):])
-    return bool(last["choices"][0].get("finish_reason") == "length")
+    choices = last.get("choices") or [{}]  # an error event has none
+    return bool(choices[0].get("finish_reason") == "length")
 
 
 def engine_metric(cfg: dict[str, Any], name: str, **labels: str) -> float:
@@ -125,16 +126,14 @@ def test_32_streams_across_a_restart_lose_nothing(fronted):
 
 
 def test_a_client_disconnect_aborts_the_request_in_vllm(fronted):
+    """vLLM 0.32 does not count a client's disconnect in request_success_total{abort}
+    (checked directly against the engine too), so the evidence is its generated-token
+    counter: three 480-token streams abandoned after two chunks cost the engine a handful
+    of tokens, not 1440."""
     d, cfg = fronted
     d.wait_state("RUNNING", START_TIMEOUT)
-    before = engine_metric(cfg, "vllm:request_success_total", finished_reason="abort")
-    # The tiny model streams 480 tokens in about a second when alone: a background load
-    # slows every stream enough for the disconnect to reach vLLM before the end.
-    background = [threading.Thread(target=stream, args=(cfg, 480), daemon=True)
-                  for _ in range(16)]
-    for t in background:
-        t.start()
-    wait_for(lambda: d.status()["admission"]["in_flight"] >= 16, 30, "the load")
+    wait_for(lambda: engine_metric(cfg, "vllm:num_requests_running") == 0, 60, "idle engine")
+    before = engine_metric(cfg, "vllm:generation_tokens_total")
     body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 480, "ignore_eos": True,
             "stream": True}
     for _ in range(3):
@@ -142,11 +141,11 @@ def test_a_client_disconnect_aborts_the_request_in_vllm(fronted):
             lines = r.iter_lines()
             next(lines)
             next(lines)  # two chunks in, then the client goes away
-    wait_for(lambda: engine_metric(cfg, "vllm:request_success_total",
-                                   finished_reason="abort") >= before + 3, 30,
-             "vLLM's abort counter to count the three disconnects")
-    for t in background:
-        t.join(120)
+    wait_for(lambda: engine_metric(cfg, "vllm:num_requests_running") == 0
+             and d.status()["admission"]["in_flight"] == 0, 30, "the requests to end")
+    generated = engine_metric(cfg, "vllm:generation_tokens_total") - before
+    print("disconnects:", json.dumps({"tokens_generated_for_3_abandoned_streams": generated}))
+    assert generated < 480  # a third of one stream, at most: the engine stopped early
 
 
 def test_core_sigkill_fails_in_flight_fast_and_later_requests_succeed(fronted):
