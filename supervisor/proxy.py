@@ -129,7 +129,9 @@ class FrontProxy:
             raise ProxyError(f"proxy cannot listen on {self.s.listen_host}:"
                              f"{self.s.listen_port}: {exc}") from exc
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            # idle upstream connections are dropped before uvicorn's own 5 s keep-alive
+            # timeout closes them under us
+            connector=aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=4.0),
             auto_decompress=False, timeout=aiohttp.ClientTimeout(
                 total=None, connect=self.s.connect_timeout_s,
                 sock_read=self.s.idle_read_timeout_s))
@@ -160,6 +162,17 @@ class FrontProxy:
         self.stats.count(status)
         body = {"error": {"message": message, "type": reason or "proxy_error", "code": status}}
         return web.json_response(body, status=status, headers=headers)
+
+    def _cut(self, request: web.Request, resp: web.StreamResponse,
+             exc: BaseException) -> web.StreamResponse:
+        """The answer had started: nothing to do but cut it, so the client sees an
+        incomplete stream rather than a truncated success."""
+        self.stats.count(502)
+        log.warning("engine answer cut", path=request.path, error=repr(exc))
+        with contextlib.suppress(Exception):
+            if request.transport is not None:
+                request.transport.close()
+        return resp
 
     async def _engine_healthy(self) -> bool:
         assert self._session is not None
@@ -240,20 +253,18 @@ class FrontProxy:
                     return resp
                 self.stats.count(up.status)
                 return resp
-        except aiohttp.ClientConnectorError as exc:
-            if resp is None:
-                raise _NotDelivered from exc
-            raise
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
+                aiohttp.ClientOSError) as exc:
+            if resp is None or not resp.prepared:
+                # refused, or a kept-alive connection the engine had closed: no answer has
+                # begun, so the client has seen nothing and the request can go again
+                raise _NotDelivered(repr(exc)) from exc
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                raise
+            return self._cut(request, resp, exc)
         except (TimeoutError, aiohttp.ClientError, _UpstreamFailed) as exc:
             if resp is not None and resp.prepared:
-                # the answer had started: nothing to do but cut it, so the client sees an
-                # incomplete stream rather than a truncated success
-                self.stats.count(502)
-                log.warning("engine answer cut", path=request.path, error=repr(exc))
-                with contextlib.suppress(Exception):
-                    if request.transport is not None:
-                        request.transport.close()
-                return resp
+                return self._cut(request, resp, exc)
             return self._error(502, f"the engine failed during the request: "
                                     f"{type(exc).__name__}: {exc}", "engine_failed")
 
