@@ -1,5 +1,6 @@
 # Two commands do everything from nothing: `make run` and `make test`.
-.PHONY: setup run test test-fast lint bench bench-lifecycle bench-watchdog clean
+.PHONY: setup run test test-fast lint bench bench-lifecycle bench-watchdog bench-proxy \
+	bench-restart clean
 
 setup:
 	bash scripts/setup.sh all
@@ -23,15 +24,21 @@ lint:
 	.venv/bin/ruff check supervisor tests bench
 	.venv/bin/mypy
 
-# Both benchmark suites, side by side with their baselines; each rewrites its own
-# section of docs/benchmarks.md (about 8 + 10 minutes).
-bench: bench-lifecycle bench-watchdog
+# Every benchmark, side by side with its baseline; each rewrites its own section of
+# docs/benchmarks.md (about 8 + 10 + 12 + 4 minutes).
+bench: bench-lifecycle bench-watchdog bench-proxy bench-restart
 
 bench-lifecycle: setup
 	.venv/bin/python bench/lifecycle_bench.py --out docs/benchmarks.md
 
 bench-watchdog: setup
 	.venv/bin/python bench/watchdog_bench.py --out docs/benchmarks.md
+
+bench-proxy: setup
+	.venv/bin/python bench/proxy_bench.py --out docs/benchmarks.md
+
+bench-restart: setup
+	.venv/bin/python bench/restart_bench.py --out docs/benchmarks.md
 
 clean:
 	rm -rf .venv .venv-engine models .stamps run var

@@ -1,0 +1,588 @@
+"""The front proxy's overhead, side by side with going direct and with nginx, in one run.
+
+Three paths to one fast synthetic upstream (`bench/synthetic_upstream.py`): direct,
+through `FrontProxy` (run alone in its own process, its gate open and unlimited), and
+through nginx as a reverse proxy (one worker, keep-alive to the upstream, no buffering).
+A separate client process (aiohttp, keep-alive) drives every measurement; the three paths
+alternate within each round, the order rotating from round to round, and each figure is
+the median over the rounds.
+
+1. Non-streaming latency: p50 and p99 per request at 1 and 64 concurrent clients, and the
+   latency each proxy adds (path minus direct, paired within a round).
+2. Streaming: SSE chunks per second at 64 and 256 concurrent streams of 200 chunks.
+3. Optional: the real vLLM CPU engine with the tiny model, streamed tokens per second at
+   32 streams, direct against through the proxy (`--skip-engine` leaves it out).
+
+    .venv/bin/python bench/proxy_bench.py --out docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.report import write_section  # noqa: E402
+
+PY = sys.executable
+ENGINE_PY = ROOT / ".venv-engine" / "bin" / "python"
+PATHS = ("direct", "proxy", "nginx")
+HEADERS = {"Content-Type": "application/json"}
+USAGE = re.compile(rb'"completion_tokens":\s*(\d+)')
+
+
+# ---- the processes under test ---------------------------------------------------------
+
+async def run_proxy(upstream: str) -> None:
+    """The proxy alone: gate open and unlimited, serving until SIGTERM."""
+    from supervisor.admission import Gate, GateLimits
+    from supervisor.proxy import FrontProxy, ProxySettings
+
+    settings = ProxySettings(listen_host="127.0.0.1", listen_port=0, upstream=upstream)
+    gate = Gate(GateLimits(concurrency=100000, max_wait_s=60))
+    gate.release()
+    proxy = FrontProxy(settings, gate, ready=lambda: True)
+    await proxy.start()
+    print(f"LISTENING {proxy.port}", flush=True)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await proxy.close()
+
+
+def nginx_conf(tmp: Path, port: int, upstream_port: int) -> Path:
+    conf = tmp / "nginx.conf"
+    conf.write_text(f"""
+daemon off;
+master_process on;
+worker_processes 1;
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx-error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    keepalive_requests 1000000;
+    upstream synthetic {{
+        server 127.0.0.1:{upstream_port};
+        keepalive 512;
+        keepalive_requests 1000000;
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://synthetic;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+        }}
+    }}
+}}
+""")
+    return conf
+
+
+class Child:
+    """A server process in its own session, its output in a log file; stopped by group."""
+
+    def __init__(self, name: str, argv: list[str], tmp: Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log = tmp / f"{name}.log"
+        with open(self.log, "wb") as out:
+            self.p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True,
+                                      cwd=ROOT, env=env)
+
+    def wait_listening(self, timeout: float = 60) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.log.read_text(errors="replace").splitlines():
+                if line.startswith("LISTENING "):
+                    return int(line.split()[1])
+            self._check_alive()
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.name} did not listen in {timeout} s: {self.tail()}")
+
+    def wait_port(self, port: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port),
+                                                                        0.5):
+                return
+            self._check_alive()
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.name} did not listen on {port}: {self.tail()}")
+
+    def _check_alive(self) -> None:
+        if self.p.poll() is not None:
+            raise RuntimeError(f"{self.name} exited {self.p.returncode}: {self.tail()}")
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-2000:]
+
+    def cpu_s(self) -> float:
+        """CPU seconds of the process and its children (nginx's worker)."""
+        import psutil
+        try:
+            procs = [psutil.Process(self.p.pid)]
+            procs += procs[0].children(recursive=True)
+        except psutil.NoSuchProcess:
+            return float("nan")
+        total = 0.0
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                t = p.cpu_times()
+                total += t.user + t.system
+        return total
+
+    def stop(self, grace: float = 10) -> None:
+        if self.p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.p.pid, signal.SIGTERM)
+            try:
+                self.p.wait(grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait(5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---- the client (its own process) -----------------------------------------------------
+
+async def client_batch(cmd: dict[str, Any]) -> dict[str, Any]:
+    import aiohttp
+
+    url, stream, conc = cmd["url"], bool(cmd["body"].get("stream")), int(cmd["concurrency"])
+    data = json.dumps(cmd["body"]).encode()
+    usage = bool(cmd["body"].get("stream_options", {}).get("include_usage"))
+    warm = json.dumps(cmd.get("warmup_body", cmd["body"])).encode()
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=300)) as session:
+
+        async def batch(total: int, body: bytes) -> dict[str, Any]:
+            lat: list[float] = []
+            events: list[int] = []
+            tokens: list[int] = []
+            sample: list[str] = []  # the end of one short stream, to see why
+            errors = reads = 0
+            todo = iter(range(total))
+
+            async def worker() -> None:
+                nonlocal errors, reads
+                for _ in todo:
+                    t0 = time.perf_counter()
+                    try:
+                        async with session.post(url, data=body, headers=HEADERS) as r:
+                            if stream:
+                                n, last, seen = 0, b"", bytearray()
+                                async for chunk in r.content.iter_any():
+                                    reads += 1
+                                    if usage:
+                                        seen += chunk
+                                    # events end with a blank line; JSON holds no newline
+                                    n += chunk.count(b"\n\n")
+                                    if last == b"\n" and chunk[:1] == b"\n":
+                                        n += 1
+                                    last = chunk[-1:]
+                                events.append(n - 1)  # less the [DONE]
+                                if usage:  # the engine's own count, from the last chunk
+                                    found = USAGE.findall(bytes(seen))
+                                    tokens.append(int(found[-1]) if found else 0)
+                                    if tokens[-1] < cmd.get("expect", 0) and not sample:
+                                        sample.append(bytes(seen[-400:]).decode(
+                                            errors="replace") + f" status {r.status}")
+                            else:
+                                await r.read()
+                            if r.status != 200:
+                                errors += 1
+                    except (aiohttp.ClientError, TimeoutError):
+                        errors += 1
+                    lat.append(time.perf_counter() - t0)
+
+            gc.collect()
+            gc.disable()  # the client's collector pauses are not the path's latency
+            t0 = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(conc)))
+            elapsed = time.perf_counter() - t0
+            gc.enable()
+            lat.sort()
+            q = statistics.quantiles(lat, n=100) if len(lat) > 1 else lat * 99
+            return {"n": len(lat), "errors": errors, "elapsed_s": elapsed,
+                    "p50_ms": statistics.median(lat) * 1e3, "p99_ms": q[98] * 1e3,
+                    "rate": len(lat) / elapsed, "events": sum(events),
+                    "events_per_s": sum(events) / elapsed, "reads": reads,
+                    "short_sample": sample[0] if sample else None, "tokens": sum(tokens),
+                    "tokens_per_s": sum(tokens) / elapsed,
+                    "short_streams": sum(1 for e in (tokens if usage else events)
+                                         if e < cmd.get("expect", 0))}
+
+        await batch(int(cmd["warmup"]), warm)
+        return await batch(int(cmd["total"]), data)
+
+
+def client_main() -> None:
+    """Reads one JSON command a line, answers one JSON result a line."""
+    async def loop() -> None:
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            res = await client_batch(json.loads(line))
+            print(json.dumps(res), flush=True)
+    asyncio.run(loop())
+
+
+class Client:
+    def __init__(self) -> None:
+        self.p = subprocess.Popen([PY, __file__, "_client"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                  start_new_session=True)
+
+    def run(self, **cmd: Any) -> dict[str, Any]:
+        assert self.p.stdin is not None and self.p.stdout is not None
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the client exited {self.p.wait()}")
+        return dict(json.loads(line))
+
+    def close(self) -> None:
+        if self.p.stdin is not None:
+            self.p.stdin.close()
+        try:
+            self.p.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.p.pid, signal.SIGKILL)
+            self.p.wait(5)
+
+
+# ---- the measurements -----------------------------------------------------------------
+
+def completion(stream: bool, tokens: int, model: str = "synthetic",
+               **extra: Any) -> dict[str, Any]:
+    return {"model": model, "prompt": "hello", "max_tokens": tokens, "stream": stream,
+            **extra}
+
+
+def synthetic(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    children: list[Child] = []
+    client = None
+    try:
+        up = Child("upstream", [PY, str(ROOT / "bench" / "synthetic_upstream.py")], tmp)
+        children.append(up)
+        up_port = up.wait_listening()
+        px = Child("proxy", [PY, __file__, "_proxy", f"http://127.0.0.1:{up_port}"], tmp)
+        children.append(px)
+        ports = {"direct": up_port, "proxy": px.wait_listening()}
+        ports["nginx"] = free_port()
+        ng = Child("nginx", ["nginx", "-e", str(tmp / "nginx-error.log"), "-p", str(tmp),
+                             "-c", str(nginx_conf(tmp, ports["nginx"], up_port))], tmp)
+        children.append(ng)
+        ng.wait_port(ports["nginx"])
+        servers = {"direct": up, "proxy": px, "nginx": ng}
+        client = Client()
+        s = args.scale
+        cases = [
+            ("plain", 1, dict(body=completion(False, 1), total=int(2000 * s),
+                              warmup=int(200 * s), concurrency=1)),
+            ("plain", 64, dict(body=completion(False, 1), total=int(20000 * s),
+                               warmup=int(2000 * s), concurrency=64)),
+            ("stream", 64, dict(body=completion(True, args.chunks), expect=args.chunks,
+                                warmup_body=completion(True, 10), warmup=64,
+                                total=max(64, int(1280 * s)), concurrency=64)),
+            ("stream", 256, dict(body=completion(True, args.chunks), expect=args.chunks,
+                                 warmup_body=completion(True, 10), warmup=256,
+                                 total=max(256, int(2048 * s)), concurrency=256)),
+        ]
+        results: dict[str, Any] = {}
+        for rnd in range(args.rounds):
+            order = PATHS[rnd % 3:] + PATHS[:rnd % 3]
+            for kind, conc, cmd in cases:
+                for path in order:
+                    cpu0 = servers[path].cpu_s()
+                    r = client.run(url=f"http://127.0.0.1:{ports[path]}/v1/completions",
+                                   **cmd)
+                    r["server_cpu_s"] = servers[path].cpu_s() - cpu0
+                    results.setdefault(f"{kind}-{conc}", {}).setdefault(path, []).append(r)
+                    print(f"round {rnd + 1} {kind} {conc:>3} {path:<6} "
+                          f"p50 {r['p50_ms']:.3f} ms p99 {r['p99_ms']:.3f} ms "
+                          f"{r['rate']:.0f}/s {r['events_per_s']:.0f} ev/s "
+                          f"errors {r['errors']} short {r['short_streams']}", flush=True)
+        return results
+    finally:
+        if client is not None:
+            client.close()
+        for c in reversed(children):
+            c.stop()
+
+
+def engine(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    import httpx
+
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    port = free_port()
+    children: list[Child] = []
+    client = None
+    try:
+        t0 = time.monotonic()
+        eng = Child("vllm", [str(ENGINE_PY), "-m", "vllm.entrypoints.openai.api_server",
+                             "--model", "models/tiny-llama", "--served-model-name",
+                             "tiny-llama", "--max-model-len", "512", "--dtype", "float32",
+                             "--host", "127.0.0.1", "--port", str(port)], tmp, env=env)
+        children.append(eng)
+        deadline = time.monotonic() + 240
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            eng._check_alive()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM not healthy in 240 s: {eng.tail()}")
+            time.sleep(0.5)
+        print(f"vLLM healthy after {time.monotonic() - t0:.1f} s", flush=True)
+        px = Child("proxy-vllm", [PY, __file__, "_proxy", f"http://127.0.0.1:{port}"], tmp)
+        children.append(px)
+        ports = {"direct": port, "proxy": px.wait_listening()}
+        client = Client()
+        body = completion(True, args.engine_tokens, model="tiny-llama", ignore_eos=True,
+                          stream_options={"include_usage": True})
+        cmd = dict(body=body, expect=args.engine_tokens, concurrency=32, warmup=32,
+                   warmup_body=completion(True, 8, model="tiny-llama", ignore_eos=True),
+                   total=32 * args.engine_waves)
+        results: dict[str, list[dict[str, Any]]] = {}
+        for rnd in range(args.engine_rounds):
+            for path in (("direct", "proxy") if rnd % 2 == 0 else ("proxy", "direct")):
+                cpu0 = px.cpu_s()
+                r = client.run(url=f"http://127.0.0.1:{ports[path]}/v1/completions", **cmd)
+                r["proxy_cpu_s"] = px.cpu_s() - cpu0
+                results.setdefault(path, []).append(r)
+                print(f"round {rnd + 1} vllm 32 {path:<6} {r['tokens_per_s']:.0f} tok/s "
+                      f"{r['events_per_s']:.0f} chunks/s {r['reads']} reads "
+                      f"proxy cpu {r['proxy_cpu_s']:.2f} s short {r['short_sample']!r} "
+                      f"errors {r['errors']} short {r['short_streams']}", flush=True)
+        return results
+    finally:
+        if client is not None:
+            client.close()
+        for c in reversed(children):
+            c.stop(grace=20)
+
+
+# ---- the report -----------------------------------------------------------------------
+
+def med(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def fmt(xs: list[float], nd: int = 0) -> str:
+    return ", ".join(f"{x:.{nd}f}" for x in xs)
+
+
+def versions() -> str:
+    import aiohttp
+    ng = subprocess.run(["nginx", "-v"], capture_output=True, text=True).stderr.strip()
+    eng = subprocess.run([str(ENGINE_PY), "-c", "import importlib.metadata as m; "
+                          "print(m.version('vllm-cpu'))"], capture_output=True, text=True)
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True, cwd=ROOT).stdout.strip()
+    return (f"Python {platform.python_version()}, aiohttp {aiohttp.__version__}, "
+            f"{ng.replace('nginx version: ', '')}, vllm-cpu {eng.stdout.strip() or '?'}, "
+            f"proxy at commit {rev}")
+
+
+def render(args: argparse.Namespace, syn: dict[str, Any],
+           eng: dict[str, Any] | None, eng_note: str) -> str:
+    out = [
+        "## The front proxy (`bench/proxy_bench.py`)", "",
+        f"Run by `make bench-proxy` on {date.today().isoformat()}, {platform.machine()}, "
+        f"{os.cpu_count()} cores (shared, noisy; nothing pinned), loopback. {versions()}.",
+        "",
+        "Three paths to one fast synthetic OpenAI-style upstream "
+        "(`bench/synthetic_upstream.py`, aiohttp): **direct**, through **proxy** "
+        "(`FrontProxy` alone in its own process, gate open and unlimited) and through "
+        "**nginx** (one worker, keep-alive to the upstream, `proxy_buffering off`). One "
+        "client process (aiohttp, keep-alive) drives all three; the paths alternate within "
+        f"each of {args.rounds} rounds, the order rotating; every figure is the median over "
+        "the rounds, and an added latency is the path minus direct, paired within a round. "
+        "Client, servers and upstream share the 2 cores, so at 64 clients the client's own "
+        "CPU is in every figure. Server CPU is the proxy's (or nginx's master + worker) "
+        "user + system time over the measurement.",
+        "",
+        "### Non-streaming `POST /v1/completions`: latency per request", "",
+    ]
+    met: list[str] = []
+    for conc in (1, 64):
+        data = syn[f"plain-{conc}"]
+        n = data["direct"][0]["n"]
+        out += [f"{conc} client{'s' if conc > 1 else ''}, {n} requests per run after a "
+                "warm-up.", "",
+                "| path | p50 (ms) | p99 (ms) | added p50 (ms) | added p99 (ms) | requests/s "
+                "| ratio req/s to direct | server CPU per request (µs) |",
+                "|---|---|---|---|---|---|---|---|"]
+        for path in PATHS:
+            runs = data[path]
+            add50 = [r["p50_ms"] - d["p50_ms"] for r, d in zip(runs, data["direct"],
+                                                                strict=True)]
+            add99 = [r["p99_ms"] - d["p99_ms"] for r, d in zip(runs, data["direct"],
+                                                                strict=True)]
+            cpu = "" if path == "direct" else \
+                f"{statistics.median(r['server_cpu_s'] / r['n'] for r in runs) * 1e6:.0f}"
+            ratio = med(runs, "rate") / med(data["direct"], "rate")
+            out.append(
+                f"| {path} | {med(runs, 'p50_ms'):.3f} | {med(runs, 'p99_ms'):.3f} | "
+                + ("— | — | " if path == "direct" else
+                   f"{statistics.median(add50):+.3f} | {statistics.median(add99):+.3f} | ")
+                + f"{med(runs, 'rate'):.0f} | {ratio:.2f} | {cpu} |")
+            if path == "proxy" and conc == 1:
+                a50, a99 = statistics.median(add50), statistics.median(add99)
+                met.append(f"p50 added at 1 client <= 1 ms: "
+                           f"{'met' if a50 <= 1 else 'NOT met'} ({a50:+.3f} ms)")
+                met.append(f"p99 added at 1 client <= 5 ms: "
+                           f"{'met' if a99 <= 5 else 'NOT met'} ({a99:+.3f} ms)")
+        errors = sum(r["errors"] for p in PATHS for r in data[p])
+        out += ["", f"Errors over all runs: {errors}.", ""]
+    out += ["### Streaming: SSE chunks per second", "",
+            f"Each stream {args.chunks} chunks of ~170 bytes then `data: [DONE]`; a run "
+            "is a fixed number of streams after a warm-up wave, kept at the given "
+            "concurrency; chunks/s = chunks received / run time.", "",
+            "| concurrent streams | path | chunks/s (median) | runs | ratio to direct "
+            "| server CPU per chunk (µs) | chunks per client read |",
+            "|---|---|---|---|---|---|---|"]
+    for conc in (64, 256):
+        data = syn[f"stream-{conc}"]
+        for path in PATHS:
+            runs = data[path]
+            rates = [r["events_per_s"] for r in runs]
+            cpu = "" if path == "direct" else \
+                f"{statistics.median(r['server_cpu_s'] / r['events'] for r in runs) * 1e6:.1f}"
+            ratio = statistics.median(rates) / med(data["direct"], "events_per_s")
+            per_read = statistics.median(r["events"] / max(1, r["reads"]) for r in runs)
+            out.append(f"| {conc} | {path} | {statistics.median(rates):.0f} | {fmt(rates)} | "
+                       f"{ratio:.2f} | {cpu} | {per_read:.1f} |")
+            if path == "proxy" and conc == 64:
+                rate = statistics.median(rates)
+                met.append(f">= 20,000 chunks/s through the proxy at 64 streams: "
+                           f"{'met' if rate >= 20000 else 'NOT met'} ({rate:.0f}/s)")
+    bad = sum(r["errors"] + r["short_streams"] for k in ("stream-64", "stream-256")
+              for p in PATHS for r in syn[k][p])
+    out += ["", f"Failed or short streams over all runs: {bad}. The upstream writes its "
+            "chunks back to back, so the socket coalesces them: the last column is how many "
+            "SSE chunks one client read carried, i.e. how far per-write costs are amortised "
+            "on each path (a real engine spaces its chunks out, one per decode step).", ""]
+    out += ["### The real engine: vLLM CPU, tiny model, 32 streams", ""]
+    if eng is None:
+        out += [eng_note, ""]
+        met.append("streamed tokens/s through the proxy >= 95 % of direct: not measured "
+                   "(engine part skipped)")
+    else:
+        n = eng["direct"][0]["n"]
+        out += [f"{n} streams per run (32 at a time), each {args.engine_tokens} tokens "
+                "(`ignore_eos`), after a warm-up wave; tokens/s = the engine's own "
+                "`completion_tokens` (final usage chunk) over the run time, alternating "
+                f"direct and proxy over {args.engine_rounds} rounds (the order flipping each "
+                "round). The engine, the proxy and the client share the 2 cores. The ratio is "
+                "the median of the per-round ratios proxy / direct (each pair run back to "
+                "back), which cancels most of the machine's drift; the ratio of the two "
+                "medians is given beside it.", "",
+                "| path | tokens/s (median) | runs | ratio to direct | SSE chunks per client "
+                "read | proxy CPU per token (µs) |", "|---|---|---|---|---|---|"]
+        base = med(eng["direct"], "tokens_per_s")
+        for path in ("direct", "proxy"):
+            runs = eng[path]
+            rates = [r["tokens_per_s"] for r in runs]
+            per_read = statistics.median(r["events"] / max(1, r["reads"]) for r in runs)
+            cpu = "" if path == "direct" else \
+                f"{statistics.median(r['proxy_cpu_s'] / r['tokens'] for r in runs) * 1e6:.1f}"
+            ratios = [r["tokens_per_s"] / d["tokens_per_s"]
+                      for r, d in zip(runs, eng["direct"], strict=True)]
+            shown = "1.000" if path == "direct" else (
+                f"{statistics.median(ratios):.3f} (rounds {fmt(ratios, 2)}; ratio of "
+                f"medians {statistics.median(rates) / base:.3f})")
+            out.append(f"| {path} | {statistics.median(rates):.0f} | {fmt(rates)} | "
+                       f"{shown} | {per_read:.1f} | {cpu} |")
+        ratio = statistics.median(r["tokens_per_s"] / d["tokens_per_s"]
+                                  for r, d in zip(eng["proxy"], eng["direct"], strict=True))
+        bad = sum(r["errors"] + r["short_streams"] for p in ("direct", "proxy")
+                  for r in eng[p])
+        samples = [r["short_sample"] for p in ("direct", "proxy") for r in eng[p]
+                   if r["short_sample"]]
+        out += ["", f"Failed or short streams: {bad}."
+                + (f" One short stream ended: `{samples[0][-200:]!r}`." if samples else ""),
+                ""]
+        met.append(f"streamed tokens/s through the proxy >= 95 % of direct: "
+                   f"{'met' if ratio >= 0.95 else 'NOT met'} ({ratio * 100:.1f} %)")
+    out += ["### Targets", ""] + [f"- {m}" for m in met]
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "_proxy":
+        asyncio.run(run_proxy(sys.argv[2]))
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "_client":
+        client_main()
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="rewrite the proxy section of this file")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--scale", type=float, default=1.0, help="request counts x this")
+    ap.add_argument("--chunks", type=int, default=200, help="SSE chunks per stream")
+    ap.add_argument("--skip-engine", action="store_true", help="leave the vLLM part out")
+    ap.add_argument("--engine-tokens", type=int, default=256)
+    ap.add_argument("--engine-waves", type=int, default=4)
+    ap.add_argument("--engine-rounds", type=int, default=5,
+                    help="more than the synthetic part: the engine shares 2 noisy cores")
+    args = ap.parse_args()
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="proxy-bench-") as d:
+        tmp = Path(d)
+        syn = synthetic(args, tmp)
+        print(f"synthetic part: {time.monotonic() - t0:.0f} s", flush=True)
+        eng, note = None, ""
+        if args.skip_engine:
+            note = "Skipped in this run (`--skip-engine`)."
+        elif not ENGINE_PY.exists():
+            note = "Skipped: `.venv-engine` is not built (`make setup`)."
+        else:
+            eng = engine(args, tmp)
+    text = render(args, syn, eng, note)
+    print(text)
+    print(f"total: {time.monotonic() - t0:.0f} s")
+    if args.out is not None:
+        write_section(args.out, "proxy", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""A fast synthetic OpenAI-style upstream for the proxy benchmark (aiohttp).
+
+POST /v1/completions answers at once: a small JSON completion, or with "stream": true
+`max_tokens` SSE chunks (`data: {...}\\n\\n`, default 200) written as fast as the socket
+takes them, then `data: [DONE]`. Nothing is computed per request beyond parsing the body,
+so what a benchmark measures through it is the path, not the engine.
+
+    .venv/bin/python bench/synthetic_upstream.py --port 0   # prints "LISTENING <port>"
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+
+from aiohttp import web
+
+COMPLETION = json.dumps({
+    "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "synthetic",
+    "choices": [{"index": 0, "text": " hello", "logprobs": None, "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+}).encode()
+CHUNK = b"data: " + json.dumps({
+    "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "synthetic",
+    "choices": [{"index": 0, "text": " tok", "logprobs": None, "finish_reason": None}],
+}).encode() + b"\n\n"
+DONE = b"data: [DONE]\n\n"
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await request.read()
+    doc = json.loads(body) if body else {}
+    if not doc.get("stream"):
+        return web.Response(body=COMPLETION, content_type="application/json")
+    n = doc.get("max_tokens", 200)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    for _ in range(n):
+        await resp.write(CHUNK)
+    await resp.write(DONE)
+    await resp.write_eof()
+    return resp
+
+
+async def serve(host: str, port: int) -> None:
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024)
+    await site.start()
+    server = site._server  # the bound port when asked for port 0
+    bound = server.sockets[0].getsockname()[1] if server is not None else port
+    print(f"LISTENING {bound}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    args = ap.parse_args()
+    asyncio.run(serve(args.host, args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
