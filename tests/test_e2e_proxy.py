@@ -209,9 +209,13 @@ def test_core_sigkill_fails_in_flight_fast_and_later_requests_succeed(fronted):
     fail_s = max(cut_s) if cut_s else 0.0
     print("crash:", json.dumps({
         "in_flight": [r for r, _ in in_flight], "in_flight_failed_within_s": round(fail_s, 2),
+        "in_flight_ok_after_kill_s": sorted(round(s, 1) for r, s in in_flight if r == "ok"),
         "since_kill_s": round(time.monotonic() - killed, 1), "later": later}))
-    assert len(in_flight) == 16  # every stream ended: none hung
-    assert len(cut_s) >= 8  # the ones still generating when the core died
+    # Every stream ended, none hung: a stream the engine was generating is cut at once
+    # (at least the one whose client had seen tokens); one that had no answer yet was
+    # held and completed by the restarted engine; one may have finished before the kill.
+    assert len(in_flight) == 16
+    assert len(cut_s) >= 1
     assert fail_s < 15  # failed fast, not after a timeout
     assert later == ["200"] * 8
     remember(d)
