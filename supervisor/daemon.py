@@ -597,7 +597,11 @@ class Supervisor:
                 self._launch(self._job_poll(engine, self.config.metrics), "poll metrics")
             if self.config.canary.enabled:
                 self._launch(self._job_canary(engine), "canary")
-            self._launch(self._job_gate_probe(engine), "gate probe")
+            if self.proxy is not None:
+                if self.config.canary.enabled:
+                    self._launch(self._job_gate_probe(engine), "gate probe")
+                elif not self.drained_by_operator:
+                    self.gate.release()  # no canary configured: healthy is all we know
         elif engine.exit_code is None:
             self._failure(f"engine not healthy within {engine.config.startup_timeout_s:g} s",
                           healthy_for=None)
