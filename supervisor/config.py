@@ -20,7 +20,7 @@ from typing import Any
 
 from supervisor.conditions import parse_condition
 from supervisor.exporter import parse_listen
-from supervisor.rules import ACTIONS, DEFAULT_RULES, RuleConfig
+from supervisor.rules import ACTIONS, DEFAULT_RULES, REMEDIES, RuleConfig
 from supervisor.signals import SIGNAL_NAMES, WindowConfig
 
 EX_CONFIG = 78  # sysexits.h: configuration error
@@ -77,6 +77,9 @@ class EngineConfig:
     # GPU indices the engine uses (NVML); empty = all visible GPUs, when NVML is present
     gpus: list[int] = _field([])
     gpu_release_timeout_s: float = _field(60.0, lo=0, hi=600)
+    # before a start: memory that processes this daemon did not start may hold on the
+    # engine's GPUs (a display server, a monitoring agent); more refuses the start
+    gpu_foreign_allowance_mib: int = _field(0, lo=0, hi=1 << 30)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,14 +157,15 @@ class SignalsConfig:
     rate_window_s: float = _field(60.0, lo=2, hi=3600)
     baseline_window_s: float = _field(3600.0, lo=60, hi=86400)
     rss_growth_window_s: float = _field(1800.0, lo=60, hi=86400)
+    gpu_memory_growth_window_s: float = _field(1800.0, lo=60, hi=86400)
     min_prefix_queries: float = _field(2048.0, lo=1, hi=1e12)  # tokens
     min_spec_draft_tokens: float = _field(256.0, lo=1, hi=1e12)
 
     def window(self, gpu: GpuConfig) -> WindowConfig:
         return WindowConfig(self.rate_window_s, self.baseline_window_s,
-                            self.rss_growth_window_s, self.min_prefix_queries,
-                            self.min_spec_draft_tokens, gpu.slowdown_fallback_c,
-                            gpu_stale_s=max(30.0, gpu.period_s * 3))
+                            self.rss_growth_window_s, self.gpu_memory_growth_window_s,
+                            self.min_prefix_queries, self.min_spec_draft_tokens,
+                            gpu.slowdown_fallback_c, gpu_stale_s=max(30.0, gpu.period_s * 3))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +191,9 @@ class PolicyConfig:
     min_action_gap_s: float = _field(60.0, lo=0, hi=86400)
     # more_spec_tokens raises num_speculative_tokens up to this; 0: the engine's start value
     spec_tokens_max: int = _field(0, lo=0, hi=64)
+    # the rungs of the remediation ladder the policy may use (rules.LADDER); a rule whose
+    # rung is not listed, or not supported by the engine, takes the next one up
+    remedies: list[str] = _field(list(REMEDIES), choices=REMEDIES)
     # [policy.rules.NAME] tables: merged key by key over the defaults (rules.py)
     rules: dict[str, RuleConfig] = dataclasses.field(
         default_factory=lambda: dict(DEFAULT_RULES), metadata={"table": True})
@@ -297,6 +304,11 @@ def _check_value(key: str, tp: Any, meta: Mapping[str, Any], value: Any,
             return None
         if meta["nonempty"] and not value:
             problems.append(f"{key}: expected a non-empty list")
+            return None
+        if meta["choices"] is not None and (bad := [v for v in value
+                                                    if v not in meta["choices"]]):
+            problems.append(f"{key}: expected a list of {', '.join(meta['choices'])}, "
+                            f"got {bad[0]!r}")
             return None
         return [float(v) if inner is float else v for v in value]
     if origin is dict:

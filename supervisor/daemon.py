@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import httpx
 import structlog
 
-from supervisor import canary, proctree, relaunch, xid
+from supervisor import canary, proctree, relaunch, remedy, xid
 from supervisor import engine as eng
 from supervisor.admission import Gate, GateLimits
 from supervisor.audit import AuditTrail
@@ -76,6 +76,7 @@ class Spawned(Event):
     engine: eng.EngineProcess | None
     error: str | None = None
     leftovers: tuple[str, ...] = ()
+    gpu_busy: bool = False  # the error is other processes on the engine's GPUs
 
 
 @dataclass(frozen=True)
@@ -168,11 +169,24 @@ class GpuSampled(Event):
 
 
 @dataclass(frozen=True)
-class PrefixReset(Event):
-    name = "prefix_reset"
+class RemedyDone(Event):
+    """An in-place remedy (prefix-cache reset, KV reset) ended, well or not."""
+
+    name = "remedy_done"
     generation: int
-    error: str | None
-    duration_s: float
+    rung: str
+    outcome: remedy.RemedyOutcome
+    duration_s: float  # the whole remedy, the wait for in-flight requests included
+
+
+@dataclass(frozen=True)
+class SleepModeProbed(Event):
+    """Whether this engine can drop its KV cache in place (sleep and wake)."""
+
+    name = "sleep_mode_probed"
+    generation: int
+    available: bool
+    why: str | None
 
 
 @dataclass(frozen=True)
@@ -300,6 +314,13 @@ class Supervisor:
         self.proxy: FrontProxy | None = None
         self.gate = Gate(self._gate_limits())
         self.drained_by_operator = False
+        # in-place remedies: what this engine supports, the one in progress
+        self.sleep_mode: bool = False  # probed once the engine serves
+        self.sleep_mode_why: str | None = "the engine has not started"
+        self.remedy_running: tuple[str, float] | None = None  # (rung, since)
+        self._remedy_ended_at = -1.0
+        self._remedy_replies: list[asyncio.Future[dict[str, Any]]] = []
+        self.start_blocked: str | None = None  # why the last start was refused (GPU busy)
 
     # ---- running ----------------------------------------------------------------------
 
@@ -419,6 +440,7 @@ class Supervisor:
         self.generation += 1
         self.scrapes.reset()
         self.window.reset()
+        self.sleep_mode, self.sleep_mode_why = False, "the engine is not serving yet"
         self._spawning = True
         self._force = asyncio.Event()
         self._set_state(State.STARTING, reason)
@@ -436,7 +458,9 @@ class Supervisor:
                          cfg: EngineConfig) -> None:
         leftovers: list[str] = []
         try:
-            leftovers = await eng.clean_leftovers(self.state_file, cfg.reap_timeout_s)
+            leftovers, own = await eng.clean_leftovers(self.state_file, cfg.reap_timeout_s)
+            await eng.check_gpus_free(self.gpu, own, cfg.gpu_foreign_allowance_mib << 20,
+                                      cfg.gpu_release_timeout_s)
             held = await asyncio.to_thread(proctree.port_holder, spec.host, spec.port)
             if held is not None:
                 raise RuntimeError(f"engine port refused: {held}")
@@ -444,7 +468,8 @@ class Supervisor:
             await asyncio.to_thread(self.state_file.write, engine.pgid, engine.known)
         except Exception as exc:  # any failure here is a failed start, never a stuck one
             error = str(exc) if isinstance(exc, OSError | RuntimeError) else repr(exc)
-            self.queue.put_nowait(Spawned(generation, None, error, tuple(leftovers)))
+            self.queue.put_nowait(Spawned(generation, None, error, tuple(leftovers),
+                                          gpu_busy=isinstance(exc, eng.GpuBusy)))
             return
         self.queue.put_nowait(Spawned(generation, engine, None, tuple(leftovers)))
 
@@ -455,14 +480,17 @@ class Supervisor:
             self._audit("leftover_killed", process=line)
         if ev.engine is None:
             log.error("engine could not be started", error=ev.error)
-            self._audit("spawn_failed", error=ev.error)
+            self._audit("spawn_failed", error=ev.error, gpu_busy=ev.gpu_busy)
             if self.state is State.STOPPING:
                 self._finish_stop()
+            elif ev.gpu_busy:
+                self._start_blocked(ev.error or "GPU busy")
             elif self.state is State.DRAINING:
                 self._start_engine(self._restart_reason)
             else:
                 self._failure(f"engine could not be started: {ev.error}", healthy_for=None)
             return
+        self.start_blocked = None
         engine = ev.engine
         self.engine = engine
         self.guard.arm(engine.pgid)
@@ -597,6 +625,7 @@ class Supervisor:
                 self._launch(self._job_poll(engine, self.config.metrics), "poll metrics")
             if self.config.canary.enabled:
                 self._launch(self._job_canary(engine), "canary")
+            self._launch(self._job_probe_sleep_mode(engine), "probe sleep mode")
             if self.proxy is not None:
                 if self.config.canary.enabled:
                     self._launch(self._job_gate_probe(engine), "gate probe")
@@ -622,6 +651,21 @@ class Supervisor:
             self._take_down(graceful=False)
         elif self.state is State.BACKOFF:
             self._arm_backoff()
+
+    def _start_blocked(self, why: str) -> None:
+        """Another program holds the engine's GPUs: not a boot failure (the engine never
+        ran), nothing to kill (not ours). Wait in BACKOFF, saying why, and look again
+        every backoff_max_s; `restart` looks at once."""
+        self.start_blocked = why
+        delay = self.config.restart.backoff_max_s
+        self._backoff_until = self.clock.monotonic() + delay
+        self._set_state(State.BACKOFF, f"start refused: {why}; checking again in {delay:g} s")
+        self._decide("backoff", f"start refused: {why}")
+        if not self._ready_sent:
+            # systemd's start must not wait on someone else's job: say so, and stay up
+            self._ready_sent = True
+            self.notifier.ready(f"BACKOFF: start refused: {why}"[:200])
+        self._arm_backoff()
 
     def _give_up(self, reason: str, engine: eng.EngineProcess | None = None) -> None:
         """FATAL, with the last error lines of `engine` (default: the current one)."""
@@ -917,6 +961,8 @@ class Supervisor:
             spec_tokens_max=(self.config.policy.spec_tokens_max
                              or relaunch.spec_tokens(self.config.engine.args) or 0),
             can_reset_prefix_cache=env.get("VLLM_SERVER_DEV_MODE") == "1",
+            # sleep and wake behind a hold of new requests: the proxy must be there to hold
+            can_kv_reset=self.sleep_mode and self.proxy is not None,
             # with the proxy, throttling is admission control; without it, a relaunch
             live_throttle=self.proxy is not None)
 
@@ -954,9 +1000,9 @@ class Supervisor:
             self._give_up(why)
             if self.engine is not None and not self._taking_down:
                 self._take_down(graceful=True)
-        elif d.action == "reset_prefix_cache":
-            if self.engine is not None:
-                self._launch(self._job_reset_prefix(self.engine), "reset prefix cache")
+        elif d.action in ("reset_prefix_cache", "kv_reset"):
+            if self.engine is not None and self.remedy_running is None:
+                self._begin_remedy(d.action, reason)
         else:
             # throttle and lift at the proxy, or a relaunch: restart, restart_now, and
             # every relaunch with new arguments
@@ -968,32 +1014,105 @@ class Supervisor:
                 self._count_restart("policy")
                 self._restart(reason, graceful=d.action != "restart_now")
 
-    async def _job_reset_prefix(self, engine: eng.EngineProcess) -> None:
-        cfg = engine.config
-        url = f"http://{_url_host(cfg.host)}:{cfg.port}/reset_prefix_cache"
-        t0 = self.clock.monotonic()
-        error: str | None = None
-        try:
-            async with httpx.AsyncClient() as client:
-                r = await client.post(url, timeout=30.0)
-            if r.status_code != 200:
-                error = f"HTTP {r.status_code}: {r.text[:200]}"
-        except httpx.HTTPError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        self.queue.put_nowait(PrefixReset(engine.generation, error,
-                                          self.clock.monotonic() - t0))
+    # ---- in-place remedies ------------------------------------------------------------
 
-    def handle_prefix_reset(self, ev: PrefixReset) -> None:
-        fields = {"duration_s": round(ev.duration_s, 3), "error": ev.error}
-        self._audit("prefix_cache_reset", ok=ev.error is None, **fields)
-        if ev.error is None:
-            log.info("prefix cache reset", **fields)
+    async def _job_probe_sleep_mode(self, engine: eng.EngineProcess) -> None:
+        """Can this engine drop its KV cache in place? Its flags say whether it should;
+        its /is_sleeping endpoint, once it serves, says whether it does."""
+        env = eng.build_spawn_spec(engine.config, self.environ).env
+        why = remedy.sleep_mode_flags(engine.spec.argv, env)
+        if why is None and self.proxy is None:
+            why = "no front proxy to hold requests while the engine sleeps ([proxy] is off)"
+        if why is None:
+            base = f"http://{_url_host(engine.config.host)}:{engine.config.port}"
+            async with httpx.AsyncClient() as client:
+                asleep, why = await remedy.is_sleeping(client, base, 10.0)
+            if asleep:
+                why = "the engine reports it is asleep"
+        self.queue.put_nowait(SleepModeProbed(engine.generation, why is None, why))
+
+    def handle_sleep_mode_probed(self, ev: SleepModeProbed) -> None:
+        if self.engine is None or self.engine.generation != ev.generation:
             return
-        log.warning("prefix cache reset failed; restarting instead", **fields)
-        if (self.engine is not None and self.engine.generation == ev.generation
-                and self.state is State.RUNNING):
-            self._count_restart("policy")
-            self._restart(f"policy prefix_collapse: /reset_prefix_cache failed ({ev.error})")
+        self.sleep_mode, self.sleep_mode_why = ev.available, ev.why
+        if ev.available:
+            log.info("the engine can drop its KV cache in place (sleep and wake)")
+        else:
+            log.info("no KV reset in place for this engine", reason=ev.why)
+
+    def _kv_reset_refusal(self) -> str | None:
+        if self.state is not State.RUNNING or self.engine is None or self._taking_down:
+            return f"the engine is not serving (state {self.state.value})"
+        if self.remedy_running is not None:
+            return f"a {self.remedy_running[0]} is already in progress"
+        if not self.sleep_mode:
+            return f"this engine cannot drop its KV cache in place: {self.sleep_mode_why}"
+        return None
+
+    def _begin_remedy(self, rung: str, reason: str) -> None:
+        engine = self.engine
+        assert engine is not None
+        self.remedy_running = (rung, self.clock.monotonic())
+        log.info("remedy started", rung=rung, reason=reason, in_flight=self.gate.in_flight)
+        if rung == "kv_reset":
+            # new requests wait at the proxy; those at the engine finish first
+            self.gate.hold(f"KV reset in progress ({reason})")
+        self._launch(self._job_remedy(engine, rung), rung)
+
+    async def _job_remedy(self, engine: eng.EngineProcess, rung: str) -> None:
+        cfg = engine.config
+        base = f"http://{_url_host(cfg.host)}:{cfg.port}"
+        t0 = self.clock.monotonic()
+        async with httpx.AsyncClient() as client:
+            if rung == "reset_prefix_cache":
+                outcome = await remedy.reset_prefix_cache(client, base, 30.0)
+            else:
+                idle = await self.gate.wait_idle(cfg.drain_timeout_s)
+                waited = self.clock.monotonic() - t0
+                if not idle:
+                    outcome = remedy.RemedyOutcome(
+                        False, {"drain": waited}, f"{self.gate.in_flight} requests still in "
+                        f"flight after {cfg.drain_timeout_s:g} s: the KV cache was not "
+                        "touched", attempted=False)
+                else:
+                    c = self.config.canary
+                    outcome = await remedy.kv_reset(client, base, c.model or None, c.prompt,
+                                                    60.0, max(c.timeout_s, 10.0))
+                    outcome = dataclasses.replace(outcome, steps={"drain": waited,
+                                                                  **outcome.steps})
+        self.queue.put_nowait(RemedyDone(engine.generation, rung, outcome,
+                                         self.clock.monotonic() - t0))
+
+    def handle_remedy_done(self, ev: RemedyDone) -> None:
+        self.remedy_running = None
+        self._remedy_ended_at = self.clock.monotonic()
+        o = ev.outcome
+        outcome = "ok" if o.ok else ("not attempted" if not o.attempted else "failed")
+        fields: dict[str, Any] = {
+            "rung": ev.rung, "outcome": outcome, "duration_s": round(ev.duration_s, 3),
+            "steps_s": {k: round(v, 3) for k, v in o.steps.items()}, "error": o.error,
+            "held": self.gate.waiting if ev.rung == "kv_reset" else None}
+        self._audit("remedy", **fields)
+        (log.info if o.ok else log.warning)("remedy ended", **fields)
+        for reply in self._remedy_replies:
+            if not reply.done():
+                reply.set_result(fields)
+        self._remedy_replies.clear()
+        current = (self.engine is not None and self.engine.generation == ev.generation
+                   and self.state is State.RUNNING and not self._taking_down)
+        if not current:
+            return  # the engine went meanwhile: its restart holds and releases requests
+        if o.ok or not o.attempted:
+            if ev.rung == "kv_reset" and not self.drained_by_operator:
+                waiting = self.gate.waiting
+                self.gate.release()
+                if waiting:
+                    self._audit("released", count=waiting)
+            return
+        # The engine refused or failed its remedy (it may even be asleep): a drained
+        # restart instead; new requests stay held through it.
+        self._count_restart("policy")
+        self._restart(f"{ev.rung} failed ({o.error}): restarting instead")
 
     async def _job_canary(self, engine: eng.EngineProcess) -> None:
         """A tiny generation every period, for as long as this engine lives."""
@@ -1022,6 +1141,8 @@ class Supervisor:
         if (self.engine is None or self.engine.generation != ev.generation
                 or self.state is not State.RUNNING or self._taking_down):
             return  # a draining engine refuses work on purpose: not the canary's business
+        if self.remedy_running is not None or ev.started <= self._remedy_ended_at:
+            return  # an engine asleep for a KV reset does not answer: not a hang
         o = ev.outcome
         # A canary that timed out behind a queue while tokens kept flowing is slow, not
         # hung: only a failure with no progress counts towards the hang rule.
@@ -1123,7 +1244,8 @@ class Supervisor:
             # ahead of us, but only while the engine is starting.
             self._last_extend = now
             self.notifier.extend_timeout(EXTEND_BY_S)
-        if self.config.policy.enabled:
+        if self.config.policy.enabled and self.remedy_running is None:
+            # (during an in-place remedy the signals describe the remedy, not the engine)
             self._evaluate_policy(now)
 
     async def _job_reload(self, reply: asyncio.Future[dict[str, Any]] | None) -> None:
@@ -1217,6 +1339,13 @@ class Supervisor:
                 self._audit("control", command=ev.command, changed=changed)
                 log.info("policy paused" if paused else "policy resumed", changed=changed)
                 ev.reply.set_result({"policy_paused": paused, "changed": changed})
+            elif ev.command == "kv-reset":
+                why = self._kv_reset_refusal()
+                if why is not None:
+                    raise CommandError(f"kv-reset refused: {why}")
+                self._audit("control", command="kv-reset")
+                self._remedy_replies.append(ev.reply)  # answered when it ends
+                self._begin_remedy("kv_reset", "requested by operator")
             elif ev.command == "events":
                 n = ev.args.get("n", 20)
                 if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 10000:
@@ -1264,6 +1393,15 @@ class Supervisor:
                                     if self._backoff_until is not None
                                     and self.state is State.BACKOFF else None),
             "fatal_reason": self.fatal_reason if self.state is State.FATAL else None,
+            "start_blocked": self.start_blocked if self.state is State.BACKOFF else None,
+            "remedies": {
+                "allowed": list(self.config.policy.remedies),
+                "reset_prefix_cache": self._engine_view().can_reset_prefix_cache,
+                "kv_reset": self._engine_view().can_kv_reset,
+                "kv_reset_unavailable": None if self.sleep_mode else self.sleep_mode_why,
+                "running": (None if self.remedy_running is None else {
+                    "rung": self.remedy_running[0],
+                    "for_s": round(now - self.remedy_running[1], 3)})},
             "last_engine_errors": self.fatal_errors if self.state is State.FATAL else [],
             "engine": {"host": self.config.engine.host, "port": self.config.engine.port,
                        "processes": e.live_processes if e is not None else 0},

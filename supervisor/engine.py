@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import logging
+import os
 import signal
 import time
 from collections import deque
@@ -243,14 +244,15 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
                     sigkilled=sigkilled)
 
 
-async def clean_leftovers(state: proctree.StateFile, timeout_s: float) -> list[str]:
+async def clean_leftovers(state: proctree.StateFile,
+                          timeout_s: float) -> tuple[list[str], set[int]]:
     """Kill what an earlier run of the daemon left alive (per its state file), and wait,
-    bounded, for it to go. Returns one line per process found, for the log and audit.
-    Raises RuntimeError if the file belongs to a daemon that still runs, or if the
-    leftovers survive SIGKILL."""
+    bounded, for it to go. Returns one line per process found, for the log and audit,
+    and their pids. Raises RuntimeError if the file belongs to a daemon that still runs,
+    or if the leftovers survive SIGKILL."""
     found = await asyncio.to_thread(proctree.leftovers, state)
     if found is None:
-        return []
+        return [], set()
     pgid, alive = found
     lines = [await asyncio.to_thread(proctree.describe, p.pid) for p in alive]
     if alive:
@@ -261,4 +263,43 @@ async def clean_leftovers(state: proctree.StateFile, timeout_s: float) -> list[s
             raise RuntimeError("processes left by an earlier run survive SIGKILL: "
                                + ", ".join(str(p.pid) for p in left))
     await asyncio.to_thread(state.remove)
-    return lines
+    return lines, {p.pid for p in alive}
+
+
+class GpuBusy(RuntimeError):
+    """Processes this daemon did not start hold memory on the engine's GPUs."""
+
+
+async def check_gpus_free(gpu: GpuProcessLister, own: set[int], allowance_bytes: int,
+                          timeout_s: float) -> None:
+    """Before a start, on a host where NVML answers: the processes of an earlier engine
+    tree of ours (`own`, already killed) must be gone from the engine's GPUs (NVML frees
+    memory a moment after a process dies: waited for, bounded by `timeout_s`), and every
+    other process together may hold at most `allowance_bytes` there.
+
+    Raises GpuBusy naming each other process, its command and its memory; RuntimeError
+    when our own leftovers still hold memory after the timeout. Unknown (no NVML, or the
+    call failed) is not a refusal: the take-down of the last engine proved its own tree
+    off the GPU, and an unknown is never a guess."""
+    def ours_listed() -> dict[int, int]:
+        listed = gpu.processes() or {}
+        return {p: b for p, b in listed.items() if p in own}
+
+    if own:
+        held = await poll_until_clear(ours_listed, timeout_s, interval_s=0.25)
+        if held:
+            raise RuntimeError("GPU memory of processes left by an earlier run was not "
+                               f"released within {timeout_s:g} s: " + ", ".join(
+                                   f"pid {p} ({b / 2**20:.0f} MiB)" for p, b in held.items()))
+    listed = await asyncio.to_thread(gpu.processes)
+    if listed is None:
+        return
+    others = {p: b for p, b in listed.items() if p not in own and p != os.getpid()}
+    if others and sum(others.values()) > allowance_bytes:
+        parts = []
+        for pid, used in sorted(others.items(), key=lambda kv: -kv[1]):
+            who = await asyncio.to_thread(proctree.describe, pid)
+            parts.append(f"{who}: {used / 2**20:.0f} MiB")
+        raise GpuBusy(f"the engine's GPUs hold memory of processes this daemon did not start "
+                      f"({'; '.join(parts)}), over the {allowance_bytes / 2**20:.0f} MiB "
+                      "that engine.gpu_foreign_allowance_mib allows")

@@ -9,10 +9,19 @@ and returned, changed, in the decision. The daemon stores it and carries the act
 Per rule (see `rules.py`): the condition must hold `for_s` on a serving engine; the rule
 acts, then waits `cooldown_s` before acting again. A one-shot rule (restart, alert...)
 is disarmed when it acts and re-armed once its clear condition has held `clear_for_s`
-(hysteresis: the same symptom does not fire twice without clearing in between). A
-throttle rule steps one level per cooldown while its condition holds, escalates when it
-still holds `escalate_after_s` after reaching the top level, and lifts one step per
-`clear_for_s` of its clear condition.
+(hysteresis: the same symptom does not fire twice without clearing in between) or a new
+engine starts. A throttle rule steps one level per cooldown while its condition holds,
+escalates when it still holds `escalate_after_s` after reaching the top level, and lifts
+one step per `clear_for_s` of its clear condition.
+
+The remediation ladder (`rules.LADDER`): every remedy is a rung, taken only when the
+operator allows it (`policy.remedies`) and the engine supports it (a prefix-cache reset
+needs VLLM_SERVER_DEV_MODE; a KV reset needs sleep mode and the front proxy); otherwise
+the next rung up. A symptom that outlives its remedy without clearing climbs: after an
+in-place remedy (prefix-cache or KV reset) the rule stays armed and its next firing takes
+the next rung; after a restart the new engine re-arms it, and if the symptom persists
+there too, the next rung again; a throttle rule's escalations climb the same way. The
+top rung is an alert: the policy gives up on that symptom until it clears.
 
 Guardrails, in order: pause (maintenance), the restart budget (past it: one alert, then
 nothing), the minimum gap between actions (a frozen engine's restart and a hold-down
@@ -28,11 +37,11 @@ from dataclasses import dataclass, field
 
 from supervisor.conditions import Condition, parse_condition
 from supervisor.config import PolicyConfig
-from supervisor.rules import LIFTABLE, RuleConfig
+from supervisor.rules import IN_PLACE, LADDER, LIFTABLE, RuleConfig
 from supervisor.signals import SIGNAL_NAMES
 
 # Several rules may be due at once; one action per decision, the most drastic first.
-PRIORITY = ("hold_down", "restart_now", "restart", "reduce_batch", "throttle",
+PRIORITY = ("hold_down", "restart_now", "restart", "reduce_batch", "kv_reset", "throttle",
             "fewer_spec_tokens", "more_spec_tokens", "reset_prefix_cache", "lift", "alert")
 HOUR_S = 3600.0
 
@@ -48,6 +57,7 @@ class RuleMemory:
     last_fired: float | None = None
     trips: int = 0
     generation: int = 0  # the engine the timers and the arming refer to
+    rung: str = ""  # the last ladder rung taken for the symptom since it last cleared
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,7 @@ class EngineView:
     spec_tokens: int | None = None  # num_speculative_tokens in force; None: no spec decode
     spec_tokens_max: int = 0
     can_reset_prefix_cache: bool = False  # VLLM_SERVER_DEV_MODE=1
+    can_kv_reset: bool = False  # sleep mode and its endpoints, requests held at the proxy
     live_throttle: bool = False  # admission control in front: throttling needs no restart
 
 
@@ -119,8 +130,59 @@ def _evidence(signals: Mapping[str, float | None], *texts: str) -> dict[str, flo
     return out
 
 
+_UNSUPPORTED = {
+    "reset_prefix_cache": "the engine has no /reset_prefix_cache: VLLM_SERVER_DEV_MODE is off",
+    "kv_reset": "the engine cannot drop its KV cache in place (it needs --enable-sleep-mode, "
+                "VLLM_SERVER_DEV_MODE=1 and the front proxy)",
+    "throttle": "already at the top throttle level",
+    "reduce_batch": "the batch is already reduced",
+}
+
+
+def _supported(rung: str, e: EngineView) -> bool:
+    if rung == "reset_prefix_cache":
+        return e.can_reset_prefix_cache
+    if rung == "kv_reset":
+        return e.can_kv_reset
+    if rung == "throttle":
+        return e.throttle_level < e.max_throttle_level
+    if rung == "reduce_batch":
+        return not e.batch_reduced
+    return True
+
+
+def _rung(want: str, e: EngineView, allowed: tuple[str, ...]) -> tuple[str, str]:
+    """The rung taken for `want`, and why any rung below it was skipped ("" if none):
+    `want` itself when allowed and supported, else the next one up that is (throttle only
+    when asked for by name: only a throttle rule throttles), "alert" at the top. Actions
+    off the ladder (restart_now, hold_down, the speculative-token steps) stand as they are."""
+    if want not in LADDER:
+        return want, ""
+    skipped: list[str] = []
+    for rung in LADDER[LADDER.index(want):]:
+        if rung == "alert":
+            break
+        if rung == "throttle" and want != "throttle":
+            continue
+        if rung not in allowed:
+            skipped.append(f"{rung}: not in policy.remedies")
+        elif not _supported(rung, e):
+            skipped.append(f"{rung}: {_UNSUPPORTED[rung]}")
+        else:
+            return rung, "; ".join(skipped)
+    return "alert", "; ".join(skipped)
+
+
+def _climb(last: str) -> str:
+    """The rung above `last` (where a symptom that outlived `last` goes next); never
+    throttle, which only a throttle rule takes, as its first rung."""
+    above = [r for r in LADDER[LADDER.index(last) + 1:] if r != "throttle"]
+    return above[0] if above else "alert"
+
+
 def _step_rule(name: str, rule: RuleConfig, m: RuleMemory, signals: Mapping[str, float | None],
-               e: EngineView, now: float) -> tuple[RuleMemory, _Due | None]:
+               e: EngineView, now: float,
+               allowed: tuple[str, ...]) -> tuple[RuleMemory, _Due | None]:
     if m.generation != e.generation:
         # A new engine: its condition must hold on it from now, and a symptom of this
         # engine is a new occurrence (one-shot rules re-arm; the cooldowns and the restart
@@ -135,8 +197,9 @@ def _step_rule(name: str, rule: RuleConfig, m: RuleMemory, signals: Mapping[str,
     clear_since = (now if m.clear_since is None else m.clear_since) if clear else None
     m = dataclasses.replace(m, true_since=true_since, clear_since=clear_since)
     cleared = clear_since is not None and now - clear_since >= rule.clear_for_s
-    if cleared and not m.armed:
-        m = dataclasses.replace(m, armed=True)
+    if cleared and (not m.armed or m.rung):
+        m = dataclasses.replace(m, armed=True, rung="")  # the symptom is gone: a new one
+        # starts at the bottom of the ladder again
     if not cond:
         m = dataclasses.replace(m, top_since=None)
     held = true_since is not None and now - true_since >= rule.for_s
@@ -146,18 +209,19 @@ def _step_rule(name: str, rule: RuleConfig, m: RuleMemory, signals: Mapping[str,
 
     if rule.action in LIFTABLE:
         if held:
-            can_step = (e.throttle_level < e.max_throttle_level if rule.action == "throttle"
-                        else not e.batch_reduced)
-            if can_step:
+            # (a rung the operator does not allow counts as exhausted: straight to the wait
+            # for escalation)
+            if rule.action in allowed and _supported(rule.action, e) and not m.rung:
                 return m, _Due(name, rule.action, why, ev) if cooled else None
             top_since = m.top_since if m.top_since is not None else now
             m = dataclasses.replace(m, top_since=top_since)
-            if rule.escalate_after_s and now - top_since >= rule.escalate_after_s and cooled:
-                esc = rule.escalate_action
-                if esc == "reduce_batch" and e.batch_reduced:
-                    return m, None
+            if (rule.escalate_after_s and now - top_since >= rule.escalate_after_s and cooled
+                    and m.rung != "alert"):
+                want = _climb(m.rung) if m.rung else rule.escalate_action
+                esc, skipped = _rung(want, e, allowed)
                 return m, _Due(name, esc, f"{name}: still {rule.when} after "
-                               f"{now - top_since:.0f} s at the top throttle level", ev)
+                               f"{now - top_since:.0f} s at the top throttle level"
+                               + (f" (skipped {skipped})" if skipped else ""), ev)
             return m, None
         if clear_since is not None and cleared and (m.levels > 0 or m.reduced) and (
                 m.last_fired is None or now - m.last_fired >= rule.clear_for_s):
@@ -166,12 +230,20 @@ def _step_rule(name: str, rule: RuleConfig, m: RuleMemory, signals: Mapping[str,
             return m, _Due(name, "lift", f"{name}: {what} for {now - clear_since:.0f} s", cev)
         return m, None
 
-    if not (held and m.armed and cooled):
+    if (m.reduced and clear_since is not None
+            and now - clear_since >= max(rule.clear_for_s, rule.cooldown_s)):
+        # a one-shot rule that climbed to the reduced batch restores it once its symptom
+        # has been gone a cooldown (at least): the relaunch is not repeated at once
+        cev = _evidence(signals, rule.clear_when or rule.when)
+        return m, _Due(name, "lift", f"{name}: not ({rule.when}) for "
+                       f"{now - clear_since:.0f} s", cev)
+    if not (held and m.armed and cooled) or m.rung == "alert":
         return m, None
-    action = rule.action
-    if action == "reset_prefix_cache" and not e.can_reset_prefix_cache:
-        action = "restart"
-        why += " (the engine has no /reset_prefix_cache: VLLM_SERVER_DEV_MODE is off)"
+    if m.rung:
+        why = f"{name}: still {rule.when} after {m.rung}"
+    action, skipped = _rung(_climb(m.rung) if m.rung else rule.action, e, allowed)
+    if skipped:
+        why += f" (skipped {skipped})"
     if action == "fewer_spec_tokens" and not e.spec_tokens:
         return m, None
     if action == "more_spec_tokens" and (e.spec_tokens is None
@@ -214,7 +286,8 @@ def decide(signals: Mapping[str, float | None], state: PolicyState, config: Poli
     for name, rule in config.rules.items():
         if not rule.enabled:
             continue
-        m, d = _step_rule(name, rule, rules.get(name, RuleMemory()), signals, e, now)
+        m, d = _step_rule(name, rule, rules.get(name, RuleMemory()), signals, e, now,
+                          tuple(config.remedies))
         rules[name] = m
         if d is not None:
             due.append(d)
@@ -270,11 +343,15 @@ def decide(signals: Mapping[str, float | None], state: PolicyState, config: Poli
         spec -= 1
     elif d.action == "more_spec_tokens" and spec is not None:
         spec += 1
-    if d.action not in LIFTABLE and d.action != "lift" and not config.dry_run:
+    if d.action not in (*LIFTABLE, *IN_PLACE, "lift") and not config.dry_run:
         # (in dry-run the cooldown alone spaces the reports: nothing was done, so the
-        # symptom is still there to report)
+        # symptom is still there to report; after an in-place remedy the rule stays armed,
+        # to climb if the symptom outlives it)
         m = dataclasses.replace(m, armed=False)
-    if d.action == "restart" and m.top_since is not None:
+    own = config.rules[d.rule].action
+    if d.action in LADDER and not config.dry_run and not (d.action == own and own in LIFTABLE):
+        m = dataclasses.replace(m, rung=d.action)  # where the next climb starts from
+    if own in LIFTABLE and d.action not in (own, "lift") and m.top_since is not None:
         m = dataclasses.replace(m, top_since=now)  # an escalation waits its time again
     m = dataclasses.replace(m, last_fired=now, trips=m.trips + 1)
     rules[d.rule] = m
@@ -287,3 +364,4 @@ def decide(signals: Mapping[str, float | None], state: PolicyState, config: Poli
     return Decision(d.action, mem, rule=d.rule, reason=d.reason, evidence=d.evidence,
                     throttle_level=level, batch_reduced=reduced, spec_tokens=spec,
                     restarts_engine=restarting, dry_run=config.dry_run)
+

@@ -13,9 +13,19 @@ from dataclasses import dataclass
 
 # What a rule may ask for. "throttle" and "reduce_batch" are lifted again, one step at
 # a time, once the rule's clear condition has held for clear_for_s.
-ACTIONS = ("alert", "throttle", "reduce_batch", "reset_prefix_cache", "restart",
+ACTIONS = ("alert", "throttle", "reduce_batch", "reset_prefix_cache", "kv_reset", "restart",
            "restart_now", "fewer_spec_tokens", "more_spec_tokens", "hold_down")
 LIFTABLE = ("throttle", "reduce_batch")
+
+# The remediation ladder, cheapest rung first. A rule enters at its own action (or, for a
+# throttle rule, at its escalate_action once throttling is exhausted); while its symptom
+# persists without clearing, each further firing climbs to the next rung that the
+# operator allows (`policy.remedies`) and the engine supports, skipping throttle (only a
+# throttle rule throttles). "alert" is the top: give up acting and say so.
+LADDER = ("reset_prefix_cache", "throttle", "kv_reset", "restart", "reduce_batch", "alert")
+REMEDIES = LADDER[:-1]  # what `policy.remedies` may list; alerting is always allowed
+# Remedies that leave the engine running: the rule stays armed, to climb if they fail.
+IN_PLACE = ("reset_prefix_cache", "kv_reset")
 
 
 @dataclass(frozen=True)
@@ -35,15 +45,16 @@ DEFAULT_RULES: dict[str, RuleConfig] = {
     "kv_saturation": RuleConfig(
         when="kv_cache_usage >= 0.95 and requests_waiting > 0 and preemption_rate > 0",
         for_s=60, clear_when="kv_cache_usage < 0.85", clear_for_s=300,
-        action="throttle", cooldown_s=120, escalate_after_s=300, escalate_action="restart"),
+        action="throttle", cooldown_s=120, escalate_after_s=300, escalate_action="kv_reset"),
     "kv_leak": RuleConfig(
         when="kv_cache_usage >= 0.5 and requests_running == 0", for_s=30,
-        action="restart", cooldown_s=600),
+        action="kv_reset", cooldown_s=120),
     "prefix_collapse": RuleConfig(
         when="prefix_cache_hit_rate < 0.40 and prefix_cache_hit_rate_ratio < 0.5",
         for_s=300, action="reset_prefix_cache", cooldown_s=1800),
     "memory_growth": RuleConfig(
-        when="engine_rss_bytes > 6.4e10 or engine_rss_growth_bytes_per_h > 2e9",
+        when=("engine_rss_bytes > 6.4e10 or engine_rss_growth_bytes_per_h > 2e9"
+              " or engine_gpu_memory_growth_bytes_per_h > 1e9"),
         for_s=60, action="restart", cooldown_s=3600),
     "hang": RuleConfig(
         when="canary_failures >= 3 or metrics_staleness_s >= 30", for_s=0,

@@ -79,6 +79,8 @@ SIGNALS: tuple[SignalSpec, ...] = (
     _s("gpu_memory_used_bytes", "gpu_memory_used_bytes", "memory used on the engine GPUs"),
     _s("engine_gpu_memory_bytes", "engine_gpu_memory_bytes",
        "GPU memory NVML attributes to the engine tree's pids"),
+    _s("engine_gpu_memory_growth_bytes_per_h", "engine_gpu_memory_growth_bytes_per_hour",
+       "growth of the engine tree's GPU memory over the growth window, per hour"),
     _s("gpu_thermal_throttled", "gpu_thermal_throttled",
        "1 when NVML reports SW or HW thermal slowdown"),
     _s("gpu_power_capped", "gpu_power_capped",
@@ -104,10 +106,37 @@ class WindowConfig:
     rate_window_s: float = 60.0
     baseline_window_s: float = 3600.0
     rss_growth_window_s: float = 1800.0
+    gpu_memory_growth_window_s: float = 1800.0
     min_prefix_queries: float = 2048.0  # tokens over the window for a hit rate to count
     min_spec_draft_tokens: float = 256.0
     slowdown_fallback_c: float = 85.0  # when NVML does not report the card's threshold
     gpu_stale_s: float = 30.0  # a GPU reading older than this is unknown
+
+
+class _Growth:
+    """A sparse series of one engine's memory (120 points over the window) and its growth
+    per hour over a whole window: unknown until a window has passed, since an engine's
+    memory grows while it starts and warms up, and that is not a leak."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._points: deque[tuple[float, int]] = deque()
+        self.now: int | None = None
+
+    def add(self, now: float, value: int) -> None:
+        self.now = value
+        if not self._points or now - self._points[-1][0] >= self.window_s / 120:
+            self._points.append((now, value))
+        while len(self._points) > 2 and self._points[1][0] <= now - self.window_s:
+            self._points.popleft()
+
+    def per_hour(self) -> float | None:
+        if len(self._points) < 2:
+            return None
+        (t0, v0), (t1, v1) = self._points[0], self._points[-1]
+        if t1 - t0 < self.window_s * 0.9:
+            return None
+        return (v1 - v0) / (t1 - t0) * 3600
 
 
 @dataclass(frozen=True)
@@ -156,8 +185,8 @@ class SignalWindow:
     def reset(self) -> None:
         self._snaps: deque[tuple[float, Snapshot]] = deque()
         self._prefix: deque[tuple[float, float, float]] = deque()  # t, queries, hits
-        self._rss: deque[tuple[float, int]] = deque()
-        self._rss_now: int | None = None
+        self._rss = _Growth(self.cfg.rss_growth_window_s)
+        self._gpu_mem = _Growth(self.cfg.gpu_memory_growth_window_s)
         self._cpu_percent: float | None = None
         self._gpu: _Gpu | None = None
         self.canary_failures = 0
@@ -183,12 +212,8 @@ class SignalWindow:
                 self._prefix.popleft()
 
     def add_tree(self, now: float, rss_bytes: int, cpu_percent: float | None) -> None:
-        self._rss_now = rss_bytes
+        self._rss.add(now, rss_bytes)
         self._cpu_percent = cpu_percent
-        if not self._rss or now - self._rss[-1][0] >= self.cfg.rss_growth_window_s / 120:
-            self._rss.append((now, rss_bytes))
-        while len(self._rss) > 2 and self._rss[1][0] <= now - self.cfg.rss_growth_window_s:
-            self._rss.popleft()
 
     def add_canary(self, ok: bool, latency_s: float | None, counted: bool) -> None:
         """A canary result. A failure is `counted` only when the engine made no progress
@@ -208,6 +233,8 @@ class SignalWindow:
         engine_bytes = (sum(b for p, b in procs.items() if p in pids)
                         if procs is not None else None)
         self._gpu = _Gpu(now, reading, engine_bytes)
+        if engine_bytes is not None:
+            self._gpu_mem.add(now, engine_bytes)
         for code in reading.xids:
             self.xids.append(code)
             remedy = classify.get(code, "reset")
@@ -282,8 +309,8 @@ class SignalWindow:
         rate, base = out["prefix_cache_hit_rate"], out["prefix_cache_hit_rate_baseline"]
         if rate is not None and base:
             out["prefix_cache_hit_rate_ratio"] = rate / base
-        out["engine_rss_bytes"] = float(self._rss_now) if self._rss_now is not None else None
-        out["engine_rss_growth_bytes_per_h"] = self._rss_growth()
+        out["engine_rss_bytes"] = float(self._rss.now) if self._rss.now is not None else None
+        out["engine_rss_growth_bytes_per_h"] = self._rss.per_hour()
         out["engine_cpu_percent"] = self._cpu_percent
         out["engine_uptime_s"] = engine_uptime_s
         self._gpu_signals(now, out)
@@ -307,14 +334,6 @@ class SignalWindow:
         rate = _ratio(h0, h1, q0, q1, self.cfg.min_prefix_queries)
         return rate if rate else None
 
-    def _rss_growth(self) -> float | None:
-        if len(self._rss) < 2:
-            return None
-        (t0, r0), (t1, r1) = self._rss[0], self._rss[-1]
-        if t1 - t0 < self.cfg.rss_growth_window_s * 0.9:
-            return None  # not yet a full window: growth at start-up is not a leak
-        return (r1 - r0) / (t1 - t0) * 3600
-
     def _gpu_signals(self, now: float, out: Signals) -> None:
         g = self._gpu
         if g is None or now - g.at > self.cfg.gpu_stale_s:
@@ -334,6 +353,7 @@ class SignalWindow:
                                         if r.memory_used_bytes is not None else None)
         out["engine_gpu_memory_bytes"] = (float(g.engine_bytes)
                                           if g.engine_bytes is not None else None)
+        out["engine_gpu_memory_growth_bytes_per_h"] = self._gpu_mem.per_hour()
         out["gpu_thermal_throttled"] = _flag(r.thermal_throttled)
         out["gpu_power_capped"] = _flag(r.power_capped)
 

@@ -15,6 +15,11 @@ script a fault:
   --hang-file PATH      while PATH exists, completions hang (a frozen engine: /health
                         and /metrics still answer, as vLLM's do with EngineCore stopped)
   --token-delay S       seconds between streamed tokens (default 0.01)
+  --enable-sleep-mode   with VLLM_SERVER_DEV_MODE=1, as vLLM: POST /sleep?level=1,
+                        POST /wake_up, GET /is_sleeping; each sleep appends the number of
+                        requests running at that moment to <pidfile dir>/sleeps, and
+                        completions answer 503 while asleep
+  --wake-fails          POST /wake_up answers 500 (and the engine stays asleep)
 Completions honour "max_tokens" and "stream" (SSE, one chunk per token, then [DONE]).
 On SIGTERM it stops accepting and lets running requests finish for --shutdown-timeout,
 as vLLM does. A client that goes away mid-stream is counted in <pidfile dir>/aborts;
@@ -60,6 +65,8 @@ def main() -> None:
     p.add_argument("--metrics-file", default=None)
     p.add_argument("--hang-file", default=None)
     p.add_argument("--token-delay", type=float, default=0.01)
+    p.add_argument("--enable-sleep-mode", action="store_true")
+    p.add_argument("--wake-fails", action="store_true")
     a, _engine_args = p.parse_known_args()  # the rest: engine flags, e.g. --max-num-seqs
 
     log("INFO", f"fake engine starting, args {sys.argv[1:]}")
@@ -98,6 +105,8 @@ def main() -> None:
             f.write(f"{os.getpid()}\n" + (f"{child_pid}\n" if child_pid else ""))
 
     stopping = threading.Event()
+    sleep_mode = a.enable_sleep_mode and os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
+    asleep = threading.Event()
     lock = threading.Lock()
     running = [0, 0]  # now, most ever
     if a.ignore_sigterm:
@@ -113,6 +122,9 @@ def main() -> None:
             body = b"{}" if self.path == "/health" else b'{"fake": true}'
             if self.path == "/v1/models":
                 body = b'{"object": "list", "data": [{"id": "fake", "object": "model"}]}'
+            if self.path == "/is_sleeping":
+                code = 200 if sleep_mode else 404
+                body = json.dumps({"is_sleeping": asleep.is_set()}).encode()
             if self.path == "/metrics":
                 body = b"# fake engine: no metrics\n"
                 if a.metrics_file:
@@ -126,7 +138,9 @@ def main() -> None:
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length)
-            if self.path == "/v1/completions":
+            if self.path == "/v1/completions" and asleep.is_set():
+                body, code = b'{"error": "the engine is asleep"}', 503
+            elif self.path == "/v1/completions":
                 try:
                     req = json.loads(raw or b"{}")
                 except ValueError:
@@ -151,6 +165,17 @@ def main() -> None:
                 body = json.dumps({"object": "text_completion", "model": "fake",
                                    "choices": [{"index": 0, "text": "x"}]}).encode()
                 code = 200
+            elif self.path == "/sleep?level=1" and sleep_mode:
+                asleep.set()
+                if pidfile:
+                    with open(os.path.join(os.path.dirname(pidfile), "sleeps"), "a") as f:
+                        f.write(f"{running[0]}\n")
+                body, code = b"", 200
+            elif self.path == "/wake_up" and sleep_mode:
+                if not a.wake_fails:
+                    asleep.clear()
+                body, code = (b'{"error": "fake wake failure"}', 500) if a.wake_fails \
+                    else (b"", 200)
             elif self.path == "/reset_prefix_cache" and pidfile:
                 with open(os.path.join(os.path.dirname(pidfile), "prefix-resets"), "a") as f:
                     f.write("1\n")

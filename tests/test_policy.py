@@ -368,15 +368,18 @@ def test_xid_needing_a_reset_holds_the_engine_down_and_one_a_restart_clears_rest
 # ---- guardrails ------------------------------------------------------------------------
 
 def test_restart_budget_one_alert_then_nothing_until_an_hour_has_passed():
-    r = Run(config(budget=2, **only("kv_leak", kv_leak={"cooldown_s": 60})))
-    acted = [(t, d) for t, d in ((t, r.at(t, LEAK)) for t in seconds(0, 3700, 10))
+    # (a frozen engine: restart_now is off the ladder, so every new engine that freezes
+    # again asks for another restart, and only the budget bounds them)
+    r = Run(config(budget=2, **only("hang", hang={"for_s": 30})))
+    frozen = {"canary_failures": 5}
+    acted = [(t, d) for t, d in ((t, r.at(t, frozen)) for t in seconds(0, 3700, 10))
              if d.action != "none"]
     kinds = [(t, d.action) for t, d in acted]
-    assert kinds[:3] == [(30, "restart"), (90, "restart"), (150, "alert")]
+    assert kinds[:3] == [(30, "restart_now"), (90, "restart_now"), (150, "alert")]
     assert "restart budget exhausted" in acted[2][1].reason
     held = [d.held_back for _, d in r.decisions if d.held_back]
-    assert held == ["restart held back: restart budget exhausted"]  # reported once
-    assert kinds[3] == (3630, "restart")  # the first restart left the hour at 3630
+    assert held == ["restart_now held back: restart budget exhausted"]  # reported once
+    assert kinds[3] == (3630, "restart_now")  # the first restart left the hour at 3630
 
 
 def test_minimum_gap_holds_an_action_back_and_reports_it_once():
@@ -456,7 +459,8 @@ TRIPS: dict[str, tuple[EngineView, Signals, str, dict[str, float | None]]] = {
                         {"prefix_cache_hit_rate": 0.2, "prefix_cache_hit_rate_ratio": 0.3}),
     "memory_growth": (EngineView(), {"engine_rss_bytes": 8e9,
                                      "engine_rss_growth_bytes_per_h": 3e9}, "restart",
-                      {"engine_rss_bytes": 8e9, "engine_rss_growth_bytes_per_h": 3e9}),
+                      {"engine_rss_bytes": 8e9, "engine_rss_growth_bytes_per_h": 3e9,
+                       "engine_gpu_memory_growth_bytes_per_h": None}),
     "hang": (EngineView(), {"canary_failures": 3, "metrics_staleness_s": 2.5}, "restart_now",
              {"canary_failures": 3, "metrics_staleness_s": 2.5}),
     "thermal": (EngineView(), gpu(4.25), "throttle",
@@ -484,7 +488,8 @@ NEAR: dict[str, list[Signals]] = {
     "kv_leak": [{**LEAK, "requests_running": 1}, {**LEAK, "kv_cache_usage": 0.499}],
     "prefix_collapse": [{**COLLAPSE, "prefix_cache_hit_rate_ratio": 0.5},
                         {**COLLAPSE, "prefix_cache_hit_rate": 0.4}],
-    "memory_growth": [{"engine_rss_bytes": 6.4e10, "engine_rss_growth_bytes_per_h": 2e9}],
+    "memory_growth": [{"engine_rss_bytes": 6.4e10, "engine_rss_growth_bytes_per_h": 2e9,
+                       "engine_gpu_memory_growth_bytes_per_h": 1e9}],
     "hang": [{"canary_failures": 2, "metrics_staleness_s": 29.9}],
     "thermal": [gpu(5.01), gpu(20, 0.0)],
     "power_budget": [{"gpu_power_w": 600.0}],
@@ -563,7 +568,7 @@ def test_hold_down_skips_the_minimum_gap_but_a_restart_does_not():
 
 
 def test_cooldowns_are_per_rule():
-    r = Run(config(**only("kv_leak", "memory_growth", kv_leak={"for_s": 0},
+    r = Run(config(**only("kv_leak", "memory_growth", kv_leak={"for_s": 0, "cooldown_s": 600},
                           memory_growth={"for_s": 0})))
     assert r.at(0, LEAK).rule == "kv_leak"
     # kv_leak is cooling down (600 s); memory_growth has its own
@@ -598,7 +603,7 @@ def test_pause_leaves_the_throttle_level_alone():
 
 
 def test_dry_run_one_shot_rule_repeats_per_cooldown_and_restarts_nothing():
-    r = Run(config(dry_run=True, **only("kv_leak")))
+    r = Run(config(dry_run=True, **only("kv_leak", kv_leak={"cooldown_s": 600})))
     acted = [(t, d) for t, d in ((t, r.at(t, LEAK)) for t in seconds(0, 1300, 10))
              if d.action != "none"]
     assert [(t, d.action, d.dry_run) for t, d in acted] == [
@@ -640,16 +645,20 @@ def test_a_reset_prefix_cache_restarts_nothing_and_spends_no_budget():
 
 
 def test_the_budget_alerts_again_once_it_has_freed_and_run_out_anew():
-    r = Run(config(budget=1, **only("kv_leak", kv_leak={"cooldown_s": 60})))
-    acted = [(t, d.action) for t, d in ((t, r.at(t, LEAK)) for t in seconds(0, 3800, 10))
-             if d.action != "none"]
-    assert acted == [(30, "restart"), (90, "alert"), (3630, "restart"), (3690, "alert")]
+    r = Run(config(budget=1, **only("hang", hang={"for_s": 30})))
+    acted = [(t, d.action) for t, d in ((t, r.at(t, {"canary_failures": 5}))
+                                        for t in seconds(0, 3800, 10)) if d.action != "none"]
+    assert acted == [(30, "restart_now"), (90, "alert"), (3630, "restart_now"),
+                     (3690, "alert")]
 
 
-def test_an_escalation_to_a_reduced_batch_is_not_repeated_while_it_holds():
+def test_an_escalation_past_a_reduced_batch_alerts_once_and_then_gives_up():
     r = Run(config(**only("thermal")),
             EngineView(throttle_level=1, max_throttle_level=1, batch_reduced=True))
-    assert r.over(seconds(0, 3000, 10), gpu(1)) == []
+    acted = r.over(seconds(0, 3000, 10), gpu(1))
+    assert [d.action for d in acted] == ["alert"]  # the top of the ladder, once
+    assert "reduce_batch: the batch is already reduced" in acted[0].reason
+    assert not acted[0].restarts_engine
 
 
 def test_with_a_live_throttle_throttling_and_lifting_restart_nothing():

@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
                                         f" or {DEFAULT_SOCKET})")
     where.add_argument("--config", help="take the socket path from this config file")
     p.add_argument("--timeout", type=float, default=None,
-                   help="seconds to wait for the reply (default: 30; stop: 3600)")
+                   help="seconds to wait for the reply (default: 30; stop: 3600; kv-reset: 600)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     s = sub.add_parser("status", help="engine state, pid, restarts, last decision")
     s.add_argument("--json", action="store_true", help="machine-readable output")
@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("unthrottle", help="throttle level 0")
     sub.add_parser("pause-policy", help="maintenance: the watchdog takes no action until resumed")
     sub.add_parser("resume-policy", help="the watchdog acts again")
+    sub.add_parser("kv-reset", help="drop and rebuild the KV cache in place (sleep mode), new "
+                                    "requests held meanwhile; returns when done")
     e = sub.add_parser("events", help="the audit trail's latest entries")
     e.add_argument("-n", type=int, default=20, help="how many (default 20)")
     e.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -132,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         args["n"] = ns.n
     if ns.command == "throttle":
         args["level"] = ns.level
-    timeout = ns.timeout if ns.timeout is not None else (3600.0 if ns.command == "stop" else 30.0)
+    # (a KV reset waits up to the drain timeout for in-flight requests, then sleeps and wakes)
+    long = {"stop": 3600.0, "kv-reset": 600.0}
+    timeout = ns.timeout if ns.timeout is not None else long.get(ns.command, 30.0)
     try:
         result = call(path, ns.command, args, timeout_s=timeout)
     except ControlClientError as exc:
@@ -164,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     elif ns.command in ("pause-policy", "resume-policy"):
         now = "paused" if result.get("policy_paused") else "acting"
         print(f"policy {now}" + ("" if result.get("changed") else " (already)"))
+    elif ns.command == "kv-reset":
+        steps = ", ".join(f"{k} {v:.3f} s" for k, v in (result.get("steps_s") or {}).items())
+        print(f"KV reset {result.get('outcome')} in {result.get('duration_s')} s ({steps})"
+              + (f": {result.get('error')}" if result.get("error") else ""))
+        if result.get("outcome") != "ok":
+            return 1
     if ns.command == "stop" and result.get("exit_code"):
         return 1
     return 0

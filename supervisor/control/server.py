@@ -29,7 +29,7 @@ log = structlog.get_logger("supervisor.control")
 Submit = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 MAX_CONNECTIONS = 32
 # how long a reply may take, per command; stop waits for the whole bounded stop
-REPLY_TIMEOUT_S = {"stop": 3600.0, "restart": 30.0}
+REPLY_TIMEOUT_S = {"stop": 3600.0, "restart": 30.0, "kv-reset": 600.0}
 DEFAULT_REPLY_TIMEOUT_S = 30.0
 
 

@@ -1,0 +1,110 @@
+"""In-place remedies on a running engine, over its internal port: the prefix-cache reset
+and the KV reset through vLLM's sleep mode, and the check of what the engine supports.
+
+Fetching only, each call bounded by a timeout: the daemon decides when to call them,
+holds new requests at the proxy around a KV reset, and records each outcome. Never
+touches the engine's lifecycle (a remedy that fails is the daemon's to escalate).
+
+What vLLM offers (see the brief): with VLLM_SERVER_DEV_MODE=1 the API server has
+`POST /reset_prefix_cache`; started with `--enable-sleep-mode` as well, `POST
+/sleep?level=1` drops the KV cache (and offloads the weights) and `POST /wake_up`
+restores them, in a fraction of a second against a cold start of minutes; `GET
+/is_sleeping` says which. Neither sleep mode nor CUDA exist on the CPU backend.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from supervisor import canary
+
+
+@dataclass(frozen=True)
+class RemedyOutcome:
+    ok: bool
+    steps: dict[str, float] = field(default_factory=dict)  # step -> seconds, in order
+    error: str | None = None
+    attempted: bool = True  # False: not started (requests did not drain in time)
+
+
+def sleep_mode_flags(args: Sequence[str], env: Mapping[str, str]) -> str | None:
+    """Why an engine started with these arguments and environment has no KV reset, or
+    None when it should have one (its endpoints are then checked once it serves)."""
+    if not any(a == "--enable-sleep-mode" or a.startswith("--enable-sleep-mode=")
+               for a in args):
+        return "the engine was not started with --enable-sleep-mode"
+    if env.get("VLLM_SERVER_DEV_MODE") != "1":
+        return "VLLM_SERVER_DEV_MODE is not 1 (vLLM serves /sleep and /wake_up only then)"
+    return None
+
+
+async def is_sleeping(client: httpx.AsyncClient, base_url: str,
+                      timeout_s: float) -> tuple[bool | None, str | None]:
+    """(asleep, None), or (None, why the answer is unknown)."""
+    try:
+        r = await client.get(f"{base_url}/is_sleeping", timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        return None, f"GET /is_sleeping: {type(exc).__name__}: {exc}"
+    if r.status_code != 200:
+        return None, f"GET /is_sleeping: HTTP {r.status_code}"
+    try:
+        value = r.json().get("is_sleeping")
+    except (ValueError, AttributeError):
+        value = None
+    if not isinstance(value, bool):
+        return None, f"GET /is_sleeping: unexpected answer {r.text[:100]!r}"
+    return value, None
+
+
+async def _post(client: httpx.AsyncClient, url: str, timeout_s: float) -> str | None:
+    """None on 200, else what went wrong, naming the call."""
+    what = "POST /" + url.split("/", 3)[-1]
+    try:
+        r = await client.post(url, timeout=timeout_s)
+    except httpx.TimeoutException:
+        return f"{what}: no answer within {timeout_s:g} s"
+    except httpx.HTTPError as exc:
+        return f"{what}: {type(exc).__name__}: {exc}"
+    if r.status_code != 200:
+        return f"{what}: HTTP {r.status_code}: {r.text[:200]}"
+    return None
+
+
+async def reset_prefix_cache(client: httpx.AsyncClient, base_url: str,
+                             timeout_s: float) -> RemedyOutcome:
+    t0 = time.monotonic()
+    error = await _post(client, f"{base_url}/reset_prefix_cache", timeout_s)
+    return RemedyOutcome(error is None, {"reset_prefix_cache": time.monotonic() - t0}, error)
+
+
+async def kv_reset(client: httpx.AsyncClient, base_url: str, model: str | None,
+                   prompt: str, timeout_s: float, canary_timeout_s: float) -> RemedyOutcome:
+    """Sleep (level 1: the KV cache dropped), wake, check awake, then one canary. The
+    caller has drained the engine: a request arriving now would meet a sleeping engine."""
+    steps: dict[str, float] = {}
+    t = time.monotonic()
+    error = await _post(client, f"{base_url}/sleep?level=1", timeout_s)
+    steps["sleep"] = time.monotonic() - t
+    if error is not None:
+        return RemedyOutcome(False, steps, error)
+    t = time.monotonic()
+    error = await _post(client, f"{base_url}/wake_up", timeout_s)
+    steps["wake_up"] = time.monotonic() - t
+    if error is not None:
+        return RemedyOutcome(False, steps, error)
+    asleep, why = await is_sleeping(client, base_url, timeout_s)
+    if asleep is not False:
+        return RemedyOutcome(False, steps, why or "the engine still reports it is asleep")
+    t = time.monotonic()
+    model = model or await canary.find_model(client, base_url, canary_timeout_s)
+    if model is None:
+        return RemedyOutcome(False, steps, "after waking: /v1/models named no model")
+    outcome = await canary.probe(client, base_url, model, prompt, 1, canary_timeout_s)
+    steps["canary"] = time.monotonic() - t
+    if not outcome.ok:
+        return RemedyOutcome(False, steps, f"canary after waking: {outcome.error}")
+    return RemedyOutcome(True, steps)
