@@ -508,7 +508,7 @@ class Supervisor:
         """Report the exit at once (asyncio wakes on SIGCHLD), the first health, and the
         tree as it grows, so that the tree can be proven gone later."""
         gen = engine.generation
-        exited: asyncio.Future[int] = asyncio.ensure_future(engine.proc.wait())
+        exited: asyncio.Future[int] = asyncio.ensure_future(eng.wait_exit(engine.proc))
         exited.add_done_callback(
             lambda f: None if f.cancelled() else self.queue.put_nowait(Exited(gen, f.result())))
         cfg = engine.config

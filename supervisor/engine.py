@@ -194,6 +194,33 @@ async def poll_until_clear(check: Callable[[], T], timeout_s: float,
         await asyncio.sleep(interval_s)
 
 
+async def wait_exit(proc: asyncio.subprocess.Process) -> int:
+    """The main process's exit code, as soon as it exits.
+
+    Not `proc.wait()`: asyncio resolves that only once the process's pipes have closed
+    too, and a child that inherited them keeps them open: vLLM's EngineCore, orphaned
+    when its API server is SIGKILLed, would hide the exit for as long as it lives. A
+    pidfd turns readable the moment the process exits; the child watcher reaps it and
+    sets the return code a moment later."""
+    loop = asyncio.get_running_loop()
+    fd: int | None = None
+    if proc.returncode is None:
+        with contextlib.suppress(OSError, AttributeError):  # old kernel: poll instead
+            fd = os.pidfd_open(proc.pid)
+    if fd is not None:
+        exited: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+        try:
+            await exited
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+    # (the child watcher sets the return code from its own callback, with nothing to await)
+    while proc.returncode is None:  # noqa: ASYNC110
+        await asyncio.sleep(0.002 if fd is not None else 0.05)
+    return proc.returncode
+
+
 async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
                     force: asyncio.Event, gpu: GpuProcessLister) -> TakeDown:
     """Stop the engine and prove its tree gone, within one bounded deadline.
@@ -209,7 +236,7 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
     sigkilled = False
     if graceful and proc.returncode is None:
         proctree.signal_pid(engine.pid, signal.SIGTERM)
-        waiter = asyncio.ensure_future(proc.wait())
+        waiter = asyncio.ensure_future(wait_exit(proc))
         forced = asyncio.ensure_future(force.wait())
         await asyncio.wait({waiter, forced}, timeout=cfg.drain_timeout_s + cfg.stop_grace_s,
                            return_when=asyncio.FIRST_COMPLETED)
@@ -221,7 +248,7 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
     known = list(engine.known)
     await asyncio.to_thread(proctree.kill_group, engine.pgid, known)
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(proc.wait(), timeout=cfg.reap_timeout_s)
+        await asyncio.wait_for(wait_exit(proc), timeout=cfg.reap_timeout_s)
     # Kill again each time round: a process forked during the first kill joins the group.
     def still_there() -> list[proctree.ProcInfo]:
         left = proctree.survivors(known, engine.pgid)

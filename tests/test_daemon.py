@@ -68,6 +68,23 @@ def test_running_to_backoff_when_engine_exits_zero_unasked(daemon_factory, tmp_p
     assert crash_at < backoff_at
 
 
+def test_sigkill_of_the_main_pid_is_seen_though_its_orphan_holds_the_pipes(daemon_factory,
+                                                                         tmp_path):
+    """As when vLLM's API server is SIGKILLed: its EngineCore lives on, orphaned, holding
+    the stdout and stderr it inherited. The exit is seen at once all the same (asyncio's
+    own wait() would wait for the pipes to close, that is for ever), and the orphan is
+    killed before the next start."""
+    d = daemon_factory(fake_engine_config(tmp_path, "--child"))
+    d.wait_state("RUNNING", 20)
+    main, child = d.engine_pids()
+    os.kill(main, signal.SIGKILL)
+    st = d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] >= 1)
+    assert alive([main, child]) == []
+    assert st["last_exit"] == "killed by SIGKILL"
+    exits = [e for e in d.events() if e["event"] == "exit"]
+    assert exits[0]["signal"] == "SIGKILL" and exits[0]["asked"] is False
+
+
 def test_boot_failures_end_in_fatal_and_restart_leaves_it(daemon_factory, tmp_path):
     cfg = fake_engine_config(tmp_path, "--fail-boot",
                              restart={"boot_failures_max": 3, "backoff_initial_s": 0.1})
