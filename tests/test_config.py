@@ -30,6 +30,15 @@ def test_demo_config_is_valid_and_paths_resolve_against_its_directory():
     assert cfg.audit.path == str(ROOT / "var" / "events.jsonl")
 
 
+def test_gpu_demo_config_is_valid_with_sleep_mode_and_loopback_dev_endpoints():
+    cfg = load_config(ROOT / "config.gpu.toml")
+    assert "--enable-sleep-mode" in cfg.engine.args
+    assert cfg.engine.env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert cfg.engine.host == "127.0.0.1"  # the dev endpoints stay off the network
+    assert cfg.proxy.enabled and "kv_reset" in cfg.policy.remedies
+    assert cfg.gpu.sampler == "nvml" and cfg.engine.gpu_foreign_allowance_mib == 0
+
+
 def test_minimal_config_takes_defaults():
     cfg = parse_config(MIN, "t.toml", Path("/base"))
     assert cfg.engine.port == 8100 and cfg.engine.host == "127.0.0.1"

@@ -1,0 +1,297 @@
+"""The GPU path against the real vLLM on a lent NVIDIA machine (docs/gpu-validation.md).
+
+Not collected by pytest (no GPU in CI): run by hand on the GPU machine, in phases that fit
+its 10-minute calls, the daemon living on between them in its own session:
+
+    python3 tests/gpu_vllm.py start     # daemon up (installed from the project's wheel),
+                                        # NVML in status and on the exporter
+    python3 tests/gpu_vllm.py kv-reset  # KV resets through sleep/wake under a small load
+    python3 tests/gpu_vllm.py crash     # SIGKILL of the API server: orphan, release, restart
+    python3 tests/gpu_vllm.py hang      # SIGSTOP of VLLM::EngineCore: detected and healed
+    python3 tests/gpu_vllm.py stop      # stopped; nothing left on the GPU
+
+Environment: SUP_SITE (the supervisor's --target site), VLLM_SITE (vLLM's, kept apart:
+vLLM's dependencies bring the PyPI package `supervisor`), MODEL (the staged model), OUT
+(where results go). Each phase prints `RESULT {json}` and appends it to
+$WORK/results.jsonl; failures raise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = Path(os.environ.get("WORK", "/tmp/vs-gpu"))
+SUP_SITE = os.environ.get("SUP_SITE", "/tmp/sup-site")
+VLLM_SITE = os.environ.get("VLLM_SITE", str(Path.home() / "vllm-site"))
+MODEL = os.environ.get("MODEL", str(Path.home() / "vllm-stage" / "model"))
+PROXY = "127.0.0.1:8000"
+EXPORTER = "127.0.0.1:9402"
+# the installed wheel first; the checkout only for tests.harness (every process this
+# script starts runs in WORK, away from the checkout's own supervisor/ folder)
+sys.path[:0] = [SUP_SITE]
+sys.path.append(str(ROOT))
+
+import supervisor  # noqa: E402
+from supervisor.control.client import call  # noqa: E402
+from tests.harness import write_config  # noqa: E402
+
+
+def status() -> dict[str, Any]:
+    return dict(call(str(WORK / "control.sock"), "status", {}, timeout_s=10))
+
+
+def ctl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "supervisor.control.cli", "--socket",
+                           str(WORK / "control.sock"), *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": SUP_SITE},
+                          cwd=str(WORK))
+
+
+def wait(cond: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            v = cond()
+            if v:
+                return v
+        except Exception:  # the daemon may be between states
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def events() -> list[dict[str, Any]]:
+    path = WORK / "events.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def nvml_processes() -> dict[int, int]:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        return {int(p.pid): int(p.usedGpuMemory or 0)
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def engine_tree(pid: int) -> list[Any]:
+    import psutil
+
+    p = psutil.Process(pid)
+    return [p, *p.children(recursive=True)]
+
+
+def core_of(pid: int) -> Any:
+    return next(p for p in engine_tree(pid) if p.name().startswith("VLLM::EngineCor"))
+
+
+def complete(max_tokens: int = 16, timeout: float = 600) -> int:
+    body = json.dumps({"model": "tiny-llama", "prompt": "hello there", "max_tokens": max_tokens,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"http://{PROXY}/v1/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            json.loads(r.read())
+            return int(r.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except Exception:
+        return -1
+
+
+class Load:
+    """A small concurrent load through the proxy; counts answers by status."""
+
+    def __init__(self, clients: int = 8, max_tokens: int = 32) -> None:
+        self.stop = threading.Event()
+        self.codes: list[int] = []
+        self.latencies: list[float] = []
+        self.threads = [threading.Thread(target=self._run, args=(max_tokens,), daemon=True)
+                        for _ in range(clients)]
+
+    def _run(self, max_tokens: int) -> None:
+        while not self.stop.is_set():
+            t0 = time.monotonic()
+            self.codes.append(complete(max_tokens))
+            self.latencies.append(time.monotonic() - t0)
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(700)
+
+    def summary(self) -> dict[str, Any]:
+        lat = sorted(self.latencies)
+        return {"requests": len(self.codes),
+                "failed": len([c for c in self.codes if c != 200]),
+                "codes": sorted(set(self.codes)),
+                "latency_p50_s": round(lat[len(lat) // 2], 3) if lat else None,
+                "latency_max_s": round(lat[-1], 3) if lat else None}
+
+
+def result(phase: str, **values: Any) -> None:
+    line = json.dumps({"phase": phase, **values})
+    print("RESULT " + line, flush=True)
+    with (WORK / "results.jsonl").open("a") as f:
+        f.write(line + "\n")
+    out = os.environ.get("OUT")
+    if out:
+        for name in ("results.jsonl", "events.jsonl"):
+            if (WORK / name).exists():
+                (Path(out) / name).write_bytes((WORK / name).read_bytes())
+
+
+def phase_start() -> None:
+    WORK.mkdir(parents=True, exist_ok=True)
+    demo = tomllib.loads((ROOT / "config.gpu.toml").read_text())
+    demo["engine"].update({
+        "command": [sys.executable, "-m", "vllm.entrypoints.openai.api_server"],
+        "args": ["--model", MODEL, "--served-model-name", "tiny-llama", "--enforce-eager",
+                 "--gpu-memory-utilization", "0.3", "--max-model-len", "512",
+                 "--enable-sleep-mode"],
+        "env": {"PYTHONPATH": VLLM_SITE, "VLLM_SERVER_DEV_MODE": "1"},
+        "startup_timeout_s": 480.0, "drain_timeout_s": 20.0})
+    demo["control"] = {"socket": str(WORK / "control.sock")}
+    demo["daemon"] = {"runtime_dir": str(WORK)}
+    demo["audit"] = {"path": str(WORK / "events.jsonl")}
+    demo["log"] = {"format": "json", "level": "info"}
+    demo["canary"] = {"period_s": 2.0, "timeout_s": 5.0}
+    demo["proxy"].update({"listen": PROXY})
+    cfg = write_config(WORK / "config.toml", demo)
+    t0 = time.monotonic()
+    subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
+                     stdout=(WORK / "daemon.log").open("ab"), stderr=subprocess.STDOUT,
+                     env={**os.environ, "PYTHONPATH": SUP_SITE}, cwd=str(WORK),
+                     start_new_session=True)
+    st = wait(lambda: status()["state"] == "RUNNING" and status(), 540, "RUNNING")
+    startup_s = time.monotonic() - t0
+    wait(lambda: status()["remedies"]["kv_reset_unavailable"] is None
+         and status()["remedies"]["kv_reset"], 60, "sleep mode probed")
+    wait(lambda: status()["signals"].get("engine_gpu_memory_bytes"), 60, "NVML readings")
+    st = status()
+    sig = st["signals"]
+    procs = nvml_processes()
+    tree = {p.pid: p.name() for p in engine_tree(st["pid"])}
+    metrics = urllib.request.urlopen(f"http://{EXPORTER}/metrics", timeout=10).read().decode()
+    exported = {line.split(" ")[0]: line.split(" ")[-1] for line in metrics.splitlines()
+                if line.startswith(("vllm_supervisor_gpu_", "vllm_supervisor_engine_gpu"))}
+    result("start", supervisor_from=supervisor.__file__, startup_s=round(startup_s, 1),
+           reason=st["reason"],
+           signals={k: v for k, v in sig.items() if k.startswith(("gpu_", "engine_gpu"))},
+           nvml_processes_mib={str(p): round(b / 2**20) for p, b in procs.items()},
+           engine_tree=tree, exporter=exported, remedies=st["remedies"])
+
+
+def phase_kv_reset() -> None:
+    runs = []
+    with Load() as load:
+        time.sleep(3)
+        for _ in range(3):
+            before = status()["signals"].get("engine_gpu_memory_bytes")
+            r = ctl("kv-reset")
+            assert r.returncode == 0, r.stdout + r.stderr
+            ev = [e for e in events() if e["event"] == "remedy"][-1]
+            runs.append({"duration_s": ev["duration_s"], "steps_s": ev["steps_s"],
+                         "held": ev["held"], "engine_gpu_mib_before":
+                         round(before / 2**20) if before else None})
+            time.sleep(3)
+    # memory actually dropped while asleep: sleep alone, read NVML, wake
+    core = core_of(status()["pid"])
+    full = nvml_processes().get(core.pid)
+    base = "http://127.0.0.1:8100"
+    urllib.request.urlopen(urllib.request.Request(base + "/sleep?level=1", method="POST"),
+                           timeout=60).read()
+    asleep = nvml_processes().get(core.pid)
+    urllib.request.urlopen(urllib.request.Request(base + "/wake_up", method="POST"),
+                           timeout=60).read()
+    awake = nvml_processes().get(core.pid)
+    assert complete() == 200
+    st = status()
+    result("kv-reset", runs=runs, load=load.summary(), restarts=st["restarts"],
+           core_gpu_mib={"before": round((full or 0) / 2**20),
+                         "asleep": round((asleep or 0) / 2**20),
+                         "awake": round((awake or 0) / 2**20)})
+    assert load.summary()["failed"] == 0 and st["restarts"] == 0
+
+
+def phase_crash() -> None:
+    st = status()
+    main = st["pid"]
+    core = core_of(main)
+    with Load(clients=4, max_tokens=16) as load:
+        time.sleep(2)
+        t0 = time.monotonic()
+        os.kill(main, signal.SIGKILL)
+        orphan_ppid = wait(lambda: core.ppid() != main and core.ppid(), 10, "the orphan")
+        gone = wait(lambda: not core.is_running() and time.monotonic(), 60, "the core gone")
+        released = wait(lambda: core.pid not in nvml_processes() and time.monotonic(), 120,
+                        "NVML release")
+        st2 = wait(lambda: status()["state"] == "RUNNING" and status()["restarts"] >= 1
+                   and status(), 540, "RUNNING again")
+        back = time.monotonic()
+        time.sleep(3)
+    evs = events()
+    reaped = [e for e in evs if e["event"] == "reaped"][-1]
+    spawn = [e for e in evs if e["event"] == "spawn"][-1]
+    result("crash", orphan_ppid=orphan_ppid, core_pid=core.pid,
+           core_gone_after_s=round(gone - t0, 2), nvml_released_after_s=round(released - t0, 2),
+           running_again_after_s=round(back - t0, 1), reaped=reaped, next_spawn=spawn,
+           last_exit=st2["last_exit"], load=load.summary())
+
+
+def phase_hang() -> None:
+    st = status()
+    core = core_of(st["pid"])
+    restarts = st["restarts"]
+    with Load(clients=4, max_tokens=16) as load:
+        time.sleep(2)
+        t0 = time.monotonic()
+        core.send_signal(signal.SIGSTOP)
+        decided = wait(lambda: status()["state"] != "RUNNING" and time.monotonic(), 120,
+                       "the hang verdict")
+        st2 = wait(lambda: status()["state"] == "RUNNING"
+                   and status()["restarts"] > restarts and status(), 540, "RUNNING again")
+        back = time.monotonic()
+        time.sleep(3)
+    decision = [e for e in events() if e["event"] == "decision"][-1]
+    result("hang", detected_after_s=round(decided - t0, 1),
+           running_again_after_s=round(back - t0, 1), decision=decision,
+           state_reason=st2["reason"], load=load.summary())
+    assert decision["rule"] == "hang"
+
+
+def phase_stop() -> None:
+    st = status()
+    pids = [p.pid for p in engine_tree(st["pid"])]
+    r = ctl("stop")
+    left = {p: b for p, b in nvml_processes().items() if p in pids}
+    alive = [p for p in pids if Path(f"/proc/{p}").exists()]
+    result("stop", rc=r.returncode, out=r.stdout.strip(), nvml_left=left, alive=alive)
+    assert r.returncode == 0 and not left and not alive
+
+
+if __name__ == "__main__":
+    {"start": phase_start, "kv-reset": phase_kv_reset, "crash": phase_crash,
+     "hang": phase_hang, "stop": phase_stop}[sys.argv[1]]()
