@@ -244,10 +244,19 @@ def phase_crash() -> None:
         time.sleep(2)
         t0 = time.monotonic()
         os.kill(main, signal.SIGKILL)
-        orphan_ppid = wait(lambda: core.ppid() != main and core.ppid(), 10, "the orphan")
+        orphan_ppid: int | str = "not seen"
+        while time.monotonic() - t0 < 2:  # the core, orphaned, until the daemon kills it
+            try:
+                ppid = core.ppid()
+            except Exception:  # gone already
+                break
+            if ppid != main:
+                orphan_ppid = ppid
+                break
         gone = wait(lambda: not core.is_running() and time.monotonic(), 60, "the core gone")
         released = wait(lambda: core.pid not in nvml_processes() and time.monotonic(), 120,
                         "NVML release")
+        released_wall = time.time() - (time.monotonic() - released)
         st2 = wait(lambda: status()["state"] == "RUNNING" and status()["restarts"] >= 1
                    and status(), 540, "RUNNING again")
         back = time.monotonic()
@@ -255,7 +264,11 @@ def phase_crash() -> None:
     evs = events()
     reaped = [e for e in evs if e["event"] == "reaped"][-1]
     spawn = [e for e in evs if e["event"] == "spawn"][-1]
+    from datetime import datetime
+
+    spawn_wall = datetime.fromisoformat(spawn["time"].replace("Z", "+00:00")).timestamp()
     result("crash", orphan_ppid=orphan_ppid, core_pid=core.pid,
+           spawned_after_nvml_release=spawn_wall >= released_wall - 0.5,
            core_gone_after_s=round(gone - t0, 2), nvml_released_after_s=round(released - t0, 2),
            running_again_after_s=round(back - t0, 1), reaped=reaped, next_spawn=spawn,
            last_exit=st2["last_exit"], load=load.summary())
@@ -287,7 +300,15 @@ def phase_stop() -> None:
     pids = [p.pid for p in engine_tree(st["pid"])]
     r = ctl("stop")
     left = {p: b for p, b in nvml_processes().items() if p in pids}
-    alive = [p for p in pids if Path(f"/proc/{p}").exists()]
+    import psutil
+
+    def running(pid: int) -> bool:  # a zombie waiting for the VM's init holds nothing
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    alive = [p for p in pids if running(p)]
     result("stop", rc=r.returncode, out=r.stdout.strip(), nvml_left=left, alive=alive)
     assert r.returncode == 0 and not left and not alive
 
