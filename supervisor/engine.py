@@ -209,7 +209,12 @@ async def wait_exit(proc: asyncio.subprocess.Process) -> int:
             fd = os.pidfd_open(proc.pid)
     if fd is not None:
         exited: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+
+        def readable() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(fd, readable)
         try:
             await exited
         finally:
