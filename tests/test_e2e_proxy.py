@@ -195,14 +195,13 @@ def test_core_sigkill_fails_in_flight_fast_and_later_requests_succeed(fronted):
     remember(d)
     in_flight: list[tuple[str, float]] = []
     later: list[str] = []
-    mid_stream = threading.Event()
+    progress: dict[int, int] = {}  # stream -> tokens its client has seen
+    outcomes: dict[int, str] = {}
     killed_at: list[float] = []
 
-    def long_stream() -> None:
-        # 16 streams of 480 tokens share the engine. Each chunk carries the tokens
-        # generated so far (continuous usage), so the kill can wait for a stream that is
-        # truly mid-generation: on two busy cores vLLM's API server may deliver a stream's
-        # first chunks only when it is nearly done.
+    def long_stream(i: int) -> None:
+        # 16 streams of 480 tokens share the engine; each chunk carries the tokens
+        # generated so far (continuous usage)
         body = {"model": "tiny-llama", "prompt": "once upon a time", "max_tokens": 480,
                 "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -212,11 +211,11 @@ def test_core_sigkill_fails_in_flight_fast_and_later_requests_succeed(fronted):
                 for line in sse_lines(r):
                     if line.startswith("data: "):
                         lines.append(line)
-                        if not killed_at and 0 < _tokens_so_far(line) <= 240:
-                            mid_stream.set()
+                        progress[i] = max(progress.get(i, 0), _tokens_so_far(line))
             outcome = "ok" if complete_stream(lines) else "cut"
         except Exception as exc:  # expected: it cannot be saved
             outcome = type(exc).__name__
+        outcomes[i] = outcome
         in_flight.append((outcome, time.monotonic() - (killed_at or [0.0])[0]))
 
     def short() -> None:
@@ -227,18 +226,42 @@ def test_core_sigkill_fails_in_flight_fast_and_later_requests_succeed(fronted):
         except Exception as exc:  # counted
             later.append(repr(exc)[:200])
 
+    def quiet_for(seconds: float, bound: float) -> None:
+        """Until the clients' token counts stop moving (the API server has handed out
+        what the stopped core produced)."""
+        deadline = time.monotonic() + bound
+        seen, since = sum(progress.values()), time.monotonic()
+        while time.monotonic() < deadline and time.monotonic() - since < seconds:
+            time.sleep(0.05)
+            if (now := sum(progress.values())) != seen:
+                seen, since = now, time.monotonic()
+
+    # The crash must land while a stream is being generated. On two busy cores vLLM's API
+    # server hands out chunks late, so what a client sees says little of where the core
+    # is: the core is SIGSTOPped first (generation stops), and once the clients have
+    # everything it produced, a stream with tokens but not all 480 is truly mid-generation;
+    # then the SIGKILL. If every stream had finished, the core goes on and a new wave runs.
     core = next(p for p in tree(st["pid"]) if p.name().startswith("VLLM::EngineCor"))
-    for _wave in range(3):  # until one stream is caught mid-generation
+    caught: list[int] = []
+    for _wave in range(3):
         in_flight.clear()
-        streams = [threading.Thread(target=long_stream) for _ in range(16)]
+        progress.clear()
+        outcomes.clear()
+        streams = [threading.Thread(target=long_stream, args=(i,)) for i in range(16)]
         for t in streams:
             t.start()
-        while not mid_stream.is_set() and any(t.is_alive() for t in streams):
-            mid_stream.wait(0.01)
-        if mid_stream.is_set():
+        wait_for(lambda ss=streams: progress or not any(t.is_alive() for t in ss), 120,
+                 "tokens or the end of the wave")
+        core.suspend()
+        quiet_for(1.0, 10.0)
+        caught = [i for i, n in progress.items() if 0 < n < 480]
+        if caught:
             break
-    assert mid_stream.is_set(), "no stream was seen mid-generation in three waves"
-    core.send_signal(signal.SIGKILL)
+        core.resume()
+        for t in streams:
+            t.join(120)
+    assert caught, "no stream was caught mid-generation in three waves"
+    core.send_signal(signal.SIGKILL)  # (a stopped process dies of it all the same)
     killed = time.monotonic()
     killed_at.append(killed)
     time.sleep(0.5)  # requests that arrive after the crash, before the daemon sees it
@@ -253,6 +276,7 @@ def test_core_sigkill_fails_in_flight_fast_and_later_requests_succeed(fronted):
     cut_s = [s for r, s in in_flight if r != "ok"]  # from the kill to each cut stream's end
     fail_s = max(cut_s) if cut_s else 0.0
     print("crash:", json.dumps({
+        "caught_mid_generation": {str(i): progress.get(i) for i in caught},
         "in_flight": [r for r, _ in in_flight], "in_flight_failed_within_s": round(fail_s, 2),
         "in_flight_ok_after_kill_s": sorted(round(s, 1) for r, s in in_flight if r == "ok"),
         "since_kill_s": round(time.monotonic() - killed, 1), "later": later}))
@@ -260,6 +284,7 @@ def test_core_sigkill_fails_in_flight_fast_and_later_requests_succeed(fronted):
     # (at least the one whose client had seen tokens); one that had no answer yet was
     # held and completed by the restarted engine; one may have finished before the kill.
     assert len(in_flight) == 16
+    assert all(outcomes[i] != "ok" for i in caught)  # mid-generation: cut, not faked
     assert len(cut_s) >= 1
     assert fail_s < 15  # failed fast, not after a timeout
     assert later == ["200"] * 8
