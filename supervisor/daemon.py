@@ -239,6 +239,31 @@ class Decision:
         return d
 
 
+@dataclass
+class _Relaunch:
+    """A relaunch the policy chose (a restart rung, a reduced batch, a hang's restart,
+    a failed in-place remedy's fallback): one `remedy` audit entry once the new engine
+    serves again, or once it cannot. Marks are monotonic times."""
+
+    rung: str
+    reason: str
+    started: float
+    taken_down_at: float | None = None  # the take-down began (the drain ended)
+    down_at: float | None = None  # the old tree was proven gone
+    starts: int = 0  # engine starts it took (a failed boot backs off and tries again)
+
+    def steps(self, now: float) -> dict[str, float]:
+        marks = [("drain", self.taken_down_at), ("take_down", self.down_at), ("start", now)]
+        out: dict[str, float] = {}
+        last = self.started
+        for name, at in marks:
+            if at is None:
+                break
+            out[name] = round(at - last, 3)
+            last = at
+        return out
+
+
 def _iso(wall: float) -> str:
     return datetime.fromtimestamp(wall, UTC).isoformat(timespec="milliseconds")
 
@@ -321,6 +346,7 @@ class Supervisor:
         self._remedy_ended_at = -1.0
         self._remedy_replies: list[asyncio.Future[dict[str, Any]]] = []
         self.start_blocked: str | None = None  # why the last start was refused (GPU busy)
+        self._relaunch: _Relaunch | None = None  # a policy relaunch, audited when it ends
 
     # ---- running ----------------------------------------------------------------------
 
@@ -443,6 +469,8 @@ class Supervisor:
         self.sleep_mode, self.sleep_mode_why = False, "the engine is not serving yet"
         self._spawning = True
         self._force = asyncio.Event()
+        if self._relaunch is not None:
+            self._relaunch.starts += 1
         self._set_state(State.STARTING, reason)
         self._decide("start", reason)
         cfg = self.config.engine
@@ -626,6 +654,8 @@ class Supervisor:
             if self.config.canary.enabled:
                 self._launch(self._job_canary(engine), "canary")
             self._launch(self._job_probe_sleep_mode(engine), "probe sleep mode")
+            if self.proxy is None or not self.config.canary.enabled:
+                self._finish_relaunch("ok", None)  # serving: nothing more is waited for
             if self.proxy is not None:
                 if self.config.canary.enabled:
                     self._launch(self._job_gate_probe(engine), "gate probe")
@@ -673,6 +703,7 @@ class Supervisor:
         errors = list(engine.recent_errors) if engine else []
         self.fatal_reason = reason
         self._set_state(State.FATAL, reason)
+        self._finish_relaunch("failed", reason)
         self._decide("give_up", reason)
         log.error("giving up on the engine", reason=reason, last_engine_errors=errors[-10:])
         self.fatal_errors = errors[-10:]
@@ -708,6 +739,8 @@ class Supervisor:
         engine = self.engine
         assert engine is not None and not self._taking_down
         self._taking_down = True
+        if self._relaunch is not None and self._relaunch.taken_down_at is None:
+            self._relaunch.taken_down_at = self.clock.monotonic()
         self._audit("take_down", pid=engine.pid, graceful=graceful)
         log.info("taking the engine down", pid=engine.pid, graceful=graceful)
         self._launch(self._job_take_down(engine, graceful, self._force), "take down")
@@ -732,6 +765,8 @@ class Supervisor:
         assert engine is not None
         self.engine = None
         self._taking_down = False
+        if self._relaunch is not None and self._relaunch.down_at is None:
+            self._relaunch.down_at = self.clock.monotonic()
         problem = ev.error
         if ev.result is not None:
             r = ev.result
@@ -790,6 +825,7 @@ class Supervisor:
             return
         self._cancel_backoff()
         self._set_state(State.STOPPING, reason)
+        self._finish_relaunch("abandoned", f"the daemon is stopping: {reason}")
         self._decide("stop", reason)
         self.notifier.stopping(f"STOPPING: {reason}")
         if self.engine is not None and not self._taking_down:
@@ -939,6 +975,7 @@ class Supervisor:
         if not ev.ok:
             log.warning("the first canary failed; releasing held requests anyway",
                         error=ev.error, waiting=self.gate.waiting)
+        self._finish_relaunch("ok", None if ev.ok else f"the first canary failed: {ev.error}")
         if self.drained_by_operator:
             log.info("engine ready; requests stay held until `resume`", waiting=self.gate.waiting)
             return
@@ -993,6 +1030,8 @@ class Supervisor:
         reason = f"policy {d.rule}: {d.action} ({d.reason})"
         if d.action == "alert":
             log.error("policy alert", rule=d.rule, reason=d.reason)
+            self._audit_remedy({"rung": "alert", "outcome": "alerted", "duration_s": 0.0,
+                                "rule": d.rule})
         elif d.action == "hold_down":
             codes = [f"XID {c} ({xid.describe(c).name})" for c in self.window.xids]
             why = f"{reason}: {', '.join(codes) or 'GPU error'}; the GPU needs a reset or a " \
@@ -1012,7 +1051,14 @@ class Supervisor:
             self.gate.set_level(self.throttle_level if self.proxy is not None else 0)
             if d.restarts_engine:
                 self._count_restart("policy")
+                if d.action != "lift":  # (restoring settings is not a remedy)
+                    self._relaunch = _Relaunch(d.action, reason, self.clock.monotonic())
                 self._restart(reason, graceful=d.action != "restart_now")
+            elif d.action == "throttle":
+                # live at the proxy: in force at once
+                self._audit_remedy({"rung": "throttle", "outcome": "ok", "duration_s": 0.0,
+                                    "rule": d.rule, "throttle_level": self.throttle_level,
+                                    "max_concurrency": self.gate.concurrency_limit})
 
     # ---- in-place remedies ------------------------------------------------------------
 
@@ -1059,6 +1105,25 @@ class Supervisor:
             self.gate.hold(f"KV reset in progress ({reason})")
         self._launch(self._job_remedy(engine, rung), rung)
 
+    def _audit_remedy(self, fields: dict[str, Any]) -> None:
+        """Every rung tried ends in one `remedy` audit entry and one log line: rung,
+        outcome, duration."""
+        self._audit("remedy", **fields)
+        (log.info if fields["outcome"] in ("ok", "alerted") else log.warning)(
+            "remedy ended", **fields)
+
+    def _finish_relaunch(self, outcome: str, error: str | None) -> None:
+        r = self._relaunch
+        if r is None:
+            return
+        self._relaunch = None
+        now = self.clock.monotonic()
+        self._audit_remedy({
+            "rung": r.rung, "outcome": outcome, "duration_s": round(now - r.started, 3),
+            "steps_s": r.steps(now), "error": error, "starts": r.starts,
+            "held": self.gate.waiting if self.proxy is not None else None,
+            "reason": r.reason})
+
     async def _job_remedy(self, engine: eng.EngineProcess, rung: str) -> None:
         cfg = engine.config
         base = f"http://{_url_host(cfg.host)}:{cfg.port}"
@@ -1092,8 +1157,7 @@ class Supervisor:
             "rung": ev.rung, "outcome": outcome, "duration_s": round(ev.duration_s, 3),
             "steps_s": {k: round(v, 3) for k, v in o.steps.items()}, "error": o.error,
             "held": self.gate.waiting if ev.rung == "kv_reset" else None}
-        self._audit("remedy", **fields)
-        (log.info if o.ok else log.warning)("remedy ended", **fields)
+        self._audit_remedy(fields)
         for reply in self._remedy_replies:
             if not reply.done():
                 reply.set_result(fields)
@@ -1112,7 +1176,9 @@ class Supervisor:
         # The engine refused or failed its remedy (it may even be asleep): a drained
         # restart instead; new requests stay held through it.
         self._count_restart("policy")
-        self._restart(f"{ev.rung} failed ({o.error}): restarting instead")
+        why = f"{ev.rung} failed ({o.error}): restarting instead"
+        self._relaunch = _Relaunch("restart", why, self.clock.monotonic())
+        self._restart(why)
 
     async def _job_canary(self, engine: eng.EngineProcess) -> None:
         """A tiny generation every period, for as long as this engine lives."""

@@ -197,9 +197,15 @@ def _step_rule(name: str, rule: RuleConfig, m: RuleMemory, signals: Mapping[str,
     clear_since = (now if m.clear_since is None else m.clear_since) if clear else None
     m = dataclasses.replace(m, true_since=true_since, clear_since=clear_since)
     cleared = clear_since is not None and now - clear_since >= rule.clear_for_s
-    if cleared and (not m.armed or m.rung):
-        m = dataclasses.replace(m, armed=True, rung="")  # the symptom is gone: a new one
-        # starts at the bottom of the ladder again
+    if cleared and not m.armed:
+        m = dataclasses.replace(m, armed=True)
+    if m.rung and clear_since is not None and now - clear_since >= max(rule.clear_for_s,
+                                                                       rule.for_s):
+        # The symptom is gone, for as long as it had to last to trip: a new one starts at
+        # the bottom of the ladder again. (Not sooner: one scrape that leaves a signal
+        # unknown reads as clear, and must not send a symptom that outlived its remedy
+        # back to that remedy.)
+        m = dataclasses.replace(m, rung="")
     if not cond:
         m = dataclasses.replace(m, top_since=None)
     held = true_since is not None and now - true_since >= rule.for_s

@@ -59,6 +59,7 @@ def main() -> None:
     p.add_argument("--crash-after", type=float, default=None)
     p.add_argument("--exit-code", type=int, default=0)
     p.add_argument("--fail-boot", action="store_true")
+    p.add_argument("--fail-boot-file", default=None)  # fail the boot while this file exists
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--child", action="store_true")
     p.add_argument("--gpu-mib", type=int, default=0)
@@ -70,7 +71,7 @@ def main() -> None:
     a, _engine_args = p.parse_known_args()  # the rest: engine flags, e.g. --max-num-seqs
 
     log("INFO", f"fake engine starting, args {sys.argv[1:]}")
-    if a.fail_boot:
+    if a.fail_boot or (a.fail_boot_file and os.path.exists(a.fail_boot_file)):
         log("ERROR", "EngineCore failed to start: fake boot failure", tag="EngineCore_DP0")
         print("Traceback (most recent call last):\nRuntimeError: fake boot failure",
               file=sys.stderr, flush=True)

@@ -81,16 +81,21 @@ def test_the_ladder_throttles_resets_the_prefix_cache_then_restarts_losing_nothi
         assert "after reset_prefix_cache" in why
         assert "kv_reset: the engine cannot drop its KV cache in place" in why
         remedies = [e for e in d.events() if e["event"] == "remedy"]
-        assert remedies[0]["rung"] == "reset_prefix_cache"
-        assert remedies[0]["outcome"] == "ok", remedies[0]  # the real engine answered 200
-        assert "reset_prefix_cache" in remedies[0]["steps_s"]
+        # each rung tried is one entry: rung, outcome, duration
+        assert [(e["rung"], e["outcome"]) for e in remedies[:3]] == [
+            ("throttle", "ok"), ("reset_prefix_cache", "ok"), ("restart", "ok")], remedies
+        assert remedies[0]["throttle_level"] == 1
+        assert "reset_prefix_cache" in remedies[1]["steps_s"]  # the real engine answered 200
+        restart = remedies[2]
+        assert list(restart["steps_s"]) == ["drain", "take_down", "start"]
         assert st["throttle_level"] == 1  # live at the proxy: not lifted by the restart
         assert st["admission"]["max_concurrency"] == 12  # 16 x 0.75
         assert st["remedies"]["kv_reset"] is False
         assert "--enable-sleep-mode" in st["remedies"]["kv_reset_unavailable"]
         assert codes and all(c == 200 for c in codes), sorted(set(codes))
         print("ladder:", {"decisions": [(r, a) for r, a, _ in decisions],
-                          "prefix_reset_s": remedies[0]["duration_s"],
+                          "prefix_reset_s": remedies[1]["duration_s"],
+                          "restart_s": restart["duration_s"], "held": restart["held"],
                           "requests": len(codes)})
         r = d.ctl("stop", timeout=120)
         assert r.returncode == 0 and d.wait_exit(60) == 0

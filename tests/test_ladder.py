@@ -66,12 +66,27 @@ def test_a_leak_that_outlives_the_kv_reset_climbs_one_rung_per_cooldown_to_the_a
 
 
 def test_a_cleared_symptom_starts_the_ladder_again_from_its_first_rung():
-    r = Run(config(**only("kv_leak")), SLEEPY)
+    r = Run(config(**only("kv_leak")), SLEEPY)  # for_s 30
     assert actions(r, seconds(0, 30), LEAK) == ["kv_reset"]
-    assert actions(r, [31], {"kv_cache_usage": 0.0, "requests_running": 0}) == []
-    assert r.state.memory.rules["kv_leak"].rung == ""
+    cured = {"kv_cache_usage": 0.0, "requests_running": 0}
+    assert actions(r, seconds(31, 60), cured) == []
+    assert r.state.memory.rules["kv_leak"].rung == "kv_reset"  # clear 29 s: not yet
+    assert actions(r, [61], cured) == []
+    assert r.state.memory.rules["kv_leak"].rung == ""  # clear 30 s, as long as it tripped
     # leaking again, a cooldown later: a new occurrence, the cheap remedy again
     assert actions(r, seconds(150, 180), LEAK) == ["kv_reset"]
+
+
+def test_a_signal_unknown_for_one_scrape_does_not_restart_the_climb():
+    r = Run(config(**only("kv_leak")), SLEEPY)
+    assert actions(r, seconds(0, 30), LEAK) == ["kv_reset"]
+    assert actions(r, seconds(32, 60, 2), LEAK) == []
+    # one scrape failed: the signals are unknown, the condition reads as not holding
+    assert actions(r, [62], {"kv_cache_usage": None, "requests_running": None}) == []
+    assert r.state.memory.rules["kv_leak"].rung == "kv_reset"
+    # the leak, still there, outlived its KV reset: the next rung up, not the reset again
+    acted = actions(r, seconds(64, 200, 2), LEAK)
+    assert acted == ["restart"], acted
 
 
 def test_prefix_collapse_climbs_from_the_prefix_reset_past_throttling():

@@ -164,8 +164,10 @@ def test_a_one_shot_rule_does_not_fire_twice_on_one_engine_without_clearing():
     acted = [d for d in (r.at(t, LEAK, generation=1) for t in seconds(0, 300))
              if d.action != "none"]
     assert len(acted) == 1
-    r.over([301], {**LEAK, "requests_running": 3})  # clear (clear_for_s 0)
-    again = [d for d in (r.at(t, LEAK, generation=1) for t in seconds(302, 340))
+    # clear (clear_for_s 0) re-arms it; clear as long as it had to hold to trip (30 s)
+    # also starts its ladder again from the bottom
+    r.over(seconds(301, 331), {**LEAK, "requests_running": 3})
+    again = [d for d in (r.at(t, LEAK, generation=1) for t in seconds(332, 370))
              if d.action != "none"]
     assert [d.action for d in again] == ["restart"]
 

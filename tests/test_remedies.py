@@ -81,8 +81,11 @@ def test_a_failed_wake_is_audited_and_becomes_a_restart_that_loses_nothing(daemo
     assert complete(d.sections, tokens=2).status_code == 200
     st = d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] == 1)
     assert "wake_up" in st["last_decision"]["reason"]
-    (ev,) = remedies(d)
+    ev, fallback = remedies(d)
     assert ev["outcome"] == "failed" and list(ev["steps_s"]) == ["drain", "sleep", "wake_up"]
+    # the restart that replaced it is the next rung's own entry
+    assert fallback["rung"] == "restart" and fallback["outcome"] == "ok"
+    assert "wake_up" in fallback["reason"]
 
 
 def test_kv_reset_is_refused_with_the_reason_when_the_engine_cannot(daemon_factory,
@@ -124,6 +127,8 @@ def test_the_policy_climbs_from_kv_reset_to_a_restart_when_the_leak_outlives_it(
     assert decisions[0]["evidence"] == {"kv_cache_usage": 0.7, "requests_running": 0.0}
     assert "still kv_cache_usage >= 0.5" in decisions[1]["reason"]
     assert remedies(d)[0]["rung"] == "kv_reset" and remedies(d)[0]["outcome"] == "ok"
+    wait_for(lambda: len(remedies(d)) >= 2, 20, "the restart's own entry")
+    assert remedies(d)[1]["rung"] == "restart" and remedies(d)[1]["outcome"] == "ok"
     assert st["policy"]["rules"]["kv_leak"]["trips"] >= 2
 
 

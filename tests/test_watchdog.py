@@ -132,6 +132,10 @@ def test_running_to_throttled_relaunch_when_kv_saturated_and_back_when_clear(
     assert dec["evidence"]["requests_waiting"] == 5 and dec["evidence"]["preemption_rate"] > 0
     assert st["last_policy_decision"]["rule"] == "kv_saturation"
     assert st["last_decision"]["action"] == "start"  # the lifecycle's own latest step
+    (rem,) = remedies(d)  # the relaunch, audited once the new engine served
+    assert rem["rung"] == "throttle" and rem["outcome"] == "ok" and rem["error"] is None
+    assert list(rem["steps_s"]) == ["drain", "take_down", "start"] and rem["starts"] == 1
+    assert rem["duration_s"] == pytest.approx(sum(rem["steps_s"].values()), abs=0.01)
 
     # Clear: usage below 0.85 for clear_for_s lifts the level with a relaunch.
     metrics.set(kv=0.2, waiting=0, preemptions=0.0)
@@ -140,6 +144,11 @@ def test_running_to_throttled_relaunch_when_kv_saturated_and_back_when_clear(
     argv = d.engine_argvs()[-1]
     assert flag(argv, "--max-num-seqs") == "16"
     assert [e["action"] for e in d.decisions()] == ["throttle", "lift"]
+    assert len(remedies(d)) == 1  # restoring the settings is not a remedy
+
+
+def remedies(d: Any) -> list[dict[str, Any]]:
+    return [e for e in d.events() if e["event"] == "remedy"]
 
 
 def test_running_to_restart_without_drain_when_the_canary_hangs(daemon_factory, tmp_path):
@@ -161,7 +170,28 @@ def test_running_to_restart_without_drain_when_the_canary_hangs(daemon_factory, 
     assert downs[-1]["graceful"] is False  # a frozen engine cannot drain
     failed = [r for r in d.log_records() if r.get("event") == "canary failed"]
     assert failed and all(r["counted"] for r in failed)
+    (rem,) = remedies(d)
+    assert rem["rung"] == "restart_now" and rem["outcome"] == "ok" and rem["starts"] == 1
     print(f"hang detected {detected_s:.2f} s after the engine froze")
+
+
+def test_a_restart_remedy_whose_engine_never_boots_again_is_audited_as_failed(
+        daemon_factory, tmp_path):
+    hang, broken = tmp_path / "hang", tmp_path / "broken"
+    cfg = watchdog_config(tmp_path, "--hang-file", str(hang), "--fail-boot-file", str(broken),
+                          restart={"backoff_initial_s": 0.1, "boot_failures_max": 2},
+                          rules={"hang": {"when": "canary_failures >= 2"}})
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    broken.touch()  # every start from now on fails
+    hang.touch()
+    st = d.wait_state("FATAL", 30)
+    hang.unlink()
+    (rem,) = remedies(d)
+    assert rem["rung"] == "restart_now" and rem["outcome"] == "failed"
+    assert rem["starts"] == 2 and rem["error"] == st["fatal_reason"]
+    # "start": the time spent on starts that all failed, until the daemon gave up
+    assert list(rem["steps_s"]) == ["drain", "take_down", "start"]
 
 
 def test_thermal_throttle_holds_within_hysteresis_and_lifts_when_cool(daemon_factory,
