@@ -1052,7 +1052,7 @@ class Supervisor:
             if d.restarts_engine:
                 self._count_restart("policy")
                 if d.action != "lift":  # (restoring settings is not a remedy)
-                    self._relaunch = _Relaunch(d.action, reason, self.clock.monotonic())
+                    self._begin_relaunch(d.action, reason)
                 self._restart(reason, graceful=d.action != "restart_now")
             elif d.action == "throttle":
                 # live at the proxy: in force at once
@@ -1111,6 +1111,11 @@ class Supervisor:
         self._audit("remedy", **fields)
         (log.info if fields["outcome"] in ("ok", "alerted") else log.warning)(
             "remedy ended", **fields)
+
+    def _begin_relaunch(self, rung: str, reason: str) -> None:
+        # one entry per rung tried: a relaunch still waiting for its engine ends here
+        self._finish_relaunch("superseded", f"superseded by {rung}: {reason}")
+        self._relaunch = _Relaunch(rung, reason, self.clock.monotonic())
 
     def _finish_relaunch(self, outcome: str, error: str | None) -> None:
         r = self._relaunch
@@ -1177,7 +1182,7 @@ class Supervisor:
         # restart instead; new requests stay held through it.
         self._count_restart("policy")
         why = f"{ev.rung} failed ({o.error}): restarting instead"
-        self._relaunch = _Relaunch("restart", why, self.clock.monotonic())
+        self._begin_relaunch("restart", why)
         self._restart(why)
 
     async def _job_canary(self, engine: eng.EngineProcess) -> None:
