@@ -97,6 +97,17 @@ def engine_tree(pid: int) -> list[Any]:
     return [p, *p.children(recursive=True)]
 
 
+def running(pid: int) -> bool:
+    """Alive, a zombie not counted: an orphan's zombie waits for the VM's init to reap
+    it, and holds nothing meanwhile (the daemon counts it gone too)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def core_of(pid: int) -> Any:
     return next(p for p in engine_tree(pid) if p.name().startswith("VLLM::EngineCor"))
 
@@ -253,9 +264,19 @@ def phase_crash() -> None:
             if ppid != main:
                 orphan_ppid = ppid
                 break
-        gone = wait(lambda: not core.is_running() and time.monotonic(), 60, "the core gone")
-        released = wait(lambda: core.pid not in nvml_processes() and time.monotonic(), 120,
-                        "NVML release")
+        # the core's end and its NVML release, watched together from the kill (each
+        # observed at most one poll, ~0.2 s, after it happened)
+        seen: dict[str, float] = {}
+
+        def both() -> bool:
+            if "gone" not in seen and not running(core.pid):
+                seen["gone"] = time.monotonic()
+            if "released" not in seen and core.pid not in nvml_processes():
+                seen["released"] = time.monotonic()
+            return len(seen) == 2
+
+        wait(both, 120, "the core gone and its GPU memory released")
+        gone, released = seen["gone"], seen["released"]
         released_wall = time.time() - (time.monotonic() - released)
         st2 = wait(lambda: status()["state"] == "RUNNING" and status()["restarts"] >= 1
                    and status(), 540, "RUNNING again")
@@ -267,11 +288,17 @@ def phase_crash() -> None:
     from datetime import datetime
 
     spawn_wall = datetime.fromisoformat(spawn["time"].replace("Z", "+00:00")).timestamp()
+    reaped_wall = datetime.fromisoformat(reaped["time"].replace("Z", "+00:00")).timestamp()
+    # The daemon's own proof: its take-down reports no problem only once NVML lists none
+    # of the tree's pids, and the next spawn comes after that report.
+    proved = reaped["problem"] is None and spawn_wall >= reaped_wall
     result("crash", orphan_ppid=orphan_ppid, core_pid=core.pid,
-           spawned_after_nvml_release=spawn_wall >= released_wall - 0.5,
+           daemon_proved_release_before_spawn=proved,
+           seen_released_before_spawn=released_wall <= spawn_wall,
            core_gone_after_s=round(gone - t0, 2), nvml_released_after_s=round(released - t0, 2),
            running_again_after_s=round(back - t0, 1), reaped=reaped, next_spawn=spawn,
            last_exit=st2["last_exit"], load=load.summary())
+    assert proved and load.summary()["failed"] == 0
 
 
 def phase_hang() -> None:
@@ -300,14 +327,6 @@ def phase_stop() -> None:
     pids = [p.pid for p in engine_tree(st["pid"])]
     r = ctl("stop")
     left = {p: b for p, b in nvml_processes().items() if p in pids}
-    import psutil
-
-    def running(pid: int) -> bool:  # a zombie waiting for the VM's init holds nothing
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
     alive = [p for p in pids if running(p)]
     result("stop", rc=r.returncode, out=r.stdout.strip(), nvml_left=left, alive=alive)
     assert r.returncode == 0 and not left and not alive
