@@ -162,6 +162,10 @@ class Daemon:
     def decisions(self) -> list[dict[str, Any]]:
         return [e for e in self.events() if e["event"] == "decision"]
 
+    def remedies(self) -> list[dict[str, Any]]:
+        """The audit's `remedy` entries: one per rung tried."""
+        return [e for e in self.events() if e["event"] == "remedy"]
+
     def engine_argvs(self) -> list[list[str]]:
         """The argv of each fake engine started so far (FAKE_ENGINE_ARGVFILE)."""
         path = self.tmp / "engine.argv"

@@ -80,7 +80,7 @@ def test_the_ladder_throttles_resets_the_prefix_cache_then_restarts_losing_nothi
         why = decisions[2][2]
         assert "after reset_prefix_cache" in why
         assert "kv_reset: the engine cannot drop its KV cache in place" in why
-        remedies = [e for e in d.events() if e["event"] == "remedy"]
+        remedies = d.remedies()
         # each rung tried is one entry: rung, outcome, duration
         assert [(e["rung"], e["outcome"]) for e in remedies[:3]] == [
             ("throttle", "ok"), ("reset_prefix_cache", "ok"), ("restart", "ok")], remedies

@@ -30,9 +30,6 @@ def sleepy_config(tmp: Path, *fake: str, **sections: dict[str, Any]) -> dict[str
     return cfg
 
 
-def remedies(d: Any) -> list[dict[str, Any]]:
-    return [e for e in d.events() if e["event"] == "remedy"]
-
 
 def test_kv_reset_holds_new_requests_sleeps_a_drained_engine_and_releases_them(
         daemon_factory, tmp_path):
@@ -60,7 +57,7 @@ def test_kv_reset_holds_new_requests_sleeps_a_drained_engine_and_releases_them(
     assert results == [200] * 20  # none failed: held while the engine slept
     # the engine slept with nothing running: in-flight requests finished first
     assert (tmp_path / "sleeps").read_text().split() == ["0"]
-    (ev,) = remedies(d)
+    (ev,) = d.remedies()
     assert ev["rung"] == "kv_reset" and ev["outcome"] == "ok" and ev["error"] is None
     assert list(ev["steps_s"]) == ["drain", "sleep", "wake_up", "canary"]
     assert ev["duration_s"] >= sum(ev["steps_s"].values()) - 1e-3
@@ -81,7 +78,7 @@ def test_a_failed_wake_is_audited_and_becomes_a_restart_that_loses_nothing(daemo
     assert complete(d.sections, tokens=2).status_code == 200
     st = d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] == 1)
     assert "wake_up" in st["last_decision"]["reason"]
-    ev, fallback = remedies(d)
+    ev, fallback = d.remedies()
     assert ev["outcome"] == "failed" and list(ev["steps_s"]) == ["drain", "sleep", "wake_up"]
     # the restart that replaced it is the next rung's own entry
     assert fallback["rung"] == "restart" and fallback["outcome"] == "ok"
@@ -126,9 +123,9 @@ def test_the_policy_climbs_from_kv_reset_to_a_restart_when_the_leak_outlives_it(
         ("kv_leak", "kv_reset"), ("kv_leak", "restart")]
     assert decisions[0]["evidence"] == {"kv_cache_usage": 0.7, "requests_running": 0.0}
     assert "still kv_cache_usage >= 0.5" in decisions[1]["reason"]
-    assert remedies(d)[0]["rung"] == "kv_reset" and remedies(d)[0]["outcome"] == "ok"
-    wait_for(lambda: len(remedies(d)) >= 2, 20, "the restart's own entry")
-    assert remedies(d)[1]["rung"] == "restart" and remedies(d)[1]["outcome"] == "ok"
+    assert d.remedies()[0]["rung"] == "kv_reset" and d.remedies()[0]["outcome"] == "ok"
+    wait_for(lambda: len(d.remedies()) >= 2, 20, "the restart's own entry")
+    assert d.remedies()[1]["rung"] == "restart" and d.remedies()[1]["outcome"] == "ok"
     assert st["policy"]["rules"]["kv_leak"]["trips"] >= 2
 
 
@@ -192,5 +189,5 @@ def test_a_proxy_request_during_a_kv_reset_is_held_not_refused(daemon_factory, t
     assert r.status_code == 200
     ctl.join(60)
     long.join(30)
-    (ev,) = remedies(d)
+    (ev,) = d.remedies()
     assert ev["outcome"] == "ok" and ev["steps_s"]["drain"] > 0.3

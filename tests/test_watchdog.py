@@ -132,7 +132,7 @@ def test_running_to_throttled_relaunch_when_kv_saturated_and_back_when_clear(
     assert dec["evidence"]["requests_waiting"] == 5 and dec["evidence"]["preemption_rate"] > 0
     assert st["last_policy_decision"]["rule"] == "kv_saturation"
     assert st["last_decision"]["action"] == "start"  # the lifecycle's own latest step
-    (rem,) = remedies(d)  # the relaunch, audited once the new engine served
+    (rem,) = d.remedies()  # the relaunch, audited once the new engine served
     assert rem["rung"] == "throttle" and rem["outcome"] == "ok" and rem["error"] is None
     assert list(rem["steps_s"]) == ["drain", "take_down", "start"] and rem["starts"] == 1
     assert rem["duration_s"] == pytest.approx(sum(rem["steps_s"].values()), abs=0.01)
@@ -144,11 +144,8 @@ def test_running_to_throttled_relaunch_when_kv_saturated_and_back_when_clear(
     argv = d.engine_argvs()[-1]
     assert flag(argv, "--max-num-seqs") == "16"
     assert [e["action"] for e in d.decisions()] == ["throttle", "lift"]
-    assert len(remedies(d)) == 1  # restoring the settings is not a remedy
+    assert len(d.remedies()) == 1  # restoring the settings is not a remedy
 
-
-def remedies(d: Any) -> list[dict[str, Any]]:
-    return [e for e in d.events() if e["event"] == "remedy"]
 
 
 def test_running_to_restart_without_drain_when_the_canary_hangs(daemon_factory, tmp_path):
@@ -170,7 +167,7 @@ def test_running_to_restart_without_drain_when_the_canary_hangs(daemon_factory, 
     assert downs[-1]["graceful"] is False  # a frozen engine cannot drain
     failed = [r for r in d.log_records() if r.get("event") == "canary failed"]
     assert failed and all(r["counted"] for r in failed)
-    (rem,) = remedies(d)
+    (rem,) = d.remedies()
     assert rem["rung"] == "restart_now" and rem["outcome"] == "ok" and rem["starts"] == 1
     print(f"hang detected {detected_s:.2f} s after the engine froze")
 
@@ -187,7 +184,7 @@ def test_a_restart_remedy_whose_engine_never_boots_again_is_audited_as_failed(
     hang.touch()
     st = d.wait_state("FATAL", 30)
     hang.unlink()
-    (rem,) = remedies(d)
+    (rem,) = d.remedies()
     assert rem["rung"] == "restart_now" and rem["outcome"] == "failed"
     assert rem["starts"] == 2 and rem["error"] == st["fatal_reason"]
     # "start": the time spent on starts that all failed, until the daemon gave up
