@@ -264,6 +264,15 @@ class _Relaunch:
         return out
 
 
+async def _acquire(lock: asyncio.Lock, timeout_s: float) -> bool:
+    """The lock, or False once `timeout_s` has passed without it."""
+    try:
+        await asyncio.wait_for(lock.acquire(), timeout_s)
+    except TimeoutError:
+        return False
+    return True
+
+
 def _iso(wall: float) -> str:
     return datetime.fromtimestamp(wall, UTC).isoformat(timespec="milliseconds")
 
@@ -343,6 +352,9 @@ class Supervisor:
         self.sleep_mode: bool = False  # probed once the engine serves
         self.sleep_mode_why: str | None = "the engine has not started"
         self.remedy_running: tuple[str, float] | None = None  # (rung, since)
+        # held by each canary probe, and by a KV reset from its drain to its end: the
+        # daemon's own generations are engine traffic the drain must wait for too
+        self._probe_lock = asyncio.Lock()
         self._remedy_ended_at = -1.0
         self._remedy_replies: list[asyncio.Future[dict[str, Any]]] = []
         self.start_blocked: str | None = None  # why the last start was refused (GPU busy)
@@ -934,22 +946,16 @@ class Supervisor:
     async def _job_gate_probe(self, engine: eng.EngineProcess) -> None:
         """Healthy is not enough to release held requests: one canary must pass first
         (bounded: a few tries, then the gate opens anyway and the hang rule judges)."""
-        cfg = self.config.canary
         ecfg = engine.config
         base = f"http://{_url_host(ecfg.host)}:{ecfg.port}"
         error: str | None = None
         async with httpx.AsyncClient() as client:
             for _ in range(3):
-                model = cfg.model or await canary.find_model(client, base, cfg.timeout_s)
-                if model is None:
-                    error = "/v1/models named no model"
-                else:
-                    outcome = await canary.probe(client, base, model, cfg.prompt,
-                                                 cfg.max_tokens, cfg.timeout_s)
-                    if outcome.ok:
-                        self.queue.put_nowait(GateProbe(engine.generation, True, None))
-                        return
-                    error = outcome.error
+                _, _, outcome = await self._probe(client, base, None)
+                if outcome.ok:
+                    self.queue.put_nowait(GateProbe(engine.generation, True, None))
+                    return
+                error = outcome.error
                 await asyncio.sleep(0.5)
         self.queue.put_nowait(GateProbe(engine.generation, False, error))
 
@@ -1137,17 +1143,24 @@ class Supervisor:
             if rung == "reset_prefix_cache":
                 outcome = await remedy.reset_prefix_cache(client, base, 30.0)
             else:
+                c = self.config.canary
                 idle = await self.gate.wait_idle(cfg.drain_timeout_s)
+                # a canary in flight ends within its own deadline; none starts meanwhile
+                quiet = idle and await _acquire(self._probe_lock, c.timeout_s + 1.0)
                 waited = self.clock.monotonic() - t0
-                if not idle:
+                if not quiet:
+                    busy = (f"{self.gate.in_flight} requests still in flight after "
+                            f"{cfg.drain_timeout_s:g} s" if not idle else
+                            f"a canary still in flight after {c.timeout_s + 1.0:g} s")
                     outcome = remedy.RemedyOutcome(
-                        False, {"drain": waited}, f"{self.gate.in_flight} requests still in "
-                        f"flight after {cfg.drain_timeout_s:g} s: the KV cache was not "
-                        "touched", attempted=False)
+                        False, {"drain": waited}, f"{busy}: the KV cache was not touched",
+                        attempted=False)
                 else:
-                    c = self.config.canary
-                    outcome = await remedy.kv_reset(client, base, c.model or None, c.prompt,
-                                                    60.0, max(c.timeout_s, 10.0))
+                    try:
+                        outcome = await remedy.kv_reset(client, base, c.model or None,
+                                                        c.prompt, 60.0, max(c.timeout_s, 10.0))
+                    finally:
+                        self._probe_lock.release()
                     outcome = dataclasses.replace(outcome, steps={"drain": waited,
                                                                   **outcome.steps})
         self.queue.put_nowait(RemedyDone(engine.generation, rung, outcome,
@@ -1185,24 +1198,29 @@ class Supervisor:
         self._begin_relaunch("restart", why)
         self._restart(why)
 
+    async def _probe(self, client: httpx.AsyncClient, base: str,
+                     model: str | None) -> tuple[str | None, float, canary.CanaryOutcome]:
+        """One canary (the model asked for, when it began, its outcome), never beside a
+        KV reset: the daemon's own generation is engine traffic that reset must drain."""
+        cfg = self.config.canary
+        async with self._probe_lock:
+            t0 = self.clock.monotonic()
+            model = model or cfg.model or await canary.find_model(client, base, cfg.timeout_s)
+            if model is None:
+                return None, t0, canary.CanaryOutcome(False, self.clock.monotonic() - t0,
+                                                      "/v1/models named no model")
+            return model, t0, await canary.probe(client, base, model, cfg.prompt,
+                                                 cfg.max_tokens, cfg.timeout_s)
+
     async def _job_canary(self, engine: eng.EngineProcess) -> None:
         """A tiny generation every period, for as long as this engine lives."""
-        cfg = self.config.canary
         ecfg = engine.config
         base = f"http://{_url_host(ecfg.host)}:{ecfg.port}"
         async with httpx.AsyncClient() as client:
-            model = cfg.model or None
+            model: str | None = None
             while engine.proc.returncode is None:
-                await asyncio.sleep(cfg.period_s)
-                t0 = self.clock.monotonic()
-                if model is None:
-                    model = await canary.find_model(client, base, cfg.timeout_s)
-                if model is None:
-                    outcome = canary.CanaryOutcome(False, self.clock.monotonic() - t0,
-                                                   "/v1/models named no model")
-                else:
-                    outcome = await canary.probe(client, base, model, cfg.prompt,
-                                                 cfg.max_tokens, cfg.timeout_s)
+                await asyncio.sleep(self.config.canary.period_s)
+                model, t0, outcome = await self._probe(client, base, model)
                 if engine.proc.returncode is not None:
                     return
                 self.queue.put_nowait(CanaryDone(engine.generation, outcome, t0,

@@ -30,7 +30,6 @@ def sleepy_config(tmp: Path, *fake: str, **sections: dict[str, Any]) -> dict[str
     return cfg
 
 
-
 def test_kv_reset_holds_new_requests_sleeps_a_drained_engine_and_releases_them(
         daemon_factory, tmp_path):
     cfg = sleepy_config(tmp_path, "--token-delay", "0.02")
@@ -64,6 +63,22 @@ def test_kv_reset_holds_new_requests_sleeps_a_drained_engine_and_releases_them(
     st = d.status()
     assert st["restarts"] == 0 and st["admission"]["held"] is None
     assert st["remedies"]["running"] is None
+
+
+def test_kv_reset_waits_for_the_daemons_own_canary_before_the_engine_sleeps(
+        daemon_factory, tmp_path):
+    # each canary generates 16 tokens at 0.2 s: in flight 3.2 s of every 3.7 s
+    cfg = sleepy_config(tmp_path, "--token-delay", "0.2",
+                        canary={"period_s": 0.5, "timeout_s": 6.0, "max_tokens": 16})
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: d.status()["remedies"]["kv_reset"], 10, "sleep mode to be probed")
+    for _ in range(2):
+        r = d.ctl("kv-reset", timeout=60)
+        assert r.returncode == 0 and "KV reset ok" in r.stdout, (r.stdout, r.stderr)
+    # the engine slept with nothing running, the canary included, both times
+    assert (tmp_path / "sleeps").read_text().split() == ["0", "0"]
+    assert [e["outcome"] for e in d.remedies()] == ["ok", "ok"]
 
 
 def test_a_failed_wake_is_audited_and_becomes_a_restart_that_loses_nothing(daemon_factory,
