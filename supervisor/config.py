@@ -20,6 +20,7 @@ from typing import Any
 
 from supervisor.conditions import parse_condition
 from supervisor.exporter import parse_listen
+from supervisor.routes import route_problem
 from supervisor.rules import ACTIONS, DEFAULT_RULES, REMEDIES, RuleConfig
 from supervisor.signals import SIGNAL_NAMES, WindowConfig
 
@@ -216,7 +217,8 @@ class ProxyConfig:
     max_body_bytes: int = _field(16 << 20, lo=1024, hi=1 << 31)
     max_header_bytes: int = _field(16 << 10, lo=1024, hi=1 << 20)
     retry_after_s: int = _field(5, lo=1, hi=3600)
-    # path prefixes forwarded besides the serving API (the allow-list in proxy.py)
+    # routes forwarded besides the serving API (exact paths, * for one segment; the
+    # allow-list in routes.py)
     extra_routes: list[str] = _field([])
 
 
@@ -484,9 +486,10 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
         if proxy.kv_breaker_low >= proxy.kv_breaker_high:
             problems.append(f"proxy.kv_breaker_low: expected less than proxy.kv_breaker_high "
                             f"({proxy.kv_breaker_high:g}), got {proxy.kv_breaker_low:g}")
-        if any(not r.startswith("/") for r in proxy.extra_routes):
-            problems.append(f"proxy.extra_routes: expected path prefixes starting with /, "
-                            f"got {proxy.extra_routes!r}")
+        for route in proxy.extra_routes:
+            why = route_problem(route)
+            if why is not None:
+                problems.append(f"proxy.extra_routes: {route!r} is not a route: {why}")
     gpu: GpuConfig = sections["gpu"]
     if gpu.sampler == "file" and not gpu.file:
         problems.append("gpu.file: required when gpu.sampler is \"file\"")

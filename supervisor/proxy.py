@@ -7,10 +7,14 @@ to the engine's internal port and its answer streamed back chunk by chunk (SSE i
 status and headers kept. A client that goes away cancels its upstream request (aiohttp's
 handler cancellation closes the upstream connection, and vLLM aborts the request).
 
-Only the serving API is forwarded (an allow-list of path prefixes); the engine's
+Only the serving API is forwarded, and only by route (`supervisor/routes.py`): the
+request target is read once, anything ambiguous refused with 400, the allow-list checked
+on that one canonical path, and the upstream request line built from the same path,
+sent as already encoded, so no URL library normalises it again on the way. The engine's
 administrative routes (`/sleep`, `/wake_up`, `/reset_*`, `/pause`, `/collective_rpc`,
 `/server_info`...) are refused with 403: vLLM leaves them unauthenticated and only the
-daemon calls them, on the internal port.
+daemon calls them, on the internal port. Every refused path is logged with its peer and
+counted by reason.
 
 A connection refused by the engine means the request never reached it, so it goes back
 to the gate (which holds it while the daemon restarts the engine) and is sent again; a
@@ -30,19 +34,13 @@ from dataclasses import dataclass, field
 import aiohttp
 import structlog
 from aiohttp import web
+from yarl import URL
 
 from supervisor.admission import Gate, Rejected
+from supervisor.routes import LOCAL, PathRefused, Routes, Target, read_target
 
 log = structlog.get_logger("supervisor.proxy")
 
-# Forwarded path prefixes: the OpenAI-compatible API and vLLM's public extras.
-ALLOWED = ("/v1/", "/tokenize", "/detokenize", "/health", "/ping", "/version", "/metrics",
-           "/pooling", "/classify", "/score", "/rerank", "/invocations")
-# Refused with 403 (counted, logged): vLLM's unauthenticated administrative routes.
-ADMIN = ("/sleep", "/wake_up", "/is_sleeping", "/reset_", "/pause", "/resume",
-         "/is_paused", "/collective_rpc", "/scale_elastic_ep", "/is_scaling_elastic_ep",
-         "/server_info", "/start_profile", "/stop_profile", "/update_weights",
-         "/init_weight_transfer", "/abort", "/load_lora_adapter", "/unload_lora_adapter")
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
               "trailer", "transfer-encoding", "upgrade", "host", "content-length"}
 HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -109,6 +107,7 @@ class FrontProxy:
         self.gate = gate
         self.ready = ready  # the daemon's view: engine serving and the gate open
         self.stats = ProxyStats()
+        self.routes = Routes.serving(settings.extra_routes)
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -163,12 +162,12 @@ class FrontProxy:
         body = {"error": {"message": message, "type": reason or "proxy_error", "code": status}}
         return web.json_response(body, status=status, headers=headers)
 
-    def _cut(self, request: web.Request, resp: web.StreamResponse,
+    def _cut(self, target: Target, request: web.Request, resp: web.StreamResponse,
              exc: BaseException) -> web.StreamResponse:
         """The answer had started: nothing to do but cut it, so the client sees an
         incomplete stream rather than a truncated success."""
         self.stats.count(502)
-        log.warning("engine answer cut", path=request.path, error=repr(exc))
+        log.warning("engine answer cut", path=target.path, error=repr(exc))
         with contextlib.suppress(Exception):
             if request.transport is not None:
                 request.transport.close()
@@ -184,17 +183,16 @@ class FrontProxy:
             return False
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        path = request.path
-        if path in ("/healthz", "/readyz"):
-            if path == "/healthz" or self.ready():
-                return web.Response(text="ok\n" if path == "/healthz" else "ready\n")
-            return web.Response(status=503, text="not ready\n")
-        if path.startswith(ADMIN):
-            log.warning("administrative route refused", path=path, peer=request.remote)
-            return self._error(403, f"{path} is an administrative route of the engine and "
-                                    "is not served here", "admin_route")
-        if not path.startswith(ALLOWED + self.s.extra_routes):
-            return self._error(404, f"{path} is not a route this proxy forwards", "not_allowed")
+        try:
+            target = read_target(request.raw_path)
+            if target.path in LOCAL:
+                return self._answer_locally(target.path)
+            self.routes.check(target.path)
+        except PathRefused as exc:
+            log.warning("request path refused", reason=exc.reason, status=exc.status,
+                        method=request.method, path=request.raw_path[:512],
+                        peer=request.remote, why=exc.message)
+            return self._error(exc.status, exc.message, exc.reason)
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -210,7 +208,7 @@ class FrontProxy:
             if ticket.waited_s > 0:
                 self.stats.waited(ticket.waited_s)
             try:
-                return await self._forward(request, body)
+                return await self._forward(request, target, body)
             except _NotDelivered as exc:
                 # the engine refused the connection or is dying: the client has seen
                 # nothing, and the gate holds the request while the daemon brings the
@@ -223,10 +221,20 @@ class FrontProxy:
             finally:
                 self.gate.done(ticket)
 
-    async def _forward(self, request: web.Request, body: bytes) -> web.StreamResponse:
+    def _answer_locally(self, path: str) -> web.Response:
+        """/healthz: the daemon runs. /readyz, and vLLM's /health and /ping for clients
+        that probe those: the engine serves and the gate is open (the daemon's view, which
+        sees a frozen engine whose own /health still says 200)."""
+        if path == "/healthz" or self.ready():
+            return web.Response(text="ok\n" if path == "/healthz" else "ready\n")
+        return web.Response(status=503, text="not ready\n")
+
+    async def _forward(self, request: web.Request, target: Target,
+                       body: bytes) -> web.StreamResponse:
         assert self._session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        url = self.s.upstream + request.path_qs
+        # as already encoded: the path checked is the path sent, not normalised again
+        url = URL(self.s.upstream + target.upstream_path_qs, encoded=True)
         resp: web.StreamResponse | None = None
         try:
             async with self._session.request(request.method, url, headers=headers, data=body,
@@ -261,10 +269,10 @@ class FrontProxy:
                 raise _NotDelivered(repr(exc)) from exc
             if isinstance(exc, aiohttp.ClientConnectorError):
                 raise
-            return self._cut(request, resp, exc)
+            return self._cut(target, request, resp, exc)
         except (TimeoutError, aiohttp.ClientError, _UpstreamFailed) as exc:
             if resp is not None and resp.prepared:
-                return self._cut(request, resp, exc)
+                return self._cut(target, request, resp, exc)
             return self._error(502, f"the engine failed during the request: "
                                     f"{type(exc).__name__}: {exc}", "engine_failed")
 

@@ -26,6 +26,7 @@ as vLLM does. A client that goes away mid-stream is counted in <pidfile dir>/abo
 the most requests ever running at once is written to <pidfile dir>/max-running.
 Serves GET /health, /metrics, /v1/models, POST /v1/completions (one token) and
 /reset_prefix_cache (counted in $FAKE_ENGINE_PIDFILE's directory as prefix-resets).
+Every request's method and raw target, as received, is appended to <pidfile dir>/requests.
 Writes vLLM-shaped log lines, its pid (and the child's) to $FAKE_ENGINE_PIDFILE, its
 environment, as JSON, to $FAKE_ENGINE_ENVFILE, and appends its argv as a JSON line to
 $FAKE_ENGINE_ARGVFILE.
@@ -118,6 +119,13 @@ def main() -> None:
     time.sleep(a.startup_delay)
 
     class Handler(http.server.BaseHTTPRequestHandler):
+        def parse_request(self) -> bool:
+            ok = super().parse_request()
+            if ok and pidfile:
+                with open(os.path.join(os.path.dirname(pidfile), "requests"), "a") as f:
+                    f.write(f"{self.command} {self.path}\n")
+            return ok
+
         def do_GET(self) -> None:
             code = 503 if a.never_healthy else 200
             body = b"{}" if self.path == "/health" else b'{"fake": true}'

@@ -223,3 +223,31 @@ def alive(pids: list[int]) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def path_tricks(route: str) -> list[str]:
+    """Request targets that aim at `route` (an engine route such as /sleep) by ways URL
+    libraries and servers read differently: dot segments (plain and encoded), encoded
+    slashes, doubled slashes, backslashes, encoded letters, case, a trailing dot."""
+    n = route.lstrip("/")
+    return [f"/v1/../{n}", f"/v1/./../{n}", f"/v1/%2e%2e/{n}", f"/v1%2F..%2F{n}",
+            f"/v1/..%2F{n}", f"//{n}", f"/v1//../{n}", f"/v1\\..\\{n}", f"/%76%31/../{n}",
+            f"/V1/../{n.upper()}", f"/{n.upper()}", f"/{n}/.", f"/v1/{n}", f"/{n}"]
+
+
+def raw_request(address: str, method: str, target: str, body: bytes = b"",
+                timeout: float = 30) -> tuple[int, bytes]:
+    """One HTTP/1.1 request with `target` on the request line exactly as given (a client
+    library would normalise it first); (status, body)."""
+    import socket
+
+    host, port = address.rsplit(":", 1)
+    head = (f"{method} {target} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(head.encode("latin-1") + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status_line, _, rest = data.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]

@@ -99,3 +99,19 @@ def test_diff_keys_lists_changed_key_paths():
     a = parse_config(MIN, "t", Path("/base"))
     b = parse_config(with_engine(args=["--x"], port=9000), "t", Path("/base"))
     assert diff_keys(a, b) == ["engine.args", "engine.port"]
+
+
+def test_proxy_extra_routes_are_routes_and_each_bad_one_is_named():
+    doc = {**MIN, "proxy": {"extra_routes": ["/jobs/*/status", "/custom/", "/v1/../sleep",
+                                             "/v1/load_lora_adapter"]}}
+    assert problems(doc) == [
+        "proxy.extra_routes: '/custom/' is not a route: a route is an exact path, not a "
+        "prefix: drop the trailing / (use * for one segment)",
+        "proxy.extra_routes: '/v1/../sleep' is not a route: dot segments ('.', '..', "
+        "encoded or not) are not resolved here",
+        "proxy.extra_routes: '/v1/load_lora_adapter' is not a route: an administrative "
+        "route of the engine cannot be made public",
+    ]
+    ok = parse_config({**MIN, "proxy": {"extra_routes": ["/jobs/*/status"]}}, "t.toml",
+                      Path("/base"))
+    assert ok.proxy.extra_routes == ["/jobs/*/status"]

@@ -1,6 +1,9 @@
 """End-to-end: the front proxy in front of the real vLLM CPU engine.
 
-One daemon, in order: (a) 32 concurrent streaming clients run across
+One daemon, with vLLM's unauthenticated development routes on (VLLM_SERVER_DEV_MODE=1),
+in order: (0) path tricks aimed at those routes, sent as raw HTTP through the proxy,
+never reach the engine (its own access log is the witness), and completions still work;
+(a) 32 concurrent streaming clients run across
 `vllm-supervisorctl restart`: no request fails, every stream is complete; (b) clients
 that disconnect mid-stream stop vLLM's generation early (its generated-token counter);
 (c) SIGKILL of `VLLM::EngineCore`: requests in flight fail fast, requests not yet
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -21,7 +25,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import Daemon, alive, free_port, wait_for
+from supervisor.routes import ADMIN, LOCAL, Routes
+from tests.harness import Daemon, alive, free_port, path_tricks, raw_request, wait_for
 from tests.test_e2e_vllm import START_TIMEOUT, tree, vllm_config
 
 pytestmark = pytest.mark.e2e
@@ -35,6 +40,7 @@ def fronted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, 
                     "hold_timeout_s": 240.0}
     cfg["canary"] = {"period_s": 2.0, "timeout_s": 5.0}
     cfg["engine"]["drain_timeout_s"] = 20.0  # in-flight streams finish during a restart
+    cfg["engine"]["env"]["VLLM_SERVER_DEV_MODE"] = "1"  # the routes the proxy must hide
     d = Daemon(tmp, cfg)
     d.seen_pids = []  # type: ignore[attr-defined]
     try:
@@ -110,6 +116,61 @@ def engine_metric(cfg: dict[str, Any], name: str, **labels: str) -> float:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 total += s.value
     return total
+
+
+AIMED_AT = ("/reset_prefix_cache", "/server_info", "/collective_rpc", "/sleep")
+METHOD = {"/server_info": "GET"}  # the others are POST routes
+ACCESS = re.compile(r'"[A-Z]+ (\S+) HTTP/1\.1"')  # uvicorn's access log line
+# engine routes that are neither serving API nor administrative: not public either
+NOT_PUBLIC = {"/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json",
+              "/load", "/tokenizer_info", "/ready"}
+
+
+def engine_requests(d: Daemon) -> list[str]:
+    """The request targets vLLM's own (uvicorn) access log recorded, as the daemon
+    relayed them."""
+    found = (ACCESS.search(r["event"]) for r in d.log_records() if r.get("source") == "engine")
+    return [m.group(1) for m in found if m]
+
+
+def aims_at(target: str, routes: tuple[str, ...]) -> bool:
+    names = {r.strip("/") for r in routes}
+    return any(seg.lower() in names for seg in target.partition("?")[0].split("/"))
+
+
+def test_path_tricks_through_the_proxy_never_reach_the_engines_admin_routes(fronted):
+    d, cfg = fronted
+    d.wait_state("RUNNING", START_TIMEOUT)
+    wait_for(lambda: d.status()["admission"]["held"] is None, 60, "the gate to open")
+    remember(d)
+    engine = f"127.0.0.1:{cfg['engine']['port']}"
+    openapi = httpx.get(f"http://{engine}/openapi.json", timeout=10).json()
+    served = set(openapi["paths"])
+    assert set(AIMED_AT) <= served  # dev mode is on: the targets exist on the engine
+    # every route of the real engine is forwarded (serving API), answered by the proxy,
+    # labelled administrative, or deliberately not public
+    routes = Routes.serving()
+    unclassified = sorted(p for p in served if not routes.allows(p.replace("{", "").replace(
+        "}", "")) and p not in LOCAL and p not in NOT_PUBLIC
+        and not any(seg.lower() in ADMIN for seg in p.split("/")))
+    assert unclassified == [], unclassified
+    answers: dict[str, int] = {}
+    for route in AIMED_AT:
+        for target in path_tricks(route):
+            answers[target], _ = raw_request(cfg["proxy"]["listen"],
+                                             METHOD.get(route, "POST"), target)
+    # the witness: a request the engine does get shows in its access log
+    status, _ = raw_request(engine, "GET", "/server_info?witness=1")
+    assert status == 200
+    wait_for(lambda: "/server_info?witness=1" in engine_requests(d), 30,
+             "the engine's access log line of the direct request")
+    reached = [t for t in engine_requests(d) if aims_at(t, AIMED_AT)]
+    out = httpx.post(proxy_url(cfg), timeout=120, json={
+        "model": "tiny-llama", "prompt": "hello", "max_tokens": 8})
+    print("path tricks:", json.dumps(answers), "reached the engine:", reached)
+    assert reached == ["/server_info?witness=1"], reached
+    assert all(code in (400, 403) for code in answers.values()), answers
+    assert out.status_code == 200 and out.json()["choices"][0]["text"]
 
 
 def test_32_streams_across_a_restart_lose_nothing(fronted):

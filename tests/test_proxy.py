@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import fake_engine_config, free_port, wait_for
+from tests.harness import fake_engine_config, free_port, path_tricks, raw_request, wait_for
 
 
 def proxy_config(tmp: Path, *fake: str, **proxy: Any) -> dict[str, dict[str, Any]]:
@@ -63,7 +63,7 @@ def test_streams_pass_through_chunk_by_chunk_with_status_and_headers(daemon_fact
     assert arrivals[-1][0] - arrivals[0][0] > 0.2
     assert httpx.get(url(cfg, "/v1/models"), timeout=5).json()["data"][0]["id"] == "fake"
     r = httpx.post(url(cfg, "/v1/nothing"), json={}, timeout=5)
-    assert r.status_code == 404  # the engine's own 404, passed through
+    assert r.status_code == 404  # not a route the proxy forwards
 
 
 def test_admin_routes_are_refused_and_health_endpoints_answer(daemon_factory, tmp_path):
@@ -73,14 +73,55 @@ def test_admin_routes_are_refused_and_health_endpoints_answer(daemon_factory, tm
     wait_for(lambda: httpx.get(url(cfg, "/readyz"), timeout=5).status_code == 200, 10,
              "readyz")
     for path in ("/sleep?level=1", "/wake_up", "/reset_prefix_cache", "/collective_rpc",
-                 "/server_info", "/pause", "/scale_elastic_ep", "/is_sleeping"):
+                 "/server_info", "/pause", "/scale_elastic_ep", "/is_sleeping",
+                 "/v1/load_lora_adapter"):
         r = httpx.post(url(cfg, path), timeout=5)
         assert r.status_code == 403, path
     assert not (tmp_path / "prefix-resets").exists()  # never reached the engine
     assert httpx.get(url(cfg, "/admin/anything"), timeout=5).status_code == 404
+    assert httpx.get(url(cfg, "/metrics"), timeout=5).status_code == 404  # not public
     assert httpx.get(url(cfg, "/healthz"), timeout=5).text == "ok\n"
-    recs = [r for r in d.log_records() if r.get("event") == "administrative route refused"]
-    assert len(recs) == 8
+    # vLLM's own /health would say 200 for a frozen engine: the proxy answers it instead
+    assert httpx.get(url(cfg, "/health"), timeout=5).text == "ready\n"
+    recs = [r for r in d.log_records() if r.get("event") == "request path refused"]
+    assert [r["reason"] for r in recs] == ["admin_route"] * 9 + ["not_allowed"] * 2
+    assert all(r["peer"] == "127.0.0.1" for r in recs)
+
+
+ENGINE_PROBES = {"GET /health", "GET /metrics", "GET /v1/models", "POST /v1/completions"}
+
+
+def test_path_tricks_never_reach_the_engine_and_the_path_checked_is_the_path_sent(
+        daemon_factory, tmp_path):
+    cfg = proxy_config(tmp_path)
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: httpx.get(url(cfg, "/readyz"), timeout=5).status_code == 200, 10,
+             "readyz")
+    answers: dict[str, int] = {}
+    for route in ("/reset_prefix_cache", "/server_info", "/collective_rpc", "/sleep"):
+        for target in path_tricks(route):
+            status, body = raw_request(cfg["proxy"]["listen"], "POST", target)
+            answers[target] = status
+            assert status in (400, 403), (target, status, body)
+            assert json.loads(body)["error"]["type"] in ("bad_path", "admin_route")
+    # what the proxy forwards reaches the engine as the path it checked, decoded once
+    status, _ = raw_request(cfg["proxy"]["listen"], "POST", "/v1/%63ompletions",
+                            b'{"model": "fake", "prompt": "hi", "max_tokens": 1}')
+    assert status == 200
+    status, _ = raw_request(cfg["proxy"]["listen"], "GET", "/v1/models?x=%2e%2e/sleep")
+    assert status == 200
+    reached = (tmp_path / "requests").read_text().splitlines()
+    assert set(reached) - ENGINE_PROBES == {"GET /v1/models?x=%2e%2e/sleep"}
+    assert reached.count("POST /v1/completions") >= 1
+    assert not (tmp_path / "prefix-resets").exists()
+    refused = [r for r in d.log_records() if r.get("event") == "request path refused"]
+    assert len(refused) == len(answers)
+    text = httpx.get(f"{d.exporter_url}/metrics", timeout=5).text
+    bad = sum(1 for s in answers.values() if s == 400)
+    admin = sum(1 for s in answers.values() if s == 403)
+    assert f'vllm_supervisor_proxy_rejections_total{{reason="bad_path"}} {bad}.0' in text
+    assert f'vllm_supervisor_proxy_rejections_total{{reason="admin_route"}} {admin}.0' in text
 
 
 def test_restart_under_streaming_load_loses_no_request(daemon_factory, tmp_path):
