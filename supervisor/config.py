@@ -399,6 +399,12 @@ def _build_rules(prefix: str, table: Any, problems: list[str]) -> dict[str, Rule
                 else:
                     problems.append(f"{where}: expected a number of seconds from 0 to 604800, "
                                     f"got {v!r}")
+            elif k == "for_fraction":
+                if isinstance(v, int | float) and not isinstance(v, bool) and 0 < v <= 1:
+                    values[k] = float(v)
+                else:
+                    problems.append(f"{where}: expected a share above 0 and at most 1, "
+                                    f"got {v!r}")
             elif k in ("when", "clear_when"):
                 if not isinstance(v, str) or (k == "when" and not v.strip()):
                     problems.append(f"{where}: expected a condition string, got {v!r}")

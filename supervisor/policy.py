@@ -6,13 +6,15 @@ restarts it caused in the last hour) lives in `PolicyMemory`, passed in with the
 and returned, changed, in the decision. The daemon stores it and carries the action out
 (or only logs it, in dry-run).
 
-Per rule (see `rules.py`): the condition must hold `for_s` on a serving engine; the rule
-acts, then waits `cooldown_s` before acting again. A one-shot rule (restart, alert...)
-is disarmed when it acts and re-armed once its clear condition has held `clear_for_s`
-(hysteresis: the same symptom does not fire twice without clearing in between) or a new
-engine starts. A throttle rule steps one level per cooldown while its condition holds,
-escalates when it still holds `escalate_after_s` after reaching the top level, and lifts
-one step per `clear_for_s` of its clear condition.
+Per rule (see `rules.py`): the condition must hold `for_s` on a serving engine (without
+a break, or, for a windowed rule, in at least `for_fraction` of the samples over the
+last `for_s`, the window covered and the condition true now); the rule acts, then waits
+`cooldown_s` before acting again. A one-shot rule (restart, alert...) is disarmed when
+it acts and re-armed once its clear condition has held `clear_for_s` (hysteresis: the
+same symptom does not fire twice without clearing in between) or a new engine starts. A
+throttle rule steps one level per cooldown while its condition holds, escalates when it
+still holds `escalate_after_s` after reaching the top level, and lifts one step per
+`clear_for_s` of its clear condition.
 
 The remediation ladder (`rules.LADDER`): every remedy is a rung, taken only when the
 operator allows it (`policy.remedies`) and the engine supports it (a prefix-cache reset
@@ -58,6 +60,10 @@ class RuleMemory:
     trips: int = 0
     generation: int = 0  # the engine the timers and the arming refer to
     rung: str = ""  # the last ladder rung taken for the symptom since it last cleared
+    # windowed rules (for_fraction < 1): (time, condition held) over the last for_s, and
+    # since when this engine has been judged (the window must be covered)
+    samples: tuple[tuple[float, bool], ...] = ()
+    judged_since: float | None = None
 
 
 @dataclass(frozen=True)
@@ -188,7 +194,8 @@ def _step_rule(name: str, rule: RuleConfig, m: RuleMemory, signals: Mapping[str,
         # engine is a new occurrence (one-shot rules re-arm; the cooldowns and the restart
         # budget still bound how often they act).
         m = dataclasses.replace(m, true_since=None, clear_since=None, top_since=None,
-                                armed=True, generation=e.generation)
+                                armed=True, generation=e.generation, samples=(),
+                                judged_since=None)
     cond = _cond(rule.when).holds(signals)
     # clear: the clear condition holds and the trip condition does not (a card reporting
     # thermal slowdown is not cool, whatever its temperature reads)
@@ -208,10 +215,18 @@ def _step_rule(name: str, rule: RuleConfig, m: RuleMemory, signals: Mapping[str,
         m = dataclasses.replace(m, rung="")
     if not cond:
         m = dataclasses.replace(m, top_since=None)
-    held = true_since is not None and now - true_since >= rule.for_s
+    if rule.for_fraction < 1.0:
+        m = _sampled(m, cond, now, rule.for_s)
+        held = cond and _window_holds(m, now, rule)
+    else:
+        held = true_since is not None and now - true_since >= rule.for_s
     cooled = m.last_fired is None or now - m.last_fired >= rule.cooldown_s
     ev = _evidence(signals, rule.when)
     why = f"{name}: {rule.when} for {rule.for_s:g} s"
+    if rule.for_fraction < 1.0:
+        share = window_share(m) or 0.0
+        why = (f"{name}: {rule.when} in {share:.0%} of the samples over {rule.for_s:g} s "
+               f"(at least {rule.for_fraction:.0%})")
 
     if rule.action in LIFTABLE:
         if held:
@@ -258,6 +273,25 @@ def _step_rule(name: str, rule: RuleConfig, m: RuleMemory, signals: Mapping[str,
     return m, _Due(name, action, why, ev)
 
 
+def _sampled(m: RuleMemory, cond: bool, now: float, for_s: float) -> RuleMemory:
+    kept = tuple(x for x in m.samples if x[0] > now - for_s)
+    since = m.judged_since if m.judged_since is not None else now
+    return dataclasses.replace(m, samples=(*kept, (now, cond)), judged_since=since)
+
+
+def window_share(m: RuleMemory) -> float | None:
+    """The share of a windowed rule's samples in which its condition held (None: none)."""
+    if not m.samples:
+        return None
+    return sum(1 for _, ok in m.samples if ok) / len(m.samples)
+
+
+def _window_holds(m: RuleMemory, now: float, rule: RuleConfig) -> bool:
+    share = window_share(m)
+    return (m.judged_since is not None and now - m.judged_since >= rule.for_s
+            and share is not None and share >= rule.for_fraction)
+
+
 def _restarts(action: str, e: EngineView, lifts_batch: bool = False) -> bool:
     if action in ("restart", "restart_now", "reduce_batch", "fewer_spec_tokens",
                   "more_spec_tokens"):
@@ -285,7 +319,7 @@ def decide(signals: Mapping[str, float | None], state: PolicyState, config: Poli
         # A condition must hold on a serving engine: timers start again when it serves.
         for name, m in rules.items():
             rules[name] = dataclasses.replace(m, true_since=None, clear_since=None,
-                                              top_since=None)
+                                              top_since=None, samples=(), judged_since=None)
         return unchanged(dataclasses.replace(mem, rules=rules, restarts=restarts))
 
     due: list[_Due] = []

@@ -1,10 +1,11 @@
 """The watchdog's rules: their schema and the defaults that ship. Pure data.
 
 Each rule names a condition over signals (`supervisor.conditions`), how long it must
-hold, a clear condition and how long that must hold (hysteresis), an action, a cooldown,
-and optionally an escalation: what to do when the condition outlives the action (for a
-throttle: still true this long at the top level). Why each default is what it is:
-docs/watchdog.md.
+hold (as an unbroken streak, or, with `for_fraction` below 1, in that share of the
+samples over the last `for_s`: real saturation oscillates), a clear condition and how
+long that must hold (hysteresis), an action, a cooldown, and optionally an escalation:
+what to do when the condition outlives the action (for a throttle: still true this long
+at the top level). Why each default is what it is: docs/watchdog.md.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ class RuleConfig:
     action: str
     enabled: bool = True
     for_s: float = 0.0
+    # 1: the condition holds for all of for_s without a break; below 1: in at least that
+    # share of the samples over the last for_s (unknown samples count as not true), the
+    # window covered, and the condition true now
+    for_fraction: float = 1.0
     clear_when: str = ""  # empty: the rule is clear when `when` does not hold
     clear_for_s: float = 0.0
     cooldown_s: float = 300.0
@@ -44,14 +49,14 @@ class RuleConfig:
 DEFAULT_RULES: dict[str, RuleConfig] = {
     "kv_saturation": RuleConfig(
         when="kv_cache_usage >= 0.95 and requests_waiting > 0 and preemption_rate > 0",
-        for_s=60, clear_when="kv_cache_usage < 0.85", clear_for_s=300,
+        for_s=60, for_fraction=0.8, clear_when="kv_cache_usage < 0.85", clear_for_s=300,
         action="throttle", cooldown_s=120, escalate_after_s=300, escalate_action="kv_reset"),
     "kv_leak": RuleConfig(
-        when="kv_cache_usage >= 0.5 and requests_running == 0", for_s=30,
+        when="kv_cache_usage >= 0.5 and requests_running == 0", for_s=30, for_fraction=0.8,
         action="kv_reset", cooldown_s=120),
     "prefix_collapse": RuleConfig(
         when="prefix_cache_hit_rate < 0.40 and prefix_cache_hit_rate_ratio < 0.5",
-        for_s=300, action="reset_prefix_cache", cooldown_s=1800),
+        for_s=300, for_fraction=0.8, action="reset_prefix_cache", cooldown_s=1800),
     "memory_growth": RuleConfig(
         when=("engine_rss_bytes > 6.4e10 or engine_rss_growth_bytes_per_h > 2e9"
               " or engine_gpu_memory_growth_bytes_per_h > 1e9"),
@@ -61,13 +66,14 @@ DEFAULT_RULES: dict[str, RuleConfig] = {
         action="restart_now", cooldown_s=60),
     "thermal": RuleConfig(
         when="gpu_slowdown_margin_c <= 5 or gpu_thermal_throttled >= 1", for_s=30,
+        for_fraction=0.8,
         # (clear also needs `when` to be false: NVML's slowdown flag blocks a lift when
         # reported, and a card that cannot report its clock reasons can still cool down)
         clear_when="gpu_slowdown_margin_c >= 8",
         clear_for_s=120, action="throttle", cooldown_s=60,
         escalate_after_s=600, escalate_action="reduce_batch"),
     "power_budget": RuleConfig(
-        enabled=False, when="gpu_power_w > 600", for_s=60,
+        enabled=False, when="gpu_power_w > 600", for_s=60, for_fraction=0.8,
         clear_when="gpu_power_w < 560", clear_for_s=120, action="throttle", cooldown_s=120),
     "spec_decode_low": RuleConfig(
         when="spec_decode_acceptance_rate < 0.4", for_s=600,

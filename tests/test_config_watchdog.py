@@ -52,6 +52,8 @@ def test_a_new_rule_needs_when_and_action():
     ({"action": "reboot"}, "policy.rules.kv_saturation.action", "expected one of"),
     ({"for_s": -1}, "policy.rules.kv_saturation.for_s", "expected a number of seconds"),
     ({"enabled": "yes"}, "policy.rules.kv_saturation.enabled", "expected true or false"),
+    ({"for_fraction": 0}, "policy.rules.kv_saturation.for_fraction", "above 0 and at most 1"),
+    ({"for_fraction": 1.5}, "policy.rules.kv_saturation.for_fraction", "got 1.5"),
     ({"escalate_action": ""}, "policy.rules.kv_saturation.escalate_action", "required"),
 ])
 def test_bad_rule_values_name_the_full_key(rule, where, what):

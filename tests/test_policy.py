@@ -99,12 +99,83 @@ def test_kv_saturation_almost_trips_59_s_or_without_a_queue_or_preemptions():
         assert r.over(seconds(0, 120), {**SATURATED, **missing}) == [], missing
 
 
-def test_kv_saturation_interrupted_starts_its_timer_again():
-    r = Run(config(**only("kv_saturation")))
+def test_a_streak_rule_interrupted_starts_its_timer_again():
+    r = Run(config(**only("kv_saturation", kv_saturation={"for_fraction": 1.0})))
     assert r.over(seconds(0, 50), SATURATED) == []
     assert r.over([51], {**SATURATED, "requests_waiting": 0}) == []
     assert r.over(seconds(52, 110), SATURATED) == []  # 59 s since the gap
     assert r.over([112], SATURATED)[0].action == "throttle"
+
+
+# ---- windowed rules (for_fraction < 1): real saturation oscillates ----------------------
+
+def series(pattern: list[Signals], a: float, b: float) -> list[tuple[float, Signals]]:
+    """The signals at each second from a to b, cycling through `pattern`."""
+    return [(t, pattern[i % len(pattern)]) for i, t in enumerate(seconds(a, b))]
+
+
+def first_action(r: Run, samples: list[tuple[float, Signals]]) -> tuple[float, str] | None:
+    for t, sig in samples:
+        d = r.at(t, sig)
+        if d.action != "none":
+            return t, d.action
+    return None
+
+
+UNSATURATED: Signals = {**SATURATED, "requests_waiting": 0}
+UNKNOWN: Signals = {**SATURATED, "kv_cache_usage": None}
+
+
+def test_kv_saturation_with_one_gap_still_trips_once_its_window_is_covered():
+    r = Run(config(**only("kv_saturation")))
+    samples = series([SATURATED], 0, 50) + [(51, UNSATURATED)] + series([SATURATED], 52, 200)
+    assert first_action(r, samples) == (60, "throttle")
+    assert "in 98% of the samples over 60 s (at least 80%)" in r.decisions[-1][1].reason
+
+
+def test_kv_saturation_oscillating_mostly_true_trips_and_mostly_false_does_not():
+    nine_in_ten = [SATURATED] * 9 + [UNSATURATED]
+    r = Run(config(**only("kv_saturation")))
+    # (at 60 s the window is covered; the first tick after it with the condition true)
+    assert first_action(r, series(nine_in_ten, 0, 300)) == (60, "throttle")
+    three_in_four = [SATURATED] * 3 + [UNSATURATED]
+    assert first_action(Run(config(**only("kv_saturation"))),
+                        series(three_in_four, 0, 600)) is None
+    one_in_two = [SATURATED, UNSATURATED]
+    assert first_action(Run(config(**only("kv_saturation"))),
+                        series(one_in_two, 0, 600)) is None
+
+
+def test_unknown_samples_count_as_not_true_never_as_alarms():
+    few_gaps = [SATURATED] * 9 + [UNKNOWN]
+    assert first_action(Run(config(**only("kv_saturation"))),
+                        series(few_gaps, 0, 300)) == (60, "throttle")
+    many_gaps = [SATURATED, UNKNOWN, UNKNOWN]
+    assert first_action(Run(config(**only("kv_saturation"))),
+                        series(many_gaps, 0, 600)) is None
+    assert first_action(Run(config(**only("kv_saturation"))),
+                        series([UNKNOWN], 0, 600)) is None
+
+
+def test_a_windowed_rule_acts_only_while_its_condition_holds_now():
+    r = Run(config(**only("kv_saturation")))
+    samples = series([SATURATED], 0, 58) + series([UNSATURATED], 59, 61) + \
+        series([SATURATED], 62, 80)
+    assert first_action(r, samples) == (62, "throttle")
+
+
+def test_a_windowed_rule_starts_afresh_on_a_new_engine_and_off_running():
+    r = Run(config(**only("kv_saturation")))
+    assert r.over(seconds(0, 40), SATURATED) == []
+    assert r.at(41, SATURATED, generation=2).action == "none"  # a new engine: uncovered
+    assert r.over(seconds(42, 100), SATURATED) == []
+    assert r.over([101], SATURATED)[0].action == "throttle"
+    r = Run(config(**only("kv_saturation")))
+    assert r.over(seconds(0, 40), SATURATED) == []
+    assert r.at(41, SATURATED, state="STARTING").action == "none"
+    assert r.at(42, SATURATED, state="RUNNING").action == "none"  # judged from here
+    assert r.over(seconds(43, 101), SATURATED) == []
+    assert r.over([102], SATURATED)[0].action == "throttle"
 
 
 def test_kv_saturation_steps_per_cooldown_then_escalates_to_restart_at_the_top():
@@ -697,7 +768,8 @@ def test_an_interruption_restarts_the_time_at_the_top_before_escalating():
     assert r.over([501], gpu(6)) == []  # neither hot nor clear, for one tick
     acted = [(t, d.action) for t, d in ((t, r.at(t, gpu(2))) for t in seconds(502, 1300))
              if d.action != "none"]
-    assert acted == [(502 + 30 + 600, "reduce_batch")]
+    # (thermal is windowed: hot again at once, it holds at once; the top waits anew)
+    assert acted == [(502 + 600, "reduce_batch")]
 
 
 def test_thermal_lifts_on_a_card_that_cannot_report_clock_reasons_but_never_while_slowed():
