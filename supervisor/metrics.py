@@ -32,6 +32,7 @@ class Snapshot:
     prefix_cache_hit_rate_gauge: float | None = None  # releases before the counters
     prompt_tokens_total: float | None = None
     generation_tokens_total: float | None = None
+    engine_steps_total: float | None = None  # engine iterations (iteration_tokens' count)
     spec_decode_draft_tokens_total: float | None = None
     spec_decode_accepted_tokens_total: float | None = None
     num_gpu_blocks: int | None = None  # from vllm:cache_config_info
@@ -56,6 +57,7 @@ _SUMMED = {
     "prefix_cache_hits_total": ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits"),
     "prompt_tokens_total": ("vllm:prompt_tokens_total", "vllm:prompt_tokens"),
     "generation_tokens_total": ("vllm:generation_tokens_total", "vllm:generation_tokens"),
+    "engine_steps_total": ("vllm:iteration_tokens_total_count",),
     "spec_decode_draft_tokens_total": ("vllm:spec_decode_num_draft_tokens_total",
                                        "vllm:spec_decode_num_draft_tokens"),
     "spec_decode_accepted_tokens_total": ("vllm:spec_decode_num_accepted_tokens_total",

@@ -61,6 +61,8 @@ DEFAULT_RULES: dict[str, RuleConfig] = {
         when=("engine_rss_bytes > 6.4e10 or engine_rss_growth_bytes_per_h > 2e9"
               " or engine_gpu_memory_growth_bytes_per_h > 1e9"),
         for_s=60, action="restart", cooldown_s=3600),
+    "no_progress": RuleConfig(
+        when="engine_stalled_s >= 6", for_s=0, action="restart_now", cooldown_s=60),
     "hang": RuleConfig(
         when="canary_failures >= 3 or metrics_staleness_s >= 30", for_s=0,
         action="restart_now", cooldown_s=60),

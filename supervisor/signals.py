@@ -15,6 +15,14 @@ What operators call KV "fragmentation" is measured here as what it is: saturatio
 little runs (`kv_blocks_held`, `kv_blocks_per_running_request`), host memory growth
 (`engine_rss_growth_bytes_per_h`) and prefix-cache collapse (`prefix_cache_hit_rate`
 against its own trailing baseline).
+
+Progress: `engine_stalled_s` is how long, between two scrapes, the engine's own counters
+of steps and tokens stood still while its own gauges showed requests running or waiting
+(waiting alone counts: captured wedges show nothing running and the queue climbing).
+Measured from the scrape that first showed the current counters, or the first that
+showed demand, to the latest scrape: never more than what was seen. Requests still in
+the API server's own hands (tokenising, fetching images) are not the core's to step and
+do not count; a frozen idle engine is left to the canary.
 """
 
 from __future__ import annotations
@@ -94,6 +102,9 @@ SIGNALS: tuple[SignalSpec, ...] = (
     _s("metrics_age_s", "metrics_age_seconds", "seconds since the last good /metrics scrape"),
     _s("metrics_staleness_s", "metrics_staleness_seconds",
        "seconds the engine's metrics have not moved while requests were running"),
+    _s("engine_stalled_s", "engine_stalled_seconds",
+       "seconds the engine's step and token counters have not moved while it had requests "
+       "running or waiting (0 when they move or it is idle)"),
     _s("scrape_failures_total", "scrape_failures", "failed /metrics scrapes, this daemon"),
 )
 SIGNAL_NAMES: frozenset[str] = frozenset(s.name for s in SIGNALS)
@@ -194,10 +205,14 @@ class SignalWindow:
         self.xids: list[int] = []  # codes since this engine started, for evidence
         self._xid_restart = 0
         self._xid_reset = 0
+        self._moved_at: float | None = None  # scrape that first showed these counters
+        self._demand_since: float | None = None  # first scrape of this run of demand
+        self._stalled_s: float | None = None
 
     # ---- feeding ----------------------------------------------------------------------
 
     def add_metrics(self, now: float, snap: Snapshot) -> None:
+        self._track_progress(now, snap, self._snaps[-1][1] if self._snaps else None)
         self._snaps.append((now, snap))
         keep = self.cfg.rate_window_s * 1.5
         while self._snaps and self._snaps[0][0] < now - keep:
@@ -210,6 +225,20 @@ class SignalWindow:
             keep = self.cfg.baseline_window_s + self.cfg.rate_window_s * 2
             while self._prefix and self._prefix[0][0] < now - keep:
                 self._prefix.popleft()
+
+    def _track_progress(self, now: float, snap: Snapshot, prev: Snapshot | None) -> None:
+        moved = _progress(snap)
+        if moved is None or (snap.requests_running is None and snap.requests_waiting is None):
+            self._moved_at = self._demand_since = self._stalled_s = None
+            return
+        if prev is None or _progress(prev) != moved or self._moved_at is None:
+            self._moved_at = now
+        if (snap.requests_running or 0) + (snap.requests_waiting or 0) > 0:
+            self._demand_since = now if self._demand_since is None else self._demand_since
+            self._stalled_s = now - max(self._moved_at, self._demand_since)
+        else:
+            self._demand_since = None
+            self._stalled_s = 0.0
 
     def add_tree(self, now: float, rss_bytes: int, cpu_percent: float | None) -> None:
         self._rss.add(now, rss_bytes)
@@ -253,7 +282,7 @@ class SignalWindow:
                 continue
             if at > t1:
                 break
-            if base is not None and _tokens(snap) > _tokens(base):
+            if base is not None and _progress(snap) != _progress(base):
                 return True
             base = snap
         return False
@@ -320,6 +349,7 @@ class SignalWindow:
         out["canary_latency_s"] = self.canary_latency_s
         out["metrics_age_s"] = metrics_age_s
         out["metrics_staleness_s"] = staleness_s
+        out["engine_stalled_s"] = self._stalled_s
         out["scrape_failures_total"] = float(scrape_failures_total)
         return out
 
@@ -362,8 +392,10 @@ def _flag(v: bool | None) -> float | None:
     return None if v is None else float(v)
 
 
-def _tokens(s: Snapshot) -> float:
-    return (s.generation_tokens_total or 0.0) + (s.prompt_tokens_total or 0.0)
+def _progress(s: Snapshot) -> tuple[float | None, float | None, float | None] | None:
+    """The counters that move with every engine step (None: the engine exports none)."""
+    p = (s.engine_steps_total, s.generation_tokens_total, s.prompt_tokens_total)
+    return None if p == (None, None, None) else p
 
 
 def _ratio(num0: float | None, num1: float | None, den0: float | None, den1: float | None,

@@ -128,7 +128,7 @@ UNKNOWN: Signals = {**SATURATED, "kv_cache_usage": None}
 
 def test_kv_saturation_with_one_gap_still_trips_once_its_window_is_covered():
     r = Run(config(**only("kv_saturation")))
-    samples = series([SATURATED], 0, 50) + [(51, UNSATURATED)] + series([SATURATED], 52, 200)
+    samples = [*series([SATURATED], 0, 50), (51, UNSATURATED), *series([SATURATED], 52, 200)]
     assert first_action(r, samples) == (60, "throttle")
     assert "in 98% of the samples over 60 s (at least 80%)" in r.decisions[-1][1].reason
 
@@ -534,6 +534,8 @@ TRIPS: dict[str, tuple[EngineView, Signals, str, dict[str, float | None]]] = {
                                      "engine_rss_growth_bytes_per_h": 3e9}, "restart",
                       {"engine_rss_bytes": 8e9, "engine_rss_growth_bytes_per_h": 3e9,
                        "engine_gpu_memory_growth_bytes_per_h": None}),
+    "no_progress": (EngineView(), {"engine_stalled_s": 6.0}, "restart_now",
+                    {"engine_stalled_s": 6.0}),
     "hang": (EngineView(), {"canary_failures": 3, "metrics_staleness_s": 2.5}, "restart_now",
              {"canary_failures": 3, "metrics_staleness_s": 2.5}),
     "thermal": (EngineView(), gpu(4.25), "throttle",
@@ -563,6 +565,8 @@ NEAR: dict[str, list[Signals]] = {
                         {**COLLAPSE, "prefix_cache_hit_rate": 0.4}],
     "memory_growth": [{"engine_rss_bytes": 6.4e10, "engine_rss_growth_bytes_per_h": 2e9,
                        "engine_gpu_memory_growth_bytes_per_h": 1e9}],
+    "no_progress": [{"engine_stalled_s": 5.9}, {"engine_stalled_s": None},
+                    {"engine_stalled_s": 0.0}],
     "hang": [{"canary_failures": 2, "metrics_staleness_s": 29.9}],
     "thermal": [gpu(5.01), gpu(20, 0.0)],
     "power_budget": [{"gpu_power_w": 600.0}],

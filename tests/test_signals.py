@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -344,3 +345,66 @@ def test_progressed_between_compares_with_the_scrape_before_the_interval():
     assert not w.progressed_between(40, 50)  # no scrape at all: no progress seen
     w.add_metrics(40.0, Snapshot(generation_tokens_total=150.0, prompt_tokens_total=9.0))
     assert w.progressed_between(35, 45)  # prefill counts as progress
+
+
+# ---- progress: engine_stalled_s ----------------------------------------------------------
+
+def stalled(w: SignalWindow, now: float) -> float | None:
+    return compute(w, now)["engine_stalled_s"]
+
+
+def with_counters(name: str, generated: float, steps: float) -> Snapshot:
+    """A real scrape with its generation and step counters set (the engine stepped)."""
+    return dataclasses.replace(scrape(name), generation_tokens_total=generated,
+                               engine_steps_total=steps)
+
+
+def test_the_real_scrapes_carry_the_step_counter():
+    assert scrape("kv-saturated.txt").engine_steps_total == 863.0
+    assert scrape("after-load.txt").engine_steps_total == 3269.0
+    h100 = parse_metrics((FIX.parent / "vllm-0.26-h100-metrics" / "idle.txt").read_text())
+    assert h100.engine_steps_total is not None
+
+
+def test_a_frozen_page_with_requests_running_and_waiting_is_a_stall_from_its_first_showing():
+    w = SignalWindow(WindowConfig())
+    w.add_metrics(0.0, with_counters("kv-saturated.txt", 1000, 800))
+    w.add_metrics(2.0, with_counters("kv-saturated.txt", 1100, 820))  # stepping
+    assert stalled(w, 2.0) == 0.0
+    for t in (4.0, 6.0, 8.0):
+        w.add_metrics(t, with_counters("kv-saturated.txt", 1100, 820))  # frozen from 2 s
+    assert stalled(w, 8.0) == 6.0
+    assert stalled(w, 9.9) == 6.0  # never more than the scrapes showed
+    w.add_metrics(10.0, with_counters("kv-saturated.txt", 1101, 821))
+    assert stalled(w, 10.0) == 0.0
+
+
+def test_waiting_alone_counts_as_demand():
+    w = SignalWindow(WindowConfig())
+    wedged = dataclasses.replace(scrape("kv-saturated.txt"), requests_running=0.0)
+    for t in (0.0, 2.0, 4.0, 6.0):
+        w.add_metrics(t, wedged)
+    assert stalled(w, 6.0) == 6.0
+
+
+def test_an_idle_engine_is_never_stalled_and_demand_is_timed_from_its_arrival():
+    w = SignalWindow(WindowConfig())
+    for t in (0.0, 2.0, 4.0, 6.0, 8.0):
+        w.add_metrics(t, scrape("after-load.txt"))  # nothing running or waiting
+    assert stalled(w, 8.0) == 0.0
+    busy = dataclasses.replace(scrape("after-load.txt"), requests_waiting=1.0)
+    w.add_metrics(10.0, busy)  # a request arrived, no step yet: not a stall of 10 s
+    assert stalled(w, 10.0) == 0.0
+    w.add_metrics(12.0, busy)
+    assert stalled(w, 12.0) == 2.0
+
+
+def test_progress_is_unknown_without_the_engines_counters():
+    w = SignalWindow(WindowConfig())
+    for t in (0.0, 2.0, 4.0):
+        w.add_metrics(t, Snapshot())  # --disable-log-stats: no vllm:* series
+    assert stalled(w, 4.0) is None
+    w = SignalWindow(WindowConfig())
+    assert stalled(w, 0.0) is None
+
+

@@ -172,6 +172,37 @@ def test_running_to_restart_without_drain_when_the_canary_hangs(daemon_factory, 
     print(f"hang detected {detected_s:.2f} s after the engine froze")
 
 
+def test_running_to_restart_when_the_counters_stop_before_the_canary_sees_it(
+        daemon_factory, tmp_path, metrics):
+    """The engine freezes (completions hang, /health and /metrics still answer, its
+    counters stand still with requests running and waiting): at the default periods
+    (scrape 2 s, canary every 10 s with a 5 s deadline, 3 failures) the progress rule
+    decides first, and the canary, the second witness, has not yet failed three times."""
+    hang = tmp_path / "hang"
+    cfg = watchdog_config(tmp_path, "--hang-file", str(hang), "--metrics-file",
+                          str(metrics.path))
+    cfg["metrics"] = {"period_s": 2.0, "timeout_s": 2.0}
+    cfg["canary"] = {"period_s": 10.0, "timeout_s": 5.0}
+    metrics.set(running=4, waiting=2, generation=50.0)
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: d.status()["signals"]["engine_stalled_s"] == 0.0, 10, "progress seen")
+    t0 = time.monotonic()
+    metrics.set(generation=0.0)
+    hang.touch()
+    dec = wait_for(lambda: d.decisions(), 60, "a decision")[0]
+    detected_s = time.monotonic() - t0
+    metrics.set(generation=50.0)
+    hang.unlink()
+    assert (dec["rule"], dec["action"]) == ("no_progress", "restart_now"), dec
+    assert dec["evidence"]["engine_stalled_s"] >= 6
+    assert d.status()["signals"]["canary_failures"] < 3
+    d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] == 1)
+    assert [e["rule"] for e in d.decisions()] == ["no_progress"]
+    print(f"no progress decided {detected_s:.2f} s after the engine froze "
+          f"(stalled {dec['evidence']['engine_stalled_s']} s)")
+
+
 def test_a_restart_remedy_whose_engine_never_boots_again_is_audited_as_failed(
         daemon_factory, tmp_path):
     hang, broken = tmp_path / "hang", tmp_path / "broken"
