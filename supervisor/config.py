@@ -223,6 +223,18 @@ class ProxyConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvidenceConfig:
+    # a bounded snapshot (stacks, last engine lines, signals, GPU) before a fault's kill
+    enabled: bool = _field(True)
+    dir: str = _field("")  # default: "evidence" beside the audit trail
+    keep: int = _field(20, lo=1, hi=10000)
+    timeout_s: float = _field(5.0, lo=0.5, hi=60)  # the kill never waits longer
+    log_lines: int = _field(200, lo=0, hi=100000)
+    # the rules whose restart captures one (a failed in-place remedy always does)
+    rules: list[str] = _field(["hang", "no_progress", "xid_restart", "xid_reset"])
+
+
+@dataclasses.dataclass(frozen=True)
 class ExporterConfig:
     # the daemon's own /metrics, /healthz and /readyz
     enabled: bool = _field(True)
@@ -245,6 +257,7 @@ class Config:
     policy: PolicyConfig = _field(PolicyConfig())
     exporter: ExporterConfig = _field(ExporterConfig())
     proxy: ProxyConfig = _field(ProxyConfig())
+    evidence: EvidenceConfig = _field(EvidenceConfig())
     source: str = ""  # the file this came from; not a TOML key
 
     @property
@@ -267,6 +280,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "policy": PolicyConfig,
     "exporter": ExporterConfig,
     "proxy": ProxyConfig,
+    "evidence": EvidenceConfig,
 }
 
 
@@ -496,6 +510,10 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
             why = route_problem(route)
             if why is not None:
                 problems.append(f"proxy.extra_routes: {route!r} is not a route: {why}")
+    unknown = [r for r in sections["evidence"].rules if r not in sections["policy"].rules]
+    if unknown:
+        problems.append(f"evidence.rules: unknown rules {unknown!r} (the rules are "
+                        f"{', '.join(sections['policy'].rules)})")
     gpu: GpuConfig = sections["gpu"]
     if gpu.sampler == "file" and not gpu.file:
         problems.append("gpu.file: required when gpu.sampler is \"file\"")
@@ -513,6 +531,8 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
     runtime_dir = _resolve(base, sections["daemon"].runtime_dir or _default_runtime_dir())
     control: ControlConfig = sections["control"]
     audit: AuditConfig = sections["audit"]
+    audit_path = _resolve(base, audit.path or str(Path(_default_state_dir()) / "events.jsonl"))
+    evidence: EvidenceConfig = sections["evidence"]
     return Config(
         engine=dataclasses.replace(engine, command=command,
                                    cwd=_resolve(base, engine.cwd or ".")),
@@ -521,9 +541,7 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
         control=dataclasses.replace(
             control, socket=_resolve(base, control.socket or
                                      str(Path(runtime_dir) / "control.sock"))),
-        audit=dataclasses.replace(
-            audit, path=_resolve(base, audit.path or
-                                 str(Path(_default_state_dir()) / "events.jsonl"))),
+        audit=dataclasses.replace(audit, path=audit_path),
         log=sections["log"],
         daemon=DaemonConfig(runtime_dir=runtime_dir),
         canary=sections["canary"],
@@ -533,6 +551,8 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
         policy=sections["policy"],
         exporter=exporter,
         proxy=proxy,
+        evidence=dataclasses.replace(evidence, dir=_resolve(
+            base, evidence.dir or str(Path(audit_path).parent / "evidence"))),
         source=source,
     )
 

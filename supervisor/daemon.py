@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import httpx
 import structlog
 
-from supervisor import canary, proctree, relaunch, remedy, xid
+from supervisor import canary, evidence, proctree, relaunch, remedy, xid
 from supervisor import engine as eng
 from supervisor.admission import Gate, GateLimits
 from supervisor.audit import AuditTrail
@@ -109,6 +109,14 @@ class TreeSeen(Event):
     at: float  # monotonic
     rss_bytes: int
     cpu_s: float  # CPU seconds used so far by the live processes
+
+
+@dataclass(frozen=True)
+class EvidenceCaptured(Event):
+    name = "evidence_captured"
+    generation: int
+    request: evidence.EvidenceRequest
+    bundle: evidence.Bundle
 
 
 @dataclass(frozen=True)
@@ -320,6 +328,8 @@ class Supervisor:
         self.exit_code = 0
         self._spawning = False
         self._taking_down = False
+        # (rule, reason): the next take-down of this engine first captures evidence
+        self._evidence_for: tuple[str, str] | None = None
         self._force = asyncio.Event()
         self._restart_reason = ""
         self._restart_when_down = False
@@ -478,6 +488,7 @@ class Supervisor:
         self.generation += 1
         self.scrapes.reset()
         self.window.reset()
+        self._evidence_for = None  # (for the engine that went, if none was taken down)
         self.sleep_mode, self.sleep_mode_why = False, "the engine is not serving yet"
         self._spawning = True
         self._force = asyncio.Event()
@@ -504,7 +515,8 @@ class Supervisor:
             held = await asyncio.to_thread(proctree.port_holder, spec.host, spec.port)
             if held is not None:
                 raise RuntimeError(f"engine port refused: {held}")
-            engine = await eng.spawn_engine(spec, generation, self.clock.monotonic(), cfg)
+            engine = await eng.spawn_engine(spec, generation, self.clock.monotonic(), cfg,
+                                            self.config.evidence.log_lines)
             await asyncio.to_thread(self.state_file.write, engine.pgid, engine.known)
         except Exception as exc:  # any failure here is a failed start, never a stuck one
             error = str(exc) if isinstance(exc, OSError | RuntimeError) else repr(exc)
@@ -753,13 +765,53 @@ class Supervisor:
         self._taking_down = True
         if self._relaunch is not None and self._relaunch.taken_down_at is None:
             self._relaunch.taken_down_at = self.clock.monotonic()
-        self._audit("take_down", pid=engine.pid, graceful=graceful)
+        req = self._evidence_request(engine)
+        self._audit("take_down", pid=engine.pid, graceful=graceful,
+                    evidence_for=req.rule if req is not None else None)
         log.info("taking the engine down", pid=engine.pid, graceful=graceful)
-        self._launch(self._job_take_down(engine, graceful, self._force), "take down")
+        self._launch(self._job_take_down(engine, graceful, self._force, req), "take down")
+
+    def _evidence_request(self, engine: eng.EngineProcess) -> evidence.EvidenceRequest | None:
+        pending, self._evidence_for = self._evidence_for, None
+        if pending is None or not self.config.evidence.enabled:
+            return None
+        rule, reason = pending
+        pids = [engine.pid, *(p.pid for p in engine.known if p.pid != engine.pid)]
+        return evidence.EvidenceRequest(
+            reason=reason, rule=rule, engine_pid=engine.pid, pids=pids,
+            log_lines=list(engine.recent_lines),
+            signals=self._signals(self.clock.monotonic()), gpu=self.window.gpu_snapshot(),
+            wall=self.clock.wall())
+
+    async def _job_evidence(self, engine: eng.EngineProcess,
+                            req: evidence.EvidenceRequest) -> None:
+        """Bounded: the take-down waits for this at most evidence.timeout_s (+1 s to write
+        what was gathered), whatever py-spy does."""
+        cfg = self.config.evidence
+        try:
+            bundle = await asyncio.wait_for(
+                evidence.capture(req, Path(cfg.dir), cfg.keep, cfg.timeout_s,
+                                 evidence.find_py_spy()), cfg.timeout_s + 1.0)
+        except TimeoutError:
+            bundle = evidence.Bundle(str(Path(cfg.dir) / req.name), cfg.timeout_s + 1.0, 0,
+                                     {}, "the capture ran past its bound")
+        self.queue.put_nowait(EvidenceCaptured(engine.generation, req, bundle))
+
+    def handle_evidence_captured(self, ev: EvidenceCaptured) -> None:
+        fields = {"rule": ev.request.rule, "reason": ev.request.reason,
+                  "pid": ev.request.engine_pid, **ev.bundle.as_dict()}
+        if ev.bundle.error:
+            log.error("evidence not captured", **fields)
+        else:
+            log.info("evidence captured", **fields)
+        self._audit("evidence", **fields)
 
     async def _job_take_down(self, engine: eng.EngineProcess, graceful: bool,
-                             force: asyncio.Event) -> None:
+                             force: asyncio.Event,
+                             req: evidence.EvidenceRequest | None = None) -> None:
         try:
+            if req is not None:
+                await self._job_evidence(engine, req)
             # the engine's own config: a reload since its start does not change its stop
             result = await eng.take_down(engine, engine.config, graceful=graceful,
                                          force=force, gpu=self.gpu)
@@ -1039,6 +1091,7 @@ class Supervisor:
             self._audit_remedy({"rung": "alert", "outcome": "alerted", "duration_s": 0.0,
                                 "rule": d.rule})
         elif d.action == "hold_down":
+            self._want_evidence(d.rule, reason)
             codes = [f"XID {c} ({xid.describe(c).name})" for c in self.window.xids]
             why = f"{reason}: {', '.join(codes) or 'GPU error'}; the GPU needs a reset or a " \
                   "reboot, so the engine stays down until `vllm-supervisorctl restart`"
@@ -1059,12 +1112,19 @@ class Supervisor:
                 self._count_restart("policy")
                 if d.action != "lift":  # (restoring settings is not a remedy)
                     self._begin_relaunch(d.action, reason)
+                    self._want_evidence(d.rule, reason)
                 self._restart(reason, graceful=d.action != "restart_now")
             elif d.action == "throttle":
                 # live at the proxy: in force at once
                 self._audit_remedy({"rung": "throttle", "outcome": "ok", "duration_s": 0.0,
                                     "rule": d.rule, "throttle_level": self.throttle_level,
                                     "max_concurrency": self.gate.concurrency_limit})
+
+    def _want_evidence(self, rule: str, reason: str) -> None:
+        """The engine's next take-down captures evidence first, if the rule is one of
+        evidence.rules (a hang, no progress, an XID by default)."""
+        if rule in self.config.evidence.rules:
+            self._evidence_for = (rule, reason)
 
     # ---- in-place remedies ------------------------------------------------------------
 
@@ -1196,6 +1256,7 @@ class Supervisor:
         self._count_restart("policy")
         why = f"{ev.rung} failed ({o.error}): restarting instead"
         self._begin_relaunch("restart", why)
+        self._evidence_for = (f"{ev.rung}_failed", why)
         self._restart(why)
 
     async def _probe(self, client: httpx.AsyncClient, base: str,
@@ -1435,6 +1496,8 @@ class Supervisor:
                 self._audit("control", command="kv-reset")
                 self._remedy_replies.append(ev.reply)  # answered when it ends
                 self._begin_remedy("kv_reset", "requested by operator")
+            elif ev.command == "evidence":
+                self._launch(self._job_list_evidence(ev.reply), "evidence")
             elif ev.command == "events":
                 n = ev.args.get("n", 20)
                 if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 10000:
@@ -1444,6 +1507,12 @@ class Supervisor:
                 raise CommandError(f"unknown command {ev.command!r}")
         except CommandError as exc:
             ev.reply.set_exception(exc)
+
+    async def _job_list_evidence(self, reply: asyncio.Future[dict[str, Any]]) -> None:
+        where = self.config.evidence.dir
+        bundles = await asyncio.to_thread(evidence.list_bundles, Path(where))
+        if not reply.done():
+            reply.set_result({"dir": where, "bundles": bundles})
 
     async def _job_events(self, n: int, reply: asyncio.Future[dict[str, Any]]) -> None:
         records = await asyncio.to_thread(self.audit.tail, n)

@@ -99,6 +99,7 @@ class EngineProcess:
     healthy_at: float | None = None
     exit_code: int | None = None  # as asyncio reports it: negative = killed by that signal
     recent_errors: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+    recent_lines: deque[str] = field(default_factory=lambda: deque(maxlen=200))  # evidence
     relays: list[asyncio.Task[None]] = field(default_factory=list)  # stdout, stderr readers
 
     @property
@@ -118,14 +119,14 @@ class EngineProcess:
 
 
 async def spawn_engine(spec: SpawnSpec, generation: int, now: float,
-                       cfg: EngineConfig) -> EngineProcess:
+                       cfg: EngineConfig, keep_lines: int = 200) -> EngineProcess:
     """Start the engine in its own session. Raises OSError if it cannot be executed."""
     proc = await asyncio.create_subprocess_exec(
         *spec.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, env=spec.env, cwd=spec.cwd,
         start_new_session=True, preexec_fn=_child_setup, limit=_LINE_LIMIT)
     engine = EngineProcess(generation=generation, proc=proc, pid=proc.pid, started_at=now,
-                           spec=spec, config=cfg)
+                           spec=spec, config=cfg, recent_lines=deque(maxlen=keep_lines))
     engine.known = [i for i in await asyncio.to_thread(proctree.snapshot_tree, proc.pid)]
     return engine
 
@@ -144,6 +145,7 @@ async def relay_output(engine: EngineProcess, stream: asyncio.StreamReader, name
         if not line.message.strip():
             continue
         level = _LEVELS[line.level]
+        engine.recent_lines.append(f"[{name}] {raw.decode('utf-8', 'replace').rstrip()}"[:2000])
         if level >= logging.WARNING:
             engine.recent_errors.append(line.message[:500])
         log.log(level, line.message, source="engine", stream=name, proc=line.proc,

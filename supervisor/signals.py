@@ -27,6 +27,7 @@ do not count; a frozen idle engine is left to the canary.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Iterable
@@ -271,6 +272,13 @@ class SignalWindow:
                 self._xid_restart += 1
             elif remedy in ("reset", "reboot"):
                 self._xid_reset += 1
+
+    def gpu_snapshot(self) -> dict[str, object] | None:
+        """The last GPU reading, as plain data (for evidence), or None."""
+        if self._gpu is None:
+            return None
+        return {"at_monotonic": self._gpu.at, "engine_bytes": self._gpu.engine_bytes,
+                **dataclasses.asdict(self._gpu.reading)}
 
     def progressed_between(self, t0: float, t1: float) -> bool:
         """Did the engine's token counters move between two times (scrapes in [t0, t1],

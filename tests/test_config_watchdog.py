@@ -155,3 +155,11 @@ def test_a_changed_rule_shows_in_diff_keys():
     old = parse_config(doc())
     new = parse_config(doc(policy={"rules": {"hang": {"cooldown_s": 30}}}))
     assert diff_keys(old, new) == ["policy.rules"]
+
+
+def test_evidence_rules_must_name_rules_and_the_dir_sits_beside_the_audit_trail():
+    msg = problems(doc(evidence={"rules": ["hang", "frozen"]}))
+    assert "evidence.rules: unknown rules ['frozen']" in msg
+    cfg = parse_config(doc(audit={"path": "var/events.jsonl"}), "t.toml", Path("/base"))
+    assert cfg.evidence.dir == "/base/var/evidence"
+    assert cfg.evidence.rules == ["hang", "no_progress", "xid_restart", "xid_reset"]

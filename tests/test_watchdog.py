@@ -179,8 +179,9 @@ def test_running_to_restart_when_the_counters_stop_before_the_canary_sees_it(
     (scrape 2 s, canary every 10 s with a 5 s deadline, 3 failures) the progress rule
     decides first, and the canary, the second witness, has not yet failed three times."""
     hang = tmp_path / "hang"
-    cfg = watchdog_config(tmp_path, "--hang-file", str(hang), "--metrics-file",
+    cfg = watchdog_config(tmp_path, "--child", "--hang-file", str(hang), "--metrics-file",
                           str(metrics.path))
+    cfg["evidence"] = {"dir": str(tmp_path / "evidence")}
     cfg["metrics"] = {"period_s": 2.0, "timeout_s": 2.0}
     cfg["canary"] = {"period_s": 10.0, "timeout_s": 5.0}
     metrics.set(running=4, waiting=2, generation=50.0)
@@ -199,8 +200,22 @@ def test_running_to_restart_when_the_counters_stop_before_the_canary_sees_it(
     assert d.status()["signals"]["canary_failures"] < 3
     d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] == 1)
     assert [e["rule"] for e in d.decisions()] == ["no_progress"]
+    # evidence, captured before the kill, from the fake engine's own processes
+    (ev,) = [e for e in d.events() if e["event"] == "evidence"]
+    pids = [int(p) for p in (tmp_path / "engine.pids").read_text().split()[:2]]
+    assert ev["rule"] == "no_progress" and ev["error"] is None
+    assert [ev["stacks"][str(p)] for p in pids] == ["ok", "ok"], ev["stacks"]
+    bundle = Path(ev["path"])
+    assert "fake_engine.py" in (bundle / "stacks.txt").read_text()
+    assert "fake engine starting" in (bundle / "engine.log").read_text()
+    assert json.loads((bundle / "bundle.json").read_text())["signals"]["engine_stalled_s"] >= 6
+    downs = [e for e in d.events() if e["event"] == "take_down"]
+    assert downs[0]["evidence_for"] == "no_progress"
+    listed = d.ctl("evidence")
+    assert listed.returncode == 0 and str(bundle) in listed.stdout
     print(f"no progress decided {detected_s:.2f} s after the engine froze "
-          f"(stalled {dec['evidence']['engine_stalled_s']} s)")
+          f"(stalled {dec['evidence']['engine_stalled_s']} s); evidence "
+          f"{ev['bytes']} bytes in {ev['duration_s']} s")
 
 
 def test_a_restart_remedy_whose_engine_never_boots_again_is_audited_as_failed(

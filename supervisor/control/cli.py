@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("resume-policy", help="the watchdog acts again")
     sub.add_parser("kv-reset", help="drop and rebuild the KV cache in place (sleep mode), new "
                                     "requests held meanwhile; returns when done")
+    v = sub.add_parser("evidence", help="the evidence bundles captured before fault kills")
+    v.add_argument("--json", action="store_true", help="machine-readable output")
     e = sub.add_parser("events", help="the audit trail's latest entries")
     e.add_argument("-n", type=int, default=20, help="how many (default 20)")
     e.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -120,6 +122,19 @@ def format_event(ev: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+def format_evidence(result: dict[str, Any]) -> str:
+    bundles = result.get("bundles", [])
+    if not bundles:
+        return f"no evidence bundles in {result.get('dir')}"
+    lines = []
+    for b in bundles:
+        stacks = b.get("stacks") or {}
+        dumped = sum(1 for v in stacks.values() if str(v).startswith("ok"))
+        lines.append(f"{b['path']}  {b.get('time')}  {b.get('rule')}  {b.get('bytes')} bytes, "
+                     f"stacks of {dumped}/{len(stacks)} processes: {b.get('reason')}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     try:
@@ -147,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     elif ns.command == "events":
         for ev in result.get("events", []):
             print(json.dumps(ev) if ns.json else format_event(ev))
+    elif ns.command == "evidence":
+        print(json.dumps(result, indent=2) if ns.json else format_evidence(result))
     elif ns.command == "reload":
         changed = result.get("changed", [])
         print("reloaded; changed: " + (", ".join(changed) if changed else "nothing"))

@@ -12,6 +12,7 @@ Request:  {"v": 1, "cmd": "status", "args": {}}
           {"v": 1, "cmd": "pause-policy"}   (maintenance: the watchdog decides nothing)
           {"v": 1, "cmd": "throttle", "args": {"level": 2}}
           {"v": 1, "cmd": "kv-reset"}   (answered when the sleep, wake and canary are done)
+          {"v": 1, "cmd": "evidence"}   (the evidence bundles kept, oldest first)
 Reply:    {"v": 1, "ok": true, "result": {...}}
           {"v": 1, "ok": false, "error": "one line saying what was refused and why"}
 
@@ -30,7 +31,7 @@ VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024
 IDLE_TIMEOUT_S = 30.0
 COMMANDS = ("status", "restart", "stop", "reload", "events", "pause-policy", "resume-policy",
-            "drain", "resume", "throttle", "unthrottle", "kv-reset")
+            "drain", "resume", "throttle", "unthrottle", "kv-reset", "evidence")
 
 
 class ProtocolError(ValueError):

@@ -1,0 +1,113 @@
+"""Evidence bundles: stacks read from real processes (running, stopped, gone), the bound
+on py-spy, retention, and the listing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from supervisor.evidence import (
+    EvidenceRequest,
+    capture,
+    find_py_spy,
+    list_bundles,
+    prune,
+)
+
+SLEEPER = "import time\ndef wedged():\n    time.sleep(600)\nwedged()\n"
+
+
+@pytest.fixture
+def sleeper():
+    p = subprocess.Popen([sys.executable, "-c", SLEEPER])
+    time.sleep(0.3)  # (the interpreter must be up for its stack to exist)
+    yield p
+    p.kill()
+    p.wait()
+
+
+def request(pids: list[int], rule: str = "no_progress", wall: float | None = None
+            ) -> EvidenceRequest:
+    return EvidenceRequest(reason="no progress for 6 s", rule=rule, engine_pid=pids[0],
+                           pids=pids, log_lines=["(APIServer pid=1) INFO last words"],
+                           signals={"engine_stalled_s": 6.0, "kv_cache_usage": None},
+                           gpu=None, wall=wall if wall is not None else time.time())
+
+
+def test_a_bundle_holds_stacks_log_lines_and_signals(tmp_path, sleeper):
+    py_spy = find_py_spy()
+    assert py_spy is not None  # installed with the supervisor
+    b = asyncio.run(capture(request([sleeper.pid]), tmp_path, 5, 10.0, py_spy))
+    assert b.error is None and b.stacks == {sleeper.pid: "ok"}
+    path = Path(b.path)
+    assert "wedged" in (path / "stacks.txt").read_text()
+    assert (path / "engine.log").read_text() == "(APIServer pid=1) INFO last words\n"
+    doc = json.loads((path / "bundle.json").read_text())
+    assert doc["signals"] == {"engine_stalled_s": 6.0, "kv_cache_usage": None}
+    assert doc["processes"][0]["pid"] == sleeper.pid and doc["rule"] == "no_progress"
+    assert b.bytes == sum(f.stat().st_size for f in path.iterdir())
+
+
+def test_a_stopped_process_is_read_without_resuming_it_and_a_gone_one_is_named(
+        tmp_path, sleeper):
+    os.kill(sleeper.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while psutil.Process(sleeper.pid).status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        b = asyncio.run(capture(request([sleeper.pid, 999_999_999]), tmp_path, 5, 10.0,
+                                find_py_spy()))
+    finally:
+        os.kill(sleeper.pid, signal.SIGCONT)
+    assert b.stacks[sleeper.pid].startswith("ok (the process is stopped")
+    assert b.stacks[999_999_999] == "skipped: the process is gone"
+    assert "wedged" in (Path(b.path) / "stacks.txt").read_text()
+
+
+def test_py_spy_is_bounded_and_its_absence_is_said(tmp_path, sleeper):
+    slow = tmp_path / "slow-py-spy"
+    slow.write_text("#!/bin/sh\nsleep 30\n")
+    slow.chmod(0o755)
+    t0 = time.monotonic()
+    b = asyncio.run(capture(request([sleeper.pid]), tmp_path / "ev", 5, 1.0, str(slow)))
+    assert time.monotonic() - t0 < 10  # (a bound, not a benchmark: 30 s otherwise)
+    assert b.stacks[sleeper.pid] == "failed: py-spy took longer than the evidence bound"
+    assert (Path(b.path) / "bundle.json").exists()  # the rest is kept all the same
+    b = asyncio.run(capture(request([sleeper.pid]), tmp_path / "ev", 5, 1.0, None))
+    assert b.stacks[sleeper.pid] == "skipped: py-spy is not installed"
+
+
+def test_a_refused_read_is_skipped_with_py_spys_reason(tmp_path, sleeper):
+    refusing = tmp_path / "refusing-py-spy"
+    refusing.write_text("#!/bin/sh\necho 'Permission denied (os error 1)' >&2\nexit 1\n")
+    refusing.chmod(0o755)
+    b = asyncio.run(capture(request([sleeper.pid]), tmp_path / "ev", 5, 5.0, str(refusing)))
+    assert b.stacks[sleeper.pid] == ("skipped: not permitted to read the process "
+                                     "(Permission denied (os error 1))")
+
+
+def test_only_the_newest_bundles_are_kept_and_listed_oldest_first(tmp_path):
+    base = 1_790_000_000.0
+    for i in range(5):
+        b = asyncio.run(capture(request([999_999_999], wall=base + i), tmp_path, 3, 5.0,
+                                None))
+        assert b.error is None
+    names = [b["name"] for b in list_bundles(tmp_path)]
+    assert names == [request([1], wall=base + i).name for i in (2, 3, 4)]  # oldest went
+    same = asyncio.run(capture(request([999_999_999], wall=base + 4), tmp_path, 10, 5.0,
+                               None))
+    assert same.path.endswith("-no_progress-2")  # one second, two bundles: both kept
+    listed = list_bundles(tmp_path)
+    assert listed[-1]["rule"] == "no_progress" and listed[-1]["bytes"] > 0
+    assert prune(tmp_path, 1) == [e["name"] for e in listed[:-1]]
+    assert list_bundles(tmp_path / "nothing-here") == []
