@@ -221,7 +221,7 @@ def _step_rule(name: str, rule: RuleConfig, m: RuleMemory, signals: Mapping[str,
     else:
         held = true_since is not None and now - true_since >= rule.for_s
     cooled = m.last_fired is None or now - m.last_fired >= rule.cooldown_s
-    ev = _evidence(signals, rule.when)
+    ev = _evidence(signals, rule.when, rule.clear_when)
     why = f"{name}: {rule.when} for {rule.for_s:g} s"
     if rule.for_fraction < 1.0:
         share = window_share(m) or 0.0

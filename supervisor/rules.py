@@ -47,9 +47,13 @@ class RuleConfig:
 
 
 DEFAULT_RULES: dict[str, RuleConfig] = {
+    # vLLM preempts (evicts a running request, to recompute it later) only when its KV
+    # cache cannot hold the next tokens: a sustained preemption rate is saturation by what
+    # it costs. The window is longer than the rate's own (60 s): one burst keeps the rate
+    # up for 60 s and must not trip it alone.
     "kv_saturation": RuleConfig(
-        when="kv_cache_usage >= 0.95 and requests_waiting > 0 and preemption_rate > 0",
-        for_s=60, for_fraction=0.8, clear_when="kv_cache_usage < 0.85", clear_for_s=300,
+        when="preemption_rate >= 0.2",
+        for_s=90, for_fraction=0.8, clear_when="kv_cache_usage < 0.85", clear_for_s=300,
         action="throttle", cooldown_s=120, escalate_after_s=300, escalate_action="kv_reset"),
     "kv_leak": RuleConfig(
         when="kv_cache_usage >= 0.5 and requests_running == 0", for_s=30, for_fraction=0.8,

@@ -1,10 +1,13 @@
 """End-to-end: the watchdog against the real vLLM CPU engine with the tiny model.
 
 One daemon, started with the brief's KV-pressure flags (8 blocks of 128 tokens, 16
-sequences), serves the tests in order: (a) real KV saturation trips kv_saturation and
-throttles by relaunch; (b) a SIGSTOPped EngineCore is found by the canary and restarted
-without drain; (c) scripted NVML readings throttle for heat and lift with hysteresis.
-Each engine start costs 40-80 s here, so windows are short and the levels few.
+sequences) and the default rules, periods and windows (only the thermal rule is made
+fast), serves the tests in order: (a) the brief's KV recipe, 24 clients asking 400
+tokens each, trips the default kv_saturation rule and throttles by relaunch; (b)
+scripted NVML readings throttle for heat and lift with hysteresis. Each engine start
+costs 40-80 s here, so the levels are few. (A SIGSTOPped EngineCore, decided by the
+progress rule, is in tests/test_e2e_proxy.py: the daemon knows the requests at the
+engine through its proxy.)
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,26 +53,12 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, 
     gpu = tmp / "gpu.json"
     gpu_reading(gpu, 60)
     cfg.update({
-        # Under load the API server answers /metrics seconds late (2 cores, a busy
-        # engine), and a burst's preemptions are rarely caught between two of its own
-        # scrapes: a 20 s rate window spans several bursts, so the preemptions of the
-        # bursts before count when a scrape catches the cache full with a queue.
-        "metrics": {"period_s": 0.25, "timeout_s": 10.0},
-        "signals": {"rate_window_s": 20.0},
-        "canary": {"period_s": 1.0, "timeout_s": 3.0},
         "gpu": {"sampler": "file", "file": str(gpu), "period_s": 0.5},
         "throttle": {"level_factors": [0.75, 0.5]},
+        # (the KV, hang and progress rules act once each here: no gap to wait out)
         "policy": {"min_action_gap_s": 0},
-        # short windows; the kv rule never lifts here (each lift is a 60 s relaunch)
-        # for_s 0: a burst saturates the tiny engine for only a few seconds, and a busy
-        # 2-core machine answers few scrapes meanwhile; for the same reason a positive
-        # preemption rate is rarely caught between two scrapes of one burst, so the rate
-        # is required known, not positive (both are the default rule's, unit-tested)
-        "policy.rules.kv_saturation": {
-            "for_s": 0, "cooldown_s": 600, "clear_for_s": 3600,
-            "when": "kv_cache_usage >= 0.95 and requests_waiting > 0 and preemption_rate >= 0"},
-        "policy.rules.kv_leak": {"enabled": False},  # 8 tiny blocks: not a real leak
-        "policy.rules.hang": {"when": "canary_failures >= 2 or metrics_staleness_s >= 15"},
+        "evidence": {"dir": str(tmp / "evidence")},
+        # the one rule made fast: heat is scripted, and each lift is a 60 s relaunch
         "policy.rules.thermal": {"for_s": 2, "clear_for_s": 4, "cooldown_s": 5},
     })
     d = Daemon(tmp, cfg)
@@ -95,37 +85,41 @@ def test_kv_saturation_trips_the_rule_and_throttles_with_evidence(watched):
     d.wait_state("RUNNING", START_TIMEOUT)
     remember(d)
     port = cfg["engine"]["port"]
-    # The brief's recipe: 24 requests of 400 tokens with ignore_eos on 8 blocks. The tiny
-    # model drains a burst in ~5 s, so bursts repeat until the rule trips.
+    # The brief's recipe: 24 clients asking 400 tokens each with ignore_eos on 8 blocks,
+    # each asking again as soon as it is answered, until the default rule decides.
     body = {"model": "tiny-llama", "prompt": "tell me a story", "max_tokens": 400,
             "ignore_eos": True}
     results: list[int | str] = []
+    stop = threading.Event()
 
     def client() -> None:
-        try:
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300)
-            results.append(r.status_code)
-        except httpx.HTTPError as exc:
-            results.append(type(exc).__name__)
+        while not stop.is_set():
+            try:
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
+                               timeout=300)
+                results.append(r.status_code)
+            except httpx.HTTPError as exc:
+                results.append(type(exc).__name__)
 
     def tripped() -> list[dict[str, Any]]:
         return [e for e in d.decisions() if e["rule"] == "kv_saturation"]
 
     t0 = time.monotonic()
-    bursts = 0
-    while not tripped() and time.monotonic() - t0 < 240:
-        bursts += 1
-        threads = [threading.Thread(target=client, daemon=True) for _ in range(24)]
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(24)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(tripped, 240, f"the kv_saturation rule; log:\n{d.log_tail()}", interval=0.5)
+        trip_s = time.monotonic() - t0
+    finally:
+        stop.set()
         for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-    dec = wait_for(tripped, 30, f"the kv_saturation rule; log:\n{d.log_tail()}")[0]
-    trip_s = time.monotonic() - t0
+            t.join(330)
+    dec = tripped()[0]
     assert dec["action"] == "throttle"
     ev = dec["evidence"]
-    assert ev["kv_cache_usage"] >= 0.95 and ev["requests_waiting"] > 0
-    assert ev["preemption_rate"] >= 0  # known: printed below with the evidence
+    assert ev["preemption_rate"] >= 0.2 and ev["kv_cache_usage"] is not None
+    assert [e["rule"] for e in d.decisions()] == ["kv_saturation"]  # nothing else tripped
     st = d.wait_state("RUNNING", START_TIMEOUT, extra=lambda s: s["restarts"] == 1)
     assert st["throttle_level"] == 1 and st["overrides"]["--max-num-seqs"] == "12"
     argv = " ".join(psutil.Process(st["pid"]).cmdline())
@@ -134,38 +128,9 @@ def test_kv_saturation_trips_the_rule_and_throttles_with_evidence(watched):
     first = min(r["timestamp"] for r in d.log_records()
                 if r.get("event") == "policy decision")
     print("kv saturation:", json.dumps({"load_to_decision_s": round(trip_s, 2),
-                                        "bursts": bursts,
+                                        "reason": dec["reason"],
                                         "evidence": ev, "decided_at": first,
-                                        "client_results": sorted(map(str, results))}))
-
-
-def test_sigstop_of_engine_core_is_a_hang_restarted_without_drain(watched):
-    d, cfg = watched
-    st = d.wait_state("RUNNING", START_TIMEOUT)
-    assert complete(cfg["engine"]["port"])
-    wait_for(lambda: d.status()["signals"]["canary_latency_s"] is not None, 30, "a canary")
-    core = next(p for p in tree(st["pid"]) if p.name().startswith("VLLM::EngineCor"))
-    remember(d)
-    t0 = time.monotonic()
-    core.send_signal(signal.SIGSTOP)
-    try:
-        dec = wait_for(lambda: [e for e in d.decisions() if e["rule"] == "hang"], 60,
-                       "the hang rule", interval=0.1)[0]
-        detected_s = time.monotonic() - t0
-        st = d.wait_state("RUNNING", START_TIMEOUT, extra=lambda s: s["restarts"] == 2)
-        serving_s = time.monotonic() - t0
-    finally:
-        if core.is_running() and core.status() == psutil.STATUS_STOPPED:
-            core.send_signal(signal.SIGCONT)
-    assert dec["action"] == "restart_now"
-    assert dec["evidence"]["canary_failures"] >= 2
-    assert not core.is_running() or core.status() == psutil.STATUS_ZOMBIE
-    assert [e for e in d.events() if e["event"] == "take_down"][-1]["graceful"] is False
-    assert complete(cfg["engine"]["port"])
-    assert st["throttle_level"] == 1  # the throttle outlives a restart
-    remember(d)
-    print("hang:", json.dumps({"sigstop_to_decision_s": round(detected_s, 2),
-                               "sigstop_to_serving_s": round(serving_s, 2)}))
+                                        "client_results": dict(Counter(results))}))
 
 
 def test_scripted_nvml_heat_throttles_and_lifts_with_hysteresis(watched):
@@ -173,7 +138,7 @@ def test_scripted_nvml_heat_throttles_and_lifts_with_hysteresis(watched):
     gpu: Path = d.gpu_file  # type: ignore[attr-defined]
     d.wait_state("RUNNING", START_TIMEOUT)
     gpu_reading(gpu, 86)  # 3 C under the card's 89 C slowdown mark
-    st = d.wait_state("RUNNING", START_TIMEOUT, extra=lambda s: s["restarts"] == 3)
+    st = d.wait_state("RUNNING", START_TIMEOUT, extra=lambda s: s["restarts"] == 2)
     assert st["throttle_level"] == 2 and st["overrides"]["--max-num-seqs"] == "8"
     dec = d.decisions()[-1]
     assert dec["rule"] == "thermal" and dec["evidence"]["gpu_slowdown_margin_c"] == 3
@@ -184,10 +149,10 @@ def test_scripted_nvml_heat_throttles_and_lifts_with_hysteresis(watched):
                    10, "margin 7")["state_for_s"]
     # the daemon's own clock: 8 s at margin 7, twice clear_for_s
     wait_for(lambda: d.status()["state_for_s"] > at7 + 8, 20, "8 s at margin 7")
-    assert d.status()["throttle_level"] == 2 and d.status()["restarts"] == 3
+    assert d.status()["throttle_level"] == 2 and d.status()["restarts"] == 2
 
     gpu_reading(gpu, 79)  # 10 C under: lifts one level after clear_for_s
-    st = d.wait_state("RUNNING", START_TIMEOUT, extra=lambda s: s["restarts"] == 4)
+    st = d.wait_state("RUNNING", START_TIMEOUT, extra=lambda s: s["restarts"] == 3)
     assert st["throttle_level"] == 1 and st["overrides"]["--max-num-seqs"] == "12"
     assert d.decisions()[-1]["action"] == "lift"
     assert complete(cfg["engine"]["port"])

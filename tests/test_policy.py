@@ -78,33 +78,41 @@ def only(*names: str, **changes: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 # ---- kv_saturation ---------------------------------------------------------------------
 
-def test_kv_saturation_throttles_after_60_s_with_its_evidence():
+def test_kv_saturation_throttles_after_90_s_of_preemptions_with_its_evidence():
     r = Run(config(**only("kv_saturation")))
-    acted = r.over(seconds(0, 60), SATURATED)
+    acted = r.over(seconds(0, 90), SATURATED)
     assert len(acted) == 1
     d = acted[0]
     assert (d.rule, d.action, d.throttle_level) == ("kv_saturation", "throttle", 1)
-    assert r.decisions[-1][0] == 60
-    assert d.evidence == {"kv_cache_usage": 0.97, "requests_waiting": 5,
-                          "preemption_rate": 0.5}
+    assert r.decisions[-1][0] == 90
+    assert d.evidence == {"preemption_rate": 0.5, "kv_cache_usage": 0.97}
     assert d.restarts_engine  # no live throttle yet: a relaunch
 
 
-def test_kv_saturation_almost_trips_59_s_or_without_a_queue_or_preemptions():
+def test_kv_saturation_almost_trips_89_s_or_with_too_few_or_unknown_preemptions():
     r = Run(config(**only("kv_saturation")))
-    assert r.over(seconds(0, 59), SATURATED) == []
-    for missing in ({"requests_waiting": 0}, {"preemption_rate": 0.0},
-                    {"preemption_rate": None}, {"kv_cache_usage": 0.94}):
+    assert r.over(seconds(0, 89), SATURATED) == []
+    for missing in ({"preemption_rate": 0.19}, {"preemption_rate": 0.0},
+                    {"preemption_rate": None}):
         r = Run(config(**only("kv_saturation")))
-        assert r.over(seconds(0, 120), {**SATURATED, **missing}) == [], missing
+        assert r.over(seconds(0, 300), {**SATURATED, **missing}) == [], missing
+
+
+def test_one_burst_of_preemptions_does_not_trip_kv_saturation_alone():
+    # one burst keeps the 60 s rate up for 60 s: 60 of the 90 s window, under 80 %
+    r = Run(config(**only("kv_saturation")))
+    burst = series([{**SATURATED, "preemption_rate": 0.0}], 0, 99) + \
+        series([SATURATED], 100, 159) + series([{**SATURATED, "preemption_rate": 0.0}], 160,
+                                               400)
+    assert first_action(r, burst) is None
 
 
 def test_a_streak_rule_interrupted_starts_its_timer_again():
     r = Run(config(**only("kv_saturation", kv_saturation={"for_fraction": 1.0})))
     assert r.over(seconds(0, 50), SATURATED) == []
-    assert r.over([51], {**SATURATED, "requests_waiting": 0}) == []
-    assert r.over(seconds(52, 110), SATURATED) == []  # 59 s since the gap
-    assert r.over([112], SATURATED)[0].action == "throttle"
+    assert r.over([51], UNSATURATED) == []
+    assert r.over(seconds(52, 140), SATURATED) == []  # 89 s since the gap
+    assert r.over([142], SATURATED)[0].action == "throttle"
 
 
 # ---- windowed rules (for_fraction < 1): real saturation oscillates ----------------------
@@ -122,22 +130,22 @@ def first_action(r: Run, samples: list[tuple[float, Signals]]) -> tuple[float, s
     return None
 
 
-UNSATURATED: Signals = {**SATURATED, "requests_waiting": 0}
-UNKNOWN: Signals = {**SATURATED, "kv_cache_usage": None}
+UNSATURATED: Signals = {**SATURATED, "preemption_rate": 0.0}
+UNKNOWN: Signals = {**SATURATED, "preemption_rate": None}
 
 
 def test_kv_saturation_with_one_gap_still_trips_once_its_window_is_covered():
     r = Run(config(**only("kv_saturation")))
     samples = [*series([SATURATED], 0, 50), (51, UNSATURATED), *series([SATURATED], 52, 200)]
-    assert first_action(r, samples) == (60, "throttle")
-    assert "in 98% of the samples over 60 s (at least 80%)" in r.decisions[-1][1].reason
+    assert first_action(r, samples) == (90, "throttle")
+    assert "in 99% of the samples over 90 s (at least 80%)" in r.decisions[-1][1].reason
 
 
 def test_kv_saturation_oscillating_mostly_true_trips_and_mostly_false_does_not():
     nine_in_ten = [SATURATED] * 9 + [UNSATURATED]
     r = Run(config(**only("kv_saturation")))
-    # (at 60 s the window is covered; the first tick after it with the condition true)
-    assert first_action(r, series(nine_in_ten, 0, 300)) == (60, "throttle")
+    # (at 90 s the window is covered; the first tick after it with the condition true)
+    assert first_action(r, series(nine_in_ten, 0, 300)) == (90, "throttle")
     three_in_four = [SATURATED] * 3 + [UNSATURATED]
     assert first_action(Run(config(**only("kv_saturation"))),
                         series(three_in_four, 0, 600)) is None
@@ -149,7 +157,7 @@ def test_kv_saturation_oscillating_mostly_true_trips_and_mostly_false_does_not()
 def test_unknown_samples_count_as_not_true_never_as_alarms():
     few_gaps = [SATURATED] * 9 + [UNKNOWN]
     assert first_action(Run(config(**only("kv_saturation"))),
-                        series(few_gaps, 0, 300)) == (60, "throttle")
+                        series(few_gaps, 0, 300)) == (90, "throttle")
     many_gaps = [SATURATED, UNKNOWN, UNKNOWN]
     assert first_action(Run(config(**only("kv_saturation"))),
                         series(many_gaps, 0, 600)) is None
@@ -159,23 +167,23 @@ def test_unknown_samples_count_as_not_true_never_as_alarms():
 
 def test_a_windowed_rule_acts_only_while_its_condition_holds_now():
     r = Run(config(**only("kv_saturation")))
-    samples = series([SATURATED], 0, 58) + series([UNSATURATED], 59, 61) + \
-        series([SATURATED], 62, 80)
-    assert first_action(r, samples) == (62, "throttle")
+    samples = series([SATURATED], 0, 88) + series([UNSATURATED], 89, 91) + \
+        series([SATURATED], 92, 110)
+    assert first_action(r, samples) == (92, "throttle")
 
 
 def test_a_windowed_rule_starts_afresh_on_a_new_engine_and_off_running():
     r = Run(config(**only("kv_saturation")))
     assert r.over(seconds(0, 40), SATURATED) == []
     assert r.at(41, SATURATED, generation=2).action == "none"  # a new engine: uncovered
-    assert r.over(seconds(42, 100), SATURATED) == []
-    assert r.over([101], SATURATED)[0].action == "throttle"
+    assert r.over(seconds(42, 130), SATURATED) == []
+    assert r.over([131], SATURATED)[0].action == "throttle"
     r = Run(config(**only("kv_saturation")))
     assert r.over(seconds(0, 40), SATURATED) == []
     assert r.at(41, SATURATED, state="STARTING").action == "none"
     assert r.at(42, SATURATED, state="RUNNING").action == "none"  # judged from here
-    assert r.over(seconds(43, 101), SATURATED) == []
-    assert r.over([102], SATURATED)[0].action == "throttle"
+    assert r.over(seconds(43, 131), SATURATED) == []
+    assert r.over([132], SATURATED)[0].action == "throttle"
 
 
 def test_kv_saturation_steps_per_cooldown_then_escalates_to_restart_at_the_top():
@@ -183,21 +191,21 @@ def test_kv_saturation_steps_per_cooldown_then_escalates_to_restart_at_the_top()
     acted = r.over(seconds(0, 1000), SATURATED)
     steps = [(t, d.action, d.throttle_level) for t, d in r.decisions if d.action != "none"]
     assert [a for _, a, _ in steps[:3]] == ["throttle", "throttle", "restart"]
-    assert steps[0][0] == 60 and steps[1][0] == 180  # cooldown 120 s
+    assert steps[0][0] == 90 and steps[1][0] == 90 + 120  # cooldown 120 s
     assert steps[1][2] == 2  # the top
-    # each throttle is a relaunch: the new engine must show it for 60 s, then 300 s more
-    # at the top level
-    assert steps[2][0] == 181 + 60 + 300
+    # each throttle is a relaunch: the new engine must show it for its 90 s window, then
+    # 300 s more at the top level
+    assert steps[2][0] == 211 + 90 + 300
     assert acted[2].throttle_level == 2  # a restart keeps the throttle
     assert "top throttle level" in acted[2].reason
 
 
 def test_kv_saturation_lifts_one_level_per_clear_period_with_hysteresis():
     r = Run(config(**only("kv_saturation")), EngineView(max_throttle_level=3))
-    r.over(seconds(0, 180), SATURATED)
+    r.over(seconds(0, 210), SATURATED)
     assert r.state.engine.throttle_level == 2
-    band = {**SATURATED, "kv_cache_usage": 0.9, "requests_waiting": 0}  # not clear (< 0.85)
-    assert r.over(seconds(181, 900), band) == []
+    band = {**SATURATED, "kv_cache_usage": 0.9, "preemption_rate": 0.0}  # not clear (< 0.85)
+    assert r.over(seconds(211, 900), band) == []
     clear = {**band, "kv_cache_usage": 0.5}
     lifts = [(t, d) for t, d in ((t, r.at(t, clear)) for t in seconds(901, 1600))
              if d.action != "none"]
@@ -314,9 +322,9 @@ def test_hang_almost():
 
 def test_hang_wins_over_a_simultaneous_throttle_and_skips_the_gap():
     r = Run(config(gap=600, **only("hang", "kv_saturation")))
-    r.over(seconds(0, 60), SATURATED)
+    r.over(seconds(0, 90), SATURATED)
     assert r.decisions[-1][1].action == "throttle"
-    d = r.at(61, {**SATURATED, "canary_failures": 3})
+    d = r.at(91, {**SATURATED, "canary_failures": 3})
     assert d.action == "restart_now"  # 1 s after the throttle: the gap does not apply
 
 
@@ -482,7 +490,7 @@ def test_dry_run_decides_and_reports_but_changes_nothing_and_honours_the_cooldow
     r = Run(config(dry_run=True, **only("kv_saturation")))
     acted = [(t, d) for t, d in ((t, r.at(t, SATURATED)) for t in seconds(0, 400))
              if d.action != "none"]
-    assert [t for t, _ in acted] == [60, 180, 300]  # every cooldown, not every tick
+    assert [t for t, _ in acted] == [90, 210, 330]  # every cooldown, not every tick
     assert all(d.dry_run and d.throttle_level == 0 for _, d in acted)
     assert r.state.engine.throttle_level == 0 and r.state.memory.restarts == ()
     assert r.state.memory.rules["kv_saturation"].levels == 0
@@ -526,7 +534,7 @@ def test_budget_and_throttle_bounds_hold_for_any_series(steps, budget, levels, l
 # rule -> (engine, a series that trips it, action, evidence)
 TRIPS: dict[str, tuple[EngineView, Signals, str, dict[str, float | None]]] = {
     "kv_saturation": (EngineView(), SATURATED, "throttle",
-                      {"kv_cache_usage": 0.97, "requests_waiting": 5, "preemption_rate": 0.5}),
+                      {"preemption_rate": 0.5, "kv_cache_usage": 0.97}),
     "kv_leak": (EngineView(), LEAK, "restart", {"kv_cache_usage": 0.6, "requests_running": 0}),
     "prefix_collapse": (EngineView(can_reset_prefix_cache=True), COLLAPSE, "reset_prefix_cache",
                         {"prefix_cache_hit_rate": 0.2, "prefix_cache_hit_rate_ratio": 0.3}),
@@ -558,8 +566,8 @@ TRIPS: dict[str, tuple[EngineView, Signals, str, dict[str, float | None]]] = {
 
 # rule -> a series that almost trips it: one conjunct missing, or a value on the boundary
 NEAR: dict[str, list[Signals]] = {
-    "kv_saturation": [{**SATURATED, "preemption_rate": 0.0}, {**SATURATED, "requests_waiting": 0},
-                      {**SATURATED, "kv_cache_usage": 0.949}],
+    "kv_saturation": [{**SATURATED, "preemption_rate": 0.0},
+                      {**SATURATED, "preemption_rate": 0.199}],
     "kv_leak": [{**LEAK, "requests_running": 1}, {**LEAK, "kv_cache_usage": 0.499}],
     "prefix_collapse": [{**COLLAPSE, "prefix_cache_hit_rate_ratio": 0.5},
                         {**COLLAPSE, "prefix_cache_hit_rate": 0.4}],

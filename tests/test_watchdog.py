@@ -129,7 +129,7 @@ def test_running_to_throttled_relaunch_when_kv_saturated_and_back_when_clear(
     dec = d.decisions()[-1]
     assert dec["rule"] == "kv_saturation" and dec["action"] == "throttle"
     assert dec["evidence"]["kv_cache_usage"] == pytest.approx(0.97)
-    assert dec["evidence"]["requests_waiting"] == 5 and dec["evidence"]["preemption_rate"] > 0
+    assert dec["evidence"]["preemption_rate"] > 0.2
     assert st["last_policy_decision"]["rule"] == "kv_saturation"
     assert st["last_decision"]["action"] == "start"  # the lifecycle's own latest step
     (rem,) = d.remedies()  # the relaunch, audited once the new engine served
