@@ -365,6 +365,7 @@ class Supervisor:
         # held by each canary probe, and by a KV reset from its drain to its end: the
         # daemon's own generations are engine traffic the drain must wait for too
         self._probe_lock = asyncio.Lock()
+        self._probes_in_flight = 0  # the daemon's own generations at the engine now
         self._remedy_ended_at = -1.0
         self._remedy_replies: list[asyncio.Future[dict[str, Any]]] = []
         self.start_blocked: str | None = None  # why the last start was refused (GPU busy)
@@ -611,7 +612,10 @@ class Supervisor:
             return
         now = self.clock.monotonic()
         ended = self.scrapes.succeeded(ev.snapshot, now)
-        self.window.add_metrics(now, ev.snapshot)
+        # the requests the daemon knows are at the engine: a stopped core's own gauges
+        # freeze at their last value, which may say idle
+        at_engine = self.gate.in_flight + self._probes_in_flight
+        self.window.add_metrics(now, ev.snapshot, at_engine)
         self.gate.set_kv_usage(ev.snapshot.kv_cache_usage)
         if ended:
             log.info("metrics scrape recovered", failed_scrapes=ended, pid=self.engine.pid)
@@ -1270,8 +1274,12 @@ class Supervisor:
             if model is None:
                 return None, t0, canary.CanaryOutcome(False, self.clock.monotonic() - t0,
                                                       "/v1/models named no model")
-            return model, t0, await canary.probe(client, base, model, cfg.prompt,
-                                                 cfg.max_tokens, cfg.timeout_s)
+            self._probes_in_flight += 1  # (read only by the state-owning task)
+            try:
+                return model, t0, await canary.probe(client, base, model, cfg.prompt,
+                                                     cfg.max_tokens, cfg.timeout_s)
+            finally:
+                self._probes_in_flight -= 1
 
     async def _job_canary(self, engine: eng.EngineProcess) -> None:
         """A tiny generation every period, for as long as this engine lives."""

@@ -17,12 +17,12 @@ little runs (`kv_blocks_held`, `kv_blocks_per_running_request`), host memory gro
 against its own trailing baseline).
 
 Progress: `engine_stalled_s` is how long, between two scrapes, the engine's own counters
-of steps and tokens stood still while its own gauges showed requests running or waiting
-(waiting alone counts: captured wedges show nothing running and the queue climbing).
-Measured from the scrape that first showed the current counters, or the first that
-showed demand, to the latest scrape: never more than what was seen. Requests still in
-the API server's own hands (tokenising, fetching images) are not the core's to step and
-do not count; a frozen idle engine is left to the canary.
+of steps and tokens stood still while it had work: its own gauges showed requests running
+or waiting (waiting alone counts: captured wedges show nothing running and the queue
+climbing), or the daemon itself had requests at it (through the proxy, its canary: a
+stopped core's gauges freeze at their last value, which may be idle). Measured from the
+scrape that first showed the current counters, or the first that showed work, to the
+latest scrape: never more than what was seen.
 """
 
 from __future__ import annotations
@@ -212,8 +212,11 @@ class SignalWindow:
 
     # ---- feeding ----------------------------------------------------------------------
 
-    def add_metrics(self, now: float, snap: Snapshot) -> None:
-        self._track_progress(now, snap, self._snaps[-1][1] if self._snaps else None)
+    def add_metrics(self, now: float, snap: Snapshot, at_engine: int = 0) -> None:
+        """A scrape; `at_engine` is how many requests the daemon itself has at the engine
+        (through the proxy, its canary) as the scrape is taken."""
+        self._track_progress(now, snap, self._snaps[-1][1] if self._snaps else None,
+                             at_engine)
         self._snaps.append((now, snap))
         keep = self.cfg.rate_window_s * 1.5
         while self._snaps and self._snaps[0][0] < now - keep:
@@ -227,14 +230,15 @@ class SignalWindow:
             while self._prefix and self._prefix[0][0] < now - keep:
                 self._prefix.popleft()
 
-    def _track_progress(self, now: float, snap: Snapshot, prev: Snapshot | None) -> None:
+    def _track_progress(self, now: float, snap: Snapshot, prev: Snapshot | None,
+                        at_engine: int) -> None:
         moved = _progress(snap)
         if moved is None or (snap.requests_running is None and snap.requests_waiting is None):
             self._moved_at = self._demand_since = self._stalled_s = None
             return
         if prev is None or _progress(prev) != moved or self._moved_at is None:
             self._moved_at = now
-        if (snap.requests_running or 0) + (snap.requests_waiting or 0) > 0:
+        if (snap.requests_running or 0) + (snap.requests_waiting or 0) + at_engine > 0:
             self._demand_since = now if self._demand_since is None else self._demand_since
             self._stalled_s = now - max(self._moved_at, self._demand_since)
         else:

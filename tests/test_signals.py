@@ -408,3 +408,16 @@ def test_progress_is_unknown_without_the_engines_counters():
     assert stalled(w, 0.0) is None
 
 
+
+
+def test_requests_the_daemon_has_at_the_engine_count_as_work_when_its_gauges_froze_idle():
+    # a core stopped between two batches: its gauges froze at idle, while the proxy (or
+    # the canary) has requests at it that no step serves
+    w = SignalWindow(WindowConfig())
+    w.add_metrics(0.0, scrape("after-load.txt"), at_engine=0)
+    w.add_metrics(2.0, scrape("after-load.txt"), at_engine=3)
+    w.add_metrics(4.0, scrape("after-load.txt"), at_engine=3)
+    w.add_metrics(8.0, scrape("after-load.txt"), at_engine=1)
+    assert stalled(w, 8.0) == 6.0
+    w.add_metrics(10.0, scrape("after-load.txt"), at_engine=0)
+    assert stalled(w, 10.0) == 0.0
