@@ -1,6 +1,6 @@
 # Two commands do everything from nothing: `make run` and `make test`.
 .PHONY: setup run test test-fast lint bench bench-lifecycle bench-watchdog bench-proxy \
-	bench-restart clean
+	bench-restart bench-healthy-soak clean
 
 setup:
 	bash scripts/setup.sh all
@@ -40,6 +40,11 @@ bench-proxy: setup
 
 bench-restart: setup
 	.venv/bin/python bench/restart_bench.py --out docs/benchmarks.md
+
+# Ten minutes of heavy, healthy load against the real engine: the default rules must
+# decide nothing (MINUTES=N to change the length).
+bench-healthy-soak: setup
+	.venv/bin/python bench/healthy_soak.py --minutes $(or $(MINUTES),10) --out docs/benchmarks.md
 
 clean:
 	rm -rf .venv .venv-engine models .stamps run var

@@ -1,11 +1,13 @@
 """Watchdog benchmarks, each side by side with a baseline in one run; medians, ratios.
 
-1. Hang detection at the default periods (canary every 10 s, 5 s deadline, 3 failures):
-   a fake engine whose completions freeze while /health and /metrics keep answering, as
-   vLLM's do with EngineCore stopped. Baseline: a 1 s /health probe on the same hang
+1. Hang detection at the default periods (scrape 2 s; canary every 10 s, 5 s deadline, 3
+   failures): a fake engine whose completions freeze while /health and /metrics keep
+   answering, as vLLM's do with EngineCore stopped. Side by side: the progress rule
+   (no_progress: its counters stand still with requests running and waiting), the canary
+   alone (an engine that exports no counters), and a 1 s /health probe on the same hang
    (what a Kubernetes probe or supervisord sees).
-2. KV saturation detection at the defaults (60 s of usage >= 0.95 with a queue and
-   preemptions): a scripted /metrics page turns saturated; time to the decision.
+2. KV saturation detection at the defaults (80 % of 60 s of usage >= 0.95 with a queue
+   and preemptions): a scripted /metrics page turns saturated; time to the decision.
 3. The daemon's CPU at the default periods (metrics 2 s on a real 604-line page, canary
    10 s, policy every 1 s, scripted GPU readings 5 s) against the same daemon with the
    watchdog off (no scrape, no canary, no policy, no GPU sampling), alternating.
@@ -59,11 +61,17 @@ def daemon_with(tmp: Path, *fake: str, **sections: dict[str, Any]) -> Daemon:
     return Daemon(tmp, cfg)
 
 
-def one_hang(tmp: Path) -> tuple[float, bool]:
-    """Seconds from the freeze to the hang decision, and whether a 1 s /health probe
+def one_hang(tmp: Path, counters: bool = False) -> tuple[float, bool]:
+    """Seconds from the freeze to the hang decision (the canary's, or with `counters` the
+    progress rule's: the page's counters stop with it), and whether a 1 s /health probe
     ever saw anything wrong meanwhile."""
     hang = tmp / "hang"
-    d = daemon_with(tmp, "--hang-file", str(hang))
+    m = MetricsScript(tmp / "metrics.txt") if counters else None
+    if m is not None:
+        m.set(running=2, waiting=1, generation=50.0)
+    d = daemon_with(tmp, "--hang-file", str(hang),
+                    *(("--metrics-file", str(m.path)) if m is not None else ()))
+    rule = "no_progress" if counters else "hang"
     try:
         d.wait_state("RUNNING", 60)
         wait_for(lambda: d.status()["signals"]["canary_latency_s"] is not None, 30,
@@ -84,9 +92,11 @@ def one_hang(tmp: Path) -> tuple[float, bool]:
         t = threading.Thread(target=probe, daemon=True)
         t.start()
         t0 = time.monotonic()
+        if m is not None:
+            m.set(generation=0.0)
         hang.touch()
-        wait_for(lambda: [e for e in d.decisions() if e["rule"] == "hang"], 120,
-                 "the hang rule", interval=0.05)
+        got = wait_for(lambda: d.decisions(), 120, "a hang decision", interval=0.05)
+        assert got[0]["rule"] == rule, got[0]
         took = time.monotonic() - t0
         stop.set()
         t.join(5)
@@ -96,13 +106,18 @@ def one_hang(tmp: Path) -> tuple[float, bool]:
         return took, any(f < t0 + took - 0.1 for f in failures)
     finally:
         d.close()
+        if m is not None:
+            m.stop()
 
 
 def hang_detection(runs: int, root: Path) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"daemon_s": [], "probe_saw_it": []}
+    out: dict[str, list[float]] = {"daemon_s": [], "progress_s": [], "probe_saw_it": []}
     for i in range(runs):
         took, saw = one_hang(Path(tempfile.mkdtemp(dir=root, prefix=f"hang{i}-")))
         out["daemon_s"].append(took)
+        out["probe_saw_it"].append(float(saw))
+        took, saw = one_hang(Path(tempfile.mkdtemp(dir=root, prefix=f"progress{i}-")), True)
+        out["progress_s"].append(took)
         out["probe_saw_it"].append(float(saw))
     return out
 
@@ -221,19 +236,27 @@ def render(runs: int, hang: dict[str, list[float]], kv: list[float],
         "engine (scripted faults, the real 604-line vLLM page), default periods and rules. "
         "End-to-end figures against real vLLM come from `tests/test_e2e_watchdog.py`.",
         "",
-        "### Hang detection (defaults: canary every 10 s, 5 s deadline, 3 failures)",
+        "### Hang detection (defaults: scrape every 2 s; canary every 10 s, 5 s deadline, "
+        "3 failures)",
         "",
         "| | median (s) | runs (s) |",
         "|---|---|---|",
-        f"| daemon: freeze to the hang decision | {median(hang['daemon_s']):.1f} | "
-        f"{f(f'{x:.1f}' for x in hang['daemon_s'])} |",
+        f"| progress rule (`no_progress`): freeze to the decision, the engine's counters "
+        f"stopped with requests running and waiting | {median(hang['progress_s']):.1f} | "
+        f"{f(f'{x:.1f}' for x in hang['progress_s'])} |",
+        f"| canary (`hang`): freeze to the decision, an engine exporting no counters | "
+        f"{median(hang['daemon_s']):.1f} | {f(f'{x:.1f}' for x in hang['daemon_s'])} |",
+        f"| ratio canary / progress | "
+        f"{median(hang['daemon_s']) / median(hang['progress_s']):.1f} | |",
         f"| 1 s `/health` probe (baseline) | never | saw the hang in "
-        f"{int(sum(hang['probe_saw_it']))} of {runs} runs: `/health` stays 200 |",
+        f"{int(sum(hang['probe_saw_it']))} of {2 * runs} runs: `/health` stays 200 |",
         "",
-        "The bound is `3 x (period + deadline)`; a tighter `canary.period_s` buys a faster "
-        "verdict for one tiny request per period.",
+        "The progress rule's bound is its 6 s plus one scrape period; the canary's is "
+        "`3 x (period + deadline)`, and it is the witness for a frozen engine that was idle "
+        "(its frozen gauges show no demand).",
         "",
-        "### KV saturation detection (defaults: 60 s held, half a 60 s rate window covered)",
+        "### KV saturation detection (defaults: 80 % of 60 s, half a 60 s rate window "
+        "covered)",
         "",
         "| | median (s) | runs (s) |",
         "|---|---|---|",

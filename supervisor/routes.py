@@ -37,6 +37,10 @@ SERVING = (
     "/v1/score", "/v1/rerank", "/v2/rerank", "/v2/embed",
     "/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank",
     "/invocations", "/version", "/generative_scoring", "/v1/systemone",
+    "/inference/v1/generate",  # vLLM's tokens-in, tokens-out generation
+    # prompt rendering only (chat template, tokenizer): no generation, no state
+    "/v1/completions/render", "/v1/chat/completions/render", "/v1/messages/render",
+    "/v1/completions/derender", "/v1/chat/completions/derender",
 )
 # Answered by the proxy itself, never forwarded.
 LOCAL = ("/healthz", "/readyz", "/health", "/ping")
