@@ -98,6 +98,8 @@ def test_a_failed_wake_is_audited_and_becomes_a_restart_that_loses_nothing(daemo
     # the restart that replaced it is the next rung's own entry
     assert fallback["rung"] == "restart" and fallback["outcome"] == "ok"
     assert "wake_up" in fallback["reason"]
+    (evidence,) = [e for e in d.events() if e["event"] == "evidence"]  # before the kill
+    assert evidence["rule"] == "kv_reset_failed" and evidence["error"] is None
 
 
 def test_kv_reset_is_refused_with_the_reason_when_the_engine_cannot(daemon_factory,

@@ -293,6 +293,9 @@ def test_running_to_fatal_hold_down_on_an_xid_that_needs_a_gpu_reset(daemon_fact
     wait_for(lambda: d.status()["pid"] is None and d.status()["engine"]["processes"] == 0,
              20, "the engine taken down")
     assert next(e for e in d.events() if e["event"] == "xid")["xid"] == 79
+    (ev,) = [e for e in d.events() if e["event"] == "evidence"]  # captured before the kill
+    assert ev["rule"] == "xid_reset" and ev["stacks"][str(ev["pid"])] == "ok"
+    assert json.loads((Path(ev["path"]) / "bundle.json").read_text())["gpu"]["xids"] == [79]
     # no restart loop: held down until the operator says so
     assert d.status()["restarts"] == 0
     assert d.ctl("restart").returncode == 0
