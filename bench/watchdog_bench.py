@@ -6,8 +6,8 @@
    (no_progress: its counters stand still with requests running and waiting), the canary
    alone (an engine that exports no counters), and a 1 s /health probe on the same hang
    (what a Kubernetes probe or supervisord sees).
-2. KV saturation detection at the defaults (80 % of 60 s of usage >= 0.95 with a queue
-   and preemptions): a scripted /metrics page turns saturated; time to the decision.
+2. KV saturation detection at the defaults (preemptions at >= 0.2/s in 80 % of 90 s): a
+   scripted /metrics page turns saturated; time to the decision.
 3. The daemon's CPU at the default periods (metrics 2 s on a real 604-line page, canary
    10 s, policy every 1 s, scripted GPU readings 5 s) against the same daemon with the
    watchdog off (no scrape, no canary, no policy, no GPU sampling), alternating.
@@ -255,8 +255,8 @@ def render(runs: int, hang: dict[str, list[float]], kv: list[float],
         "`3 x (period + deadline)`, and it is the witness for a frozen engine that was idle "
         "(its frozen gauges show no demand).",
         "",
-        "### KV saturation detection (defaults: 80 % of 60 s, half a 60 s rate window "
-        "covered)",
+        "### KV saturation detection (defaults: `preemption_rate >= 0.2` in 80 % of 90 s, "
+        "half a 60 s rate window covered)",
         "",
         "| | median (s) | runs (s) |",
         "|---|---|---|",
