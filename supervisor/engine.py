@@ -141,11 +141,12 @@ async def relay_output(engine: EngineProcess, stream: asyncio.StreamReader, name
             raw = await stream.read(_LINE_LIMIT)
         if not raw:
             return
-        line = parse_engine_line(raw.decode("utf-8", "replace"), default_level)
+        text = raw.decode("utf-8", "replace")
+        line = parse_engine_line(text, default_level)
         if not line.message.strip():
             continue
         level = _LEVELS[line.level]
-        engine.recent_lines.append(f"[{name}] {raw.decode('utf-8', 'replace').rstrip()}"[:2000])
+        engine.recent_lines.append(f"[{name}] {text.rstrip()}"[:2000])
         if level >= logging.WARNING:
             engine.recent_errors.append(line.message[:500])
         log.log(level, line.message, source="engine", stream=name, proc=line.proc,

@@ -32,8 +32,6 @@ from typing import Any
 
 import psutil
 
-BUNDLE_FILES = ("bundle.json", "stacks.txt", "engine.log")
-
 
 @dataclass(frozen=True)
 class EvidenceRequest:
@@ -82,7 +80,7 @@ async def capture(req: EvidenceRequest, directory: Path, keep: int, timeout_s: f
     summary = {pid: status for pid, (status, _) in stacks.items()}
     doc = {"reason": req.reason, "rule": req.rule, "engine_pid": req.engine_pid,
            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(req.wall)),
-           "processes": [_describe(pid) for pid in req.pids],
+           "processes": await asyncio.to_thread(lambda: [_describe(p) for p in req.pids]),
            "stacks": {str(k): v for k, v in summary.items()},
            "signals": dict(req.signals), "gpu": req.gpu}
     path = directory / req.name
@@ -104,7 +102,7 @@ async def _dump_all(pids: Sequence[int], py_spy: str | None,
 
 
 async def _dump(pid: int, py_spy: str, deadline: float) -> tuple[str, str]:
-    note = _state_note(pid)
+    note = await asyncio.to_thread(_state_note, pid)  # (reads /proc: off the loop)
     if note is None:
         return "skipped: the process is gone", ""
     try:
@@ -204,7 +202,3 @@ def prune(directory: Path, keep: int) -> list[str]:
         shutil.rmtree(d, ignore_errors=True)
     return [d.name for d in gone]
 
-
-def default_dir(audit_path: str) -> str:
-    """Beside the audit trail, under the state directory."""
-    return os.path.join(os.path.dirname(audit_path) or ".", "evidence")

@@ -21,7 +21,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,19 @@ def stream(cfg: dict[str, Any], tokens: int, timeout: float = 300) -> list[str]:
         if r.status_code != 200:
             raise AssertionError(f"HTTP {r.status_code}: {r.read()[:200]!r}")
         return [line for line in sse_lines(r) if line.startswith("data: ")]
+
+
+def data_lines(cfg: dict[str, Any], body: dict[str, Any], on_line: Callable[[str], None],
+               timeout: float = 120) -> list[str]:
+    """One stream through the proxy, whatever its status; its SSE data lines, each also
+    handed to `on_line` as it arrives."""
+    lines: list[str] = []
+    with httpx.stream("POST", proxy_url(cfg), json=body, timeout=timeout) as r:
+        for line in sse_lines(r):
+            if line.startswith("data: "):
+                lines.append(line)
+                on_line(line)
+    return lines
 
 
 def sse_lines(r: httpx.Response) -> Iterator[str]:
@@ -289,16 +302,14 @@ def test_core_sigstop_under_load_is_decided_by_the_progress_rule_with_evidence(f
     body = {"model": "tiny-llama", "prompt": "once upon a time", "max_tokens": 480,
             "ignore_eos": True, "stream": True}
 
+    def count(_: str) -> None:
+        chunks[0] += 1
+
     def client() -> None:
         while not stop.is_set():
-            lines: list[str] = []
             try:
-                with httpx.stream("POST", proxy_url(cfg), json=body, timeout=120) as r:
-                    for line in sse_lines(r):
-                        if line.startswith("data: "):
-                            lines.append(line)
-                            chunks[0] += 1
-                outcomes.append("ok" if complete_stream(lines) else "cut")
+                outcomes.append("ok" if complete_stream(data_lines(cfg, body, count))
+                                else "cut")
             except Exception as exc:  # the in-flight ones cannot be saved: counted
                 outcomes.append(type(exc).__name__)
 
@@ -370,14 +381,11 @@ def test_core_sigkill_fails_in_flight_fast_and_later_requests_succeed(fronted):
         body = {"model": "tiny-llama", "prompt": "once upon a time", "max_tokens": 480,
                 "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-        lines: list[str] = []
+        def seen(line: str) -> None:
+            progress[i] = max(progress.get(i, 0), _tokens_so_far(line))
+
         try:
-            with httpx.stream("POST", proxy_url(cfg), json=body, timeout=120) as r:
-                for line in sse_lines(r):
-                    if line.startswith("data: "):
-                        lines.append(line)
-                        progress[i] = max(progress.get(i, 0), _tokens_so_far(line))
-            outcome = "ok" if complete_stream(lines) else "cut"
+            outcome = "ok" if complete_stream(data_lines(cfg, body, seen)) else "cut"
         except Exception as exc:  # expected: it cannot be saved
             outcome = type(exc).__name__
         outcomes[i] = outcome
