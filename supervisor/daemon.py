@@ -792,6 +792,11 @@ class Supervisor:
         """Bounded: the take-down waits for this at most evidence.timeout_s (+1 s to write
         what was gathered), whatever py-spy does."""
         cfg = self.config.evidence
+        # the tree as it is now, beside every pid seen in it: a child forked since the
+        # last look at the tree is read too
+        live = await asyncio.to_thread(proctree.snapshot_tree, engine.pid)
+        req = dataclasses.replace(req, pids=list(dict.fromkeys(
+            [*req.pids, *(p.pid for p in live)])))
         try:
             bundle = await asyncio.wait_for(
                 evidence.capture(req, Path(cfg.dir), cfg.keep, cfg.timeout_s,
