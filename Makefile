@@ -1,5 +1,5 @@
 # Two commands do everything from nothing: `make run` and `make test`.
-.PHONY: setup run test test-fast lint bench bench-lifecycle bench-watchdog bench-proxy \
+.PHONY: setup run test test-fast lint bench bench-lifecycle bench-watchdog bench-proxy soak \
 	bench-restart bench-healthy-soak clean
 
 setup:
@@ -18,6 +18,7 @@ test: setup
 # Everything but the real engine: seconds, for every edit.
 test-fast:
 	bash scripts/setup.sh supervisor
+	bash scripts/setup.sh prometheus
 	.venv/bin/python -m pytest -q -m "not e2e"
 
 lint:
@@ -45,6 +46,12 @@ bench-restart: setup
 # decide nothing (MINUTES=N to change the length).
 bench-healthy-soak: setup
 	.venv/bin/python bench/healthy_soak.py --minutes $(or $(MINUTES),10) --out docs/benchmarks.md
+
+# A bounded fault soak: streaming load through the proxy to the real engine, a fault
+# about every minute (MINUTES=N, default 15); counts failed and truncated streams,
+# continuations, orphans and the daemon's RSS into docs/benchmarks.md.
+soak: setup
+	.venv/bin/python bench/fault_soak.py --minutes $(or $(MINUTES),15) --out docs/benchmarks.md
 
 clean:
 	rm -rf .venv .venv-engine models .stamps run var

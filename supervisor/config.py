@@ -71,6 +71,10 @@ class EngineConfig:
     startup_timeout_s: float = _field(600.0, lo=1, hi=3600)
     # the engine's --shutdown-timeout: in-flight requests get this long to finish on SIGTERM
     drain_timeout_s: float = _field(30.0, lo=0, hi=3600)
+    # a drained restart: "finish" waits for the streams in flight (up to drain_timeout_s);
+    # "continue" pauses the ones the proxy can continue and goes on with them on the new
+    # engine, so long generations do not hold the restart (docs/proxy.md)
+    drain: str = _field("finish", choices=("finish", "continue"))
     # after the drain, this long for the engine to exit before its group is SIGKILLed
     stop_grace_s: float = _field(10.0, lo=0.5, hi=600)
     # after SIGKILL, this long for the tree to vanish and the port to free up
@@ -81,6 +85,31 @@ class EngineConfig:
     # before a start: memory that processes this daemon did not start may hold on the
     # engine's GPUs (a display server, a monitoring agent); more refuses the start
     gpu_foreign_allowance_mib: int = _field(0, lo=0, hi=1 << 30)
+    # vLLM's own (uvicorn) access log: off by default, since it echoes every scrape and
+    # canary of this daemon, and the proxy writes a better line per client request
+    access_log: bool = _field(False)
+
+    def served_models(self) -> tuple[str, ...]:
+        """The model names the engine serves, read from its arguments as vLLM reads them:
+        `--served-model-name A [B ...]`, else `--model M`, else `serve M`; () when none."""
+        argv = [*self.command, *self.args]
+        for flag in ("--served-model-name", "--model"):
+            names: list[str] = []
+            for i, a in enumerate(argv):
+                if a.startswith(flag + "="):
+                    names = [a.split("=", 1)[1]]
+                elif a == flag:
+                    names = list(itertools.takewhile(lambda x: not x.startswith("-"),
+                                                     argv[i + 1:]))
+                    if flag == "--model":
+                        names = names[:1]
+            if names:
+                return tuple(names)
+        if "serve" in argv:
+            rest = argv[argv.index("serve") + 1:]
+            if rest and not rest[0].startswith("-"):
+                return (rest[0],)
+        return ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +249,12 @@ class ProxyConfig:
     # routes forwarded besides the serving API (exact paths, * for one segment; the
     # allow-list in routes.py)
     extra_routes: list[str] = _field([])
+    # a stream the engine fails mid-answer goes on, token-exact, on the engine that comes
+    # back (supervisor/continuation.py); false: it ends with an error event
+    continue_streams: bool = _field(True)
+    continue_timeout_s: float = _field(300.0, lo=1, hi=3600)  # waiting for an engine
+    max_continuations: int = _field(3, lo=1, hi=100)  # faults one request survives
+    keepalive_s: float = _field(10.0, lo=0.5, hi=300)  # SSE comments while it waits
 
 
 @dataclasses.dataclass(frozen=True)

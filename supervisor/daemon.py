@@ -50,14 +50,15 @@ from supervisor.gpu import GpuProcessLister, GpuReading, GpuSampler
 from supervisor.lifecycle import RestartTracker
 from supervisor.logs import set_level
 from supervisor.metrics import Snapshot
-from supervisor.policy import EngineView, PolicyMemory, PolicyState, decide
+from supervisor.policy import PRIORITY, EngineView, PolicyMemory, PolicyState, decide
 from supervisor.poller import ScrapeHealth, scrape
-from supervisor.proxy import HOLD_BUCKETS, FrontProxy, ProxyError, ProxySettings
+from supervisor.proxy import FrontProxy, ProxyError, ProxySettings
 from supervisor.sdnotify import Notifier
 from supervisor.signals import SIGNALS, Signals, SignalWindow
 from supervisor.states import State, check_transition
 
 log = structlog.get_logger("supervisor")
+RESTART_REASONS = ("crash", "boot_failure", "policy", "operator")  # the exporter's labels
 EXTEND_EVERY_S = 10.0  # while the first engine starts, push systemd's start timeout ...
 EXTEND_BY_S = 30.0  # ... this far ahead each time
 
@@ -312,6 +313,7 @@ class Supervisor:
         self.state_reason = "not started"
         self.state_since = self.clock.monotonic()
         self.started_at = self.clock.monotonic()
+        self.not_running_since: float | None = self.started_at  # None while RUNNING
         self.audit = AuditTrail(self.config.audit.path, self.config.audit.max_bytes,
                                 self.config.audit.backups)
         self.tracker = RestartTracker(self.config.restart)
@@ -464,6 +466,10 @@ class Supervisor:
         self.state = new
         self.state_reason = reason
         self.state_since = self.clock.monotonic()
+        if new is State.RUNNING:
+            self.not_running_since = None
+        elif self.not_running_since is None:
+            self.not_running_since = self.state_since
         pid = self.engine.pid if self.engine else None
         log.info("state change", **{"from": old.value, "to": new.value}, reason=reason, pid=pid)
         if new in (State.FATAL, State.STOPPING, State.STOPPED):
@@ -925,6 +931,11 @@ class Supervisor:
                 if self.proxy is not None:
                     log.info("restart: new requests held", in_flight=self.gate.in_flight,
                              waiting=self.gate.waiting)
+                if graceful and self.proxy is not None \
+                        and self.engine.config.drain == "continue":
+                    paused = self.proxy.pause_streams()
+                    log.info("restart: streams paused, to go on on the new engine",
+                             paused=paused)
                 if graceful and self.proxy is not None and self.gate.in_flight:
                     # The gate holds new requests now; let the ones at the engine finish
                     # before SIGTERM (vLLM's own drain aborts streams), bounded.
@@ -996,7 +1007,12 @@ class Supervisor:
                                  max_body_bytes=p.max_body_bytes,
                                  max_header_bytes=p.max_header_bytes,
                                  retry_after_s=p.retry_after_s,
-                                 extra_routes=tuple(p.extra_routes))
+                                 extra_routes=tuple(p.extra_routes),
+                                 models=e.served_models(),
+                                 continuation=p.continue_streams,
+                                 continue_timeout_s=p.continue_timeout_s,
+                                 max_continuations=p.max_continuations,
+                                 keepalive_s=p.keepalive_s)
         return FrontProxy(settings, self.gate, self._ready)
 
     def _ready(self) -> bool:
@@ -1360,14 +1376,19 @@ class Supervisor:
             ready=self._ready() if self.proxy is not None
             else self.state is State.RUNNING and not self._taking_down,
             throttle_level=self.throttle_level,
-            restarts_by_reason=dict(self.restarts_by_reason),
-            trips_by_rule=dict(self.trips_by_rule),
-            actions_by_kind=dict(self.actions_by_kind),
+            # every series exists from the start, at 0: Prometheus' increase() cannot see
+            # a counter's first step when the series is born with it
+            restarts_by_reason={**dict.fromkeys(RESTART_REASONS, 0), **self.restarts_by_reason},
+            trips_by_rule={**dict.fromkeys(self.config.policy.rules, 0), **self.trips_by_rule},
+            actions_by_kind={**dict.fromkeys(PRIORITY, 0), **self.actions_by_kind},
             last_decision_wall=self.last_decision.wall if self.last_decision else None,
             policy_paused=self.policy_paused,
             dry_run=self.config.policy.dry_run,
             engine_uptime_s=(now - e.healthy_at if e is not None and e.healthy_at is not None
                              else None),
+            engine_not_running_s=(now - self.not_running_since
+                                  if self.not_running_since is not None else 0.0),
+            engine_startup_timeout_s=self.config.engine.startup_timeout_s,
             gauges=[(spec.metric, spec.help, signals[spec.name]) for spec in SIGNALS],
             proxy=self._proxy_view()))
 
@@ -1378,10 +1399,9 @@ class Supervisor:
         return ProxyView(
             responses_by_code=dict(st.responses), rejections_by_reason=dict(st.rejections),
             in_flight=self.gate.in_flight, held=self.gate.waiting,
-            # ProxyStats counts each wait in every bucket it fits: already cumulative
-            hold_wait_buckets=list(zip(HOLD_BUCKETS, st.hold_wait_buckets, strict=True)),
-            hold_wait_count=st.hold_wait_count, hold_wait_sum_s=st.hold_wait_sum,
-            connect_retries=st.retried_connects)
+            held_limit=self.gate.limits.queue_max, kv_breaker_open=self.gate.breaker_open,
+            connect_retries=st.retried_connects, latency=self.proxy.latency.views(),
+            continuations=dict(st.continuations), continuation_refusals=dict(st.refusals))
 
     # ---- signals, ticks, reload -------------------------------------------------------
 

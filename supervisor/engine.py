@@ -57,6 +57,10 @@ def build_spawn_spec(cfg: EngineConfig, environ: Mapping[str, str]) -> SpawnSpec
     env.setdefault("PYTHONUNBUFFERED", "1")  # engine lines reach the journal as they happen
     argv = [*cfg.command, "--host", cfg.host, "--port", str(cfg.port),
             "--shutdown-timeout", f"{cfg.drain_timeout_s:g}", *cfg.args]
+    if not cfg.access_log and not any(a.endswith("disable-uvicorn-access-log")
+                                      for a in cfg.args):
+        # (either spelling in the operator's args wins)
+        argv.append("--disable-uvicorn-access-log")
     return SpawnSpec(argv=argv, env=env, cwd=cfg.cwd, host=cfg.host, port=cfg.port)
 
 

@@ -31,7 +31,12 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import structlog
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -39,6 +44,9 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+
+from supervisor.continuation import OUTCOMES, REFUSALS
+from supervisor.latency import KINDS, HistogramView
 
 log = structlog.get_logger("supervisor.exporter")
 
@@ -73,6 +81,8 @@ class ExporterView:
     engine_uptime_s: float | None
     gauges: Sequence[tuple[str, str, float | None]]  # (name, help, value); None: omitted
     proxy: ProxyView | None = None  # the front proxy's counters, when it runs
+    engine_not_running_s: float = 0.0  # since the engine was last RUNNING; 0 while it is
+    engine_startup_timeout_s: float | None = None  # its allowance to become healthy
 
 
 @dataclass(frozen=True)
@@ -81,10 +91,12 @@ class ProxyView:
     rejections_by_reason: Mapping[str, int]
     in_flight: int
     held: int  # waiting at the gate
-    hold_wait_buckets: Sequence[tuple[float, int]]  # (upper bound s, cumulative count)
-    hold_wait_count: int
-    hold_wait_sum_s: float
     connect_retries: int
+    held_limit: int = 0  # the hold queue's length limit (proxy.hold_queue_max)
+    kv_breaker_open: bool = False
+    latency: Sequence[HistogramView] = ()  # what clients felt, by kind and model
+    continuations: Mapping[str, int] = field(default_factory=dict)  # by outcome
+    continuation_refusals: Mapping[str, int] = field(default_factory=dict)
 
 
 class ExporterError(Exception):
@@ -170,6 +182,14 @@ class _ViewCollector(Collector):
             yield GaugeMetricFamily(PREFIX + "engine_uptime_seconds",
                                     "seconds since the engine became healthy",
                                     value=float(v.engine_uptime_s))
+        yield GaugeMetricFamily(PREFIX + "engine_not_running_seconds",
+                                "seconds since the engine was last RUNNING (0 while it is)",
+                                value=float(v.engine_not_running_s))
+        if v.engine_startup_timeout_s is not None:
+            yield GaugeMetricFamily(PREFIX + "engine_startup_timeout_seconds",
+                                    "the engine's allowance to become healthy "
+                                    "(engine.startup_timeout_s)",
+                                    value=float(v.engine_startup_timeout_s))
         for name, helptext, label, values in (
                 ("engine_restarts", "engine restarts, by reason", "reason",
                  v.restarts_by_reason),
@@ -202,9 +222,10 @@ class _ViewCollector(Collector):
         taken = {PREFIX + n for n in (
             "engine_state", "engine_ready", "engine_uptime_seconds", "throttle_level",
             "policy_paused", "policy_dry_run", "last_decision_timestamp_seconds",
-            "proxy_in_flight", "proxy_held")}
+            "proxy_in_flight", "proxy_held", "proxy_held_limit", "proxy_kv_breaker_open",
+            "engine_not_running_seconds", "engine_startup_timeout_seconds")}
         for n in ("proxy_responses", "proxy_rejections", "proxy_connect_retries",
-                  "proxy_hold_wait_seconds"):
+                  *(k.metric for k in KINDS)):
             taken |= {PREFIX + n, PREFIX + n + "_total", PREFIX + n + "_created",
                       PREFIX + n + "_bucket", PREFIX + n + "_count", PREFIX + n + "_sum"}
         for n in ("engine_restarts", "policy_trips", "policy_actions"):
@@ -243,22 +264,45 @@ def _proxy_metrics(p: ProxyView) -> Iterator[Metric]:
                             value=float(p.in_flight))
     yield GaugeMetricFamily(PREFIX + "proxy_held", "requests waiting at the gate",
                             value=float(p.held))
+    yield GaugeMetricFamily(PREFIX + "proxy_held_limit",
+                            "the most requests that may wait at the gate (hold_queue_max)",
+                            value=float(p.held_limit))
+    yield GaugeMetricFamily(PREFIX + "proxy_kv_breaker_open",
+                            "1 while the KV breaker stops admission",
+                            value=float(p.kv_breaker_open))
     yield CounterMetricFamily(PREFIX + "proxy_connect_retries",
                               "requests sent again after the engine refused the connection",
                               value=float(p.connect_retries))
-    buckets = [(("+Inf" if le == float("inf") else f"{le:g}"), float(n))
-               for le, n in p.hold_wait_buckets]
-    if not buckets or buckets[-1][0] != "+Inf":
-        buckets.append(("+Inf", float(p.hold_wait_count)))
-    yield HistogramMetricFamily(PREFIX + "proxy_hold_wait_seconds",
-                                "time requests waited at the gate before going to the engine",
-                                buckets=buckets, sum_value=p.hold_wait_sum_s)
+    outcomes = CounterMetricFamily(
+        PREFIX + "proxy_continuations", "streams the engine failed mid-answer, by how they "
+        "ended (continued, resent, closed, refused, failed, client_gone)", labels=["outcome"])
+    for outcome in OUTCOMES:
+        outcomes.add_metric([outcome], float(p.continuations.get(outcome, 0)))
+    yield outcomes
+    refusals = CounterMetricFamily(
+        PREFIX + "proxy_continuation_refusals", "broken streams not continued, by why "
+        "(continuation would not be exact)", labels=["reason"])
+    for reason in REFUSALS:
+        refusals.add_metric([reason], float(p.continuation_refusals.get(reason, 0)))
+    yield refusals
+    for kind in KINDS:
+        family = HistogramMetricFamily(PREFIX + kind.metric, kind.help, labels=["model"])
+        for h in p.latency:
+            if h.kind != kind.name:
+                continue
+            buckets = [(("+Inf" if le == float("inf") else f"{le:g}"), float(n))
+                       for le, n in h.buckets]
+            family.add_metric([v for _, v in h.labels], buckets, sum_value=h.sum)
+        yield family
 
 
 def render_metrics(view: ExporterView, bad: _BadNames | None = None) -> bytes:
     """The Prometheus text exposition of a view. Raises on a view it cannot render."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_ViewCollector(view, bad if bad is not None else _BadNames()))
+    # the daemon's own health: process_resident_memory_bytes, process_cpu_seconds_total,
+    # open fds (a few reads of /proc/self, in memory)
+    ProcessCollector(registry=registry)
     return generate_latest(registry)
 
 

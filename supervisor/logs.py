@@ -36,7 +36,7 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
         foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder()],
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-            structlog.processors.dict_tracebacks if not console else _identity,
+            structlog.processors.dict_tracebacks if not console else _drop_empty,
             renderer,
         ],
     )
@@ -54,5 +54,9 @@ def set_level(level: str) -> None:
     logging.getLogger().setLevel(_LEVELS[level])
 
 
-def _identity(_: Any, __: str, event: Any) -> Any:
+def _drop_empty(_: Any, __: str, event: Any) -> Any:
+    """On the console, a field with no value (None, "") is noise: drop it. The JSON
+    lines keep every field, so that their shape stays the same for jq."""
+    if isinstance(event, dict):
+        return {k: v for k, v in event.items() if v is not None and v != ""}
     return event

@@ -17,9 +17,13 @@ daemon calls them, on the internal port. Every refused path is logged with its p
 counted by reason.
 
 A connection refused by the engine means the request never reached it, so it goes back
-to the gate (which holds it while the daemon restarts the engine) and is sent again; a
-request the engine had started fails fast with 502 and a clear error, since it cannot be
-saved. The proxy's own `/healthz` and `/readyz` answer load balancers.
+to the gate (which holds it while the daemon restarts the engine) and is sent again. A
+stream the engine fails mid-answer is continued token-exact on the engine that comes
+back (`supervisor/continuation.py`, driven by `supervisor/streams.py`), with SSE comments
+keeping the client's connection alive while it waits; one that cannot be continued ends
+with an explicit error event and no `[DONE]`, never as a clean but short answer. Any
+other answer the engine had started fails fast with 502, since it cannot be saved. The
+proxy's own `/healthz` and `/readyz` answer load balancers.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -36,14 +41,25 @@ import structlog
 from aiohttp import web
 from yarl import URL
 
+from supervisor import continuation
 from supervisor.admission import Gate, Rejected
+from supervisor.continuation import Transcript
+from supervisor.latency import ClientLatency
 from supervisor.routes import LOCAL, PathRefused, Routes, Target, read_target
+from supervisor.streams import (
+    HOP_BY_HOP,
+    Broken,
+    ContinuingRelay,
+    NotDelivered,
+    UpstreamFailed,
+    upstream_chunks,
+    upstream_headers,
+)
 
 log = structlog.get_logger("supervisor.proxy")
 
-HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-              "trailer", "transfer-encoding", "upgrade", "host", "content-length"}
-HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+USAGE_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+TAIL_BYTES = 1024  # of an answer, kept to read its usage from
 
 
 @dataclass
@@ -52,23 +68,20 @@ class ProxyStats:
 
     responses: dict[str, int] = field(default_factory=dict)  # status code -> count
     rejections: dict[str, int] = field(default_factory=dict)  # reason -> count
-    hold_wait_buckets: list[int] = field(default_factory=lambda: [0] * len(HOLD_BUCKETS))
-    hold_wait_count: int = 0
-    hold_wait_sum: float = 0.0
     retried_connects: int = 0
+    continuations: dict[str, int] = field(default_factory=dict)  # outcome -> streams
+    refusals: dict[str, int] = field(default_factory=dict)  # why not continued -> streams
+
+    def continued(self, outcome: str, refused: str | None = None) -> None:
+        self.continuations[outcome] = self.continuations.get(outcome, 0) + 1
+        if refused is not None:
+            self.refusals[refused] = self.refusals.get(refused, 0) + 1
 
     def count(self, status: int) -> None:
         self.responses[str(status)] = self.responses.get(str(status), 0) + 1
 
     def reject(self, reason: str) -> None:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
-
-    def waited(self, seconds: float) -> None:
-        self.hold_wait_count += 1
-        self.hold_wait_sum += seconds
-        for i, le in enumerate(HOLD_BUCKETS):
-            if seconds <= le:
-                self.hold_wait_buckets[i] += 1
 
 
 @dataclass
@@ -82,34 +95,72 @@ class ProxySettings:
     extra_routes: tuple[str, ...] = ()
     connect_timeout_s: float = 5.0
     idle_read_timeout_s: float = 600.0  # between two chunks of an answer
+    models: tuple[str, ...] = ()  # the names the engine serves: the latency labels
+    continuation: bool = True  # continue streams the engine fails mid-answer
+    continue_timeout_s: float = 300.0  # the longest a broken stream waits for an engine
+    max_continuations: int = 3  # per request
+    keepalive_s: float = 10.0  # SSE comments to a waiting stream, this often
 
 
-def estimate_tokens(body: bytes) -> int:
-    """Prompt tokens (about 4 characters each) plus max_tokens: a cheap, safe over-estimate
-    for the token budget. Unparseable bodies count as their length / 4."""
+@dataclass(frozen=True)
+class RequestFacts:
+    tokens: int  # the token budget's estimate
+    model: object  # the body's "model", whatever it is (None when absent)
+    doc: object = None  # the body, parsed (None when it is not JSON)
+
+
+def read_request(body: bytes) -> RequestFacts:
+    """The body parsed once: prompt tokens (about 4 characters each) plus max_tokens, a
+    cheap, safe over-estimate for the token budget, and the model asked for.
+    Unparseable bodies count as their length / 4, with no model."""
     try:
         doc = json.loads(body) if body else {}
     except ValueError:
-        return len(body) // 4
+        return RequestFacts(len(body) // 4, None)
     if not isinstance(doc, dict):
-        return len(body) // 4
+        return RequestFacts(len(body) // 4, None, doc)
     prompt = doc.get("prompt", doc.get("messages", doc.get("input", "")))
     text = prompt if isinstance(prompt, str) else json.dumps(prompt)
     out = doc.get("max_tokens", doc.get("max_completion_tokens", 16))
     out = out if isinstance(out, int) and not isinstance(out, bool) and out > 0 else 16
-    return len(text) // 4 + out
+    return RequestFacts(len(text) // 4 + out, doc.get("model"), doc)
 
 
-class FrontProxy:
+@dataclass
+class Exchange:
+    """One client request as the proxy saw it: for the latency histograms and its one
+    access line."""
+
+    arrived: float
+    model: object = None
+    status: int | None = None  # None: no answer (cut, or the client went away early)
+    held_s: float = 0.0
+    queued_s: float = 0.0
+    stream: bool = False
+    first_chunk_at: float | None = None
+    events: int = 0  # SSE data events written (about one token each)
+    tail: bytes = b""  # the answer's last bytes, where its usage is
+    outcome: str = "ok"
+    tokens: int = 0  # the token budget's estimate, for the gate
+    last_write_at: float = 0.0  # bytes of any kind (keep-alive comments too)
+    last_data_at: float = 0.0  # answer bytes
+    gap_from: float | None = None  # a broken stream's last answer bytes, until it goes on
+    transcript: Transcript | None = None  # a continuable stream's record
+
+
+class FrontProxy(ContinuingRelay):
     def __init__(self, settings: ProxySettings, gate: Gate,
                  ready: Callable[[], bool]) -> None:
         self.s = settings
         self.gate = gate
         self.ready = ready  # the daemon's view: engine serving and the gate open
         self.stats = ProxyStats()
+        self.latency = ClientLatency(settings.models)
         self.routes = Routes.serving(settings.extra_routes)
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
+        # continuable streams being relayed: id(transcript) -> (it, its engine answer)
+        self._relays: dict[int, tuple[Transcript, aiohttp.ClientResponse]] = {}
 
     async def start(self) -> None:
         """Listen; raises ProxyError naming the address when it cannot."""
@@ -163,9 +214,10 @@ class FrontProxy:
         return web.json_response(body, status=status, headers=headers)
 
     def _cut(self, target: Target, request: web.Request, resp: web.StreamResponse,
-             exc: BaseException) -> web.StreamResponse:
+             exc: BaseException, ex: Exchange) -> web.StreamResponse:
         """The answer had started: nothing to do but cut it, so the client sees an
         incomplete stream rather than a truncated success."""
+        ex.outcome = "cut"
         self.stats.count(502)
         log.warning("engine answer cut", path=target.path, error=repr(exc))
         with contextlib.suppress(Exception):
@@ -173,16 +225,8 @@ class FrontProxy:
                 request.transport.close()
         return resp
 
-    async def _engine_healthy(self) -> bool:
-        assert self._session is not None
-        try:
-            async with self._session.get(self.s.upstream + "/health",
-                                         timeout=aiohttp.ClientTimeout(total=2.0)) as r:
-                return r.status == 200
-        except (TimeoutError, aiohttp.ClientError):
-            return False
-
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        ex = Exchange(arrived=time.monotonic())
         try:
             target = read_target(request.raw_path)
             if target.path in LOCAL:
@@ -198,28 +242,86 @@ class FrontProxy:
         except web.HTTPRequestEntityTooLarge:
             return self._error(413, f"request body over {self.s.max_body_bytes} bytes",
                                "body_too_large")
-        tokens = estimate_tokens(body)
+        facts = read_request(body)
+        ex.model, ex.tokens = facts.model, facts.tokens
+        plan = continuation.plan(target.path, body, facts.doc) if self.s.continuation \
+            else None
+        try:
+            return await self._admit_and_forward(request, target, body, plan, ex)
+        finally:
+            self._finish(request, target, ex)
+
+    async def _admit_and_forward(self, request: web.Request, target: Target, body: bytes,
+                                 plan: continuation.Plan | None, ex: Exchange
+                                 ) -> web.StreamResponse:
+        tokens = ex.tokens
+        broken: Broken | None = None
         give_up = time.monotonic() + self.gate.limits.max_wait_s
         while True:
             try:
                 ticket = await self.gate.acquire(tokens)
             except Rejected as exc:
+                ex.status, ex.outcome = 503, exc.reason
+                if exc.held:
+                    ex.held_s += exc.waited_s
+                else:
+                    ex.queued_s += exc.waited_s
                 return self._error(503, str(exc), exc.reason)
-            if ticket.waited_s > 0:
-                self.stats.waited(ticket.waited_s)
+            if ticket.held:
+                ex.held_s += ticket.waited_s
+            else:
+                ex.queued_s += ticket.waited_s
             try:
-                return await self._forward(request, target, body)
-            except _NotDelivered as exc:
+                return await self._forward(request, target, body, ex, plan)
+            except Broken as exc:
+                broken = exc  # continued below, once its ticket is given back
+                break
+            except NotDelivered as exc:
                 # the engine refused the connection or is dying: the client has seen
                 # nothing, and the gate holds the request while the daemon brings the
                 # engine back (bounded by the hold timeout)
                 self.stats.retried_connects += 1
                 if time.monotonic() >= give_up:
+                    ex.status, ex.outcome = 503, "hold_timeout"
                     return self._error(503, f"the engine did not come back: {exc}",
                                        "hold_timeout")
                 await asyncio.sleep(0.2)
             finally:
                 self.gate.done(ticket)
+        return await self._continue(request, broken, ex)
+
+    def _finish(self, request: web.Request, target: Target, ex: Exchange) -> None:
+        """The request is over: its latencies into the histograms, its one access line."""
+        now = time.monotonic()
+        label = self.latency.label(ex.model)
+        observe = self.latency.observe
+        observe("hold_wait", label, ex.held_s)
+        observe("admission_wait", label, ex.queued_s)
+        observe("duration", label, now - ex.arrived)
+        fields: dict[str, object] = {
+            "method": request.method, "path": target.path, "status": ex.status,
+            "duration_s": round(now - ex.arrived, 4), "peer": request.remote}
+        if isinstance(ex.model, str):
+            fields["model"] = ex.model[:128]
+        if ex.outcome != "ok":
+            fields["outcome"] = ex.outcome
+        if ex.stream and ex.first_chunk_at is not None:
+            ttft = ex.first_chunk_at - ex.arrived
+            observe("ttft", label, ttft)
+            fields["ttft_s"] = round(ttft, 4)
+        if ex.transcript is not None and ex.transcript.plan.refused is None:
+            fields["tokens"] = len(ex.transcript.delivered)
+            if ex.transcript.attempt:
+                fields["continuations"] = ex.transcript.attempt
+        elif (m := USAGE_TOKENS.search(ex.tail)) is not None:
+            fields["tokens"] = int(m[1])
+        elif ex.stream:
+            fields["stream_events"] = max(0, ex.events - 1)  # less the closing [DONE]
+        if ex.held_s > 0:
+            fields["held_s"] = round(ex.held_s, 3)
+        if ex.queued_s > 0:
+            fields["queued_s"] = round(ex.queued_s, 3)
+        log.info("request", **fields)
 
     def _answer_locally(self, path: str) -> web.Response:
         """/healthz: the daemon runs. /readyz, and vLLM's /health and /ping for clients
@@ -229,10 +331,12 @@ class FrontProxy:
             return web.Response(text="ok\n" if path == "/healthz" else "ready\n")
         return web.Response(status=503, text="not ready\n")
 
-    async def _forward(self, request: web.Request, target: Target,
-                       body: bytes) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, target: Target, body: bytes,
+                       ex: Exchange, plan: continuation.Plan | None) -> web.StreamResponse:
         assert self._session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers = upstream_headers(request)
+        if plan is not None:
+            body = plan.body
         # as already encoded: the path checked is the path sent, not normalised again
         url = URL(self.s.upstream + target.upstream_path_qs, encoded=True)
         resp: web.StreamResponse | None = None
@@ -243,19 +347,25 @@ class FrontProxy:
                     # nothing has reached the client, and the engine is dying (vLLM answers
                     # 500 to new requests between its core's death and its own exit): the
                     # answer goes to the engine that replaces it instead
-                    raise _NotDelivered(f"HTTP {up.status} from a dying engine")
+                    raise NotDelivered(f"HTTP {up.status} from a dying engine")
                 resp = web.StreamResponse(status=up.status, reason=up.reason)
                 for k, v in up.headers.items():
                     if k.lower() not in HOP_BY_HOP:
                         resp.headers.add(k, v)
+                ex.status = up.status
+                ex.stream = up.content_type == "text/event-stream"
                 try:
                     await resp.prepare(request)
-                    async for chunk in _chunks(up):
-                        await resp.write(chunk)
+                    if plan is not None and ex.stream:
+                        ex.transcript = Transcript(plan)
+                        await self._relay_events(up, resp, ex, ex.transcript)
+                    else:
+                        await self._relay(up, resp, ex)
                     await resp.write_eof()
                 except (ConnectionError, aiohttp.ClientConnectionResetError):
                     # the client went away: leaving this block closes the upstream
                     # connection, and vLLM aborts the request
+                    ex.status, ex.outcome = 499, "client_gone"
                     self.stats.count(499)
                     self.stats.reject("client_gone")
                     return resp
@@ -266,34 +376,36 @@ class FrontProxy:
             if resp is None or not resp.prepared:
                 # refused, or a kept-alive connection the engine had closed: no answer has
                 # begun, so the client has seen nothing and the request can go again
-                raise _NotDelivered(repr(exc)) from exc
+                raise NotDelivered(repr(exc)) from exc
             if isinstance(exc, aiohttp.ClientConnectorError):
                 raise
-            return self._cut(target, request, resp, exc)
-        except (TimeoutError, aiohttp.ClientError, _UpstreamFailed) as exc:
+            return self._cut(target, request, resp, exc, ex)
+        except (TimeoutError, aiohttp.ClientError, UpstreamFailed) as exc:
             if resp is not None and resp.prepared:
-                return self._cut(target, request, resp, exc)
+                return self._cut(target, request, resp, exc, ex)
+            ex.status, ex.outcome = 502, "engine_failed"
             return self._error(502, f"the engine failed during the request: "
                                     f"{type(exc).__name__}: {exc}", "engine_failed")
 
-
-async def _chunks(up: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """The upstream body as it arrives; an upstream failure is raised as _UpstreamFailed,
-    so that it is never mistaken for the client going away."""
-    try:
-        async for chunk in up.content.iter_any():
-            yield chunk
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        raise _UpstreamFailed(exc) from exc
-
-
-class _UpstreamFailed(Exception):
-    pass
+    async def _relay(self, up: aiohttp.ClientResponse, resp: web.StreamResponse,
+                     ex: Exchange) -> None:
+        """The answer, chunk by chunk as it arrives; the stream's gaps as the client gets
+        them, and the answer's tail (where its usage is) for the access line."""
+        gaps = self.latency.histogram("stream_gap", self.latency.label(ex.model))
+        last = 0.0
+        async for chunk in upstream_chunks(up):
+            await resp.write(chunk)
+            now = time.monotonic()
+            if ex.first_chunk_at is None:
+                ex.first_chunk_at = now
+            elif ex.stream:
+                gaps.observe(now - last)
+            last = now
+            if ex.stream:
+                ex.events += chunk.count(b"data:")
+            ex.tail = (chunk[-TAIL_BYTES:] if len(chunk) >= TAIL_BYTES
+                       else (ex.tail + chunk)[-TAIL_BYTES:])
 
 
 class ProxyError(Exception):
     pass
-
-
-class _NotDelivered(Exception):
-    """The engine refused the connection: the request never reached it."""

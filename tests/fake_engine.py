@@ -20,7 +20,18 @@ script a fault:
                         requests running at that moment to <pidfile dir>/sleeps, and
                         completions answer 503 while asleep
   --wake-fails          POST /wake_up answers 500 (and the engine stays asleep)
-Completions honour "max_tokens" and "stream" (SSE, one chunk per token, then [DONE]).
+  --fault-file PATH     when PATH appears, it is read and removed, and every stream in
+                        flight at that moment meets the fault it names: "cut" (the
+                        connection closed mid-answer), "error" (vLLM's error event, then
+                        [DONE]), "die" (the error event; then /health answers 503 and
+                        completions 500 for 0.5 s, then the engine exits 1), "exit" (the
+                        engine exits 1 at once)
+Completions and chat completions honour "max_tokens" and "stream" (SSE, vLLM-shaped
+chunks, one per token, finish_reason "length" on the last, then [DONE]), and
+"return_token_ids", "stream_options" (include_usage, continuous_usage_stats). Tokens are
+deterministic: each is a function of the whole sequence before it (prompt included), so
+a continuation (prompt + delivered tokens as the prompt) yields what an uninterrupted
+answer would; a token's text is "t<id> ". A string prompt's token ids are its characters'.
 On SIGTERM it stops accepting and lets running requests finish for --shutdown-timeout,
 as vLLM does. A client that goes away mid-stream is counted in <pidfile dir>/aborts;
 the most requests ever running at once is written to <pidfile dir>/max-running.
@@ -40,9 +51,11 @@ import http.server
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
+from typing import Any
 
 
 def log(level: str, msg: str, tag: str = "APIServer") -> None:
@@ -69,6 +82,7 @@ def main() -> None:
     p.add_argument("--token-delay", type=float, default=0.01)
     p.add_argument("--enable-sleep-mode", action="store_true")
     p.add_argument("--wake-fails", action="store_true")
+    p.add_argument("--fault-file", default=None)
     a, _engine_args = p.parse_known_args()  # the rest: engine flags, e.g. --max-num-seqs
 
     log("INFO", f"fake engine starting, args {sys.argv[1:]}")
@@ -111,6 +125,33 @@ def main() -> None:
     asleep = threading.Event()
     lock = threading.Lock()
     running = [0, 0]  # now, most ever
+    streams: set[int] = set()  # the streams in flight (their threads' ids)
+    faulted: dict[int, str] = {}  # stream -> the fault it is to meet
+    dying = threading.Event()
+
+    def fault_for(me: int) -> str | None:
+        """The fault this stream meets now, if any (the fault file read once)."""
+        with lock:
+            if a.fault_file and os.path.exists(a.fault_file):
+                with open(a.fault_file) as f:
+                    kind = f.read().strip()
+                os.unlink(a.fault_file)
+                for sid in streams:
+                    faulted[sid] = kind
+                if kind == "die":
+                    threading.Thread(target=die_soon, daemon=True).start()
+            return faulted.pop(me, None)
+
+    def die_soon() -> None:
+        dying.set()
+        time.sleep(0.5)
+        exit_now()
+
+    def exit_now() -> None:
+        log("ERROR", "engine core died (fake fault)", tag="EngineCore_DP0")
+        if child_pid:
+            os.kill(child_pid, signal.SIGKILL)
+        os._exit(1)
     if a.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:
@@ -127,7 +168,7 @@ def main() -> None:
             return ok
 
         def do_GET(self) -> None:
-            code = 503 if a.never_healthy else 200
+            code = 503 if a.never_healthy or dying.is_set() else 200
             body = b"{}" if self.path == "/health" else b'{"fake": true}'
             if self.path == "/v1/models":
                 body = b'{"object": "list", "data": [{"id": "fake", "object": "model"}]}'
@@ -147,13 +188,22 @@ def main() -> None:
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length)
-            if self.path == "/v1/completions" and asleep.is_set():
+            try:
+                req = json.loads(raw or b"{}")
+            except ValueError:
+                req = {}
+            req = req if isinstance(req, dict) else {}
+            generate = self.path in ("/v1/completions", "/v1/chat/completions")
+            if generate and dying.is_set():
+                body, code = b'{"error": {"message": "EngineDeadError", "code": 500}}', 500
+            elif generate and asleep.is_set():
                 body, code = b'{"error": "the engine is asleep"}', 503
-            elif self.path == "/v1/completions":
-                try:
-                    req = json.loads(raw or b"{}")
-                except ValueError:
-                    req = {}
+            elif generate and req.get("model", "fake") != "fake":
+                # as vLLM answers a model it does not serve
+                body, code = json.dumps({"error": {
+                    "message": f"The model `{req['model']}` does not exist.",
+                    "type": "NotFoundError", "code": 404}}).encode(), 404
+            elif generate:
                 with lock:
                     running[0] += 1
                     peak = max(running[1], running[0])
@@ -165,14 +215,17 @@ def main() -> None:
                     while a.hang_file and os.path.exists(a.hang_file) and not stopping.is_set():
                         time.sleep(0.05)
                     if req.get("stream"):
-                        self._stream(int(req.get("max_tokens") or 16))
+                        self._stream(req, chat=self.path == "/v1/chat/completions")
                         return
                     time.sleep(a.token_delay * int(req.get("max_tokens") or 1))
                 finally:
                     with lock:
                         running[0] -= 1
+                n = int(req.get("max_tokens") or 16)
                 body = json.dumps({"object": "text_completion", "model": "fake",
-                                   "choices": [{"index": 0, "text": "x"}]}).encode()
+                                   "choices": [{"index": 0, "text": "x"}],
+                                   "usage": {"prompt_tokens": 1, "completion_tokens": n,
+                                             "total_tokens": n + 1}}).encode()
                 code = 200
             elif self.path == "/sleep?level=1" and sleep_mode:
                 asleep.set()
@@ -196,23 +249,79 @@ def main() -> None:
             self.end_headers()
             self.wfile.write(body)
 
-        def _stream(self, tokens: int) -> None:
+        def _stream(self, req: dict[str, Any], chat: bool) -> None:
+            """A vLLM-shaped SSE answer, one chunk per token; the fault file honoured."""
+            me = threading.get_ident()
+            prompt = prompt_ids(req, chat)
+            tokens = int(req.get("max_tokens") or req.get("max_completion_tokens") or 16)
+            so = req.get("stream_options") or {}
+            ids = bool(req.get("return_token_ids"))
+            head: dict[str, Any] = {"id": f"{'chatcmpl' if chat else 'cmpl'}-fake{me % 100000}",
+                    "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": int(time.time()), "model": "fake"}
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("X-Fake-Engine", "1")
             self.end_headers()
+            with lock:
+                streams.add(me)
+
+            def send(doc: dict[str, Any]) -> None:
+                self.wfile.write(f"data: {json.dumps(doc)}\n\n".encode())
+                self.wfile.flush()
+
             try:
+                seq = list(prompt)
+                if chat:
+                    first: dict[str, Any] = {**head, "choices": [{"index": 0, "delta": {
+                        "role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}]}
+                    if ids:
+                        first["prompt_token_ids"] = prompt
+                    send(first)
                 for i in range(tokens):
-                    chunk = {"choices": [{"index": 0, "text": f"t{i} "}]}
-                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                    self.wfile.flush()
+                    fault = fault_for(me)
+                    if fault == "cut":
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                        return
+                    if fault in ("error", "die"):
+                        send({"error": {"message": "EngineCore encountered an issue. See "
+                                        "stack trace (above) for the root cause.",
+                                        "type": "InternalServerError", "code": 500}})
+                        self.wfile.write(b"data: [DONE]\n\n")
+                        return
+                    if fault == "exit":
+                        exit_now()
+                    tok = next_token(seq)
+                    seq.append(tok)
+                    last = i == tokens - 1
+                    choice: dict[str, Any] = {"index": 0, "logprobs": None,
+                                    "finish_reason": "length" if last else None}
+                    if chat:
+                        choice["delta"] = {"content": f"t{tok} "}
+                    else:
+                        choice.update(text=f"t{tok} ", stop_reason=None)
+                        if ids and i == 0:
+                            choice["prompt_token_ids"] = prompt
+                    if ids:
+                        choice["token_ids"] = [tok]
+                    chunk: dict[str, Any] = {**head, "choices": [choice]}
+                    if so.get("continuous_usage_stats"):
+                        chunk["usage"] = usage(len(prompt), i + 1)
+                    send(chunk)
                     time.sleep(a.token_delay)
+                if so.get("include_usage"):
+                    send({**head, "choices": [], "usage": usage(len(prompt), tokens)})
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
             except (BrokenPipeError, ConnectionResetError):
                 if pidfile:
                     with open(os.path.join(os.path.dirname(pidfile), "aborts"), "a") as f:
                         f.write("1\n")
+            finally:
+                with lock:
+                    streams.discard(me)
+                    faulted.pop(me, None)
 
         def log_message(self, *args: object) -> None:
             pass
@@ -238,6 +347,34 @@ def main() -> None:
         os.kill(child_pid, signal.SIGTERM)
         os.waitpid(child_pid, 0)
     sys.exit(0)
+
+
+def prompt_ids(req: dict[str, Any], chat: bool) -> list[int]:
+    """A prompt's token ids: given as ids, or a string's characters (a chat's messages
+    with role markers, as a template would)."""
+    if chat:
+        text = "".join(f"<{m.get('role')}>{m.get('content')}" for m in req.get("messages") or ())
+        return [ord(c) % 1000 for c in text + "<assistant>"]
+    p = req.get("prompt", "")
+    if isinstance(p, list) and p and isinstance(p[0], list):
+        p = p[0]
+    if isinstance(p, list):
+        return [int(x) for x in p]
+    if not isinstance(p, str):
+        p = str(p)
+    return [ord(c) % 1000 for c in p]
+
+
+def next_token(seq: list[int]) -> int:
+    """Deterministic in the whole sequence before it."""
+    a = seq[-1] if seq else 0
+    b = seq[-2] if len(seq) > 1 else 0
+    return (31 * a + 7 * b + 13 * len(seq)) % 997 + 3
+
+
+def usage(prompt: int, completion: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
 
 
 if __name__ == "__main__":

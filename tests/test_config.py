@@ -24,7 +24,8 @@ def with_engine(**kw: object) -> dict:
 
 def test_demo_config_is_valid_and_paths_resolve_against_its_directory():
     cfg = load_config(ROOT / "config.toml")
-    assert cfg.engine.command[0] == str(ROOT / ".venv-engine" / "bin" / "python")
+    assert cfg.engine.command[0] == str(ROOT / ".venv-engine" / "bin" / "vllm")
+    assert cfg.engine.served_models() == ("tiny-llama",)
     assert cfg.engine.cwd == str(ROOT)
     assert cfg.control.socket == str(ROOT / "run" / "control.sock")
     assert cfg.audit.path == str(ROOT / "var" / "events.jsonl")

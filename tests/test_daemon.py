@@ -260,7 +260,8 @@ def test_reload_applies_a_valid_file_and_refuses_a_broken_one(daemon_factory, tm
     d.ctl("restart")
     d.wait_state("RUNNING", 20, extra=lambda s: s["restarts"] == 1)
     spawned = [r for r in d.log_records() if r.get("event") == "engine spawned"][-1]
-    assert spawned["argv"][-2:] == ["--startup-delay", "0.2"]
+    # (then the flag that keeps vLLM's own access log off, engine.access_log = false)
+    assert spawned["argv"][-3:] == ["--startup-delay", "0.2", "--disable-uvicorn-access-log"]
 
 
 def test_control_socket_refuses_garbage_and_keeps_answering(daemon_factory, tmp_path):

@@ -24,6 +24,7 @@ from tests.harness import ROOT, Daemon, alive, free_port, wait_for
 pytestmark = pytest.mark.e2e
 
 ENGINE_PY = ROOT / ".venv-engine" / "bin" / "python"
+ENGINE_VLLM = ROOT / ".venv-engine" / "bin" / "vllm"
 MODEL = ROOT / "models" / "tiny-llama"
 START_TIMEOUT = 300.0
 
@@ -35,8 +36,9 @@ def vllm_config(tmp: Path) -> dict[str, dict[str, object]]:
 
     return {
         "engine": {
-            "command": [str(ENGINE_PY), "-m", "vllm.entrypoints.openai.api_server"],
-            "args": ["--model", str(MODEL), "--served-model-name", "tiny-llama",
+            # as the demo (config.toml) starts it
+            "command": [str(ENGINE_VLLM), "serve", str(MODEL)],
+            "args": ["--served-model-name", "tiny-llama",
                      "--max-model-len", "512", "--dtype", "float32"],
             "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
             "port": free_port(), "startup_timeout_s": START_TIMEOUT,

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import fake_engine_config, free_port, path_tricks, raw_request, wait_for
 
 
 def proxy_config(tmp: Path, *fake: str, **proxy: Any) -> dict[str, dict[str, Any]]:
-    cfg = fake_engine_config(tmp, "--child", *fake,
+    cfg = fake_engine_config(tmp, "--child", "--served-model-name", "fake", *fake,
                              canary={"period_s": 0.5, "timeout_s": 2.0})
     cfg["proxy"] = {"enabled": True, "listen": f"127.0.0.1:{free_port()}", **proxy}
     return cfg
@@ -207,9 +208,63 @@ def test_resume_releases_held_requests_in_order_without_a_restart(daemon_factory
     m = {(s.name, tuple(sorted(s.labels.items()))): s.value
          for fam in text_string_to_metric_families(text) for s in fam.samples}
     assert m[("vllm_supervisor_proxy_responses_total", (("code", "200"),))] >= 5
-    assert m[("vllm_supervisor_proxy_hold_wait_seconds_count", ())] >= 5
-    assert m[("vllm_supervisor_proxy_hold_wait_seconds_bucket", (("le", "+Inf"),))] >= 5
+    held = (("model", "fake"),)
+    assert m[("vllm_supervisor_client_hold_wait_seconds_count", held)] >= 5
+    # each of the five waited through the drain: none of them in the lowest bucket
+    assert m[("vllm_supervisor_client_hold_wait_seconds_bucket",
+              (("le", "+Inf"), ("model", "fake")))] >= 5
+    assert m[("vllm_supervisor_client_hold_wait_seconds_bucket",
+              (("le", "0.001"), ("model", "fake")))] <= \
+        m[("vllm_supervisor_client_hold_wait_seconds_count", held)] - 5
     assert m[("vllm_supervisor_proxy_held", ())] == 0
+
+
+def metrics(d: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"{d.exporter_url}/metrics", timeout=5).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_client_latency_is_measured_by_model_and_each_request_has_one_access_line(
+        daemon_factory, tmp_path):
+    cfg = proxy_config(tmp_path, "--token-delay", "0.05")
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: d.status()["admission"]["held"] is None, 10, "the gate to open")
+    body = {"model": "fake", "prompt": "hi", "max_tokens": 10, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.monotonic()
+    with httpx.stream("POST", url(cfg), json=body, timeout=30) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    took = time.monotonic() - t0
+    assert lines[-1] == "data: [DONE]"
+    assert complete(cfg, tokens=3).status_code == 200
+    r = httpx.post(url(cfg), json={"model": "no-such-model", "prompt": "x"}, timeout=10)
+    m = metrics(d)
+    fake, other = (("model", "fake"),), (("model", "other"),)
+    assert m[("vllm_supervisor_client_ttft_seconds_count", fake)] == 1
+    ttft = m[("vllm_supervisor_client_ttft_seconds_sum", fake)]
+    assert 0 < ttft < took
+    # ten tokens 50 ms apart: nine gaps or more (the usage chunk too), most near 50 ms
+    gaps = m[("vllm_supervisor_client_stream_gap_seconds_count", fake)]
+    assert gaps >= 9
+    assert m[("vllm_supervisor_client_stream_gap_seconds_bucket",
+              (("le", "0.025"), ("model", "fake")))] < gaps / 2
+    assert m[("vllm_supervisor_client_request_duration_seconds_count", fake)] == 2
+    assert m[("vllm_supervisor_client_request_duration_seconds_count", other)] == 1
+    assert m[("vllm_supervisor_client_admission_wait_seconds_count", fake)] == 2
+    assert ("vllm_supervisor_client_ttft_seconds_count", other) not in m  # not streamed
+    access = [rec for rec in d.log_records() if rec.get("event") == "request"]
+    assert len(access) == 3, access
+    streamed, plain, unknown = access
+    assert streamed["path"] == "/v1/completions" and streamed["method"] == "POST"
+    assert streamed["model"] == "fake" and streamed["status"] == 200
+    assert streamed["tokens"] == 10  # from the stream's usage chunk
+    assert 0 < streamed["ttft_s"] < streamed["duration_s"] <= took
+    assert plain["tokens"] == 3 and "ttft_s" not in plain
+    assert unknown["model"] == "no-such-model" and unknown["status"] == r.status_code
+    assert all(rec["peer"] == "127.0.0.1" for rec in access)
 
 
 def test_throttle_levels_cap_concurrency_live(daemon_factory, tmp_path):
@@ -251,9 +306,12 @@ def test_a_client_that_disconnects_cancels_its_upstream_request(daemon_factory, 
     wait_for(lambda: d.status()["admission"]["in_flight"] == 0, 10, "the slot freed")
 
 
-def test_engine_crash_fails_in_flight_fast_and_later_requests_succeed(daemon_factory,
-                                                                      tmp_path):
-    cfg = proxy_config(tmp_path, "--token-delay", "0.05")
+@pytest.mark.parametrize("continued", [True, False])
+def test_engine_crash_mid_stream_and_later_requests(daemon_factory, tmp_path, continued):
+    """The whole engine SIGKILLed under a stream: the stream goes on, whole, on the
+    restarted engine (with `continue_streams = false` it is cut, fast); requests sent
+    after the crash are held and answered."""
+    cfg = proxy_config(tmp_path, "--token-delay", "0.05", continue_streams=continued)
     d = daemon_factory(cfg)
     st = d.wait_state("RUNNING")
     wait_for(lambda: d.status()["admission"]["held"] is None, 10, "the gate to open")
@@ -262,25 +320,31 @@ def test_engine_crash_fails_in_flight_fast_and_later_requests_succeed(daemon_fac
     def long_stream() -> None:
         t0 = time.monotonic()
         try:
-            lines = stream(cfg, tokens=400)
+            lines = stream(cfg, tokens=200)
             in_flight.append(("ok" if lines[-1] == "data: [DONE]" else "cut",
-                              time.monotonic() - t0))
-        except Exception as exc:  # the point: it fails, and fast
-            in_flight.append((repr(exc), time.monotonic() - t0))
+                              time.monotonic() - t0, len(lines)))
+        except Exception as exc:  # without continuation: it fails, and fast
+            in_flight.append((repr(exc), time.monotonic() - t0, 0))
 
     t = threading.Thread(target=long_stream)
     t.start()
     wait_for(lambda: d.status()["admission"]["in_flight"] >= 1, 10, "the stream to start")
+    time.sleep(0.3)  # a few tokens delivered
     os.killpg(st["pid"], signal.SIGKILL)  # the whole engine, as a crash
     later: list[int] = []
     waiters = [threading.Thread(target=lambda: later.append(complete(cfg).status_code))
                for _ in range(4)]
     for w in waiters:
         w.start()
-    t.join(30)
+    t.join(60)
     for w in waiters:
         w.join(60)
-    assert in_flight and in_flight[0][0] != "ok" and in_flight[0][1] < 10  # not 20 s
+    assert in_flight, "the stream never ended"
+    outcome, took_s, lines = in_flight[0]
+    if continued:
+        assert (outcome, lines) == ("ok", 201), in_flight  # every token, then [DONE]
+    else:
+        assert outcome != "ok" and took_s < 10, in_flight  # not the whole 10 s
     assert later == [200] * 4  # held through the backoff and the restart
     assert d.status()["restarts"] == 1
 

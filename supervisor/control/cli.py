@@ -69,6 +69,42 @@ def _duration(s: float | None) -> str:
     return f"{h}h{m:02d}m{sec:02d}s" if h else (f"{m}m{sec:02d}s" if m else f"{sec}s")
 
 
+def human_bytes(n: float) -> str:
+    sign, n = ("-" if n < 0 else ""), abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
+        n /= 1024
+    return f"{sign}{n:.2f} TiB"
+
+
+def human_seconds(s: float) -> str:
+    if abs(s) < 1:
+        return f"{s * 1000:.0f} ms"
+    if abs(s) < 60:
+        return f"{s:.1f} s"
+    return _duration(s)
+
+
+def format_signal(name: str, value: float | int | bool) -> str:
+    """One signal in human units (status --json keeps the raw numbers)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    if name.endswith("_bytes_per_h"):
+        return human_bytes(value) + "/h"
+    if name.endswith("_bytes"):
+        return human_bytes(value)
+    if name.endswith("_s"):
+        return human_seconds(value)
+    if name.endswith("_c"):
+        return f"{value:.0f} C"
+    if name.endswith("_w"):
+        return f"{value:.0f} W"
+    if name.endswith("_percent"):
+        return f"{value:.1f} %"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
 def format_status(st: dict[str, Any]) -> str:
     eng = st.get("engine", {})
     lines = [f"state      {st['state']} for {_duration(st.get('state_for_s'))}: {st.get('reason')}"]
@@ -106,8 +142,7 @@ def format_status(st: dict[str, Any]) -> str:
             lines.append(f"  engine: {err}")
     for k, v in sorted(st.get("signals", {}).items()):
         if v is not None:  # unknown signals (no GPU, no spec decode...) stay out of the way
-            lines.append(f"signal     {k} = {v:g}" if isinstance(v, float) else
-                         f"signal     {k} = {v}")
+            lines.append(f"signal     {k} = {format_signal(k, v)}")
     lines.append(f"daemon     pid {st.get('daemon_pid')}, "
                  f"up {_duration(st.get('daemon_uptime_s'))}")
     return "\n".join(lines)

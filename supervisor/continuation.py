@@ -1,0 +1,430 @@
+"""Token-level continuation: a stream whose engine fails mid-answer goes on, token-exact.
+
+The proxy asks the engine for token ids (vLLM's `return_token_ids`) on every streamed
+`/v1/completions` and `/v1/chat/completions` request it can continue, and removes them
+from what the client receives unless the client asked for them. A `Transcript` records
+the prompt's token ids and every token id delivered. When the engine fails mid-answer,
+the proxy waits for an engine serving the model and sends a continuation: a
+`/v1/completions` request whose prompt is the prompt's token ids followed by the
+delivered ones, `max_tokens` and `min_tokens` reduced by what was delivered, the same
+sampling parameters. Its chunks are reframed into the original stream: the same `id`,
+`created`, `model` and choice index, a chat answer as chat deltas, usage for the whole
+answer (the original prompt's tokens, every completion token).
+
+Where continuation cannot be exact it is not attempted (`refusal`), and a stream that
+breaks then ends with an explicit error event and no `[DONE]`: several choices (`n`,
+`best_of`, beam search), structured output, `echo`, logprobs (their offsets and prompt
+logprobs restart), stop strings (one could span the gap), presence and frequency
+penalties (vLLM applies them to generated tokens only: delivered tokens would become
+prompt), tools, multimodal input, several prompts in one request; and, found while
+recording, a reasoning or tool-call parser's deltas, or an engine that does not return
+token ids.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+CONTINUABLE = ("/v1/completions", "/v1/chat/completions")
+# How a broken stream ended (the exporter's label; every one born at 0): continued on an
+# engine; resent whole (the client had seen nothing); closed (only its end was lost);
+# refused (see REFUSALS); failed (no engine took it in time, or one refused it);
+# client_gone (the client left while it waited).
+OUTCOMES = ("continued", "resent", "closed", "refused", "failed", "client_gone")
+# Why a stream was not continued.
+REFUSALS = ("several_choices", "beam_search", "echo", "logprobs", "structured_output",
+            "stop_strings", "penalties", "logits_processors", "tools", "multimodal",
+            "prompt_form", "several_prompts", "no_model", "parser_output", "no_token_ids",
+            "too_many_faults")
+CONTINUATION_PATH = "/v1/completions"
+DONE = b"data: [DONE]\n\n"
+
+# Chat keys a continuation (a completions request) keeps: sampling and output shaping.
+# Everything else of a chat request is either the prompt (now token ids) or refused.
+_CHAT_KEPT = ("model", "temperature", "top_p", "top_k", "min_p", "seed",
+              "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+              "spaces_between_special_tokens", "logit_bias", "allowed_token_ids",
+              "bad_words", "include_stop_str_in_output", "priority", "user",
+              "stream_options", "length_penalty", "vllm_xargs")
+# A completions request's keys that only make sense for its original prompt.
+_COMPLETION_DROPPED = ("prompt", "max_tokens", "min_tokens", "suffix", "add_special_tokens",
+                       "truncate_prompt_tokens", "return_token_ids", "cache_salt")
+_STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+               "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
+               "json_schema")
+# Chat delta keys of a plain answer; any other (reasoning, tool_calls) comes from a parser
+# that read the whole answer so far: a continuation would restart it.
+_PLAIN_DELTA = frozenset(("role", "content"))
+
+
+_UNREAD = object()
+# A token-id field as vLLM writes it (pydantic's compact JSON), with its leading comma.
+_TOKEN_IDS = re.compile(rb',\s*"(?:prompt_)?token_ids"\s*:\s*(?:\[[0-9,\s]*\]|null)')
+
+
+class StreamBroken(Exception):
+    """The engine's stream failed: an error event, an end before the answer's end, or
+    garbage where an event should be. The message says which, for the client's error."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A streamed generation request, read once: the body sent upstream and what a
+    continuation needs from the original."""
+
+    path: str
+    chat: bool
+    doc: dict[str, Any]  # the client's body, parsed
+    body: bytes  # what goes upstream: the client's, plus return_token_ids when continuable
+    client_token_ids: bool  # the client asked for token ids: they stay in its chunks
+    max_tokens: int | None
+    min_tokens: int
+    refused: str | None  # why it cannot be continued; None: it can
+
+
+def plan(path: str, body: bytes, doc: object = _UNREAD) -> Plan | None:
+    """The plan for a streamed completion or chat request (`doc`: the body already
+    parsed, if it was); None for anything else (it is forwarded as it is, and a
+    non-streamed answer is sent again whole when the engine fails before answering)."""
+    if path not in CONTINUABLE:
+        return None
+    if doc is _UNREAD:
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            return None
+    if not isinstance(doc, dict) or doc.get("stream") is not True:
+        return None
+    chat = path == "/v1/chat/completions"
+    max_tokens = doc.get("max_completion_tokens") if chat else None
+    if max_tokens is None:
+        max_tokens = doc.get("max_tokens")
+    min_tokens = doc.get("min_tokens") or 0
+    if (max_tokens is not None and not _count(max_tokens)) or not _count(min_tokens):
+        return None  # the engine answers 400 itself
+    client_ids = doc.get("return_token_ids") is True
+    refused = refusal(doc, chat)
+    if refused is None and not client_ids:
+        body = json.dumps({**doc, "return_token_ids": True}, separators=(",", ":")).encode()
+    return Plan(path, chat, doc, body, client_ids, max_tokens, min_tokens, refused)
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def refusal(doc: dict[str, Any], chat: bool) -> str | None:
+    """Why a request cannot be continued exactly, as a metric label; None if it can."""
+    if _more_than_one(doc.get("n")) or _more_than_one(doc.get("best_of")):
+        return "several_choices"
+    if doc.get("use_beam_search"):
+        return "beam_search"
+    if doc.get("echo"):
+        return "echo"
+    if any(doc.get(k) not in (None, False, 0) for k in
+           ("logprobs", "top_logprobs", "prompt_logprobs")):
+        return "logprobs"
+    if doc.get("return_tokens_as_token_ids"):
+        return "logprobs"
+    if any(doc.get(k) is not None for k in _STRUCTURED):
+        return "structured_output"
+    rf = doc.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") in (None, "text")):
+        return "structured_output"
+    if doc.get("stop"):
+        return "stop_strings"
+    if doc.get("presence_penalty") or doc.get("frequency_penalty"):
+        return "penalties"
+    if doc.get("logits_processors"):
+        return "logits_processors"
+    if chat:
+        if doc.get("tools") and doc.get("tool_choice") != "none":
+            return "tools"
+        if doc.get("mm_processor_kwargs") or not _text_only(doc.get("messages")):
+            return "multimodal"
+    else:
+        if doc.get("prompt_embeds") is not None or doc.get("suffix"):
+            return "prompt_form"
+        if not _one_prompt(doc.get("prompt")):
+            return "several_prompts"
+    if not isinstance(doc.get("model"), str):
+        return "no_model"
+    return None
+
+
+def _more_than_one(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 1
+
+
+def _one_prompt(p: object) -> bool:
+    if isinstance(p, str):
+        return True
+    if isinstance(p, list) and p:
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            return True  # one prompt of token ids
+        return len(p) == 1 and _one_prompt(p[0])
+    return False
+
+
+def _text_only(messages: object) -> bool:
+    if not isinstance(messages, list):
+        return False
+    for m in messages:
+        if not isinstance(m, dict):
+            return False
+        content = m.get("content")
+        if isinstance(content, list) and any(
+                not isinstance(part, dict) or part.get("type") != "text" for part in content):
+            return False
+    return True
+
+
+@dataclass
+class Transcript:
+    """One continuable stream as the client received it: what a continuation needs, and
+    the reframing of the engine's events into the client's one stream."""
+
+    plan: Plan
+    include_usage: bool = False  # the client asked for a usage chunk at the end
+    id: str | None = None
+    created: int | None = None
+    model: str | None = None
+    system_fingerprint: str | None = None
+    prompt_ids: list[int] | None = None
+    delivered: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage_sent: bool = False
+    done: bool = False  # [DONE] written
+    attempt: int = 0  # 0: the original request; n: the nth continuation
+    base: int = 0  # tokens delivered before this attempt began
+    events: int = 0  # data events written to the client
+    not_continuable: str | None = None  # found while recording
+    paused: bool = False  # taken off its engine on purpose (a drained restart)
+
+    def __post_init__(self) -> None:
+        so = self.plan.doc.get("stream_options")
+        self.include_usage = isinstance(so, dict) and so.get("include_usage") is True
+        self._continuous = isinstance(so, dict) and so.get("continuous_usage_stats") is True
+
+    # ---- what can be done --------------------------------------------------------------
+
+    def refusal(self) -> str | None:
+        """Why this stream cannot be continued now; None if it can."""
+        if self.plan.refused is not None:
+            return self.plan.refused
+        if self.not_continuable is not None:
+            return self.not_continuable
+        if self.events and self.prompt_ids is None:
+            return "no_token_ids"  # an engine that ignores return_token_ids
+        return None
+
+    @property
+    def remaining(self) -> int | None:
+        mt = self.plan.max_tokens
+        return None if mt is None else mt - len(self.delivered)
+
+    def continuation(self) -> bytes:
+        """The continuation request: the prompt's token ids and the delivered ones, the
+        token budgets reduced, the same sampling; streamed, with token ids."""
+        assert self.prompt_ids is not None
+        doc = self.plan.doc
+        if self.plan.chat:
+            body = {k: doc[k] for k in _CHAT_KEPT if k in doc}
+        else:
+            body = {k: v for k, v in doc.items() if k not in _COMPLETION_DROPPED}
+        body["prompt"] = self.prompt_ids + self.delivered
+        body["stream"] = True
+        body["return_token_ids"] = True
+        if self.remaining is not None:
+            body["max_tokens"] = self.remaining
+        if self.plan.min_tokens:
+            body["min_tokens"] = max(0, self.plan.min_tokens - len(self.delivered))
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    def begin_attempt(self) -> None:
+        self.attempt += 1
+        self.base = len(self.delivered)
+
+    # ---- reading the engine's events ---------------------------------------------------
+
+    def take(self, data: bytes) -> bytes | None:
+        """One event's data from the engine -> the bytes for the client (None: nothing).
+        Raises StreamBroken for an error event, a [DONE] before the answer's end, or an
+        event that is not a chunk."""
+        if data == b"[DONE]":
+            if self.finish_reason is None:
+                raise StreamBroken("the engine ended the stream before the answer's end")
+            return self.close()
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            raise StreamBroken("the engine sent an event that is not JSON") from None
+        if not isinstance(chunk, dict):
+            raise StreamBroken("the engine sent an event that is not a chunk")
+        if "error" in chunk:
+            err = chunk["error"]
+            msg = err.get("message") if isinstance(err, dict) else err
+            raise StreamBroken(f"the engine failed mid-answer: {str(msg)[:300]}")
+        if self.attempt == 0:
+            return self._take_original(chunk, data)
+        return self._take_continued(chunk)
+
+    def _take_original(self, chunk: dict[str, Any], data: bytes) -> bytes | None:
+        if self.id is None:
+            self.id, self.created, self.model = (chunk.get("id"), chunk.get("created"),
+                                                 chunk.get("model"))
+        if chunk.get("system_fingerprint") is not None:
+            self.system_fingerprint = chunk["system_fingerprint"]
+        strip = not self.plan.client_token_ids and self.plan.refused is None
+        changed = False
+        if "prompt_token_ids" in chunk:  # a chat stream's first chunk
+            self._prompt(chunk["prompt_token_ids"])
+            if strip:
+                del chunk["prompt_token_ids"]
+                changed = True
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict):
+                raise StreamBroken("the engine sent a choice that is not an object")
+            if "prompt_token_ids" in choice:  # a completions stream's first chunk
+                self._prompt(choice["prompt_token_ids"])
+                if strip:
+                    del choice["prompt_token_ids"]
+                    changed = True
+            self._record(choice)
+            if strip and "token_ids" in choice:
+                del choice["token_ids"]
+                changed = True
+            if self.plan.chat and self.not_continuable is None:
+                delta = choice.get("delta")
+                if isinstance(delta, dict) and any(
+                        v for k, v in delta.items() if k not in _PLAIN_DELTA):
+                    self.not_continuable = "parser_output"
+        if chunk.get("usage") is not None and not chunk.get("choices"):
+            self.usage_sent = True
+        self.events += 1
+        if changed:
+            # the same bytes less the token ids (vLLM's compact JSON), else re-encoded
+            data = _TOKEN_IDS.sub(b"", data)
+            if b'token_ids"' in data:
+                return _event(chunk)
+        return b"data: " + data + b"\n\n"
+
+    def _prompt(self, ids: object) -> None:
+        if self.prompt_ids is None and isinstance(ids, list):
+            self.prompt_ids = [int(x) for x in ids]
+
+    def _record(self, choice: dict[str, Any]) -> None:
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            self.delivered.extend(int(x) for x in ids)
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
+
+    def _take_continued(self, chunk: dict[str, Any]) -> bytes | None:
+        """A continuation's chunk (always a completions chunk) in the original's shape."""
+        choices = chunk.get("choices") or []
+        usage = chunk.get("usage")
+        if not choices:
+            if usage is None or not self.include_usage:
+                return None
+            self.usage_sent = True
+            return _event(self._frame([], self._usage(usage)))
+        out = []
+        for choice in choices:
+            if not isinstance(choice, dict):
+                raise StreamBroken("the engine sent a choice that is not an object")
+            self._record(choice)
+            text = choice.get("text") or ""
+            ids = choice.get("token_ids")
+            if not text and not ids and choice.get("finish_reason") is None:
+                continue
+            framed: dict[str, Any] = {"index": 0}
+            if self.plan.chat:
+                framed["delta"] = {"content": text}
+                framed["logprobs"] = None
+            else:
+                framed["text"] = text
+                framed["logprobs"] = None
+            framed["finish_reason"] = choice.get("finish_reason")
+            if "stop_reason" in choice and not self.plan.chat:
+                framed["stop_reason"] = choice.get("stop_reason")
+            if self.plan.client_token_ids:
+                framed["token_ids"] = ids
+            out.append(framed)
+        if not out:
+            return None
+        self.events += 1
+        cont_usage = self._usage(usage) if (usage is not None and self._continuous) else None
+        return _event(self._frame(out, cont_usage))
+
+    def _usage(self, usage: dict[str, Any]) -> dict[str, int]:
+        prompt = len(self.prompt_ids or ())
+        done = self.base + int(usage.get("completion_tokens") or 0)
+        return {"prompt_tokens": prompt, "total_tokens": prompt + done,
+                "completion_tokens": done}
+
+    def _frame(self, choices: list[dict[str, Any]], usage: dict[str, int] | None
+               ) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id, "object": "chat.completion.chunk" if self.plan.chat
+            else "text_completion", "created": self.created, "model": self.model,
+            "choices": choices}
+        if self.system_fingerprint is not None:
+            out["system_fingerprint"] = self.system_fingerprint
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    def close(self) -> bytes:
+        """The stream's end as the client expects it: the usage chunk (when asked for and
+        not yet sent) and [DONE]."""
+        self.done = True
+        out = b""
+        if self.include_usage and not self.usage_sent:
+            done = len(self.delivered)
+            prompt = len(self.prompt_ids or ())
+            self.usage_sent = True
+            out = _event(self._frame([], {"prompt_tokens": prompt, "total_tokens":
+                                          prompt + done, "completion_tokens": done}))
+        return out + DONE
+
+
+def _event(doc: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+
+
+def error_event(message: str, code: int = 502) -> bytes:
+    """The explicit end of a stream that cannot be finished: an error event, no [DONE]."""
+    return _event({"error": {"message": message, "type": "engine_failed", "code": code}})
+
+
+class EventReader:
+    """SSE framing: bytes as they arrive -> each complete event's data (comments and
+    other fields dropped; several data lines joined with a newline, as the SSE rules say)."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        buf = self._buf + chunk
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
+        *events, self._buf = buf.split(b"\n\n")
+        out = []
+        for ev in events:
+            data = [line[5:].lstrip(b" ") if line.startswith(b"data:") else None
+                    for line in ev.split(b"\n")]
+            lines = [d for d in data if d is not None]
+            if lines:
+                out.append(b"\n".join(lines))
+        return out
+
+    @property
+    def pending(self) -> bool:
+        """Bytes of an unfinished event are waiting (a stream that ends here was cut)."""
+        return bool(self._buf.strip())

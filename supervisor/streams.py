@@ -1,0 +1,288 @@
+"""The front door's continuable streams: relayed event by event, paused for a drained
+restart, continued when their engine fails them (`supervisor/continuation.py` is the pure
+half: the plan, the refusal rules, the transcript and its reframing).
+
+`ContinuingRelay` is the part of `FrontProxy` that owns those streams; it uses the
+proxy's settings, gate, counters, histograms and upstream session, and nothing else.
+A broken stream keeps its client's connection: it gives back its slot at the gate
+(a drain does not wait for it), waits at most `proxy.continue_timeout_s` for the gate
+to admit it again with SSE keep-alive comments meanwhile, and goes on from the engine
+that answers; or ends with an explicit error event, never a clean but short answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import aiohttp
+import structlog
+from aiohttp import web
+from yarl import URL
+
+from supervisor import continuation
+from supervisor.admission import Gate, Rejected, Ticket
+from supervisor.continuation import EventReader, StreamBroken, Transcript
+from supervisor.latency import ClientLatency
+
+if TYPE_CHECKING:
+    from supervisor.proxy import Exchange, ProxySettings, ProxyStats
+
+log = structlog.get_logger("supervisor.proxy")
+
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+              "trailer", "transfer-encoding", "upgrade", "host", "content-length"}
+
+
+class ContinuingRelay:
+    """Mixed into FrontProxy: the streams it can continue."""
+
+    s: ProxySettings
+    gate: Gate
+    stats: ProxyStats
+    latency: ClientLatency
+    _session: aiohttp.ClientSession | None
+    # continuable streams being relayed: id(transcript) -> (it, its engine answer)
+    _relays: dict[int, tuple[Transcript, aiohttp.ClientResponse]]
+
+    async def _engine_healthy(self) -> bool:
+        assert self._session is not None
+        try:
+            async with self._session.get(self.s.upstream + "/health",
+                                         timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                return r.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    async def _write(self, resp: web.StreamResponse, ex: Exchange, data: bytes) -> None:
+        """Bytes of a continuable stream to its client, timed as `_relay` times them."""
+        await resp.write(data)
+        now = time.monotonic()
+        label = self.latency.label(ex.model)
+        if ex.first_chunk_at is None:
+            ex.first_chunk_at = now
+        elif ex.gap_from is not None:  # the first answer bytes after a fault
+            self.latency.observe("continuation_gap", label, now - ex.gap_from)
+            ex.gap_from = None
+        else:
+            self.latency.observe("stream_gap", label, now - ex.last_data_at)
+        ex.last_write_at = ex.last_data_at = now
+        ex.events += data.count(b"data:")
+
+    async def _relay_events(self, up: aiohttp.ClientResponse, resp: web.StreamResponse,
+                            ex: Exchange, t: Transcript) -> None:
+        """A continuable stream, event by event through its transcript (token ids recorded
+        and removed, a continuation reframed); returns at its [DONE], raises Broken when
+        the engine fails it."""
+        reader = EventReader()
+        t.paused = False
+        self._relays[id(t)] = (t, up)
+        try:
+            async for chunk in upstream_chunks(up):
+                outs: list[bytes] = []  # one write per read: the socket coalesced them
+                try:
+                    for data in reader.feed(chunk):
+                        out = t.take(data)
+                        if out:
+                            outs.append(out)
+                        if t.done:
+                            break
+                finally:  # what was recorded as delivered is delivered, even on a break
+                    if outs:
+                        await self._write(resp, ex, b"".join(outs))
+                if t.done:
+                    return
+        except (UpstreamFailed, StreamBroken) as exc:
+            raise Broken(resp, t, Paused() if t.paused else exc) from exc
+        finally:
+            self._relays.pop(id(t), None)
+        raise Broken(resp, t, Paused() if t.paused else StreamBroken(
+            "the engine's stream ended before the answer's end"))
+
+    def pause_streams(self) -> int:
+        """A drained restart with `engine.drain = "continue"`: every stream that can be
+        continued leaves the engine now (its upstream connection closed, so vLLM aborts
+        it) and goes on on the new engine; the others finish as usual. How many."""
+        paused = 0
+        for t, up in list(self._relays.values()):
+            if t.refusal() is None and not t.done:
+                t.paused = True
+                up.close()
+                paused += 1
+        return paused
+
+    # ---- a stream the engine failed ---------------------------------------------------
+
+    async def _continue(self, request: web.Request, broken: Broken | None,
+                        ex: Exchange) -> web.StreamResponse:
+        """A stream the engine failed mid-answer: continued on the engine that comes back,
+        up to `max_continuations` times and `continue_timeout_s` each; or ended with an
+        error event when it cannot be. The client's connection stays open meanwhile."""
+        assert broken is not None
+        resp, t, cause = broken.resp, broken.transcript, broken.cause
+        ka = asyncio.create_task(self._keepalive(resp, ex))
+        faults = 0 if isinstance(cause, Paused) else 1
+        try:
+            while True:
+                if t.finish_reason is not None and t.plan.refused is None:
+                    await self._write(resp, ex, t.close())  # only its end was lost
+                    await resp.write_eof()
+                    return self._continued(resp, ex, "closed")
+                why = None if t.events == 0 else t.refusal()
+                if why is None and faults > self.s.max_continuations:
+                    why = "too_many_faults"
+                if why is not None:
+                    self.stats.continued("refused", why)
+                    return await self._end_with_error(
+                        resp, ex, f"{cause}; the answer cannot be continued ({why})")
+                try:
+                    await self._attempt(request, resp, ex, t, cause)
+                except Broken as again:
+                    cause = again.cause
+                    faults += not isinstance(cause, Paused)
+                    continue
+                except GaveUp as exc:
+                    self.stats.continued("failed")
+                    return await self._end_with_error(resp, ex, f"{cause}; {exc}")
+                await resp.write_eof()
+                return self._continued(resp, ex, "continued" if t.attempt else "resent")
+        except (ConnectionError, aiohttp.ClientConnectionResetError):
+            ex.status, ex.outcome = 499, "client_gone"
+            self.stats.continued("client_gone")
+            return resp
+        finally:
+            ka.cancel()
+
+    def _continued(self, resp: web.StreamResponse, ex: Exchange,
+                   outcome: str) -> web.StreamResponse:
+        ex.outcome = "ok"
+        self.stats.continued(outcome)
+        self.stats.count(200)
+        return resp
+
+    async def _attempt(self, request: web.Request, resp: web.StreamResponse, ex: Exchange,
+                       t: Transcript, cause: BaseException) -> None:
+        """One continuation (or, when the client has seen nothing, the request again):
+        wait for an engine, send it, relay it. Returns at its [DONE]; raises Broken when
+        it fails mid-answer too, GaveUp when no engine took it in time."""
+        assert self._session is not None
+        broke_at = ex.last_data_at or time.monotonic()
+        deadline = time.monotonic() + self.s.continue_timeout_s
+        errors = 0  # 5xx from an engine whose /health says it serves
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GaveUp(f"no engine took the continuation within "
+                              f"{self.s.continue_timeout_s:g} s")
+            ticket = await self._admit_within(ex, left)
+            try:
+                if t.events == 0:  # nothing reached the client: the request again
+                    path, body = t.plan.path, t.plan.body
+                else:
+                    path, body = continuation.CONTINUATION_PATH, t.continuation()
+                url = URL(self.s.upstream + path, encoded=True)
+                try:
+                    async with self._session.post(url, data=body,
+                                                  headers=upstream_headers(request)) as up:
+                        if up.status >= 500 and (not await self._engine_healthy()
+                                                 or (errors := errors + 1) < 3):
+                            # a dying engine (its /health may say 200 for a moment
+                            # after its core died): the continuation waits for the next
+                            raise NotDelivered(f"HTTP {up.status} from a dying engine")
+                        if up.status != 200:
+                            text = (await up.read())[:500].decode(errors="replace")
+                            raise GaveUp(f"the engine refused the continuation: HTTP "
+                                          f"{up.status}: {text}")
+                        if t.events:
+                            t.begin_attempt()
+                            ex.gap_from = broke_at
+                            log.info("stream continued", id=t.id, attempt=t.attempt,
+                                     tokens_before=t.base, cause=str(cause)[:300],
+                                     waited_s=round(time.monotonic() - broke_at, 3))
+                        await self._relay_events(up, resp, ex, t)
+                        return
+                except (TimeoutError, aiohttp.ClientError, NotDelivered):
+                    pass  # refused, or a dying engine's answer: not back yet
+            finally:
+                self.gate.done(ticket)
+            await asyncio.sleep(0.2)
+
+    async def _admit_within(self, ex: Exchange, left_s: float) -> Ticket:
+        try:
+            ticket = await asyncio.wait_for(self.gate.acquire(ex.tokens), left_s)
+        except TimeoutError:
+            raise GaveUp(f"no engine came back within {self.s.continue_timeout_s:g} s"
+                          ) from None
+        except Rejected as exc:
+            raise GaveUp(f"no engine to continue on: {exc}") from None
+        ex.held_s += ticket.waited_s if ticket.held else 0.0
+        return ticket
+
+    async def _keepalive(self, resp: web.StreamResponse, ex: Exchange) -> None:
+        """SSE comments while a broken stream waits, so that idle timeouts on the
+        client's side do not fire; clients ignore comment lines."""
+        # RuntimeError: the stream was finished (write_eof) while this one was writing
+        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError,
+                                 RuntimeError):
+            while True:
+                idle = time.monotonic() - ex.last_write_at
+                if idle >= self.s.keepalive_s:
+                    await resp.write(b": keep-alive\n\n")
+                    ex.last_write_at = time.monotonic()
+                    idle = 0.0
+                await asyncio.sleep(self.s.keepalive_s - idle)
+
+    async def _end_with_error(self, resp: web.StreamResponse, ex: Exchange,
+                              message: str) -> web.StreamResponse:
+        """The explicit end of a stream that cannot be finished: an error event and the
+        end of the body, no [DONE]; never a stream that ends cleanly but short."""
+        ex.outcome = "failed"
+        self.stats.count(502)
+        log.warning("stream failed", id=ex.transcript.id if ex.transcript else None,
+                    why=message[:500])
+        await resp.write(continuation.error_event(message))
+        await resp.write_eof()
+        return resp
+
+
+def upstream_headers(request: web.Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+
+
+async def upstream_chunks(up: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The upstream body as it arrives; an upstream failure is raised as UpstreamFailed,
+    so that it is never mistaken for the client going away."""
+    try:
+        async for chunk in up.content.iter_any():
+            yield chunk
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        raise UpstreamFailed(exc) from exc
+
+
+class UpstreamFailed(Exception):
+    pass
+
+
+class Broken(Exception):
+    """A continuable stream the engine failed after its answer had begun."""
+
+    def __init__(self, resp: web.StreamResponse, transcript: Transcript,
+                 cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.resp, self.transcript, self.cause = resp, transcript, cause
+
+
+class Paused(Exception):
+    def __init__(self) -> None:
+        super().__init__("paused for the engine's restart")
+
+
+class GaveUp(Exception):
+    """No engine took a continuation in time, or one refused it."""
+
+
+class NotDelivered(Exception):
+    """The engine refused the connection: the request never reached it."""

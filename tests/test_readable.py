@@ -1,0 +1,65 @@
+"""What an operator reads: the console log drops empty fields (the JSON lines keep them),
+and the readable status prints sizes and durations in human units."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+import structlog
+
+from supervisor.control.cli import format_signal, format_status
+from supervisor.logs import configure_logging
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    structlog.reset_defaults()
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_the_console_drops_empty_fields_and_json_keeps_them(capsys) -> None:
+    configure_logging("info", "console")
+    structlog.get_logger("t").info("engine line", proc=None, where="", pid=42)
+    out = capsys.readouterr().out
+    assert "engine line" in out and "pid" in out and "42" in out
+    assert "proc" not in out and "where" not in out and "None" not in out
+    configure_logging("info", "json")
+    structlog.get_logger("t").info("engine line", proc=None, where="", pid=42)
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["proc"] is None and line["where"] == "" and line["pid"] == 42
+
+
+@pytest.mark.parametrize(("name", "value", "shown"), [
+    ("engine_rss_bytes", 3.08571e9, "2.9 GiB"),
+    ("engine_rss_growth_bytes_per_h", 5 * 2**20, "5.0 MiB/h"),
+    ("engine_gpu_memory_bytes", 512, "512 B"),
+    ("canary_latency_s", 0.0423, "42 ms"),
+    ("metrics_age_s", 2.5, "2.5 s"),
+    ("engine_uptime_s", 3725.0, "1h02m05s"),
+    ("gpu_temperature_c", 71.4, "71 C"),
+    ("gpu_power_w", 412.7, "413 W"),
+    ("engine_cpu_percent", 97.25, "97.2 %"),
+    ("kv_cache_usage", 0.873456, "0.8735"),
+    ("requests_running", 3, "3"),
+])
+def test_signals_print_in_human_units(name: str, value: float, shown: str) -> None:
+    assert format_signal(name, value) == shown
+
+
+def test_status_prints_human_units_and_leaves_unknown_signals_out() -> None:
+    text = format_status({
+        "state": "RUNNING", "state_for_s": 75, "reason": "healthy", "pid": 10,
+        "engine": {"processes": 3, "host": "127.0.0.1", "port": 8100}, "uptime_s": 75,
+        "restarts": 0, "throttle_level": 0,
+        "signals": {"engine_rss_bytes": 3.08571e9, "gpu_temperature_c": None},
+        "daemon_pid": 9, "daemon_uptime_s": 80})
+    assert "signal     engine_rss_bytes = 2.9 GiB" in text
+    assert "e+09" not in text and "gpu_temperature_c" not in text
