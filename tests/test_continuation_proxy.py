@@ -69,7 +69,8 @@ def run(cfg: dict[str, Any], body: dict[str, Any], path: str = "/v1/completions"
                                   else c["text"])
                 seen.ids += c.get("token_ids") or []
                 seen.finish = c["finish_reason"] or seen.finish
-            if started is not None and len(seen.texts) >= 5:
+            # five tokens, not five chunks: a chat stream's first chunk is its role alone
+            if started is not None and sum(1 for t in seen.texts if t) >= 5:
                 started.set()
     return seen
 
