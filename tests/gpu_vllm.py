@@ -8,6 +8,10 @@ its 10-minute calls, the daemon living on between them in its own session:
     python3 tests/gpu_vllm.py kv-reset  # KV resets through sleep/wake under a small load
     python3 tests/gpu_vllm.py crash     # SIGKILL of the API server: orphan, release, restart
     python3 tests/gpu_vllm.py hang      # SIGSTOP of VLLM::EngineCore: detected and healed
+    python3 tests/gpu_vllm.py continue kill   # vLLM's own bench client through the proxy,
+    python3 tests/gpu_vllm.py continue stop   # EngineCore SIGKILLed / SIGSTOPped mid-load:
+                                              # every stream whole (issue 12)
+    python3 tests/gpu_vllm.py throughput 1 8 32 256  # output tokens/s, proxy vs direct
     python3 tests/gpu_vllm.py stop      # stopped; nothing left on the GPU
 
 Environment: SUP_SITE (the supervisor's --target site), VLLM_SITE (vLLM's, kept apart:
@@ -322,6 +326,110 @@ def phase_hang() -> None:
     assert decision["rule"] == "hang"
 
 
+ENGINE = "127.0.0.1:8100"
+
+
+def engine_running() -> float:
+    """vllm:num_requests_running from the engine's own /metrics (0 when unreadable)."""
+    try:
+        text = urllib.request.urlopen(f"http://{ENGINE}/metrics", timeout=2).read().decode()
+    except Exception:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running"))
+
+
+def bench(base: str, concurrency: int, prompts: int, tag: str,
+          timeout: float = 540) -> dict[str, Any]:
+    """vLLM's own benchmark client (a client nobody here wrote), one run; its saved JSON."""
+    out = WORK / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"{tag}.json"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+           "--backend", "openai", "--base-url", f"http://{base}", "--endpoint",
+           "/v1/completions", "--model", "tiny-llama", "--tokenizer", MODEL,
+           "--dataset-name", "random", "--random-input-len", "32", "--random-output-len",
+           "256", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+           "--ignore-eos", "--ready-check-timeout-sec", "0", "--save-result",
+           "--result-dir", str(out), "--result-filename", name]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(WORK),
+                       env={**os.environ, "PYTHONPATH": VLLM_SITE})
+    (WORK / f"{tag}.log").write_text(r.stdout + r.stderr)
+    if r.returncode != 0:
+        raise AssertionError(f"bench {tag} exit {r.returncode}: {r.stderr[-2000:]}")
+    doc: dict[str, Any] = json.loads((out / name).read_text())
+    return doc
+
+
+def exporter_series(prefix: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://{EXPORTER}/metrics", timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}
+
+
+def phase_continue(fault: str) -> None:
+    """128 streams of 256 tokens through the proxy; the core SIGKILLed or SIGSTOPped once
+    the engine runs >= 64 of them. Every stream must end whole: 0 failed, and the tokens
+    generated equal to those asked for."""
+    prompts, conc, want = 384, 128, 256
+    st = status()
+    restarts = st["restarts"]
+    core = core_of(st["pid"])
+    log_at = (WORK / "daemon.log").stat().st_size
+    fired: dict[str, float] = {}
+
+    def fault_once() -> None:
+        wait(lambda: engine_running() >= 64, 300, "64 requests running at the engine")
+        fired["running"] = engine_running()
+        fired["t"] = time.monotonic()
+        core.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+
+    watcher = threading.Thread(target=fault_once, daemon=True)
+    watcher.start()
+    t0 = time.monotonic()
+    doc = bench(PROXY, conc, prompts, f"continue-{fault}")
+    watcher.join(5)
+    back = wait(lambda: status()["state"] == "RUNNING" and status()["restarts"] > restarts
+                and status(), 300, "RUNNING again")
+    lens = doc.get("output_lens") or []
+    errors = [e for e in doc.get("errors") or [] if e]
+    lines = (WORK / "daemon.log").read_bytes()[log_at:].decode(errors="replace").splitlines()
+    logged = [json.loads(x) for x in lines if x.startswith("{")]
+    continued = [e for e in logged if e.get("event") == "stream continued"]
+    series = exporter_series("vllm_supervisor_proxy_continuations_total")
+    result(f"continue-{fault}", prompts=prompts, concurrency=conc,
+           running_at_fault=fired.get("running"),
+           fault_after_s=round(fired["t"] - t0, 1) if "t" in fired else None,
+           completed=doc.get("completed"), failed=prompts - int(doc.get("completed", 0)),
+           errors=errors[:5], total_output_tokens=doc.get("total_output_tokens"),
+           tokens_asked=prompts * want, short_streams=len([n for n in lens if n < want]),
+           p99_ttft_ms=doc.get("p99_ttft_ms"), p99_itl_ms=doc.get("p99_itl_ms"),
+           max_itl_ms=max((max(x) for x in doc.get("itls") or [] if x), default=None),
+           duration_s=doc.get("duration"), continuations=series,
+           continued_logged=len(continued),
+           max_gap_s=max((e.get("waited_s", 0) for e in continued), default=None),
+           decision=[e for e in events() if e["event"] == "decision"][-1:],
+           state_reason=back["reason"])
+    assert doc.get("completed") == prompts and not errors
+    assert doc.get("total_output_tokens") == prompts * want
+
+
+def phase_throughput(concurrencies: list[int]) -> None:
+    """Output tokens/s through the proxy against direct to the engine, alternating runs."""
+    rows = []
+    for conc in concurrencies:
+        prompts = {1: 8, 8: 96}.get(conc, conc * 6)
+        runs: dict[str, list[float]] = {"direct": [], "proxy": []}
+        for i in range(2):
+            for where, base in (("direct", ENGINE), ("proxy", PROXY)):
+                doc = bench(base, conc, prompts, f"tp-{conc}-{where}-{i}")
+                runs[where].append(round(float(doc["output_throughput"]), 1))
+        ratio = sum(runs["proxy"]) / sum(runs["direct"])
+        rows.append({"concurrency": conc, "prompts": prompts, **runs,
+                     "ratio": round(ratio, 3)})
+        result("throughput", **rows[-1])
+
+
 def phase_stop() -> None:
     st = status()
     pids = [p.pid for p in engine_tree(st["pid"])]
@@ -333,5 +441,10 @@ def phase_stop() -> None:
 
 
 if __name__ == "__main__":
-    {"start": phase_start, "kv-reset": phase_kv_reset, "crash": phase_crash,
-     "hang": phase_hang, "stop": phase_stop}[sys.argv[1]]()
+    if sys.argv[1] == "continue":
+        phase_continue(sys.argv[2])
+    elif sys.argv[1] == "throughput":
+        phase_throughput([int(x) for x in sys.argv[2:]])
+    else:
+        {"start": phase_start, "kv-reset": phase_kv_reset, "crash": phase_crash,
+         "hang": phase_hang, "stop": phase_stop}[sys.argv[1]]()
