@@ -65,11 +65,25 @@ _PLAIN_DELTA = frozenset(("role", "content"))
 _UNREAD = object()
 # A token-id field as vLLM writes it (pydantic's compact JSON), with its leading comma.
 _TOKEN_IDS = re.compile(rb',\s*"(?:prompt_)?token_ids"\s*:\s*(?:\[[0-9,\s]*\]|null)')
+# A plain token chunk exactly as vLLM writes it (pydantic's compact JSON; captured in
+# tests/fixtures/vllm-0.32-cpu-sse/): one choice, not finished, no usage, a chat delta of
+# content alone, its token ids. Transcript._plain reads these without decoding the JSON.
+# Inside a JSON string every `"` is escaped, so the id and model exclude `"` and `\`, and
+# a text is a run of unescaped non-quotes and escapes.
+_STR = rb'"(?:[^"\\]|\\.)*"'
+_PLAIN = re.compile(
+    rb'\{"id":"[^"\\]*","object":"(?:text_completion|(chat)\.completion\.chunk)",'
+    rb'"created":\d+,"model":"[^"\\]*","choices":\[\{"index":0,'
+    rb'(?:"text":' + _STR + rb'|"delta":\{"content":' + _STR + rb'\})'
+    rb',"logprobs":null,"finish_reason":null(?:,"stop_reason":null)?'
+    rb'(,"prompt_token_ids":null)?(,"token_ids":\[([0-9,]*)\])\}\]\}', re.S)
 
 
 class StreamBroken(Exception):
     """The engine's stream failed: an error event, an end before the answer's end, or
     garbage where an event should be. The message says which, for the client's error."""
+
+    partial = b""  # set by Transcript.read: the client's bytes of the events before it
 
 
 @dataclass(frozen=True)
@@ -210,6 +224,32 @@ class Transcript:
         so = self.plan.doc.get("stream_options")
         self.include_usage = isinstance(so, dict) and so.get("include_usage") is True
         self._continuous = isinstance(so, dict) and so.get("continuous_usage_stats") is True
+        self._reader = EventReader()
+        self._strip = not self.plan.client_token_ids and self.plan.refused is None
+
+    def new_reader(self) -> None:
+        """A fresh SSE reader for the next engine answer (an attempt's own stream)."""
+        self._reader = EventReader()
+
+    def read(self, chunk: bytes) -> bytes:
+        """Bytes from the engine as they arrive -> the bytes for the client (the events
+        complete in them, read through `take`). Stops at the answer's end (`done`).
+        Raises StreamBroken as `take` does; what was taken before is recorded, and
+        `StreamBroken.partial` holds its bytes for the client."""
+        out: list[bytes] = []
+        try:
+            for data in self._reader.feed(chunk):
+                o = self._plain(data)
+                if o is None:
+                    o = self.take(data)
+                if o:
+                    out.append(o)
+                if self.done:
+                    break
+        except StreamBroken as exc:
+            exc.partial = b"".join(out)
+            raise
+        return b"".join(out)
 
     # ---- what can be done --------------------------------------------------------------
 
@@ -274,13 +314,31 @@ class Transcript:
             return self._take_original(chunk, data)
         return self._take_continued(chunk)
 
+    def _plain(self, data: bytes) -> bytes | None:
+        """The fast path for the common event, a plain token chunk of the original answer
+        as vLLM writes it (`_PLAIN`): recorded without decoding the JSON, with exactly
+        `take`'s result (tests/test_continuation.py checks the two against each other).
+        None for any other event: `take` reads it."""
+        if self.attempt or self.id is None or self.prompt_ids is None:
+            return None
+        m = _PLAIN.fullmatch(data)
+        if m is None or (m.group(1) is not None) != self.plan.chat:
+            return None
+        if m.group(4):
+            self.delivered.extend(map(int, m.group(4).split(b",")))
+        self.events += 1
+        if self._strip:  # what _TOKEN_IDS.sub removes: the two id fields
+            cut = m.start(2) if m.group(2) is not None else m.start(3)
+            return b"data: " + data[:cut] + data[m.end(3):] + b"\n\n"
+        return b"data: " + data + b"\n\n"
+
     def _take_original(self, chunk: dict[str, Any], data: bytes) -> bytes | None:
         if self.id is None:
             self.id, self.created, self.model = (chunk.get("id"), chunk.get("created"),
                                                  chunk.get("model"))
         if chunk.get("system_fingerprint") is not None:
             self.system_fingerprint = chunk["system_fingerprint"]
-        strip = not self.plan.client_token_ids and self.plan.refused is None
+        strip = self._strip
         changed = False
         if "prompt_token_ids" in chunk:  # a chat stream's first chunk
             self._prompt(chunk["prompt_token_ids"])
@@ -411,12 +469,15 @@ class EventReader:
         self._buf = b""
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        buf = self._buf + chunk
+        buf = self._buf + chunk if self._buf else chunk
         if b"\r" in buf:
             buf = buf.replace(b"\r\n", b"\n")
         *events, self._buf = buf.split(b"\n\n")
         out = []
         for ev in events:
+            if ev.startswith(b"data: ") and b"\n" not in ev and ev[6:7] != b" ":  # usual
+                out.append(ev[6:])
+                continue
             data = [line[5:].lstrip(b" ") if line.startswith(b"data:") else None
                     for line in ev.split(b"\n")]
             lines = [d for d in data if d is not None]

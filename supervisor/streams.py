@@ -25,7 +25,7 @@ from yarl import URL
 
 from supervisor import continuation
 from supervisor.admission import Gate, Rejected, Ticket
-from supervisor.continuation import EventReader, StreamBroken, Transcript
+from supervisor.continuation import StreamBroken, Transcript
 from supervisor.latency import ClientLatency
 
 if TYPE_CHECKING:
@@ -77,22 +77,20 @@ class ContinuingRelay:
         """A continuable stream, event by event through its transcript (token ids recorded
         and removed, a continuation reframed); returns at its [DONE], raises Broken when
         the engine fails it."""
-        reader = EventReader()
+        t.new_reader()
         t.paused = False
         self._relays[id(t)] = (t, up)
         try:
             async for chunk in upstream_chunks(up):
-                outs: list[bytes] = []  # one write per read: the socket coalesced them
                 try:
-                    for data in reader.feed(chunk):
-                        out = t.take(data)
-                        if out:
-                            outs.append(out)
-                        if t.done:
-                            break
-                finally:  # what was recorded as delivered is delivered, even on a break
-                    if outs:
-                        await self._write(resp, ex, b"".join(outs))
+                    out = t.read(chunk)  # one write per read: the socket coalesced them
+                except StreamBroken as exc:
+                    # what was recorded as delivered is delivered, even on a break
+                    if exc.partial:
+                        await self._write(resp, ex, exc.partial)
+                    raise
+                if out:
+                    await self._write(resp, ex, out)
                 if t.done:
                     return
         except (UpstreamFailed, StreamBroken) as exc:

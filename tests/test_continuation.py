@@ -4,9 +4,12 @@ the continuation request and the reframing of its chunks into the client's strea
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from supervisor.continuation import (
     DONE,
@@ -296,3 +299,133 @@ def test_the_error_event_has_no_done() -> None:
     ev = error_event("the engine died; the answer cannot be continued (echo)")
     assert ev.startswith(b"data: ") and b"[DONE]" not in ev
     assert json.loads(ev[6:])["error"]["message"].endswith("(echo)")
+
+
+# ---- the fast path for plain token chunks ---------------------------------------------
+# Transcript.read skips decoding the JSON of a plain token chunk; whatever the engine
+# sends, its result must be exactly that of EventReader + take (the reference).
+
+_text = st.lists(st.sampled_from(['a', ' ', '"', '\\', '\n', 'é', '}', ',', ':', '"index":',
+                                 '"token_ids":[1]', '{"id":', '"},']),
+                max_size=6).map("".join)
+
+
+@st.composite
+def _chunk(draw: st.DrawFn, chat: bool, first: bool) -> bytes:
+    """An engine event: mostly vLLM's plain token chunk, often something near it."""
+    often = st.integers(0, 5).map(bool)  # True 5 times in 6
+    finish = None if draw(often) else draw(st.sampled_from(["length", "stop"]))
+    ids = draw(st.lists(st.integers(0, 600), max_size=3))
+    choice: dict[str, Any] = {"index": 0 if draw(often) else 1}
+    if chat:
+        delta: dict[str, Any] = {"content": draw(_text)}
+        if first or not draw(often):
+            delta = draw(st.sampled_from([{"role": "assistant", "content": ""},
+                                          {"content": "x", "reasoning_content": "r"},
+                                          {"content": "x", "reasoning_content": None},
+                                          {"tool_calls": [{"index": 0}]}, {}]))
+        choice["delta"] = delta
+    else:
+        choice["text"] = draw(_text)
+    choice.update({"logprobs": None, "finish_reason": finish})
+    if not chat:
+        choice["stop_reason"] = None
+        prompt = [1, 2, 3] if first else None if draw(often) else draw(
+            st.sampled_from([[9], "absent"]))
+        if prompt != "absent":
+            choice["prompt_token_ids"] = prompt
+    if draw(often):
+        choice["token_ids"] = ids
+    if not draw(often):  # the keys in another order
+        choice = dict(reversed(choice.items()))
+    doc: dict[str, Any] = {"id": "cmpl-1" if draw(often) else 'x"y',
+                           "object": "chat.completion.chunk" if chat else "text_completion",
+                           "created": 5, "model": "m",
+                           "choices": [choice] if draw(often) else draw(
+                               st.sampled_from([[], [choice, choice]]))}
+    if chat and first:
+        doc["prompt_token_ids"] = [1, 2, 3]
+    if not draw(often):
+        doc["usage"] = draw(st.sampled_from([None, {"completion_tokens": 2}]))
+    if not draw(often):
+        doc["system_fingerprint"] = "fp"
+    if draw(st.integers(0, 29)) == 0:
+        doc = {"error": {"message": "boom"}}
+    compact = draw(often)
+    return json.dumps(doc, separators=(",", ":") if compact else (", ", ": ")).encode()
+
+
+@st.composite
+def _stream(draw: st.DrawFn) -> tuple[bool, bool, list[bytes]]:
+    chat = draw(st.booleans())
+    client_ids = draw(st.booleans())
+    events = [draw(_chunk(chat, i == 0)) for i in range(draw(st.integers(1, 8)))]
+    if draw(st.booleans()):
+        events.append(b"[DONE]")
+    raw = b"".join(b"data: " + e + b"\n\n" for e in events)
+    cuts = sorted(draw(st.lists(st.integers(0, len(raw)), max_size=4)))
+    pieces = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True)]
+    return chat, client_ids, pieces
+
+
+def _through(t: Transcript, pieces: list[bytes], fast: bool) -> tuple[bytes, str]:
+    out, reader = b"", EventReader()
+    try:
+        for piece in pieces:
+            if fast:
+                out += t.read(piece)
+            else:
+                for data in reader.feed(piece):
+                    out += t.take(data) or b""
+                    if t.done:
+                        break
+            if t.done:
+                break
+    except StreamBroken as exc:
+        return out + (exc.partial if fast else b""), str(exc)
+    return out, ""
+
+
+@settings(max_examples=400, deadline=None)
+@given(_stream())
+def test_the_fast_path_reads_every_stream_exactly_as_take_does(
+        stream: tuple[bool, bool, list[bytes]]) -> None:
+    chat, client_ids, pieces = stream
+    raw = chat_body(return_token_ids=client_ids) if chat else body(return_token_ids=client_ids)
+    fast, slow = recorded(raw, CHAT if chat else COMP), recorded(raw, CHAT if chat else COMP)
+    assert _through(fast, pieces, True) == _through(slow, pieces, False)
+    keys = ("id", "created", "model", "system_fingerprint", "prompt_ids", "delivered",
+            "finish_reason", "usage_sent", "done", "events", "not_continuable")
+    assert {k: getattr(fast, k) for k in keys} == {k: getattr(slow, k) for k in keys}
+
+
+SSE = Path(__file__).parent / "fixtures" / "vllm-0.32-cpu-sse"
+
+
+@pytest.mark.parametrize("client_ids", [False, True])
+@pytest.mark.parametrize(("name", "path", "raw"), [
+    ("completions.txt", COMP, body(max_tokens=3, stream_options={"include_usage": True})),
+    ("chat.txt", CHAT, chat_body(max_tokens=3, stream_options={"include_usage": True}))])
+def test_the_fast_path_takes_vllms_own_plain_chunks(name: str, path: str, raw: bytes,
+                                                     client_ids: bool) -> None:
+    """vLLM's real chunks: every plain token chunk is read without decoding, and the
+    client gets what `take` gives, byte for byte."""
+    if client_ids:
+        raw = json.dumps({**json.loads(raw), "return_token_ids": True}).encode()
+    stream = (SSE / name).read_bytes()
+    fast, slow = recorded(raw, path), recorded(raw, path)
+    taken: list[bytes] = []
+    take = fast.take
+
+    def counted(data: bytes) -> bytes | None:
+        taken.append(data)
+        return take(data)
+
+    fast.take = counted  # type: ignore[method-assign]
+    assert _through(fast, [stream], True) == _through(slow, [stream], False)
+    assert fast.done and fast.delivered == slow.delivered and len(fast.delivered) == 3
+    # the first chunk (the prompt's ids), the last (its finish), usage and [DONE] are
+    # decoded; the plain token chunks between are not
+    plain = 1 if path == COMP else 2
+    assert len(taken) == stream.count(b"data: ") - plain
+    assert (b"token_ids" in _through(recorded(raw, path), [stream], True)[0]) == client_ids
