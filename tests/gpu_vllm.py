@@ -339,7 +339,7 @@ def engine_running() -> float:
                if line.startswith("vllm:num_requests_running"))
 
 
-def bench(base: str, concurrency: int, prompts: int, tag: str,
+def bench(base: str, concurrency: int, prompts: int, tag: str, detailed: bool = False,
           timeout: float = 540) -> dict[str, Any]:
     """vLLM's own benchmark client (a client nobody here wrote), one run; its saved JSON."""
     out = WORK / "bench"
@@ -351,7 +351,8 @@ def bench(base: str, concurrency: int, prompts: int, tag: str,
            "--dataset-name", "random", "--random-input-len", "32", "--random-output-len",
            "256", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
            "--ignore-eos", "--ready-check-timeout-sec", "0", "--save-result",
-           "--result-dir", str(out), "--result-filename", name]
+           "--result-dir", str(out), "--result-filename", name,
+           *(["--save-detailed"] if detailed else [])]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(WORK),
                        env={**os.environ, "PYTHONPATH": VLLM_SITE})
     (WORK / f"{tag}.log").write_text(r.stdout + r.stderr)
@@ -365,6 +366,30 @@ def exporter_series(prefix: str) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://{EXPORTER}/metrics", timeout=10).read().decode()
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines() if line.startswith(prefix)}
+
+
+def capture_sse() -> dict[str, Any]:
+    """One short stream straight from the engine, with token ids, as vLLM writes it; how
+    many of its events the proxy's fast path reads without decoding."""
+    from supervisor.continuation import _PLAIN
+
+    got = {}
+    for path, extra in (("/v1/completions", {"prompt": "hello"}),
+                        ("/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": "hi"}]})):
+        body = json.dumps({"model": "tiny-llama", "max_tokens": 4, "stream": True,
+                           "ignore_eos": True, "return_token_ids": True, **extra}).encode()
+        req = urllib.request.Request(f"http://{ENGINE}{path}", data=body,
+                                     headers={"content-type": "application/json"})
+        raw = urllib.request.urlopen(req, timeout=60).read()
+        name = "sse-" + path.rsplit("/", 1)[1] + ".txt"
+        (WORK / name).write_bytes(raw)
+        if os.environ.get("OUT"):
+            (Path(os.environ["OUT"]) / name).write_bytes(raw)
+        events = [e[6:] for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+        got[path] = {"events": len(events),
+                     "plain": len([e for e in events if _PLAIN.fullmatch(e)])}
+    return got
 
 
 def phase_continue(fault: str) -> None:
@@ -387,7 +412,7 @@ def phase_continue(fault: str) -> None:
     watcher = threading.Thread(target=fault_once, daemon=True)
     watcher.start()
     t0 = time.monotonic()
-    doc = bench(PROXY, conc, prompts, f"continue-{fault}")
+    doc = bench(PROXY, conc, prompts, f"continue-{fault}", detailed=True)
     watcher.join(5)
     back = wait(lambda: status()["state"] == "RUNNING" and status()["restarts"] > restarts
                 and status(), 300, "RUNNING again")
@@ -397,10 +422,10 @@ def phase_continue(fault: str) -> None:
     logged = [json.loads(x) for x in lines if x.startswith("{")]
     continued = [e for e in logged if e.get("event") == "stream continued"]
     series = exporter_series("vllm_supervisor_proxy_continuations_total")
-    result(f"continue-{fault}", prompts=prompts, concurrency=conc,
+    result(f"continue-{fault}", sse=capture_sse(), prompts=prompts, concurrency=conc,
            running_at_fault=fired.get("running"),
            fault_after_s=round(fired["t"] - t0, 1) if "t" in fired else None,
-           completed=doc.get("completed"), failed=prompts - int(doc.get("completed", 0)),
+           completed=doc.get("completed"), failed=doc.get("failed"),
            errors=errors[:5], total_output_tokens=doc.get("total_output_tokens"),
            tokens_asked=prompts * want, short_streams=len([n for n in lens if n < want]),
            p99_ttft_ms=doc.get("p99_ttft_ms"), p99_itl_ms=doc.get("p99_itl_ms"),
