@@ -382,7 +382,7 @@ def capture_sse() -> dict[str, Any]:
         req = urllib.request.Request(f"http://{ENGINE}{path}", data=body,
                                      headers={"content-type": "application/json"})
         raw = urllib.request.urlopen(req, timeout=60).read()
-        name = "sse-" + path.rsplit("/", 1)[1] + ".txt"
+        name = "sse-" + path.strip("/").replace("/", "-") + ".txt"
         (WORK / name).write_bytes(raw)
         if os.environ.get("OUT"):
             (Path(os.environ["OUT"]) / name).write_bytes(raw)
@@ -429,7 +429,8 @@ def phase_continue(fault: str) -> None:
            errors=errors[:5], total_output_tokens=doc.get("total_output_tokens"),
            tokens_asked=prompts * want, short_streams=len([n for n in lens if n < want]),
            p99_ttft_ms=doc.get("p99_ttft_ms"), p99_itl_ms=doc.get("p99_itl_ms"),
-           max_itl_ms=max((max(x) for x in doc.get("itls") or [] if x), default=None),
+           # the saved per-request gaps are in seconds (the percentiles in ms)
+           max_itl_s=max((max(x) for x in doc.get("itls") or [] if x), default=None),
            duration_s=doc.get("duration"), continuations=series,
            continued_logged=len(continued),
            max_gap_s=max((e.get("waited_s", 0) for e in continued), default=None),
@@ -443,7 +444,7 @@ def phase_throughput(concurrencies: list[int]) -> None:
     """Output tokens/s through the proxy against direct to the engine, alternating runs."""
     rows = []
     for conc in concurrencies:
-        prompts = {1: 8, 8: 96}.get(conc, conc * 6)
+        prompts = {1: 6, 8: 64, 32: 192}.get(conc, conc * 3)
         runs: dict[str, list[float]] = {"direct": [], "proxy": []}
         for i in range(2):
             for where, base in (("direct", ENGINE), ("proxy", PROXY)):
