@@ -3,8 +3,9 @@
 POST /v1/completions answers at once: a small JSON completion, or with "stream": true
 `max_tokens` SSE chunks (`data: {...}\\n\\n`, default 200) written as fast as the socket
 takes them, then `data: [DONE]`; shaped as vLLM's: `finish_reason` "length" on the last
-chunk and, with "return_token_ids", `token_ids` in each chunk and `prompt_token_ids` in
-the first (what the proxy's stream continuation reads). Nothing is computed per request
+chunk and, with "return_token_ids", vLLM 0.32's own chunk, key for key: `prompt_token_ids`
+(the prompt's in the first, null after) and `token_ids` in each (what the proxy's stream
+continuation reads). Nothing is computed per request
 beyond parsing the body, so what a benchmark measures through it is the path, not the
 engine.
 
@@ -35,11 +36,11 @@ LAST = CHUNK.replace(b'"finish_reason": null', b'"finish_reason": "length"')
 
 
 def _with_ids(i: int, n: int) -> bytes:
+    # key for key as vLLM 0.32 writes it (tests/fixtures/vllm-0.32-cpu-sse/completions.txt)
     choice = {"index": 0, "text": " tok", "logprobs": None,
               "finish_reason": "length" if i == n - 1 else None, "stop_reason": None,
+              "prompt_token_ids": [1, 2, 3, 4] if i == 0 else None,
               "token_ids": [1000 + i % 1000]}
-    if i == 0:
-        choice["prompt_token_ids"] = [1, 2, 3, 4]
     return b"data: " + json.dumps({
         "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "synthetic",
         "choices": [choice]}, separators=(",", ":")).encode() + b"\n\n"
