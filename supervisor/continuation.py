@@ -67,7 +67,7 @@ _UNREAD = object()
 _TOKEN_IDS = re.compile(rb',\s*"(?:prompt_)?token_ids"\s*:\s*(?:\[[0-9,\s]*\]|null)')
 # A plain token chunk exactly as vLLM writes it (pydantic's compact JSON; captured in
 # tests/fixtures/vllm-0.32-cpu-sse/): one choice, not finished, no usage, a chat delta of
-# content alone, its token ids. Transcript._plain reads these without decoding the JSON.
+# content alone, its token ids. Transcript.read takes these without decoding the JSON.
 # Inside a JSON string every `"` is escaped, so the id and model exclude `"` and `\`, and
 # a text is a run of unescaped non-quotes and escapes.
 _STR = rb'"(?:[^"\\]|\\.)*"'
@@ -233,19 +233,37 @@ class Transcript:
 
     def read(self, chunk: bytes) -> bytes:
         """Bytes from the engine as they arrive -> the bytes for the client (the events
-        complete in them, read through `take`). Stops at the answer's end (`done`).
-        Raises StreamBroken as `take` does; what was taken before is recorded, and
+        complete in them). A plain token chunk of the original answer, exactly as vLLM
+        writes it (`_PLAIN`), is recorded without decoding its JSON, with `take`'s exact
+        result (tests/test_continuation.py checks the two against each other); every
+        other event goes through `take`. Stops at the answer's end (`done`). Raises
+        StreamBroken as `take` does; what was taken before is recorded, and
         `StreamBroken.partial` holds its bytes for the client."""
         out: list[bytes] = []
+        # (the hot path of every continuable stream: locals, one match, one groups())
+        plain, chat, strip, delivered = _PLAIN.fullmatch, self.plan.chat, self._strip, \
+            self.delivered
+        fast = not self.attempt and self.id is not None and self.prompt_ids is not None
         try:
             for data in self._reader.feed(chunk):
-                o = self._plain(data)
-                if o is None:
-                    o = self.take(data)
+                m = plain(data) if fast else None
+                if m is not None and (m[1] is not None) is chat:
+                    _, pnull, _, ids = m.groups()
+                    if ids:
+                        delivered.extend(map(int, ids.split(b",")))
+                    self.events += 1
+                    if strip:  # what _TOKEN_IDS.sub removes: the two id fields
+                        cut = m.start(2) if pnull is not None else m.start(3)
+                        out.append(b"data: " + data[:cut] + data[m.end(3):] + b"\n\n")
+                    else:
+                        out.append(b"data: " + data + b"\n\n")
+                    continue
+                o = self.take(data)
                 if o:
                     out.append(o)
                 if self.done:
                     break
+                fast = not self.attempt and self.id is not None and self.prompt_ids is not None
         except StreamBroken as exc:
             exc.partial = b"".join(out)
             raise
@@ -313,24 +331,6 @@ class Transcript:
         if self.attempt == 0:
             return self._take_original(chunk, data)
         return self._take_continued(chunk)
-
-    def _plain(self, data: bytes) -> bytes | None:
-        """The fast path for the common event, a plain token chunk of the original answer
-        as vLLM writes it (`_PLAIN`): recorded without decoding the JSON, with exactly
-        `take`'s result (tests/test_continuation.py checks the two against each other).
-        None for any other event: `take` reads it."""
-        if self.attempt or self.id is None or self.prompt_ids is None:
-            return None
-        m = _PLAIN.fullmatch(data)
-        if m is None or (m.group(1) is not None) != self.plan.chat:
-            return None
-        if m.group(4):
-            self.delivered.extend(map(int, m.group(4).split(b",")))
-        self.events += 1
-        if self._strip:  # what _TOKEN_IDS.sub removes: the two id fields
-            cut = m.start(2) if m.group(2) is not None else m.start(3)
-            return b"data: " + data[:cut] + data[m.end(3):] + b"\n\n"
-        return b"data: " + data + b"\n\n"
 
     def _take_original(self, chunk: dict[str, Any], data: bytes) -> bytes | None:
         if self.id is None:
