@@ -99,6 +99,13 @@ class Gate:
         self.level = max(0, min(level, len(self.limits.level_factors)))
         self._wake()
 
+    def set_limits(self, limits: GateLimits) -> None:
+        """New limits from a reloaded config, in force at once: waiters that now fit go
+        (those already waiting keep the wait they began with); the level is kept, within
+        the new factors."""
+        self.limits = limits
+        self.set_level(self.level)
+
     def set_kv_usage(self, usage: float | None) -> None:
         if usage is None:
             return  # unknown: the breaker stays as it is

@@ -89,6 +89,13 @@ class EngineConfig:
     # canary of this daemon, and the proxy writes a better line per client request
     access_log: bool = _field(False)
 
+    @property
+    def base_url(self) -> str:
+        """Where the daemon reaches the engine: http://host:port (a wildcard listen
+        address reached on loopback, IPv6 in brackets)."""
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
     def served_models(self) -> tuple[str, ...]:
         """The model names the engine serves, read from its arguments as vLLM reads them:
         `--served-model-name A [B ...]`, else `--model M`, else `serve M`; () when none."""

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import httpx
 import structlog
 
-from supervisor import canary, evidence, proctree, relaunch, remedy, xid
+from supervisor import canary, evidence, proctree, relaunch, reload, remedy, xid
 from supervisor import engine as eng
 from supervisor.admission import Gate, GateLimits
 from supervisor.audit import AuditTrail
@@ -553,6 +553,8 @@ class Supervisor:
         engine = ev.engine
         self.engine = engine
         self.guard.arm(engine.pgid)
+        if self.proxy is not None:
+            self.proxy.follow_engine(engine.config.base_url, engine.config.served_models())
         log.info("engine spawned", pid=engine.pid, argv=engine.spec.argv)
         self._audit("spawn", pid=engine.pid, generation=engine.generation)
         assert engine.proc.stdout is not None and engine.proc.stderr is not None
@@ -571,7 +573,7 @@ class Supervisor:
         exited.add_done_callback(
             lambda f: None if f.cancelled() else self.queue.put_nowait(Exited(gen, f.result())))
         cfg = engine.config
-        url = f"http://{_url_host(cfg.host)}:{cfg.port}{cfg.health_path}"
+        url = cfg.base_url + cfg.health_path
         health = asyncio.ensure_future(
             eng.wait_healthy(url, cfg.health_interval_s, cfg.startup_timeout_s, exited))
         # An error in the probe counts as "not healthy": STARTING must never outlive its bound.
@@ -600,7 +602,7 @@ class Supervisor:
     async def _job_poll(self, engine: eng.EngineProcess, cfg: MetricsConfig) -> None:
         """Scrape the engine's /metrics every period for as long as this engine lives."""
         ecfg = engine.config
-        url = f"http://{_url_host(ecfg.host)}:{ecfg.port}{cfg.path}"
+        url = ecfg.base_url + cfg.path
         async with httpx.AsyncClient() as client:
             while engine.proc.returncode is None:
                 snap, error = await scrape(client, url, cfg.timeout_s)
@@ -971,7 +973,9 @@ class Supervisor:
         if self.proxy is None:
             return None
         g = self.gate
-        return {"listen": self.config.proxy.listen, "held": g.held_reason,
+        # (where it listens, not a reloaded address it will take at the next daemon start)
+        listen = f"{self.proxy.s.listen_host}:{self.proxy.port}"
+        return {"listen": listen, "upstream": self.proxy.s.upstream, "held": g.held_reason,
                 "in_flight": g.in_flight, "tokens_in_flight": g.tokens_in_flight,
                 "waiting": g.waiting, "max_concurrency": g.concurrency_limit,
                 "max_tokens_in_flight": g.token_limit or None,
@@ -998,22 +1002,25 @@ class Supervisor:
                           queue_max=p.hold_queue_max, max_wait_s=p.hold_timeout_s,
                           kv_high=p.kv_breaker_high, kv_low=p.kv_breaker_low)
 
-    def _make_proxy(self) -> FrontProxy:
+    def _proxy_settings(self) -> ProxySettings:
+        """The proxy's settings from the current config; the upstream and the model names
+        are the engine's, and follow it at each start (FrontProxy.follow_engine)."""
         p = self.config.proxy
         host, port = parse_listen(p.listen)
-        e = self.config.engine
-        settings = ProxySettings(listen_host=host, listen_port=port,
-                                 upstream=f"http://{_url_host(e.host)}:{e.port}",
-                                 max_body_bytes=p.max_body_bytes,
-                                 max_header_bytes=p.max_header_bytes,
-                                 retry_after_s=p.retry_after_s,
-                                 extra_routes=tuple(p.extra_routes),
-                                 models=e.served_models(),
-                                 continuation=p.continue_streams,
-                                 continue_timeout_s=p.continue_timeout_s,
-                                 max_continuations=p.max_continuations,
-                                 keepalive_s=p.keepalive_s)
-        return FrontProxy(settings, self.gate, self._ready)
+        e = self.engine.config if self.engine is not None else self.config.engine
+        return ProxySettings(listen_host=host, listen_port=port, upstream=e.base_url,
+                             max_body_bytes=p.max_body_bytes,
+                             max_header_bytes=p.max_header_bytes,
+                             retry_after_s=p.retry_after_s,
+                             extra_routes=tuple(p.extra_routes),
+                             models=e.served_models(),
+                             continuation=p.continue_streams,
+                             continue_timeout_s=p.continue_timeout_s,
+                             max_continuations=p.max_continuations,
+                             keepalive_s=p.keepalive_s)
+
+    def _make_proxy(self) -> FrontProxy:
+        return FrontProxy(self._proxy_settings(), self.gate, self._ready)
 
     def _ready(self) -> bool:
         """Serving: the engine runs and the gate lets requests through."""
@@ -1024,7 +1031,7 @@ class Supervisor:
         """Healthy is not enough to release held requests: one canary must pass first
         (bounded: a few tries, then the gate opens anyway and the hang rule judges)."""
         ecfg = engine.config
-        base = f"http://{_url_host(ecfg.host)}:{ecfg.port}"
+        base = ecfg.base_url
         error: str | None = None
         async with httpx.AsyncClient() as client:
             for _ in range(3):
@@ -1161,7 +1168,7 @@ class Supervisor:
         if why is None and self.proxy is None:
             why = "no front proxy to hold requests while the engine sleeps ([proxy] is off)"
         if why is None:
-            base = f"http://{_url_host(engine.config.host)}:{engine.config.port}"
+            base = engine.config.base_url
             async with httpx.AsyncClient() as client:
                 asleep, why = await remedy.is_sleeping(client, base, 10.0)
             if asleep:
@@ -1222,7 +1229,7 @@ class Supervisor:
 
     async def _job_remedy(self, engine: eng.EngineProcess, rung: str) -> None:
         cfg = engine.config
-        base = f"http://{_url_host(cfg.host)}:{cfg.port}"
+        base = cfg.base_url
         t0 = self.clock.monotonic()
         async with httpx.AsyncClient() as client:
             if rung == "reset_prefix_cache":
@@ -1305,12 +1312,14 @@ class Supervisor:
     async def _job_canary(self, engine: eng.EngineProcess) -> None:
         """A tiny generation every period, for as long as this engine lives."""
         ecfg = engine.config
-        base = f"http://{_url_host(ecfg.host)}:{ecfg.port}"
+        base = ecfg.base_url
         async with httpx.AsyncClient() as client:
             model: str | None = None
             while engine.proc.returncode is None:
                 await asyncio.sleep(self.config.canary.period_s)
-                model, t0, outcome = await self._probe(client, base, model)
+                # (a reloaded canary.model applies at the next probe)
+                model, t0, outcome = await self._probe(
+                    client, base, self.config.canary.model or model)
                 if engine.proc.returncode is not None:
                     return
                 self.queue.put_nowait(CanaryDone(engine.generation, outcome, t0,
@@ -1337,11 +1346,10 @@ class Supervisor:
                      failures_before=before)
 
     async def _job_sample_gpu(self, sampler: GpuSampler) -> None:
-        period = self.config.gpu.period_s
         while True:
             reading = await asyncio.to_thread(sampler.sample)
             self.queue.put_nowait(GpuSampled(reading, self.clock.monotonic()))
-            await asyncio.sleep(period)
+            await asyncio.sleep(self.config.gpu.period_s)  # (a reload applies here)
 
     def handle_gpu_sampled(self, ev: GpuSampled) -> None:
         r = ev.reading
@@ -1447,22 +1455,30 @@ class Supervisor:
                 ev.reply.set_exception(CommandError(f"reload refused: {ev.error}"))
             return
         new = ev.config
-        changed = diff_keys(self.config, new)
+        plan = reload.plan(diff_keys(self.config, new))
         self.config = new
+        # what applies now: every copy of the old config is replaced or reconfigured here
+        # (the rest is read from self.config where it is used); supervisor/reload.py
+        # says which key applies when
         self.tracker.cfg = new.restart
         set_level(new.log.level)
         self.audit = AuditTrail(new.audit.path, new.audit.max_bytes, new.audit.backups)
-        engine_keys = [k for k in changed if k.startswith("engine.")]
-        later = [k for k in changed if k.startswith(("control.", "daemon."))]
-        log.info("config reloaded", changed=changed)
-        if engine_keys:
-            log.info("engine settings take effect at the next start", keys=engine_keys)
-        if later:
-            log.info("these settings take effect when the daemon restarts", keys=later)
-        self._audit("reload", changed=changed)
+        self.window.reconfigure(new.signals.window(new.gpu))
+        self.gate.set_limits(self._gate_limits())
+        # (a shorter list of level factors: the level stays within it)
+        self.throttle_level = min(self.throttle_level, len(new.throttle.level_factors))
+        if self.proxy is not None:
+            self.proxy.reconfigure(self._proxy_settings())
+        log.info("config reloaded", **plan.as_dict())
+        if plan.next_engine_start:
+            log.info("engine settings take effect at the next start",
+                     keys=list(plan.next_engine_start))
+        if plan.next_daemon_start:
+            log.warning("these settings take effect only when the daemon restarts",
+                        keys=list(plan.next_daemon_start))
+        self._audit("reload", **plan.as_dict())
         if ev.reply is not None and not ev.reply.done():
-            ev.reply.set_result({"changed": changed, "next_engine_start": engine_keys,
-                                 "next_daemon_start": later})
+            ev.reply.set_result(plan.as_dict())
 
     # ---- control ----------------------------------------------------------------------
 
@@ -1594,7 +1610,9 @@ class Supervisor:
                     "rung": self.remedy_running[0],
                     "for_s": round(now - self.remedy_running[1], 3)})},
             "last_engine_errors": self.fatal_errors if self.state is State.FATAL else [],
-            "engine": {"host": self.config.engine.host, "port": self.config.engine.port,
+            # the running engine's address; the config's until one has started
+            "engine": {"host": (e.config if e is not None else self.config.engine).host,
+                       "port": (e.config if e is not None else self.config.engine).port,
                        "processes": e.live_processes if e is not None else 0},
             "signals": self._signals(now),
             "config": self.config.source,
@@ -1608,13 +1626,6 @@ def _merge(known: list[proctree.ProcInfo],
         merged.setdefault((p.pid, p.create_time), p)
     return list(merged.values())
 
-
-def _url_host(host: str) -> str:
-    if host in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
 
 
 def runtime_paths_ok(cfg: Config) -> str | None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import re
 import time
@@ -187,6 +188,25 @@ class FrontProxy(ContinuingRelay):
                 sock_read=self.s.idle_read_timeout_s))
         log.info("proxy listening", host=self.s.listen_host, port=self.port,
                  upstream=self.s.upstream)
+
+    def reconfigure(self, settings: ProxySettings) -> None:
+        """Settings from a reloaded config, in force for the next request. What the
+        listening socket and its HTTP parser were built with (the address, the body and
+        header limits) stays until the daemon restarts (supervisor/reload.py)."""
+        self.s = dataclasses.replace(
+            settings, listen_host=self.s.listen_host, listen_port=self.s.listen_port,
+            max_body_bytes=self.s.max_body_bytes, max_header_bytes=self.s.max_header_bytes,
+            upstream=self.s.upstream, models=self.s.models)
+        self.routes = Routes.serving(settings.extra_routes)
+
+    def follow_engine(self, upstream: str, models: tuple[str, ...]) -> None:
+        """The engine being started listens here and serves these names: requests from
+        now on go there (a reloaded `engine.port` takes effect with the engine)."""
+        if upstream != self.s.upstream:
+            log.info("proxy upstream follows the engine", upstream=upstream,
+                     was=self.s.upstream)
+        self.s = dataclasses.replace(self.s, upstream=upstream, models=models)
+        self.latency.models = frozenset(models)
 
     @property
     def port(self) -> int:

@@ -194,6 +194,14 @@ class SignalWindow:
         self.cfg = cfg
         self.reset()
 
+    def reconfigure(self, cfg: WindowConfig) -> None:
+        """Windows and thresholds from a reloaded config, in force at the next signal;
+        the samples are kept (a longer window fills from here, a shorter one drops its
+        oldest at the next sample)."""
+        self.cfg = cfg
+        self._rss.window_s = cfg.rss_growth_window_s
+        self._gpu_mem.window_s = cfg.gpu_memory_growth_window_s
+
     def reset(self) -> None:
         self._snaps: deque[tuple[float, Snapshot]] = deque()
         self._prefix: deque[tuple[float, float, float]] = deque()  # t, queries, hits

@@ -17,7 +17,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import fake_engine_config, free_port, path_tricks, raw_request, wait_for
+from tests.harness import (
+    fake_engine_config,
+    free_port,
+    path_tricks,
+    raw_request,
+    wait_for,
+    write_config,
+)
 
 
 def proxy_config(tmp: Path, *fake: str, **proxy: Any) -> dict[str, dict[str, Any]]:
@@ -392,3 +399,41 @@ def test_status_shows_admission(daemon_factory, tmp_path):
     text = d.ctl("status").stdout
     assert "proxy " in text and "in flight" in text
     assert json.loads(d.ctl("status", "--json").stdout)["admission"]["waiting"] == 0
+
+
+def test_reload_says_when_each_key_applies_and_the_proxy_follows_a_new_engine_port(
+        daemon_factory, tmp_path):
+    # the scenario a new user ran into: reload a new engine.port, then restart; every
+    # request through the proxy got 503 because the proxy still targeted the old port
+    cfg = proxy_config(tmp_path)
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: d.status()["admission"]["held"] is None, 10, "the gate to open")
+    old_port, new_port = cfg["engine"]["port"], free_port()
+    old_listen = cfg["proxy"]["listen"]
+    cfg["engine"]["port"] = new_port
+    cfg["proxy"].update(max_concurrency=7, retry_after_s=9, listen=f"127.0.0.1:{free_port()}")
+    write_config(d.config, cfg)
+    r = d.ctl("reload")
+    assert r.returncode == 0, r.stderr
+    assert "applied now: proxy.max_concurrency, proxy.retry_after_s" in r.stdout
+    assert "at the next engine start: engine.port" in r.stdout
+    assert "only when the daemon restarts: proxy.listen" in r.stdout
+    warned = [e for e in d.log_records()
+              if e.get("event") == "these settings take effect only when the daemon restarts"]
+    assert warned and warned[-1]["keys"] == ["proxy.listen"]
+    st = d.status()
+    # admission limits at once; the running engine and the proxy's socket as they are
+    assert st["admission"]["max_concurrency"] == 7
+    assert st["admission"]["listen"] == old_listen
+    assert st["engine"]["port"] == old_port
+    assert complete(cfg | {"proxy": {"listen": old_listen}}).status_code == 200
+    assert d.ctl("restart").returncode == 0
+    d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] == 1)
+    wait_for(lambda: d.status()["admission"]["held"] is None, 10, "the gate to open")
+    st = d.status()
+    assert st["engine"]["port"] == new_port
+    assert st["admission"]["upstream"] == f"http://127.0.0.1:{new_port}"
+    answers = [complete(cfg | {"proxy": {"listen": old_listen}}).status_code
+               for _ in range(5)]
+    assert answers == [200] * 5

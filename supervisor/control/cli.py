@@ -33,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("restart", help="drain and restart the engine (also leaves FATAL)")
     r.add_argument("--reason", default=None, help="recorded in the log and audit trail")
     sub.add_parser("stop", help="stop the engine and the daemon; waits until done")
-    sub.add_parser("reload", help="re-read the config file (engine settings apply at next start)")
+    sub.add_parser("reload", help="re-read the config file; says what applies now, at the next "
+                                  "engine start, or only at a daemon restart")
     sub.add_parser("drain", help="hold new requests at the proxy (in-flight ones finish)")
     sub.add_parser("resume", help="release held requests, without a restart")
     t = sub.add_parser("throttle", help="admission limits scaled down to LEVEL (live with the "
@@ -202,8 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     elif ns.command == "reload":
         changed = result.get("changed", [])
         print("reloaded; changed: " + (", ".join(changed) if changed else "nothing"))
-        if result.get("next_engine_start"):
-            print("engine settings take effect at the next engine start")
+        for key, when in (("applied_now", "applied now"),
+                          ("next_engine_start", "at the next engine start"),
+                          ("next_daemon_start", "only when the daemon restarts")):
+            if result.get(key):
+                print(f"  {when}: " + ", ".join(result[key]))
     elif ns.command == "restart":
         print(f"restarting: {result.get('reason')}")
     elif ns.command == "stop":
