@@ -96,6 +96,13 @@ class EngineConfig:
         host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
         return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
+    @property
+    def models_open(self) -> bool:
+        """LoRA on (`--enable-lora`): adapters are served under names of their own, added
+        at run time too, so a model name the arguments do not list may still be served."""
+        return any(a == "--enable-lora" or a.startswith("--enable-lora=")
+                   for a in [*self.command, *self.args])
+
     def served_models(self) -> tuple[str, ...]:
         """The model names the engine serves, read from its arguments as vLLM reads them:
         `--served-model-name A [B ...]`, else `--model M`, else `serve M`; () when none."""

@@ -554,7 +554,8 @@ class Supervisor:
         self.engine = engine
         self.guard.arm(engine.pgid)
         if self.proxy is not None:
-            self.proxy.follow_engine(engine.config.base_url, engine.config.served_models())
+            self.proxy.follow_engine(engine.config.base_url, engine.config.served_models(),
+                                     engine.config.models_open)
         log.info("engine spawned", pid=engine.pid, argv=engine.spec.argv)
         self._audit("spawn", pid=engine.pid, generation=engine.generation)
         assert engine.proc.stdout is not None and engine.proc.stderr is not None
@@ -1013,7 +1014,7 @@ class Supervisor:
                              max_header_bytes=p.max_header_bytes,
                              retry_after_s=p.retry_after_s,
                              extra_routes=tuple(p.extra_routes),
-                             models=e.served_models(),
+                             models=e.served_models(), models_open=e.models_open,
                              continuation=p.continue_streams,
                              continue_timeout_s=p.continue_timeout_s,
                              max_continuations=p.max_continuations,

@@ -42,7 +42,7 @@ import structlog
 from aiohttp import web
 from yarl import URL
 
-from supervisor import continuation
+from supervisor import continuation, routing
 from supervisor.admission import Gate, Rejected
 from supervisor.continuation import Transcript
 from supervisor.latency import ClientLatency
@@ -97,6 +97,8 @@ class ProxySettings:
     connect_timeout_s: float = 5.0
     idle_read_timeout_s: float = 600.0  # between two chunks of an answer
     models: tuple[str, ...] = ()  # the names the engine serves: the latency labels
+    # other names may be served too (LoRA adapters): an unknown name goes to the engine
+    models_open: bool = False
     continuation: bool = True  # continue streams the engine fails mid-answer
     continue_timeout_s: float = 300.0  # the longest a broken stream waits for an engine
     max_continuations: int = 3  # per request
@@ -196,16 +198,18 @@ class FrontProxy(ContinuingRelay):
         self.s = dataclasses.replace(
             settings, listen_host=self.s.listen_host, listen_port=self.s.listen_port,
             max_body_bytes=self.s.max_body_bytes, max_header_bytes=self.s.max_header_bytes,
-            upstream=self.s.upstream, models=self.s.models)
+            upstream=self.s.upstream, models=self.s.models, models_open=self.s.models_open)
         self.routes = Routes.serving(settings.extra_routes)
 
-    def follow_engine(self, upstream: str, models: tuple[str, ...]) -> None:
+    def follow_engine(self, upstream: str, models: tuple[str, ...],
+                      models_open: bool = False) -> None:
         """The engine being started listens here and serves these names: requests from
         now on go there (a reloaded `engine.port` takes effect with the engine)."""
         if upstream != self.s.upstream:
             log.info("proxy upstream follows the engine", upstream=upstream,
                      was=self.s.upstream)
-        self.s = dataclasses.replace(self.s, upstream=upstream, models=models)
+        self.s = dataclasses.replace(self.s, upstream=upstream, models=models,
+                                     models_open=models_open)
         self.latency.models = frozenset(models)
 
     @property
@@ -264,6 +268,15 @@ class FrontProxy(ContinuingRelay):
                                "body_too_large")
         facts = read_request(body)
         ex.model, ex.tokens = facts.model, facts.tokens
+        if facts.model is not None and self.s.models and not self.s.models_open:
+            # a name no engine serves: 404 at once, never held through a restart
+            try:
+                routing.route(facts.model, [routing.EngineView(
+                    "default", self.s.models, serving=True)])
+            except routing.UnknownModel as exc:
+                ex.status, ex.outcome = 404, "unknown_model"
+                self._finish(request, target, ex)
+                return self._error(404, str(exc), "unknown_model")
         plan = continuation.plan(target.path, body, facts.doc) if self.s.continuation \
             else None
         try:

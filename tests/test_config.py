@@ -26,6 +26,7 @@ def test_demo_config_is_valid_and_paths_resolve_against_its_directory():
     cfg = load_config(ROOT / "config.toml")
     assert cfg.engine.command[0] == str(ROOT / ".venv-engine" / "bin" / "vllm")
     assert cfg.engine.served_models() == ("tiny-llama",)
+    assert not cfg.engine.models_open  # no LoRA: an unknown model name is refused
     assert cfg.engine.cwd == str(ROOT)
     assert cfg.control.socket == str(ROOT / "run" / "control.sock")
     assert cfg.audit.path == str(ROOT / "var" / "events.jsonl")
@@ -116,3 +117,11 @@ def test_proxy_extra_routes_are_routes_and_each_bad_one_is_named():
     ok = parse_config({**MIN, "proxy": {"extra_routes": ["/jobs/*/status"]}}, "t.toml",
                       Path("/base"))
     assert ok.proxy.extra_routes == ["/jobs/*/status"]
+
+
+def test_lora_leaves_the_served_names_open():
+    # adapters are served under their own names, loaded at run time too
+    for args in (["--enable-lora"], ["--enable-lora", "--lora-modules", "sql=/a"],
+                 ["--enable-lora=true"]):
+        cfg = parse_config(with_engine(args=args), "t.toml", Path("/base"))
+        assert cfg.engine.models_open, args

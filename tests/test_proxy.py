@@ -195,6 +195,28 @@ def test_hold_timeout_and_full_queue_give_503_with_retry_after(daemon_factory, t
     assert complete(cfg).status_code == 200
 
 
+def test_an_unknown_model_gets_404_at_once_with_the_models_even_while_held(
+        daemon_factory, tmp_path):
+    cfg = proxy_config(tmp_path, hold_timeout_s=30)
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: d.status()["admission"]["held"] is None, 10, "the gate to open")
+    assert d.ctl("drain").returncode == 0  # held: a known model would wait 30 s
+    t0 = time.monotonic()
+    r = httpx.post(url(cfg), json={"model": "gpt-4", "prompt": "x"}, timeout=10)
+    assert r.status_code == 404 and time.monotonic() - t0 < 5
+    err = r.json()["error"]
+    assert err["type"] == "unknown_model" and "gpt-4" in err["message"]
+    assert err["message"].endswith("models: fake")
+    assert d.status()["admission"]["waiting"] == 0  # never queued
+    text = httpx.get(f"{d.exporter_url}/metrics", timeout=5).text
+    assert 'vllm_supervisor_proxy_rejections_total{reason="unknown_model"} 1.0' in text
+    assert d.ctl("resume").returncode == 0
+    assert complete(cfg).status_code == 200  # its own model passes
+    access = [e for e in d.log_records() if e.get("event") == "request"]
+    assert access[0]["status"] == 404 and access[0]["outcome"] == "unknown_model"
+
+
 def test_resume_releases_held_requests_in_order_without_a_restart(daemon_factory, tmp_path):
     cfg = proxy_config(tmp_path)
     d = daemon_factory(cfg)

@@ -1,0 +1,68 @@
+"""Which engine a request goes to (supervisor/routing.py), as pure decisions."""
+
+from __future__ import annotations
+
+import pytest
+
+from supervisor.routing import EngineView, Route, UnknownModel, route, served_models
+
+
+def e(name: str, *models: str, serving: bool = True, outstanding: int = 0,
+      fallback: str | None = None) -> EngineView:
+    return EngineView(name, models, serving, outstanding, fallback)
+
+
+def test_a_model_goes_to_the_engine_that_serves_it() -> None:
+    engines = [e("big", "llama-70b"), e("small", "llama-8b")]
+    assert route("llama-8b", engines) == Route("small", "llama-8b")
+    assert route("llama-70b", engines) == Route("big", "llama-70b")
+
+
+def test_an_unknown_model_is_refused_with_the_models_there_are() -> None:
+    engines = [e("big", "llama-70b", "llama"), e("small", "llama-8b", "llama")]
+    with pytest.raises(UnknownModel) as exc:
+        route("gpt-4", engines)
+    assert exc.value.models == ("llama-70b", "llama", "llama-8b")
+    assert "gpt-4" in str(exc.value) and "llama-8b" in str(exc.value)
+    with pytest.raises(UnknownModel):
+        route(["not", "a", "name"], engines)
+    # a model served only by a down engine is still known: held, not refused
+    assert route("llama-70b", [e("big", "llama-70b", serving=False)]) == \
+        Route(None, "llama-70b")
+
+
+def test_replicas_share_by_fewest_outstanding_and_the_first_on_a_tie() -> None:
+    engines = [e("gpu0", "m", outstanding=5), e("gpu1", "m", outstanding=2),
+               e("gpu2", "m", outstanding=2)]
+    assert route("m", engines).engine == "gpu1"
+    engines[1] = e("gpu1", "m", serving=False)
+    assert route("m", engines).engine == "gpu2"
+
+
+def test_a_request_is_held_only_while_no_engine_of_its_model_serves() -> None:
+    engines = [e("gpu0", "m", serving=False), e("gpu1", "m", outstanding=100)]
+    assert route("m", engines) == Route("gpu1", "m")  # a busy replica beats holding
+    engines[1] = e("gpu1", "m", serving=False)
+    assert route("m", engines) == Route(None, "m")
+
+
+def test_a_down_engine_sends_its_models_to_its_fallback_under_the_fallbacks_name() -> None:
+    engines = [e("big", "llama-70b", serving=False, fallback="small"),
+               e("small", "llama-8b", "llama-8b-alias")]
+    assert route("llama-70b", engines) == Route("small", "llama-8b", substituted=True)
+    # the fallback's own traffic is its own
+    assert route("llama-8b", engines) == Route("small", "llama-8b")
+
+
+def test_no_fallback_while_the_primary_serves_or_when_the_fallback_is_down_too() -> None:
+    up = [e("big", "m", fallback="small"), e("small", "s")]
+    assert route("m", up) == Route("big", "m")
+    both_down = [e("big", "m", serving=False, fallback="small"),
+                 e("small", "s", serving=False)]
+    assert route("m", both_down) == Route(None, "m")
+    dangling = [e("big", "m", serving=False, fallback="gone")]
+    assert route("m", dangling) == Route(None, "m")
+
+
+def test_served_models_each_once_in_config_order() -> None:
+    assert served_models([e("a", "x", "y"), e("b", "y", "z")]) == ["x", "y", "z"]
