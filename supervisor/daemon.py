@@ -1,12 +1,12 @@
 """The supervisor: the single task that owns the engine's state.
 
-Everything that happens reaches `Supervisor.run` as a typed event on one queue: the
-engine's exit, its health, the end of a take-down, a backoff timer, a signal, a control
-request, a reloaded config, a tick. Each is handled by a `handle_<name>` method that
-may change state (only through `_set_state`, which checks the transition table), and
-may start jobs: tasks that do I/O (spawn, probe, take down, read files) and report back
-only by putting an event on the queue. No job touches the supervisor's attributes, no
-handler blocks, and no lock exists.
+Everything that happens reaches `Supervisor.run` as a typed event (`supervisor/events.py`)
+on one queue: the engine's exit, its health, the end of a take-down, a backoff timer, a
+signal, a control request, a reloaded config, a tick. Each is handled by a
+`handle_<name>` method that may change state (only through `_set_state`, which checks
+the transition table), and may start jobs: tasks that do I/O (spawn, probe, take down,
+read files) and report back only by putting an event on the queue. No job touches the
+supervisor's attributes, no handler blocks, and no lock exists.
 
 Invariants:
 - at most one engine exists at a time: a new one is spawned only after the previous
@@ -25,9 +25,8 @@ import signal
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import httpx
 import structlog
@@ -45,11 +44,35 @@ from supervisor.config import (
     load_config,
 )
 from supervisor.control.server import ControlServer
+from supervisor.events import (
+    BackoffElapsed,
+    CanaryDone,
+    CommandError,
+    ControlRequest,
+    Decision,
+    Down,
+    Drained,
+    Event,
+    EvidenceCaptured,
+    Exited,
+    GateProbe,
+    GpuSampled,
+    HealthResult,
+    MetricsSampled,
+    Reloaded,
+    RemedyDone,
+    SignalReceived,
+    SleepModeProbed,
+    Spawned,
+    Tick,
+    TreeSeen,
+    ViewRequest,
+    iso_time,
+)
 from supervisor.exporter import Exporter, ExporterView, ProxyView, parse_listen
-from supervisor.gpu import GpuProcessLister, GpuReading, GpuSampler
+from supervisor.gpu import GpuProcessLister, GpuSampler
 from supervisor.lifecycle import RestartTracker
 from supervisor.logs import set_level
-from supervisor.metrics import Snapshot
 from supervisor.policy import PRIORITY, EngineView, PolicyMemory, PolicyState, decide
 from supervisor.poller import ScrapeHealth, scrape
 from supervisor.proxy import FrontProxy, ProxyError, ProxySettings
@@ -61,191 +84,6 @@ log = structlog.get_logger("supervisor")
 RESTART_REASONS = ("crash", "boot_failure", "policy", "operator")  # the exporter's labels
 EXTEND_EVERY_S = 10.0  # while the first engine starts, push systemd's start timeout ...
 EXTEND_BY_S = 30.0  # ... this far ahead each time
-
-
-# ---- events ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Event:
-    name: ClassVar[str]
-
-
-@dataclass(frozen=True)
-class Spawned(Event):
-    name = "spawned"
-    generation: int
-    engine: eng.EngineProcess | None
-    error: str | None = None
-    leftovers: tuple[str, ...] = ()
-    gpu_busy: bool = False  # the error is other processes on the engine's GPUs
-
-
-@dataclass(frozen=True)
-class Exited(Event):
-    name = "exited"
-    generation: int
-    code: int
-
-
-@dataclass(frozen=True)
-class HealthResult(Event):
-    name = "health_result"
-    generation: int
-    healthy: bool
-
-
-@dataclass(frozen=True)
-class MetricsSampled(Event):
-    name = "metrics_sampled"
-    generation: int
-    snapshot: Snapshot | None
-    error: str | None
-
-
-@dataclass(frozen=True)
-class TreeSeen(Event):
-    name = "tree_seen"
-    generation: int
-    procs: tuple[proctree.ProcInfo, ...]
-    at: float  # monotonic
-    rss_bytes: int
-    cpu_s: float  # CPU seconds used so far by the live processes
-
-
-@dataclass(frozen=True)
-class EvidenceCaptured(Event):
-    name = "evidence_captured"
-    generation: int
-    request: evidence.EvidenceRequest
-    bundle: evidence.Bundle
-
-
-@dataclass(frozen=True)
-class Down(Event):
-    name = "down"
-    generation: int
-    result: eng.TakeDown | None
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class BackoffElapsed(Event):
-    name = "backoff_elapsed"
-    generation: int
-
-
-@dataclass(frozen=True)
-class SignalReceived(Event):
-    name = "signal_received"
-    signum: int
-
-
-@dataclass(frozen=True)
-class ControlRequest(Event):
-    name = "control_request"
-    command: str
-    args: dict[str, Any]
-    reply: asyncio.Future[dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class Reloaded(Event):
-    name = "reloaded"
-    config: Config | None
-    error: str | None
-    reply: asyncio.Future[dict[str, Any]] | None
-
-
-@dataclass(frozen=True)
-class Tick(Event):
-    name = "tick"
-
-
-@dataclass(frozen=True)
-class CanaryDone(Event):
-    name = "canary_done"
-    generation: int
-    outcome: canary.CanaryOutcome
-    started: float  # monotonic
-    ended: float
-
-
-@dataclass(frozen=True)
-class GpuSampled(Event):
-    name = "gpu_sampled"
-    reading: GpuReading
-    at: float
-
-
-@dataclass(frozen=True)
-class RemedyDone(Event):
-    """An in-place remedy (prefix-cache reset, KV reset) ended, well or not."""
-
-    name = "remedy_done"
-    generation: int
-    rung: str
-    outcome: remedy.RemedyOutcome
-    duration_s: float  # the whole remedy, the wait for in-flight requests included
-
-
-@dataclass(frozen=True)
-class SleepModeProbed(Event):
-    """Whether this engine can drop its KV cache in place (sleep and wake)."""
-
-    name = "sleep_mode_probed"
-    generation: int
-    available: bool
-    why: str | None
-
-
-@dataclass(frozen=True)
-class Drained(Event):
-    """The proxy has no request left at the engine (or the drain timeout ran out)."""
-
-    name = "drained"
-    generation: int
-    idle: bool
-    waited_s: float
-
-
-@dataclass(frozen=True)
-class GateProbe(Event):
-    """The first canary of a new engine: its answer opens the gate (held requests go)."""
-
-    name = "gate_probe"
-    generation: int
-    ok: bool
-    error: str | None
-
-
-@dataclass(frozen=True)
-class ViewRequest(Event):
-    name = "view_request"
-    reply: asyncio.Future[ExporterView]
-
-
-class CommandError(Exception):
-    """A control request that cannot be carried out now; the message goes to the client."""
-
-
-@dataclass
-class Decision:
-    """The last thing the daemon decided, for `status`: its own lifecycle steps and the
-    policy's actions (with the rule and its evidence)."""
-
-    action: str
-    reason: str
-    wall: float
-    rule: str | None = None
-    evidence: dict[str, Any] | None = None
-    dry_run: bool = False
-
-    def as_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"action": self.action, "reason": self.reason,
-                             "time": _iso(self.wall)}
-        if self.rule is not None:
-            d.update(rule=self.rule, evidence=self.evidence, dry_run=self.dry_run)
-        return d
 
 
 @dataclass
@@ -280,10 +118,6 @@ async def _acquire(lock: asyncio.Lock, timeout_s: float) -> bool:
     except TimeoutError:
         return False
     return True
-
-
-def _iso(wall: float) -> str:
-    return datetime.fromtimestamp(wall, UTC).isoformat(timespec="milliseconds")
 
 
 # ---- the supervisor -------------------------------------------------------------------
@@ -484,7 +318,7 @@ class Supervisor:
         self.last_decision = Decision(action, reason, self.clock.wall())
 
     def _audit(self, event: str, **fields: Any) -> None:
-        err = self.audit.append({"time": _iso(self.clock.wall()), "event": event, **fields})
+        err = self.audit.append({"time": iso_time(self.clock.wall()), "event": event, **fields})
         if err is not None:
             log.warning("audit write failed", error=err)
 

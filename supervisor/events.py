@@ -1,0 +1,210 @@
+"""The typed events that reach the supervisor's one queue, and the record of its last
+decision.
+
+Every job, signal handler, control request and timer reports to `Supervisor` only by
+putting one of these on its queue; each `name` selects the `handle_<name>` method that
+takes it (docs/lifecycle.md). Frozen values, no behaviour: this module imports no
+lifecycle code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, ClassVar
+
+from supervisor import canary, evidence, proctree, remedy
+from supervisor import engine as eng
+from supervisor.config import Config
+from supervisor.exporter import ExporterView
+from supervisor.gpu import GpuReading
+from supervisor.metrics import Snapshot
+
+# ---- events ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Event:
+    name: ClassVar[str]
+
+
+@dataclass(frozen=True)
+class Spawned(Event):
+    name = "spawned"
+    generation: int
+    engine: eng.EngineProcess | None
+    error: str | None = None
+    leftovers: tuple[str, ...] = ()
+    gpu_busy: bool = False  # the error is other processes on the engine's GPUs
+
+
+@dataclass(frozen=True)
+class Exited(Event):
+    name = "exited"
+    generation: int
+    code: int
+
+
+@dataclass(frozen=True)
+class HealthResult(Event):
+    name = "health_result"
+    generation: int
+    healthy: bool
+
+
+@dataclass(frozen=True)
+class MetricsSampled(Event):
+    name = "metrics_sampled"
+    generation: int
+    snapshot: Snapshot | None
+    error: str | None
+
+
+@dataclass(frozen=True)
+class TreeSeen(Event):
+    name = "tree_seen"
+    generation: int
+    procs: tuple[proctree.ProcInfo, ...]
+    at: float  # monotonic
+    rss_bytes: int
+    cpu_s: float  # CPU seconds used so far by the live processes
+
+
+@dataclass(frozen=True)
+class EvidenceCaptured(Event):
+    name = "evidence_captured"
+    generation: int
+    request: evidence.EvidenceRequest
+    bundle: evidence.Bundle
+
+
+@dataclass(frozen=True)
+class Down(Event):
+    name = "down"
+    generation: int
+    result: eng.TakeDown | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class BackoffElapsed(Event):
+    name = "backoff_elapsed"
+    generation: int
+
+
+@dataclass(frozen=True)
+class SignalReceived(Event):
+    name = "signal_received"
+    signum: int
+
+
+@dataclass(frozen=True)
+class ControlRequest(Event):
+    name = "control_request"
+    command: str
+    args: dict[str, Any]
+    reply: asyncio.Future[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Reloaded(Event):
+    name = "reloaded"
+    config: Config | None
+    error: str | None
+    reply: asyncio.Future[dict[str, Any]] | None
+
+
+@dataclass(frozen=True)
+class Tick(Event):
+    name = "tick"
+
+
+@dataclass(frozen=True)
+class CanaryDone(Event):
+    name = "canary_done"
+    generation: int
+    outcome: canary.CanaryOutcome
+    started: float  # monotonic
+    ended: float
+
+
+@dataclass(frozen=True)
+class GpuSampled(Event):
+    name = "gpu_sampled"
+    reading: GpuReading
+    at: float
+
+
+@dataclass(frozen=True)
+class RemedyDone(Event):
+    """An in-place remedy (prefix-cache reset, KV reset) ended, well or not."""
+
+    name = "remedy_done"
+    generation: int
+    rung: str
+    outcome: remedy.RemedyOutcome
+    duration_s: float  # the whole remedy, the wait for in-flight requests included
+
+
+@dataclass(frozen=True)
+class SleepModeProbed(Event):
+    """Whether this engine can drop its KV cache in place (sleep and wake)."""
+
+    name = "sleep_mode_probed"
+    generation: int
+    available: bool
+    why: str | None
+
+
+@dataclass(frozen=True)
+class Drained(Event):
+    """The proxy has no request left at the engine (or the drain timeout ran out)."""
+
+    name = "drained"
+    generation: int
+    idle: bool
+    waited_s: float
+
+
+@dataclass(frozen=True)
+class GateProbe(Event):
+    """The first canary of a new engine: its answer opens the gate (held requests go)."""
+
+    name = "gate_probe"
+    generation: int
+    ok: bool
+    error: str | None
+
+
+@dataclass(frozen=True)
+class ViewRequest(Event):
+    name = "view_request"
+    reply: asyncio.Future[ExporterView]
+
+
+class CommandError(Exception):
+    """A control request that cannot be carried out now; the message goes to the client."""
+
+
+@dataclass
+class Decision:
+    """The last thing the daemon decided, for `status`: its own lifecycle steps and the
+    policy's actions (with the rule and its evidence)."""
+
+    action: str
+    reason: str
+    wall: float
+    rule: str | None = None
+    evidence: dict[str, Any] | None = None
+    dry_run: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"action": self.action, "reason": self.reason,
+                             "time": iso_time(self.wall)}
+        if self.rule is not None:
+            d.update(rule=self.rule, evidence=self.evidence, dry_run=self.dry_run)
+        return d
+
+
+def iso_time(wall: float) -> str:
+    return datetime.fromtimestamp(wall, UTC).isoformat(timespec="milliseconds")
