@@ -44,6 +44,7 @@ from supervisor.config import (
     load_config,
 )
 from supervisor.control.server import ControlServer
+from supervisor.effects import Effects, Timer
 from supervisor.events import (
     BackoffElapsed,
     CanaryDone,
@@ -140,9 +141,12 @@ class Supervisor:
     clock: Clock = field(default_factory=Clock)
     environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     tick_interval_s: float = 1.0
+    effects: Effects | None = None  # None: the daemon's own jobs (JobEffects)
 
     def __post_init__(self) -> None:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        # every process, socket and timer this task sets going goes through `act`
+        self.act: Effects = self.effects if self.effects is not None else JobEffects(self)
         self.state = State.STOPPED
         self.state_reason = "not started"
         self.state_since = self.clock.monotonic()
@@ -169,7 +173,7 @@ class Supervisor:
         self._force = asyncio.Event()
         self._restart_reason = ""
         self._restart_when_down = False
-        self._backoff: asyncio.Task[None] | None = None
+        self._backoff: Timer | None = None
         self._backoff_until: float | None = None
         self._ready_sent = False
         self._last_watchdog = 0.0
@@ -344,7 +348,7 @@ class Supervisor:
             log.info("engine arguments overridden", overrides=overrides,
                      throttle_level=self.throttle_level)
         spec = eng.build_spawn_spec(cfg, self.environ)
-        self._launch(self._job_spawn(self.generation, spec, cfg), "spawn")
+        self.act.spawn(self.generation, spec, cfg)
 
     async def _job_spawn(self, generation: int, spec: eng.SpawnSpec,
                          cfg: EngineConfig) -> None:
@@ -386,17 +390,12 @@ class Supervisor:
         self.start_blocked = None
         engine = ev.engine
         self.engine = engine
-        self.guard.arm(engine.pgid)
         if self.proxy is not None:
             self.proxy.follow_engine(engine.config.base_url, engine.config.served_models(),
                                      engine.config.models_open)
         log.info("engine spawned", pid=engine.pid, argv=engine.spec.argv)
         self._audit("spawn", pid=engine.pid, generation=engine.generation)
-        assert engine.proc.stdout is not None and engine.proc.stderr is not None
-        engine.relays = [
-            self._launch(eng.relay_output(engine, engine.proc.stdout, "stdout"), "relay stdout"),
-            self._launch(eng.relay_output(engine, engine.proc.stderr, "stderr"), "relay stderr")]
-        self._launch(self._job_watch(engine), "watch engine")
+        self.act.watch(engine)
         if self.state in (State.STOPPING, State.DRAINING):
             self._take_down(graceful=True)  # a stop or restart came while it was spawning
 
@@ -520,16 +519,12 @@ class Supervisor:
             if not self._ready_sent:
                 self._ready_sent = True
                 self.notifier.ready(f"RUNNING: engine pid {engine.pid} serving")
-            if self.config.metrics.enabled:
-                self._launch(self._job_poll(engine, self.config.metrics), "poll metrics")
-            if self.config.canary.enabled:
-                self._launch(self._job_canary(engine), "canary")
-            self._launch(self._job_probe_sleep_mode(engine), "probe sleep mode")
+            self.act.serve(engine)
             if self.proxy is None or not self.config.canary.enabled:
                 self._finish_relaunch("ok", None)  # serving: nothing more is waited for
             if self.proxy is not None:
                 if self.config.canary.enabled:
-                    self._launch(self._job_gate_probe(engine), "gate probe")
+                    self.act.gate_probe(engine)
                 elif not self.drained_by_operator:
                     self.gate.release()  # no canary configured: healthy is all we know
         elif engine.exit_code is None:
@@ -586,13 +581,7 @@ class Supervisor:
 
     def _arm_backoff(self) -> None:
         delay = max(0.0, (self._backoff_until or 0.0) - self.clock.monotonic())
-        gen = self.generation
-
-        async def later() -> None:
-            await asyncio.sleep(delay)
-            self.queue.put_nowait(BackoffElapsed(gen))
-
-        self._backoff = self._launch(later(), "backoff timer")
+        self._backoff = self.act.after(delay, BackoffElapsed(self.generation))
 
     def _cancel_backoff(self) -> None:
         if self._backoff is not None:
@@ -616,7 +605,7 @@ class Supervisor:
         self._audit("take_down", pid=engine.pid, graceful=graceful,
                     evidence_for=req.rule if req is not None else None)
         log.info("taking the engine down", pid=engine.pid, graceful=graceful)
-        self._launch(self._job_take_down(engine, graceful, self._force, req), "take down")
+        self.act.take_down(engine, graceful, self._force, req)
 
     def _evidence_request(self, engine: eng.EngineProcess) -> evidence.EvidenceRequest | None:
         pending, self._evidence_for = self._evidence_for, None
@@ -706,8 +695,7 @@ class Supervisor:
         if self.state is State.FATAL:
             self.fatal_errors = list(engine.recent_errors)[-10:]  # now complete
         if problem is None:
-            self.state_file.remove()
-            self.guard.disarm()
+            self.act.forget(engine)
         else:
             log.error("engine tree not proven gone", problem=problem)
 
@@ -776,7 +764,7 @@ class Supervisor:
                 if graceful and self.proxy is not None and self.gate.in_flight:
                     # The gate holds new requests now; let the ones at the engine finish
                     # before SIGTERM (vLLM's own drain aborts streams), bounded.
-                    self._launch(self._job_drain(self.engine), "drain")
+                    self.act.drain(self.engine)
                 else:
                     self._take_down(graceful=graceful)
             # a take-down already running (a crash being reaped) ends in handle_down
@@ -1036,7 +1024,7 @@ class Supervisor:
         if rung == "kv_reset":
             # new requests wait at the proxy; those at the engine finish first
             self.gate.hold(f"KV reset in progress ({reason})")
-        self._launch(self._job_remedy(engine, rung), rung)
+        self.act.remedy(engine, rung)
 
     def _audit_remedy(self, fields: dict[str, Any]) -> None:
         """Every rung tried ends in one `remedy` audit entry and one log line: rung,
@@ -1252,7 +1240,7 @@ class Supervisor:
         name = signal.Signals(ev.signum).name
         if ev.signum == signal.SIGHUP:
             log.info("reload requested", signal=name)
-            self._launch(self._job_reload(None), "reload")
+            self.act.reload(None)
         else:
             self._begin_stop(f"{name} received")
 
@@ -1335,7 +1323,7 @@ class Supervisor:
                 self._begin_stop("stop requested over the control socket")
             elif ev.command == "reload":
                 self._audit("control", command="reload")
-                self._launch(self._job_reload(ev.reply), "reload")
+                self.act.reload(ev.reply)
             elif ev.command == "drain":
                 self.drained_by_operator = True
                 self.gate.hold("drain requested by operator")
@@ -1452,6 +1440,63 @@ class Supervisor:
             "signals": self._signals(now),
             "config": self.config.source,
         }
+
+
+class JobEffects:
+    """The daemon's effects: each one a job of the supervisor's (its `_job_*` coroutines,
+    which report back only through the queue), started on its task group."""
+
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
+
+    def spawn(self, generation: int, spec: eng.SpawnSpec, cfg: EngineConfig) -> None:
+        self.sup._launch(self.sup._job_spawn(generation, spec, cfg), "spawn")
+
+    def watch(self, engine: eng.EngineProcess) -> None:
+        sup = self.sup
+        sup.guard.arm(engine.pgid)
+        assert engine.proc.stdout is not None and engine.proc.stderr is not None
+        engine.relays = [
+            sup._launch(eng.relay_output(engine, engine.proc.stdout, "stdout"), "relay stdout"),
+            sup._launch(eng.relay_output(engine, engine.proc.stderr, "stderr"), "relay stderr")]
+        sup._launch(sup._job_watch(engine), "watch engine")
+
+    def serve(self, engine: eng.EngineProcess) -> None:
+        sup = self.sup
+        if sup.config.metrics.enabled:
+            sup._launch(sup._job_poll(engine, sup.config.metrics), "poll metrics")
+        if sup.config.canary.enabled:
+            sup._launch(sup._job_canary(engine), "canary")
+        sup._launch(sup._job_probe_sleep_mode(engine), "probe sleep mode")
+
+    def gate_probe(self, engine: eng.EngineProcess) -> None:
+        self.sup._launch(self.sup._job_gate_probe(engine), "gate probe")
+
+    def take_down(self, engine: eng.EngineProcess, graceful: bool, force: asyncio.Event,
+                  req: evidence.EvidenceRequest | None) -> None:
+        self.sup._launch(self.sup._job_take_down(engine, graceful, force, req), "take down")
+
+    def forget(self, engine: eng.EngineProcess) -> None:
+        self.sup.state_file.remove()
+        self.sup.guard.disarm()
+
+    def drain(self, engine: eng.EngineProcess) -> None:
+        self.sup._launch(self.sup._job_drain(engine), "drain")
+
+    def remedy(self, engine: eng.EngineProcess, rung: str) -> None:
+        self.sup._launch(self.sup._job_remedy(engine, rung), rung)
+
+    def after(self, delay_s: float, event: Event) -> Timer:
+        queue = self.sup.queue
+
+        async def later() -> None:
+            await asyncio.sleep(delay_s)
+            queue.put_nowait(event)
+
+        return self.sup._launch(later(), f"timer: {event.name}")
+
+    def reload(self, reply: asyncio.Future[dict[str, Any]] | None) -> None:
+        self.sup._launch(self.sup._job_reload(reply), "reload")
 
 
 def _merge(known: list[proctree.ProcInfo],
