@@ -15,11 +15,12 @@ import sys
 import structlog
 
 from supervisor import __version__, loop
-from supervisor.config import EX_CONFIG, Config, ConfigError, load_config
+from supervisor.config import EX_CONFIG, Config, ConfigError, EngineConfig, load_config
 from supervisor.control.server import ControlSocketError
-from supervisor.daemon import Supervisor, runtime_paths_ok
+from supervisor.daemon import runtime_paths_ok
 from supervisor.exporter import ExporterError
 from supervisor.gpu import FileSampler, GpuProcessLister, GpuSampler, NoGpu, NvmlSampler
+from supervisor.host import Host
 from supervisor.logs import configure_logging
 from supervisor.proxy import ProxyError
 from supervisor.sdnotify import Notifier
@@ -37,21 +38,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _gpu(cfg: Config) -> tuple[GpuProcessLister, GpuSampler | None]:
-    """What lists the GPU's processes (take-down) and what samples it (the watchdog).
-    No GPU is never an error: the daemon runs on, with GPU checks off and one line saying
-    so."""
+def _gpu(cfg: Config, engine: EngineConfig) -> tuple[GpuProcessLister, GpuSampler | None]:
+    """What lists the processes on an engine's GPUs (take-down) and what samples them (the
+    watchdog). No GPU is never an error: the daemon runs on, with GPU checks off and one
+    line saying so."""
     log = structlog.get_logger("supervisor.gpu")
     mode = cfg.gpu.sampler
     if mode == "file":
         scripted = FileSampler(cfg.gpu.file)
         log.info("GPU readings come from a file (scripted)", file=cfg.gpu.file)
         return scripted, scripted
-    nvml = NvmlSampler(list(cfg.engine.gpus))
+    nvml = NvmlSampler(list(engine.gpus))
     problem = nvml.init()
     if problem is not None:
-        if cfg.engine.gpus or mode == "nvml":
-            log.warning("GPU checks are off", reason=problem, gpus=cfg.engine.gpus)
+        if engine.gpus or mode == "nvml":
+            log.warning("GPU checks are off", reason=problem, gpus=engine.gpus)
         else:
             log.warning("no GPU found; GPU checks and readings are off", reason=problem)
         return NoGpu(), None
@@ -74,10 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         log.error("cannot start", error=problem)
         return 1
-    lister, sampler = _gpu(cfg)
-    sup = Supervisor(config=cfg, notifier=Notifier(), gpu=lister, sampler=sampler)
+    host = Host(config=cfg, notifier=Notifier(), gpu_for=lambda e: _gpu(cfg, e))
     try:
-        return loop.run(sup.run())
+        return loop.run(host.run())
     except (ControlSocketError, ExporterError, ProxyError) as exc:
         log.error("cannot start", error=str(exc))
         return 1

@@ -12,38 +12,22 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import re
 import tomllib
-import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from supervisor.conditions import parse_condition
 from supervisor.exporter import parse_listen
 from supervisor.routes import route_problem
-from supervisor.rules import ACTIONS, DEFAULT_RULES, REMEDIES, RuleConfig
-from supervisor.signals import SIGNAL_NAMES, WindowConfig
+from supervisor.rules import DEFAULT_RULES, REMEDIES, RuleConfig
+from supervisor.schema import ConfigError as ConfigError  # raised by load_config
+from supervisor.schema import build_section, spec
+from supervisor.signals import WindowConfig
 
 EX_CONFIG = 78  # sysexits.h: configuration error
-
-
-class ConfigError(Exception):
-    """One or more problems in a config file; str() is the operator-facing message."""
-
-    def __init__(self, source: str, problems: list[str]) -> None:
-        self.source = source
-        self.problems = problems
-        super().__init__("\n".join(f"{source}: {p}" for p in problems))
-
-
-def _field(default: Any = dataclasses.MISSING, *, lo: float | None = None,
-           hi: float | None = None, choices: tuple[str, ...] | None = None,
-           nonempty: bool = False) -> Any:
-    meta = {"lo": lo, "hi": hi, "choices": choices, "nonempty": nonempty}
-    if isinstance(default, list | dict):
-        value = default
-        return dataclasses.field(default_factory=lambda: type(value)(value), metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+DEFAULT_ENGINE = "default"  # the name of the one engine of an [engine] table
+ENGINE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}")
 
 
 def _default_runtime_dir() -> str:
@@ -57,37 +41,44 @@ def _default_state_dir() -> str:
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     # argv that starts vLLM's OpenAI server, e.g. [python, -m, vllm.entrypoints.openai.api_server]
-    command: list[str] = _field(nonempty=True)
+    command: list[str] = spec(nonempty=True)
     # extra engine arguments; --host, --port and --shutdown-timeout are added by the daemon
-    args: list[str] = _field([])
-    env: dict[str, str] = _field({})
+    args: list[str] = spec([])
+    env: dict[str, str] = spec({})
     # pass the daemon's own environment (less systemd's NOTIFY_SOCKET, WATCHDOG_*, LISTEN_*)
-    inherit_env: bool = _field(True)
-    cwd: str = _field("")
-    host: str = _field("127.0.0.1", nonempty=True)
-    port: int = _field(8100, lo=1, hi=65535)
-    health_path: str = _field("/health", nonempty=True)
-    health_interval_s: float = _field(1.0, lo=0.05, hi=60)
-    startup_timeout_s: float = _field(600.0, lo=1, hi=3600)
+    inherit_env: bool = spec(True)
+    cwd: str = spec("")
+    host: str = spec("127.0.0.1", nonempty=True)
+    port: int = spec(8100, lo=1, hi=65535)
+    health_path: str = spec("/health", nonempty=True)
+    health_interval_s: float = spec(1.0, lo=0.05, hi=60)
+    startup_timeout_s: float = spec(600.0, lo=1, hi=3600)
     # the engine's --shutdown-timeout: in-flight requests get this long to finish on SIGTERM
-    drain_timeout_s: float = _field(30.0, lo=0, hi=3600)
+    drain_timeout_s: float = spec(30.0, lo=0, hi=3600)
     # a drained restart: "finish" waits for the streams in flight (up to drain_timeout_s);
     # "continue" pauses the ones the proxy can continue and goes on with them on the new
     # engine, so long generations do not hold the restart (docs/proxy.md)
-    drain: str = _field("finish", choices=("finish", "continue"))
+    drain: str = spec("finish", choices=("finish", "continue"))
     # after the drain, this long for the engine to exit before its group is SIGKILLed
-    stop_grace_s: float = _field(10.0, lo=0.5, hi=600)
+    stop_grace_s: float = spec(10.0, lo=0.5, hi=600)
     # after SIGKILL, this long for the tree to vanish and the port to free up
-    reap_timeout_s: float = _field(10.0, lo=0.5, hi=600)
+    reap_timeout_s: float = spec(10.0, lo=0.5, hi=600)
     # GPU indices the engine uses (NVML); empty = all visible GPUs, when NVML is present
-    gpus: list[int] = _field([])
-    gpu_release_timeout_s: float = _field(60.0, lo=0, hi=600)
+    gpus: list[int] = spec([])
+    gpu_release_timeout_s: float = spec(60.0, lo=0, hi=600)
     # before a start: memory that processes this daemon did not start may hold on the
     # engine's GPUs (a display server, a monitoring agent); more refuses the start
-    gpu_foreign_allowance_mib: int = _field(0, lo=0, hi=1 << 30)
+    gpu_foreign_allowance_mib: int = spec(0, lo=0, hi=1 << 30)
     # vLLM's own (uvicorn) access log: off by default, since it echoes every scrape and
     # canary of this daemon, and the proxy writes a better line per client request
-    access_log: bool = _field(False)
+    access_log: bool = spec(False)
+    # [engines.NAME] only: the engine that takes this one's requests while it does not
+    # serve (starting, backing off, draining, FATAL, KV reset, breaker open)
+    fallback: str = spec("")
+    # the model names it serves; empty: read from its arguments (served_models)
+    models: list[str] = spec([])
+    # another engine may claim one of this engine's `gpus` (both must allow it)
+    share_gpus: bool = spec(False)
 
     @property
     def base_url(self) -> str:
@@ -105,7 +96,10 @@ class EngineConfig:
 
     def served_models(self) -> tuple[str, ...]:
         """The model names the engine serves, read from its arguments as vLLM reads them:
-        `--served-model-name A [B ...]`, else `--model M`, else `serve M`; () when none."""
+        `--served-model-name A [B ...]`, else `--model M`, else `serve M`; () when none.
+        The `models` key, when set, says it instead."""
+        if self.models:
+            return tuple(self.models)
         argv = [*self.command, *self.args]
         for flag in ("--served-model-name", "--model"):
             names: list[str] = []
@@ -128,82 +122,82 @@ class EngineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RestartConfig:
-    backoff_initial_s: float = _field(1.0, lo=0, hi=3600)
-    backoff_max_s: float = _field(60.0, lo=0, hi=86400)
-    backoff_multiplier: float = _field(2.0, lo=1, hi=10)
+    backoff_initial_s: float = spec(1.0, lo=0, hi=3600)
+    backoff_max_s: float = spec(60.0, lo=0, hi=86400)
+    backoff_multiplier: float = spec(2.0, lo=1, hi=10)
     # an engine that served this long resets the backoff to its initial delay
-    stable_uptime_s: float = _field(300.0, lo=0, hi=86400)
+    stable_uptime_s: float = spec(300.0, lo=0, hi=86400)
     # this many boot failures (never became healthy) within the window: FATAL
-    boot_failures_max: int = _field(3, lo=1, hi=1000)
-    boot_failure_window_s: float = _field(900.0, lo=1, hi=86400 * 7)
+    boot_failures_max: int = spec(3, lo=1, hi=1000)
+    boot_failure_window_s: float = spec(900.0, lo=1, hi=86400 * 7)
 
 
 @dataclasses.dataclass(frozen=True)
 class MetricsConfig:
     # scrape the engine's Prometheus page while it runs (signals in status; the watchdog's input)
-    enabled: bool = _field(True)
-    path: str = _field("/metrics", nonempty=True)
-    period_s: float = _field(2.0, lo=0.1, hi=3600)
-    timeout_s: float = _field(2.0, lo=0.1, hi=60)
+    enabled: bool = spec(True)
+    path: str = spec("/metrics", nonempty=True)
+    period_s: float = spec(2.0, lo=0.1, hi=3600)
+    timeout_s: float = spec(2.0, lo=0.1, hi=60)
 
 
 @dataclasses.dataclass(frozen=True)
 class ControlConfig:
-    socket: str = _field("")
+    socket: str = spec("")
     # members of this group may use the socket besides root and the daemon's own user
-    group: str = _field("")
+    group: str = spec("")
 
 
 @dataclasses.dataclass(frozen=True)
 class AuditConfig:
-    path: str = _field("")
-    max_bytes: int = _field(10 * 1024 * 1024, lo=4096, hi=1 << 40)
-    backups: int = _field(3, lo=0, hi=100)
+    path: str = spec("")
+    max_bytes: int = spec(10 * 1024 * 1024, lo=4096, hi=1 << 40)
+    backups: int = spec(3, lo=0, hi=100)
 
 
 @dataclasses.dataclass(frozen=True)
 class LogConfig:
-    level: str = _field("info", choices=("debug", "info", "warning", "error"))
+    level: str = spec("info", choices=("debug", "info", "warning", "error"))
     # auto: console renderer on a TTY, JSON lines otherwise
-    format: str = _field("auto", choices=("auto", "json", "console"))
+    format: str = spec("auto", choices=("auto", "json", "console"))
 
 
 @dataclasses.dataclass(frozen=True)
 class DaemonConfig:
     # state file (pids of the engine tree) and default control socket live here
-    runtime_dir: str = _field("")
+    runtime_dir: str = spec("")
 
 
 @dataclasses.dataclass(frozen=True)
 class CanaryConfig:
     # a tiny generation with a deadline: the one probe a frozen engine cannot pass
-    enabled: bool = _field(True)
-    period_s: float = _field(10.0, lo=0.5, hi=3600)
-    timeout_s: float = _field(5.0, lo=0.1, hi=600)
-    max_tokens: int = _field(1, lo=1, hi=16)
-    prompt: str = _field("Hello", nonempty=True)
+    enabled: bool = spec(True)
+    period_s: float = spec(10.0, lo=0.5, hi=3600)
+    timeout_s: float = spec(5.0, lo=0.1, hi=600)
+    max_tokens: int = spec(1, lo=1, hi=16)
+    prompt: str = spec("Hello", nonempty=True)
     # the model name to ask for; empty: the first one the engine's /v1/models lists
-    model: str = _field("")
+    model: str = spec("")
 
 
 @dataclasses.dataclass(frozen=True)
 class GpuConfig:
     # auto: NVML when a GPU is there, else off; file: scripted readings from `file`
-    sampler: str = _field("auto", choices=("auto", "nvml", "file", "off"))
-    file: str = _field("")
-    period_s: float = _field(5.0, lo=0.5, hi=600)
+    sampler: str = spec("auto", choices=("auto", "nvml", "file", "off"))
+    file: str = spec("")
+    period_s: float = spec(5.0, lo=0.5, hi=600)
     # used only when NVML does not report the card's own slowdown temperature
-    slowdown_fallback_c: float = _field(85.0, lo=30, hi=120)
+    slowdown_fallback_c: float = spec(85.0, lo=30, hi=120)
 
 
 @dataclasses.dataclass(frozen=True)
 class SignalsConfig:
-    rate_window_s: float = _field(60.0, lo=2, hi=3600)
-    baseline_window_s: float = _field(3600.0, lo=60, hi=86400)
-    rss_growth_window_s: float = _field(1800.0, lo=60, hi=86400)
-    gpu_memory_growth_window_s: float = _field(1800.0, lo=60, hi=86400)
-    min_prefix_queries: float = _field(2048.0, lo=1, hi=1e12)  # tokens
-    min_spec_draft_tokens: float = _field(256.0, lo=1, hi=1e12)
+    rate_window_s: float = spec(60.0, lo=2, hi=3600)
+    baseline_window_s: float = spec(3600.0, lo=60, hi=86400)
+    rss_growth_window_s: float = spec(1800.0, lo=60, hi=86400)
+    gpu_memory_growth_window_s: float = spec(1800.0, lo=60, hi=86400)
+    min_prefix_queries: float = spec(2048.0, lo=1, hi=1e12)  # tokens
+    min_spec_draft_tokens: float = spec(256.0, lo=1, hi=1e12)
 
     def window(self, gpu: GpuConfig) -> WindowConfig:
         return WindowConfig(self.rate_window_s, self.baseline_window_s,
@@ -215,29 +209,29 @@ class SignalsConfig:
 @dataclasses.dataclass(frozen=True)
 class ThrottleConfig:
     # throttle level N relaunches the engine with its batch limits times factor N
-    level_factors: list[float] = _field([0.75, 0.5, 0.25])
+    level_factors: list[float] = spec([0.75, 0.5, 0.25])
     # the engine's limits when engine.args does not set --max-num-seqs /
     # --max-num-batched-tokens (vLLM's own defaults vary by version and hardware)
-    max_num_seqs: int = _field(256, lo=1, hi=1 << 20)
-    max_num_batched_tokens: int = _field(8192, lo=16, hi=1 << 24)
-    min_num_batched_tokens: int = _field(256, lo=16, hi=1 << 24)
+    max_num_seqs: int = spec(256, lo=1, hi=1 << 20)
+    max_num_batched_tokens: int = spec(8192, lo=16, hi=1 << 24)
+    min_num_batched_tokens: int = spec(256, lo=16, hi=1 << 24)
     # the thermal rule's last step: batched tokens times this, on top of the level
-    reduce_batch_factor: float = _field(0.5, lo=0.05, hi=0.95)
+    reduce_batch_factor: float = spec(0.5, lo=0.05, hi=0.95)
 
 
 @dataclasses.dataclass(frozen=True)
 class PolicyConfig:
-    enabled: bool = _field(True)
+    enabled: bool = spec(True)
     # decisions are logged and audited, never carried out
-    dry_run: bool = _field(False)
+    dry_run: bool = spec(False)
     # restarts the policy may cause in any hour; past it: alert and stop acting
-    max_restarts_per_hour: int = _field(4, lo=0, hi=1000)
-    min_action_gap_s: float = _field(60.0, lo=0, hi=86400)
+    max_restarts_per_hour: int = spec(4, lo=0, hi=1000)
+    min_action_gap_s: float = spec(60.0, lo=0, hi=86400)
     # more_spec_tokens raises num_speculative_tokens up to this; 0: the engine's start value
-    spec_tokens_max: int = _field(0, lo=0, hi=64)
+    spec_tokens_max: int = spec(0, lo=0, hi=64)
     # the rungs of the remediation ladder the policy may use (rules.LADDER); a rule whose
     # rung is not listed, or not supported by the engine, takes the next one up
-    remedies: list[str] = _field(list(REMEDIES), choices=REMEDIES)
+    remedies: list[str] = spec(list(REMEDIES), choices=REMEDIES)
     # [policy.rules.NAME] tables: merged key by key over the defaults (rules.py)
     rules: dict[str, RuleConfig] = dataclasses.field(
         default_factory=lambda: dict(DEFAULT_RULES), metadata={"table": True})
@@ -246,72 +240,93 @@ class PolicyConfig:
 @dataclasses.dataclass(frozen=True)
 class ProxyConfig:
     # the public port: the engine's whole serving API, with drain-and-hold and admission
-    enabled: bool = _field(True)
-    listen: str = _field("127.0.0.1:8000", nonempty=True)
+    enabled: bool = spec(True)
+    listen: str = spec("127.0.0.1:8000", nonempty=True)
     # live throttle: level N scales these by throttle.level_factors[N-1]
-    max_concurrency: int = _field(256, lo=1, hi=1 << 20)
-    max_tokens_in_flight: int = _field(0, lo=0, hi=1 << 40)  # 0: no token budget
-    hold_queue_max: int = _field(1024, lo=0, hi=1 << 20)
+    max_concurrency: int = spec(256, lo=1, hi=1 << 20)
+    max_tokens_in_flight: int = spec(0, lo=0, hi=1 << 40)  # 0: no token budget
+    hold_queue_max: int = spec(1024, lo=0, hi=1 << 20)
     # a request waits at most this long for a drain, a restart or a slot, then gets 503
-    hold_timeout_s: float = _field(300.0, lo=0.1, hi=3600)
+    hold_timeout_s: float = spec(300.0, lo=0.1, hi=3600)
     # the KV circuit breaker: no new requests from usage >= high until usage < low
-    kv_breaker_high: float = _field(0.88, lo=0.01, hi=1.0)
-    kv_breaker_low: float = _field(0.80, lo=0.0, hi=1.0)
-    max_body_bytes: int = _field(16 << 20, lo=1024, hi=1 << 31)
-    max_header_bytes: int = _field(16 << 10, lo=1024, hi=1 << 20)
-    retry_after_s: int = _field(5, lo=1, hi=3600)
+    kv_breaker_high: float = spec(0.88, lo=0.01, hi=1.0)
+    kv_breaker_low: float = spec(0.80, lo=0.0, hi=1.0)
+    max_body_bytes: int = spec(16 << 20, lo=1024, hi=1 << 31)
+    max_header_bytes: int = spec(16 << 10, lo=1024, hi=1 << 20)
+    retry_after_s: int = spec(5, lo=1, hi=3600)
     # routes forwarded besides the serving API (exact paths, * for one segment; the
     # allow-list in routes.py)
-    extra_routes: list[str] = _field([])
+    extra_routes: list[str] = spec([])
     # a stream the engine fails mid-answer goes on, token-exact, on the engine that comes
     # back (supervisor/continuation.py); false: it ends with an error event
-    continue_streams: bool = _field(True)
-    continue_timeout_s: float = _field(300.0, lo=1, hi=3600)  # waiting for an engine
-    max_continuations: int = _field(3, lo=1, hi=100)  # faults one request survives
-    keepalive_s: float = _field(10.0, lo=0.5, hi=300)  # SSE comments while it waits
+    continue_streams: bool = spec(True)
+    continue_timeout_s: float = spec(300.0, lo=1, hi=3600)  # waiting for an engine
+    max_continuations: int = spec(3, lo=1, hi=100)  # faults one request survives
+    keepalive_s: float = spec(10.0, lo=0.5, hi=300)  # SSE comments while it waits
 
 
 @dataclasses.dataclass(frozen=True)
 class EvidenceConfig:
     # a bounded snapshot (stacks, last engine lines, signals, GPU) before a fault's kill
-    enabled: bool = _field(True)
-    dir: str = _field("")  # default: "evidence" beside the audit trail
-    keep: int = _field(20, lo=1, hi=10000)
-    timeout_s: float = _field(5.0, lo=0.5, hi=60)  # the kill never waits longer
-    log_lines: int = _field(200, lo=0, hi=100000)
+    enabled: bool = spec(True)
+    dir: str = spec("")  # default: "evidence" beside the audit trail
+    keep: int = spec(20, lo=1, hi=10000)
+    timeout_s: float = spec(5.0, lo=0.5, hi=60)  # the kill never waits longer
+    log_lines: int = spec(200, lo=0, hi=100000)
     # the rules whose restart captures one (a failed in-place remedy always does)
-    rules: list[str] = _field(["hang", "no_progress", "xid_restart", "xid_reset"])
+    rules: list[str] = spec(["hang", "no_progress", "xid_restart", "xid_reset"])
 
 
 @dataclasses.dataclass(frozen=True)
 class ExporterConfig:
     # the daemon's own /metrics, /healthz and /readyz
-    enabled: bool = _field(True)
-    listen: str = _field("127.0.0.1:9402", nonempty=True)
+    enabled: bool = spec(True)
+    listen: str = spec("127.0.0.1:9402", nonempty=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    # the engine this config is viewed for: a unit's own (`for_engine`), else the first
     engine: EngineConfig
-    restart: RestartConfig = _field(RestartConfig())
-    metrics: MetricsConfig = _field(MetricsConfig())
-    control: ControlConfig = _field(ControlConfig())
-    audit: AuditConfig = _field(AuditConfig())
-    log: LogConfig = _field(LogConfig())
-    daemon: DaemonConfig = _field(DaemonConfig())
-    canary: CanaryConfig = _field(CanaryConfig())
-    gpu: GpuConfig = _field(GpuConfig())
-    signals: SignalsConfig = _field(SignalsConfig())
-    throttle: ThrottleConfig = _field(ThrottleConfig())
-    policy: PolicyConfig = _field(PolicyConfig())
-    exporter: ExporterConfig = _field(ExporterConfig())
-    proxy: ProxyConfig = _field(ProxyConfig())
-    evidence: EvidenceConfig = _field(EvidenceConfig())
+    restart: RestartConfig = spec(RestartConfig())
+    metrics: MetricsConfig = spec(MetricsConfig())
+    control: ControlConfig = spec(ControlConfig())
+    audit: AuditConfig = spec(AuditConfig())
+    log: LogConfig = spec(LogConfig())
+    daemon: DaemonConfig = spec(DaemonConfig())
+    canary: CanaryConfig = spec(CanaryConfig())
+    gpu: GpuConfig = spec(GpuConfig())
+    signals: SignalsConfig = spec(SignalsConfig())
+    throttle: ThrottleConfig = spec(ThrottleConfig())
+    policy: PolicyConfig = spec(PolicyConfig())
+    exporter: ExporterConfig = spec(ExporterConfig())
+    proxy: ProxyConfig = spec(ProxyConfig())
+    evidence: EvidenceConfig = spec(EvidenceConfig())
     source: str = ""  # the file this came from; not a TOML key
+    # every engine by name, in config order: [engines.NAME] tables, or the one [engine]
+    # named "default" (not TOML keys themselves)
+    engines: dict[str, EngineConfig] = dataclasses.field(default_factory=dict)
+    engine_name: str = DEFAULT_ENGINE  # whose `engine` this is
+
+    def __post_init__(self) -> None:
+        if not self.engines:  # built by hand (tests): the one engine
+            object.__setattr__(self, "engines", {self.engine_name: self.engine})
+
+    @property
+    def several(self) -> bool:
+        """More than one engine, or any named by [engines.NAME]: names appear in logs,
+        keys and labels."""
+        return list(self.engines) != [DEFAULT_ENGINE]
+
+    def for_engine(self, name: str) -> Config:
+        """This config as one engine's unit reads it: `engine` is that engine's."""
+        return dataclasses.replace(self, engine=self.engines[name], engine_name=name)
 
     @property
     def state_file(self) -> Path:
-        return Path(self.daemon.runtime_dir) / "engine-tree.json"
+        if self.engine_name == DEFAULT_ENGINE:
+            return Path(self.daemon.runtime_dir) / "engine-tree.json"
+        return Path(self.daemon.runtime_dir) / f"engine-tree-{self.engine_name}.json"
 
 
 _SECTIONS: dict[str, type[Any]] = {
@@ -333,179 +348,80 @@ _SECTIONS: dict[str, type[Any]] = {
 }
 
 
-def _type_name(tp: Any) -> str:
-    names = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
-    if tp in names:
-        return names[tp]
-    origin = typing.get_origin(tp)
-    if origin is list:
-        (inner,) = typing.get_args(tp)
-        return f"a list of {_type_name(inner).split(' ', 1)[1]}s"
-    if origin is dict:
-        return "a table of strings"
-    return str(tp)
-
-
-def _check_scalar(tp: Any, value: Any) -> bool:
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if tp is str:
-        return isinstance(value, str)
-    return False
-
-
-def _check_value(key: str, tp: Any, meta: Mapping[str, Any], value: Any,
-                 problems: list[str]) -> Any:
-    origin = typing.get_origin(tp)
-    expected = _type_name(tp)
-    if origin is list:
-        (inner,) = typing.get_args(tp)
-        if not isinstance(value, list) or not all(_check_scalar(inner, v) for v in value):
-            problems.append(f"{key}: expected {expected}, got {value!r}")
-            return None
-        if meta["nonempty"] and not value:
-            problems.append(f"{key}: expected a non-empty list")
-            return None
-        if meta["choices"] is not None and (bad := [v for v in value
-                                                    if v not in meta["choices"]]):
-            problems.append(f"{key}: expected a list of {', '.join(meta['choices'])}, "
-                            f"got {bad[0]!r}")
-            return None
-        return [float(v) if inner is float else v for v in value]
-    if origin is dict:
-        if not isinstance(value, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-            problems.append(f"{key}: expected {expected} (name = \"value\"), got {value!r}")
-            return None
-        return dict(value)
-    if not _check_scalar(tp, value):
-        problems.append(f"{key}: expected {expected}, got {value!r}")
-        return None
-    if tp is float:
-        value = float(value)
-    lo, hi, choices = meta["lo"], meta["hi"], meta["choices"]
-    if lo is not None and hi is not None and not lo <= value <= hi:
-        problems.append(f"{key}: expected a value from {lo:g} to {hi:g}, got {value!r}")
-        return None
-    if choices is not None and value not in choices:
-        problems.append(f"{key}: expected one of {', '.join(choices)}, got {value!r}")
-        return None
-    if meta["nonempty"] and value == "":
-        problems.append(f"{key}: expected a non-empty string")
-        return None
-    return value
-
-
-def _build_section(name: str, cls: type[Any], table: Any, problems: list[str]) -> Any:
-    if not isinstance(table, dict):
-        problems.append(f"{name}: expected a table [{name}], got {table!r}")
-        return None
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    nested = [fname for fname, f in fields.items() if f.metadata.get("table")]
-    for fname in nested:  # nested tables, built by their own rules
-        del fields[fname]
-        if fname in table:
-            kwargs[fname] = _build_rules(f"{name}.{fname}", table[fname], problems)
-    for key in table:
-        if key not in fields and key not in nested:
-            known = ", ".join(sorted(fields))
-            problems.append(f"{name}.{key}: unknown key (known keys: {known})")
-    before = len(problems)
-    for fname, f in fields.items():
-        if fname in table:
-            value = _check_value(f"{name}.{fname}", hints[fname], f.metadata, table[fname],
-                                 problems)
-            kwargs[fname] = value
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            problems.append(f"{name}.{fname}: required key is missing")
-    if len(problems) > before:
-        return None
-    return cls(**kwargs)
-
-
-_RULE_NUMBERS = ("for_s", "clear_for_s", "cooldown_s", "escalate_after_s")
-
-
-def _build_rules(prefix: str, table: Any, problems: list[str]) -> dict[str, RuleConfig]:
-    """[policy.rules.NAME] tables over the defaults: a default rule takes the keys given
-    and keeps the others; a new rule needs `when` and `action`."""
-    rules = dict(DEFAULT_RULES)
-    if not isinstance(table, dict):
-        problems.append(f"{prefix}: expected tables [{prefix}.NAME], got {table!r}")
-        return rules
-    known = [f.name for f in dataclasses.fields(RuleConfig)]
-    for name, raw in table.items():
-        key = f"{prefix}.{name}"
-        if not isinstance(raw, dict):
-            problems.append(f"{key}: expected a table, got {raw!r}")
-            continue
-        values: dict[str, Any] = {}
-        base = DEFAULT_RULES.get(name)
-        for k, v in raw.items():
-            where = f"{key}.{k}"
-            if k not in known:
-                problems.append(f"{where}: unknown key (known keys: {', '.join(sorted(known))})")
-            elif k == "enabled":
-                if isinstance(v, bool):
-                    values[k] = v
-                else:
-                    problems.append(f"{where}: expected true or false, got {v!r}")
-            elif k in _RULE_NUMBERS:
-                if isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v <= 604800:
-                    values[k] = float(v)
-                else:
-                    problems.append(f"{where}: expected a number of seconds from 0 to 604800, "
-                                    f"got {v!r}")
-            elif k == "for_fraction":
-                if isinstance(v, int | float) and not isinstance(v, bool) and 0 < v <= 1:
-                    values[k] = float(v)
-                else:
-                    problems.append(f"{where}: expected a share above 0 and at most 1, "
-                                    f"got {v!r}")
-            elif k in ("when", "clear_when"):
-                if not isinstance(v, str) or (k == "when" and not v.strip()):
-                    problems.append(f"{where}: expected a condition string, got {v!r}")
-                elif v.strip():
-                    try:
-                        parse_condition(v, SIGNAL_NAMES)
-                        values[k] = v
-                    except ValueError as exc:
-                        problems.append(f"{where}: {exc}")
-                else:
-                    values[k] = ""
-            elif k in ("action", "escalate_action"):
-                allowed = ACTIONS if k == "action" else ("", *ACTIONS)
-                if v in allowed:
-                    values[k] = v
-                else:
-                    problems.append(f"{where}: expected one of {', '.join(ACTIONS)}, got {v!r}")
-        if base is None:
-            for req in ("when", "action"):
-                if req not in raw:
-                    problems.append(f"{key}.{req}: required for a new rule (the default rules "
-                                    f"are {', '.join(DEFAULT_RULES)})")
-            if "when" not in values or "action" not in values:
-                continue
-            rule = RuleConfig(**values)
-        else:
-            rule = dataclasses.replace(base, **values)
-        if rule.escalate_after_s and not rule.escalate_action:
-            problems.append(f"{key}.escalate_action: required when escalate_after_s is set")
-        rules[name] = rule
-    return rules
-
-
 def _resolve(base: Path, path: str) -> str:
     # normpath, not resolve(): following the symlink of a venv's bin/python would run the
     # base interpreter, outside the virtualenv.
     p = Path(path).expanduser()
     return os.path.normpath(p if p.is_absolute() else base / p)
+
+
+def _engine_tables(doc: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
+    """The engines' raw tables by name: [engines.NAME], or the one [engine] as "default"."""
+    if "engine" in doc and "engines" in doc:
+        problems.append("engines: [engine] and [engines.NAME] cannot both be given (an "
+                        "[engine] table is one engine named \"default\")")
+        return {}
+    if "engine" in doc:
+        return {DEFAULT_ENGINE: doc["engine"]}
+    if "engines" not in doc:
+        problems.append("engine: required section [engine] is missing (or [engines.NAME] tables)")
+        return {}
+    tables = doc["engines"]
+    if not isinstance(tables, dict) or not tables or not all(
+            isinstance(t, dict) for t in tables.values()):
+        problems.append(f"engines: expected one or more tables [engines.NAME], got {tables!r}")
+        return {}
+    for name in tables:
+        if ENGINE_NAME.fullmatch(name) is None:
+            problems.append(f"engines.{name}: expected a name of letters, digits, '_', '.' "
+                            f"or '-' (at most 32, a letter or digit first)")
+    return dict(tables)
+
+
+def _check_engine(key: str, engine: EngineConfig, problems: list[str]) -> None:
+    for flag in ("--host", "--port", "--shutdown-timeout"):
+        if any(a == flag or a.startswith(flag + "=") for a in engine.args):
+            problems.append(f"{key}.args: {flag} is set by the daemon; use the engine "
+                            f"section's own key instead")
+    if engine.stop_grace_s + engine.drain_timeout_s > 3600:
+        problems.append(f"{key}.drain_timeout_s + {key}.stop_grace_s: expected at most "
+                        "3600 s in all")
+
+
+def _check_engines(key: str, engines: dict[str, EngineConfig], problems: list[str]) -> None:
+    """The rules across engines: distinct ports, known fallbacks without cycles, GPUs
+    claimed once unless both engines share them."""
+    by_port: dict[tuple[str, int], str] = {}
+    for name, e in engines.items():
+        other = by_port.setdefault((e.base_url.rsplit(":", 1)[0], e.port), name)
+        if other != name:
+            problems.append(f"{key}.{name}.port: {e.port} is engine {other}'s port too")
+    for name, e in engines.items():
+        if not e.fallback:
+            continue
+        if e.fallback not in engines:
+            problems.append(f"{key}.{name}.fallback: no engine named {e.fallback!r} (the "
+                            f"engines are {', '.join(engines)})")
+        elif not engines[e.fallback].served_models():
+            problems.append(f"{key}.{name}.fallback: engine {e.fallback} serves no model "
+                            f"name the daemon can read from its arguments; set "
+                            f"{key}.{e.fallback}.models")
+    for name in engines:  # a cycle: following fallbacks comes back to the start
+        seen = [name]
+        nxt = engines[name].fallback
+        while nxt in engines and nxt not in seen:
+            seen.append(nxt)
+            nxt = engines[nxt].fallback
+        if nxt == name:
+            problems.append(f"{key}.{name}.fallback: a cycle ({' -> '.join([*seen, name])}); "
+                            "a fallback must serve while its engine does not")
+    names = list(engines)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            shared = sorted(set(engines[a].gpus) & set(engines[b].gpus))
+            if shared and not (engines[a].share_gpus and engines[b].share_gpus):
+                problems.append(f"{key}.{b}.gpus: GPU {shared[0]} is engine {a}'s too; set "
+                                f"share_gpus = true on both to allow it")
 
 
 def parse_config(doc: Mapping[str, Any], source: str = "<config>",
@@ -514,28 +430,34 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
     base = base_dir or Path.cwd()
     problems: list[str] = []
     for key in doc:
-        if key not in _SECTIONS:
+        if key not in _SECTIONS and key != "engines":
             problems.append(f"{key}: unknown section (known sections: "
-                            f"{', '.join(sorted(_SECTIONS))})")
-    if "engine" not in doc:
-        problems.append("engine: required section [engine] is missing")
+                            f"{', '.join(sorted([*_SECTIONS, 'engines']))})")
+    tables = _engine_tables(doc, problems)
+    key = "engine" if "engine" in doc else "engines"
+    engines: dict[str, EngineConfig] = {}
+    for name, table in tables.items():
+        where = "engine" if key == "engine" else f"engines.{name}"
+        engine = build_section(where, EngineConfig, table, problems)
+        if engine is not None:
+            engines[name] = engine
     sections: dict[str, Any] = {}
     for name, cls in _SECTIONS.items():
+        if name == "engine":
+            continue  # built above, with [engines.NAME]
         if name in doc:
-            sections[name] = _build_section(name, cls, doc[name], problems)
-        elif name != "engine":
+            sections[name] = build_section(name, cls, doc[name], problems)
+        else:
             sections[name] = cls()
     if problems:
         raise ConfigError(source, problems)
 
-    engine: EngineConfig = sections["engine"]
-    for flag in ("--host", "--port", "--shutdown-timeout"):
-        if any(a == flag or a.startswith(flag + "=") for a in engine.args):
-            problems.append(f"engine.args: {flag} is set by the daemon; use the engine "
-                            f"section's own key instead")
-    if engine.stop_grace_s + engine.drain_timeout_s > 3600:
-        problems.append("engine.drain_timeout_s + engine.stop_grace_s: expected at most "
-                        "3600 s in all")
+    for name, engine in engines.items():
+        _check_engine("engine" if key == "engine" else f"engines.{name}", engine, problems)
+    if key == "engine" and engines[DEFAULT_ENGINE].fallback:
+        problems.append("engine.fallback: a fallback is another engine: name the engines "
+                        "in [engines.NAME] tables")
+    _check_engines(key, engines, problems)
     restart: RestartConfig = sections["restart"]
     if restart.backoff_max_s < restart.backoff_initial_s:
         problems.append(f"restart.backoff_max_s: expected at least restart.backoff_initial_s "
@@ -574,17 +496,19 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
     if problems:
         raise ConfigError(source, problems)
 
-    command = list(engine.command)
-    if "/" in command[0]:
-        command[0] = _resolve(base, command[0])
+    resolved = {name: dataclasses.replace(
+        e, command=[_resolve(base, e.command[0]) if "/" in e.command[0] else e.command[0],
+                    *e.command[1:]], cwd=_resolve(base, e.cwd or "."))
+        for name, e in engines.items()}
     runtime_dir = _resolve(base, sections["daemon"].runtime_dir or _default_runtime_dir())
     control: ControlConfig = sections["control"]
     audit: AuditConfig = sections["audit"]
     audit_path = _resolve(base, audit.path or str(Path(_default_state_dir()) / "events.jsonl"))
     evidence: EvidenceConfig = sections["evidence"]
     return Config(
-        engine=dataclasses.replace(engine, command=command,
-                                   cwd=_resolve(base, engine.cwd or ".")),
+        engine=next(iter(resolved.values())),
+        engines=resolved,
+        engine_name=next(iter(resolved)),
         restart=restart,
         metrics=sections["metrics"],
         control=dataclasses.replace(
@@ -623,7 +547,8 @@ def load_config(path: str | os.PathLike[str]) -> Config:
 
 
 def diff_keys(old: Config, new: Config) -> list[str]:
-    """Key paths whose values differ between two configs, e.g. `engine.args`."""
+    """Key paths whose values differ between two configs, e.g. `engine.args` (the
+    config's own `engine`: a unit's, seen through `for_engine`)."""
     changed = []
     for name in _SECTIONS:
         a, b = getattr(old, name), getattr(new, name)

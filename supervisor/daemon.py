@@ -36,6 +36,7 @@ from supervisor import engine as eng
 from supervisor.admission import Gate, GateLimits
 from supervisor.audit import AuditTrail
 from supervisor.config import (
+    DEFAULT_ENGINE,
     Config,
     ConfigError,
     EngineConfig,
@@ -43,7 +44,6 @@ from supervisor.config import (
     diff_keys,
     load_config,
 )
-from supervisor.control.server import ControlServer
 from supervisor.effects import Effects, Timer
 from supervisor.events import (
     BackoffElapsed,
@@ -70,13 +70,13 @@ from supervisor.events import (
     ViewRequest,
     iso_time,
 )
-from supervisor.exporter import Exporter, ExporterView, ProxyView, parse_listen
+from supervisor.exporter import ExporterView, ProxyView
 from supervisor.gpu import GpuProcessLister, GpuSampler
 from supervisor.lifecycle import RestartTracker
 from supervisor.logs import set_level
 from supervisor.policy import PRIORITY, EngineView, PolicyMemory, PolicyState, decide
 from supervisor.poller import ScrapeHealth, scrape
-from supervisor.proxy import FrontProxy, ProxyError, ProxySettings
+from supervisor.proxy import FrontProxy
 from supervisor.sdnotify import Notifier
 from supervisor.signals import SIGNALS, Signals, SignalWindow
 from supervisor.states import State, check_transition
@@ -142,6 +142,9 @@ class Supervisor:
     environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     tick_interval_s: float = 1.0
     effects: Effects | None = None  # None: the daemon's own jobs (JobEffects)
+    name: str = DEFAULT_ENGINE  # the engine's name ([engines.NAME]; "default" for [engine])
+    # the processes of the host's other engines: on a shared GPU, their memory is expected
+    siblings: Callable[[], set[int]] = field(default=lambda: set())
 
     def __post_init__(self) -> None:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
@@ -181,8 +184,6 @@ class Supervisor:
         self._stop_replies: list[asyncio.Future[dict[str, Any]]] = []
         self._jobs: set[asyncio.Task[Any]] = set()
         self._done = False
-        self._control: ControlServer | None = None
-        self._exporter: Exporter | None = None
         # the watchdog
         self.window = SignalWindow(self.config.signals.window(self.config.gpu))
         self.policy_memory = PolicyMemory()
@@ -214,30 +215,12 @@ class Supervisor:
     # ---- running ----------------------------------------------------------------------
 
     async def run(self) -> int:
-        """Run until the engine is stopped for good. Returns the daemon's exit status."""
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            # Handlers only enqueue: no logging, no state, nothing that can block.
-            loop.add_signal_handler(sig, self.queue.put_nowait, SignalReceived(sig))
-        self._control = ControlServer(self.config.control, self.submit)
-        await self._control.start()
-        if self.config.proxy.enabled:
-            self.proxy = self._make_proxy()
-            try:
-                await self.proxy.start()
-            except ProxyError:
-                await self._control.close()
-                raise
-        if self.config.exporter.enabled:
-            self._exporter = Exporter(self.config.exporter.listen, self._view)
-            try:
-                await self._exporter.start()
-            except Exception:
-                await self._control.close()
-                raise
+        """Run until the engine is stopped for good. Returns its exit status. The host
+        (supervisor/host.py) owns the signals, the sockets and the proxy around it."""
+        if self.config.several:  # every line of this unit and its jobs names its engine
+            structlog.contextvars.bind_contextvars(engine=self.name)
         self.guard.disarm()  # starts the guard now, so that its pid is in the first log line
-        log.info("daemon started", pid=os.getpid(), config=self.config.source,
-                 socket=self.config.control.socket, guard_pid=self.guard.pid)
+        log.info("engine unit started", guard_pid=self.guard.pid)
         self._launch(self._ticker(), "ticker")
         if self.sampler is not None:
             self._launch(self._job_sample_gpu(self.sampler), "gpu sampler")
@@ -256,14 +239,7 @@ class Supervisor:
             self.exit_code = 70  # EX_SOFTWARE
             raise
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                loop.remove_signal_handler(sig)
-            await self._control.close()
-            if self._exporter is not None:
-                await self._exporter.close()
-            if self.proxy is not None:
-                self.gate.close("the daemon is stopping")
-                await self.proxy.close()
+            self.gate.close("the engine is stopped")
             for job in list(self._jobs):
                 job.cancel()
             await asyncio.gather(*self._jobs, return_exceptions=True)
@@ -322,6 +298,8 @@ class Supervisor:
         self.last_decision = Decision(action, reason, self.clock.wall())
 
     def _audit(self, event: str, **fields: Any) -> None:
+        if self.config.several:
+            fields["engine"] = self.name
         err = self.audit.append({"time": iso_time(self.clock.wall()), "event": event, **fields})
         if err is not None:
             log.warning("audit write failed", error=err)
@@ -355,7 +333,9 @@ class Supervisor:
         leftovers: list[str] = []
         try:
             leftovers, own = await eng.clean_leftovers(self.state_file, cfg.reap_timeout_s)
-            await eng.check_gpus_free(self.gpu, own, cfg.gpu_foreign_allowance_mib << 20,
+            # (a sibling engine's processes on a shared GPU are expected, not foreign)
+            await eng.check_gpus_free(self.gpu, own | self.siblings(),
+                                      cfg.gpu_foreign_allowance_mib << 20,
                                       cfg.gpu_release_timeout_s)
             held = await asyncio.to_thread(proctree.port_holder, spec.host, spec.port)
             if held is not None:
@@ -391,8 +371,8 @@ class Supervisor:
         engine = ev.engine
         self.engine = engine
         if self.proxy is not None:
-            self.proxy.follow_engine(engine.config.base_url, engine.config.served_models(),
-                                     engine.config.models_open)
+            self.proxy.follow_engine(self.name, engine.config.base_url,
+                                     engine.config.served_models(), engine.config.models_open)
         log.info("engine spawned", pid=engine.pid, argv=engine.spec.argv)
         self._audit("spawn", pid=engine.pid, generation=engine.generation)
         self.act.watch(engine)
@@ -758,7 +738,7 @@ class Supervisor:
                              waiting=self.gate.waiting)
                 if graceful and self.proxy is not None \
                         and self.engine.config.drain == "continue":
-                    paused = self.proxy.pause_streams()
+                    paused = self.proxy.pause_streams(self.name)
                     log.info("restart: streams paused, to go on on the new engine",
                              paused=paused)
                 if graceful and self.proxy is not None and self.gate.in_flight:
@@ -798,7 +778,9 @@ class Supervisor:
         g = self.gate
         # (where it listens, not a reloaded address it will take at the next daemon start)
         listen = f"{self.proxy.s.listen_host}:{self.proxy.port}"
-        return {"listen": listen, "upstream": self.proxy.s.upstream, "held": g.held_reason,
+        upstream = self.proxy.backends[self.name].upstream \
+            if self.name in self.proxy.backends else None
+        return {"listen": listen, "upstream": upstream, "held": g.held_reason,
                 "in_flight": g.in_flight, "tokens_in_flight": g.tokens_in_flight,
                 "waiting": g.waiting, "max_concurrency": g.concurrency_limit,
                 "max_tokens_in_flight": g.token_limit or None,
@@ -825,27 +807,7 @@ class Supervisor:
                           queue_max=p.hold_queue_max, max_wait_s=p.hold_timeout_s,
                           kv_high=p.kv_breaker_high, kv_low=p.kv_breaker_low)
 
-    def _proxy_settings(self) -> ProxySettings:
-        """The proxy's settings from the current config; the upstream and the model names
-        are the engine's, and follow it at each start (FrontProxy.follow_engine)."""
-        p = self.config.proxy
-        host, port = parse_listen(p.listen)
-        e = self.engine.config if self.engine is not None else self.config.engine
-        return ProxySettings(listen_host=host, listen_port=port, upstream=e.base_url,
-                             max_body_bytes=p.max_body_bytes,
-                             max_header_bytes=p.max_header_bytes,
-                             retry_after_s=p.retry_after_s,
-                             extra_routes=tuple(p.extra_routes),
-                             models=e.served_models(), models_open=e.models_open,
-                             continuation=p.continue_streams,
-                             continue_timeout_s=p.continue_timeout_s,
-                             max_continuations=p.max_continuations,
-                             keepalive_s=p.keepalive_s)
-
-    def _make_proxy(self) -> FrontProxy:
-        return FrontProxy(self._proxy_settings(), self.gate, self._ready)
-
-    def _ready(self) -> bool:
+    def serving(self) -> bool:
         """Serving: the engine runs and the gate lets requests through."""
         return self.state is State.RUNNING and self.gate.held_reason is None \
             and not self._taking_down
@@ -1189,7 +1151,7 @@ class Supervisor:
             self._audit("xid", xid=code, name=x.name, remedy=x.remedy)
         self.window.add_gpu(ev.at, r, pids, remedies)
 
-    async def _view(self) -> ExporterView:
+    async def view(self) -> ExporterView:
         """For the exporter: answered by the state-owning task, so that /healthz fails
         when that task is stuck."""
         reply: asyncio.Future[ExporterView] = asyncio.get_running_loop().create_future()
@@ -1204,7 +1166,7 @@ class Supervisor:
         e = self.engine
         ev.reply.set_result(ExporterView(
             state=self.state.value,
-            ready=self._ready() if self.proxy is not None
+            ready=self.serving() if self.proxy is not None
             else self.state is State.RUNNING and not self._taking_down,
             throttle_level=self.throttle_level,
             # every series exists from the start, at 0: Prometheus' increase() cannot see
@@ -1224,15 +1186,13 @@ class Supervisor:
             proxy=self._proxy_view()))
 
     def _proxy_view(self) -> ProxyView | None:
+        """This engine's gate; the host adds the proxy's shared counters."""
         if self.proxy is None:
             return None
-        st = self.proxy.stats
-        return ProxyView(
-            responses_by_code=dict(st.responses), rejections_by_reason=dict(st.rejections),
-            in_flight=self.gate.in_flight, held=self.gate.waiting,
-            held_limit=self.gate.limits.queue_max, kv_breaker_open=self.gate.breaker_open,
-            connect_retries=st.retried_connects, latency=self.proxy.latency.views(),
-            continuations=dict(st.continuations), continuation_refusals=dict(st.refusals))
+        g = self.gate
+        return ProxyView(responses_by_code={}, rejections_by_reason={}, in_flight=g.in_flight,
+                         held=g.waiting, held_limit=g.limits.queue_max,
+                         kv_breaker_open=g.breaker_open, connect_retries=0)
 
     # ---- signals, ticks, reload -------------------------------------------------------
 
@@ -1290,8 +1250,7 @@ class Supervisor:
         self.gate.set_limits(self._gate_limits())
         # (a shorter list of level factors: the level stays within it)
         self.throttle_level = min(self.throttle_level, len(new.throttle.level_factors))
-        if self.proxy is not None:
-            self.proxy.reconfigure(self._proxy_settings())
+        # (the proxy's shared settings are the host's to reconfigure)
         log.info("config reloaded", **plan.as_dict())
         if plan.next_engine_start:
             log.info("engine settings take effect at the next start",

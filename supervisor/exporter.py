@@ -83,6 +83,10 @@ class ExporterView:
     proxy: ProxyView | None = None  # the front proxy's counters, when it runs
     engine_not_running_s: float = 0.0  # since the engine was last RUNNING; 0 while it is
     engine_startup_timeout_s: float | None = None  # its allowance to become healthy
+    # several engines (or named ones): each one's view, shown with an `engine` label; the
+    # fields above then summarise them (state, ready) and `proxy` holds the shared
+    # counters, each engine's `proxy` its own gate's numbers
+    engines: Sequence[tuple[str, ExporterView]] = ()
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,24 @@ class _BadNames:
             log.warning(event, **kv)
 
 
+Labelled = list[tuple[str | None, "ExporterView"]]  # (engine name or None, its view)
+
+
+def _labels(views: Labelled, labels: Sequence[str]) -> list[str]:
+    """A family's labels: `engine` leads them when the engines are named."""
+    return (["engine"] if views[0][0] is not None else []) + list(labels)
+
+
+def _gauge(name: str, helptext: str, views: Labelled,
+           labels: Sequence[str] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, helptext, labels=_labels(views, labels))
+
+
+def _counter(name: str, helptext: str, views: Labelled,
+             labels: Sequence[str] = ()) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, helptext, labels=_labels(views, labels))
+
+
 class _ViewCollector(Collector):
     def __init__(self, view: ExporterView, bad: _BadNames) -> None:
         self.view = view
@@ -167,56 +189,78 @@ class _ViewCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         v = self.view
-        state = GaugeMetricFamily(PREFIX + "engine_state",
-                                  "engine state: 1 for the current state, 0 for the others",
-                                  labels=["state"])
-        if v.state not in STATES:
-            self.bad.once("exporter got an unknown engine state", state=v.state)
-        for s in STATES:
-            state.add_metric([s], 1.0 if s == v.state else 0.0)
-        yield state
-        yield GaugeMetricFamily(PREFIX + "engine_ready",
-                                "1 while the engine serves and is not draining",
-                                value=float(v.ready))
-        if v.engine_uptime_s is not None:
-            yield GaugeMetricFamily(PREFIX + "engine_uptime_seconds",
-                                    "seconds since the engine became healthy",
-                                    value=float(v.engine_uptime_s))
-        yield GaugeMetricFamily(PREFIX + "engine_not_running_seconds",
-                                "seconds since the engine was last RUNNING (0 while it is)",
-                                value=float(v.engine_not_running_s))
-        if v.engine_startup_timeout_s is not None:
-            yield GaugeMetricFamily(PREFIX + "engine_startup_timeout_seconds",
-                                    "the engine's allowance to become healthy "
-                                    "(engine.startup_timeout_s)",
-                                    value=float(v.engine_startup_timeout_s))
-        for name, helptext, label, values in (
-                ("engine_restarts", "engine restarts, by reason", "reason",
-                 v.restarts_by_reason),
-                ("policy_trips", "policy rule trips, by rule (dry-run included)", "rule",
-                 v.trips_by_rule),
-                ("policy_actions", "policy actions carried out, by action", "action",
-                 v.actions_by_kind)):
-            counter = CounterMetricFamily(PREFIX + name, helptext, labels=[label])
-            for key, n in sorted(values.items()):
-                counter.add_metric([key], float(n))
-            yield counter
-        yield GaugeMetricFamily(PREFIX + "throttle_level", "throttle level in force (0: none)",
-                                value=float(v.throttle_level))
-        yield GaugeMetricFamily(PREFIX + "policy_paused", "1 while the policy is paused",
-                                value=float(v.policy_paused))
-        yield GaugeMetricFamily(PREFIX + "policy_dry_run",
-                                "1 when the policy only reports what it would do",
-                                value=float(v.dry_run))
-        if v.last_decision_wall is not None:
-            yield GaugeMetricFamily(PREFIX + "last_decision_timestamp_seconds",
-                                    "unix time of the last policy decision",
-                                    value=float(v.last_decision_wall))
-        if v.proxy is not None:
-            yield from _proxy_metrics(v.proxy)
-        yield from self._gauges()
+        views: Labelled = [(n, e) for n, e in v.engines] or [(None, v)]
 
-    def _gauges(self) -> Iterator[Metric]:
+        def lv(name: str | None, *rest: str) -> list[str]:
+            return ([name] if name is not None else []) + list(rest)
+
+        state = _gauge("engine_state",
+                        "engine state: 1 for the current state, 0 for the others", views,
+                        ["state"])
+        for name, e in views:
+            if e.state not in STATES:
+                self.bad.once("exporter got an unknown engine state", state=e.state)
+            for s in STATES:
+                state.add_metric(lv(name, s), 1.0 if s == e.state else 0.0)
+        yield state
+        simple: list[tuple[str, str, Callable[[ExporterView], float | None]]] = [
+            ("engine_ready", "1 while the engine serves and is not draining",
+             lambda e: float(e.ready)),
+            ("engine_uptime_seconds", "seconds since the engine became healthy",
+             lambda e: e.engine_uptime_s),
+            ("engine_not_running_seconds",
+             "seconds since the engine was last RUNNING (0 while it is)",
+             lambda e: e.engine_not_running_s),
+            ("engine_startup_timeout_seconds",
+             "the engine's allowance to become healthy (engine.startup_timeout_s)",
+             lambda e: e.engine_startup_timeout_s)]
+        for fname, helptext, get in simple:
+            values = [(name, get(e)) for name, e in views]
+            if all(x is None for _, x in values):
+                continue
+            fam = _gauge(fname, helptext, views)
+            for name, x in values:
+                if x is not None:
+                    fam.add_metric(lv(name), float(x))
+            yield fam
+        counts: list[tuple[str, str, str, Callable[[ExporterView], Mapping[str, int]]]] = [
+                ("engine_restarts", "engine restarts, by reason", "reason",
+                 lambda e: e.restarts_by_reason),
+                ("policy_trips", "policy rule trips, by rule (dry-run included)", "rule",
+                 lambda e: e.trips_by_rule),
+                ("policy_actions", "policy actions carried out, by action", "action",
+                 lambda e: e.actions_by_kind)]
+        for fname, helptext, label, get_counts in counts:
+            counter = _counter(fname, helptext, views, [label])
+            for name, e in views:
+                for key, n in sorted(get_counts(e).items()):
+                    counter.add_metric(lv(name, key), float(n))
+            yield counter
+        more: list[tuple[str, str, Callable[[ExporterView], float | None]]] = [
+                ("throttle_level", "throttle level in force (0: none)",
+                 lambda e: float(e.throttle_level)),
+                ("policy_paused", "1 while the policy is paused",
+                 lambda e: float(e.policy_paused)),
+                ("policy_dry_run", "1 when the policy only reports what it would do",
+                 lambda e: float(e.dry_run)),
+                ("last_decision_timestamp_seconds", "unix time of the last policy decision",
+                 lambda e: e.last_decision_wall)]
+        for fname, helptext, get in more:
+            values = [(name, get(e)) for name, e in views]
+            if all(x is None for _, x in values):
+                continue
+            fam = _gauge(fname, helptext, views)
+            for name, x in values:
+                if x is not None:
+                    fam.add_metric(lv(name), float(x))
+            yield fam
+        if v.proxy is not None:
+            gates: Labelled = ([(n, e) for n, e in v.engines if e.proxy is not None]
+                               or [(None, v)])
+            yield from _proxy_metrics(v.proxy, gates)
+        yield from self._gauges(views)
+
+    def _gauges(self, views: Labelled) -> Iterator[Metric]:
         # The fixed families above, and the sample names they make: a gauge must not
         # repeat one (a repeated family makes the whole exposition invalid).
         taken = {PREFIX + n for n in (
@@ -230,26 +274,34 @@ class _ViewCollector(Collector):
                       PREFIX + n + "_bucket", PREFIX + n + "_count", PREFIX + n + "_sum"}
         for n in ("engine_restarts", "policy_trips", "policy_actions"):
             taken |= {PREFIX + n, PREFIX + n + "_total", PREFIX + n + "_created"}
-        for name, helptext, value in self.view.gauges:
-            if not isinstance(name, str) or _METRIC_NAME.fullmatch(name) is None:
-                self.bad.once("exporter skips a gauge with a bad name", name=name)
-                continue
-            if PREFIX + name in taken:
-                self.bad.once("exporter skips a gauge whose name is taken", name=name)
-                continue
-            taken.add(PREFIX + name)
-            if value is None:
-                continue  # unknown: omitted, never 0
-            try:
-                number = float(value)
-            except (TypeError, ValueError):
-                self.bad.once("exporter skips a gauge whose value is not a number",
-                              name=name, value=repr(value))
-                continue
-            yield GaugeMetricFamily(PREFIX + name, str(helptext), value=number)
+        families: dict[str, GaugeMetricFamily] = {}
+        for engine, view in views:
+            seen: set[str] = set()
+            for name, helptext, value in view.gauges:
+                if not isinstance(name, str) or _METRIC_NAME.fullmatch(name) is None:
+                    self.bad.once("exporter skips a gauge with a bad name", name=name)
+                    continue
+                if PREFIX + name in taken or name in seen:
+                    self.bad.once("exporter skips a gauge whose name is taken", name=name)
+                    continue
+                seen.add(name)
+                if value is None:
+                    continue  # unknown: omitted, never 0
+                try:
+                    number = float(value)
+                except (TypeError, ValueError):
+                    self.bad.once("exporter skips a gauge whose value is not a number",
+                                  name=name, value=repr(value))
+                    continue
+                fam = families.get(name)
+                if fam is None:
+                    fam = families[name] = _gauge(name, str(helptext),
+                                                   views)
+                fam.add_metric([engine] if engine is not None else [], number)
+        yield from families.values()
 
 
-def _proxy_metrics(p: ProxyView) -> Iterator[Metric]:
+def _proxy_metrics(p: ProxyView, gates: Labelled) -> Iterator[Metric]:
     codes = CounterMetricFamily(PREFIX + "proxy_responses", "proxy answers, by status code",
                                 labels=["code"])
     for code, n in sorted(p.responses_by_code.items()):
@@ -260,16 +312,21 @@ def _proxy_metrics(p: ProxyView) -> Iterator[Metric]:
     for reason, n in sorted(p.rejections_by_reason.items()):
         rejected.add_metric([reason], float(n))
     yield rejected
-    yield GaugeMetricFamily(PREFIX + "proxy_in_flight", "requests at the engine",
-                            value=float(p.in_flight))
-    yield GaugeMetricFamily(PREFIX + "proxy_held", "requests waiting at the gate",
-                            value=float(p.held))
-    yield GaugeMetricFamily(PREFIX + "proxy_held_limit",
-                            "the most requests that may wait at the gate (hold_queue_max)",
-                            value=float(p.held_limit))
-    yield GaugeMetricFamily(PREFIX + "proxy_kv_breaker_open",
-                            "1 while the KV breaker stops admission",
-                            value=float(p.kv_breaker_open))
+    # the admission gate's numbers: one gate per engine
+    gauges: list[tuple[str, str, Callable[[ProxyView], float]]] = [
+            ("proxy_in_flight", "requests at the engine", lambda g: float(g.in_flight)),
+            ("proxy_held", "requests waiting at the gate", lambda g: float(g.held)),
+            ("proxy_held_limit", "the most requests that may wait at the gate "
+             "(hold_queue_max)", lambda g: float(g.held_limit)),
+            ("proxy_kv_breaker_open", "1 while the KV breaker stops admission",
+             lambda g: float(g.kv_breaker_open))]
+    for fname, helptext, get in gauges:
+        fam = _gauge(fname, helptext, gates)
+        for name, e in gates:
+            gate = e.proxy if name is not None else p
+            assert gate is not None
+            fam.add_metric([name] if name is not None else [], get(gate))
+        yield fam
     yield CounterMetricFamily(PREFIX + "proxy_connect_retries",
                               "requests sent again after the engine refused the connection",
                               value=float(p.connect_retries))

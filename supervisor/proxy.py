@@ -59,6 +59,7 @@ from supervisor.streams import (
 
 log = structlog.get_logger("supervisor.proxy")
 
+ENGINE_HEADER = "X-Supervisor-Engine"  # names the engine that answered
 USAGE_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 TAIL_BYTES = 1024  # of an answer, kept to read its usage from
 
@@ -105,6 +106,27 @@ class ProxySettings:
     keepalive_s: float = 10.0  # SSE comments to a waiting stream, this often
 
 
+@dataclass
+class Backend:
+    """One engine behind the front door: where it listens, what it serves, its own gate,
+    and whether it serves now (its unit's view: running and its gate open)."""
+
+    name: str
+    gate: Gate
+    ready: Callable[[], bool]
+    upstream: str  # http://127.0.0.1:8100
+    models: tuple[str, ...] = ()
+    models_open: bool = False  # LoRA, or no names known: any model name may be served
+    fallback: str | None = None  # the engine that takes its models while it is down
+
+    def serving(self) -> bool:
+        return self.ready() and not self.gate.breaker_open
+
+    def view(self) -> routing.EngineView:
+        return routing.EngineView(self.name, self.models, self.serving(),
+                                  self.gate.in_flight, self.fallback)
+
+
 @dataclass(frozen=True)
 class RequestFacts:
     tokens: int  # the token budget's estimate
@@ -149,21 +171,52 @@ class Exchange:
     last_data_at: float = 0.0  # answer bytes
     gap_from: float | None = None  # a broken stream's last answer bytes, until it goes on
     transcript: Transcript | None = None  # a continuable stream's record
+    backend: Backend | None = None  # the engine it was sent to (a continuation stays there)
 
 
 class FrontProxy(ContinuingRelay):
-    def __init__(self, settings: ProxySettings, gate: Gate,
-                 ready: Callable[[], bool]) -> None:
+    """The front door for one or more engines (`Backend`s, routed by model name). Built
+    with a gate, it has one engine named `name` at `settings.upstream` at once."""
+
+    def __init__(self, settings: ProxySettings, gate: Gate | None = None,
+                 ready: Callable[[], bool] | None = None, name: str = "default") -> None:
         self.s = settings
-        self.gate = gate
-        self.ready = ready  # the daemon's view: engine serving and the gate open
         self.stats = ProxyStats()
         self.latency = ClientLatency(settings.models)
         self.routes = Routes.serving(settings.extra_routes)
+        self.backends: dict[str, Backend] = {}  # config order
+        if gate is not None:
+            self.add_engine(Backend(name, gate, ready or (lambda: True), settings.upstream,
+                                    settings.models, settings.models_open))
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
-        # continuable streams being relayed: id(transcript) -> (it, its engine answer)
-        self._relays: dict[int, tuple[Transcript, aiohttp.ClientResponse]] = {}
+        # continuable streams being relayed: id(transcript) -> (it, its engine answer,
+        # the engine's name)
+        self._relays: dict[int, tuple[Transcript, aiohttp.ClientResponse, str]] = {}
+
+    def add_engine(self, backend: Backend) -> None:
+        """An engine to route to, after those there are (a reload adds one)."""
+        self.backends[backend.name] = backend
+        self._names_changed()
+
+    def remove_engine(self, name: str) -> None:
+        """An engine removed by reload: its models are no longer routed here."""
+        self.backends.pop(name, None)
+        self._names_changed()
+
+    def set_fallback(self, name: str, fallback: str | None) -> None:
+        if name in self.backends:
+            self.backends[name].fallback = fallback or None
+
+    def _names_changed(self) -> None:
+        self.latency.models = frozenset(m for b in self.backends.values() for m in b.models)
+
+    def ready(self) -> bool:
+        """Every engine's models can be answered now: by the engine, or its fallback."""
+        if not self.backends:
+            return False
+        serving = {n for n, b in self.backends.items() if b.serving()}
+        return all(n in serving or b.fallback in serving for n, b in self.backends.items())
 
     async def start(self) -> None:
         """Listen; raises ProxyError naming the address when it cannot."""
@@ -201,16 +254,16 @@ class FrontProxy(ContinuingRelay):
             upstream=self.s.upstream, models=self.s.models, models_open=self.s.models_open)
         self.routes = Routes.serving(settings.extra_routes)
 
-    def follow_engine(self, upstream: str, models: tuple[str, ...],
+    def follow_engine(self, name: str, upstream: str, models: tuple[str, ...],
                       models_open: bool = False) -> None:
-        """The engine being started listens here and serves these names: requests from
-        now on go there (a reloaded `engine.port` takes effect with the engine)."""
-        if upstream != self.s.upstream:
-            log.info("proxy upstream follows the engine", upstream=upstream,
-                     was=self.s.upstream)
-        self.s = dataclasses.replace(self.s, upstream=upstream, models=models,
-                                     models_open=models_open)
-        self.latency.models = frozenset(models)
+        """Engine `name`, being started, listens here and serves these names: its requests
+        from now on go there (a reloaded `engine.port` takes effect with the engine)."""
+        b = self.backends[name]
+        if upstream != b.upstream:
+            log.info("proxy upstream follows the engine", engine=name, upstream=upstream,
+                     was=b.upstream)
+        b.upstream, b.models, b.models_open = upstream, models, models_open or not models
+        self._names_changed()
 
     @property
     def port(self) -> int:
@@ -266,17 +319,17 @@ class FrontProxy(ContinuingRelay):
         except web.HTTPRequestEntityTooLarge:
             return self._error(413, f"request body over {self.s.max_body_bytes} bytes",
                                "body_too_large")
+        if target.path == "/v1/models" and request.method == "GET" and len(self.backends) > 1:
+            return await self._list_models()
         facts = read_request(body)
         ex.model, ex.tokens = facts.model, facts.tokens
-        if facts.model is not None and self.s.models and not self.s.models_open:
+        try:
+            ex.backend, body = self._route(facts, body)
+        except routing.UnknownModel as exc:
             # a name no engine serves: 404 at once, never held through a restart
-            try:
-                routing.route(facts.model, [routing.EngineView(
-                    "default", self.s.models, serving=True)])
-            except routing.UnknownModel as exc:
-                ex.status, ex.outcome = 404, "unknown_model"
-                self._finish(request, target, ex)
-                return self._error(404, str(exc), "unknown_model")
+            ex.status, ex.outcome = 404, "unknown_model"
+            self._finish(request, target, ex)
+            return self._error(404, str(exc), "unknown_model")
         plan = continuation.plan(target.path, body, facts.doc) if self.s.continuation \
             else None
         try:
@@ -284,15 +337,65 @@ class FrontProxy(ContinuingRelay):
         finally:
             self._finish(request, target, ex)
 
+    def _route(self, facts: RequestFacts, body: bytes) -> tuple[Backend, bytes]:
+        """The engine for this request (supervisor/routing.py), and the body to send it:
+        with the fallback's model name when a fallback takes it. Raises UnknownModel."""
+        backends = list(self.backends.values())
+        if not backends:
+            raise routing.UnknownModel(facts.model, [])
+        if len(backends) == 1 and (facts.model is None or backends[0].models_open):
+            return backends[0], body  # one engine: no choice to make
+        model = facts.model
+        if model is None:  # vLLM's own rule: the first model; here the first engine's
+            model = backends[0].models[0] if backends[0].models else None
+            if model is None:
+                return backends[0], body
+        try:
+            r = routing.route(model, [b.view() for b in backends])
+        except routing.UnknownModel:
+            open_ = [b for b in backends if b.models_open]
+            if not open_:
+                raise
+            return open_[0], body  # a LoRA adapter's name, perhaps: its engine decides
+        if r.engine is None:  # no engine of the model serves: held at its first one's gate
+            return next(b for b in backends if model in b.models), body
+        if r.substituted and isinstance(facts.doc, dict):
+            body = json.dumps({**facts.doc, "model": r.model}).encode()
+        return self.backends[r.engine], body
+
+    async def _list_models(self) -> web.Response:
+        """GET /v1/models with several engines: every model served here, each once, as
+        the engines that serve now describe it (a down engine's by name alone)."""
+        assert self._session is not None
+        data: dict[str, dict[str, object]] = {}
+        for b in self.backends.values():
+            entries: list[dict[str, object]] = []
+            if b.serving():
+                with contextlib.suppress(TimeoutError, aiohttp.ClientError, ValueError):
+                    async with self._session.get(
+                            b.upstream + "/v1/models",
+                            timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                        doc = await r.json(content_type=None)
+                        entries = [e for e in doc.get("data", []) if isinstance(e, dict)]
+            for m in b.models:
+                if not any(e.get("id") == m for e in entries):
+                    entries.append({"id": m, "object": "model", "owned_by": "vllm"})
+            for e in entries:
+                data.setdefault(str(e.get("id")), e)
+        self.stats.count(200)
+        return web.json_response({"object": "list", "data": list(data.values())})
+
     async def _admit_and_forward(self, request: web.Request, target: Target, body: bytes,
                                  plan: continuation.Plan | None, ex: Exchange
                                  ) -> web.StreamResponse:
         tokens = ex.tokens
         broken: Broken | None = None
-        give_up = time.monotonic() + self.gate.limits.max_wait_s
+        assert ex.backend is not None
+        gate = ex.backend.gate
+        give_up = time.monotonic() + gate.limits.max_wait_s
         while True:
             try:
-                ticket = await self.gate.acquire(tokens)
+                ticket = await gate.acquire(tokens)
             except Rejected as exc:
                 ex.status, ex.outcome = 503, exc.reason
                 if exc.held:
@@ -320,7 +423,7 @@ class FrontProxy(ContinuingRelay):
                                        "hold_timeout")
                 await asyncio.sleep(0.2)
             finally:
-                self.gate.done(ticket)
+                gate.done(ticket)
         return await self._continue(request, broken, ex)
 
     def _finish(self, request: web.Request, target: Target, ex: Exchange) -> None:
@@ -336,6 +439,8 @@ class FrontProxy(ContinuingRelay):
             "duration_s": round(now - ex.arrived, 4), "peer": request.remote}
         if isinstance(ex.model, str):
             fields["model"] = ex.model[:128]
+        if ex.backend is not None and len(self.backends) > 1:
+            fields["engine"] = ex.backend.name
         if ex.outcome != "ok":
             fields["outcome"] = ex.outcome
         if ex.stream and ex.first_chunk_at is not None:
@@ -366,17 +471,17 @@ class FrontProxy(ContinuingRelay):
 
     async def _forward(self, request: web.Request, target: Target, body: bytes,
                        ex: Exchange, plan: continuation.Plan | None) -> web.StreamResponse:
-        assert self._session is not None
+        assert self._session is not None and ex.backend is not None
         headers = upstream_headers(request)
         if plan is not None:
             body = plan.body
         # as already encoded: the path checked is the path sent, not normalised again
-        url = URL(self.s.upstream + target.upstream_path_qs, encoded=True)
+        url = URL(ex.backend.upstream + target.upstream_path_qs, encoded=True)
         resp: web.StreamResponse | None = None
         try:
             async with self._session.request(request.method, url, headers=headers, data=body,
                                              allow_redirects=False) as up:
-                if up.status >= 500 and not await self._engine_healthy():
+                if up.status >= 500 and not await self._engine_healthy(ex.backend):
                     # nothing has reached the client, and the engine is dying (vLLM answers
                     # 500 to new requests between its core's death and its own exit): the
                     # answer goes to the engine that replaces it instead
@@ -385,6 +490,7 @@ class FrontProxy(ContinuingRelay):
                 for k, v in up.headers.items():
                     if k.lower() not in HOP_BY_HOP:
                         resp.headers.add(k, v)
+                resp.headers[ENGINE_HEADER] = ex.backend.name
                 ex.status = up.status
                 ex.stream = up.content_type == "text/event-stream"
                 try:

@@ -25,6 +25,8 @@ DAEMON_RESTART = "next_daemon_start"
 WHEN: tuple[tuple[str, str], ...] = (
     # the engine's argv, environment and timeouts are read when it is spawned; the proxy's
     # upstream and model names follow the engine at each start
+    # the proxy's routes follow a reloaded fallback at once (the host re-registers them)
+    ("engine.fallback", NOW),
     ("engine.", NEXT_START),
     # the poller takes its settings when it starts with an engine
     ("metrics.", NEXT_START),
@@ -92,5 +94,6 @@ def plan(changed: list[str]) -> ReloadPlan:
 def config_keys() -> list[str]:
     """Every key path of a config (`section.key`), as `diff_keys` names them."""
     sections = typing.get_type_hints(Config)
-    return [f"{s.name}.{f.name}" for s in dataclasses.fields(Config) if s.name != "source"
+    return [f"{s.name}.{f.name}" for s in dataclasses.fields(Config)
+            if s.name not in ("source", "engines", "engine_name")
             for f in dataclasses.fields(sections[s.name])]

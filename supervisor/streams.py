@@ -24,12 +24,12 @@ from aiohttp import web
 from yarl import URL
 
 from supervisor import continuation
-from supervisor.admission import Gate, Rejected, Ticket
+from supervisor.admission import Rejected, Ticket
 from supervisor.continuation import StreamBroken, Transcript
 from supervisor.latency import ClientLatency
 
 if TYPE_CHECKING:
-    from supervisor.proxy import Exchange, ProxySettings, ProxyStats
+    from supervisor.proxy import Backend, Exchange, ProxySettings, ProxyStats
 
 log = structlog.get_logger("supervisor.proxy")
 
@@ -41,17 +41,16 @@ class ContinuingRelay:
     """Mixed into FrontProxy: the streams it can continue."""
 
     s: ProxySettings
-    gate: Gate
     stats: ProxyStats
     latency: ClientLatency
     _session: aiohttp.ClientSession | None
     # continuable streams being relayed: id(transcript) -> (it, its engine answer)
-    _relays: dict[int, tuple[Transcript, aiohttp.ClientResponse]]
+    _relays: dict[int, tuple[Transcript, aiohttp.ClientResponse, str]]
 
-    async def _engine_healthy(self) -> bool:
+    async def _engine_healthy(self, backend: Backend) -> bool:
         assert self._session is not None
         try:
-            async with self._session.get(self.s.upstream + "/health",
+            async with self._session.get(backend.upstream + "/health",
                                          timeout=aiohttp.ClientTimeout(total=2.0)) as r:
                 return r.status == 200
         except (TimeoutError, aiohttp.ClientError):
@@ -79,7 +78,8 @@ class ContinuingRelay:
         the engine fails it."""
         t.new_reader()
         t.paused = False
-        self._relays[id(t)] = (t, up)
+        assert ex.backend is not None
+        self._relays[id(t)] = (t, up, ex.backend.name)
         try:
             async for chunk in upstream_chunks(up):
                 try:
@@ -100,13 +100,13 @@ class ContinuingRelay:
         raise Broken(resp, t, Paused() if t.paused else StreamBroken(
             "the engine's stream ended before the answer's end"))
 
-    def pause_streams(self) -> int:
+    def pause_streams(self, engine: str) -> int:
         """A drained restart with `engine.drain = "continue"`: every stream that can be
-        continued leaves the engine now (its upstream connection closed, so vLLM aborts
-        it) and goes on on the new engine; the others finish as usual. How many."""
+        continued leaves that engine now (its upstream connection closed, so vLLM aborts
+        it) and goes on on its new engine; the others finish as usual. How many."""
         paused = 0
-        for t, up in list(self._relays.values()):
-            if t.refusal() is None and not t.done:
+        for t, up, name in list(self._relays.values()):
+            if name == engine and t.refusal() is None and not t.done:
                 t.paused = True
                 up.close()
                 paused += 1
@@ -166,7 +166,8 @@ class ContinuingRelay:
         """One continuation (or, when the client has seen nothing, the request again):
         wait for an engine, send it, relay it. Returns at its [DONE]; raises Broken when
         it fails mid-answer too, GaveUp when no engine took it in time."""
-        assert self._session is not None
+        assert self._session is not None and ex.backend is not None
+        backend = ex.backend  # the same engine: a fallback would not give the same tokens
         broke_at = ex.last_data_at or time.monotonic()
         deadline = time.monotonic() + self.s.continue_timeout_s
         errors = 0  # 5xx from an engine whose /health says it serves
@@ -181,11 +182,11 @@ class ContinuingRelay:
                     path, body = t.plan.path, t.plan.body
                 else:
                     path, body = continuation.CONTINUATION_PATH, t.continuation()
-                url = URL(self.s.upstream + path, encoded=True)
+                url = URL(backend.upstream + path, encoded=True)
                 try:
                     async with self._session.post(url, data=body,
                                                   headers=upstream_headers(request)) as up:
-                        if up.status >= 500 and (not await self._engine_healthy()
+                        if up.status >= 500 and (not await self._engine_healthy(backend)
                                                  or (errors := errors + 1) < 3):
                             # a dying engine (its /health may say 200 for a moment
                             # after its core died): the continuation waits for the next
@@ -205,12 +206,13 @@ class ContinuingRelay:
                 except (TimeoutError, aiohttp.ClientError, NotDelivered):
                     pass  # refused, or a dying engine's answer: not back yet
             finally:
-                self.gate.done(ticket)
+                backend.gate.done(ticket)
             await asyncio.sleep(0.2)
 
     async def _admit_within(self, ex: Exchange, left_s: float) -> Ticket:
+        assert ex.backend is not None
         try:
-            ticket = await asyncio.wait_for(self.gate.acquire(ex.tokens), left_s)
+            ticket = await asyncio.wait_for(ex.backend.gate.acquire(ex.tokens), left_s)
         except TimeoutError:
             raise GaveUp(f"no engine came back within {self.s.continue_timeout_s:g} s"
                           ) from None

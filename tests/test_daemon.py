@@ -209,7 +209,7 @@ def test_leftovers_of_an_earlier_run_are_killed_before_start(daemon_factory, tmp
     first.wait_state("RUNNING", 20)
     pids = [int(x) for x in (tmp_path / "engine.pids").read_text().split()]
     # SIGKILL the daemon *and* its guard: only the state file now knows the tree.
-    guard = next(r for r in first.log_records() if r.get("event") == "daemon started")
+    guard = next(r for r in first.log_records() if r.get("event") == "engine unit started")
     try:
         os.kill(guard["guard_pid"], signal.SIGKILL)
         os.kill(first.pid, signal.SIGKILL)

@@ -13,6 +13,8 @@ Request:  {"v": 1, "cmd": "status", "args": {}}
           {"v": 1, "cmd": "throttle", "args": {"level": 2}}
           {"v": 1, "cmd": "kv-reset"}   (answered when the sleep, wake and canary are done)
           {"v": 1, "cmd": "evidence"}   (the evidence bundles kept, oldest first)
+          {"v": 1, "cmd": "restart", "args": {"engine": "small"}}   (several engines:
+          a command acting on one engine names it; status and events show all by default)
 Reply:    {"v": 1, "ok": true, "result": {...}}
           {"v": 1, "ok": false, "error": "one line saying what was refused and why"}
 

@@ -1,0 +1,128 @@
+"""The control commands: one function per command, looked up in `HANDLERS`.
+
+Each runs on the host's task with the request (`ControlRequest`: command, args, reply)
+and must not block: it answers at once, forwards the request to an engine unit's queue
+(which answers it), or starts a job that answers it later. `--engine NAME` arrives as
+`args["engine"]`; with several engines, a command that acts on one engine requires it.
+A refusal is a `CommandError`, whose message goes back to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from supervisor import evidence
+from supervisor.events import CommandError, ControlRequest
+
+if TYPE_CHECKING:
+    from supervisor.host import Host
+
+Handler = Callable[["Host", ControlRequest], None]
+
+
+def _forward(host: Host, req: ControlRequest) -> None:
+    """A command that acts on one engine: its unit answers."""
+    unit = host.unit_for(req.command, req.args, required=True)
+    assert unit is not None
+    args = {k: v for k, v in req.args.items() if k != "engine"}
+    unit.queue.put_nowait(ControlRequest(req.command, args, req.reply))
+
+
+def status(host: Host, req: ControlRequest) -> None:
+    unit = host.unit_for("status", req.args, required=False)
+    names = [unit.name] if unit is not None and "engine" in req.args else list(host.units)
+    host.launch(_status(host, names, req.reply), "status")
+
+
+async def _status(host: Host, names: list[str],
+                  reply: asyncio.Future[dict[str, Any]]) -> None:
+    statuses = await asyncio.gather(*(host.units[n].submit("status", {}) for n in names),
+                                    return_exceptions=True)
+    detail = {n: s for n, s in zip(names, statuses, strict=True) if isinstance(s, dict)}
+    lines = [host.summary_line(n, s) for n, s in detail.items()]
+    if len(names) == 1 and names[0] in detail:  # one engine: its status, as it always was
+        result = {**detail[names[0]], "engine_name": names[0], "engines": lines}
+    else:
+        first = next(iter(detail.values()), {})
+        result = {"engines": lines, "detail": detail,
+                  "daemon_pid": first.get("daemon_pid"),
+                  "daemon_uptime_s": round(host.clock.monotonic() - host.started_at, 3),
+                  "config": host.config.source}
+    if not reply.done():
+        reply.set_result(result)
+
+
+def stop(host: Host, req: ControlRequest) -> None:
+    if "engine" in req.args:
+        raise CommandError("stop: stops the daemon and every engine; to stop one engine, "
+                           "remove its [engines.NAME] table and reload")
+    loop = asyncio.get_running_loop()
+    futures = []
+    host.stopping = True
+    for unit in host.units.values():
+        fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+        unit.queue.put_nowait(ControlRequest("stop", {}, fut))
+        futures.append(fut)
+    host.launch(_stopped(futures, req.reply), "stop")
+
+
+async def _stopped(futures: list[asyncio.Future[dict[str, Any]]],
+                   reply: asyncio.Future[dict[str, Any]]) -> None:
+    results = await asyncio.gather(*futures, return_exceptions=True)
+    codes = [r.get("exit_code", 0) if isinstance(r, dict) else 70 for r in results]
+    if not reply.done():
+        reply.set_result({"state": "STOPPED", "exit_code": max(codes, default=0)})
+
+
+def reload(host: Host, req: ControlRequest) -> None:
+    host._audit("control", command="reload")
+    host.reload(req.reply)
+
+
+def events(host: Host, req: ControlRequest) -> None:
+    n = req.args.get("n", 20)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 10000:
+        raise CommandError("events: n must be an integer from 1 to 10000")
+    name = req.args.get("engine")
+    if name is not None:
+        host.unit_for("events", req.args, required=True)  # (a known name)
+    host.launch(_events(host, n, name, req.reply), "events")
+
+
+async def _events(host: Host, n: int, engine: str | None,
+                  reply: asyncio.Future[dict[str, Any]]) -> None:
+    def read() -> list[dict[str, Any]]:
+        if engine is None:
+            return host.audit.tail(n)
+        # an engine's entries name it (with several engines); the host's name none
+        return [r for r in host.audit.tail(max(n * 8, 200))
+                if r.get("engine", engine) == engine][-n:]
+
+    records = await asyncio.to_thread(read)
+    if not reply.done():
+        reply.set_result({"events": records})
+
+
+def list_evidence(host: Host, req: ControlRequest) -> None:
+    host.launch(_evidence(host.config.evidence.dir, req.reply), "evidence")
+
+
+async def _evidence(where: str, reply: asyncio.Future[dict[str, Any]]) -> None:
+    bundles = await asyncio.to_thread(evidence.list_bundles, Path(where))
+    if not reply.done():
+        reply.set_result({"dir": where, "bundles": bundles})
+
+
+HANDLERS: dict[str, Handler] = {
+    "status": status,
+    "stop": stop,
+    "reload": reload,
+    "events": events,
+    "evidence": list_evidence,
+    # acting on one engine: forwarded to its unit
+    **dict.fromkeys(("restart", "drain", "resume", "throttle", "unthrottle",
+                     "pause-policy", "resume-policy", "kv-reset"), _forward),
+}
