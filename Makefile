@@ -5,9 +5,10 @@
 setup:
 	bash scripts/setup.sh all
 
-# The daemon in the foreground, supervising the real vLLM CPU engine with the tiny model.
+# The daemon in the foreground, supervising the real vLLM CPU engine with the tiny model
+# (CONFIG=config.two-engines.toml: two engines, the second the first one's fallback).
 run: setup
-	.venv/bin/vllm-supervisor run --config config.toml
+	.venv/bin/vllm-supervisor run --config $(or $(CONFIG),config.toml)
 
 # The whole suite: lint, types, unit, component, systemd and end-to-end (real vLLM).
 test: setup

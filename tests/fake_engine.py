@@ -83,6 +83,7 @@ def main() -> None:
     p.add_argument("--enable-sleep-mode", action="store_true")
     p.add_argument("--wake-fails", action="store_true")
     p.add_argument("--fault-file", default=None)
+    p.add_argument("--served-model-name", default="fake")  # the one name it answers to
     a, _engine_args = p.parse_known_args()  # the rest: engine flags, e.g. --max-num-seqs
 
     log("INFO", f"fake engine starting, args {sys.argv[1:]}")
@@ -171,7 +172,8 @@ def main() -> None:
             code = 503 if a.never_healthy or dying.is_set() else 200
             body = b"{}" if self.path == "/health" else b'{"fake": true}'
             if self.path == "/v1/models":
-                body = b'{"object": "list", "data": [{"id": "fake", "object": "model"}]}'
+                body = json.dumps({"object": "list", "data": [
+                    {"id": a.served_model_name, "object": "model"}]}).encode()
             if self.path == "/is_sleeping":
                 code = 200 if sleep_mode else 404
                 body = json.dumps({"is_sleeping": asleep.is_set()}).encode()
@@ -198,7 +200,7 @@ def main() -> None:
                 body, code = b'{"error": {"message": "EngineDeadError", "code": 500}}', 500
             elif generate and asleep.is_set():
                 body, code = b'{"error": "the engine is asleep"}', 503
-            elif generate and req.get("model", "fake") != "fake":
+            elif generate and req.get("model", a.served_model_name) != a.served_model_name:
                 # as vLLM answers a model it does not serve
                 body, code = json.dumps({"error": {
                     "message": f"The model `{req['model']}` does not exist.",
@@ -222,7 +224,7 @@ def main() -> None:
                     with lock:
                         running[0] -= 1
                 n = int(req.get("max_tokens") or 16)
-                body = json.dumps({"object": "text_completion", "model": "fake",
+                body = json.dumps({"object": "text_completion", "model": a.served_model_name,
                                    "choices": [{"index": 0, "text": "x"}],
                                    "usage": {"prompt_tokens": 1, "completion_tokens": n,
                                              "total_tokens": n + 1}}).encode()
@@ -258,7 +260,7 @@ def main() -> None:
             ids = bool(req.get("return_token_ids"))
             head: dict[str, Any] = {"id": f"{'chatcmpl' if chat else 'cmpl'}-fake{me % 100000}",
                     "object": "chat.completion.chunk" if chat else "text_completion",
-                    "created": int(time.time()), "model": "fake"}
+                    "created": int(time.time()), "model": a.served_model_name}
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("X-Fake-Engine", "1")

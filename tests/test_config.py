@@ -125,3 +125,69 @@ def test_lora_leaves_the_served_names_open():
                  ["--enable-lora=true"]):
         cfg = parse_config(with_engine(args=args), "t.toml", Path("/base"))
         assert cfg.engine.models_open, args
+
+
+# ---- several engines: [engines.NAME] ------------------------------------------------------
+
+def engines(**tables: dict) -> dict:
+    return {"engines": {name: {"command": ["vllm", "serve", name], **t}
+                        for name, t in tables.items()}}
+
+
+def test_engines_tables_keep_config_order_and_each_unit_sees_its_own_engine():
+    cfg = parse_config(engines(big={"port": 8101, "fallback": "small"},
+                               small={"port": 8102, "models": ["tiny"]}), "t.toml", Path("/b"))
+    assert list(cfg.engines) == ["big", "small"] and cfg.several
+    assert cfg.engine is cfg.engines["big"]  # the first, until viewed for one engine
+    small = cfg.for_engine("small")
+    assert small.engine.port == 8102 and small.engine_name == "small"
+    assert small.engine.served_models() == ("tiny",)  # `models` says it over the args
+    assert cfg.engines["big"].served_models() == ("big",)  # `serve big`
+    assert small.state_file.name == "engine-tree-small.json"
+    assert cfg.engines["big"].command[0] == "vllm"
+
+
+def test_one_engine_table_is_the_engine_named_default_with_todays_files():
+    cfg = parse_config(MIN, "t.toml", Path("/base"))
+    assert list(cfg.engines) == ["default"] and not cfg.several
+    assert cfg.state_file.name == "engine-tree.json"
+
+
+@pytest.mark.parametrize(("doc", "expected"), [
+    ({**MIN, **engines(a={})}, "engines: [engine] and [engines.NAME] cannot both be given"),
+    (engines(a={"port": 8101}, b={"port": 8101}), "engines.b.port: 8101 is engine a's port too"),
+    (engines(a={"port": 8101, "fallback": "c"}, b={"port": 8102}),
+     "engines.a.fallback: no engine named 'c' (the engines are a, b)"),
+    (engines(a={"port": 8101, "fallback": "b"}, b={"port": 8102, "fallback": "a"}),
+     "engines.a.fallback: a cycle (a -> b -> a)"),
+    (engines(a={"port": 8101, "fallback": "a"}), "engines.a.fallback: a cycle (a -> a)"),
+    (engines(a={"port": 8101, "gpus": [0, 1]}, b={"port": 8102, "gpus": [1]}),
+     "engines.b.gpus: GPU 1 is engine a's too; set share_gpus = true on both"),
+    (engines(a={"port": 8101, "gpus": [0], "share_gpus": True}, b={"port": 8102, "gpus": [0]}),
+     "engines.b.gpus: GPU 0 is engine a's too"),
+    (engines(**{"bad name": {}}), "engines.bad name: expected a name of letters"),
+    (engines(a={"port": 8101, "colour": "x"}), "engines.a.colour: unknown key"),
+    (engines(a={"port": 8101, "args": ["--port", "9"]}), "engines.a.args: --port is set by"),
+    ({"engines": {}}, "engines: expected one or more tables [engines.NAME]"),
+    (with_engine(fallback="x"), "engine.fallback: a fallback is another engine"),
+    (engines(a={"port": 8101, "fallback": "b"},
+             b={"port": 8102, "command": ["python", "-m", "vllm.entrypoints.openai.api_server"]}),
+     "engines.a.fallback: engine b serves no model name the daemon can read"),
+])
+def test_engine_rules_name_the_key_and_the_problem(doc, expected):
+    found = problems(doc)
+    assert any(p.startswith(expected) for p in found), found
+
+
+def test_engines_sharing_a_gpu_when_both_allow_it_is_valid():
+    cfg = parse_config(engines(a={"port": 8101, "gpus": [0], "share_gpus": True},
+                               b={"port": 8102, "gpus": [0], "share_gpus": True}),
+                       "t.toml", Path("/b"))
+    assert cfg.engines["a"].gpus == cfg.engines["b"].gpus == [0]
+
+
+def test_two_engine_demo_config_is_valid_with_the_second_the_first_ones_fallback():
+    cfg = load_config(ROOT / "config.two-engines.toml")
+    assert list(cfg.engines) == ["primary", "fallback"]
+    assert cfg.engines["primary"].fallback == "fallback"
+    assert cfg.engines["primary"].port != cfg.engines["fallback"].port

@@ -28,26 +28,34 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds to wait for the reply (default: 30; stop: 3600; kv-reset: 600)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    s = sub.add_parser("status", help="engine state, pid, restarts, last decision")
+    # every command takes --engine: with several engines, one acting on an engine needs it
+    one = argparse.ArgumentParser(add_help=False)
+    one.add_argument("--engine", metavar="NAME", default=None,
+                     help="the engine ([engines.NAME]); status and events: only this one")
+
+    def add(name: str, **kw: Any) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[one], **kw)
+
+    s = add("status", help="engine state, pid, restarts, last decision")
     s.add_argument("--json", action="store_true", help="machine-readable output")
-    r = sub.add_parser("restart", help="drain and restart the engine (also leaves FATAL)")
+    r = add("restart", help="drain and restart the engine (also leaves FATAL)")
     r.add_argument("--reason", default=None, help="recorded in the log and audit trail")
-    sub.add_parser("stop", help="stop the engine and the daemon; waits until done")
-    sub.add_parser("reload", help="re-read the config file; says what applies now, at the next "
+    add("stop", help="stop the engine and the daemon; waits until done")
+    add("reload", help="re-read the config file; says what applies now, at the next "
                                   "engine start, or only at a daemon restart")
-    sub.add_parser("drain", help="hold new requests at the proxy (in-flight ones finish)")
-    sub.add_parser("resume", help="release held requests, without a restart")
-    t = sub.add_parser("throttle", help="admission limits scaled down to LEVEL (live with the "
+    add("drain", help="hold new requests at the proxy (in-flight ones finish)")
+    add("resume", help="release held requests, without a restart")
+    t = add("throttle", help="admission limits scaled down to LEVEL (live with the "
                                         "proxy; a drained relaunch without it)")
     t.add_argument("level", type=int, metavar="LEVEL")
-    sub.add_parser("unthrottle", help="throttle level 0")
-    sub.add_parser("pause-policy", help="maintenance: the watchdog takes no action until resumed")
-    sub.add_parser("resume-policy", help="the watchdog acts again")
-    sub.add_parser("kv-reset", help="drop and rebuild the KV cache in place (sleep mode), new "
+    add("unthrottle", help="throttle level 0")
+    add("pause-policy", help="maintenance: the watchdog takes no action until resumed")
+    add("resume-policy", help="the watchdog acts again")
+    add("kv-reset", help="drop and rebuild the KV cache in place (sleep mode), new "
                                     "requests held meanwhile; returns when done")
-    v = sub.add_parser("evidence", help="the evidence bundles captured before fault kills")
+    v = add("evidence", help="the evidence bundles captured before fault kills")
     v.add_argument("--json", action="store_true", help="machine-readable output")
-    e = sub.add_parser("events", help="the audit trail's latest entries")
+    e = add("events", help="the audit trail's latest entries")
     e.add_argument("-n", type=int, default=20, help="how many (default 20)")
     e.add_argument("--json", action="store_true", help="one JSON object per line")
     return p
@@ -106,7 +114,23 @@ def format_signal(name: str, value: float | int | bool) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def format_engines(st: dict[str, Any]) -> str:
+    """Several engines: one line each, then each one's details."""
+    lines = [f"{'ENGINE':<16} {'STATE':<9} {'PID':>8} {'PORT':>6} {'UP':>9} {'RESTARTS':>8}  "
+             "MODELS (FALLBACK)"]
+    for e in st.get("engines", []):
+        fb = f" (-> {e['fallback']})" if e.get("fallback") else ""
+        lines.append(f"{e['name']:<16} {e['state']:<9} {e.get('pid') or '-':>8} "
+                     f"{e.get('port')!s:>6} {_duration(e.get('uptime_s')):>9} "
+                     f"{e.get('restarts')!s:>8}  {', '.join(e.get('models', []))}{fb}")
+    for name, detail in (st.get("detail") or {}).items():
+        lines += ["", f"== {name}", format_status(detail)]
+    return "\n".join(lines)
+
+
 def format_status(st: dict[str, Any]) -> str:
+    if "detail" in st:
+        return format_engines(st)
     eng = st.get("engine", {})
     lines = [f"state      {st['state']} for {_duration(st.get('state_for_s'))}: {st.get('reason')}"]
     pid = st.get("pid")
@@ -179,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vllm-supervisorctl: {exc}", file=sys.stderr)
         return 1
     args: dict[str, Any] = {}
+    if ns.engine is not None:
+        args["engine"] = ns.engine
     if ns.command == "restart" and ns.reason:
         args["reason"] = ns.reason
     if ns.command == "events":
