@@ -130,3 +130,20 @@ def test_daemon_sends_ready_with_fatal_so_systemd_start_returns(daemon_factory, 
     fields = path_socket.wait("READY=1")
     i = fields.index("READY=1")
     assert fields[i + 1].startswith("STATUS=FATAL")
+
+
+def test_ready_waits_for_every_engine_to_serve_or_give_up(daemon_factory, tmp_path,
+                                                          path_socket):
+    from tests.test_engines import engines_config
+
+    cfg = engines_config(tmp_path, quick={}, slow={"fake": ["--startup-delay", "2"]},
+                         broken={"fake": ["--fail-boot"]})
+    cfg["restart"] = {"backoff_initial_s": 0.1, "backoff_max_s": 0.2, "boot_failures_max": 2}
+    d = daemon_factory(cfg, env={"NOTIFY_SOCKET": path_socket.address})
+    fields = path_socket.wait("READY=1", timeout=30)
+    status = fields[fields.index("READY=1") + 1]
+    # sent once "slow" served (and "broken" gave up), with every engine in its status
+    assert status.startswith("STATUS=quick: RUNNING"), status
+    assert "slow: RUNNING" in status and "broken: FATAL" in status
+    lines = {e["name"]: e["state"] for e in d.status()["engines"]}
+    assert lines == {"quick": "RUNNING", "slow": "RUNNING", "broken": "FATAL"}
