@@ -1,6 +1,6 @@
 # Two commands do everything from nothing: `make run` and `make test`.
 .PHONY: setup run test test-fast lint bench bench-lifecycle bench-watchdog bench-proxy soak \
-	bench-restart bench-healthy-soak clean
+	bench-restart bench-healthy-soak bench-proxy-routing clean
 
 setup:
 	bash scripts/setup.sh all
@@ -39,6 +39,11 @@ bench-watchdog: setup
 bench-proxy: setup
 	bash scripts/setup.sh nginx
 	.venv/bin/python bench/proxy_bench.py --out docs/benchmarks.md
+
+# The proxy with two engines (routing by model) beside one, and before the change (BASE=ref)
+bench-proxy-routing: setup
+	.venv/bin/python bench/proxy_bench.py --routed --out docs/benchmarks.md \
+		$(if $(BASE),--baseline $(BASE))
 
 bench-restart: setup
 	.venv/bin/python bench/restart_bench.py --out docs/benchmarks.md

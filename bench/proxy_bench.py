@@ -58,8 +58,10 @@ USAGE = re.compile(rb'"completion_tokens":\s*(\d+)')
 
 # ---- the processes under test ---------------------------------------------------------
 
-async def run_proxy(upstream: str) -> None:
-    """The proxy alone: gate open and unlimited, serving until SIGTERM."""
+async def run_proxy(upstream: str, routed: bool = False) -> None:
+    """The proxy alone: gate open and unlimited, serving until SIGTERM. `routed`: two
+    engines behind it (both the same upstream), each request routed by its model to the
+    first (the routing a host with several engines does per request)."""
     from supervisor.admission import Gate, GateLimits
     from supervisor.proxy import FrontProxy, ProxySettings
 
@@ -71,7 +73,17 @@ async def run_proxy(upstream: str) -> None:
     settings = ProxySettings(listen_host="127.0.0.1", listen_port=0, upstream=upstream)
     gate = Gate(GateLimits(concurrency=100000, max_wait_s=60))
     gate.release()
-    proxy = FrontProxy(settings, gate, ready=lambda: True)
+    if routed:
+        from supervisor.proxy import Backend
+
+        proxy = FrontProxy(settings)
+        other = Gate(GateLimits(concurrency=100000, max_wait_s=60))
+        other.release()
+        proxy.add_engine(Backend("a", gate, lambda: True, upstream, ("synthetic",),
+                                 fallback="b"))
+        proxy.add_engine(Backend("b", other, lambda: True, upstream, ("other",)))
+    else:
+        proxy = FrontProxy(settings, gate, ready=lambda: True)
     await proxy.start()
     print(f"LISTENING {proxy.port}", flush=True)
     stop = asyncio.Event()
@@ -322,25 +334,38 @@ def synthetic(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         up_port = up.wait_listening()
         px = Child("proxy", [PY, __file__, "_proxy", f"http://127.0.0.1:{up_port}"], tmp)
         children.append(px)
+        if args.routed:
+            pa = Child(PATHS[2], [PY, __file__, "_proxy", f"http://127.0.0.1:{up_port}",
+                                  "routed"], tmp)
+            children.append(pa)
         if args.baseline:
             # the same proxy from the baseline commit, on the same loop: before and after
             base = tmp / "baseline"
             subprocess.run(["git", "worktree", "add", "--detach", str(base), args.baseline],
                            cwd=ROOT, check=True, capture_output=True)
-            pa = Child(PATHS[2], [PY, str(base / "bench" / "proxy_bench.py"), "_proxy",
-                                  f"http://127.0.0.1:{up_port}"], tmp)
-        else:
+            pb = Child("proxy-before", [PY, str(base / "bench" / "proxy_bench.py"), "_proxy",
+                                        f"http://127.0.0.1:{up_port}"], tmp)
+            if not args.routed:
+                pa = pb
+            else:
+                children.append(pb)
+        elif not args.routed:
             pa = Child("proxy-asyncio", [PY, __file__, "_proxy", f"http://127.0.0.1:{up_port}",
                                          "asyncio"], tmp)
-        children.append(pa)
+        if not args.routed:
+            children.append(pa)
         ports = {"direct": up_port, "proxy": px.wait_listening(),
                  PATHS[2]: pa.wait_listening()}
-        ports["nginx"] = free_port()
-        ng = Child("nginx", [NGINX, "-e", str(tmp / "nginx-error.log"), "-p", str(tmp),
-                             "-c", str(nginx_conf(tmp, ports["nginx"], up_port))], tmp)
-        children.append(ng)
-        ng.wait_port(ports["nginx"])
-        servers = {"direct": up, "proxy": px, PATHS[2]: pa, "nginx": ng}
+        servers = {"direct": up, "proxy": px, PATHS[2]: pa}
+        if args.routed and args.baseline:
+            ports["proxy-before"], servers["proxy-before"] = pb.wait_listening(), pb
+        if "nginx" in PATHS:
+            ports["nginx"] = free_port()
+            ng = Child("nginx", [NGINX, "-e", str(tmp / "nginx-error.log"), "-p", str(tmp),
+                                 "-c", str(nginx_conf(tmp, ports["nginx"], up_port))], tmp)
+            children.append(ng)
+            ng.wait_port(ports["nginx"])
+            servers["nginx"] = ng
         client = Client()
         s = args.scale
         cases = [
@@ -464,7 +489,8 @@ def versions() -> str:
 def render(args: argparse.Namespace, syn: dict[str, Any],
            eng: dict[str, Any] | None, eng_note: str) -> str:
     out = [
-        "## The front proxy (`bench/proxy_bench.py`)", "",
+        ("## Routing across engines (`bench/proxy_bench.py --routed`)" if args.routed
+         else "## The front proxy (`bench/proxy_bench.py`)"), "",
         f"Run by `make bench-proxy` on {date.today().isoformat()}, {platform.machine()}, "
         f"{os.cpu_count()} cores (shared, noisy; nothing pinned), loopback. {versions()}.",
         "",
@@ -476,7 +502,15 @@ def render(args: argparse.Namespace, syn: dict[str, Any],
         "the upstream, `proxy_buffering off`). "
         + (f"In this run **proxy-before** (the proxy at commit {args.baseline}, same loop) "
            "takes proxy-asyncio's place: the change measured side by side. "
-           if args.baseline else "")
+           if args.baseline and not args.routed else "")
+        + ("**This is the routing run** (`make bench-proxy-routing`): **proxy-routed** is "
+           "the same proxy with two engines behind it (two backends, two gates), each "
+           "request routed by its `model` field (`supervisor/routing.py`), beside **proxy** "
+           "with one engine"
+           + (f" and **proxy-before**, the single-engine proxy at commit {args.baseline}, "
+              "before the host and the routing" if args.baseline else "")
+           + "; no nginx and no engine part here (the section above has them). "
+           if args.routed else "")
         + "One client process (aiohttp, keep-alive) "
         "drives them all; the paths alternate within "
         f"each of {args.rounds} rounds, the order rotating; every figure is the median over "
@@ -602,7 +636,8 @@ def render(args: argparse.Namespace, syn: dict[str, Any],
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "_proxy":
         from supervisor import loop
-        loop.run(run_proxy(sys.argv[2]), "asyncio" if sys.argv[3:] == ["asyncio"] else "uvloop")
+        loop.run(run_proxy(sys.argv[2], routed=sys.argv[3:] == ["routed"]),
+                 "asyncio" if sys.argv[3:] == ["asyncio"] else "uvloop")
         return 0
     if len(sys.argv) > 1 and sys.argv[1] == "_client":
         client_main()
@@ -620,9 +655,17 @@ def main() -> int:
     ap.add_argument("--baseline", metavar="REF",
                     help="in the synthetic part, the proxy at this git commit in place of "
                          "proxy-asyncio (proxy-before: the same loop, before a change)")
+    ap.add_argument("--routed", action="store_true",
+                    help="the routing bench: proxy (one engine) beside proxy-routed (two "
+                         "engines, routed by model) and proxy-before (with --baseline); no "
+                         "nginx, no engine part; writes its own section")
     args = ap.parse_args()
-    if args.baseline:
-        global PATHS
+    global PATHS
+    if args.routed:
+        PATHS = ("direct", "proxy", "proxy-routed",
+                 *(("proxy-before",) if args.baseline else ()))
+        args.skip_engine = True
+    elif args.baseline:
         PATHS = ("direct", "proxy", "proxy-before", "nginx")
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="proxy-bench-") as d:
@@ -640,7 +683,7 @@ def main() -> int:
     print(text)
     print(f"total: {time.monotonic() - t0:.0f} s")
     if args.out is not None:
-        write_section(args.out, "proxy", text)
+        write_section(args.out, "proxy-routing" if args.routed else "proxy", text)
     return 0
 
 

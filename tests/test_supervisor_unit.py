@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,8 +30,10 @@ from supervisor.events import (
     Exited,
     HealthResult,
     Reloaded,
+    RemedyDone,
     Spawned,
 )
+from supervisor.remedy import RemedyOutcome
 from supervisor.sdnotify import Notifier
 
 
@@ -266,3 +269,46 @@ def test_a_reloaded_port_is_used_at_the_next_start_only(world: World,
     world.control("restart")
     world.down(engine)
     assert world.fx.last("spawn")["spec"].port == 18200
+
+
+def test_a_failed_in_place_remedy_becomes_a_drained_restart(world: World) -> None:
+    engine = world.serving()
+    world.sup._begin_remedy("reset_prefix_cache", "test")
+    assert world.fx.last("remedy") == {"pid": engine.pid, "rung": "reset_prefix_cache"}
+    assert world.sup.status()["remedies"]["running"]["rung"] == "reset_prefix_cache"
+    world.now += 2
+    world.feed(RemedyDone(engine.generation, "reset_prefix_cache",
+                          RemedyOutcome(ok=False, error="HTTP 500"), 0.3))
+    assert world.state == "DRAINING" and "reset_prefix_cache failed" in world.sup.state_reason
+    assert world.fx.last("take_down")["graceful"]  # no requests in flight: no drain wait
+    world.down(engine)
+    assert world.state == "STARTING" and world.fx.last("spawn")["generation"] == 2
+    assert world.sup.status()["remedies"]["running"] is None
+
+
+def test_a_remedy_that_worked_leaves_the_engine_running(world: World) -> None:
+    engine = world.serving()
+    world.sup._begin_remedy("reset_prefix_cache", "test")
+    world.feed(RemedyDone(engine.generation, "reset_prefix_cache",
+                          RemedyOutcome(ok=True, steps={"reset": 0.01}), 0.01))
+    assert world.state == "RUNNING" and "take_down" not in world.fx.names()
+
+
+def test_a_unit_of_a_named_engine_uses_its_own_state_file_and_names_itself(
+        tmp_path: Path) -> None:
+    w = World(tmp_path)
+    try:
+        doc = dict(w.doc)
+        engine = doc.pop("engine")
+        doc["engines"] = {"a": {**engine, "port": 18101}, "b": {**engine, "port": 18102}}
+        cfg = parse_config(doc, str(tmp_path / "config.toml"), tmp_path)
+        unit = Supervisor(config=cfg.for_engine("b"), notifier=Notifier({}), gpu=_NoGpu(),
+                          clock=Clock(monotonic=lambda: w.now, wall=lambda: w.now),
+                          environ={}, effects=w.fx, name="b")
+        assert unit.state_file.path.name == "engine-tree-b.json"
+        unit._start_engine("test")
+        assert w.fx.last("spawn")["spec"].port == 18102
+        records = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+        assert records[-1]["engine"] == "b" and records[-1]["to"] == "STARTING"
+    finally:
+        w.loop.close()
