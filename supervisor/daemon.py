@@ -334,9 +334,8 @@ class Supervisor:
         try:
             leftovers, own = await eng.clean_leftovers(self.state_file, cfg.reap_timeout_s)
             # (a sibling engine's processes on a shared GPU are expected, not foreign)
-            await eng.check_gpus_free(self.gpu, own | self.siblings(),
-                                      cfg.gpu_foreign_allowance_mib << 20,
-                                      cfg.gpu_release_timeout_s)
+            await eng.check_gpus_free(self.gpu, own, cfg.gpu_foreign_allowance_mib << 20,
+                                      cfg.gpu_release_timeout_s, frozenset(self.siblings()))
             held = await asyncio.to_thread(proctree.port_holder, spec.host, spec.port)
             if held is not None:
                 raise RuntimeError(f"engine port refused: {held}")

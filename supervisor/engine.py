@@ -310,11 +310,13 @@ class GpuBusy(RuntimeError):
 
 
 async def check_gpus_free(gpu: GpuProcessLister, own: set[int], allowance_bytes: int,
-                          timeout_s: float) -> None:
+                          timeout_s: float, siblings: frozenset[int] = frozenset()) -> None:
     """Before a start, on a host where NVML answers: the processes of an earlier engine
     tree of ours (`own`, already killed) must be gone from the engine's GPUs (NVML frees
     memory a moment after a process dies: waited for, bounded by `timeout_s`), and every
-    other process together may hold at most `allowance_bytes` there.
+    other process together may hold at most `allowance_bytes` there. The processes of the
+    daemon's other engines (`siblings`, on a GPU they share) are neither waited for nor
+    foreign.
 
     Raises GpuBusy naming each other process, its command and its memory; RuntimeError
     when our own leftovers still hold memory after the timeout. Unknown (no NVML, or the
@@ -333,7 +335,8 @@ async def check_gpus_free(gpu: GpuProcessLister, own: set[int], allowance_bytes:
     listed = await asyncio.to_thread(gpu.processes)
     if listed is None:
         return
-    others = {p: b for p, b in listed.items() if p not in own and p != os.getpid()}
+    others = {p: b for p, b in listed.items()
+              if p not in own and p not in siblings and p != os.getpid()}
     if others and sum(others.values()) > allowance_bytes:
         parts = []
         for pid, used in sorted(others.items(), key=lambda kv: -kv[1]):

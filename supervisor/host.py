@@ -302,10 +302,14 @@ class Host:
                              max_continuations=p.max_continuations,
                              keepalive_s=p.keepalive_s)
 
+    def live(self) -> list[str]:
+        """The units whose task still runs (one that ended reads its queue no more)."""
+        return [n for n in self.units if n in self.tasks and not self.tasks[n].done()]
+
     async def view(self) -> ExporterView:
         """For the exporter: each unit answers from its own task (so /healthz fails when
         one is stuck); the proxy's shared counters are added here."""
-        names = list(self.units)
+        names = self.live() or list(self.units)[:1]
         views = await asyncio.gather(*(self.units[n].view() for n in names))
         shared = self._proxy_counters(views)
         if not self.config.several:
@@ -375,6 +379,8 @@ class Host:
         if not isinstance(name, str) or name not in self.units:
             raise CommandError(f"{command}: no engine named {name!r} (engines: "
                                f"{', '.join(self.units)})")
+        if name not in self.live():
+            raise CommandError(f"{command}: engine {name} has stopped")
         return self.units[name]
 
     def _audit(self, event: str, **fields: Any) -> None:

@@ -43,7 +43,7 @@ from aiohttp import web
 from yarl import URL
 
 from supervisor import continuation, routing
-from supervisor.admission import Gate, Rejected
+from supervisor.admission import Gate, Rejected, Ticket
 from supervisor.continuation import Transcript
 from supervisor.latency import ClientLatency
 from supervisor.routes import LOCAL, PathRefused, Routes, Target, read_target
@@ -125,6 +125,15 @@ class Backend:
     def view(self) -> routing.EngineView:
         return routing.EngineView(self.name, self.models, self.serving(),
                                   self.gate.in_flight, self.fallback)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """An engine a request may go to, with the body (and its parse) to send it there."""
+
+    backend: Backend
+    body: bytes
+    doc: object
 
 
 @dataclass(frozen=True)
@@ -324,44 +333,57 @@ class FrontProxy(ContinuingRelay):
         facts = read_request(body)
         ex.model, ex.tokens = facts.model, facts.tokens
         try:
-            ex.backend, body = self._route(facts, body)
+            choices = self._route(facts, body)
         except routing.UnknownModel as exc:
             # a name no engine serves: 404 at once, never held through a restart
             ex.status, ex.outcome = 404, "unknown_model"
             self._finish(request, target, ex)
             return self._error(404, str(exc), "unknown_model")
-        plan = continuation.plan(target.path, body, facts.doc) if self.s.continuation \
-            else None
         try:
-            return await self._admit_and_forward(request, target, body, plan, ex)
+            return await self._admit_and_forward(request, target, facts, body, choices, ex)
         finally:
             self._finish(request, target, ex)
 
-    def _route(self, facts: RequestFacts, body: bytes) -> tuple[Backend, bytes]:
-        """The engine for this request (supervisor/routing.py), and the body to send it:
-        with the fallback's model name when a fallback takes it. Raises UnknownModel."""
+    def _route(self, facts: RequestFacts, body: bytes) -> list[Choice]:
+        """Where this request may go (supervisor/routing.py): one engine serving its model
+        now; or, when none does, every engine of its model and their fallbacks, in order,
+        to be held until the first of them admits it. A fallback gets the body with its
+        own model name. Raises UnknownModel."""
         backends = list(self.backends.values())
         if not backends:
             raise routing.UnknownModel(facts.model, [])
         if len(backends) == 1 and (facts.model is None or backends[0].models_open):
-            return backends[0], body  # one engine: no choice to make
+            return [Choice(backends[0], body, facts.doc)]  # one engine: no choice to make
         model = facts.model
         if model is None:  # vLLM's own rule: the first model; here the first engine's
             model = backends[0].models[0] if backends[0].models else None
             if model is None:
-                return backends[0], body
+                return [Choice(backends[0], body, facts.doc)]
         try:
             r = routing.route(model, [b.view() for b in backends])
         except routing.UnknownModel:
             open_ = [b for b in backends if b.models_open]
             if not open_:
                 raise
-            return open_[0], body  # a LoRA adapter's name, perhaps: its engine decides
-        if r.engine is None:  # no engine of the model serves: held at its first one's gate
-            return next(b for b in backends if model in b.models), body
-        if r.substituted and isinstance(facts.doc, dict):
-            body = json.dumps({**facts.doc, "model": r.model}).encode()
-        return self.backends[r.engine], body
+            return [Choice(open_[0], body, facts.doc)]  # a LoRA adapter's name, perhaps
+        if r.engine is not None:
+            return [self._choice(self.backends[r.engine], r.model if r.substituted else None,
+                                 facts, body)]
+        own = [b for b in backends if model in b.models]
+        out = [Choice(b, body, facts.doc) for b in own]
+        for b in own:
+            fb = self.backends.get(b.fallback) if b.fallback else None
+            if fb is not None and fb.models and all(c.backend is not fb for c in out):
+                out.append(self._choice(fb, fb.models[0], facts, body))
+        return out
+
+    @staticmethod
+    def _choice(backend: Backend, model: str | None, facts: RequestFacts,
+                body: bytes) -> Choice:
+        if model is None or not isinstance(facts.doc, dict):
+            return Choice(backend, body, facts.doc)
+        doc = {**facts.doc, "model": model}
+        return Choice(backend, json.dumps(doc).encode(), doc)
 
     async def _list_models(self) -> web.Response:
         """GET /v1/models with several engines: every model served here, each once, as
@@ -385,17 +407,14 @@ class FrontProxy(ContinuingRelay):
         self.stats.count(200)
         return web.json_response({"object": "list", "data": list(data.values())})
 
-    async def _admit_and_forward(self, request: web.Request, target: Target, body: bytes,
-                                 plan: continuation.Plan | None, ex: Exchange
-                                 ) -> web.StreamResponse:
-        tokens = ex.tokens
+    async def _admit_and_forward(self, request: web.Request, target: Target,
+                                 facts: RequestFacts, body: bytes, choices: list[Choice],
+                                 ex: Exchange) -> web.StreamResponse:
         broken: Broken | None = None
-        assert ex.backend is not None
-        gate = ex.backend.gate
-        give_up = time.monotonic() + gate.limits.max_wait_s
+        give_up = time.monotonic() + choices[0].backend.gate.limits.max_wait_s
         while True:
             try:
-                ticket = await gate.acquire(tokens)
+                choice, ticket = await self._acquire(choices, ex.tokens)
             except Rejected as exc:
                 ex.status, ex.outcome = 503, exc.reason
                 if exc.held:
@@ -407,24 +426,66 @@ class FrontProxy(ContinuingRelay):
                 ex.held_s += ticket.waited_s
             else:
                 ex.queued_s += ticket.waited_s
+            ex.backend = choice.backend
+            plan = continuation.plan(target.path, choice.body, choice.doc) \
+                if self.s.continuation else None
             try:
-                return await self._forward(request, target, body, ex, plan)
+                return await self._forward(request, target, choice.body, ex, plan)
             except Broken as exc:
                 broken = exc  # continued below, once its ticket is given back
                 break
             except NotDelivered as exc:
                 # the engine refused the connection or is dying: the client has seen
-                # nothing, and the gate holds the request while the daemon brings the
-                # engine back (bounded by the hold timeout)
+                # nothing, and the request is routed again: to an engine that serves now,
+                # or held while the daemon brings its own back (bounded by the hold timeout)
                 self.stats.retried_connects += 1
                 if time.monotonic() >= give_up:
                     ex.status, ex.outcome = 503, "hold_timeout"
                     return self._error(503, f"the engine did not come back: {exc}",
                                        "hold_timeout")
                 await asyncio.sleep(0.2)
+                with contextlib.suppress(routing.UnknownModel):  # (removed by a reload)
+                    choices = self._route(facts, body)
             finally:
-                gate.done(ticket)
+                choice.backend.gate.done(ticket)
         return await self._continue(request, broken, ex)
+
+    @staticmethod
+    async def _acquire(choices: list[Choice], tokens: int) -> tuple[Choice, Ticket]:
+        """A slot at the first of these engines' gates to admit the request (one engine:
+        its gate). Raises Rejected once every gate has refused it."""
+        if len(choices) == 1:
+            return choices[0], await choices[0].backend.gate.acquire(tokens)
+        tasks: dict[asyncio.Future[Ticket], Choice] = {
+            asyncio.ensure_future(c.backend.gate.acquire(tokens)): c for c in choices}
+        pending: set[asyncio.Future[Ticket]] = set(tasks)
+        refused: list[Rejected] = []
+        won: tuple[Choice, Ticket] | None = None
+        try:
+            while pending and won is None:
+                done, pending = await asyncio.wait(pending,
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    exc = t.exception()
+                    if exc is None and won is None:
+                        won = tasks[t], t.result()
+                    elif exc is None:  # admitted at the same moment: given back
+                        tasks[t].backend.gate.done(t.result())
+                    elif isinstance(exc, Rejected):
+                        refused.append(exc)
+                    else:
+                        raise exc
+        finally:
+            left = list(pending)
+            for t in left:
+                t.cancel()
+            results = await asyncio.gather(*left, return_exceptions=True)
+            for t, r in zip(left, results, strict=True):
+                if isinstance(r, Ticket):  # admitted before the cancel landed: given back
+                    tasks[t].backend.gate.done(r)
+        if won is None:
+            raise refused[0]
+        return won
 
     def _finish(self, request: web.Request, target: Target, ex: Exchange) -> None:
         """The request is over: its latencies into the histograms, its one access line."""

@@ -180,3 +180,21 @@ def test_reload_adds_an_engine_and_removing_one_drains_and_stops_it(daemon_facto
     assert ask(cfg, "b").status_code == 200
     kinds = [e["event"] for e in d.events()]
     assert "engine_added" in kinds and "engine_removed" in kinds
+
+
+def test_replicas_of_one_model_share_it_and_a_held_request_takes_the_first_to_serve(
+        daemon_factory, tmp_path):
+    # two engines serving "m": r1 never boots, r2 boots slowly; a request sent before
+    # either serves is held, and answered by whichever admits it first (r2), not left
+    # waiting on r1's gate
+    cfg = engines_config(tmp_path, r1={"models": ["m"], "fake": ["--fail-boot"]},
+                         r2={"models": ["m"], "fake": ["--startup-delay", "3"]})
+    for name in ("r1", "r2"):  # both answer to "m"
+        cmd = cfg[f"engines.{name}"]["command"]
+        cmd[cmd.index("--served-model-name") + 1] = "m"
+    cfg["restart"] = {"backoff_initial_s": 0.5, "backoff_max_s": 1.0, "boot_failures_max": 50}
+    d = daemon_factory(cfg)
+    wait_for(lambda: engines_of(d), 10, "the daemon to answer")
+    r = ask(cfg, "m")
+    assert r.status_code == 200 and r.headers["x-supervisor-engine"] == "r2"
+    assert engines_of(d)["r1"]["state"] in ("BACKOFF", "STARTING")

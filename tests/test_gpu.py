@@ -63,6 +63,33 @@ def test_restart_waits_for_the_old_tree_to_leave_the_gpu_and_sigkill_frees_it(
         "reap_s": reaped["duration_s"], "daemon_sigkill_to_gpu_freed_s": round(freed_s, 2)}))
 
 
+def test_a_sibling_engines_gpu_memory_is_not_foreign_when_the_other_restarts(
+        daemon_factory, tmp_path):
+    """Two engines sharing GPU 0 (share_gpus), each core holding 1 GiB, no foreign memory
+    allowed: each start sees the other's memory on the GPU, and starts all the same
+    (the daemon's own processes are not foreign); a restart of one leaves the other be."""
+    from tests.test_engines import all_serving, engines_config, engines_of, pids
+
+    each = {"fake": ["--gpu-mib", str(MIB)], "gpus": [0], "share_gpus": True,
+            "startup_timeout_s": 120, "gpu_release_timeout_s": 30,
+            "gpu_foreign_allowance_mib": 0}
+    cfg = engines_config(tmp_path, a=dict(each, fake=list(each["fake"])),
+                         b=dict(each, fake=list(each["fake"])))
+    d = daemon_factory(cfg)
+    wait_for(lambda: all_serving(d, "a", "b"), 120, "both engines to serve")
+    b_core = pids(tmp_path, "b")[1]
+    wait_for(lambda: holders().get(b_core), 30, "NVML to list b's core")
+    t0 = time.monotonic()
+    assert d.ctl("restart", "--engine", "a").returncode == 0
+    wait_for(lambda: engines_of(d)["a"]["restarts"] == 1 and all_serving(d, "a"), 120,
+             "a to restart beside b's memory")
+    restart_s = time.monotonic() - t0
+    assert not [e for e in d.events() if e.get("event") == "spawn_failed"]
+    assert engines_of(d)["b"]["restarts"] == 0 and b_core in holders()
+    print("gpu results:", json.dumps({"sibling_restart_s": round(restart_s, 2),
+                                      "b_core_mib": holders()[b_core] >> 20}))
+
+
 def test_nvml_lister_reads_the_real_device():
     procs = nvml.processes()
     assert procs is not None  # NVML answered

@@ -84,3 +84,26 @@ def test_force_skips_the_drain_of_an_engine_ignoring_sigterm():
 
     r = asyncio.run(run())
     assert r.sigkilled and r.exit_code == -9 and r.survivors == []
+
+
+def test_a_sibling_engines_gpu_memory_is_neither_waited_for_nor_foreign() -> None:
+    """Before a start: our own killed leftovers must leave the GPU (waited for), another
+    engine of this daemon on a shared GPU is expected (not waited for, not foreign), and
+    the same memory from a process the daemon did not start refuses the start."""
+    sibling, leftover = 4242, 4343
+
+    async def check(gpu: ScriptedGpu, own: set[int], siblings: frozenset[int]) -> None:
+        await eng.check_gpus_free(gpu, own, 0, 5.0, siblings)
+
+    gpu = ScriptedGpu({sibling: 5 << 30}, polls=1000)
+    asyncio.run(check(gpu, set(), frozenset({sibling})))  # started beside it at once
+    assert gpu.calls == 1
+    gpu = ScriptedGpu({sibling: 5 << 30, leftover: 1 << 30}, polls=3)
+    asyncio.run(check(gpu, {leftover}, frozenset({sibling})))  # waits for the leftover only
+    assert gpu.calls == 5  # 3 with the leftover, 1 clear, then the listing for others
+    try:
+        asyncio.run(check(ScriptedGpu({sibling: 5 << 30}, polls=1000), set(), frozenset()))
+    except eng.GpuBusy as exc:
+        assert f"pid {sibling}" in str(exc) and "5120 MiB" in str(exc)
+    else:
+        raise AssertionError("a process the daemon did not start was not refused")

@@ -33,14 +33,16 @@ def _forward(host: Host, req: ControlRequest) -> None:
 
 def status(host: Host, req: ControlRequest) -> None:
     unit = host.unit_for("status", req.args, required=False)
-    names = [unit.name] if unit is not None and "engine" in req.args else list(host.units)
+    names = [unit.name] if unit is not None and "engine" in req.args else host.live()
     host.launch(_status(host, names, req.reply), "status")
 
 
 async def _status(host: Host, names: list[str],
                   reply: asyncio.Future[dict[str, Any]]) -> None:
-    statuses = await asyncio.gather(*(host.units[n].submit("status", {}) for n in names),
-                                    return_exceptions=True)
+    # (bounded: a unit that ends meanwhile answers no more)
+    statuses = await asyncio.gather(
+        *(asyncio.wait_for(host.units[n].submit("status", {}), 10.0) for n in names),
+        return_exceptions=True)
     detail = {n: s for n, s in zip(names, statuses, strict=True) if isinstance(s, dict)}
     lines = [host.summary_line(n, s) for n, s in detail.items()]
     if len(names) == 1 and names[0] in detail:  # one engine: its status, as it always was
@@ -62,9 +64,9 @@ def stop(host: Host, req: ControlRequest) -> None:
     loop = asyncio.get_running_loop()
     futures = []
     host.stopping = True
-    for unit in host.units.values():
+    for name in host.live():
         fut: asyncio.Future[dict[str, Any]] = loop.create_future()
-        unit.queue.put_nowait(ControlRequest("stop", {}, fut))
+        host.units[name].queue.put_nowait(ControlRequest("stop", {}, fut))
         futures.append(fut)
     host.launch(_stopped(futures, req.reply), "stop")
 
