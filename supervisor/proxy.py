@@ -196,7 +196,8 @@ class FrontProxy(ContinuingRelay):
         self.backends: dict[str, Backend] = {}  # config order
         if gate is not None:
             self.add_engine(Backend(name, gate, ready or (lambda: True), settings.upstream,
-                                    settings.models, settings.models_open))
+                                    settings.models,
+                                    settings.models_open or not settings.models))
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         # continuable streams being relayed: id(transcript) -> (it, its engine answer,

@@ -1,9 +1,14 @@
-"""Which engine a request goes to (supervisor/routing.py), as pure decisions."""
+"""Which engine a request goes to (supervisor/routing.py), as pure decisions, and the
+proxy's use of them (where a request may go, and with which body), without a socket."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from supervisor.admission import Gate, GateLimits
+from supervisor.proxy import Backend, FrontProxy, ProxySettings, read_request
 from supervisor.routing import EngineView, Route, UnknownModel, route, served_models
 
 
@@ -66,3 +71,43 @@ def test_no_fallback_while_the_primary_serves_or_when_the_fallback_is_down_too()
 
 def test_served_models_each_once_in_config_order() -> None:
     assert served_models([e("a", "x", "y"), e("b", "y", "z")]) == ["x", "y", "z"]
+
+
+# ---- the proxy's use of it: where a request may go, with which body --------------------
+
+def _proxy(*backends: tuple[str, tuple[str, ...], bool, str | None]) -> FrontProxy:
+    proxy = FrontProxy(ProxySettings("127.0.0.1", 0, "http://127.0.0.1:1"))
+    for name, models, serving, fallback in backends:
+        gate = Gate(GateLimits())
+        proxy.add_engine(Backend(name, gate, lambda s=serving: s, f"http://{name}", models,
+                                 not models, fallback))
+    return proxy
+
+
+def _where(proxy: FrontProxy, model: object) -> list[tuple[str, object]]:
+    body = json.dumps({"model": model, "prompt": "hi"}).encode()
+    return [(c.backend.name, json.loads(c.body)["model"])
+            for c in proxy._route(read_request(body), body)]
+
+
+def test_one_engine_built_with_a_gate_and_no_names_takes_any_model() -> None:
+    proxy = FrontProxy(ProxySettings("127.0.0.1", 0, "http://127.0.0.1:1"), Gate(GateLimits()))
+    assert _where(proxy, "whatever") == [("default", "whatever")]
+
+
+def test_the_proxy_sends_a_down_engines_model_to_its_fallback_under_its_name() -> None:
+    proxy = _proxy(("big", ("llama-70b",), False, "small"), ("small", ("llama-8b",), True, None))
+    assert _where(proxy, "llama-70b") == [("small", "llama-8b")]
+    assert _where(proxy, "llama-8b") == [("small", "llama-8b")]
+
+
+def test_a_held_request_may_go_to_any_engine_of_its_model_or_their_fallbacks() -> None:
+    proxy = _proxy(("r1", ("m",), False, "fb"), ("r2", ("m",), False, None),
+                   ("fb", ("small",), False, None))
+    assert _where(proxy, "m") == [("r1", "m"), ("r2", "m"), ("fb", "small")]
+
+
+def test_the_proxy_refuses_an_unknown_model_naming_the_models() -> None:
+    proxy = _proxy(("a", ("m",), True, None), ("b", ("n",), True, None))
+    with pytest.raises(UnknownModel, match="models: m, n"):
+        _where(proxy, "x")
