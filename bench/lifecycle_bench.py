@@ -160,7 +160,7 @@ def crash_to_action(runs: int, tmp_root: Path) -> dict[str, list[float]]:
 def parse_cost(repeats: int = 200) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from supervisor.metrics import parse_metrics
+    from supervisor.watchdog.metrics import parse_metrics
 
     page = (ROOT / "tests" / "fixtures" / "vllm-0.32-cpu-metrics" / "kv-saturated.txt").read_text()
 

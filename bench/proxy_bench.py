@@ -62,11 +62,11 @@ async def run_proxy(upstream: str, routed: bool = False) -> None:
     """The proxy alone: gate open and unlimited, serving until SIGTERM. `routed`: two
     engines behind it (both the same upstream), each request routed by its model to the
     first (the routing a host with several engines does per request)."""
-    from supervisor.admission import Gate, GateLimits
-    from supervisor.proxy import FrontProxy, ProxySettings
+    from supervisor.front.admission import Gate, GateLimits
+    from supervisor.front.proxy import FrontProxy, ProxySettings
 
     try:  # as the daemon logs: JSON lines (the proxy writes one per request)
-        from supervisor.logs import configure_logging
+        from supervisor.ops.logs import configure_logging
         configure_logging("info", "json")
     except ImportError:  # (a baseline from before that module)
         pass
@@ -74,7 +74,7 @@ async def run_proxy(upstream: str, routed: bool = False) -> None:
     gate = Gate(GateLimits(concurrency=100000, max_wait_s=60))
     gate.release()
     if routed:
-        from supervisor.proxy import Backend
+        from supervisor.front.proxy import Backend
 
         proxy = FrontProxy(settings)
         other = Gate(GateLimits(concurrency=100000, max_wait_s=60))
@@ -505,7 +505,7 @@ def render(args: argparse.Namespace, syn: dict[str, Any],
            if args.baseline and not args.routed else "")
         + ("**This is the routing run** (`make bench-proxy-routing`): **proxy-routed** is "
            "the same proxy with two engines behind it (two backends, two gates), each "
-           "request routed by its `model` field (`supervisor/routing.py`), beside **proxy** "
+           "request routed by its `model` field (`supervisor/front/routing.py`), beside **proxy** "
            "with one engine"
            + (f" and **proxy-before**, the single-engine proxy at commit {args.baseline}, "
               "before the host and the routing" if args.baseline else "")

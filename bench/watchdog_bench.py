@@ -41,10 +41,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.report import write_section  # noqa: E402
 from supervisor.config import PolicyConfig  # noqa: E402
-from supervisor.metrics import parse_metrics  # noqa: E402
-from supervisor.policy import EngineView, PolicyState, decide  # noqa: E402
-from supervisor.poller import scrape  # noqa: E402
-from supervisor.signals import SignalWindow, WindowConfig  # noqa: E402
+from supervisor.watchdog.metrics import parse_metrics  # noqa: E402
+from supervisor.watchdog.policy import EngineView, PolicyState, decide  # noqa: E402
+from supervisor.watchdog.poller import scrape  # noqa: E402
+from supervisor.watchdog.signals import SignalWindow, WindowConfig  # noqa: E402
 from tests.harness import Daemon, fake_engine_config, wait_for  # noqa: E402
 from tests.test_watchdog import MetricsScript  # noqa: E402
 

@@ -17,13 +17,13 @@ import structlog
 from supervisor import __version__, loop
 from supervisor.config import EX_CONFIG, Config, ConfigError, EngineConfig, load_config
 from supervisor.control.server import ControlSocketError
-from supervisor.daemon import runtime_paths_ok
-from supervisor.exporter import ExporterError
-from supervisor.gpu import FileSampler, GpuProcessLister, GpuSampler, NoGpu, NvmlSampler
+from supervisor.engine.unit import runtime_paths_ok
+from supervisor.front.proxy import ProxyError
 from supervisor.host import Host
-from supervisor.logs import configure_logging
-from supervisor.proxy import ProxyError
-from supervisor.sdnotify import Notifier
+from supervisor.ops.exporter import ExporterError
+from supervisor.ops.logs import configure_logging
+from supervisor.ops.sdnotify import Notifier
+from supervisor.watchdog.gpu import FileSampler, GpuProcessLister, GpuSampler, NoGpu, NvmlSampler
 
 
 def _parser() -> argparse.ArgumentParser:

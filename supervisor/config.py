@@ -18,12 +18,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from supervisor.exporter import parse_listen
-from supervisor.routes import route_problem
-from supervisor.rules import DEFAULT_RULES, REMEDIES, RuleConfig
+from supervisor.front.routes import route_problem
+from supervisor.ops.exporter import parse_listen
 from supervisor.schema import ConfigError as ConfigError  # raised by load_config
 from supervisor.schema import build_section, spec
-from supervisor.signals import WindowConfig
+from supervisor.watchdog.rules import DEFAULT_RULES, REMEDIES, RuleConfig
+from supervisor.watchdog.signals import WindowConfig
 
 EX_CONFIG = 78  # sysexits.h: configuration error
 DEFAULT_ENGINE = "default"  # the name of the one engine of an [engine] table
@@ -258,7 +258,7 @@ class ProxyConfig:
     # allow-list in routes.py)
     extra_routes: list[str] = spec([])
     # a stream the engine fails mid-answer goes on, token-exact, on the engine that comes
-    # back (supervisor/continuation.py); false: it ends with an error event
+    # back (supervisor/front/continuation.py); false: it ends with an error event
     continue_streams: bool = spec(True)
     continue_timeout_s: float = spec(300.0, lo=1, hi=3600)  # waiting for an engine
     max_continuations: int = spec(3, lo=1, hi=100)  # faults one request survives

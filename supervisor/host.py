@@ -2,7 +2,7 @@
 
 The host owns what the engines share: the signals, the control socket, the front proxy,
 the exporter, sd_notify and the config as a whole. Each engine is a unit
-(`supervisor.daemon.Supervisor`): one task that owns that engine's lifecycle and watchdog
+(`supervisor.engine.unit.Supervisor`): one task that owns that engine's lifecycle and watchdog
 state, with its own queue, gate, restart budget and backoff. The host never touches a
 unit's state: it puts events on the unit's queue (a signal, a control request, a reloaded
 config, a view request) and reads the answers.
@@ -29,16 +29,22 @@ from typing import Any
 
 import structlog
 
-from supervisor.audit import AuditTrail
 from supervisor.config import Config, ConfigError, EngineConfig, load_config
 from supervisor.control import handlers
 from supervisor.control.server import ControlServer
-from supervisor.daemon import Clock, Supervisor
-from supervisor.events import CommandError, ControlRequest, Reloaded, SignalReceived, iso_time
-from supervisor.exporter import Exporter, ExporterView, ProxyView, parse_listen
-from supervisor.gpu import GpuProcessLister, GpuSampler
-from supervisor.proxy import Backend, FrontProxy, ProxyError, ProxySettings
-from supervisor.sdnotify import Notifier
+from supervisor.engine.events import (
+    CommandError,
+    ControlRequest,
+    Reloaded,
+    SignalReceived,
+    iso_time,
+)
+from supervisor.engine.unit import Clock, Supervisor
+from supervisor.front.proxy import Backend, FrontProxy, ProxyError, ProxySettings
+from supervisor.ops.audit import AuditTrail
+from supervisor.ops.exporter import Exporter, ExporterView, ProxyView, parse_listen
+from supervisor.ops.sdnotify import Notifier
+from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
 
 log = structlog.get_logger("supervisor")
 

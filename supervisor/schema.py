@@ -16,9 +16,9 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from supervisor.conditions import parse_condition
-from supervisor.rules import ACTIONS, DEFAULT_RULES, RuleConfig
-from supervisor.signals import SIGNAL_NAMES
+from supervisor.watchdog.conditions import parse_condition
+from supervisor.watchdog.rules import ACTIONS, DEFAULT_RULES, RuleConfig
+from supervisor.watchdog.signals import SIGNAL_NAMES
 
 
 class ConfigError(Exception):

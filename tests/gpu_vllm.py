@@ -371,7 +371,7 @@ def exporter_series(prefix: str) -> dict[str, float]:
 def capture_sse() -> dict[str, Any]:
     """One short stream straight from the engine, with token ids, as vLLM writes it; how
     many of its events the proxy's fast path reads without decoding."""
-    from supervisor.continuation import _PLAIN
+    from supervisor.front.continuation import _PLAIN
 
     got = {}
     for path, extra in (("/v1/completions", {"prompt": "hello"}),

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from supervisor.admission import Gate, GateLimits, Rejected
+from supervisor.front.admission import Gate, GateLimits, Rejected
 
 
 def run(coro):  # type: ignore[no-untyped-def]

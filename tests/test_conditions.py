@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor.conditions import Comparison, parse_condition
-from supervisor.rules import DEFAULT_RULES
-from supervisor.signals import SIGNAL_NAMES
+from supervisor.watchdog.conditions import Comparison, parse_condition
+from supervisor.watchdog.rules import DEFAULT_RULES
+from supervisor.watchdog.signals import SIGNAL_NAMES
 
 KNOWN = {"a", "b", "c", "kv_cache_usage"}
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from supervisor.config import ConfigError, GpuConfig, diff_keys, parse_config
-from supervisor.rules import DEFAULT_RULES
+from supervisor.watchdog.rules import DEFAULT_RULES
 
 
 def doc(**sections: Any) -> dict[str, Any]:

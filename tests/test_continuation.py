@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.continuation import (
+from supervisor.front.continuation import (
     DONE,
     REFUSALS,
     EventReader,

@@ -32,7 +32,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.routes import ADMIN, LOCAL, Routes
+from supervisor.front.routes import ADMIN, LOCAL, Routes
 from tests.harness import Daemon, alive, free_port, path_tricks, raw_request, wait_for
 from tests.test_e2e_vllm import START_TIMEOUT, tree, vllm_config
 

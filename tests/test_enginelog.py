@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.enginelog import parse_engine_line
+from supervisor.engine.enginelog import parse_engine_line
 
 ACCESS = 'INFO:     127.0.0.1:48430 - "POST /v1/completions HTTP/1.1" 200 OK'
 

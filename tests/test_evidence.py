@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor.evidence import (
+from supervisor.watchdog.evidence import (
     EvidenceRequest,
     capture,
     find_py_spy,

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
-from supervisor.exporter import (
+from supervisor.ops.exporter import (
     MAX_HEAD,
     STATES,
     Exporter,

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from supervisor.gpu import GpuReading, NvmlLister, NvmlSampler
+from supervisor.watchdog.gpu import GpuReading, NvmlLister, NvmlSampler
 from tests.harness import alive, fake_engine_config, wait_for
 
 nvml = NvmlLister([])

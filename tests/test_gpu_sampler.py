@@ -15,8 +15,8 @@ from typing import Any
 import pynvml  # nvidia-ml-py imports without a driver; only nvmlInit needs one
 import pytest
 
-from supervisor.gpu import FileSampler, GpuReading, NvmlLister, NvmlSampler
-from supervisor.xid import REMEDIES, describe
+from supervisor.watchdog.gpu import FileSampler, GpuReading, NvmlLister, NvmlSampler
+from supervisor.watchdog.xid import REMEDIES, describe
 
 FULL = {
     "temperature_c": 71, "slowdown_temperature_c": 89.0, "power_w": 650.5,

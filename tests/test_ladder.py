@@ -5,8 +5,8 @@ clears, and the alert at the top."""
 from __future__ import annotations
 
 from supervisor.config import PolicyConfig
-from supervisor.policy import EngineView
-from supervisor.rules import LADDER, REMEDIES
+from supervisor.watchdog.policy import EngineView
+from supervisor.watchdog.rules import LADDER, REMEDIES
 from tests.test_policy import COLLAPSE, LEAK, SATURATED, Run, config, gpu, only, seconds
 
 SLEEPY = EngineView(can_kv_reset=True, can_reset_prefix_cache=True, live_throttle=True)

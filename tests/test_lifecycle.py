@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from supervisor.config import RestartConfig
-from supervisor.lifecycle import RestartTracker
-from supervisor.states import TRANSITIONS, State, TransitionError, check_transition
+from supervisor.engine.lifecycle import RestartTracker
+from supervisor.engine.states import TRANSITIONS, State, TransitionError, check_transition
 
 CFG = RestartConfig(backoff_initial_s=1, backoff_max_s=8, backoff_multiplier=2,
                     stable_uptime_s=300, boot_failures_max=3, boot_failure_window_s=600)

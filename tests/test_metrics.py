@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.metrics import MetricsParseError, Snapshot, parse_metrics
+from supervisor.watchdog.metrics import MetricsParseError, Snapshot, parse_metrics
 
 FIX = Path(__file__).parent / "fixtures"
 

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from supervisor.config import PolicyConfig
-from supervisor.policy import Decision, EngineView, PolicyState, decide
-from supervisor.rules import DEFAULT_RULES, RuleConfig
+from supervisor.watchdog.policy import Decision, EngineView, PolicyState, decide
+from supervisor.watchdog.rules import DEFAULT_RULES, RuleConfig
 
 Signals = dict[str, float | None]
 

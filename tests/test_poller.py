@@ -7,8 +7,8 @@ from pathlib import Path
 
 import httpx
 
-from supervisor.metrics import parse_metrics
-from supervisor.poller import ScrapeHealth, scrape
+from supervisor.watchdog.metrics import parse_metrics
+from supervisor.watchdog.poller import ScrapeHealth, scrape
 
 FIX = Path(__file__).parent / "fixtures" / "vllm-0.32-cpu-metrics"
 SATURATED = (FIX / "kv-saturated.txt").read_text()

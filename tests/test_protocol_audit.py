@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from supervisor.audit import AuditTrail
 from supervisor.control import protocol
 from supervisor.control.server import is_authorised
+from supervisor.ops.audit import AuditTrail
 
 
 def test_request_roundtrip():

@@ -11,7 +11,7 @@ import pytest
 import structlog
 
 from supervisor.control.cli import format_signal, format_status
-from supervisor.logs import configure_logging
+from supervisor.ops.logs import configure_logging
 
 
 @pytest.fixture

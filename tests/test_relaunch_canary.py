@@ -8,8 +8,8 @@ import json
 
 import httpx
 
-from supervisor import canary, relaunch
 from supervisor.config import ThrottleConfig
+from supervisor.watchdog import canary, relaunch
 
 CFG = ThrottleConfig(level_factors=[0.75, 0.5, 0.25], max_num_seqs=256,
                      max_num_batched_tokens=8192, min_num_batched_tokens=256,

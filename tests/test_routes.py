@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from yarl import URL
 
-from supervisor.routes import ADMIN, SERVING, PathRefused, Routes, read_target, route_problem
+from supervisor.front.routes import ADMIN, SERVING, PathRefused, Routes, read_target, route_problem
 
 ROUTES = Routes.serving()
 

@@ -1,4 +1,4 @@
-"""Which engine a request goes to (supervisor/routing.py), as pure decisions, and the
+"""Which engine a request goes to (supervisor/front/routing.py), as pure decisions, and the
 proxy's use of them (where a request may go, and with which body), without a socket."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from supervisor.admission import Gate, GateLimits
-from supervisor.proxy import Backend, FrontProxy, ProxySettings, read_request
-from supervisor.routing import EngineView, Route, UnknownModel, route, served_models
+from supervisor.front.admission import Gate, GateLimits
+from supervisor.front.proxy import Backend, FrontProxy, ProxySettings, read_request
+from supervisor.front.routing import EngineView, Route, UnknownModel, route, served_models
 
 
 def e(name: str, *models: str, serving: bool = True, outstanding: int = 0,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.sdnotify import Notifier
+from supervisor.ops.sdnotify import Notifier
 from tests.harness import fake_engine_config, wait_for
 
 

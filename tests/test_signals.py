@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.gpu import GpuReading
-from supervisor.metrics import Snapshot, parse_metrics
-from supervisor.signals import (
+from supervisor.watchdog.gpu import GpuReading
+from supervisor.watchdog.metrics import Snapshot, parse_metrics
+from supervisor.watchdog.signals import (
     SIGNAL_NAMES,
     SIGNALS,
     Signals,

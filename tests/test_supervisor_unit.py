@@ -1,5 +1,5 @@
 """The supervisor's lifecycle with no process at all: its effects recorded by a fake
-(`supervisor/effects.py`), its events fed by hand, its clock driven by the test.
+(`supervisor/engine/effects.py`), its events fed by hand, its clock driven by the test.
 
 Each test states a transition and what the supervisor asked the world to do for it.
 The same transitions run against real processes in tests/test_daemon.py and
@@ -18,11 +18,8 @@ from typing import Any
 
 import pytest
 
-from supervisor import evidence
 from supervisor.config import EngineConfig, parse_config
-from supervisor.daemon import Clock, Supervisor
-from supervisor.engine import EngineProcess, SpawnSpec, TakeDown
-from supervisor.events import (
+from supervisor.engine.events import (
     BackoffElapsed,
     ControlRequest,
     Down,
@@ -33,8 +30,11 @@ from supervisor.events import (
     RemedyDone,
     Spawned,
 )
-from supervisor.remedy import RemedyOutcome
-from supervisor.sdnotify import Notifier
+from supervisor.engine.process import EngineProcess, SpawnSpec, TakeDown
+from supervisor.engine.unit import Clock, Supervisor
+from supervisor.ops.sdnotify import Notifier
+from supervisor.watchdog import evidence
+from supervisor.watchdog.remedy import RemedyOutcome
 
 
 @dataclasses.dataclass

@@ -6,10 +6,10 @@ import asyncio
 import sys
 from pathlib import Path
 
-from supervisor import engine as eng
-from supervisor import proctree
 from supervisor.config import EngineConfig
-from supervisor.gpu import NoGpu
+from supervisor.engine import process as eng
+from supervisor.engine import proctree
+from supervisor.watchdog.gpu import NoGpu
 from tests.harness import FAKE_ENGINE, alive, free_port
 
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from supervisor import evidence
-from supervisor.events import CommandError, ControlRequest
+from supervisor.engine.events import CommandError, ControlRequest
+from supervisor.watchdog import evidence
 
 if TYPE_CHECKING:
     from supervisor.host import Host

@@ -1,5 +1,5 @@
 """The front door's continuable streams: relayed event by event, paused for a drained
-restart, continued when their engine fails them (`supervisor/continuation.py` is the pure
+restart, continued when their engine fails them (`supervisor/front/continuation.py` is the pure
 half: the plan, the refusal rules, the transcript and its reframing).
 
 `ContinuingRelay` is the part of `FrontProxy` that owns those streams; it uses the
@@ -23,13 +23,13 @@ import structlog
 from aiohttp import web
 from yarl import URL
 
-from supervisor import continuation
-from supervisor.admission import Rejected, Ticket
-from supervisor.continuation import StreamBroken, Transcript
-from supervisor.latency import ClientLatency
+from supervisor.front import continuation
+from supervisor.front.admission import Rejected, Ticket
+from supervisor.front.continuation import StreamBroken, Transcript
+from supervisor.front.latency import ClientLatency
 
 if TYPE_CHECKING:
-    from supervisor.proxy import Backend, Exchange, ProxySettings, ProxyStats
+    from supervisor.front.proxy import Backend, Exchange, ProxySettings, ProxyStats
 
 log = structlog.get_logger("supervisor.proxy")
 

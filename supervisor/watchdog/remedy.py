@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from supervisor import canary
+from supervisor.watchdog import canary
 
 
 @dataclass(frozen=True)

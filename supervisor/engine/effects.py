@@ -2,8 +2,8 @@
 
 Every process, socket and timer the supervisor's task sets going goes through `Effects`:
 each call starts a job that reports back only by putting an event on the queue
-(`supervisor/events.py`), and returns at once. The daemon's implementation is
-`JobEffects` (`supervisor/daemon.py`: the jobs themselves); tests pass a recording fake
+(`supervisor/engine/events.py`), and returns at once. The daemon's implementation is
+`JobEffects` (`supervisor/engine/unit.py`: the jobs themselves); tests pass a recording fake
 (`tests/test_supervisor_unit.py`) and feed the events by hand, with a driven clock, so
 the lifecycle is tested without a process. Must never hold state of its own that the
 supervisor reads.
@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol
 
-from supervisor import evidence
 from supervisor.config import EngineConfig
-from supervisor.engine import EngineProcess, SpawnSpec
-from supervisor.events import Event
+from supervisor.engine.events import Event
+from supervisor.engine.process import EngineProcess, SpawnSpec
+from supervisor.watchdog import evidence
 
 
 class Timer(Protocol):

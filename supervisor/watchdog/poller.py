@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from supervisor.metrics import MetricsParseError, Snapshot, parse_metrics
+from supervisor.watchdog.metrics import MetricsParseError, Snapshot, parse_metrics
 
 
 async def scrape(client: httpx.AsyncClient, url: str,

@@ -45,8 +45,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from supervisor.continuation import OUTCOMES, REFUSALS
-from supervisor.latency import KINDS, HistogramView
+from supervisor.front.continuation import OUTCOMES, REFUSALS
+from supervisor.front.latency import KINDS, HistogramView
 
 log = structlog.get_logger("supervisor.exporter")
 

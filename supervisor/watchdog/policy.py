@@ -37,10 +37,10 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from supervisor.conditions import Condition, parse_condition
 from supervisor.config import PolicyConfig
-from supervisor.rules import IN_PLACE, LADDER, LIFTABLE, RuleConfig
-from supervisor.signals import SIGNAL_NAMES
+from supervisor.watchdog.conditions import Condition, parse_condition
+from supervisor.watchdog.rules import IN_PLACE, LADDER, LIFTABLE, RuleConfig
+from supervisor.watchdog.signals import SIGNAL_NAMES
 
 # Several rules may be due at once; one action per decision, the most drastic first.
 PRIORITY = ("hold_down", "restart_now", "restart", "reduce_batch", "kv_reset", "throttle",

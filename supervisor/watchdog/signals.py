@@ -34,10 +34,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from supervisor.metrics import Snapshot
+from supervisor.watchdog.metrics import Snapshot
 
 if TYPE_CHECKING:
-    from supervisor.gpu import GpuReading
+    from supervisor.watchdog.gpu import GpuReading
 
 
 @dataclass(frozen=True)

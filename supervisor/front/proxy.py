@@ -7,7 +7,7 @@ to the engine's internal port and its answer streamed back chunk by chunk (SSE i
 status and headers kept. A client that goes away cancels its upstream request (aiohttp's
 handler cancellation closes the upstream connection, and vLLM aborts the request).
 
-Only the serving API is forwarded, and only by route (`supervisor/routes.py`): the
+Only the serving API is forwarded, and only by route (`supervisor/front/routes.py`): the
 request target is read once, anything ambiguous refused with 400, the allow-list checked
 on that one canonical path, and the upstream request line built from the same path,
 sent as already encoded, so no URL library normalises it again on the way. The engine's
@@ -19,8 +19,8 @@ counted by reason.
 A connection refused by the engine means the request never reached it, so it goes back
 to the gate (which holds it while the daemon restarts the engine) and is sent again. A
 stream the engine fails mid-answer is continued token-exact on the engine that comes
-back (`supervisor/continuation.py`, driven by `supervisor/streams.py`), with SSE comments
-keeping the client's connection alive while it waits; one that cannot be continued ends
+back (`supervisor/front/continuation.py`, driven by `supervisor/front/streams.py`), with
+SSE comments keeping the client's connection alive while it waits; one that cannot be continued ends
 with an explicit error event and no `[DONE]`, never as a clean but short answer. Any
 other answer the engine had started fails fast with 502, since it cannot be saved. The
 proxy's own `/healthz` and `/readyz` answer load balancers.
@@ -42,12 +42,12 @@ import structlog
 from aiohttp import web
 from yarl import URL
 
-from supervisor import continuation, routing
-from supervisor.admission import Gate, Rejected, Ticket
-from supervisor.continuation import Transcript
-from supervisor.latency import ClientLatency
-from supervisor.routes import LOCAL, PathRefused, Routes, Target, read_target
-from supervisor.streams import (
+from supervisor.front import continuation, routing
+from supervisor.front.admission import Gate, Rejected, Ticket
+from supervisor.front.continuation import Transcript
+from supervisor.front.latency import ClientLatency
+from supervisor.front.routes import LOCAL, PathRefused, Routes, Target, read_target
+from supervisor.front.streams import (
     HOP_BY_HOP,
     Broken,
     ContinuingRelay,
@@ -346,7 +346,7 @@ class FrontProxy(ContinuingRelay):
             self._finish(request, target, ex)
 
     def _route(self, facts: RequestFacts, body: bytes) -> list[Choice]:
-        """Where this request may go (supervisor/routing.py): one engine serving its model
+        """Where this request may go (supervisor/front/routing.py): one engine serving its model
         now; or, when none does, every engine of its model and their fallbacks, in order,
         to be held until the first of them admits it. A fallback gets the body with its
         own model name. Raises UnknownModel."""

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
-from supervisor import canary, evidence, proctree, remedy
-from supervisor import engine as eng
 from supervisor.config import Config
-from supervisor.exporter import ExporterView
-from supervisor.gpu import GpuReading
-from supervisor.metrics import Snapshot
+from supervisor.engine import process as eng
+from supervisor.engine import proctree
+from supervisor.ops.exporter import ExporterView
+from supervisor.watchdog import canary, evidence, remedy
+from supervisor.watchdog.gpu import GpuReading
+from supervisor.watchdog.metrics import Snapshot
 
 # ---- events ---------------------------------------------------------------------------
 

@@ -24,10 +24,10 @@ from typing import TypeVar
 import httpx
 import structlog
 
-from supervisor import proctree
 from supervisor.config import EngineConfig
-from supervisor.enginelog import parse_engine_line
-from supervisor.gpu import GpuProcessLister
+from supervisor.engine import proctree
+from supervisor.engine.enginelog import parse_engine_line
+from supervisor.watchdog.gpu import GpuProcessLister
 
 log = structlog.get_logger("supervisor.engine")
 

@@ -14,7 +14,7 @@ start when the proxy has the request and stop when the client has the bytes:
 - `admission_wait`: time waiting at the gate for a slot only (throttle, concurrency, KV
   breaker);
 - `continuation_gap`: in a stream whose engine failed mid-answer, the client's last token
-  before the fault to its first token from the continuation (`supervisor/continuation.py`).
+  before the fault to its first token from the continuation (`supervisor/front/continuation.py`).
 
 The `model` label is the request's `model` when the engine serves it (its arguments
 say which names), else `other`: a client cannot grow the label set.

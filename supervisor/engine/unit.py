@@ -1,6 +1,6 @@
 """The supervisor: the single task that owns the engine's state.
 
-Everything that happens reaches `Supervisor.run` as a typed event (`supervisor/events.py`)
+Everything that happens reaches `Supervisor.run` as a typed event (`supervisor/engine/events.py`)
 on one queue: the engine's exit, its health, the end of a take-down, a backoff timer, a
 signal, a control request, a reloaded config, a tick. Each is handled by a
 `handle_<name>` method that may change state (only through `_set_state`, which checks
@@ -31,10 +31,7 @@ from typing import Any
 import httpx
 import structlog
 
-from supervisor import canary, evidence, proctree, relaunch, reload, remedy, xid
-from supervisor import engine as eng
-from supervisor.admission import Gate, GateLimits
-from supervisor.audit import AuditTrail
+from supervisor import reload
 from supervisor.config import (
     DEFAULT_ENGINE,
     Config,
@@ -44,8 +41,10 @@ from supervisor.config import (
     diff_keys,
     load_config,
 )
-from supervisor.effects import Effects, Timer
-from supervisor.events import (
+from supervisor.engine import process as eng
+from supervisor.engine import proctree
+from supervisor.engine.effects import Effects, Timer
+from supervisor.engine.events import (
     BackoffElapsed,
     CanaryDone,
     CommandError,
@@ -70,16 +69,19 @@ from supervisor.events import (
     ViewRequest,
     iso_time,
 )
-from supervisor.exporter import ExporterView, ProxyView
-from supervisor.gpu import GpuProcessLister, GpuSampler
-from supervisor.lifecycle import RestartTracker
-from supervisor.logs import set_level
-from supervisor.policy import PRIORITY, EngineView, PolicyMemory, PolicyState, decide
-from supervisor.poller import ScrapeHealth, scrape
-from supervisor.proxy import FrontProxy
-from supervisor.sdnotify import Notifier
-from supervisor.signals import SIGNALS, Signals, SignalWindow
-from supervisor.states import State, check_transition
+from supervisor.engine.lifecycle import RestartTracker
+from supervisor.engine.states import State, check_transition
+from supervisor.front.admission import Gate, GateLimits
+from supervisor.front.proxy import FrontProxy
+from supervisor.ops.audit import AuditTrail
+from supervisor.ops.exporter import ExporterView, ProxyView
+from supervisor.ops.logs import set_level
+from supervisor.ops.sdnotify import Notifier
+from supervisor.watchdog import canary, evidence, relaunch, remedy, xid
+from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
+from supervisor.watchdog.policy import PRIORITY, EngineView, PolicyMemory, PolicyState, decide
+from supervisor.watchdog.poller import ScrapeHealth, scrape
+from supervisor.watchdog.signals import SIGNALS, Signals, SignalWindow
 
 log = structlog.get_logger("supervisor")
 RESTART_REASONS = ("crash", "boot_failure", "policy", "operator")  # the exporter's labels
