@@ -86,14 +86,14 @@ class RecordingEffects:
     def remedy(self, engine: EngineProcess, rung: str) -> None:
         self.calls.append(("remedy", {"pid": engine.pid, "rung": rung}))
 
+    def sample_gpu(self, sampler: Any) -> None:
+        self.calls.append(("sample_gpu", {}))
+
     def after(self, delay_s: float, event: Event) -> FakeTimer:
         t = FakeTimer(delay_s, event)
         self.timers.append(t)
         self.calls.append(("after", {"delay_s": delay_s, "event": event}))
         return t
-
-    def reload(self, reply: asyncio.Future[dict[str, Any]] | None) -> None:
-        self.calls.append(("reload", {"reply": reply}))
 
 
 class World:

@@ -18,6 +18,7 @@ from supervisor.config import EngineConfig
 from supervisor.engine.events import Event
 from supervisor.engine.process import EngineProcess, SpawnSpec
 from supervisor.watchdog import evidence
+from supervisor.watchdog.gpu import GpuSampler
 
 
 class Timer(Protocol):
@@ -56,5 +57,6 @@ class Effects(Protocol):
     def after(self, delay_s: float, event: Event) -> Timer:
         """`event` on the queue once `delay_s` has passed, unless cancelled first."""
 
-    def reload(self, reply: asyncio.Future[dict[str, Any]] | None) -> None:
-        """Read and validate the config file again: `Reloaded`."""
+    def sample_gpu(self, sampler: GpuSampler) -> None:
+        """Sample the GPU every `gpu.period_s` for as long as the unit runs: `GpuSampled`."""
+

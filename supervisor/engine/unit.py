@@ -28,21 +28,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import structlog
 
 from supervisor import reload
 from supervisor.config import (
     DEFAULT_ENGINE,
     Config,
-    ConfigError,
-    EngineConfig,
-    MetricsConfig,
     diff_keys,
-    load_config,
 )
 from supervisor.engine import process as eng
-from supervisor.engine import proctree
+from supervisor.engine import proctree, views
+from supervisor.engine.commands import COMMANDS
 from supervisor.engine.effects import Effects, Timer
 from supervisor.engine.events import (
     BackoffElapsed,
@@ -69,22 +65,22 @@ from supervisor.engine.events import (
     ViewRequest,
     iso_time,
 )
+from supervisor.engine.jobs import JobEffects, merge_known
 from supervisor.engine.lifecycle import RestartTracker
 from supervisor.engine.states import State, check_transition
 from supervisor.front.admission import Gate, GateLimits
 from supervisor.front.proxy import FrontProxy
 from supervisor.ops.audit import AuditTrail
-from supervisor.ops.exporter import ExporterView, ProxyView
+from supervisor.ops.exporter import ExporterView
 from supervisor.ops.logs import set_level
 from supervisor.ops.sdnotify import Notifier
-from supervisor.watchdog import canary, evidence, relaunch, remedy, xid
+from supervisor.watchdog import evidence, relaunch, xid
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
-from supervisor.watchdog.policy import PRIORITY, EngineView, PolicyMemory, PolicyState, decide
-from supervisor.watchdog.poller import ScrapeHealth, scrape
-from supervisor.watchdog.signals import SIGNALS, Signals, SignalWindow
+from supervisor.watchdog.policy import EngineView, PolicyMemory, PolicyState, decide
+from supervisor.watchdog.poller import ScrapeHealth
+from supervisor.watchdog.signals import Signals, SignalWindow
 
 log = structlog.get_logger("supervisor")
-RESTART_REASONS = ("crash", "boot_failure", "policy", "operator")  # the exporter's labels
 EXTEND_EVERY_S = 10.0  # while the first engine starts, push systemd's start timeout ...
 EXTEND_BY_S = 30.0  # ... this far ahead each time
 
@@ -112,15 +108,6 @@ class _Relaunch:
             out[name] = round(at - last, 3)
             last = at
         return out
-
-
-async def _acquire(lock: asyncio.Lock, timeout_s: float) -> bool:
-    """The lock, or False once `timeout_s` has passed without it."""
-    try:
-        await asyncio.wait_for(lock.acquire(), timeout_s)
-    except TimeoutError:
-        return False
-    return True
 
 
 # ---- the supervisor -------------------------------------------------------------------
@@ -225,7 +212,7 @@ class Supervisor:
         log.info("engine unit started", guard_pid=self.guard.pid)
         self._launch(self._ticker(), "ticker")
         if self.sampler is not None:
-            self._launch(self._job_sample_gpu(self.sampler), "gpu sampler")
+            self.act.sample_gpu(self.sampler)
         self._start_engine("daemon started")
         try:
             while not self._done:
@@ -330,27 +317,6 @@ class Supervisor:
         spec = eng.build_spawn_spec(cfg, self.environ)
         self.act.spawn(self.generation, spec, cfg)
 
-    async def _job_spawn(self, generation: int, spec: eng.SpawnSpec,
-                         cfg: EngineConfig) -> None:
-        leftovers: list[str] = []
-        try:
-            leftovers, own = await eng.clean_leftovers(self.state_file, cfg.reap_timeout_s)
-            # (a sibling engine's processes on a shared GPU are expected, not foreign)
-            await eng.check_gpus_free(self.gpu, own, cfg.gpu_foreign_allowance_mib << 20,
-                                      cfg.gpu_release_timeout_s, frozenset(self.siblings()))
-            held = await asyncio.to_thread(proctree.port_holder, spec.host, spec.port)
-            if held is not None:
-                raise RuntimeError(f"engine port refused: {held}")
-            engine = await eng.spawn_engine(spec, generation, self.clock.monotonic(), cfg,
-                                            self.config.evidence.log_lines)
-            await asyncio.to_thread(self.state_file.write, engine.pgid, engine.known)
-        except Exception as exc:  # any failure here is a failed start, never a stuck one
-            error = str(exc) if isinstance(exc, OSError | RuntimeError) else repr(exc)
-            self.queue.put_nowait(Spawned(generation, None, error, tuple(leftovers),
-                                          gpu_busy=isinstance(exc, eng.GpuBusy)))
-            return
-        self.queue.put_nowait(Spawned(generation, engine, None, tuple(leftovers)))
-
     def handle_spawned(self, ev: Spawned) -> None:
         self._spawning = False
         for line in ev.leftovers:
@@ -379,52 +345,6 @@ class Supervisor:
         self.act.watch(engine)
         if self.state in (State.STOPPING, State.DRAINING):
             self._take_down(graceful=True)  # a stop or restart came while it was spawning
-
-    async def _job_watch(self, engine: eng.EngineProcess) -> None:
-        """Report the exit at once (asyncio wakes on SIGCHLD), the first health, and the
-        tree as it grows, so that the tree can be proven gone later."""
-        gen = engine.generation
-        exited: asyncio.Future[int] = asyncio.ensure_future(eng.wait_exit(engine.proc))
-        exited.add_done_callback(
-            lambda f: None if f.cancelled() else self.queue.put_nowait(Exited(gen, f.result())))
-        cfg = engine.config
-        url = cfg.base_url + cfg.health_path
-        health = asyncio.ensure_future(
-            eng.wait_healthy(url, cfg.health_interval_s, cfg.startup_timeout_s, exited))
-        # An error in the probe counts as "not healthy": STARTING must never outlive its bound.
-        health.add_done_callback(
-            lambda f: None if f.cancelled() else self.queue.put_nowait(
-                HealthResult(gen, f.exception() is None and f.result())))
-        recorded = list(engine.known)  # what the state file holds (written at spawn)
-        try:
-            while not exited.done():
-                procs = await asyncio.to_thread(proctree.snapshot_tree, engine.pid)
-                if procs:
-                    rss, cpu = await asyncio.to_thread(proctree.tree_usage, procs)
-                    self.queue.put_nowait(TreeSeen(gen, tuple(procs), self.clock.monotonic(),
-                                                   rss, cpu))
-                    merged = _merge(recorded, procs)
-                    if len(merged) > len(recorded):  # rewrite only when the tree grew
-                        try:
-                            await asyncio.to_thread(self.state_file.write, engine.pgid, merged)
-                            recorded = merged
-                        except OSError as exc:
-                            log.warning("cannot write the state file", error=str(exc))
-                await asyncio.wait({exited}, timeout=2.0 if engine.healthy_at is None else 10.0)
-        finally:
-            health.cancel()
-
-    async def _job_poll(self, engine: eng.EngineProcess, cfg: MetricsConfig) -> None:
-        """Scrape the engine's /metrics every period for as long as this engine lives."""
-        ecfg = engine.config
-        url = ecfg.base_url + cfg.path
-        async with httpx.AsyncClient() as client:
-            while engine.proc.returncode is None:
-                snap, error = await scrape(client, url, cfg.timeout_s)
-                if engine.proc.returncode is not None:
-                    return  # a failed scrape of an engine that is gone says nothing new
-                self.queue.put_nowait(MetricsSampled(engine.generation, snap, error))
-                await asyncio.sleep(cfg.period_s)
 
     def handle_metrics_sampled(self, ev: MetricsSampled) -> None:
         if self.engine is None or self.engine.generation != ev.generation:
@@ -457,7 +377,7 @@ class Supervisor:
     def handle_tree_seen(self, ev: TreeSeen) -> None:
         if self.engine is not None and self.engine.generation == ev.generation:
             e = self.engine
-            e.known = _merge(e.known, list(ev.procs))
+            e.known = merge_known(e.known, list(ev.procs))
             e.live_processes = len(ev.procs)
             e.rss_bytes = ev.rss_bytes
             if e.cpu_seen is not None and ev.at > e.cpu_seen[0]:
@@ -600,25 +520,6 @@ class Supervisor:
             signals=self._signals(self.clock.monotonic()), gpu=self.window.gpu_snapshot(),
             wall=self.clock.wall())
 
-    async def _job_evidence(self, engine: eng.EngineProcess,
-                            req: evidence.EvidenceRequest) -> None:
-        """Bounded: the take-down waits for this at most evidence.timeout_s (+1 s to write
-        what was gathered), whatever py-spy does."""
-        cfg = self.config.evidence
-        # the tree as it is now, beside every pid seen in it: a child forked since the
-        # last look at the tree is read too
-        live = await asyncio.to_thread(proctree.snapshot_tree, engine.pid)
-        req = dataclasses.replace(req, pids=list(dict.fromkeys(
-            [*req.pids, *(p.pid for p in live)])))
-        try:
-            bundle = await asyncio.wait_for(
-                evidence.capture(req, Path(cfg.dir), cfg.keep, cfg.timeout_s,
-                                 evidence.find_py_spy()), cfg.timeout_s + 1.0)
-        except TimeoutError:
-            bundle = evidence.Bundle(str(Path(cfg.dir) / req.name), cfg.timeout_s + 1.0, 0,
-                                     {}, "the capture ran past its bound")
-        self.queue.put_nowait(EvidenceCaptured(engine.generation, req, bundle))
-
     def handle_evidence_captured(self, ev: EvidenceCaptured) -> None:
         fields = {"rule": ev.request.rule, "reason": ev.request.reason,
                   "pid": ev.request.engine_pid, **ev.bundle.as_dict()}
@@ -627,24 +528,6 @@ class Supervisor:
         else:
             log.info("evidence captured", **fields)
         self._audit("evidence", **fields)
-
-    async def _job_take_down(self, engine: eng.EngineProcess, graceful: bool,
-                             force: asyncio.Event,
-                             req: evidence.EvidenceRequest | None = None) -> None:
-        try:
-            if req is not None:
-                await self._job_evidence(engine, req)
-            # the engine's own config: a reload since its start does not change its stop
-            result = await eng.take_down(engine, engine.config, graceful=graceful,
-                                         force=force, gpu=self.gpu)
-            # With the tree gone the pipes close: let the relays log the engine's last
-            # words (a boot failure's traceback) before anyone reads them.
-            if engine.relays:
-                await asyncio.wait(engine.relays, timeout=2.0)
-        except Exception as exc:  # reported as an event: the lifecycle must not hang
-            self.queue.put_nowait(Down(engine.generation, None, f"take-down failed: {exc!r}"))
-            raise
-        self.queue.put_nowait(Down(engine.generation, result))
 
     def handle_down(self, ev: Down) -> None:
         engine = self.engine
@@ -773,34 +656,6 @@ class Supervisor:
         return relaunch.overrides(self.config.engine.args, self.config.throttle,
                                   level, self.batch_reduced, self.spec_tokens)
 
-    def _admission_status(self) -> dict[str, Any] | None:
-        if self.proxy is None:
-            return None
-        g = self.gate
-        # (where it listens, not a reloaded address it will take at the next daemon start)
-        listen = f"{self.proxy.s.listen_host}:{self.proxy.port}"
-        upstream = self.proxy.backends[self.name].upstream \
-            if self.name in self.proxy.backends else None
-        return {"listen": listen, "upstream": upstream, "held": g.held_reason,
-                "in_flight": g.in_flight, "tokens_in_flight": g.tokens_in_flight,
-                "waiting": g.waiting, "max_concurrency": g.concurrency_limit,
-                "max_tokens_in_flight": g.token_limit or None,
-                "kv_breaker_open": g.breaker_open,
-                "drained_by_operator": self.drained_by_operator}
-
-    def _rule_status(self, now: float) -> dict[str, dict[str, Any]]:
-        """Where each rule stands: how long its condition (or its clear condition) has
-        held, and the throttle it holds. Answers "why has it not acted (or lifted) yet?"."""
-        out = {}
-        for name, m in self.policy_memory.rules.items():
-            out[name] = {
-                "holding_s": round(now - m.true_since, 3) if m.true_since is not None else None,
-                "clearing_s": (round(now - m.clear_since, 3) if m.clear_since is not None
-                               else None),
-                "levels": m.levels, "reduced_batch": m.reduced, "armed": m.armed,
-                "trips": m.trips}
-        return out
-
     def _gate_limits(self) -> GateLimits:
         p = self.config.proxy
         return GateLimits(concurrency=p.max_concurrency, tokens=p.max_tokens_in_flight,
@@ -812,27 +667,6 @@ class Supervisor:
         """Serving: the engine runs and the gate lets requests through."""
         return self.state is State.RUNNING and self.gate.held_reason is None \
             and not self._taking_down
-
-    async def _job_gate_probe(self, engine: eng.EngineProcess) -> None:
-        """Healthy is not enough to release held requests: one canary must pass first
-        (bounded: a few tries, then the gate opens anyway and the hang rule judges)."""
-        ecfg = engine.config
-        base = ecfg.base_url
-        error: str | None = None
-        async with httpx.AsyncClient() as client:
-            for _ in range(3):
-                _, _, outcome = await self._probe(client, base, None)
-                if outcome.ok:
-                    self.queue.put_nowait(GateProbe(engine.generation, True, None))
-                    return
-                error = outcome.error
-                await asyncio.sleep(0.5)
-        self.queue.put_nowait(GateProbe(engine.generation, False, error))
-
-    async def _job_drain(self, engine: eng.EngineProcess) -> None:
-        t0 = self.clock.monotonic()
-        idle = await self.gate.wait_idle(engine.config.drain_timeout_s)
-        self.queue.put_nowait(Drained(engine.generation, idle, self.clock.monotonic() - t0))
 
     def handle_drained(self, ev: Drained) -> None:
         engine = self.engine
@@ -946,21 +780,6 @@ class Supervisor:
 
     # ---- in-place remedies ------------------------------------------------------------
 
-    async def _job_probe_sleep_mode(self, engine: eng.EngineProcess) -> None:
-        """Can this engine drop its KV cache in place? Its flags say whether it should;
-        its /is_sleeping endpoint, once it serves, says whether it does."""
-        env = eng.build_spawn_spec(engine.config, self.environ).env
-        why = remedy.sleep_mode_flags(engine.spec.argv, env)
-        if why is None and self.proxy is None:
-            why = "no front proxy to hold requests while the engine sleeps ([proxy] is off)"
-        if why is None:
-            base = engine.config.base_url
-            async with httpx.AsyncClient() as client:
-                asleep, why = await remedy.is_sleeping(client, base, 10.0)
-            if asleep:
-                why = "the engine reports it is asleep"
-        self.queue.put_nowait(SleepModeProbed(engine.generation, why is None, why))
-
     def handle_sleep_mode_probed(self, ev: SleepModeProbed) -> None:
         if self.engine is None or self.engine.generation != ev.generation:
             return
@@ -1013,37 +832,6 @@ class Supervisor:
             "held": self.gate.waiting if self.proxy is not None else None,
             "reason": r.reason})
 
-    async def _job_remedy(self, engine: eng.EngineProcess, rung: str) -> None:
-        cfg = engine.config
-        base = cfg.base_url
-        t0 = self.clock.monotonic()
-        async with httpx.AsyncClient() as client:
-            if rung == "reset_prefix_cache":
-                outcome = await remedy.reset_prefix_cache(client, base, 30.0)
-            else:
-                c = self.config.canary
-                idle = await self.gate.wait_idle(cfg.drain_timeout_s)
-                # a canary in flight ends within its own deadline; none starts meanwhile
-                quiet = idle and await _acquire(self._probe_lock, c.timeout_s + 1.0)
-                waited = self.clock.monotonic() - t0
-                if not quiet:
-                    busy = (f"{self.gate.in_flight} requests still in flight after "
-                            f"{cfg.drain_timeout_s:g} s" if not idle else
-                            f"a canary still in flight after {c.timeout_s + 1.0:g} s")
-                    outcome = remedy.RemedyOutcome(
-                        False, {"drain": waited}, f"{busy}: the KV cache was not touched",
-                        attempted=False)
-                else:
-                    try:
-                        outcome = await remedy.kv_reset(client, base, c.model or None,
-                                                        c.prompt, 60.0, max(c.timeout_s, 10.0))
-                    finally:
-                        self._probe_lock.release()
-                    outcome = dataclasses.replace(outcome, steps={"drain": waited,
-                                                                  **outcome.steps})
-        self.queue.put_nowait(RemedyDone(engine.generation, rung, outcome,
-                                         self.clock.monotonic() - t0))
-
     def handle_remedy_done(self, ev: RemedyDone) -> None:
         self.remedy_running = None
         self._remedy_ended_at = self.clock.monotonic()
@@ -1077,40 +865,6 @@ class Supervisor:
         self._evidence_for = (f"{ev.rung}_failed", why)
         self._restart(why)
 
-    async def _probe(self, client: httpx.AsyncClient, base: str,
-                     model: str | None) -> tuple[str | None, float, canary.CanaryOutcome]:
-        """One canary (the model asked for, when it began, its outcome), never beside a
-        KV reset: the daemon's own generation is engine traffic that reset must drain."""
-        cfg = self.config.canary
-        async with self._probe_lock:
-            t0 = self.clock.monotonic()
-            model = model or cfg.model or await canary.find_model(client, base, cfg.timeout_s)
-            if model is None:
-                return None, t0, canary.CanaryOutcome(False, self.clock.monotonic() - t0,
-                                                      "/v1/models named no model")
-            self._probes_in_flight += 1  # (read only by the state-owning task)
-            try:
-                return model, t0, await canary.probe(client, base, model, cfg.prompt,
-                                                     cfg.max_tokens, cfg.timeout_s)
-            finally:
-                self._probes_in_flight -= 1
-
-    async def _job_canary(self, engine: eng.EngineProcess) -> None:
-        """A tiny generation every period, for as long as this engine lives."""
-        ecfg = engine.config
-        base = ecfg.base_url
-        async with httpx.AsyncClient() as client:
-            model: str | None = None
-            while engine.proc.returncode is None:
-                await asyncio.sleep(self.config.canary.period_s)
-                # (a reloaded canary.model applies at the next probe)
-                model, t0, outcome = await self._probe(
-                    client, base, self.config.canary.model or model)
-                if engine.proc.returncode is not None:
-                    return
-                self.queue.put_nowait(CanaryDone(engine.generation, outcome, t0,
-                                                 self.clock.monotonic()))
-
     def handle_canary_done(self, ev: CanaryDone) -> None:
         if (self.engine is None or self.engine.generation != ev.generation
                 or self.state is not State.RUNNING or self._taking_down):
@@ -1130,12 +884,6 @@ class Supervisor:
         elif before:
             log.info("canary passed again", latency_s=round(o.latency_s, 3),
                      failures_before=before)
-
-    async def _job_sample_gpu(self, sampler: GpuSampler) -> None:
-        while True:
-            reading = await asyncio.to_thread(sampler.sample)
-            self.queue.put_nowait(GpuSampled(reading, self.clock.monotonic()))
-            await asyncio.sleep(self.config.gpu.period_s)  # (a reload applies here)
 
     def handle_gpu_sampled(self, ev: GpuSampled) -> None:
         r = ev.reading
@@ -1160,49 +908,14 @@ class Supervisor:
         return await reply
 
     def handle_view_request(self, ev: ViewRequest) -> None:
-        if ev.reply.done():
-            return
-        now = self.clock.monotonic()
-        signals = self._signals(now)
-        e = self.engine
-        ev.reply.set_result(ExporterView(
-            state=self.state.value,
-            ready=self.serving() if self.proxy is not None
-            else self.state is State.RUNNING and not self._taking_down,
-            throttle_level=self.throttle_level,
-            # every series exists from the start, at 0: Prometheus' increase() cannot see
-            # a counter's first step when the series is born with it
-            restarts_by_reason={**dict.fromkeys(RESTART_REASONS, 0), **self.restarts_by_reason},
-            trips_by_rule={**dict.fromkeys(self.config.policy.rules, 0), **self.trips_by_rule},
-            actions_by_kind={**dict.fromkeys(PRIORITY, 0), **self.actions_by_kind},
-            last_decision_wall=self.last_decision.wall if self.last_decision else None,
-            policy_paused=self.policy_paused,
-            dry_run=self.config.policy.dry_run,
-            engine_uptime_s=(now - e.healthy_at if e is not None and e.healthy_at is not None
-                             else None),
-            engine_not_running_s=(now - self.not_running_since
-                                  if self.not_running_since is not None else 0.0),
-            engine_startup_timeout_s=self.config.engine.startup_timeout_s,
-            gauges=[(spec.metric, spec.help, signals[spec.name]) for spec in SIGNALS],
-            proxy=self._proxy_view()))
-
-    def _proxy_view(self) -> ProxyView | None:
-        """This engine's gate; the host adds the proxy's shared counters."""
-        if self.proxy is None:
-            return None
-        g = self.gate
-        return ProxyView(responses_by_code={}, rejections_by_reason={}, in_flight=g.in_flight,
-                         held=g.waiting, held_limit=g.limits.queue_max,
-                         kv_breaker_open=g.breaker_open, connect_retries=0)
+        if not ev.reply.done():
+            ev.reply.set_result(views.exporter_view(self))
 
     # ---- signals, ticks, reload -------------------------------------------------------
 
     def handle_signal_received(self, ev: SignalReceived) -> None:
         name = signal.Signals(ev.signum).name
-        if ev.signum == signal.SIGHUP:
-            log.info("reload requested", signal=name)
-            self.act.reload(None)
-        else:
+        if ev.signum != signal.SIGHUP:  # (a reload is the host's: supervisor/host.py)
             self._begin_stop(f"{name} received")
 
     def handle_tick(self, _: Tick) -> None:
@@ -1222,14 +935,6 @@ class Supervisor:
         if self.config.policy.enabled and self.remedy_running is None:
             # (during an in-place remedy the signals describe the remedy, not the engine)
             self._evaluate_policy(now)
-
-    async def _job_reload(self, reply: asyncio.Future[dict[str, Any]] | None) -> None:
-        try:
-            new = await asyncio.to_thread(load_config, self.config.source)
-        except ConfigError as exc:
-            self.queue.put_nowait(Reloaded(None, str(exc), reply))
-            return
-        self.queue.put_nowait(Reloaded(new, None, reply))
 
     def handle_reloaded(self, ev: Reloaded) -> None:
         if ev.config is None:
@@ -1268,205 +973,17 @@ class Supervisor:
     def handle_control_request(self, ev: ControlRequest) -> None:
         if ev.reply.done():  # the client gave up waiting
             return
+        command = COMMANDS.get(ev.command)
         try:
-            if ev.command == "status":
-                ev.reply.set_result(self.status())
-            elif ev.command == "restart":
-                reason = str(ev.args.get("reason") or "restart requested by operator")
-                self._audit("control", command="restart", reason=reason)
-                self._restart(reason)
-                self._count_restart("operator")
-                ev.reply.set_result({"state": self.state.value, "reason": reason})
-            elif ev.command == "stop":
-                self._audit("control", command="stop")
-                self._stop_replies.append(ev.reply)
-                self._begin_stop("stop requested over the control socket")
-            elif ev.command == "reload":
-                self._audit("control", command="reload")
-                self.act.reload(ev.reply)
-            elif ev.command == "drain":
-                self.drained_by_operator = True
-                self.gate.hold("drain requested by operator")
-                self._audit("control", command="drain")
-                log.info("drain: new requests are held", in_flight=self.gate.in_flight)
-                ev.reply.set_result({"held": True, "in_flight": self.gate.in_flight,
-                                     "waiting": self.gate.waiting})
-            elif ev.command == "resume":
-                self.drained_by_operator = False
-                waiting = self.gate.waiting
-                if self.state is State.RUNNING and not self._taking_down:
-                    self.gate.release()
-                self._audit("control", command="resume", released=waiting)
-                ev.reply.set_result({"held": self.gate.held_reason is not None,
-                                     "released": waiting})
-            elif ev.command in ("throttle", "unthrottle"):
-                level = 0 if ev.command == "unthrottle" else ev.args.get("level")
-                top = len(self.config.throttle.level_factors)
-                if not isinstance(level, int) or isinstance(level, bool) or not 0 <= level <= top:
-                    raise CommandError(f"throttle: LEVEL must be an integer from 0 to {top}")
-                self._audit("control", command=ev.command, level=level)
-                changed = level != self.throttle_level
-                self.throttle_level = level
-                if self.proxy is not None:
-                    self.gate.set_level(level)
-                elif changed:  # no proxy: the throttle is a drained relaunch
-                    self._restart(f"throttle level {level} requested by operator")
-                    self._count_restart("operator")
-                ev.reply.set_result({"throttle_level": level, "live": self.proxy is not None,
-                                     "max_concurrency": self.gate.concurrency_limit})
-            elif ev.command in ("pause-policy", "resume-policy"):
-                paused = ev.command == "pause-policy"
-                changed = paused != self.policy_paused
-                self.policy_paused = paused
-                self._audit("control", command=ev.command, changed=changed)
-                log.info("policy paused" if paused else "policy resumed", changed=changed)
-                ev.reply.set_result({"policy_paused": paused, "changed": changed})
-            elif ev.command == "kv-reset":
-                why = self._kv_reset_refusal()
-                if why is not None:
-                    raise CommandError(f"kv-reset refused: {why}")
-                self._audit("control", command="kv-reset")
-                self._remedy_replies.append(ev.reply)  # answered when it ends
-                self._begin_remedy("kv_reset", "requested by operator")
-            elif ev.command == "evidence":
-                self._launch(self._job_list_evidence(ev.reply), "evidence")
-            elif ev.command == "events":
-                n = ev.args.get("n", 20)
-                if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 10000:
-                    raise CommandError("events: n must be an integer from 1 to 10000")
-                self._launch(self._job_events(n, ev.reply), "events")
-            else:
+            if command is None:
                 raise CommandError(f"unknown command {ev.command!r}")
+            command(self, ev)
         except CommandError as exc:
             ev.reply.set_exception(exc)
 
-    async def _job_list_evidence(self, reply: asyncio.Future[dict[str, Any]]) -> None:
-        where = self.config.evidence.dir
-        bundles = await asyncio.to_thread(evidence.list_bundles, Path(where))
-        if not reply.done():
-            reply.set_result({"dir": where, "bundles": bundles})
-
-    async def _job_events(self, n: int, reply: asyncio.Future[dict[str, Any]]) -> None:
-        records = await asyncio.to_thread(self.audit.tail, n)
-        if not reply.done():
-            reply.set_result({"events": records})
-
     def status(self) -> dict[str, Any]:
-        now = self.clock.monotonic()
-        e = self.engine
-        up = now - e.healthy_at if e is not None and e.healthy_at is not None else None
-        return {
-            "state": self.state.value,
-            "reason": self.state_reason,
-            "state_for_s": round(now - self.state_since, 3),
-            "pid": e.pid if e is not None and e.exit_code is None else None,
-            "restarts": max(0, self.generation - 1),
-            "uptime_s": round(up, 3) if up is not None else None,
-            "daemon_pid": os.getpid(),
-            "daemon_uptime_s": round(now - self.started_at, 3),
-            "throttle_level": self.throttle_level,
-            "overrides": self.overrides(),
-            "admission": self._admission_status(),
-            "policy": {"enabled": self.config.policy.enabled,
-                       "paused": self.policy_paused,
-                       "dry_run": self.config.policy.dry_run,
-                       "restarts_last_hour": len([t for t in self.policy_memory.restarts
-                                                  if now - t < 3600]),
-                       "max_restarts_per_hour": self.config.policy.max_restarts_per_hour,
-                       "trips": dict(self.trips_by_rule),
-                       "rules": self._rule_status(now)},
-            "last_decision": self.last_decision.as_dict() if self.last_decision else None,
-            "last_policy_decision": (self.last_policy_decision.as_dict()
-                                     if self.last_policy_decision else None),
-            "last_exit": self.last_exit,
-            "backoff_remaining_s": (round(max(0.0, self._backoff_until - now), 3)
-                                    if self._backoff_until is not None
-                                    and self.state is State.BACKOFF else None),
-            "fatal_reason": self.fatal_reason if self.state is State.FATAL else None,
-            "start_blocked": self.start_blocked if self.state is State.BACKOFF else None,
-            "remedies": {
-                "allowed": list(self.config.policy.remedies),
-                "reset_prefix_cache": self._engine_view().can_reset_prefix_cache,
-                "kv_reset": self._engine_view().can_kv_reset,
-                "kv_reset_unavailable": None if self.sleep_mode else self.sleep_mode_why,
-                "running": (None if self.remedy_running is None else {
-                    "rung": self.remedy_running[0],
-                    "for_s": round(now - self.remedy_running[1], 3)})},
-            "last_engine_errors": self.fatal_errors if self.state is State.FATAL else [],
-            # the running engine's address; the config's until one has started
-            "engine": {"host": (e.config if e is not None else self.config.engine).host,
-                       "port": (e.config if e is not None else self.config.engine).port,
-                       "processes": e.live_processes if e is not None else 0},
-            "signals": self._signals(now),
-            "config": self.config.source,
-        }
-
-
-class JobEffects:
-    """The daemon's effects: each one a job of the supervisor's (its `_job_*` coroutines,
-    which report back only through the queue), started on its task group."""
-
-    def __init__(self, sup: Supervisor) -> None:
-        self.sup = sup
-
-    def spawn(self, generation: int, spec: eng.SpawnSpec, cfg: EngineConfig) -> None:
-        self.sup._launch(self.sup._job_spawn(generation, spec, cfg), "spawn")
-
-    def watch(self, engine: eng.EngineProcess) -> None:
-        sup = self.sup
-        sup.guard.arm(engine.pgid)
-        assert engine.proc.stdout is not None and engine.proc.stderr is not None
-        engine.relays = [
-            sup._launch(eng.relay_output(engine, engine.proc.stdout, "stdout"), "relay stdout"),
-            sup._launch(eng.relay_output(engine, engine.proc.stderr, "stderr"), "relay stderr")]
-        sup._launch(sup._job_watch(engine), "watch engine")
-
-    def serve(self, engine: eng.EngineProcess) -> None:
-        sup = self.sup
-        if sup.config.metrics.enabled:
-            sup._launch(sup._job_poll(engine, sup.config.metrics), "poll metrics")
-        if sup.config.canary.enabled:
-            sup._launch(sup._job_canary(engine), "canary")
-        sup._launch(sup._job_probe_sleep_mode(engine), "probe sleep mode")
-
-    def gate_probe(self, engine: eng.EngineProcess) -> None:
-        self.sup._launch(self.sup._job_gate_probe(engine), "gate probe")
-
-    def take_down(self, engine: eng.EngineProcess, graceful: bool, force: asyncio.Event,
-                  req: evidence.EvidenceRequest | None) -> None:
-        self.sup._launch(self.sup._job_take_down(engine, graceful, force, req), "take down")
-
-    def forget(self, engine: eng.EngineProcess) -> None:
-        self.sup.state_file.remove()
-        self.sup.guard.disarm()
-
-    def drain(self, engine: eng.EngineProcess) -> None:
-        self.sup._launch(self.sup._job_drain(engine), "drain")
-
-    def remedy(self, engine: eng.EngineProcess, rung: str) -> None:
-        self.sup._launch(self.sup._job_remedy(engine, rung), rung)
-
-    def after(self, delay_s: float, event: Event) -> Timer:
-        queue = self.sup.queue
-
-        async def later() -> None:
-            await asyncio.sleep(delay_s)
-            queue.put_nowait(event)
-
-        return self.sup._launch(later(), f"timer: {event.name}")
-
-    def reload(self, reply: asyncio.Future[dict[str, Any]] | None) -> None:
-        self.sup._launch(self.sup._job_reload(reply), "reload")
-
-
-def _merge(known: list[proctree.ProcInfo],
-           seen: list[proctree.ProcInfo]) -> list[proctree.ProcInfo]:
-    merged = {(p.pid, p.create_time): p for p in known}
-    for p in seen:
-        merged.setdefault((p.pid, p.create_time), p)
-    return list(merged.values())
-
-
+        """What `vllm-supervisorctl status` shows (supervisor/engine/views.py)."""
+        return views.status(self)
 
 def runtime_paths_ok(cfg: Config) -> str | None:
     """Create the runtime directory; returns a problem instead of raising."""
