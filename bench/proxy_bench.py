@@ -74,7 +74,7 @@ async def run_proxy(upstream: str, routed: bool = False) -> None:
     gate = Gate(GateLimits(concurrency=100000, max_wait_s=60))
     gate.release()
     if routed:
-        from supervisor.front.proxy import Backend
+        from supervisor.front.dispatch import Backend
 
         proxy = FrontProxy(settings)
         other = Gate(GateLimits(concurrency=100000, max_wait_s=60))

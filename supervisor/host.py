@@ -40,7 +40,8 @@ from supervisor.engine.events import (
     iso_time,
 )
 from supervisor.engine.unit import Clock, Supervisor
-from supervisor.front.proxy import Backend, FrontProxy, ProxyError, ProxySettings
+from supervisor.front.dispatch import Backend
+from supervisor.front.proxy import FrontProxy, ProxyError, ProxySettings
 from supervisor.ops.audit import AuditTrail
 from supervisor.ops.exporter import Exporter, ExporterView, ProxyView, parse_listen
 from supervisor.ops.sdnotify import Notifier

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from supervisor.front.admission import Gate, GateLimits
-from supervisor.front.proxy import Backend, FrontProxy, ProxySettings, read_request
+from supervisor.front.dispatch import Backend, choices, read_request
+from supervisor.front.proxy import FrontProxy, ProxySettings
 from supervisor.front.routing import EngineView, Route, UnknownModel, route, served_models
 
 
@@ -87,7 +88,7 @@ def _proxy(*backends: tuple[str, tuple[str, ...], bool, str | None]) -> FrontPro
 def _where(proxy: FrontProxy, model: object) -> list[tuple[str, object]]:
     body = json.dumps({"model": model, "prompt": "hi"}).encode()
     return [(c.backend.name, json.loads(c.body)["model"])
-            for c in proxy._route(read_request(body), body)]
+            for c in choices(proxy.backends, read_request(body), body)]
 
 
 def test_one_engine_built_with_a_gate_and_no_names_takes_any_model() -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import re
 import time
 from collections.abc import Callable
@@ -42,9 +41,10 @@ import structlog
 from aiohttp import web
 from yarl import URL
 
-from supervisor.front import continuation, routing
-from supervisor.front.admission import Gate, Rejected, Ticket
+from supervisor.front import continuation, dispatch, routing
+from supervisor.front.admission import Gate, Rejected
 from supervisor.front.continuation import Transcript
+from supervisor.front.dispatch import Backend, Choice, RequestFacts, read_request
 from supervisor.front.latency import ClientLatency
 from supervisor.front.routes import LOCAL, PathRefused, Routes, Target, read_target
 from supervisor.front.streams import (
@@ -104,60 +104,6 @@ class ProxySettings:
     continue_timeout_s: float = 300.0  # the longest a broken stream waits for an engine
     max_continuations: int = 3  # per request
     keepalive_s: float = 10.0  # SSE comments to a waiting stream, this often
-
-
-@dataclass
-class Backend:
-    """One engine behind the front door: where it listens, what it serves, its own gate,
-    and whether it serves now (its unit's view: running and its gate open)."""
-
-    name: str
-    gate: Gate
-    ready: Callable[[], bool]
-    upstream: str  # http://127.0.0.1:8100
-    models: tuple[str, ...] = ()
-    models_open: bool = False  # LoRA, or no names known: any model name may be served
-    fallback: str | None = None  # the engine that takes its models while it is down
-
-    def serving(self) -> bool:
-        return self.ready() and not self.gate.breaker_open
-
-    def view(self) -> routing.EngineView:
-        return routing.EngineView(self.name, self.models, self.serving(),
-                                  self.gate.in_flight, self.fallback)
-
-
-@dataclass(frozen=True)
-class Choice:
-    """An engine a request may go to, with the body (and its parse) to send it there."""
-
-    backend: Backend
-    body: bytes
-    doc: object
-
-
-@dataclass(frozen=True)
-class RequestFacts:
-    tokens: int  # the token budget's estimate
-    model: object  # the body's "model", whatever it is (None when absent)
-    doc: object = None  # the body, parsed (None when it is not JSON)
-
-
-def read_request(body: bytes) -> RequestFacts:
-    """The body parsed once: prompt tokens (about 4 characters each) plus max_tokens, a
-    cheap, safe over-estimate for the token budget, and the model asked for.
-    Unparseable bodies count as their length / 4, with no model."""
-    try:
-        doc = json.loads(body) if body else {}
-    except ValueError:
-        return RequestFacts(len(body) // 4, None)
-    if not isinstance(doc, dict):
-        return RequestFacts(len(body) // 4, None, doc)
-    prompt = doc.get("prompt", doc.get("messages", doc.get("input", "")))
-    text = prompt if isinstance(prompt, str) else json.dumps(prompt)
-    out = doc.get("max_tokens", doc.get("max_completion_tokens", 16))
-    out = out if isinstance(out, int) and not isinstance(out, bool) and out > 0 else 16
-    return RequestFacts(len(text) // 4 + out, doc.get("model"), doc)
 
 
 @dataclass
@@ -334,7 +280,7 @@ class FrontProxy(ContinuingRelay):
         facts = read_request(body)
         ex.model, ex.tokens = facts.model, facts.tokens
         try:
-            choices = self._route(facts, body)
+            choices = dispatch.choices(self.backends, facts, body)
         except routing.UnknownModel as exc:
             # a name no engine serves: 404 at once, never held through a restart
             ex.status, ex.outcome = 404, "unknown_model"
@@ -344,47 +290,6 @@ class FrontProxy(ContinuingRelay):
             return await self._admit_and_forward(request, target, facts, body, choices, ex)
         finally:
             self._finish(request, target, ex)
-
-    def _route(self, facts: RequestFacts, body: bytes) -> list[Choice]:
-        """Where this request may go (supervisor/front/routing.py): one engine serving its model
-        now; or, when none does, every engine of its model and their fallbacks, in order,
-        to be held until the first of them admits it. A fallback gets the body with its
-        own model name. Raises UnknownModel."""
-        backends = list(self.backends.values())
-        if not backends:
-            raise routing.UnknownModel(facts.model, [])
-        if len(backends) == 1 and (facts.model is None or backends[0].models_open):
-            return [Choice(backends[0], body, facts.doc)]  # one engine: no choice to make
-        model = facts.model
-        if model is None:  # vLLM's own rule: the first model; here the first engine's
-            model = backends[0].models[0] if backends[0].models else None
-            if model is None:
-                return [Choice(backends[0], body, facts.doc)]
-        try:
-            r = routing.route(model, [b.view() for b in backends])
-        except routing.UnknownModel:
-            open_ = [b for b in backends if b.models_open]
-            if not open_:
-                raise
-            return [Choice(open_[0], body, facts.doc)]  # a LoRA adapter's name, perhaps
-        if r.engine is not None:
-            return [self._choice(self.backends[r.engine], r.model if r.substituted else None,
-                                 facts, body)]
-        own = [b for b in backends if model in b.models]
-        out = [Choice(b, body, facts.doc) for b in own]
-        for b in own:
-            fb = self.backends.get(b.fallback) if b.fallback else None
-            if fb is not None and fb.models and all(c.backend is not fb for c in out):
-                out.append(self._choice(fb, fb.models[0], facts, body))
-        return out
-
-    @staticmethod
-    def _choice(backend: Backend, model: str | None, facts: RequestFacts,
-                body: bytes) -> Choice:
-        if model is None or not isinstance(facts.doc, dict):
-            return Choice(backend, body, facts.doc)
-        doc = {**facts.doc, "model": model}
-        return Choice(backend, json.dumps(doc).encode(), doc)
 
     async def _list_models(self) -> web.Response:
         """GET /v1/models with several engines: every model served here, each once, as
@@ -415,7 +320,7 @@ class FrontProxy(ContinuingRelay):
         give_up = time.monotonic() + choices[0].backend.gate.limits.max_wait_s
         while True:
             try:
-                choice, ticket = await self._acquire(choices, ex.tokens)
+                choice, ticket = await dispatch.acquire_any(choices, ex.tokens)
             except Rejected as exc:
                 ex.status, ex.outcome = 503, exc.reason
                 if exc.held:
@@ -446,47 +351,10 @@ class FrontProxy(ContinuingRelay):
                                        "hold_timeout")
                 await asyncio.sleep(0.2)
                 with contextlib.suppress(routing.UnknownModel):  # (removed by a reload)
-                    choices = self._route(facts, body)
+                    choices = dispatch.choices(self.backends, facts, body)
             finally:
                 choice.backend.gate.done(ticket)
         return await self._continue(request, broken, ex)
-
-    @staticmethod
-    async def _acquire(choices: list[Choice], tokens: int) -> tuple[Choice, Ticket]:
-        """A slot at the first of these engines' gates to admit the request (one engine:
-        its gate). Raises Rejected once every gate has refused it."""
-        if len(choices) == 1:
-            return choices[0], await choices[0].backend.gate.acquire(tokens)
-        tasks: dict[asyncio.Future[Ticket], Choice] = {
-            asyncio.ensure_future(c.backend.gate.acquire(tokens)): c for c in choices}
-        pending: set[asyncio.Future[Ticket]] = set(tasks)
-        refused: list[Rejected] = []
-        won: tuple[Choice, Ticket] | None = None
-        try:
-            while pending and won is None:
-                done, pending = await asyncio.wait(pending,
-                                                   return_when=asyncio.FIRST_COMPLETED)
-                for t in done:
-                    exc = t.exception()
-                    if exc is None and won is None:
-                        won = tasks[t], t.result()
-                    elif exc is None:  # admitted at the same moment: given back
-                        tasks[t].backend.gate.done(t.result())
-                    elif isinstance(exc, Rejected):
-                        refused.append(exc)
-                    else:
-                        raise exc
-        finally:
-            left = list(pending)
-            for t in left:
-                t.cancel()
-            results = await asyncio.gather(*left, return_exceptions=True)
-            for t, r in zip(left, results, strict=True):
-                if isinstance(r, Ticket):  # admitted before the cancel landed: given back
-                    tasks[t].backend.gate.done(r)
-        if won is None:
-            raise refused[0]
-        return won
 
     def _finish(self, request: web.Request, target: Target, ex: Exchange) -> None:
         """The request is over: its latencies into the histograms, its one access line."""

@@ -29,7 +29,8 @@ from supervisor.front.continuation import StreamBroken, Transcript
 from supervisor.front.latency import ClientLatency
 
 if TYPE_CHECKING:
-    from supervisor.front.proxy import Backend, Exchange, ProxySettings, ProxyStats
+    from supervisor.front.dispatch import Backend
+    from supervisor.front.proxy import Exchange, ProxySettings, ProxyStats
 
 log = structlog.get_logger("supervisor.proxy")
 
