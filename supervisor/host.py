@@ -156,26 +156,24 @@ class Host:
         return self.exit_code
 
     async def _open_sockets(self) -> None:
+        """The control socket, the proxy and the exporter; a failure raises, and `run`'s
+        cleanup closes what was opened (no engine has started yet)."""
         self._control = ControlServer(self.config.control, self.submit)
         await self._control.start()
         if self.config.proxy.enabled:
-            self.proxy = FrontProxy(self.proxy_settings())
+            proxy = FrontProxy(self.proxy_settings())
+            self.proxy = proxy
             for name in self.units:
                 self._route_to(name)
             try:
-                await self.proxy.start()
+                await proxy.start()
             except ProxyError:
-                await self._control.close()
+                self.proxy = None  # (its start cleaned up after itself)
                 raise
         if self.config.exporter.enabled:
-            self._exporter = Exporter(self.config.exporter.listen, self.view)
-            try:
-                await self._exporter.start()
-            except Exception:
-                await self._control.close()
-                if self.proxy is not None:
-                    await self.proxy.close()
-                raise
+            exporter = Exporter(self.config.exporter.listen, self.view)
+            await exporter.start()  # (a failure leaves nothing open)
+            self._exporter = exporter
 
     async def _close_sockets(self) -> None:
         if self._control is not None:

@@ -459,3 +459,21 @@ def test_reload_says_when_each_key_applies_and_the_proxy_follows_a_new_engine_po
     answers = [complete(cfg | {"proxy": {"listen": old_listen}}).status_code
                for _ in range(5)]
     assert answers == [200] * 5
+
+
+def test_a_busy_proxy_port_stops_the_daemon_before_any_engine_starts(daemon_factory,
+                                                                     tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        cfg = proxy_config(tmp_path)
+        cfg["proxy"]["listen"] = f"127.0.0.1:{taken.getsockname()[1]}"
+        d = daemon_factory(cfg)
+        assert d.wait_exit(20) == 1
+        refused = [r for r in d.log_records() if r.get("event") == "cannot start"]
+        assert refused and "proxy cannot listen" in refused[0]["error"]
+        assert not (tmp_path / "engine.pids").exists()  # no engine was started
+        assert not Path(d.socket).exists()  # the control socket was closed again
+    finally:
+        taken.close()
