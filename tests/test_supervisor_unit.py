@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from supervisor.config import EngineConfig, parse_config
+from supervisor.engine import watching
 from supervisor.engine.events import (
     BackoffElapsed,
     ControlRequest,
@@ -273,7 +274,7 @@ def test_a_reloaded_port_is_used_at_the_next_start_only(world: World,
 
 def test_a_failed_in_place_remedy_becomes_a_drained_restart(world: World) -> None:
     engine = world.serving()
-    world.sup._begin_remedy("reset_prefix_cache", "test")
+    watching.begin_remedy(world.sup, "reset_prefix_cache", "test")
     assert world.fx.last("remedy") == {"pid": engine.pid, "rung": "reset_prefix_cache"}
     assert world.sup.status()["remedies"]["running"]["rung"] == "reset_prefix_cache"
     world.now += 2
@@ -288,7 +289,7 @@ def test_a_failed_in_place_remedy_becomes_a_drained_restart(world: World) -> Non
 
 def test_a_remedy_that_worked_leaves_the_engine_running(world: World) -> None:
     engine = world.serving()
-    world.sup._begin_remedy("reset_prefix_cache", "test")
+    watching.begin_remedy(world.sup, "reset_prefix_cache", "test")
     world.feed(RemedyDone(engine.generation, "reset_prefix_cache",
                           RemedyOutcome(ok=True, steps={"reset": 0.01}), 0.01))
     assert world.state == "RUNNING" and "take_down" not in world.fx.names()

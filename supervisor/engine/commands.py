@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from supervisor.engine import watching
 from supervisor.engine.events import CommandError, ControlRequest
 from supervisor.engine.states import State
 
@@ -87,12 +88,12 @@ def policy_pause(unit: Supervisor, ev: ControlRequest) -> None:
 
 
 def kv_reset(unit: Supervisor, ev: ControlRequest) -> None:
-    why = unit._kv_reset_refusal()
+    why = watching.kv_reset_refusal(unit)
     if why is not None:
         raise CommandError(f"kv-reset refused: {why}")
     unit._audit("control", command="kv-reset")
     unit._remedy_replies.append(ev.reply)  # answered when it ends
-    unit._begin_remedy("kv_reset", "requested by operator")
+    watching.begin_remedy(unit, "kv_reset", "requested by operator")
 
 
 COMMANDS: dict[str, Command] = {

@@ -37,7 +37,7 @@ from supervisor.config import (
     diff_keys,
 )
 from supervisor.engine import process as eng
-from supervisor.engine import proctree, views
+from supervisor.engine import proctree, views, watching
 from supervisor.engine.commands import COMMANDS
 from supervisor.engine.effects import Effects, Timer
 from supervisor.engine.events import (
@@ -74,40 +74,15 @@ from supervisor.ops.audit import AuditTrail
 from supervisor.ops.exporter import ExporterView
 from supervisor.ops.logs import set_level
 from supervisor.ops.sdnotify import Notifier
-from supervisor.watchdog import evidence, relaunch, xid
+from supervisor.watchdog import evidence, relaunch
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
-from supervisor.watchdog.policy import EngineView, PolicyMemory, PolicyState, decide
+from supervisor.watchdog.policy import PolicyMemory
 from supervisor.watchdog.poller import ScrapeHealth
-from supervisor.watchdog.signals import Signals, SignalWindow
+from supervisor.watchdog.signals import SignalWindow
 
 log = structlog.get_logger("supervisor")
 EXTEND_EVERY_S = 10.0  # while the first engine starts, push systemd's start timeout ...
 EXTEND_BY_S = 30.0  # ... this far ahead each time
-
-
-@dataclass
-class _Relaunch:
-    """A relaunch the policy chose (a restart rung, a reduced batch, a hang's restart,
-    a failed in-place remedy's fallback): one `remedy` audit entry once the new engine
-    serves again, or once it cannot. Marks are monotonic times."""
-
-    rung: str
-    reason: str
-    started: float
-    taken_down_at: float | None = None  # the take-down began (the drain ended)
-    down_at: float | None = None  # the old tree was proven gone
-    starts: int = 0  # engine starts it took (a failed boot backs off and tries again)
-
-    def steps(self, now: float) -> dict[str, float]:
-        marks = [("drain", self.taken_down_at), ("take_down", self.down_at), ("start", now)]
-        out: dict[str, float] = {}
-        last = self.started
-        for name, at in marks:
-            if at is None:
-                break
-            out[name] = round(at - last, 3)
-            last = at
-        return out
 
 
 # ---- the supervisor -------------------------------------------------------------------
@@ -199,7 +174,7 @@ class Supervisor:
         self._remedy_ended_at = -1.0
         self._remedy_replies: list[asyncio.Future[dict[str, Any]]] = []
         self.start_blocked: str | None = None  # why the last start was refused (GPU busy)
-        self._relaunch: _Relaunch | None = None  # a policy relaunch, audited when it ends
+        self._relaunch: watching.Relaunch | None = None  # a policy relaunch, audited when it ends
 
     # ---- running ----------------------------------------------------------------------
 
@@ -347,32 +322,7 @@ class Supervisor:
             self._take_down(graceful=True)  # a stop or restart came while it was spawning
 
     def handle_metrics_sampled(self, ev: MetricsSampled) -> None:
-        if self.engine is None or self.engine.generation != ev.generation:
-            return
-        if ev.snapshot is None:
-            if self.scrapes.failed():  # logged once per streak, counted always
-                log.warning("metrics scrape failed", error=ev.error, pid=self.engine.pid)
-            return
-        now = self.clock.monotonic()
-        ended = self.scrapes.succeeded(ev.snapshot, now)
-        # the requests the daemon knows are at the engine: a stopped core's own gauges
-        # freeze at their last value, which may say idle
-        at_engine = self.gate.in_flight + self._probes_in_flight
-        self.window.add_metrics(now, ev.snapshot, at_engine)
-        self.gate.set_kv_usage(ev.snapshot.kv_cache_usage)
-        if ended:
-            log.info("metrics scrape recovered", failed_scrapes=ended, pid=self.engine.pid)
-
-    def _signals(self, now: float) -> Signals:
-        """The watchdog's signals now, under the names used in config, logs, status and
-        the exporter. None means unknown."""
-        at = self.scrapes.last_at
-        e = self.engine
-        up = now - e.healthy_at if e is not None and e.healthy_at is not None else None
-        return self.window.compute(
-            now, metrics_age_s=round(now - at, 3) if at is not None else None,
-            staleness_s=round(self.scrapes.staleness_s(now), 3),
-            scrape_failures_total=self.scrapes.failures_total, engine_uptime_s=up)
+        watching.on_metrics(self, ev)
 
     def handle_tree_seen(self, ev: TreeSeen) -> None:
         if self.engine is not None and self.engine.generation == ev.generation:
@@ -422,7 +372,7 @@ class Supervisor:
                 self.notifier.ready(f"RUNNING: engine pid {engine.pid} serving")
             self.act.serve(engine)
             if self.proxy is None or not self.config.canary.enabled:
-                self._finish_relaunch("ok", None)  # serving: nothing more is waited for
+                watching.finish_relaunch(self, "ok", None)  # serving: nothing more is waited for
             if self.proxy is not None:
                 if self.config.canary.enabled:
                     self.act.gate_probe(engine)
@@ -470,7 +420,7 @@ class Supervisor:
         errors = list(engine.recent_errors) if engine else []
         self.fatal_reason = reason
         self._set_state(State.FATAL, reason)
-        self._finish_relaunch("failed", reason)
+        watching.finish_relaunch(self, "failed", reason)
         self._decide("give_up", reason)
         log.error("giving up on the engine", reason=reason, last_engine_errors=errors[-10:])
         self.fatal_errors = errors[-10:]
@@ -517,7 +467,7 @@ class Supervisor:
         return evidence.EvidenceRequest(
             reason=reason, rule=rule, engine_pid=engine.pid, pids=pids,
             log_lines=list(engine.recent_lines),
-            signals=self._signals(self.clock.monotonic()), gpu=self.window.gpu_snapshot(),
+            signals=watching.signals(self, self.clock.monotonic()), gpu=self.window.gpu_snapshot(),
             wall=self.clock.wall())
 
     def handle_evidence_captured(self, ev: EvidenceCaptured) -> None:
@@ -593,7 +543,7 @@ class Supervisor:
             return
         self._cancel_backoff()
         self._set_state(State.STOPPING, reason)
-        self._finish_relaunch("abandoned", f"the daemon is stopping: {reason}")
+        watching.finish_relaunch(self, "abandoned", f"the daemon is stopping: {reason}")
         self._decide("stop", reason)
         self.notifier.stopping(f"STOPPING: {reason}")
         if self.engine is not None and not self._taking_down:
@@ -685,7 +635,8 @@ class Supervisor:
         if not ev.ok:
             log.warning("the first canary failed; releasing held requests anyway",
                         error=ev.error, waiting=self.gate.waiting)
-        self._finish_relaunch("ok", None if ev.ok else f"the first canary failed: {ev.error}")
+        watching.finish_relaunch(
+            self, "ok", None if ev.ok else f"the first canary failed: {ev.error}")
         if self.drained_by_operator:
             log.info("engine ready; requests stay held until `resume`", waiting=self.gate.waiting)
             return
@@ -698,207 +649,19 @@ class Supervisor:
     def _count_restart(self, reason: str) -> None:
         self.restarts_by_reason[reason] = self.restarts_by_reason.get(reason, 0) + 1
 
-    def _engine_view(self) -> EngineView:
-        env = eng.build_spawn_spec(self.config.engine, self.environ).env
-        return EngineView(
-            state=self.state.value, generation=self.generation,
-            throttle_level=self.throttle_level,
-            max_throttle_level=len(self.config.throttle.level_factors),
-            batch_reduced=self.batch_reduced, spec_tokens=self.spec_tokens,
-            spec_tokens_max=(self.config.policy.spec_tokens_max
-                             or relaunch.spec_tokens(self.config.engine.args) or 0),
-            can_reset_prefix_cache=env.get("VLLM_SERVER_DEV_MODE") == "1",
-            # sleep and wake behind a hold of new requests: the proxy must be there to hold
-            can_kv_reset=self.sleep_mode and self.proxy is not None,
-            # with the proxy, throttling is admission control; without it, a relaunch
-            live_throttle=self.proxy is not None)
-
-    def _evaluate_policy(self, now: float) -> None:
-        state = PolicyState(self._engine_view(), self.policy_memory, self.policy_paused)
-        d = decide(self._signals(now), state, self.config.policy, now)
-        self.policy_memory = d.memory
-        if d.held_back is not None:
-            log.info("policy action held back", rule=d.rule, held_back=d.held_back,
-                     reason=d.reason, evidence=dict(d.evidence))
-            self._audit("decision_held_back", rule=d.rule, held_back=d.held_back,
-                        reason=d.reason, evidence=dict(d.evidence))
-        if d.action == "none":
-            return
-        assert d.rule is not None
-        # One canonical line and one audit entry per decision.
-        fields: dict[str, Any] = {"rule": d.rule, "action": d.action, "reason": d.reason,
-                                  "evidence": dict(d.evidence), "dry_run": d.dry_run,
-                                  "throttle_level": d.throttle_level}
-        log.warning("policy decision", **fields)
-        self._audit("decision", **fields)
-        self.trips_by_rule[d.rule] = self.trips_by_rule.get(d.rule, 0) + 1
-        self.last_decision = self.last_policy_decision = Decision(
-            d.action, d.reason, self.clock.wall(), d.rule, dict(d.evidence), d.dry_run)
-        if d.dry_run:
-            return
-        self.actions_by_kind[d.action] = self.actions_by_kind.get(d.action, 0) + 1
-        reason = f"policy {d.rule}: {d.action} ({d.reason})"
-        if d.action == "alert":
-            log.error("policy alert", rule=d.rule, reason=d.reason)
-            self._audit_remedy({"rung": "alert", "outcome": "alerted", "duration_s": 0.0,
-                                "rule": d.rule})
-        elif d.action == "hold_down":
-            self._want_evidence(d.rule, reason)
-            codes = [f"XID {c} ({xid.describe(c).name})" for c in self.window.xids]
-            why = f"{reason}: {', '.join(codes) or 'GPU error'}; the GPU needs a reset or a " \
-                  "reboot, so the engine stays down until `vllm-supervisorctl restart`"
-            self._give_up(why)
-            if self.engine is not None and not self._taking_down:
-                self._take_down(graceful=True)
-        elif d.action in ("reset_prefix_cache", "kv_reset"):
-            if self.engine is not None and self.remedy_running is None:
-                self._begin_remedy(d.action, reason)
-        else:
-            # throttle and lift at the proxy, or a relaunch: restart, restart_now, and
-            # every relaunch with new arguments
-            self.throttle_level = d.throttle_level
-            self.batch_reduced = d.batch_reduced
-            self.spec_tokens = d.spec_tokens
-            self.gate.set_level(self.throttle_level if self.proxy is not None else 0)
-            if d.restarts_engine:
-                self._count_restart("policy")
-                if d.action != "lift":  # (restoring settings is not a remedy)
-                    self._begin_relaunch(d.action, reason)
-                    self._want_evidence(d.rule, reason)
-                self._restart(reason, graceful=d.action != "restart_now")
-            elif d.action == "throttle":
-                # live at the proxy: in force at once
-                self._audit_remedy({"rung": "throttle", "outcome": "ok", "duration_s": 0.0,
-                                    "rule": d.rule, "throttle_level": self.throttle_level,
-                                    "max_concurrency": self.gate.concurrency_limit})
-
-    def _want_evidence(self, rule: str, reason: str) -> None:
-        """The engine's next take-down captures evidence first, if the rule is one of
-        evidence.rules (a hang, no progress, an XID by default)."""
-        if rule in self.config.evidence.rules:
-            self._evidence_for = (rule, reason)
-
     # ---- in-place remedies ------------------------------------------------------------
 
     def handle_sleep_mode_probed(self, ev: SleepModeProbed) -> None:
-        if self.engine is None or self.engine.generation != ev.generation:
-            return
-        self.sleep_mode, self.sleep_mode_why = ev.available, ev.why
-        if ev.available:
-            log.info("the engine can drop its KV cache in place (sleep and wake)")
-        else:
-            log.info("no KV reset in place for this engine", reason=ev.why)
-
-    def _kv_reset_refusal(self) -> str | None:
-        if self.state is not State.RUNNING or self.engine is None or self._taking_down:
-            return f"the engine is not serving (state {self.state.value})"
-        if self.remedy_running is not None:
-            return f"a {self.remedy_running[0]} is already in progress"
-        if not self.sleep_mode:
-            return f"this engine cannot drop its KV cache in place: {self.sleep_mode_why}"
-        return None
-
-    def _begin_remedy(self, rung: str, reason: str) -> None:
-        engine = self.engine
-        assert engine is not None
-        self.remedy_running = (rung, self.clock.monotonic())
-        log.info("remedy started", rung=rung, reason=reason, in_flight=self.gate.in_flight)
-        if rung == "kv_reset":
-            # new requests wait at the proxy; those at the engine finish first
-            self.gate.hold(f"KV reset in progress ({reason})")
-        self.act.remedy(engine, rung)
-
-    def _audit_remedy(self, fields: dict[str, Any]) -> None:
-        """Every rung tried ends in one `remedy` audit entry and one log line: rung,
-        outcome, duration."""
-        self._audit("remedy", **fields)
-        (log.info if fields["outcome"] in ("ok", "alerted") else log.warning)(
-            "remedy ended", **fields)
-
-    def _begin_relaunch(self, rung: str, reason: str) -> None:
-        # one entry per rung tried: a relaunch still waiting for its engine ends here
-        self._finish_relaunch("superseded", f"superseded by {rung}: {reason}")
-        self._relaunch = _Relaunch(rung, reason, self.clock.monotonic())
-
-    def _finish_relaunch(self, outcome: str, error: str | None) -> None:
-        r = self._relaunch
-        if r is None:
-            return
-        self._relaunch = None
-        now = self.clock.monotonic()
-        self._audit_remedy({
-            "rung": r.rung, "outcome": outcome, "duration_s": round(now - r.started, 3),
-            "steps_s": r.steps(now), "error": error, "starts": r.starts,
-            "held": self.gate.waiting if self.proxy is not None else None,
-            "reason": r.reason})
+        watching.on_sleep_mode_probed(self, ev)
 
     def handle_remedy_done(self, ev: RemedyDone) -> None:
-        self.remedy_running = None
-        self._remedy_ended_at = self.clock.monotonic()
-        o = ev.outcome
-        outcome = "ok" if o.ok else ("not attempted" if not o.attempted else "failed")
-        fields: dict[str, Any] = {
-            "rung": ev.rung, "outcome": outcome, "duration_s": round(ev.duration_s, 3),
-            "steps_s": {k: round(v, 3) for k, v in o.steps.items()}, "error": o.error,
-            "held": self.gate.waiting if ev.rung == "kv_reset" else None}
-        self._audit_remedy(fields)
-        for reply in self._remedy_replies:
-            if not reply.done():
-                reply.set_result(fields)
-        self._remedy_replies.clear()
-        current = (self.engine is not None and self.engine.generation == ev.generation
-                   and self.state is State.RUNNING and not self._taking_down)
-        if not current:
-            return  # the engine went meanwhile: its restart holds and releases requests
-        if o.ok or not o.attempted:
-            if ev.rung == "kv_reset" and not self.drained_by_operator:
-                waiting = self.gate.waiting
-                self.gate.release()
-                if waiting:
-                    self._audit("released", count=waiting)
-            return
-        # The engine refused or failed its remedy (it may even be asleep): a drained
-        # restart instead; new requests stay held through it.
-        self._count_restart("policy")
-        why = f"{ev.rung} failed ({o.error}): restarting instead"
-        self._begin_relaunch("restart", why)
-        self._evidence_for = (f"{ev.rung}_failed", why)
-        self._restart(why)
+        watching.on_remedy_done(self, ev)
 
     def handle_canary_done(self, ev: CanaryDone) -> None:
-        if (self.engine is None or self.engine.generation != ev.generation
-                or self.state is not State.RUNNING or self._taking_down):
-            return  # a draining engine refuses work on purpose: not the canary's business
-        if self.remedy_running is not None or ev.started <= self._remedy_ended_at:
-            return  # an engine asleep for a KV reset does not answer: not a hang
-        o = ev.outcome
-        # A canary that timed out behind a queue while tokens kept flowing is slow, not
-        # hung: only a failure with no progress counts towards the hang rule.
-        counted = not o.ok and not self.window.progressed_between(ev.started, ev.ended)
-        before = self.window.canary_failures
-        self.window.add_canary(o.ok, o.latency_s if o.ok else None, counted)
-        if not o.ok:
-            log.warning("canary failed", error=o.error, latency_s=round(o.latency_s, 3),
-                        counted=counted, consecutive=self.window.canary_failures,
-                        pid=self.engine.pid)
-        elif before:
-            log.info("canary passed again", latency_s=round(o.latency_s, 3),
-                     failures_before=before)
+        watching.on_canary_done(self, ev)
 
     def handle_gpu_sampled(self, ev: GpuSampled) -> None:
-        r = ev.reading
-        if r.errors and not self._gpu_errors_logged:
-            log.warning("GPU readings incomplete; retrying each period", errors=list(r.errors))
-        elif not r.errors and self._gpu_errors_logged:
-            log.info("GPU readings complete again")
-        self._gpu_errors_logged = bool(r.errors)
-        pids = [p.pid for p in self.engine.known] if self.engine is not None else []
-        remedies = {c: xid.describe(c).remedy for c in r.xids}
-        for code in r.xids:
-            x = xid.describe(code)
-            log.error("GPU XID event", xid=code, name=x.name, remedy=x.remedy)
-            self._audit("xid", xid=code, name=x.name, remedy=x.remedy)
-        self.window.add_gpu(ev.at, r, pids, remedies)
+        watching.on_gpu_sampled(self, ev)
 
     async def view(self) -> ExporterView:
         """For the exporter: answered by the state-owning task, so that /healthz fails
@@ -934,7 +697,7 @@ class Supervisor:
             self.notifier.extend_timeout(EXTEND_BY_S)
         if self.config.policy.enabled and self.remedy_running is None:
             # (during an in-place remedy the signals describe the remedy, not the engine)
-            self._evaluate_policy(now)
+            watching.evaluate_policy(self, now)
 
     def handle_reloaded(self, ev: Reloaded) -> None:
         if ev.config is None:

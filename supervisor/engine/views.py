@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from supervisor.engine import watching
 from supervisor.engine.states import State
 from supervisor.ops.exporter import ExporterView, ProxyView
 from supervisor.watchdog.policy import PRIORITY
@@ -94,8 +95,8 @@ def status(unit: Supervisor) -> dict[str, Any]:
         "start_blocked": unit.start_blocked if unit.state is State.BACKOFF else None,
         "remedies": {
             "allowed": list(unit.config.policy.remedies),
-            "reset_prefix_cache": unit._engine_view().can_reset_prefix_cache,
-            "kv_reset": unit._engine_view().can_kv_reset,
+            "reset_prefix_cache": watching.engine_view(unit).can_reset_prefix_cache,
+            "kv_reset": watching.engine_view(unit).can_kv_reset,
             "kv_reset_unavailable": None if unit.sleep_mode else unit.sleep_mode_why,
             "running": (None if unit.remedy_running is None else {
                 "rung": unit.remedy_running[0],
@@ -105,7 +106,7 @@ def status(unit: Supervisor) -> dict[str, Any]:
         "engine": {"host": (e.config if e is not None else unit.config.engine).host,
                    "port": (e.config if e is not None else unit.config.engine).port,
                    "processes": e.live_processes if e is not None else 0},
-        "signals": unit._signals(now),
+        "signals": watching.signals(unit, now),
         "config": unit.config.source,
     }
 
@@ -113,7 +114,7 @@ def status(unit: Supervisor) -> dict[str, Any]:
 def exporter_view(unit: Supervisor) -> ExporterView:
     """What the exporter shows of this engine (the host adds the proxy's counters)."""
     now = unit.clock.monotonic()
-    signals = unit._signals(now)
+    signals = watching.signals(unit, now)
     e = unit.engine
     return ExporterView(
         state=unit.state.value,
