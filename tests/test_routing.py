@@ -3,12 +3,13 @@ proxy's use of them (where a request may go, and with which body), without a soc
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
-from supervisor.front.admission import Gate, GateLimits
-from supervisor.front.dispatch import Backend, choices, read_request
+from supervisor.front.admission import Gate, GateLimits, Rejected
+from supervisor.front.dispatch import Backend, Choice, acquire_any, choices, read_request
 from supervisor.front.proxy import FrontProxy, ProxySettings
 from supervisor.front.routing import EngineView, Route, UnknownModel, route, served_models
 
@@ -112,3 +113,62 @@ def test_the_proxy_refuses_an_unknown_model_naming_the_models() -> None:
     proxy = _proxy(("a", ("m",), True, None), ("b", ("n",), True, None))
     with pytest.raises(UnknownModel, match="models: m, n"):
         _where(proxy, "x")
+
+
+def _gates(n: int) -> list[Choice]:
+    out = []
+    for i in range(n):
+        gate = Gate(GateLimits(max_wait_s=5))
+        out.append(Choice(Backend(f"e{i}", gate, lambda: True, "http://x", ("m",)), b"", None))
+    return out
+
+
+def test_a_held_request_takes_the_first_gate_to_open_and_leaves_the_others_queues() -> None:
+    async def main() -> None:
+        cs = _gates(2)
+        task = asyncio.ensure_future(acquire_any(cs, 10))
+        await asyncio.sleep(0.01)
+        assert [c.backend.gate.waiting for c in cs] == [1, 1]
+        cs[1].backend.gate.release()
+        choice, ticket = await task
+        await asyncio.sleep(0.05)  # (the other's cancellation lands)
+        assert choice is cs[1] and ticket.held
+        assert [c.backend.gate.waiting for c in cs] == [0, 0]
+        assert [c.backend.gate.in_flight for c in cs] == [0, 1]
+
+    asyncio.run(main())
+
+
+def test_slots_granted_to_a_request_that_went_elsewhere_or_away_are_given_back() -> None:
+    async def main() -> None:
+        cs = _gates(2)
+        for c in cs:
+            c.backend.gate.release()
+        choice, _ = await acquire_any(cs, 10)  # both admit at once: one is kept
+        await asyncio.sleep(0.05)
+        assert sum(c.backend.gate.in_flight for c in cs) == 1
+        assert choice.backend.gate.in_flight == 1
+        held = _gates(2)
+        task = asyncio.ensure_future(acquire_any(held, 10))
+        await asyncio.sleep(0.01)
+        task.cancel()  # the client went away while held
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for c in held:
+            c.backend.gate.release()
+        await asyncio.sleep(0.05)
+        assert [(c.backend.gate.in_flight, c.backend.gate.waiting) for c in held] == \
+            [(0, 0), (0, 0)]
+
+    asyncio.run(main())
+
+
+def test_a_request_every_gate_refuses_gets_the_first_refusal() -> None:
+    async def main() -> None:
+        cs = _gates(2)
+        for c in cs:
+            c.backend.gate.close("the engine is FATAL")
+        with pytest.raises(Rejected, match="FATAL"):
+            await acquire_any(cs, 10)
+
+    asyncio.run(main())

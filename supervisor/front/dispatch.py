@@ -10,6 +10,7 @@ first of their gates to admit it (`acquire_any`). No sockets: the proxy does the
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,7 +98,7 @@ def choices(backends_by_name: dict[str, Backend], facts: RequestFacts,
         return [Choice(open_[0], body, facts.doc)]  # a LoRA adapter's name, perhaps
     if r.engine is not None:
         return [_choice(backends_by_name[r.engine], r.model if r.substituted else None,
-                             facts, body)]
+                        facts, body)]
     own = [b for b in backends if model in b.models]
     out = [Choice(b, body, facts.doc) for b in own]
     for b in own:
@@ -105,6 +106,7 @@ def choices(backends_by_name: dict[str, Backend], facts: RequestFacts,
         if fb is not None and fb.models and all(c.backend is not fb for c in out):
             out.append(_choice(fb, fb.models[0], facts, body))
     return out
+
 
 def _choice(backend: Backend, model: str | None, facts: RequestFacts,
             body: bytes) -> Choice:
@@ -116,14 +118,16 @@ def _choice(backend: Backend, model: str | None, facts: RequestFacts,
 
 async def acquire_any(choices: list[Choice], tokens: int) -> tuple[Choice, Ticket]:
     """A slot at the first of these engines' gates to admit the request (one engine:
-    its gate). Raises Rejected once every gate has refused it."""
+    its gate). Raises Rejected once every gate has refused it. Every other slot granted
+    meanwhile is given back, even when the caller is cancelled (the client went away)."""
     if len(choices) == 1:
         return choices[0], await choices[0].backend.gate.acquire(tokens)
     tasks: dict[asyncio.Future[Ticket], Choice] = {
         asyncio.ensure_future(c.backend.gate.acquire(tokens)): c for c in choices}
     pending: set[asyncio.Future[Ticket]] = set(tasks)
     refused: list[Rejected] = []
-    won: tuple[Choice, Ticket] | None = None
+    won: asyncio.Future[Ticket] | None = None
+    kept = False
     try:
         while pending and won is None:
             done, pending = await asyncio.wait(pending,
@@ -131,21 +135,24 @@ async def acquire_any(choices: list[Choice], tokens: int) -> tuple[Choice, Ticke
             for t in done:
                 exc = t.exception()
                 if exc is None and won is None:
-                    won = tasks[t], t.result()
-                elif exc is None:  # admitted at the same moment: given back
-                    tasks[t].backend.gate.done(t.result())
+                    won = t
                 elif isinstance(exc, Rejected):
                     refused.append(exc)
-                else:
+                elif exc is not None:
                     raise exc
+        if won is None:
+            raise refused[0]
+        kept = True
+        return tasks[won], won.result()
     finally:
-        left = list(pending)
-        for t in left:
-            t.cancel()
-        results = await asyncio.gather(*left, return_exceptions=True)
-        for t, r in zip(left, results, strict=True):
-            if isinstance(r, Ticket):  # admitted before the cancel landed: given back
-                tasks[t].backend.gate.done(r)
-    if won is None:
-        raise refused[0]
-    return won
+        for t, c in tasks.items():
+            if kept and t is won:
+                continue
+            t.cancel()  # (a gate cancelled while it waits takes its slot back itself)
+            t.add_done_callback(functools.partial(_give_back, c))
+
+
+def _give_back(choice: Choice, t: asyncio.Future[Ticket]) -> None:
+    """A slot granted to a request that went elsewhere (or away) goes back."""
+    if not t.cancelled() and t.exception() is None:
+        choice.backend.gate.done(t.result())
