@@ -56,15 +56,21 @@ def test_promtool_unit_tests_pass() -> None:
 def test_every_alert_is_tested_firing_and_silent() -> None:
     doc = yaml.safe_load((RULES / "alerts_test.yml").read_text())
     fired: set[str] = set()
+    def subject(labels: str) -> tuple[str, str | None]:
+        """An alert's subject: the daemon (instance) and, with named engines, the engine."""
+        engine = re.search(r'engine="([^"]+)"', labels)
+        return (re.search(r'instance="([^"]+)"', labels)[1],  # type: ignore[index]
+                engine[1] if engine else None)
+
     for case in doc["tests"]:
-        instances = {re.search(r'instance="([^"]+)"', s["series"])[1]  # type: ignore[index]
-                     for s in case["input_series"]}
+        subjects = {subject(s["series"]) for s in case["input_series"]}
         for check in case["alert_rule_test"]:
-            expected = {a["exp_labels"]["instance"] for a in check.get("exp_alerts", [])}
+            expected = {(a["exp_labels"]["instance"], a["exp_labels"].get("engine"))
+                        for a in check.get("exp_alerts", [])}
             if expected:
                 fired.add(check["alertname"])
-                # the case has an instance just under the threshold, and it stays silent
-                assert instances - expected, case["name"]
+                # the case has a subject just under the threshold, and it stays silent
+                assert subjects - expected, case["name"]
     assert fired == {a["alert"] for a in alerts()}
 
 
