@@ -42,8 +42,10 @@ from supervisor.engine.events import (
 from supervisor.engine.unit import Clock, Supervisor
 from supervisor.front.dispatch import Backend
 from supervisor.front.proxy import FrontProxy, ProxyError, ProxySettings
+from supervisor.loop import Jobs
 from supervisor.ops.audit import AuditTrail
-from supervisor.ops.exporter import Exporter, ExporterView, ProxyView, parse_listen
+from supervisor.ops.exporter import Exporter, parse_listen
+from supervisor.ops.exposition import ExporterView, ProxyView
 from supervisor.ops.sdnotify import Notifier
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
 
@@ -118,7 +120,7 @@ class Host:
         self._settled: dict[str, str] = {}  # engine -> why it counts as settled
         self._statuses: dict[str, str] = {}
         self._ready_sent = False
-        self._jobs: set[asyncio.Task[Any]] = set()
+        self._jobs = Jobs()
         self._control: ControlServer | None = None
         self._exporter: Exporter | None = None
         self.audit = AuditTrail(self.config.audit.path, self.config.audit.max_bytes,
@@ -150,9 +152,7 @@ class Host:
                 task.cancel()
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
             await self._close_sockets()
-            for job in list(self._jobs):
-                job.cancel()
-            await asyncio.gather(*self._jobs, return_exceptions=True)
+            await self._jobs.cancel_all()
         return self.exit_code
 
     async def _open_sockets(self) -> None:
@@ -184,15 +184,7 @@ class Host:
             await self.proxy.close()
 
     def launch(self, coro: Coroutine[Any, Any, Any], what: str) -> None:
-        task = asyncio.ensure_future(coro)
-        self._jobs.add(task)
-
-        def done(t: asyncio.Task[Any]) -> None:
-            self._jobs.discard(t)
-            if not t.cancelled() and t.exception() is not None:
-                log.error("job failed", job=what, exc_info=t.exception())
-
-        task.add_done_callback(done)
+        self._jobs.launch(coro, what)
 
     # ---- units ------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, Literal, TypeVar
 
+import structlog
 import uvloop
 
 T = TypeVar("T")
@@ -24,3 +25,29 @@ def run(main: Coroutine[Any, Any, T], loop: Literal["uvloop", "asyncio"] = "uvlo
     factory = uvloop.new_event_loop if loop == "uvloop" else asyncio.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)
+
+
+class Jobs:
+    """The tasks one owner of state sets going (a unit's jobs, the host's): each one's
+    failure logged, all cancelled and awaited together when the owner ends."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def launch(self, coro: Coroutine[Any, Any, Any], what: str) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                structlog.get_logger("supervisor").error("job failed", job=what,
+                                                         exc_info=t.exception())
+
+        task.add_done_callback(done)
+        return task
+
+    async def cancel_all(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

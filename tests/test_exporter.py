@@ -19,13 +19,12 @@ from structlog.testing import capture_logs
 
 from supervisor.ops.exporter import (
     MAX_HEAD,
-    STATES,
     Exporter,
     ExporterError,
-    ExporterView,
     parse_listen,
     parse_request_head,
 )
+from supervisor.ops.exposition import STATES, ExporterView
 
 GUARD_S = 10.0  # a hang guard, not a timing assertion
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from supervisor.config import Config
 from supervisor.engine import process as eng
 from supervisor.engine import proctree
-from supervisor.ops.exporter import ExporterView
+from supervisor.ops.exposition import ExporterView
 from supervisor.watchdog import canary, evidence, remedy
 from supervisor.watchdog.gpu import GpuReading
 from supervisor.watchdog.metrics import Snapshot

@@ -70,8 +70,9 @@ from supervisor.engine.lifecycle import RestartTracker
 from supervisor.engine.states import State, check_transition
 from supervisor.front.admission import Gate, GateLimits
 from supervisor.front.proxy import FrontProxy
+from supervisor.loop import Jobs
 from supervisor.ops.audit import AuditTrail
-from supervisor.ops.exporter import ExporterView
+from supervisor.ops.exposition import ExporterView
 from supervisor.ops.logs import set_level
 from supervisor.ops.sdnotify import Notifier
 from supervisor.watchdog import evidence, relaunch
@@ -146,7 +147,7 @@ class Supervisor:
         self._last_watchdog = 0.0
         self._last_extend = -EXTEND_EVERY_S
         self._stop_replies: list[asyncio.Future[dict[str, Any]]] = []
-        self._jobs: set[asyncio.Task[Any]] = set()
+        self._jobs = Jobs()
         self._done = False
         # the watchdog
         self.window = SignalWindow(self.config.signals.window(self.config.gpu))
@@ -204,9 +205,7 @@ class Supervisor:
             raise
         finally:
             self.gate.close("the engine is stopped")
-            for job in list(self._jobs):
-                job.cancel()
-            await asyncio.gather(*self._jobs, return_exceptions=True)
+            await self._jobs.cancel_all()
             self.guard.close()
         return self.exit_code
 
@@ -217,16 +216,7 @@ class Supervisor:
         return await reply
 
     def _launch(self, coro: Coroutine[Any, Any, Any], what: str) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(coro)
-        self._jobs.add(task)
-
-        def done(t: asyncio.Task[Any]) -> None:
-            self._jobs.discard(t)
-            if not t.cancelled() and t.exception() is not None:
-                log.error("job failed", job=what, exc_info=t.exception())
-
-        task.add_done_callback(done)
-        return task
+        return self._jobs.launch(coro, what)
 
     async def _ticker(self) -> None:
         interval = self.tick_interval_s

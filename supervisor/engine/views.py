@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from supervisor.engine import watching
 from supervisor.engine.states import State
-from supervisor.ops.exporter import ExporterView, ProxyView
+from supervisor.ops.exposition import ExporterView, ProxyView
 from supervisor.watchdog.policy import PRIORITY
 from supervisor.watchdog.signals import SIGNALS
 

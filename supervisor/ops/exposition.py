@@ -1,0 +1,284 @@
+"""The Prometheus text the exporter serves: the daemon's view of its engines (and of the
+front proxy), as metric families.
+
+Owns the views (`ExporterView`, `ProxyView`: frozen snapshots made by the state-owning
+tasks) and their rendering; never a socket (`supervisor/ops/exporter.py` serves it).
+Metric names follow Prometheus conventions under the prefix `vllm_supervisor_`: base
+units, `_total` counters, one series per engine state; with named engines every engine
+series carries `engine`. An unknown value is omitted, never 0. A gauge with a bad or
+taken name is skipped and logged once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from supervisor.front.continuation import OUTCOMES, REFUSALS
+from supervisor.front.latency import KINDS, HistogramView
+
+log = structlog.get_logger("supervisor.exporter")
+
+PREFIX = "vllm_supervisor_"
+STATES = ("STARTING", "RUNNING", "DRAINING", "STOPPING", "BACKOFF", "FATAL", "STOPPED")
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+@dataclass(frozen=True)
+class ExporterView:
+    """A frozen snapshot of what the exporter shows, made by the state-owning task."""
+
+    state: str  # one of STATES
+    ready: bool  # engine serving and not draining
+    throttle_level: int
+    restarts_by_reason: Mapping[str, int]
+    trips_by_rule: Mapping[str, int]
+    actions_by_kind: Mapping[str, int]
+    last_decision_wall: float | None  # unix time of the last decision
+    policy_paused: bool
+    dry_run: bool
+    engine_uptime_s: float | None
+    gauges: Sequence[tuple[str, str, float | None]]  # (name, help, value); None: omitted
+    proxy: ProxyView | None = None  # the front proxy's counters, when it runs
+    engine_not_running_s: float = 0.0  # since the engine was last RUNNING; 0 while it is
+    engine_startup_timeout_s: float | None = None  # its allowance to become healthy
+    # several engines (or named ones): each one's view, shown with an `engine` label; the
+    # fields above then summarise them (state, ready) and `proxy` holds the shared
+    # counters, each engine's `proxy` its own gate's numbers
+    engines: Sequence[tuple[str, ExporterView]] = ()
+
+
+@dataclass(frozen=True)
+class ProxyView:
+    responses_by_code: Mapping[str, int]
+    rejections_by_reason: Mapping[str, int]
+    in_flight: int
+    held: int  # waiting at the gate
+    connect_retries: int
+    held_limit: int = 0  # the hold queue's length limit (proxy.hold_queue_max)
+    kv_breaker_open: bool = False
+    latency: Sequence[HistogramView] = ()  # what clients felt, by kind and model
+    continuations: Mapping[str, int] = field(default_factory=dict)  # by outcome
+    continuation_refusals: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class BadNames:
+    """What was already logged as skipped, so that each is logged once."""
+
+    seen: set[tuple[str, str]] = field(default_factory=set)
+
+    def once(self, event: str, **kv: object) -> None:
+        key = (event, repr(sorted(kv.items())))
+        if key not in self.seen:
+            self.seen.add(key)
+            log.warning(event, **kv)
+
+
+Labelled = list[tuple[str | None, "ExporterView"]]  # (engine name or None, its view)
+
+
+def _labels(views: Labelled, labels: Sequence[str]) -> list[str]:
+    """A family's labels: `engine` leads them when the engines are named."""
+    return (["engine"] if views[0][0] is not None else []) + list(labels)
+
+
+def _gauge(name: str, helptext: str, views: Labelled,
+           labels: Sequence[str] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, helptext, labels=_labels(views, labels))
+
+
+def _counter(name: str, helptext: str, views: Labelled,
+             labels: Sequence[str] = ()) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, helptext, labels=_labels(views, labels))
+
+
+def _per_engine_gauges(specs: Sequence[tuple[str, str, Callable[[ExporterView], float | None]]],
+                       views: Labelled) -> Iterator[GaugeMetricFamily]:
+    """One family per (name, help, value) spec, a sample per engine; an unknown value is
+    omitted, and a family unknown for every engine is left out."""
+    for fname, helptext, get in specs:
+        values = [(name, get(e)) for name, e in views]
+        if all(x is None for _, x in values):
+            continue
+        fam = _gauge(fname, helptext, views)
+        for name, x in values:
+            if x is not None:
+                fam.add_metric([name] if name is not None else [], float(x))
+        yield fam
+
+
+class _ViewCollector(Collector):
+    def __init__(self, view: ExporterView, bad: BadNames) -> None:
+        self.view = view
+        self.bad = bad
+
+    def collect(self) -> Iterator[Metric]:
+        v = self.view
+        views: Labelled = [(n, e) for n, e in v.engines] or [(None, v)]
+
+        def lv(name: str | None, *rest: str) -> list[str]:
+            return ([name] if name is not None else []) + list(rest)
+
+        state = _gauge("engine_state",
+                        "engine state: 1 for the current state, 0 for the others", views,
+                        ["state"])
+        for name, e in views:
+            if e.state not in STATES:
+                self.bad.once("exporter got an unknown engine state", state=e.state)
+            for s in STATES:
+                state.add_metric(lv(name, s), 1.0 if s == e.state else 0.0)
+        yield state
+        simple: list[tuple[str, str, Callable[[ExporterView], float | None]]] = [
+            ("engine_ready", "1 while the engine serves and is not draining",
+             lambda e: float(e.ready)),
+            ("engine_uptime_seconds", "seconds since the engine became healthy",
+             lambda e: e.engine_uptime_s),
+            ("engine_not_running_seconds",
+             "seconds since the engine was last RUNNING (0 while it is)",
+             lambda e: e.engine_not_running_s),
+            ("engine_startup_timeout_seconds",
+             "the engine's allowance to become healthy (engine.startup_timeout_s)",
+             lambda e: e.engine_startup_timeout_s)]
+        yield from _per_engine_gauges(simple, views)
+        counts: list[tuple[str, str, str, Callable[[ExporterView], Mapping[str, int]]]] = [
+                ("engine_restarts", "engine restarts, by reason", "reason",
+                 lambda e: e.restarts_by_reason),
+                ("policy_trips", "policy rule trips, by rule (dry-run included)", "rule",
+                 lambda e: e.trips_by_rule),
+                ("policy_actions", "policy actions carried out, by action", "action",
+                 lambda e: e.actions_by_kind)]
+        for fname, helptext, label, get_counts in counts:
+            counter = _counter(fname, helptext, views, [label])
+            for name, e in views:
+                for key, n in sorted(get_counts(e).items()):
+                    counter.add_metric(lv(name, key), float(n))
+            yield counter
+        more: list[tuple[str, str, Callable[[ExporterView], float | None]]] = [
+                ("throttle_level", "throttle level in force (0: none)",
+                 lambda e: float(e.throttle_level)),
+                ("policy_paused", "1 while the policy is paused",
+                 lambda e: float(e.policy_paused)),
+                ("policy_dry_run", "1 when the policy only reports what it would do",
+                 lambda e: float(e.dry_run)),
+                ("last_decision_timestamp_seconds", "unix time of the last policy decision",
+                 lambda e: e.last_decision_wall)]
+        yield from _per_engine_gauges(more, views)
+        if v.proxy is not None:
+            gates: Labelled = ([(n, e) for n, e in v.engines if e.proxy is not None]
+                               or [(None, v)])
+            yield from _proxy_metrics(v.proxy, gates)
+        yield from self._gauges(views)
+
+    def _gauges(self, views: Labelled) -> Iterator[Metric]:
+        # The fixed families above, and the sample names they make: a gauge must not
+        # repeat one (a repeated family makes the whole exposition invalid).
+        taken = {PREFIX + n for n in (
+            "engine_state", "engine_ready", "engine_uptime_seconds", "throttle_level",
+            "policy_paused", "policy_dry_run", "last_decision_timestamp_seconds",
+            "proxy_in_flight", "proxy_held", "proxy_held_limit", "proxy_kv_breaker_open",
+            "engine_not_running_seconds", "engine_startup_timeout_seconds")}
+        for n in ("proxy_responses", "proxy_rejections", "proxy_connect_retries",
+                  *(k.metric for k in KINDS)):
+            taken |= {PREFIX + n, PREFIX + n + "_total", PREFIX + n + "_created",
+                      PREFIX + n + "_bucket", PREFIX + n + "_count", PREFIX + n + "_sum"}
+        for n in ("engine_restarts", "policy_trips", "policy_actions"):
+            taken |= {PREFIX + n, PREFIX + n + "_total", PREFIX + n + "_created"}
+        families: dict[str, GaugeMetricFamily] = {}
+        for engine, view in views:
+            seen: set[str] = set()
+            for name, helptext, value in view.gauges:
+                if not isinstance(name, str) or _METRIC_NAME.fullmatch(name) is None:
+                    self.bad.once("exporter skips a gauge with a bad name", name=name)
+                    continue
+                if PREFIX + name in taken or name in seen:
+                    self.bad.once("exporter skips a gauge whose name is taken", name=name)
+                    continue
+                seen.add(name)
+                if value is None:
+                    continue  # unknown: omitted, never 0
+                try:
+                    number = float(value)
+                except (TypeError, ValueError):
+                    self.bad.once("exporter skips a gauge whose value is not a number",
+                                  name=name, value=repr(value))
+                    continue
+                fam = families.get(name)
+                if fam is None:
+                    fam = families[name] = _gauge(name, str(helptext),
+                                                   views)
+                fam.add_metric([engine] if engine is not None else [], number)
+        yield from families.values()
+
+
+def _proxy_metrics(p: ProxyView, gates: Labelled) -> Iterator[Metric]:
+    codes = CounterMetricFamily(PREFIX + "proxy_responses", "proxy answers, by status code",
+                                labels=["code"])
+    for code, n in sorted(p.responses_by_code.items()):
+        codes.add_metric([code], float(n))
+    yield codes
+    rejected = CounterMetricFamily(PREFIX + "proxy_rejections",
+                                   "requests the proxy refused, by reason", labels=["reason"])
+    for reason, n in sorted(p.rejections_by_reason.items()):
+        rejected.add_metric([reason], float(n))
+    yield rejected
+    # the admission gate's numbers: one gate per engine
+    gauges: list[tuple[str, str, Callable[[ProxyView], float]]] = [
+            ("proxy_in_flight", "requests at the engine", lambda g: float(g.in_flight)),
+            ("proxy_held", "requests waiting at the gate", lambda g: float(g.held)),
+            ("proxy_held_limit", "the most requests that may wait at the gate "
+             "(hold_queue_max)", lambda g: float(g.held_limit)),
+            ("proxy_kv_breaker_open", "1 while the KV breaker stops admission",
+             lambda g: float(g.kv_breaker_open))]
+    for fname, helptext, get in gauges:
+        fam = _gauge(fname, helptext, gates)
+        for name, e in gates:
+            gate = e.proxy if name is not None else p
+            assert gate is not None
+            fam.add_metric([name] if name is not None else [], get(gate))
+        yield fam
+    yield CounterMetricFamily(PREFIX + "proxy_connect_retries",
+                              "requests sent again after the engine refused the connection",
+                              value=float(p.connect_retries))
+    outcomes = CounterMetricFamily(
+        PREFIX + "proxy_continuations", "streams the engine failed mid-answer, by how they "
+        "ended (continued, resent, closed, refused, failed, client_gone)", labels=["outcome"])
+    for outcome in OUTCOMES:
+        outcomes.add_metric([outcome], float(p.continuations.get(outcome, 0)))
+    yield outcomes
+    refusals = CounterMetricFamily(
+        PREFIX + "proxy_continuation_refusals", "broken streams not continued, by why "
+        "(continuation would not be exact)", labels=["reason"])
+    for reason in REFUSALS:
+        refusals.add_metric([reason], float(p.continuation_refusals.get(reason, 0)))
+    yield refusals
+    for kind in KINDS:
+        family = HistogramMetricFamily(PREFIX + kind.metric, kind.help, labels=["model"])
+        for h in p.latency:
+            if h.kind != kind.name:
+                continue
+            buckets = [(("+Inf" if le == float("inf") else f"{le:g}"), float(n))
+                       for le, n in h.buckets]
+            family.add_metric([v for _, v in h.labels], buckets, sum_value=h.sum)
+        yield family
+
+
+def render_metrics(view: ExporterView, bad: BadNames | None = None) -> bytes:
+    """The Prometheus text exposition of a view. Raises on a view it cannot render."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_ViewCollector(view, bad if bad is not None else BadNames()))
+    # the daemon's own health: process_resident_memory_bytes, process_cpu_seconds_total,
+    # open fds (a few reads of /proc/self, in memory)
+    ProcessCollector(registry=registry)
+    return generate_latest(registry)
