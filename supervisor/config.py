@@ -262,7 +262,7 @@ class ProxyConfig:
     continue_streams: bool = spec(True)
     continue_timeout_s: float = spec(300.0, lo=1, hi=3600)  # waiting for an engine
     max_continuations: int = spec(3, lo=1, hi=100)  # faults one request survives
-    keepalive_s: float = spec(10.0, lo=0.5, hi=300)  # SSE comments while it waits
+    keepalive_s: float = spec(10.0, lo=0.5, hi=300)  # blank keep-alive lines while it waits
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,8 @@ script a fault:
   --hang-file PATH      while PATH exists, completions hang (a frozen engine: /health
                         and /metrics still answer, as vLLM's do with EngineCore stopped)
   --token-delay S       seconds between streamed tokens (default 0.01)
+  --first-token-delay S seconds before a stream's first token (its prefill; default 0):
+                        a fault meets a stream that has sent nothing yet
   --enable-sleep-mode   with VLLM_SERVER_DEV_MODE=1, as vLLM: POST /sleep?level=1,
                         POST /wake_up, GET /is_sleeping; each sleep appends the number of
                         requests running at that moment to <pidfile dir>/sleeps, and
@@ -80,6 +82,7 @@ def main() -> None:
     p.add_argument("--metrics-file", default=None)
     p.add_argument("--hang-file", default=None)
     p.add_argument("--token-delay", type=float, default=0.01)
+    p.add_argument("--first-token-delay", type=float, default=0)
     p.add_argument("--enable-sleep-mode", action="store_true")
     p.add_argument("--wake-fails", action="store_true")
     p.add_argument("--fault-file", default=None)
@@ -281,6 +284,7 @@ def main() -> None:
                     if ids:
                         first["prompt_token_ids"] = prompt
                     send(first)
+                time.sleep(a.first_token_delay)
                 for i in range(tokens):
                     fault = fault_for(me)
                     if fault == "cut":

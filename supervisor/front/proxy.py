@@ -20,10 +20,10 @@ A connection refused by the engine means the request never reached it, so it goe
 to the gate (which holds it while the daemon restarts the engine) and is sent again. A
 stream the engine fails mid-answer is continued token-exact on the engine that comes
 back (`supervisor/front/continuation.py`, driven by `supervisor/front/streams.py`), with
-SSE comments keeping the client's connection alive while it waits; one that cannot be continued ends
-with an explicit error event and no `[DONE]`, never as a clean but short answer. Any
-other answer the engine had started fails fast with 502, since it cannot be saved. The
-proxy's own `/healthz` and `/readyz` answer load balancers.
+blank keep-alive lines keeping the client's connection alive while it waits; one that
+cannot be continued ends with an explicit error event and no `[DONE]`, never as a clean
+but short answer. Any other answer the engine had started fails fast with 502, since it
+cannot be saved. The proxy's own `/healthz` and `/readyz` answer load balancers.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class ProxySettings:
     continuation: bool = True  # continue streams the engine fails mid-answer
     continue_timeout_s: float = 300.0  # the longest a broken stream waits for an engine
     max_continuations: int = 3  # per request
-    keepalive_s: float = 10.0  # SSE comments to a waiting stream, this often
+    keepalive_s: float = 10.0  # keep-alive lines to a waiting stream, this often
 
 
 @dataclass
@@ -122,7 +122,7 @@ class Exchange:
     tail: bytes = b""  # the answer's last bytes, where its usage is
     outcome: str = "ok"
     tokens: int = 0  # the token budget's estimate, for the gate
-    last_write_at: float = 0.0  # bytes of any kind (keep-alive comments too)
+    last_write_at: float = 0.0  # bytes of any kind (keep-alive lines too)
     last_data_at: float = 0.0  # answer bytes
     gap_from: float | None = None  # a broken stream's last answer bytes, until it goes on
     transcript: Transcript | None = None  # a continuable stream's record

@@ -6,7 +6,7 @@ half: the plan, the refusal rules, the transcript and its reframing).
 proxy's settings, gate, counters, histograms and upstream session, and nothing else.
 A broken stream keeps its client's connection: it gives back its slot at the gate
 (a drain does not wait for it), waits at most `proxy.continue_timeout_s` for the gate
-to admit it again with SSE keep-alive comments meanwhile, and goes on from the engine
+to admit it again with blank keep-alive lines meanwhile, and goes on from the engine
 that answers; or ends with an explicit error event, never a clean but short answer.
 """
 
@@ -34,6 +34,14 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("supervisor.proxy")
 
+# What a waiting stream gets every `keepalive_s`: two blank lines, an empty event block
+# that every SSE parser skips. Not an SSE comment (`: keep-alive`): vLLM's own benchmark
+# client strips each read and glues it to its buffer, so a comment arriving alone heads
+# the buffer and every event after it is dropped with it (issue 20: 115 of 128 resent
+# streams seen as failed on an H100, continued ones short); a naive client that splits on
+# blank lines and reads `data:` lines drops a comment too, and one blank line alone would
+# shift its next event by a newline.
+KEEPALIVE = b"\n\n"
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
               "trailer", "transfer-encoding", "upgrade", "host", "content-length"}
 
@@ -223,15 +231,15 @@ class ContinuingRelay:
         return ticket
 
     async def _keepalive(self, resp: web.StreamResponse, ex: Exchange) -> None:
-        """SSE comments while a broken stream waits, so that idle timeouts on the
-        client's side do not fire; clients ignore comment lines."""
+        """Keep-alive bytes while a broken stream waits, so that idle timeouts on the
+        client's side do not fire: `KEEPALIVE`, two blank lines."""
         # RuntimeError: the stream was finished (write_eof) while this one was writing
         with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError,
                                  RuntimeError):
             while True:
                 idle = time.monotonic() - ex.last_write_at
                 if idle >= self.s.keepalive_s:
-                    await resp.write(b": keep-alive\n\n")
+                    await resp.write(KEEPALIVE)
                     ex.last_write_at = time.monotonic()
                     idle = 0.0
                 await asyncio.sleep(self.s.keepalive_s - idle)
