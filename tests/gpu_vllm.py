@@ -8,9 +8,12 @@ its 10-minute calls, the daemon living on between them in its own session:
     python3 tests/gpu_vllm.py kv-reset  # KV resets through sleep/wake under a small load
     python3 tests/gpu_vllm.py crash     # SIGKILL of the API server: orphan, release, restart
     python3 tests/gpu_vllm.py hang      # SIGSTOP of VLLM::EngineCore: detected and healed
-    python3 tests/gpu_vllm.py continue kill   # vLLM's own bench client through the proxy,
-    python3 tests/gpu_vllm.py continue stop   # EngineCore SIGKILLed / SIGSTOPped mid-load:
-                                              # every stream whole (issue 12)
+    python3 tests/gpu_vllm.py continue kill late   # vLLM's own bench client through the
+    python3 tests/gpu_vllm.py continue kill early  # proxy, 3000 prompts at 128 streams,
+    python3 tests/gpu_vllm.py continue stop late   # EngineCore SIGKILLed / SIGSTOPped 5 s
+                                              # after 64 run, or as soon as all 128 are in
+                                              # their first tokens: every stream whole,
+                                              # four raw streams tapped (issues 12, 20)
     python3 tests/gpu_vllm.py throughput 1 8 32 256  # output tokens/s, proxy vs direct
     python3 tests/gpu_vllm.py stop      # stopped; nothing left on the GPU
 
@@ -341,7 +344,8 @@ def engine_running() -> float:
 
 def bench(base: str, concurrency: int, prompts: int, tag: str, detailed: bool = False,
           timeout: float = 540) -> dict[str, Any]:
-    """vLLM's own benchmark client (a client nobody here wrote), one run; its saved JSON."""
+    """vLLM's own benchmark client (a client nobody here wrote), one run; its saved JSON.
+    Its output goes to WORK/TAG.log as it runs."""
     out = WORK / "bench"
     out.mkdir(parents=True, exist_ok=True)
     name = f"{tag}.json"
@@ -353,11 +357,13 @@ def bench(base: str, concurrency: int, prompts: int, tag: str, detailed: bool = 
            "--ignore-eos", "--ready-check-timeout-sec", "0", "--save-result",
            "--result-dir", str(out), "--result-filename", name,
            *(["--save-detailed"] if detailed else [])]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(WORK),
-                       env={**os.environ, "PYTHONPATH": VLLM_SITE})
-    (WORK / f"{tag}.log").write_text(r.stdout + r.stderr)
+    log_path = WORK / f"{tag}.log"
+    with log_path.open("wb") as logf:
+        r = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout,
+                           cwd=str(WORK), env={**os.environ, "PYTHONPATH": VLLM_SITE})
     if r.returncode != 0:
-        raise AssertionError(f"bench {tag} exit {r.returncode}: {r.stderr[-2000:]}")
+        raise AssertionError(f"bench {tag} exit {r.returncode}: "
+                             f"{log_path.read_text(errors='replace')[-2000:]}")
     doc: dict[str, Any] = json.loads((out / name).read_text())
     return doc
 
@@ -392,52 +398,148 @@ def capture_sse() -> dict[str, Any]:
     return got
 
 
-def phase_continue(fault: str) -> None:
-    """128 streams of 256 tokens through the proxy; the core SIGKILLed or SIGSTOPped once
-    the engine runs >= 64 of them. Every stream must end whole: 0 failed, and the tokens
-    generated equal to those asked for."""
-    prompts, conc, want = 384, 128, 256
+class Tap:
+    """One streamed completion through the proxy, read raw as a client's socket gets it:
+    every read's bytes and time (issue 20: what vLLM's client saw of a resent stream)."""
+
+    def __init__(self, name: str, tokens: int) -> None:
+        self.name, self.tokens = name, tokens
+        self.reads: list[tuple[float, bytes]] = []
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Tap:
+        self.t0 = time.monotonic()
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        import http.client
+
+        body = json.dumps({"model": "tiny-llama", "prompt": f"tap {self.name} " * 8,
+                           "max_tokens": self.tokens, "ignore_eos": True, "stream": True,
+                           "stream_options": {"include_usage": True}})
+        try:
+            conn = http.client.HTTPConnection(PROXY, timeout=600)
+            conn.request("POST", "/v1/completions", body,
+                         {"content-type": "application/json"})
+            r = conn.getresponse()
+            while True:
+                data = r.read1(65536)
+                if not data:
+                    break
+                self.reads.append((time.monotonic() - self.t0, data))
+        except Exception as exc:  # recorded: the summary says the tap failed
+            self.error = repr(exc)
+
+    def summary(self) -> dict[str, Any]:
+        self.thread.join(600)
+        raw = b"".join(d for _, d in self.reads)
+        events = [e for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
+        docs = [json.loads(e[6:]) for e in events if e != b"data: [DONE]"]
+        texts = [c for d in docs for c in d.get("choices") or ()]
+        usage = [d["usage"] for d in docs if d.get("usage")]
+        gaps = [b - a for (a, _), (b, _) in zip(self.reads, self.reads[1:], strict=False)]
+        at = gaps.index(max(gaps)) + 1 if gaps else 0
+        return {"name": self.name, "error": self.error, "reads": len(self.reads),
+                "keepalive_reads": sum(1 for _, d in self.reads if not d.strip()),
+                "comment_reads": sum(1 for _, d in self.reads if d.lstrip().startswith(b":")),
+                "token_events": len(texts), "errors": [d["error"] for d in docs
+                                                       if "error" in d],
+                "usage_completion_tokens": usage[-1]["completion_tokens"] if usage else None,
+                "done": raw.endswith(b"data: [DONE]\n\n"),
+                "first_reads": [repr(d[:300]) for _, d in self.reads[:2]],
+                "around_longest_gap": [(round(t, 3), repr(d[:300]))
+                                       for t, d in self.reads[max(0, at - 2):at + 3]]}
+
+    def save(self, tag: str) -> None:
+        doc = [{"t": round(t, 4), "bytes": d.decode(errors="replace")} for t, d in self.reads]
+        path = WORK / f"tap-{tag}-{self.name}.json"
+        path.write_text(json.dumps(doc))
+
+
+def phase_continue(fault: str, when: str) -> None:
+    """Issue 20's procedure: 3000 streams of 256 tokens through the proxy at 128 at a
+    time; once the client says its main run started, the core is SIGKILLed (or
+    SIGSTOPped) `late` (5 s after the engine runs >= 64) or `early` (as soon as it runs
+    all 128, in their first tokens). Four raw streams ride along (two started a second
+    before the fault, two just before it, in their prefill). Every stream must end whole:
+    0 failed, the tokens generated equal to those asked for, none short."""
+    prompts, conc, want = 3000, 128, 256
+    tag = f"continue-{fault}-{when}"
     st = status()
     restarts = st["restarts"]
     core = core_of(st["pid"])
     log_at = (WORK / "daemon.log").stat().st_size
+    before = exporter_series("vllm_supervisor_proxy_continuations_total")
     fired: dict[str, float] = {}
+    taps: list[Tap] = []
 
     def fault_once() -> None:
-        wait(lambda: engine_running() >= 64, 300, "64 requests running at the engine")
+        log_path = WORK / f"{tag}.log"
+        wait(lambda: log_path.exists()
+             and b"Starting main benchmark run" in log_path.read_bytes(), 300,
+             "the client's main run")
+        fired["main"] = time.monotonic()
+        if when == "early":
+            wait(lambda: engine_running() >= conc, 60, "all 128 running at the engine")
+            taps.extend(Tap(f"fresh{i}", want).start() for i in range(2))
+            time.sleep(0.05)
+        else:
+            wait(lambda: engine_running() >= 64, 300, "64 requests running at the engine")
+            time.sleep(4.0)
+            taps.extend(Tap(f"midway{i}", want).start() for i in range(2))
+            time.sleep(0.95)
+            taps.extend(Tap(f"fresh{i}", want).start() for i in range(2))
+            time.sleep(0.05)
         fired["running"] = engine_running()
         fired["t"] = time.monotonic()
         core.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
 
     watcher = threading.Thread(target=fault_once, daemon=True)
     watcher.start()
-    t0 = time.monotonic()
-    doc = bench(PROXY, conc, prompts, f"continue-{fault}", detailed=True)
+    doc = bench(PROXY, conc, prompts, tag, detailed=True)
     watcher.join(5)
     back = wait(lambda: status()["state"] == "RUNNING" and status()["restarts"] > restarts
                 and status(), 300, "RUNNING again")
+    tapped = [t.summary() for t in taps]
+    for t in taps:
+        t.save(tag)
     lens = doc.get("output_lens") or []
     errors = [e for e in doc.get("errors") or [] if e]
+    texts = doc.get("generated_texts") or []
     lines = (WORK / "daemon.log").read_bytes()[log_at:].decode(errors="replace").splitlines()
     logged = [json.loads(x) for x in lines if x.startswith("{")]
     continued = [e for e in logged if e.get("event") == "stream continued"]
-    series = exporter_series("vllm_supervisor_proxy_continuations_total")
-    result(f"continue-{fault}", sse=capture_sse(), prompts=prompts, concurrency=conc,
+    served = [e for e in logged if e.get("event") == "request"
+              and e.get("path") == "/v1/completions"]
+    after = exporter_series("vllm_supervisor_proxy_continuations_total")
+    result(tag, prompts=prompts, concurrency=conc,
            running_at_fault=fired.get("running"),
-           fault_after_s=round(fired["t"] - t0, 1) if "t" in fired else None,
+           fault_after_main_s=round(fired["t"] - fired["main"], 1) if "t" in fired else None,
            completed=doc.get("completed"), failed=doc.get("failed"),
-           errors=errors[:5], total_output_tokens=doc.get("total_output_tokens"),
+           errors=sorted(set(errors))[:5], total_output_tokens=doc.get("total_output_tokens"),
            tokens_asked=prompts * want, short_streams=len([n for n in lens if n < want]),
+           empty_texts=len([x for x in texts if not x]),
+           proxy_requests=len(served),
+           proxy_short=len([e for e in served if (e.get("tokens") or 0) < want]),
+           proxy_not_ok=len([e for e in served if e.get("outcome")]),
            p99_ttft_ms=doc.get("p99_ttft_ms"), p99_itl_ms=doc.get("p99_itl_ms"),
            # the saved per-request gaps are in seconds (the percentiles in ms)
            max_itl_s=max((max(x) for x in doc.get("itls") or [] if x), default=None),
-           duration_s=doc.get("duration"), continuations=series,
+           duration_s=doc.get("duration"),
+           continuations={k: v - before.get(k, 0.0) for k, v in after.items()
+                          if v - before.get(k, 0.0)},
            continued_logged=len(continued),
            max_gap_s=max((e.get("waited_s", 0) for e in continued), default=None),
-           decision=[e for e in events() if e["event"] == "decision"][-1:],
-           state_reason=back["reason"])
+           running_again_after_kill_s=round(time.monotonic() - fired["t"], 1)
+           if "t" in fired else None,
+           taps=tapped, state_reason=back["reason"])
     assert doc.get("completed") == prompts and not errors
     assert doc.get("total_output_tokens") == prompts * want
+    assert not [n for n in lens if n < want]
+    assert all(t["usage_completion_tokens"] == want and t["token_events"] and t["done"]
+               and not t["errors"] for t in tapped)
 
 
 def phase_throughput(concurrencies: list[int]) -> None:
@@ -468,7 +570,7 @@ def phase_stop() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "continue":
-        phase_continue(sys.argv[2])
+        phase_continue(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "late")
     elif sys.argv[1] == "throughput":
         phase_throughput([int(x) for x in sys.argv[2:]])
     else:
