@@ -63,7 +63,8 @@ async def run_proxy(upstream: str, routed: bool = False) -> None:
     engines behind it (both the same upstream), each request routed by its model to the
     first (the routing a host with several engines does per request)."""
     from supervisor.front.admission import Gate, GateLimits
-    from supervisor.front.proxy import FrontProxy, ProxySettings
+    from supervisor.front.exchange import ProxySettings
+    from supervisor.front.proxy import FrontProxy
 
     try:  # as the daemon logs: JSON lines (the proxy writes one per request)
         from supervisor.ops.logs import configure_logging

@@ -41,7 +41,8 @@ from supervisor.engine.events import (
 )
 from supervisor.engine.unit import Clock, Supervisor
 from supervisor.front.dispatch import Backend
-from supervisor.front.proxy import FrontProxy, ProxyError, ProxySettings
+from supervisor.front.exchange import ProxySettings
+from supervisor.front.proxy import FrontProxy, ProxyError
 from supervisor.loop import Jobs
 from supervisor.ops.audit import AuditTrail
 from supervisor.ops.exporter import Exporter, parse_listen

@@ -10,7 +10,8 @@ import pytest
 
 from supervisor.front.admission import Gate, GateLimits, Rejected
 from supervisor.front.dispatch import Backend, Choice, acquire_any, choices, read_request
-from supervisor.front.proxy import FrontProxy, ProxySettings
+from supervisor.front.exchange import ProxySettings
+from supervisor.front.proxy import FrontProxy
 from supervisor.front.routing import EngineView, Route, UnknownModel, route, served_models
 
 

@@ -34,7 +34,6 @@ import dataclasses
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import aiohttp
 import structlog
@@ -45,13 +44,14 @@ from supervisor.front import continuation, dispatch, routing
 from supervisor.front.admission import Gate, Rejected
 from supervisor.front.continuation import Transcript
 from supervisor.front.dispatch import Backend, Choice, RequestFacts, read_request
+from supervisor.front.exchange import Exchange, ProxySettings, ProxyStats
 from supervisor.front.latency import ClientLatency
 from supervisor.front.routes import LOCAL, PathRefused, Routes, Target, read_target
 from supervisor.front.streams import (
     HOP_BY_HOP,
     Broken,
-    ContinuingRelay,
     NotDelivered,
+    StreamRelay,
     UpstreamFailed,
     upstream_chunks,
     upstream_headers,
@@ -64,72 +64,7 @@ USAGE_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 TAIL_BYTES = 1024  # of an answer, kept to read its usage from
 
 
-@dataclass
-class ProxyStats:
-    """Counters for the exporter; the proxy's handlers update them on the loop's thread."""
-
-    responses: dict[str, int] = field(default_factory=dict)  # status code -> count
-    rejections: dict[str, int] = field(default_factory=dict)  # reason -> count
-    retried_connects: int = 0
-    continuations: dict[str, int] = field(default_factory=dict)  # outcome -> streams
-    refusals: dict[str, int] = field(default_factory=dict)  # why not continued -> streams
-
-    def continued(self, outcome: str, refused: str | None = None) -> None:
-        self.continuations[outcome] = self.continuations.get(outcome, 0) + 1
-        if refused is not None:
-            self.refusals[refused] = self.refusals.get(refused, 0) + 1
-
-    def count(self, status: int) -> None:
-        self.responses[str(status)] = self.responses.get(str(status), 0) + 1
-
-    def reject(self, reason: str) -> None:
-        self.rejections[reason] = self.rejections.get(reason, 0) + 1
-
-
-@dataclass
-class ProxySettings:
-    listen_host: str
-    listen_port: int
-    upstream: str  # http://127.0.0.1:8100
-    max_body_bytes: int = 16 << 20
-    max_header_bytes: int = 16 << 10
-    retry_after_s: int = 5
-    extra_routes: tuple[str, ...] = ()
-    connect_timeout_s: float = 5.0
-    idle_read_timeout_s: float = 600.0  # between two chunks of an answer
-    models: tuple[str, ...] = ()  # the names the engine serves: the latency labels
-    # other names may be served too (LoRA adapters): an unknown name goes to the engine
-    models_open: bool = False
-    continuation: bool = True  # continue streams the engine fails mid-answer
-    continue_timeout_s: float = 300.0  # the longest a broken stream waits for an engine
-    max_continuations: int = 3  # per request
-    keepalive_s: float = 10.0  # keep-alive lines to a waiting stream, this often
-
-
-@dataclass
-class Exchange:
-    """One client request as the proxy saw it: for the latency histograms and its one
-    access line."""
-
-    arrived: float
-    model: object = None
-    status: int | None = None  # None: no answer (cut, or the client went away early)
-    held_s: float = 0.0
-    queued_s: float = 0.0
-    stream: bool = False
-    first_chunk_at: float | None = None
-    events: int = 0  # SSE data events written (about one token each)
-    tail: bytes = b""  # the answer's last bytes, where its usage is
-    outcome: str = "ok"
-    tokens: int = 0  # the token budget's estimate, for the gate
-    last_write_at: float = 0.0  # bytes of any kind (keep-alive lines too)
-    last_data_at: float = 0.0  # answer bytes
-    gap_from: float | None = None  # a broken stream's last answer bytes, until it goes on
-    transcript: Transcript | None = None  # a continuable stream's record
-    backend: Backend | None = None  # the engine it was sent to (a continuation stays there)
-
-
-class FrontProxy(ContinuingRelay):
+class FrontProxy:
     """The front door for one or more engines (`Backend`s, routed by model name). Built
     with a gate, it has one engine named `name` at `settings.upstream` at once."""
 
@@ -146,9 +81,8 @@ class FrontProxy(ContinuingRelay):
                                     settings.models_open or not settings.models))
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
-        # continuable streams being relayed: id(transcript) -> (it, its engine answer,
-        # the engine's name)
-        self._relays: dict[int, tuple[Transcript, aiohttp.ClientResponse, str]] = {}
+        # the streams it can continue: relayed, paused, continued
+        self.streams = StreamRelay(settings, self.stats, self.latency)
 
     def add_engine(self, backend: Backend) -> None:
         """An engine to route to, after those there are (a reload adds one)."""
@@ -197,6 +131,7 @@ class FrontProxy(ContinuingRelay):
             auto_decompress=False, timeout=aiohttp.ClientTimeout(
                 total=None, connect=self.s.connect_timeout_s,
                 sock_read=self.s.idle_read_timeout_s))
+        self.streams.session = self._session
         log.info("proxy listening", host=self.s.listen_host, port=self.port,
                  upstream=self.s.upstream)
 
@@ -209,6 +144,12 @@ class FrontProxy(ContinuingRelay):
             max_body_bytes=self.s.max_body_bytes, max_header_bytes=self.s.max_header_bytes,
             upstream=self.s.upstream, models=self.s.models, models_open=self.s.models_open)
         self.routes = Routes.serving(settings.extra_routes)
+        self.streams.s = self.s
+
+    def pause_streams(self, engine: str) -> int:
+        """Every stream of `engine` that can be continued leaves it now, to go on on its
+        new engine (`StreamRelay.pause`). How many."""
+        return self.streams.pause(engine)
 
     def follow_engine(self, name: str, upstream: str, models: tuple[str, ...],
                       models_open: bool = False) -> None:
@@ -354,7 +295,7 @@ class FrontProxy(ContinuingRelay):
                     choices = dispatch.choices(self.backends, facts, body)
             finally:
                 choice.backend.gate.done(ticket)
-        return await self._continue(request, broken, ex)
+        return await self.streams.continue_stream(request, broken, ex)
 
     def _finish(self, request: web.Request, target: Target, ex: Exchange) -> None:
         """The request is over: its latencies into the histograms, its one access line."""
@@ -411,7 +352,7 @@ class FrontProxy(ContinuingRelay):
         try:
             async with self._session.request(request.method, url, headers=headers, data=body,
                                              allow_redirects=False) as up:
-                if up.status >= 500 and not await self._engine_healthy(ex.backend):
+                if up.status >= 500 and not await self.streams.engine_healthy(ex.backend):
                     # nothing has reached the client, and the engine is dying (vLLM answers
                     # 500 to new requests between its core's death and its own exit): the
                     # answer goes to the engine that replaces it instead
@@ -427,7 +368,7 @@ class FrontProxy(ContinuingRelay):
                     await resp.prepare(request)
                     if plan is not None and ex.stream:
                         ex.transcript = Transcript(plan)
-                        await self._relay_events(up, resp, ex, ex.transcript)
+                        await self.streams.relay_events(up, resp, ex, ex.transcript)
                     else:
                         await self._relay(up, resp, ex)
                     await resp.write_eof()

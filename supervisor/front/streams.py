@@ -2,8 +2,8 @@
 restart, continued when their engine fails them (`supervisor/front/continuation.py` is the pure
 half: the plan, the refusal rules, the transcript and its reframing).
 
-`ContinuingRelay` is the part of `FrontProxy` that owns those streams; it uses the
-proxy's settings, gate, counters, histograms and upstream session, and nothing else.
+`StreamRelay` owns those streams for the proxy (`supervisor/front/proxy.py`), which
+gives it its settings, counters, histograms and upstream session, and nothing else.
 A broken stream keeps its client's connection: it gives back its slot at the gate
 (a drain does not wait for it), waits at most `proxy.continue_timeout_s` for the gate
 to admit it again with blank keep-alive lines meanwhile, and goes on from the engine
@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 import aiohttp
 import structlog
@@ -26,11 +25,9 @@ from yarl import URL
 from supervisor.front import continuation
 from supervisor.front.admission import Rejected, Ticket
 from supervisor.front.continuation import StreamBroken, Transcript
+from supervisor.front.dispatch import Backend
+from supervisor.front.exchange import Exchange, ProxySettings, ProxyStats
 from supervisor.front.latency import ClientLatency
-
-if TYPE_CHECKING:
-    from supervisor.front.dispatch import Backend
-    from supervisor.front.proxy import Exchange, ProxySettings, ProxyStats
 
 log = structlog.get_logger("supervisor.proxy")
 
@@ -46,20 +43,25 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriza
               "trailer", "transfer-encoding", "upgrade", "host", "content-length"}
 
 
-class ContinuingRelay:
-    """Mixed into FrontProxy: the streams it can continue."""
+class StreamRelay:
+    """The front door's continuable streams: relayed through their transcripts, paused
+    for a drained restart, continued when their engine fails them. `s` follows the
+    proxy's reloaded settings; `session` is the proxy's upstream session once it listens."""
 
-    s: ProxySettings
-    stats: ProxyStats
-    latency: ClientLatency
-    _session: aiohttp.ClientSession | None
-    # continuable streams being relayed: id(transcript) -> (it, its engine answer)
-    _relays: dict[int, tuple[Transcript, aiohttp.ClientResponse, str]]
+    def __init__(self, settings: ProxySettings, stats: ProxyStats,
+                 latency: ClientLatency) -> None:
+        self.s = settings
+        self.stats = stats
+        self.latency = latency
+        self.session: aiohttp.ClientSession | None = None
+        # continuable streams being relayed: id(transcript) -> (it, its engine answer,
+        # the engine's name)
+        self._relays: dict[int, tuple[Transcript, aiohttp.ClientResponse, str]] = {}
 
-    async def _engine_healthy(self, backend: Backend) -> bool:
-        assert self._session is not None
+    async def engine_healthy(self, backend: Backend) -> bool:
+        assert self.session is not None
         try:
-            async with self._session.get(backend.upstream + "/health",
+            async with self.session.get(backend.upstream + "/health",
                                          timeout=aiohttp.ClientTimeout(total=2.0)) as r:
                 return r.status == 200
         except (TimeoutError, aiohttp.ClientError):
@@ -80,7 +82,7 @@ class ContinuingRelay:
         ex.last_write_at = ex.last_data_at = now
         ex.events += data.count(b"data:")
 
-    async def _relay_events(self, up: aiohttp.ClientResponse, resp: web.StreamResponse,
+    async def relay_events(self, up: aiohttp.ClientResponse, resp: web.StreamResponse,
                             ex: Exchange, t: Transcript) -> None:
         """A continuable stream, event by event through its transcript (token ids recorded
         and removed, a continuation reframed); returns at its [DONE], raises Broken when
@@ -109,7 +111,7 @@ class ContinuingRelay:
         raise Broken(resp, t, Paused() if t.paused else StreamBroken(
             "the engine's stream ended before the answer's end"))
 
-    def pause_streams(self, engine: str) -> int:
+    def pause(self, engine: str) -> int:
         """A drained restart with `engine.drain = "continue"`: every stream that can be
         continued leaves that engine now (its upstream connection closed, so vLLM aborts
         it) and goes on on its new engine; the others finish as usual. How many."""
@@ -123,7 +125,7 @@ class ContinuingRelay:
 
     # ---- a stream the engine failed ---------------------------------------------------
 
-    async def _continue(self, request: web.Request, broken: Broken | None,
+    async def continue_stream(self, request: web.Request, broken: Broken | None,
                         ex: Exchange) -> web.StreamResponse:
         """A stream the engine failed mid-answer: continued on the engine that comes back,
         up to `max_continuations` times and `continue_timeout_s` each; or ended with an
@@ -175,7 +177,7 @@ class ContinuingRelay:
         """One continuation (or, when the client has seen nothing, the request again):
         wait for an engine, send it, relay it. Returns at its [DONE]; raises Broken when
         it fails mid-answer too, GaveUp when no engine took it in time."""
-        assert self._session is not None and ex.backend is not None
+        assert self.session is not None and ex.backend is not None
         backend = ex.backend  # the same engine: a fallback would not give the same tokens
         broke_at = ex.last_data_at or time.monotonic()
         deadline = time.monotonic() + self.s.continue_timeout_s
@@ -193,9 +195,9 @@ class ContinuingRelay:
                     path, body = continuation.CONTINUATION_PATH, t.continuation()
                 url = URL(backend.upstream + path, encoded=True)
                 try:
-                    async with self._session.post(url, data=body,
+                    async with self.session.post(url, data=body,
                                                   headers=upstream_headers(request)) as up:
-                        if up.status >= 500 and (not await self._engine_healthy(backend)
+                        if up.status >= 500 and (not await self.engine_healthy(backend)
                                                  or (errors := errors + 1) < 3):
                             # a dying engine (its /health may say 200 for a moment
                             # after its core died): the continuation waits for the next
@@ -210,7 +212,7 @@ class ContinuingRelay:
                             log.info("stream continued", id=t.id, attempt=t.attempt,
                                      tokens_before=t.base, cause=str(cause)[:300],
                                      waited_s=round(time.monotonic() - broke_at, 3))
-                        await self._relay_events(up, resp, ex, t)
+                        await self.relay_events(up, resp, ex, t)
                         return
                 except (TimeoutError, aiohttp.ClientError, NotDelivered):
                     pass  # refused, or a dying engine's answer: not back yet

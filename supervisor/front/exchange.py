@@ -1,0 +1,75 @@
+"""What the front door keeps of its requests: its settings, its counters, and one record
+per client request (`Exchange`), shared by the proxy (`supervisor/front/proxy.py`) and
+the streams it continues (`supervisor/front/streams.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from supervisor.front.continuation import Transcript
+from supervisor.front.dispatch import Backend
+
+
+@dataclass
+class ProxyStats:
+    """Counters for the exporter; the proxy's handlers update them on the loop's thread."""
+
+    responses: dict[str, int] = field(default_factory=dict)  # status code -> count
+    rejections: dict[str, int] = field(default_factory=dict)  # reason -> count
+    retried_connects: int = 0
+    continuations: dict[str, int] = field(default_factory=dict)  # outcome -> streams
+    refusals: dict[str, int] = field(default_factory=dict)  # why not continued -> streams
+
+    def continued(self, outcome: str, refused: str | None = None) -> None:
+        self.continuations[outcome] = self.continuations.get(outcome, 0) + 1
+        if refused is not None:
+            self.refusals[refused] = self.refusals.get(refused, 0) + 1
+
+    def count(self, status: int) -> None:
+        self.responses[str(status)] = self.responses.get(str(status), 0) + 1
+
+    def reject(self, reason: str) -> None:
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
+
+
+@dataclass
+class ProxySettings:
+    listen_host: str
+    listen_port: int
+    upstream: str  # http://127.0.0.1:8100
+    max_body_bytes: int = 16 << 20
+    max_header_bytes: int = 16 << 10
+    retry_after_s: int = 5
+    extra_routes: tuple[str, ...] = ()
+    connect_timeout_s: float = 5.0
+    idle_read_timeout_s: float = 600.0  # between two chunks of an answer
+    models: tuple[str, ...] = ()  # the names the engine serves: the latency labels
+    # other names may be served too (LoRA adapters): an unknown name goes to the engine
+    models_open: bool = False
+    continuation: bool = True  # continue streams the engine fails mid-answer
+    continue_timeout_s: float = 300.0  # the longest a broken stream waits for an engine
+    max_continuations: int = 3  # per request
+    keepalive_s: float = 10.0  # keep-alive lines to a waiting stream, this often
+
+
+@dataclass
+class Exchange:
+    """One client request as the proxy saw it: for the latency histograms and its one
+    access line."""
+
+    arrived: float
+    model: object = None
+    status: int | None = None  # None: no answer (cut, or the client went away early)
+    held_s: float = 0.0
+    queued_s: float = 0.0
+    stream: bool = False
+    first_chunk_at: float | None = None
+    events: int = 0  # SSE data events written (about one token each)
+    tail: bytes = b""  # the answer's last bytes, where its usage is
+    outcome: str = "ok"
+    tokens: int = 0  # the token budget's estimate, for the gate
+    last_write_at: float = 0.0  # bytes of any kind (keep-alive lines too)
+    last_data_at: float = 0.0  # answer bytes
+    gap_from: float | None = None  # a broken stream's last answer bytes, until it goes on
+    transcript: Transcript | None = None  # a continuable stream's record
+    backend: Backend | None = None  # the engine it was sent to (a continuation stays there)
