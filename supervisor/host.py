@@ -2,7 +2,7 @@
 
 The host owns what the engines share: the signals, the control socket, the front proxy,
 the exporter, sd_notify and the config as a whole. Each engine is a unit
-(`supervisor.engine.unit.Supervisor`): one task that owns that engine's lifecycle and watchdog
+(`supervisor.engine.unit.EngineUnit`): one task that owns that engine's lifecycle and watchdog
 state, with its own queue, gate, restart budget and backoff. The host never touches a
 unit's state: it puts events on the unit's queue (a signal, a control request, a reloaded
 config, a view request) and reads the answers.
@@ -39,7 +39,7 @@ from supervisor.engine.events import (
     SignalReceived,
     iso_time,
 )
-from supervisor.engine.unit import Clock, Supervisor
+from supervisor.engine.unit import Clock, EngineUnit
 from supervisor.front.dispatch import Backend
 from supervisor.front.exchange import ProxySettings
 from supervisor.front.proxy import FrontProxy, ProxyError
@@ -111,7 +111,7 @@ class Host:
 
     def __post_init__(self) -> None:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.units: dict[str, Supervisor] = {}  # config order
+        self.units: dict[str, EngineUnit] = {}  # config order
         self.tasks: dict[str, asyncio.Task[int]] = {}
         self.removing: set[str] = set()  # units stopping because a reload removed them
         self.stopping = False
@@ -189,9 +189,9 @@ class Host:
 
     # ---- units ------------------------------------------------------------------------
 
-    def _make_unit(self, name: str, cfg: Config) -> Supervisor:
+    def _make_unit(self, name: str, cfg: Config) -> EngineUnit:
         lister, sampler = self.gpu_for(cfg.engines[name])
-        unit = Supervisor(
+        unit = EngineUnit(
             config=cfg.for_engine(name),
             notifier=UnitNotifier(self, name) if cfg.several else self.notifier,
             gpu=lister, sampler=sampler, clock=self.clock, environ=self.environ, name=name,
@@ -363,7 +363,7 @@ class Host:
             ev.reply.set_exception(exc)
 
     def unit_for(self, command: str, args: dict[str, Any], *,
-                 required: bool) -> Supervisor | None:
+                 required: bool) -> EngineUnit | None:
         """The unit `--engine` names; with several engines, a command that acts on one
         must name it. None: no name given, and the command means them all."""
         name = args.get("engine")

@@ -3,7 +3,7 @@ next start, or only when the daemon restarts, and the reload says which.
 
 Owns the table below and nothing else. A key is put under "now" only where the daemon
 really reads the new value from then on (the live readers and the rebuilt copies are in
-`Supervisor.handle_reloaded`); `tests/test_reload.py` checks that every config key has
+`EngineUnit.handle_reloaded`); `tests/test_reload.py` checks that every config key has
 exactly one answer, so a new key cannot be reported as applied by default.
 
 Pure: no I/O, no clock.

@@ -16,7 +16,7 @@ import pynvml  # nvidia-ml-py imports without a driver; only nvmlInit needs one
 import pytest
 
 from supervisor.watchdog.gpu import FileSampler, GpuReading, NvmlLister, NvmlSampler
-from supervisor.watchdog.xid import REMEDIES, describe
+from supervisor.watchdog.xid import XID_ACTIONS, describe
 
 FULL = {
     "temperature_c": 71, "slowdown_temperature_c": 89.0, "power_w": 650.5,
@@ -208,7 +208,7 @@ def test_xid_catalogue_names_the_codes_the_watchdog_must_know():
     for code, name in CATALOGUE_NAMES.items():
         x = describe(code)
         assert (x.code, x.name) == (code, name)
-        assert x.remedy in REMEDIES
+        assert x.remedy in XID_ACTIONS
 
 
 @pytest.mark.parametrize(("code", "remedy"), [

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from supervisor.config import PolicyConfig
-from supervisor.watchdog.policy import Decision, EngineView, PolicyState, decide
+from supervisor.watchdog.policy import EngineFacts, PolicyDecision, PolicyState, decide
 from supervisor.watchdog.rules import DEFAULT_RULES, RuleConfig
 
 Signals = dict[str, float | None]
@@ -33,12 +33,12 @@ class Run:
     """Feeds decide() a signal series at given times, carrying the memory and the
     throttle level forward as the daemon does."""
 
-    def __init__(self, cfg: PolicyConfig, engine: EngineView | None = None) -> None:
+    def __init__(self, cfg: PolicyConfig, engine: EngineFacts | None = None) -> None:
         self.cfg = cfg
-        self.state = PolicyState(engine or EngineView())
-        self.decisions: list[tuple[float, Decision]] = []
+        self.state = PolicyState(engine or EngineFacts())
+        self.decisions: list[tuple[float, PolicyDecision]] = []
 
-    def at(self, now: float, signals: Signals, **engine: Any) -> Decision:
+    def at(self, now: float, signals: Signals, **engine: Any) -> PolicyDecision:
         e = dataclasses.replace(self.state.engine, **engine) if engine else self.state.engine
         d = decide(signals, PolicyState(e, self.state.memory, self.state.paused), self.cfg, now)
         e = dataclasses.replace(e, throttle_level=d.throttle_level,
@@ -49,7 +49,7 @@ class Run:
         self.decisions.append((now, d))
         return d
 
-    def over(self, times: Iterable[float], signals: Signals) -> list[Decision]:
+    def over(self, times: Iterable[float], signals: Signals) -> list[PolicyDecision]:
         return [d for d in (self.at(t, signals) for t in times) if d.action != "none"]
 
     def pause(self, paused: bool) -> None:
@@ -187,7 +187,7 @@ def test_a_windowed_rule_starts_afresh_on_a_new_engine_and_off_running():
 
 
 def test_kv_saturation_steps_per_cooldown_then_escalates_to_restart_at_the_top():
-    r = Run(config(**only("kv_saturation")), EngineView(max_throttle_level=2))
+    r = Run(config(**only("kv_saturation")), EngineFacts(max_throttle_level=2))
     acted = r.over(seconds(0, 1000), SATURATED)
     steps = [(t, d.action, d.throttle_level) for t, d in r.decisions if d.action != "none"]
     assert [a for _, a, _ in steps[:3]] == ["throttle", "throttle", "restart"]
@@ -201,7 +201,7 @@ def test_kv_saturation_steps_per_cooldown_then_escalates_to_restart_at_the_top()
 
 
 def test_kv_saturation_lifts_one_level_per_clear_period_with_hysteresis():
-    r = Run(config(**only("kv_saturation")), EngineView(max_throttle_level=3))
+    r = Run(config(**only("kv_saturation")), EngineFacts(max_throttle_level=3))
     r.over(seconds(0, 210), SATURATED)
     assert r.state.engine.throttle_level == 2
     band = {**SATURATED, "kv_cache_usage": 0.9, "preemption_rate": 0.0}  # not clear (< 0.85)
@@ -266,7 +266,7 @@ COLLAPSE: Signals = {"prefix_cache_hit_rate": 0.2, "prefix_cache_hit_rate_ratio"
 
 
 def test_prefix_collapse_resets_the_cache_when_the_engine_allows_it():
-    r = Run(config(**only("prefix_collapse")), EngineView(can_reset_prefix_cache=True))
+    r = Run(config(**only("prefix_collapse")), EngineFacts(can_reset_prefix_cache=True))
     acted = r.over(seconds(0, 300, 5), COLLAPSE)
     assert [(d.action, d.restarts_engine) for d in acted] == [("reset_prefix_cache", False)]
 
@@ -369,7 +369,7 @@ def test_thermal_hysteresis_no_lift_at_7_c_then_lift_after_2_min_at_8_c():
 
 
 def test_thermal_escalates_to_a_reduced_batch_after_10_min_at_the_top_and_lifts_it_first():
-    r = Run(config(**only("thermal")), EngineView(max_throttle_level=1))
+    r = Run(config(**only("thermal")), EngineFacts(max_throttle_level=1))
     acted = [(t, d) for t, d in ((t, r.at(t, gpu(2))) for t in seconds(0, 700))
              if d.action != "none"]
     assert [d.action for _, d in acted] == ["throttle", "reduce_batch"]
@@ -402,7 +402,7 @@ def test_power_budget_almost():
 
 def test_spec_decode_low_takes_one_token_off_down_to_none():
     r = Run(config(**only("spec_decode_low", spec_decode_low={"cooldown_s": 0})),
-            EngineView(spec_tokens=2, spec_tokens_max=4))
+            EngineFacts(spec_tokens=2, spec_tokens_max=4))
     low = {"spec_decode_acceptance_rate": 0.3}
     acted = r.over(seconds(0, 3000, 10), low)
     assert [(d.action, d.spec_tokens) for d in acted] == [("fewer_spec_tokens", 1),
@@ -412,15 +412,15 @@ def test_spec_decode_low_takes_one_token_off_down_to_none():
 def test_spec_decode_high_adds_up_to_the_maximum_and_never_without_spec_decode():
     high = {"spec_decode_acceptance_rate": 0.8}
     r = Run(config(**only("spec_decode_high", spec_decode_high={"cooldown_s": 0})),
-            EngineView(spec_tokens=3, spec_tokens_max=4))
+            EngineFacts(spec_tokens=3, spec_tokens_max=4))
     assert [(d.action, d.spec_tokens) for d in r.over(seconds(0, 3000, 10), high)] == [
         ("more_spec_tokens", 4)]
-    none = Run(config(**only("spec_decode_high", "spec_decode_low")), EngineView())
+    none = Run(config(**only("spec_decode_high", "spec_decode_low")), EngineFacts())
     assert none.over(seconds(0, 3000, 10), high) == []
 
 
 def test_spec_decode_almost():
-    r = Run(config(**only("spec_decode_low")), EngineView(spec_tokens=3))
+    r = Run(config(**only("spec_decode_low")), EngineFacts(spec_tokens=3))
     assert r.over(seconds(0, 590, 10), {"spec_decode_acceptance_rate": 0.3}) == []
     assert r.over(seconds(600, 2000, 10), {"spec_decode_acceptance_rate": 0.45}) == []
 
@@ -517,7 +517,7 @@ def test_budget_and_throttle_bounds_hold_for_any_series(steps, budget, levels, l
     r = Run(config(budget=budget, gap=0, kv_saturation={"for_s": 0, "cooldown_s": 0},
                    kv_leak={"for_s": 0, "cooldown_s": 0}, thermal={"for_s": 0, "cooldown_s": 0},
                    hang={"cooldown_s": 0}),
-            EngineView(max_throttle_level=levels, live_throttle=live))
+            EngineFacts(max_throttle_level=levels, live_throttle=live))
     t = 0.0
     restarts: list[float] = []
     for dt, signals in steps:
@@ -532,35 +532,35 @@ def test_budget_and_throttle_bounds_hold_for_any_series(steps, budget, levels, l
 # ---- every default rule, as a table ----------------------------------------------------
 
 # rule -> (engine, a series that trips it, action, evidence)
-TRIPS: dict[str, tuple[EngineView, Signals, str, dict[str, float | None]]] = {
-    "kv_saturation": (EngineView(), SATURATED, "throttle",
+TRIPS: dict[str, tuple[EngineFacts, Signals, str, dict[str, float | None]]] = {
+    "kv_saturation": (EngineFacts(), SATURATED, "throttle",
                       {"preemption_rate": 0.5, "kv_cache_usage": 0.97}),
-    "kv_leak": (EngineView(), LEAK, "restart", {"kv_cache_usage": 0.6, "requests_running": 0}),
-    "prefix_collapse": (EngineView(can_reset_prefix_cache=True), COLLAPSE, "reset_prefix_cache",
+    "kv_leak": (EngineFacts(), LEAK, "restart", {"kv_cache_usage": 0.6, "requests_running": 0}),
+    "prefix_collapse": (EngineFacts(can_reset_prefix_cache=True), COLLAPSE, "reset_prefix_cache",
                         {"prefix_cache_hit_rate": 0.2, "prefix_cache_hit_rate_ratio": 0.3}),
-    "memory_growth": (EngineView(), {"engine_rss_bytes": 8e9,
+    "memory_growth": (EngineFacts(), {"engine_rss_bytes": 8e9,
                                      "engine_rss_growth_bytes_per_h": 3e9}, "restart",
                       {"engine_rss_bytes": 8e9, "engine_rss_growth_bytes_per_h": 3e9,
                        "engine_gpu_memory_growth_bytes_per_h": None}),
-    "no_progress": (EngineView(), {"engine_stalled_s": 6.0}, "restart_now",
+    "no_progress": (EngineFacts(), {"engine_stalled_s": 6.0}, "restart_now",
                     {"engine_stalled_s": 6.0}),
-    "hang": (EngineView(), {"canary_failures": 3, "metrics_staleness_s": 2.5}, "restart_now",
+    "hang": (EngineFacts(), {"canary_failures": 3, "metrics_staleness_s": 2.5}, "restart_now",
              {"canary_failures": 3, "metrics_staleness_s": 2.5}),
-    "thermal": (EngineView(), gpu(4.25), "throttle",
+    "thermal": (EngineFacts(), gpu(4.25), "throttle",
                 {"gpu_slowdown_margin_c": 4.25, "gpu_thermal_throttled": 0}),
-    "power_budget": (EngineView(), {"gpu_power_w": 650.0}, "throttle", {"gpu_power_w": 650.0}),
-    "spec_decode_low": (EngineView(spec_tokens=3, spec_tokens_max=4),
+    "power_budget": (EngineFacts(), {"gpu_power_w": 650.0}, "throttle", {"gpu_power_w": 650.0}),
+    "spec_decode_low": (EngineFacts(spec_tokens=3, spec_tokens_max=4),
                         {"spec_decode_acceptance_rate": 0.3}, "fewer_spec_tokens",
                         {"spec_decode_acceptance_rate": 0.3}),
-    "spec_decode_high": (EngineView(spec_tokens=2, spec_tokens_max=4),
+    "spec_decode_high": (EngineFacts(spec_tokens=2, spec_tokens_max=4),
                          {"spec_decode_acceptance_rate": 0.8}, "more_spec_tokens",
                          {"spec_decode_acceptance_rate": 0.8}),
-    "max_uptime": (EngineView(), {"engine_uptime_s": 21600, "requests_running": 0,
+    "max_uptime": (EngineFacts(), {"engine_uptime_s": 21600, "requests_running": 0,
                                   "requests_waiting": 0}, "restart",
                    {"engine_uptime_s": 21600, "requests_running": 0, "requests_waiting": 0}),
-    "xid_restart": (EngineView(), {"gpu_xid_restart_errors": 1}, "restart",
+    "xid_restart": (EngineFacts(), {"gpu_xid_restart_errors": 1}, "restart",
                     {"gpu_xid_restart_errors": 1}),
-    "xid_reset": (EngineView(), {"gpu_xid_reset_errors": 2}, "hold_down",
+    "xid_reset": (EngineFacts(), {"gpu_xid_reset_errors": 2}, "hold_down",
                   {"gpu_xid_reset_errors": 2}),
 }
 
@@ -669,17 +669,17 @@ def test_spec_token_rules_respect_none_zero_and_the_maximum():
     high = {"spec_decode_acceptance_rate": 0.9}
     both = config(**only("spec_decode_low", "spec_decode_high"))
     times = [0.0, 600.0, 1300.0]
-    assert Run(both, EngineView(spec_tokens=None, spec_tokens_max=4)).over(times, low) == []
-    assert Run(both, EngineView(spec_tokens=None, spec_tokens_max=4)).over(times, high) == []
-    assert Run(both, EngineView(spec_tokens=0, spec_tokens_max=4)).over(times, low) == []
-    assert Run(both, EngineView(spec_tokens=4, spec_tokens_max=4)).over(times, high) == []
-    assert Run(both, EngineView(spec_tokens=2, spec_tokens_max=0)).over(times, high) == []
-    acted = Run(both, EngineView(spec_tokens=0, spec_tokens_max=4)).over(times, high)
+    assert Run(both, EngineFacts(spec_tokens=None, spec_tokens_max=4)).over(times, low) == []
+    assert Run(both, EngineFacts(spec_tokens=None, spec_tokens_max=4)).over(times, high) == []
+    assert Run(both, EngineFacts(spec_tokens=0, spec_tokens_max=4)).over(times, low) == []
+    assert Run(both, EngineFacts(spec_tokens=4, spec_tokens_max=4)).over(times, high) == []
+    assert Run(both, EngineFacts(spec_tokens=2, spec_tokens_max=0)).over(times, high) == []
+    acted = Run(both, EngineFacts(spec_tokens=0, spec_tokens_max=4)).over(times, high)
     assert [(d.action, d.spec_tokens) for d in acted] == [("more_spec_tokens", 1)]
 
 
 def test_pause_leaves_the_throttle_level_alone():
-    r = Run(config(**only("kv_saturation")), EngineView(throttle_level=1))
+    r = Run(config(**only("kv_saturation")), EngineFacts(throttle_level=1))
     r.pause(True)
     ds = [r.at(t, SATURATED) for t in seconds(0, 400, 10)]
     assert all(d.action == "none" and d.throttle_level == 1 for d in ds)
@@ -723,7 +723,7 @@ def test_prefix_collapse_fallback_restart_spends_the_budget():
 
 
 def test_a_reset_prefix_cache_restarts_nothing_and_spends_no_budget():
-    r = Run(config(budget=0, **only("prefix_collapse")), EngineView(can_reset_prefix_cache=True))
+    r = Run(config(budget=0, **only("prefix_collapse")), EngineFacts(can_reset_prefix_cache=True))
     acted = r.over(seconds(0, 300, 10), COLLAPSE)
     assert [(d.action, d.restarts_engine) for d in acted] == [("reset_prefix_cache", False)]
     assert r.state.memory.restarts == ()
@@ -739,7 +739,7 @@ def test_the_budget_alerts_again_once_it_has_freed_and_run_out_anew():
 
 def test_an_escalation_past_a_reduced_batch_alerts_once_and_then_gives_up():
     r = Run(config(**only("thermal")),
-            EngineView(throttle_level=1, max_throttle_level=1, batch_reduced=True))
+            EngineFacts(throttle_level=1, max_throttle_level=1, batch_reduced=True))
     acted = r.over(seconds(0, 3000, 10), gpu(1))
     assert [d.action for d in acted] == ["alert"]  # the top of the ladder, once
     assert "reduce_batch: the batch is already reduced" in acted[0].reason
@@ -747,7 +747,7 @@ def test_an_escalation_past_a_reduced_batch_alerts_once_and_then_gives_up():
 
 
 def test_with_a_live_throttle_throttling_and_lifting_restart_nothing():
-    r = Run(config(budget=0, **only("thermal")), EngineView(live_throttle=True))
+    r = Run(config(budget=0, **only("thermal")), EngineFacts(live_throttle=True))
     acted = r.over(seconds(0, 30), gpu(3)) + r.over(seconds(31, 200), gpu(10))
     assert [(d.action, d.throttle_level, d.restarts_engine) for d in acted] == [
         ("throttle", 1, False), ("lift", 0, False)]
@@ -755,7 +755,7 @@ def test_with_a_live_throttle_throttling_and_lifting_restart_nothing():
 
 
 def test_with_a_live_throttle_lifting_a_reduced_batch_is_still_a_relaunch():
-    r = Run(config(**only("thermal")), EngineView(live_throttle=True, max_throttle_level=1))
+    r = Run(config(**only("thermal")), EngineFacts(live_throttle=True, max_throttle_level=1))
     acted = r.over(seconds(0, 700, 5), gpu(2))
     assert [(d.action, d.restarts_engine) for d in acted] == [
         ("throttle", False), ("reduce_batch", True)]
@@ -766,7 +766,7 @@ def test_with_a_live_throttle_lifting_a_reduced_batch_is_still_a_relaunch():
 
 def test_with_a_live_throttle_each_lift_waits_for_its_own_clear_period():
     r = Run(config(**only("thermal", thermal={"cooldown_s": 0})),
-            EngineView(live_throttle=True, max_throttle_level=2))
+            EngineFacts(live_throttle=True, max_throttle_level=2))
     r.over(seconds(0, 31), gpu(3))
     assert r.state.engine.throttle_level == 2  # no relaunch: one step per tick
     lifts = [(t, d.throttle_level) for t, d in ((t, r.at(t, gpu(10)))
@@ -775,7 +775,7 @@ def test_with_a_live_throttle_each_lift_waits_for_its_own_clear_period():
 
 
 def test_an_interruption_restarts_the_time_at_the_top_before_escalating():
-    r = Run(config(**only("thermal")), EngineView(live_throttle=True, max_throttle_level=1))
+    r = Run(config(**only("thermal")), EngineFacts(live_throttle=True, max_throttle_level=1))
     assert [d.action for d in r.over(seconds(0, 500), gpu(2))] == ["throttle"]
     assert r.over([501], gpu(6)) == []  # neither hot nor clear, for one tick
     acted = [(t, d.action) for t, d in ((t, r.at(t, gpu(2))) for t in seconds(502, 1300))
@@ -785,7 +785,7 @@ def test_an_interruption_restarts_the_time_at_the_top_before_escalating():
 
 
 def test_thermal_lifts_on_a_card_that_cannot_report_clock_reasons_but_never_while_slowed():
-    r = Run(config(**only("thermal")), EngineView(max_throttle_level=1))
+    r = Run(config(**only("thermal")), EngineFacts(max_throttle_level=1))
     r.over(seconds(0, 30), gpu(3))
     assert r.state.engine.throttle_level == 1
     # cool by temperature, but NVML reports thermal slowdown: the trip condition holds,

@@ -12,12 +12,12 @@ from supervisor.front.admission import Gate, GateLimits, Rejected
 from supervisor.front.dispatch import Backend, Choice, acquire_any, choices, read_request
 from supervisor.front.exchange import ProxySettings
 from supervisor.front.proxy import FrontProxy
-from supervisor.front.routing import EngineView, Route, UnknownModel, route, served_models
+from supervisor.front.routing import BackendView, Route, UnknownModel, route, served_models
 
 
 def e(name: str, *models: str, serving: bool = True, outstanding: int = 0,
-      fallback: str | None = None) -> EngineView:
-    return EngineView(name, models, serving, outstanding, fallback)
+      fallback: str | None = None) -> BackendView:
+    return BackendView(name, models, serving, outstanding, fallback)
 
 
 def test_a_model_goes_to_the_engine_that_serves_it() -> None:

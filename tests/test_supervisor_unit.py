@@ -32,7 +32,7 @@ from supervisor.engine.events import (
     Spawned,
 )
 from supervisor.engine.process import EngineProcess, SpawnSpec, TakeDown
-from supervisor.engine.unit import Clock, Supervisor
+from supervisor.engine.unit import Clock, EngineUnit
 from supervisor.ops.sdnotify import Notifier
 from supervisor.watchdog import evidence
 from supervisor.watchdog.remedy import RemedyOutcome
@@ -115,7 +115,7 @@ class World:
         self.doc = doc
         self.now = 1000.0
         self.fx = RecordingEffects()
-        self.sup = Supervisor(
+        self.sup = EngineUnit(
             config=parse_config(doc, str(tmp / "config.toml"), tmp), notifier=Notifier({}),
             gpu=_NoGpu(), clock=Clock(monotonic=lambda: self.now, wall=lambda: self.now),
             environ={}, effects=self.fx)
@@ -303,7 +303,7 @@ def test_a_unit_of_a_named_engine_uses_its_own_state_file_and_names_itself(
         engine = doc.pop("engine")
         doc["engines"] = {"a": {**engine, "port": 18101}, "b": {**engine, "port": 18102}}
         cfg = parse_config(doc, str(tmp_path / "config.toml"), tmp_path)
-        unit = Supervisor(config=cfg.for_engine("b"), notifier=Notifier({}), gpu=_NoGpu(),
+        unit = EngineUnit(config=cfg.for_engine("b"), notifier=Notifier({}), gpu=_NoGpu(),
                           clock=Clock(monotonic=lambda: w.now, wall=lambda: w.now),
                           environ={}, effects=w.fx, name="b")
         assert unit.state_file.path.name == "engine-tree-b.json"

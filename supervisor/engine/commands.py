@@ -18,17 +18,17 @@ from supervisor.engine.events import CommandError, ControlRequest
 from supervisor.engine.states import State
 
 if TYPE_CHECKING:
-    from supervisor.engine.unit import Supervisor
+    from supervisor.engine.unit import EngineUnit
 
 log = structlog.get_logger("supervisor")
-Command = Callable[["Supervisor", ControlRequest], None]
+Command = Callable[["EngineUnit", ControlRequest], None]
 
 
-def status(unit: Supervisor, ev: ControlRequest) -> None:
+def status(unit: EngineUnit, ev: ControlRequest) -> None:
     ev.reply.set_result(unit.status())
 
 
-def restart(unit: Supervisor, ev: ControlRequest) -> None:
+def restart(unit: EngineUnit, ev: ControlRequest) -> None:
     reason = str(ev.args.get("reason") or "restart requested by operator")
     unit._audit("control", command="restart", reason=reason)
     unit._restart(reason)
@@ -36,13 +36,13 @@ def restart(unit: Supervisor, ev: ControlRequest) -> None:
     ev.reply.set_result({"state": unit.state.value, "reason": reason})
 
 
-def stop(unit: Supervisor, ev: ControlRequest) -> None:
+def stop(unit: EngineUnit, ev: ControlRequest) -> None:
     unit._audit("control", command="stop")
     unit._stop_replies.append(ev.reply)
     unit._begin_stop("stop requested over the control socket")
 
 
-def drain(unit: Supervisor, ev: ControlRequest) -> None:
+def drain(unit: EngineUnit, ev: ControlRequest) -> None:
     unit.drained_by_operator = True
     unit.gate.hold("drain requested by operator")
     unit._audit("control", command="drain")
@@ -51,7 +51,7 @@ def drain(unit: Supervisor, ev: ControlRequest) -> None:
                          "waiting": unit.gate.waiting})
 
 
-def resume(unit: Supervisor, ev: ControlRequest) -> None:
+def resume(unit: EngineUnit, ev: ControlRequest) -> None:
     unit.drained_by_operator = False
     waiting = unit.gate.waiting
     if unit.state is State.RUNNING and not unit._taking_down:
@@ -61,7 +61,7 @@ def resume(unit: Supervisor, ev: ControlRequest) -> None:
                          "released": waiting})
 
 
-def throttle(unit: Supervisor, ev: ControlRequest) -> None:
+def throttle(unit: EngineUnit, ev: ControlRequest) -> None:
     level = 0 if ev.command == "unthrottle" else ev.args.get("level")
     top = len(unit.config.throttle.level_factors)
     if not isinstance(level, int) or isinstance(level, bool) or not 0 <= level <= top:
@@ -78,7 +78,7 @@ def throttle(unit: Supervisor, ev: ControlRequest) -> None:
                          "max_concurrency": unit.gate.concurrency_limit})
 
 
-def policy_pause(unit: Supervisor, ev: ControlRequest) -> None:
+def policy_pause(unit: EngineUnit, ev: ControlRequest) -> None:
     paused = ev.command == "pause-policy"
     changed = paused != unit.policy_paused
     unit.policy_paused = paused
@@ -87,7 +87,7 @@ def policy_pause(unit: Supervisor, ev: ControlRequest) -> None:
     ev.reply.set_result({"policy_paused": paused, "changed": changed})
 
 
-def kv_reset(unit: Supervisor, ev: ControlRequest) -> None:
+def kv_reset(unit: EngineUnit, ev: ControlRequest) -> None:
     why = watching.kv_reset_refusal(unit)
     if why is not None:
         raise CommandError(f"kv-reset refused: {why}")

@@ -1,7 +1,7 @@
 """The typed events that reach the supervisor's one queue, and the record of its last
 decision.
 
-Every job, signal handler, control request and timer reports to `Supervisor` only by
+Every job, signal handler, control request and timer reports to `EngineUnit` only by
 putting one of these on its queue; each `name` selects the `handle_<name>` method that
 takes it (docs/lifecycle.md). Frozen values, no behaviour: this module imports no
 lifecycle code.
@@ -188,7 +188,7 @@ class CommandError(Exception):
 
 
 @dataclass
-class Decision:
+class DecisionRecord:
     """The last thing the daemon decided, for `status`: its own lifecycle steps and the
     policy's actions (with the rule and its evidence)."""
 

@@ -42,7 +42,7 @@ from supervisor.watchdog.gpu import GpuSampler
 from supervisor.watchdog.poller import scrape
 
 if TYPE_CHECKING:
-    from supervisor.engine.unit import Supervisor
+    from supervisor.engine.unit import EngineUnit
 
 log = structlog.get_logger("supervisor")
 
@@ -61,7 +61,7 @@ class JobEffects:
     through the unit's queue), started on the unit's task group. The jobs read the unit's
     config and clock; they never change its state."""
 
-    def __init__(self, sup: Supervisor) -> None:
+    def __init__(self, sup: EngineUnit) -> None:
         self.sup = sup
 
     def spawn(self, generation: int, spec: eng.SpawnSpec, cfg: EngineConfig) -> None:

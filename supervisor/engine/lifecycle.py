@@ -1,6 +1,6 @@
 """Restart bookkeeping: backoff delays and the boot-failure limit. Pure: no I/O, no clock.
 
-Two kinds of failure are kept apart, as Supervisor's STARTING -> BACKOFF -> FATAL does:
+Two kinds of failure are kept apart, as EngineUnit's STARTING -> BACKOFF -> FATAL does:
 a *boot failure* is an engine that never became healthy (bad flags, no memory, port
 taken); a *crash* is an engine that served and then died. Both back off exponentially;
 only boot failures, N of them within a window, make the state FATAL, since retrying a

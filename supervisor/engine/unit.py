@@ -1,6 +1,6 @@
 """The supervisor: the single task that owns the engine's state.
 
-Everything that happens reaches `Supervisor.run` as a typed event (`supervisor/engine/events.py`)
+Everything that happens reaches `EngineUnit.run` as a typed event (`supervisor/engine/events.py`)
 on one queue: the engine's exit, its health, the end of a take-down, a backoff timer, a
 signal, a control request, a reloaded config, a tick. Each is handled by a
 `handle_<name>` method that may change state (only through `_set_state`, which checks
@@ -45,7 +45,7 @@ from supervisor.engine.events import (
     CanaryDone,
     CommandError,
     ControlRequest,
-    Decision,
+    DecisionRecord,
     Down,
     Drained,
     Event,
@@ -98,7 +98,7 @@ class Clock:
 
 
 @dataclass
-class Supervisor:
+class EngineUnit:
     config: Config
     notifier: Notifier
     gpu: GpuProcessLister
@@ -129,8 +129,8 @@ class Supervisor:
         self.generation = 0
         self.fatal_errors: list[str] = []
         self.scrapes = ScrapeHealth()
-        self.last_decision: Decision | None = None  # the latest, lifecycle steps included
-        self.last_policy_decision: Decision | None = None
+        self.last_decision: DecisionRecord | None = None  # the latest, lifecycle steps included
+        self.last_policy_decision: DecisionRecord | None = None
         self.last_exit: str | None = None
         self.fatal_reason: str | None = None
         self.exit_code = 0
@@ -249,7 +249,7 @@ class Supervisor:
         self.notifier.status(f"{new.value}: {reason}"[:200])
 
     def _decide(self, action: str, reason: str) -> None:
-        self.last_decision = Decision(action, reason, self.clock.wall())
+        self.last_decision = DecisionRecord(action, reason, self.clock.wall())
 
     def _audit(self, event: str, **fields: Any) -> None:
         if self.config.several:

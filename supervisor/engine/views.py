@@ -14,12 +14,12 @@ from supervisor.watchdog.policy import PRIORITY
 from supervisor.watchdog.signals import SIGNALS
 
 if TYPE_CHECKING:
-    from supervisor.engine.unit import Supervisor
+    from supervisor.engine.unit import EngineUnit
 
 RESTART_REASONS = ("crash", "boot_failure", "policy", "operator")  # the exporter's labels
 
 
-def admission(unit: Supervisor) -> dict[str, Any] | None:
+def admission(unit: EngineUnit) -> dict[str, Any] | None:
     if unit.proxy is None:
         return None
     g = unit.gate
@@ -35,7 +35,7 @@ def admission(unit: Supervisor) -> dict[str, Any] | None:
             "drained_by_operator": unit.drained_by_operator}
 
 
-def rules(unit: Supervisor, now: float) -> dict[str, dict[str, Any]]:
+def rules(unit: EngineUnit, now: float) -> dict[str, dict[str, Any]]:
     """Where each rule stands: how long its condition (or its clear condition) has
     held, and the throttle it holds. Answers "why has it not acted (or lifted) yet?"."""
     out = {}
@@ -49,7 +49,7 @@ def rules(unit: Supervisor, now: float) -> dict[str, dict[str, Any]]:
     return out
 
 
-def gate_view(unit: Supervisor) -> ProxyView | None:
+def gate_view(unit: EngineUnit) -> ProxyView | None:
     """This engine's gate; the host adds the proxy's shared counters."""
     if unit.proxy is None:
         return None
@@ -59,7 +59,7 @@ def gate_view(unit: Supervisor) -> ProxyView | None:
                      kv_breaker_open=g.breaker_open, connect_retries=0)
 
 
-def status(unit: Supervisor) -> dict[str, Any]:
+def status(unit: EngineUnit) -> dict[str, Any]:
     """What `vllm-supervisorctl status` shows of this engine."""
     now = unit.clock.monotonic()
     e = unit.engine
@@ -111,7 +111,7 @@ def status(unit: Supervisor) -> dict[str, Any]:
     }
 
 
-def exporter_view(unit: Supervisor) -> ExporterView:
+def exporter_view(unit: EngineUnit) -> ExporterView:
     """What the exporter shows of this engine (the host adds the proxy's counters)."""
     now = unit.clock.monotonic()
     signals = watching.signals(unit, now)

@@ -17,7 +17,7 @@ import structlog
 from supervisor.engine import process as eng
 from supervisor.engine.events import (
     CanaryDone,
-    Decision,
+    DecisionRecord,
     GpuSampled,
     MetricsSampled,
     RemedyDone,
@@ -25,11 +25,11 @@ from supervisor.engine.events import (
 )
 from supervisor.engine.states import State
 from supervisor.watchdog import relaunch, xid
-from supervisor.watchdog.policy import EngineView, PolicyState, decide
+from supervisor.watchdog.policy import EngineFacts, PolicyState, decide
 from supervisor.watchdog.signals import Signals
 
 if TYPE_CHECKING:
-    from supervisor.engine.unit import Supervisor
+    from supervisor.engine.unit import EngineUnit
 
 log = structlog.get_logger("supervisor")
 
@@ -59,7 +59,7 @@ class Relaunch:
         return out
 
 
-def on_metrics(unit: Supervisor, ev: MetricsSampled) -> None:
+def on_metrics(unit: EngineUnit, ev: MetricsSampled) -> None:
     if unit.engine is None or unit.engine.generation != ev.generation:
         return
     if ev.snapshot is None:
@@ -77,7 +77,7 @@ def on_metrics(unit: Supervisor, ev: MetricsSampled) -> None:
         log.info("metrics scrape recovered", failed_scrapes=ended, pid=unit.engine.pid)
 
 
-def signals(unit: Supervisor, now: float) -> Signals:
+def signals(unit: EngineUnit, now: float) -> Signals:
     """The watchdog's signals now, under the names used in config, logs, status and
     the exporter. None means unknown."""
     at = unit.scrapes.last_at
@@ -89,9 +89,9 @@ def signals(unit: Supervisor, now: float) -> Signals:
         scrape_failures_total=unit.scrapes.failures_total, engine_uptime_s=up)
 
 
-def engine_view(unit: Supervisor) -> EngineView:
+def engine_view(unit: EngineUnit) -> EngineFacts:
     env = eng.build_spawn_spec(unit.config.engine, unit.environ).env
-    return EngineView(
+    return EngineFacts(
         state=unit.state.value, generation=unit.generation,
         throttle_level=unit.throttle_level,
         max_throttle_level=len(unit.config.throttle.level_factors),
@@ -105,7 +105,7 @@ def engine_view(unit: Supervisor) -> EngineView:
         live_throttle=unit.proxy is not None)
 
 
-def evaluate_policy(unit: Supervisor, now: float) -> None:
+def evaluate_policy(unit: EngineUnit, now: float) -> None:
     state = PolicyState(engine_view(unit), unit.policy_memory, unit.policy_paused)
     d = decide(signals(unit, now), state, unit.config.policy, now)
     unit.policy_memory = d.memory
@@ -124,7 +124,7 @@ def evaluate_policy(unit: Supervisor, now: float) -> None:
     log.warning("policy decision", **fields)
     unit._audit("decision", **fields)
     unit.trips_by_rule[d.rule] = unit.trips_by_rule.get(d.rule, 0) + 1
-    unit.last_decision = unit.last_policy_decision = Decision(
+    unit.last_decision = unit.last_policy_decision = DecisionRecord(
         d.action, d.reason, unit.clock.wall(), d.rule, dict(d.evidence), d.dry_run)
     if d.dry_run:
         return
@@ -165,14 +165,14 @@ def evaluate_policy(unit: Supervisor, now: float) -> None:
                                 "max_concurrency": unit.gate.concurrency_limit})
 
 
-def _want_evidence(unit: Supervisor, rule: str, reason: str) -> None:
+def _want_evidence(unit: EngineUnit, rule: str, reason: str) -> None:
     """The engine's next take-down captures evidence first, if the rule is one of
     evidence.rules (a hang, no progress, an XID by default)."""
     if rule in unit.config.evidence.rules:
         unit._evidence_for = (rule, reason)
 
 
-def on_sleep_mode_probed(unit: Supervisor, ev: SleepModeProbed) -> None:
+def on_sleep_mode_probed(unit: EngineUnit, ev: SleepModeProbed) -> None:
     if unit.engine is None or unit.engine.generation != ev.generation:
         return
     unit.sleep_mode, unit.sleep_mode_why = ev.available, ev.why
@@ -182,7 +182,7 @@ def on_sleep_mode_probed(unit: Supervisor, ev: SleepModeProbed) -> None:
         log.info("no KV reset in place for this engine", reason=ev.why)
 
 
-def kv_reset_refusal(unit: Supervisor) -> str | None:
+def kv_reset_refusal(unit: EngineUnit) -> str | None:
     if unit.state is not State.RUNNING or unit.engine is None or unit._taking_down:
         return f"the engine is not serving (state {unit.state.value})"
     if unit.remedy_running is not None:
@@ -192,7 +192,7 @@ def kv_reset_refusal(unit: Supervisor) -> str | None:
     return None
 
 
-def begin_remedy(unit: Supervisor, rung: str, reason: str) -> None:
+def begin_remedy(unit: EngineUnit, rung: str, reason: str) -> None:
     engine = unit.engine
     assert engine is not None
     unit.remedy_running = (rung, unit.clock.monotonic())
@@ -203,7 +203,7 @@ def begin_remedy(unit: Supervisor, rung: str, reason: str) -> None:
     unit.act.remedy(engine, rung)
 
 
-def _audit_remedy(unit: Supervisor, fields: dict[str, Any]) -> None:
+def _audit_remedy(unit: EngineUnit, fields: dict[str, Any]) -> None:
     """Every rung tried ends in one `remedy` audit entry and one log line: rung,
     outcome, duration."""
     unit._audit("remedy", **fields)
@@ -211,13 +211,13 @@ def _audit_remedy(unit: Supervisor, fields: dict[str, Any]) -> None:
         "remedy ended", **fields)
 
 
-def begin_relaunch(unit: Supervisor, rung: str, reason: str) -> None:
+def begin_relaunch(unit: EngineUnit, rung: str, reason: str) -> None:
     # one entry per rung tried: a relaunch still waiting for its engine ends here
     finish_relaunch(unit, "superseded", f"superseded by {rung}: {reason}")
     unit._relaunch = Relaunch(rung, reason, unit.clock.monotonic())
 
 
-def finish_relaunch(unit: Supervisor, outcome: str, error: str | None) -> None:
+def finish_relaunch(unit: EngineUnit, outcome: str, error: str | None) -> None:
     r = unit._relaunch
     if r is None:
         return
@@ -230,7 +230,7 @@ def finish_relaunch(unit: Supervisor, outcome: str, error: str | None) -> None:
         "reason": r.reason})
 
 
-def on_remedy_done(unit: Supervisor, ev: RemedyDone) -> None:
+def on_remedy_done(unit: EngineUnit, ev: RemedyDone) -> None:
     unit.remedy_running = None
     unit._remedy_ended_at = unit.clock.monotonic()
     o = ev.outcome
@@ -264,7 +264,7 @@ def on_remedy_done(unit: Supervisor, ev: RemedyDone) -> None:
     unit._restart(why)
 
 
-def on_canary_done(unit: Supervisor, ev: CanaryDone) -> None:
+def on_canary_done(unit: EngineUnit, ev: CanaryDone) -> None:
     if (unit.engine is None or unit.engine.generation != ev.generation
             or unit.state is not State.RUNNING or unit._taking_down):
         return  # a draining engine refuses work on purpose: not the canary's business
@@ -285,7 +285,7 @@ def on_canary_done(unit: Supervisor, ev: CanaryDone) -> None:
                  failures_before=before)
 
 
-def on_gpu_sampled(unit: Supervisor, ev: GpuSampled) -> None:
+def on_gpu_sampled(unit: EngineUnit, ev: GpuSampled) -> None:
     r = ev.reading
     if r.errors and not unit._gpu_errors_logged:
         log.warning("GPU readings incomplete; retrying each period", errors=list(r.errors))

@@ -35,8 +35,8 @@ class Backend:
     def serving(self) -> bool:
         return self.ready() and not self.gate.breaker_open
 
-    def view(self) -> routing.EngineView:
-        return routing.EngineView(self.name, self.models, self.serving(),
+    def view(self) -> routing.BackendView:
+        return routing.BackendView(self.name, self.models, self.serving(),
                                   self.gate.in_flight, self.fallback)
 
 

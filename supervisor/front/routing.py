@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class EngineView:
+class BackendView:
     """One engine as the router sees it at one moment."""
 
     name: str
@@ -52,12 +52,12 @@ class UnknownModel(Exception):
         self.models = tuple(models)
 
 
-def served_models(engines: Sequence[EngineView]) -> list[str]:
+def served_models(engines: Sequence[BackendView]) -> list[str]:
     """Every model name served by some engine, each once, in config order."""
     return list(dict.fromkeys(m for e in engines for m in e.models))
 
 
-def route(model: object, engines: Sequence[EngineView]) -> Route:
+def route(model: object, engines: Sequence[BackendView]) -> Route:
     """The engine for a request naming `model`; raises UnknownModel when none serves it."""
     if not isinstance(model, str):
         raise UnknownModel(model, served_models(engines))

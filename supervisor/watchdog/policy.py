@@ -1,4 +1,4 @@
-"""The watchdog's judgement: `decide(signals, state, config, now) -> Decision`.
+"""The watchdog's judgement: `decide(signals, state, config, now) -> PolicyDecision`.
 
 Pure: no I/O, no logging, no clock. Everything the policy remembers between calls (when
 each rule's condition started to hold, throttle levels a rule holds, cooldowns, the
@@ -76,7 +76,7 @@ class PolicyMemory:
 
 
 @dataclass(frozen=True)
-class EngineView:
+class EngineFacts:
     """What the policy needs to know of the engine and of the remedies it allows."""
 
     state: str = "RUNNING"
@@ -93,13 +93,13 @@ class EngineView:
 
 @dataclass(frozen=True)
 class PolicyState:
-    engine: EngineView
+    engine: EngineFacts
     memory: PolicyMemory = field(default_factory=PolicyMemory)
     paused: bool = False
 
 
 @dataclass(frozen=True)
-class Decision:
+class PolicyDecision:
     action: str  # "none", "lift" or one of rules.ACTIONS
     memory: PolicyMemory
     rule: str | None = None
@@ -145,7 +145,7 @@ _UNSUPPORTED = {
 }
 
 
-def _supported(rung: str, e: EngineView) -> bool:
+def _supported(rung: str, e: EngineFacts) -> bool:
     if rung == "reset_prefix_cache":
         return e.can_reset_prefix_cache
     if rung == "kv_reset":
@@ -157,7 +157,7 @@ def _supported(rung: str, e: EngineView) -> bool:
     return True
 
 
-def _rung(want: str, e: EngineView, allowed: tuple[str, ...]) -> tuple[str, str]:
+def _rung(want: str, e: EngineFacts, allowed: tuple[str, ...]) -> tuple[str, str]:
     """The rung taken for `want`, and why any rung below it was skipped ("" if none):
     `want` itself when allowed and supported, else the next one up that is (throttle only
     when asked for by name: only a throttle rule throttles), "alert" at the top. Actions
@@ -187,7 +187,7 @@ def _climb(last: str) -> str:
 
 
 def _step_rule(name: str, rule: RuleConfig, m: RuleMemory, signals: Mapping[str, float | None],
-               e: EngineView, now: float,
+               e: EngineFacts, now: float,
                allowed: tuple[str, ...]) -> tuple[RuleMemory, _Due | None]:
     if m.generation != e.generation:
         # A new engine: its condition must hold on it from now, and a symptom of this
@@ -292,7 +292,7 @@ def _window_holds(m: RuleMemory, now: float, rule: RuleConfig) -> bool:
             and share is not None and share >= rule.for_fraction)
 
 
-def _restarts(action: str, e: EngineView, lifts_batch: bool = False) -> bool:
+def _restarts(action: str, e: EngineFacts, lifts_batch: bool = False) -> bool:
     if action in ("restart", "restart_now", "reduce_batch", "fewer_spec_tokens",
                   "more_spec_tokens"):
         return True
@@ -304,14 +304,14 @@ def _restarts(action: str, e: EngineView, lifts_batch: bool = False) -> bool:
 
 
 def decide(signals: Mapping[str, float | None], state: PolicyState, config: PolicyConfig,
-           now: float) -> Decision:
+           now: float) -> PolicyDecision:
     e = state.engine
     mem = state.memory
     rules = dict(mem.rules)
     restarts = tuple(t for t in mem.restarts if now - t < HOUR_S)
 
-    def unchanged(memory: PolicyMemory, **kw: object) -> Decision:
-        return Decision("none", memory, throttle_level=e.throttle_level,
+    def unchanged(memory: PolicyMemory, **kw: object) -> PolicyDecision:
+        return PolicyDecision("none", memory, throttle_level=e.throttle_level,
                         batch_reduced=e.batch_reduced, spec_tokens=e.spec_tokens,
                         dry_run=config.dry_run, **kw)  # type: ignore[arg-type]
 
@@ -339,7 +339,7 @@ def decide(signals: Mapping[str, float | None], state: PolicyState, config: Poli
     d = min(due, key=lambda x: PRIORITY.index(x.action))
     restarting = _restarts(d.action, e, rules[d.rule].reduced)
 
-    def held_back(why: str) -> Decision:
+    def held_back(why: str) -> PolicyDecision:
         note = (d.rule, why)
         new = dataclasses.replace(mem, last_note=note)
         return unchanged(new, rule=d.rule, reason=d.reason, evidence=d.evidence,
@@ -352,7 +352,7 @@ def decide(signals: Mapping[str, float | None], state: PolicyState, config: Poli
         if mem.budget_alerted:
             return held_back("restart budget exhausted")
         mem = dataclasses.replace(mem, budget_alerted=True, last_action_at=now)
-        return Decision(
+        return PolicyDecision(
             "alert", mem, rule=d.rule, evidence=d.evidence,
             reason=(f"restart budget exhausted ({len(restarts)} policy restarts in the last "
                     f"hour, at most {config.max_restarts_per_hour}): not acting on "
@@ -401,7 +401,7 @@ def decide(signals: Mapping[str, float | None], state: PolicyState, config: Poli
         level, reduced, spec = e.throttle_level, e.batch_reduced, e.spec_tokens
     mem = dataclasses.replace(mem, rules=rules, restarts=restarts, last_action_at=now,
                               last_note=None)
-    return Decision(d.action, mem, rule=d.rule, reason=d.reason, evidence=d.evidence,
+    return PolicyDecision(d.action, mem, rule=d.rule, reason=d.reason, evidence=d.evidence,
                     throttle_level=level, batch_reduced=reduced, spec_tokens=spec,
                     restarts_engine=restarting, dry_run=config.dry_run)
 

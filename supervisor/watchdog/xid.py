@@ -20,14 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-REMEDIES = ("restart", "reset", "reboot", "info")
+XID_ACTIONS = ("restart", "reset", "reboot", "info")
 
 
 @dataclass(frozen=True)
 class Xid:
     code: int
     name: str
-    remedy: str  # one of REMEDIES
+    remedy: str  # one of XID_ACTIONS
 
 
 _CATALOGUE: dict[int, tuple[str, str]] = {
