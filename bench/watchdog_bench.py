@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from bench.report import write_section  # noqa: E402
 from supervisor.config import PolicyConfig  # noqa: E402
 from supervisor.watchdog.metrics import parse_metrics  # noqa: E402
-from supervisor.watchdog.policy import EngineView, PolicyState, decide  # noqa: E402
+from supervisor.watchdog.policy import EngineFacts, PolicyState, decide  # noqa: E402
 from supervisor.watchdog.poller import scrape  # noqa: E402
 from supervisor.watchdog.signals import SignalWindow, WindowConfig  # noqa: E402
 from tests.harness import Daemon, fake_engine_config, wait_for  # noqa: E402
@@ -210,7 +210,7 @@ def scrape_cost(repeats: int, root: Path) -> dict[str, float]:
     snap = parse_metrics(text)
     for i in range(60):
         w.add_metrics(float(i * 2), snap)
-    state = PolicyState(EngineView())
+    state = PolicyState(EngineFacts())
     cfg = PolicyConfig()
     evals = []
     for i in range(2000):

@@ -39,11 +39,11 @@ from supervisor.engine.events import (
     SignalReceived,
     iso_time,
 )
-from supervisor.engine.unit import Clock, EngineUnit
+from supervisor.engine.unit import EngineUnit
 from supervisor.front.dispatch import Backend
 from supervisor.front.exchange import ProxySettings
 from supervisor.front.proxy import FrontProxy, ProxyError
-from supervisor.loop import Jobs
+from supervisor.loop import Clock, Jobs
 from supervisor.ops.audit import AuditTrail
 from supervisor.ops.exporter import Exporter, parse_listen
 from supervisor.ops.exposition import ExporterView, ProxyView
@@ -135,6 +135,8 @@ class Host:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             # Handlers only enqueue: no logging, no state, nothing that can block.
             loop.add_signal_handler(sig, self.queue.put_nowait, SignalReceived(sig))
+        if self.config.proxy.enabled:  # (built before the units: they reach it; listens below)
+            self.proxy = FrontProxy(self.proxy_settings())
         for name in self.config.engines:
             self._make_unit(name, self.config)
         try:
@@ -161,13 +163,9 @@ class Host:
         cleanup closes what was opened (no engine has started yet)."""
         self._control = ControlServer(self.config.control, self.submit)
         await self._control.start()
-        if self.config.proxy.enabled:
-            proxy = FrontProxy(self.proxy_settings())
-            self.proxy = proxy
-            for name in self.units:
-                self._route_to(name)
+        if self.proxy is not None:
             try:
-                await proxy.start()
+                await self.proxy.start()
             except ProxyError:
                 self.proxy = None  # (its start cleaned up after itself)
                 raise
@@ -195,9 +193,10 @@ class Host:
             config=cfg.for_engine(name),
             notifier=UnitNotifier(self, name) if cfg.several else self.notifier,
             gpu=lister, sampler=sampler, clock=self.clock, environ=self.environ, name=name,
-            siblings=lambda: self._pids_but(name))
-        unit.proxy = self.proxy
+            siblings=lambda: self._pids_but(name), front=self.proxy)
         self.units[name] = unit
+        if self.proxy is not None:
+            self._route_to(name)
         return unit
 
     def _start_unit(self, name: str) -> None:
@@ -215,7 +214,6 @@ class Host:
         """The proxy routes this unit's models to its gate."""
         assert self.proxy is not None
         unit = self.units[name]
-        unit.proxy = self.proxy
         e = unit.config.engine
         models = e.served_models()
         self.proxy.add_engine(Backend(name, unit.gate, unit.serving, e.base_url, models,
@@ -239,7 +237,7 @@ class Host:
         if ev.engine in self.removing:
             self.removing.discard(ev.engine)
             log.info("engine removed", engine=ev.engine)
-            self._audit("engine_removed", engine=ev.engine)
+            self.record("engine_removed", engine=ev.engine)
             return
         self.exit_code = max(self.exit_code, ev.exit_code)
         if ev.error is not None:
@@ -253,7 +251,7 @@ class Host:
         """Every unit stops (drains, takes its engine down); the loop ends with the last."""
         self.stopping = True
         for unit in self.units.values():
-            unit.queue.put_nowait(SignalReceived(signum))
+            unit.post(SignalReceived(signum))
         log.info("daemon stopping", reason=reason, engines=list(self.units))
 
     def handle_signal_received(self, ev: SignalReceived) -> None:
@@ -334,6 +332,18 @@ class Host:
             connect_retries=st.retried_connects, latency=self.proxy.latency.views(),
             continuations=dict(st.continuations), continuation_refusals=dict(st.refusals))
 
+    def front_address(self, name: str) -> dict[str, Any]:
+        """Where the proxy listens (not a reloaded address it takes at the next daemon
+        start) and where it sends engine `name`'s requests now."""
+        if self.proxy is None:
+            return {}
+        b = self.proxy.backends.get(name)
+        return {"listen": f"{self.proxy.s.listen_host}:{self.proxy.port}",
+                "upstream": b.upstream if b is not None else None}
+
+    def daemon_uptime_s(self) -> float:
+        return self.clock.monotonic() - self.started_at
+
     def summary_line(self, name: str, st: dict[str, Any]) -> dict[str, Any]:
         """One engine in a line of `status`."""
         e = self.config.engines.get(name) or self.units[name].config.engine
@@ -381,7 +391,8 @@ class Host:
             raise CommandError(f"{command}: engine {name} has stopped")
         return self.units[name]
 
-    def _audit(self, event: str, **fields: Any) -> None:
+    def record(self, event: str, **fields: Any) -> None:
+        """One entry of the host's own in the audit trail."""
         err = self.audit.append({"time": iso_time(self.clock.wall()), "event": event, **fields})
         if err is not None:
             log.warning("audit write failed", error=err)
@@ -402,7 +413,7 @@ class Host:
     def handle_reloaded(self, ev: HostReloaded) -> None:
         if ev.config is None:
             log.warning("reload refused; the running config stays in force", error=ev.error)
-            self._audit("reload_refused", error=ev.error)
+            self.record("reload_refused", error=ev.error)
             if ev.reply is not None and not ev.reply.done():
                 ev.reply.set_exception(CommandError(f"reload refused: {ev.error}"))
             return
@@ -414,7 +425,7 @@ class Host:
         for name, unit in self.units.items():
             if name in new.engines and name not in self.removing:
                 replies[name] = loop.create_future()
-                unit.queue.put_nowait(Reloaded(new.for_engine(name), None, replies[name]))
+                unit.post(Reloaded(new.for_engine(name), None, replies[name]))
         added = [n for n in new.engines if n not in self.units]
         removed = [n for n in self.units if n not in new.engines and n not in self.removing]
         if self.proxy is not None:
@@ -424,14 +435,12 @@ class Host:
         for name in removed:
             log.info("engine removed from the config: draining and stopping it", engine=name)
             self.removing.add(name)
-            self.units[name].queue.put_nowait(SignalReceived(signal.SIGTERM))
+            self.units[name].post(SignalReceived(signal.SIGTERM))
         for name in added:
             log.info("engine added by reload: starting it", engine=name)
             self._make_unit(name, new)
-            if self.proxy is not None:
-                self._route_to(name)
             self._start_unit(name)
-            self._audit("engine_added", engine=name)
+            self.record("engine_added", engine=name)
         self.launch(self._job_merge_plans(replies, added, removed, old.several or new.several,
                                           ev.reply), "reload reply")
 

@@ -11,7 +11,9 @@ the whole test suite runs the daemon on uvloop.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import structlog
@@ -25,6 +27,15 @@ def run(main: Coroutine[Any, Any, T], loop: Literal["uvloop", "asyncio"] = "uvlo
     factory = uvloop.new_event_loop if loop == "uvloop" else asyncio.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)
+
+
+@dataclass
+class Clock:
+    """Injected time: `monotonic` for every deadline and duration, `wall` only for the
+    timestamps people read."""
+
+    monotonic: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
 
 
 class Jobs:

@@ -5,11 +5,11 @@ clears, and the alert at the top."""
 from __future__ import annotations
 
 from supervisor.config import PolicyConfig
-from supervisor.watchdog.policy import EngineView
+from supervisor.watchdog.policy import EngineFacts
 from supervisor.watchdog.rules import LADDER, REMEDIES
 from tests.test_policy import COLLAPSE, LEAK, SATURATED, Run, config, gpu, only, seconds
 
-SLEEPY = EngineView(can_kv_reset=True, can_reset_prefix_cache=True, live_throttle=True)
+SLEEPY = EngineFacts(can_kv_reset=True, can_reset_prefix_cache=True, live_throttle=True)
 
 
 def with_remedies(cfg: PolicyConfig, *allowed: str) -> PolicyConfig:
@@ -36,7 +36,7 @@ def test_kv_leak_takes_the_kv_reset_where_the_engine_can_sleep():
 
 
 def test_kv_leak_without_sleep_mode_skips_to_a_restart_and_says_why():
-    r = Run(config(**only("kv_leak")), EngineView(live_throttle=True))
+    r = Run(config(**only("kv_leak")), EngineFacts(live_throttle=True))
     (d,) = r.over(seconds(0, 30), LEAK)
     assert (d.action, d.restarts_engine) == ("restart", True)
     assert "kv_reset: the engine cannot drop its KV cache in place" in d.reason
@@ -108,7 +108,7 @@ def test_kv_saturation_escalates_through_kv_reset_restart_and_reduced_batch_to_a
 
 def test_kv_saturation_without_sleep_mode_escalates_to_a_restart_as_before():
     cfg = config(**only("kv_saturation", kv_saturation={"cooldown_s": 10}))
-    r = Run(cfg, EngineView(live_throttle=True))
+    r = Run(cfg, EngineFacts(live_throttle=True))
     acted = [d for d in r.over(seconds(0, 700, 5), SATURATED)]
     assert [d.action for d in acted] == ["throttle"] * 3 + ["restart"]
     assert "kv_reset: the engine cannot drop its KV cache in place" in acted[-1].reason

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from supervisor.config import EngineConfig, parse_config
-from supervisor.engine import watching
 from supervisor.engine.events import (
     BackoffElapsed,
     ControlRequest,
@@ -32,7 +31,8 @@ from supervisor.engine.events import (
     Spawned,
 )
 from supervisor.engine.process import EngineProcess, SpawnSpec, TakeDown
-from supervisor.engine.unit import Clock, EngineUnit
+from supervisor.engine.unit import EngineUnit
+from supervisor.loop import Clock
 from supervisor.ops.sdnotify import Notifier
 from supervisor.watchdog import evidence
 from supervisor.watchdog.remedy import RemedyOutcome
@@ -90,6 +90,29 @@ class RecordingEffects:
     def sample_gpu(self, sampler: Any) -> None:
         self.calls.append(("sample_gpu", {}))
 
+    def begin(self) -> dict[str, Any]:
+        self.calls.append(("begin", {}))
+        return {}
+
+    async def end(self) -> None:
+        self.calls.append(("end", {}))
+
+    def tick_every(self, interval_s: float) -> None:
+        self.calls.append(("tick_every", {"interval_s": interval_s}))
+
+    def follow(self, engine: EngineProcess) -> None:
+        self.calls.append(("follow", {"pid": engine.pid}))
+
+    def pause_streams(self, engine: EngineProcess) -> int:
+        self.calls.append(("pause_streams", {"pid": engine.pid}))
+        return 0
+
+    def kill_now(self, engine: EngineProcess) -> None:
+        self.calls.append(("kill_now", {"pid": engine.pid}))
+
+    def probes_in_flight(self) -> int:
+        return 0
+
     def after(self, delay_s: float, event: Event) -> FakeTimer:
         t = FakeTimer(delay_s, event)
         self.timers.append(t)
@@ -127,7 +150,7 @@ class World:
         return self.sup.state.value
 
     def feed(self, ev: Event) -> None:
-        getattr(self.sup, f"handle_{ev.name}")(ev)
+        self.sup.handle(ev)
 
     def spawned(self) -> EngineProcess:
         """The engine the last `spawn` asked for, started."""
@@ -141,8 +164,8 @@ class World:
 
     def serving(self) -> EngineProcess:
         """An engine serving: started first unless a spawn is already asked for."""
-        if self.sup.engine is None and not self.sup._spawning:
-            self.sup._start_engine("test")
+        if self.state == "STOPPED":
+            self.sup.start("test")
         engine = self.spawned()
         self.now += 40
         self.feed(HealthResult(engine.generation, True))
@@ -172,7 +195,7 @@ def world(tmp_path: Path) -> Iterator[World]:
 
 
 def test_stopped_to_starting_to_running_with_each_effect_once(world: World) -> None:
-    world.sup._start_engine("daemon started")
+    world.sup.start("daemon started")
     assert world.state == "STARTING" and world.fx.names() == ["spawn"]
     spec = world.fx.last("spawn")["spec"]
     assert spec.port == 18100 and "--shutdown-timeout" in spec.argv
@@ -219,7 +242,7 @@ def test_backoff_grows_and_a_stale_timer_is_ignored(world: World) -> None:
 
 
 def test_boot_failures_to_fatal_and_out_by_an_operators_restart(world: World) -> None:
-    world.sup._start_engine("daemon started")
+    world.sup.start("daemon started")
     for i in range(3):
         engine = world.spawned()
         world.feed(Exited(engine.generation, 1))  # never healthy: a boot failure
@@ -274,7 +297,7 @@ def test_a_reloaded_port_is_used_at_the_next_start_only(world: World,
 
 def test_a_failed_in_place_remedy_becomes_a_drained_restart(world: World) -> None:
     engine = world.serving()
-    watching.begin_remedy(world.sup, "reset_prefix_cache", "test")
+    world.sup.begin_remedy("reset_prefix_cache", "test")
     assert world.fx.last("remedy") == {"pid": engine.pid, "rung": "reset_prefix_cache"}
     assert world.sup.status()["remedies"]["running"]["rung"] == "reset_prefix_cache"
     world.now += 2
@@ -289,7 +312,7 @@ def test_a_failed_in_place_remedy_becomes_a_drained_restart(world: World) -> Non
 
 def test_a_remedy_that_worked_leaves_the_engine_running(world: World) -> None:
     engine = world.serving()
-    watching.begin_remedy(world.sup, "reset_prefix_cache", "test")
+    world.sup.begin_remedy("reset_prefix_cache", "test")
     world.feed(RemedyDone(engine.generation, "reset_prefix_cache",
                           RemedyOutcome(ok=True, steps={"reset": 0.01}), 0.01))
     assert world.state == "RUNNING" and "take_down" not in world.fx.names()
@@ -306,8 +329,8 @@ def test_a_unit_of_a_named_engine_uses_its_own_state_file_and_names_itself(
         unit = EngineUnit(config=cfg.for_engine("b"), notifier=Notifier({}), gpu=_NoGpu(),
                           clock=Clock(monotonic=lambda: w.now, wall=lambda: w.now),
                           environ={}, effects=w.fx, name="b")
-        assert unit.state_file.path.name == "engine-tree-b.json"
-        unit._start_engine("test")
+        assert Path(unit.config.state_file).name == "engine-tree-b.json"
+        unit.start("test")
         assert w.fx.last("spawn")["spec"].port == 18102
         records = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
         assert records[-1]["engine"] == "b" and records[-1]["to"] == "STARTING"

@@ -1,7 +1,8 @@
 """The control commands: one function per command, looked up in `HANDLERS`.
 
-Each runs on the host's task with the request (`ControlRequest`: command, args, reply)
-and must not block: it answers at once, forwards the request to an engine unit's queue
+Each runs on the host's task with the host, seen through `HostControl` (what a command
+may ask of it), and the request (`ControlRequest`: command, args, reply); it must not
+block: it answers at once, forwards the request to an engine unit's queue
 (which answers it), or starts a job that answers it later. `--engine NAME` arrives as
 `args["engine"]`; with several engines, a command that acts on one engine requires it.
 A refusal is a `CommandError`, whose message goes back to the client.
@@ -10,40 +11,67 @@ A refusal is a `CommandError`, whose message goes back to the client.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from supervisor.config import Config
 from supervisor.engine.events import CommandError, ControlRequest
+from supervisor.engine.unit import EngineUnit
+from supervisor.ops.audit import AuditTrail
 from supervisor.watchdog import evidence
 
-if TYPE_CHECKING:
-    from supervisor.host import Host
 
-Handler = Callable[["Host", ControlRequest], None]
+class HostControl(Protocol):
+    """What the commands see of the host (`supervisor/host.py`)."""
+
+    stopping: bool
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def audit(self) -> AuditTrail: ...
+    @property
+    def units(self) -> Mapping[str, EngineUnit]: ...
+
+    def unit_for(self, command: str, args: dict[str, Any], *,
+                 required: bool) -> EngineUnit | None: ...
+    def live(self) -> list[str]: ...
+    def launch(self, coro: Coroutine[Any, Any, Any], what: str) -> None: ...
+    def summary_line(self, name: str, st: dict[str, Any]) -> dict[str, Any]: ...
+    def front_address(self, name: str) -> dict[str, Any]: ...
+    def daemon_uptime_s(self) -> float: ...
+    def record(self, event: str, **fields: Any) -> None: ...
+    def reload(self, reply: asyncio.Future[dict[str, Any]] | None) -> None: ...
 
 
-def _forward(host: Host, req: ControlRequest) -> None:
+Handler = Callable[[HostControl, ControlRequest], None]
+
+
+def _forward(host: HostControl, req: ControlRequest) -> None:
     """A command that acts on one engine: its unit answers."""
     unit = host.unit_for(req.command, req.args, required=True)
     assert unit is not None
     args = {k: v for k, v in req.args.items() if k != "engine"}
-    unit.queue.put_nowait(ControlRequest(req.command, args, req.reply))
+    unit.post(ControlRequest(req.command, args, req.reply))
 
 
-def status(host: Host, req: ControlRequest) -> None:
+def status(host: HostControl, req: ControlRequest) -> None:
     unit = host.unit_for("status", req.args, required=False)
     names = [unit.name] if unit is not None and "engine" in req.args else host.live()
     host.launch(_status(host, names, req.reply), "status")
 
 
-async def _status(host: Host, names: list[str],
+async def _status(host: HostControl, names: list[str],
                   reply: asyncio.Future[dict[str, Any]]) -> None:
     # (bounded: a unit that ends meanwhile answers no more)
     statuses = await asyncio.gather(
         *(asyncio.wait_for(host.units[n].submit("status", {}), 10.0) for n in names),
         return_exceptions=True)
     detail = {n: s for n, s in zip(names, statuses, strict=True) if isinstance(s, dict)}
+    for n, s in detail.items():  # (the proxy is the host's: where it listens, sends)
+        if s.get("admission") is not None:
+            s["admission"] = {**host.front_address(n), **s["admission"]}
     lines = [host.summary_line(n, s) for n, s in detail.items()]
     if len(names) == 1 and names[0] in detail:  # one engine: its status, as it always was
         result = {**detail[names[0]], "engine_name": names[0], "engines": lines}
@@ -51,13 +79,13 @@ async def _status(host: Host, names: list[str],
         first = next(iter(detail.values()), {})
         result = {"engines": lines, "detail": detail,
                   "daemon_pid": first.get("daemon_pid"),
-                  "daemon_uptime_s": round(host.clock.monotonic() - host.started_at, 3),
+                  "daemon_uptime_s": round(host.daemon_uptime_s(), 3),
                   "config": host.config.source}
     if not reply.done():
         reply.set_result(result)
 
 
-def stop(host: Host, req: ControlRequest) -> None:
+def stop(host: HostControl, req: ControlRequest) -> None:
     if "engine" in req.args:
         raise CommandError("stop: stops the daemon and every engine; to stop one engine, "
                            "remove its [engines.NAME] table and reload")
@@ -66,7 +94,7 @@ def stop(host: Host, req: ControlRequest) -> None:
     host.stopping = True
     for name in host.live():
         fut: asyncio.Future[dict[str, Any]] = loop.create_future()
-        host.units[name].queue.put_nowait(ControlRequest("stop", {}, fut))
+        host.units[name].post(ControlRequest("stop", {}, fut))
         futures.append(fut)
     host.launch(_stopped(futures, req.reply), "stop")
 
@@ -79,12 +107,12 @@ async def _stopped(futures: list[asyncio.Future[dict[str, Any]]],
         reply.set_result({"state": "STOPPED", "exit_code": max(codes, default=0)})
 
 
-def reload(host: Host, req: ControlRequest) -> None:
-    host._audit("control", command="reload")
+def reload(host: HostControl, req: ControlRequest) -> None:
+    host.record("control", command="reload")
     host.reload(req.reply)
 
 
-def events(host: Host, req: ControlRequest) -> None:
+def events(host: HostControl, req: ControlRequest) -> None:
     n = req.args.get("n", 20)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 10000:
         raise CommandError("events: n must be an integer from 1 to 10000")
@@ -94,7 +122,7 @@ def events(host: Host, req: ControlRequest) -> None:
     host.launch(_events(host, n, name, req.reply), "events")
 
 
-async def _events(host: Host, n: int, engine: str | None,
+async def _events(host: HostControl, n: int, engine: str | None,
                   reply: asyncio.Future[dict[str, Any]]) -> None:
     def read() -> list[dict[str, Any]]:
         if engine is None:
@@ -108,7 +136,7 @@ async def _events(host: Host, n: int, engine: str | None,
         reply.set_result({"events": records})
 
 
-def list_evidence(host: Host, req: ControlRequest) -> None:
+def list_evidence(host: HostControl, req: ControlRequest) -> None:
     host.launch(_evidence(host.config.evidence.dir, req.reply), "evidence")
 
 

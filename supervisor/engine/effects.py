@@ -1,12 +1,13 @@
-"""The supervisor's effects on the world, behind one protocol.
+"""An engine unit's effects on the world, behind one protocol.
 
-Every process, socket and timer the supervisor's task sets going goes through `Effects`:
-each call starts a job that reports back only by putting an event on the queue
-(`supervisor/engine/events.py`), and returns at once. The daemon's implementation is
-`JobEffects` (`supervisor/engine/unit.py`: the jobs themselves); tests pass a recording fake
-(`tests/test_supervisor_unit.py`) and feed the events by hand, with a driven clock, so
-the lifecycle is tested without a process. Must never hold state of its own that the
-supervisor reads.
+Every process, socket, timer and call to the front proxy that a unit's task sets going
+goes through `Effects`: each call starts a job that reports back only by putting an
+event on the queue (`supervisor/engine/events.py`) and returns at once, or (the proxy's
+`follow` and `pause_streams`, `kill_now`) acts at once. The daemon's implementation is
+`JobEffects` (`supervisor/engine/jobs.py`: the jobs themselves); tests pass a recording
+fake (`tests/test_supervisor_unit.py`) and feed the events by hand, with a driven clock,
+so the lifecycle is tested without a process. It holds no state the unit reads but the
+count of the daemon's own generations at the engine (`probes_in_flight`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,25 @@ class Timer(Protocol):
     def cancel(self) -> Any: ...
 
 
+class Front(Protocol):
+    """The front proxy as the effects reach it (`supervisor/front/proxy.py`)."""
+
+    def follow_engine(self, name: str, upstream: str, models: tuple[str, ...],
+                      models_open: bool = False) -> None: ...
+
+    def pause_streams(self, engine: str) -> int: ...
+
+
 class Effects(Protocol):
+    def begin(self) -> dict[str, Any]:
+        """The unit starts: arm what guards its engines (fields for its first log line)."""
+
+    async def end(self) -> None:
+        """The unit ends: every job cancelled and awaited, the guard closed."""
+
+    def tick_every(self, interval_s: float) -> None:
+        """`Tick` on the queue every `interval_s`, for as long as the unit runs."""
+
     def spawn(self, generation: int, spec: SpawnSpec, cfg: EngineConfig) -> None:
         """Clean up leftovers, check the port and GPUs, start the engine: `Spawned`."""
 
@@ -53,6 +72,19 @@ class Effects(Protocol):
 
     def remedy(self, engine: EngineProcess, rung: str) -> None:
         """An in-place remedy (prefix-cache reset, KV reset): `RemedyDone`."""
+
+    def follow(self, engine: EngineProcess) -> None:
+        """The proxy's route for this engine goes to `engine`'s address and models."""
+
+    def pause_streams(self, engine: EngineProcess) -> int:
+        """A drained restart: the continuable streams at `engine` leave it now, to go on
+        on the next engine. How many."""
+
+    def kill_now(self, engine: EngineProcess) -> None:
+        """SIGKILL the engine's group at once (the unit itself is failing)."""
+
+    def probes_in_flight(self) -> int:
+        """The daemon's own generations (canaries) at the engine now."""
 
     def after(self, delay_s: float, event: Event) -> Timer:
         """`event` on the queue once `delay_s` has passed, unless cancelled first."""

@@ -2,25 +2,27 @@
 sample, timers (`supervisor/engine/effects.py` is their protocol; tests replace this
 class with a recording fake).
 
-Each job is a coroutine started on the unit's task group. It does the I/O, reads the
-unit's config, clock and (for the GPU check) its siblings, and reports only by putting
-an event on the unit's queue: no job changes the unit's state.
+Each job is a coroutine started on this object's task group. It is given what it needs
+(the unit's queue, its current config, clock, environment, GPU lister, siblings, gate and
+the front proxy), never the unit; it does the I/O and reports only by putting an event
+on the queue: no job changes the unit's state.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import httpx
 import structlog
 
-from supervisor.config import EngineConfig, MetricsConfig
+from supervisor.config import Config, EngineConfig, MetricsConfig
 from supervisor.engine import process as eng
 from supervisor.engine import proctree
-from supervisor.engine.effects import Timer
+from supervisor.engine.effects import Front, Timer
 from supervisor.engine.events import (
     CanaryDone,
     Down,
@@ -35,14 +37,14 @@ from supervisor.engine.events import (
     RemedyDone,
     SleepModeProbed,
     Spawned,
+    Tick,
     TreeSeen,
 )
+from supervisor.front.admission import Gate
+from supervisor.loop import Clock, Jobs
 from supervisor.watchdog import canary, evidence, remedy
-from supervisor.watchdog.gpu import GpuSampler
+from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
 from supervisor.watchdog.poller import scrape
-
-if TYPE_CHECKING:
-    from supervisor.engine.unit import EngineUnit
 
 log = structlog.get_logger("supervisor")
 
@@ -58,98 +60,142 @@ async def _acquire(lock: asyncio.Lock, timeout_s: float) -> bool:
 
 class JobEffects:
     """The unit's effects: each one a job (a coroutine below that reports back only
-    through the unit's queue), started on the unit's task group. The jobs read the unit's
-    config and clock; they never change its state."""
+    through the unit's queue), started on this object's task group. The jobs read the
+    unit's current config and its clock; they never change its state."""
 
-    def __init__(self, sup: EngineUnit) -> None:
-        self.sup = sup
+    def __init__(self, *, queue: asyncio.Queue[Event], config: Callable[[], Config],
+                 clock: Clock, environ: dict[str, str], gpu: GpuProcessLister,
+                 siblings: Callable[[], set[int]], gate: Gate, front: Front | None,
+                 name: str) -> None:
+        self.queue, self.config, self.clock, self.environ = queue, config, clock, environ
+        self.gpu, self.siblings, self.gate, self.front, self.name = (
+            gpu, siblings, gate, front, name)
+        self.state_file = proctree.StateFile(config().state_file)
+        self.guard = proctree.Guard()
+        self._jobs = Jobs()
+        # held by each canary probe, and by a KV reset from its drain to its end: the
+        # daemon's own generations are engine traffic the drain must wait for too
+        self._probe_lock = asyncio.Lock()
+        self._probes = 0  # the daemon's own generations at the engine now
+
+    def _launch(self, coro: Any, what: str) -> asyncio.Task[Any]:
+        return self._jobs.launch(coro, what)
+
+    def begin(self) -> dict[str, Any]:
+        self.guard.disarm()  # starts the guard now, so that its pid is in the first log line
+        return {"guard_pid": self.guard.pid}
+
+    async def end(self) -> None:
+        await self._jobs.cancel_all()
+        self.guard.close()
+
+    def tick_every(self, interval_s: float) -> None:
+        async def ticker() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                self.queue.put_nowait(Tick())
+
+        self._launch(ticker(), "ticker")
 
     def spawn(self, generation: int, spec: eng.SpawnSpec, cfg: EngineConfig) -> None:
-        self.sup._launch(self._spawn(generation, spec, cfg), "spawn")
+        self._launch(self._spawn(generation, spec, cfg), "spawn")
 
     def watch(self, engine: eng.EngineProcess) -> None:
-        sup = self.sup
-        sup.guard.arm(engine.pgid)
+        self.guard.arm(engine.pgid)
         assert engine.proc.stdout is not None and engine.proc.stderr is not None
         engine.relays = [
-            sup._launch(eng.relay_output(engine, engine.proc.stdout, "stdout"), "relay stdout"),
-            sup._launch(eng.relay_output(engine, engine.proc.stderr, "stderr"), "relay stderr")]
-        sup._launch(self._watch(engine), "watch engine")
+            self._launch(eng.relay_output(engine, engine.proc.stdout, "stdout"),
+                         "relay stdout"),
+            self._launch(eng.relay_output(engine, engine.proc.stderr, "stderr"),
+                         "relay stderr")]
+        self._launch(self._watch(engine), "watch engine")
 
     def serve(self, engine: eng.EngineProcess) -> None:
-        sup = self.sup
-        if sup.config.metrics.enabled:
-            sup._launch(self._poll(engine, sup.config.metrics), "poll metrics")
-        if sup.config.canary.enabled:
-            sup._launch(self._canary(engine), "canary")
-        sup._launch(self._probe_sleep_mode(engine), "probe sleep mode")
+        config = self.config()
+        if config.metrics.enabled:
+            self._launch(self._poll(engine, config.metrics), "poll metrics")
+        if config.canary.enabled:
+            self._launch(self._canary(engine), "canary")
+        self._launch(self._probe_sleep_mode(engine), "probe sleep mode")
 
     def gate_probe(self, engine: eng.EngineProcess) -> None:
-        self.sup._launch(self._gate_probe(engine), "gate probe")
+        self._launch(self._gate_probe(engine), "gate probe")
 
     def take_down(self, engine: eng.EngineProcess, graceful: bool, force: asyncio.Event,
                   req: evidence.EvidenceRequest | None) -> None:
-        self.sup._launch(self._take_down(engine, graceful, force, req), "take down")
+        self._launch(self._take_down(engine, graceful, force, req), "take down")
 
     def forget(self, engine: eng.EngineProcess) -> None:
-        self.sup.state_file.remove()
-        self.sup.guard.disarm()
+        self.state_file.remove()
+        self.guard.disarm()
 
     def drain(self, engine: eng.EngineProcess) -> None:
-        self.sup._launch(self._drain(engine), "drain")
+        self._launch(self._drain(engine), "drain")
 
     def remedy(self, engine: eng.EngineProcess, rung: str) -> None:
-        self.sup._launch(self._remedy(engine, rung), rung)
+        self._launch(self._remedy(engine, rung), rung)
 
     def sample_gpu(self, sampler: GpuSampler) -> None:
-        self.sup._launch(self._sample_gpu(sampler), "gpu sampler")
+        self._launch(self._sample_gpu(sampler), "gpu sampler")
+
+    def follow(self, engine: eng.EngineProcess) -> None:
+        if self.front is not None:
+            c = engine.config
+            self.front.follow_engine(self.name, c.base_url, c.served_models(), c.models_open)
+
+    def pause_streams(self, engine: eng.EngineProcess) -> int:
+        return self.front.pause_streams(self.name) if self.front is not None else 0
+
+    def kill_now(self, engine: eng.EngineProcess) -> None:
+        proctree.kill_group(engine.pgid, engine.known)
+
+    def probes_in_flight(self) -> int:
+        return self._probes
 
     def after(self, delay_s: float, event: Event) -> Timer:
-        queue = self.sup.queue
+        queue = self.queue
 
         async def later() -> None:
             await asyncio.sleep(delay_s)
             queue.put_nowait(event)
 
-        return self.sup._launch(later(), f"timer: {event.name}")
+        return self._launch(later(), f"timer: {event.name}")
 
     async def _spawn(self, generation: int, spec: eng.SpawnSpec,
                          cfg: EngineConfig) -> None:
-        sup = self.sup
         leftovers: list[str] = []
         try:
-            leftovers, own = await eng.clean_leftovers(sup.state_file, cfg.reap_timeout_s)
+            leftovers, own = await eng.clean_leftovers(self.state_file, cfg.reap_timeout_s)
             # (a sibling engine's processes on a shared GPU are expected, not foreign)
-            await eng.check_gpus_free(sup.gpu, own, cfg.gpu_foreign_allowance_mib << 20,
-                                      cfg.gpu_release_timeout_s, frozenset(sup.siblings()))
+            await eng.check_gpus_free(self.gpu, own, cfg.gpu_foreign_allowance_mib << 20,
+                                      cfg.gpu_release_timeout_s, frozenset(self.siblings()))
             held = await asyncio.to_thread(proctree.port_holder, spec.host, spec.port)
             if held is not None:
                 raise RuntimeError(f"engine port refused: {held}")
-            engine = await eng.spawn_engine(spec, generation, sup.clock.monotonic(), cfg,
-                                            sup.config.evidence.log_lines)
-            await asyncio.to_thread(sup.state_file.write, engine.pgid, engine.known)
+            engine = await eng.spawn_engine(spec, generation, self.clock.monotonic(), cfg,
+                                            self.config().evidence.log_lines)
+            await asyncio.to_thread(self.state_file.write, engine.pgid, engine.known)
         except Exception as exc:  # any failure here is a failed start, never a stuck one
             error = str(exc) if isinstance(exc, OSError | RuntimeError) else repr(exc)
-            sup.queue.put_nowait(Spawned(generation, None, error, tuple(leftovers),
+            self.queue.put_nowait(Spawned(generation, None, error, tuple(leftovers),
                                           gpu_busy=isinstance(exc, eng.GpuBusy)))
             return
-        sup.queue.put_nowait(Spawned(generation, engine, None, tuple(leftovers)))
+        self.queue.put_nowait(Spawned(generation, engine, None, tuple(leftovers)))
 
     async def _watch(self, engine: eng.EngineProcess) -> None:
         """Report the exit at once (asyncio wakes on SIGCHLD), the first health, and the
         tree as it grows, so that the tree can be proven gone later."""
-        sup = self.sup
         gen = engine.generation
         exited: asyncio.Future[int] = asyncio.ensure_future(eng.wait_exit(engine.proc))
         exited.add_done_callback(
-            lambda f: None if f.cancelled() else sup.queue.put_nowait(Exited(gen, f.result())))
+            lambda f: None if f.cancelled() else self.queue.put_nowait(Exited(gen, f.result())))
         cfg = engine.config
         url = cfg.base_url + cfg.health_path
         health = asyncio.ensure_future(
             eng.wait_healthy(url, cfg.health_interval_s, cfg.startup_timeout_s, exited))
         # An error in the probe counts as "not healthy": STARTING must never outlive its bound.
         health.add_done_callback(
-            lambda f: None if f.cancelled() else sup.queue.put_nowait(
+            lambda f: None if f.cancelled() else self.queue.put_nowait(
                 HealthResult(gen, f.exception() is None and f.result())))
         recorded = list(engine.known)  # what the state file holds (written at spawn)
         try:
@@ -157,12 +203,12 @@ class JobEffects:
                 procs = await asyncio.to_thread(proctree.snapshot_tree, engine.pid)
                 if procs:
                     rss, cpu = await asyncio.to_thread(proctree.tree_usage, procs)
-                    sup.queue.put_nowait(TreeSeen(gen, tuple(procs), sup.clock.monotonic(),
+                    self.queue.put_nowait(TreeSeen(gen, tuple(procs), self.clock.monotonic(),
                                                    rss, cpu))
                     merged = merge_known(recorded, procs)
                     if len(merged) > len(recorded):  # rewrite only when the tree grew
                         try:
-                            await asyncio.to_thread(sup.state_file.write, engine.pgid, merged)
+                            await asyncio.to_thread(self.state_file.write, engine.pgid, merged)
                             recorded = merged
                         except OSError as exc:
                             log.warning("cannot write the state file", error=str(exc))
@@ -172,7 +218,6 @@ class JobEffects:
 
     async def _poll(self, engine: eng.EngineProcess, cfg: MetricsConfig) -> None:
         """Scrape the engine's /metrics every period for as long as this engine lives."""
-        sup = self.sup
         ecfg = engine.config
         url = ecfg.base_url + cfg.path
         async with httpx.AsyncClient() as client:
@@ -180,15 +225,14 @@ class JobEffects:
                 snap, error = await scrape(client, url, cfg.timeout_s)
                 if engine.proc.returncode is not None:
                     return  # a failed scrape of an engine that is gone says nothing new
-                sup.queue.put_nowait(MetricsSampled(engine.generation, snap, error))
+                self.queue.put_nowait(MetricsSampled(engine.generation, snap, error))
                 await asyncio.sleep(cfg.period_s)
 
     async def _evidence(self, engine: eng.EngineProcess,
                             req: evidence.EvidenceRequest) -> None:
         """Bounded: the take-down waits for this at most evidence.timeout_s (+1 s to write
         what was gathered), whatever py-spy does."""
-        sup = self.sup
-        cfg = sup.config.evidence
+        cfg = self.config().evidence
         # the tree as it is now, beside every pid seen in it: a child forked since the
         # last look at the tree is read too
         live = await asyncio.to_thread(proctree.snapshot_tree, engine.pid)
@@ -201,31 +245,29 @@ class JobEffects:
         except TimeoutError:
             bundle = evidence.Bundle(str(Path(cfg.dir) / req.name), cfg.timeout_s + 1.0, 0,
                                      {}, "the capture ran past its bound")
-        sup.queue.put_nowait(EvidenceCaptured(engine.generation, req, bundle))
+        self.queue.put_nowait(EvidenceCaptured(engine.generation, req, bundle))
 
     async def _take_down(self, engine: eng.EngineProcess, graceful: bool,
                              force: asyncio.Event,
                              req: evidence.EvidenceRequest | None = None) -> None:
-        sup = self.sup
         try:
             if req is not None:
                 await self._evidence(engine, req)
             # the engine's own config: a reload since its start does not change its stop
             result = await eng.take_down(engine, engine.config, graceful=graceful,
-                                         force=force, gpu=sup.gpu)
+                                         force=force, gpu=self.gpu)
             # With the tree gone the pipes close: let the relays log the engine's last
             # words (a boot failure's traceback) before anyone reads them.
             if engine.relays:
                 await asyncio.wait(engine.relays, timeout=2.0)
         except Exception as exc:  # reported as an event: the lifecycle must not hang
-            sup.queue.put_nowait(Down(engine.generation, None, f"take-down failed: {exc!r}"))
+            self.queue.put_nowait(Down(engine.generation, None, f"take-down failed: {exc!r}"))
             raise
-        sup.queue.put_nowait(Down(engine.generation, result))
+        self.queue.put_nowait(Down(engine.generation, result))
 
     async def _gate_probe(self, engine: eng.EngineProcess) -> None:
         """Healthy is not enough to release held requests: one canary must pass first
         (bounded: a few tries, then the gate opens anyway and the hang rule judges)."""
-        sup = self.sup
         ecfg = engine.config
         base = ecfg.base_url
         error: str | None = None
@@ -233,25 +275,23 @@ class JobEffects:
             for _ in range(3):
                 _, _, outcome = await self._probe(client, base, None)
                 if outcome.ok:
-                    sup.queue.put_nowait(GateProbe(engine.generation, True, None))
+                    self.queue.put_nowait(GateProbe(engine.generation, True, None))
                     return
                 error = outcome.error
                 await asyncio.sleep(0.5)
-        sup.queue.put_nowait(GateProbe(engine.generation, False, error))
+        self.queue.put_nowait(GateProbe(engine.generation, False, error))
 
     async def _drain(self, engine: eng.EngineProcess) -> None:
-        sup = self.sup
-        t0 = sup.clock.monotonic()
-        idle = await sup.gate.wait_idle(engine.config.drain_timeout_s)
-        sup.queue.put_nowait(Drained(engine.generation, idle, sup.clock.monotonic() - t0))
+        t0 = self.clock.monotonic()
+        idle = await self.gate.wait_idle(engine.config.drain_timeout_s)
+        self.queue.put_nowait(Drained(engine.generation, idle, self.clock.monotonic() - t0))
 
     async def _probe_sleep_mode(self, engine: eng.EngineProcess) -> None:
         """Can this engine drop its KV cache in place? Its flags say whether it should;
         its /is_sleeping endpoint, once it serves, says whether it does."""
-        sup = self.sup
-        env = eng.build_spawn_spec(engine.config, sup.environ).env
+        env = eng.build_spawn_spec(engine.config, self.environ).env
         why = remedy.sleep_mode_flags(engine.spec.argv, env)
-        if why is None and sup.proxy is None:
+        if why is None and self.front is None:
             why = "no front proxy to hold requests while the engine sleeps ([proxy] is off)"
         if why is None:
             base = engine.config.base_url
@@ -259,24 +299,23 @@ class JobEffects:
                 asleep, why = await remedy.is_sleeping(client, base, 10.0)
             if asleep:
                 why = "the engine reports it is asleep"
-        sup.queue.put_nowait(SleepModeProbed(engine.generation, why is None, why))
+        self.queue.put_nowait(SleepModeProbed(engine.generation, why is None, why))
 
     async def _remedy(self, engine: eng.EngineProcess, rung: str) -> None:
-        sup = self.sup
         cfg = engine.config
         base = cfg.base_url
-        t0 = sup.clock.monotonic()
+        t0 = self.clock.monotonic()
         async with httpx.AsyncClient() as client:
             if rung == "reset_prefix_cache":
                 outcome = await remedy.reset_prefix_cache(client, base, 30.0)
             else:
-                c = sup.config.canary
-                idle = await sup.gate.wait_idle(cfg.drain_timeout_s)
+                c = self.config().canary
+                idle = await self.gate.wait_idle(cfg.drain_timeout_s)
                 # a canary in flight ends within its own deadline; none starts meanwhile
-                quiet = idle and await _acquire(sup._probe_lock, c.timeout_s + 1.0)
-                waited = sup.clock.monotonic() - t0
+                quiet = idle and await _acquire(self._probe_lock, c.timeout_s + 1.0)
+                waited = self.clock.monotonic() - t0
                 if not quiet:
-                    busy = (f"{sup.gate.in_flight} requests still in flight after "
+                    busy = (f"{self.gate.in_flight} requests still in flight after "
                             f"{cfg.drain_timeout_s:g} s" if not idle else
                             f"a canary still in flight after {c.timeout_s + 1.0:g} s")
                     outcome = remedy.RemedyOutcome(
@@ -287,54 +326,51 @@ class JobEffects:
                         outcome = await remedy.kv_reset(client, base, c.model or None,
                                                         c.prompt, 60.0, max(c.timeout_s, 10.0))
                     finally:
-                        sup._probe_lock.release()
+                        self._probe_lock.release()
                     outcome = dataclasses.replace(outcome, steps={"drain": waited,
                                                                   **outcome.steps})
-        sup.queue.put_nowait(RemedyDone(engine.generation, rung, outcome,
-                                         sup.clock.monotonic() - t0))
+        self.queue.put_nowait(RemedyDone(engine.generation, rung, outcome,
+                                         self.clock.monotonic() - t0))
 
     async def _probe(self, client: httpx.AsyncClient, base: str,
                      model: str | None) -> tuple[str | None, float, canary.CanaryOutcome]:
         """One canary (the model asked for, when it began, its outcome), never beside a
         KV reset: the daemon's own generation is engine traffic that reset must drain."""
-        sup = self.sup
-        cfg = sup.config.canary
-        async with sup._probe_lock:
-            t0 = sup.clock.monotonic()
+        cfg = self.config().canary
+        async with self._probe_lock:
+            t0 = self.clock.monotonic()
             model = model or cfg.model or await canary.find_model(client, base, cfg.timeout_s)
             if model is None:
-                return None, t0, canary.CanaryOutcome(False, sup.clock.monotonic() - t0,
+                return None, t0, canary.CanaryOutcome(False, self.clock.monotonic() - t0,
                                                       "/v1/models named no model")
-            sup._probes_in_flight += 1  # (read only by the state-owning task)
+            self._probes += 1  # (read only by the state-owning task)
             try:
                 return model, t0, await canary.probe(client, base, model, cfg.prompt,
                                                      cfg.max_tokens, cfg.timeout_s)
             finally:
-                sup._probes_in_flight -= 1
+                self._probes -= 1
 
     async def _canary(self, engine: eng.EngineProcess) -> None:
         """A tiny generation every period, for as long as this engine lives."""
-        sup = self.sup
         ecfg = engine.config
         base = ecfg.base_url
         async with httpx.AsyncClient() as client:
             model: str | None = None
             while engine.proc.returncode is None:
-                await asyncio.sleep(sup.config.canary.period_s)
+                await asyncio.sleep(self.config().canary.period_s)
                 # (a reloaded canary.model applies at the next probe)
                 model, t0, outcome = await self._probe(
-                    client, base, sup.config.canary.model or model)
+                    client, base, self.config().canary.model or model)
                 if engine.proc.returncode is not None:
                     return
-                sup.queue.put_nowait(CanaryDone(engine.generation, outcome, t0,
-                                                 sup.clock.monotonic()))
+                self.queue.put_nowait(CanaryDone(engine.generation, outcome, t0,
+                                                 self.clock.monotonic()))
 
     async def _sample_gpu(self, sampler: GpuSampler) -> None:
-        sup = self.sup
         while True:
             reading = await asyncio.to_thread(sampler.sample)
-            sup.queue.put_nowait(GpuSampled(reading, sup.clock.monotonic()))
-            await asyncio.sleep(sup.config.gpu.period_s)  # (a reload applies here)
+            self.queue.put_nowait(GpuSampled(reading, self.clock.monotonic()))
+            await asyncio.sleep(self.config().gpu.period_s)  # (a reload applies here)
 
 
 def merge_known(known: list[proctree.ProcInfo],

@@ -1,12 +1,18 @@
-"""The supervisor: the single task that owns the engine's state.
+"""One engine's unit: the single task that owns that engine's state.
 
-Everything that happens reaches `EngineUnit.run` as a typed event (`supervisor/engine/events.py`)
-on one queue: the engine's exit, its health, the end of a take-down, a backoff timer, a
-signal, a control request, a reloaded config, a tick. Each is handled by a
-`handle_<name>` method that may change state (only through `_set_state`, which checks
-the transition table), and may start jobs: tasks that do I/O (spawn, probe, take down,
-read files) and report back only by putting an event on the queue. No job touches the
-supervisor's attributes, no handler blocks, and no lock exists.
+Everything that happens reaches `EngineUnit.handle` as a typed event
+(`supervisor/engine/events.py`) on one queue: the engine's exit, its health, the end of a
+take-down, a backoff timer, a signal, a control request, a reloaded config, a tick. Each
+is handled by a `handle_<name>` method that may change state (only through `_set_state`,
+which checks the transition table) and may start jobs through the effects protocol
+(`supervisor/engine/effects.py`): spawn, probe, take down, drain, follow at the proxy.
+Jobs report back only by putting an event on the queue; no handler blocks.
+
+The unit owns the lifecycle; its watchdog half (`EngineWatch`,
+`supervisor/engine/watch.py`) owns the signals, the policy's memory and the settings it
+tunes, and asks for what it wants as intents (`supervisor/engine/intents.py`) that
+`_carry_out` does here. After every event, `_sync_gate` alone opens, holds or closes
+the proxy's gate for this engine, from the unit's state.
 
 Invariants:
 - at most one engine exists at a time: a new one is spawned only after the previous
@@ -22,8 +28,7 @@ import contextlib
 import dataclasses
 import os
 import signal
-import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,15 +36,11 @@ from typing import Any
 import structlog
 
 from supervisor import reload
-from supervisor.config import (
-    DEFAULT_ENGINE,
-    Config,
-    diff_keys,
-)
+from supervisor.config import DEFAULT_ENGINE, Config, diff_keys
 from supervisor.engine import process as eng
-from supervisor.engine import proctree, views, watching
+from supervisor.engine import proctree, views
 from supervisor.engine.commands import COMMANDS
-from supervisor.engine.effects import Effects, Timer
+from supervisor.engine.effects import Effects, Front, Timer
 from supervisor.engine.events import (
     BackoffElapsed,
     CanaryDone,
@@ -65,36 +66,32 @@ from supervisor.engine.events import (
     ViewRequest,
     iso_time,
 )
+from supervisor.engine.intents import (
+    BeginRemedy,
+    Decided,
+    HoldDown,
+    Intent,
+    Relaunch,
+    Restart,
+    Throttled,
+    remedy_ended,
+)
 from supervisor.engine.jobs import JobEffects, merge_known
 from supervisor.engine.lifecycle import RestartTracker
 from supervisor.engine.states import State, check_transition
+from supervisor.engine.watch import EngineWatch, UnitFacts
 from supervisor.front.admission import Gate, GateLimits
-from supervisor.front.proxy import FrontProxy
-from supervisor.loop import Jobs
+from supervisor.loop import Clock
 from supervisor.ops.audit import AuditTrail
 from supervisor.ops.exposition import ExporterView
 from supervisor.ops.logs import set_level
 from supervisor.ops.sdnotify import Notifier
 from supervisor.watchdog import evidence, relaunch
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
-from supervisor.watchdog.policy import PolicyMemory
-from supervisor.watchdog.poller import ScrapeHealth
-from supervisor.watchdog.signals import SignalWindow
 
 log = structlog.get_logger("supervisor")
 EXTEND_EVERY_S = 10.0  # while the first engine starts, push systemd's start timeout ...
 EXTEND_BY_S = 30.0  # ... this far ahead each time
-
-
-# ---- the supervisor -------------------------------------------------------------------
-
-@dataclass
-class Clock:
-    """Injected time: `monotonic` for every deadline and duration, `wall` only for the
-    timestamps people read."""
-
-    monotonic: Callable[[], float] = time.monotonic
-    wall: Callable[[], float] = time.time
 
 
 @dataclass
@@ -110,72 +107,57 @@ class EngineUnit:
     name: str = DEFAULT_ENGINE  # the engine's name ([engines.NAME]; "default" for [engine])
     # the processes of the host's other engines: on a shared GPU, their memory is expected
     siblings: Callable[[], set[int]] = field(default=lambda: set())
+    # the front proxy, when [proxy] is on: reached only through the effects
+    front: Front | None = None
+    # a front proxy holds this engine's requests (tests with recording effects say so)
+    fronted: bool = False
 
     def __post_init__(self) -> None:
+        self.fronted = self.fronted or self.front is not None
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.gate = Gate(self._gate_limits())  # this engine's admission, at the proxy
         # every process, socket and timer this task sets going goes through `act`
-        self.act: Effects = self.effects if self.effects is not None else JobEffects(self)
+        self.act: Effects = self.effects if self.effects is not None else JobEffects(
+            queue=self.queue, config=lambda: self.config, clock=self.clock,
+            environ=self.environ, gpu=self.gpu, siblings=self.siblings, gate=self.gate,
+            front=self.front, name=self.name)
         self.state = State.STOPPED
         self.state_reason = "not started"
         self.state_since = self.clock.monotonic()
         self.started_at = self.clock.monotonic()
         self.not_running_since: float | None = self.started_at  # None while RUNNING
-        self.audit = AuditTrail(self.config.audit.path, self.config.audit.max_bytes,
-                                self.config.audit.backups)
+        self.audit_trail = AuditTrail(self.config.audit.path, self.config.audit.max_bytes,
+                                      self.config.audit.backups)
         self.tracker = RestartTracker(self.config.restart)
-        self.state_file = proctree.StateFile(self.config.state_file)
-        self.guard = proctree.Guard()
+        self.watch = EngineWatch(self.config, self.environ, self.clock.monotonic,
+                                 self.clock.wall, self.audit)
         self.engine: eng.EngineProcess | None = None
         self.generation = 0
         self.fatal_errors: list[str] = []
-        self.scrapes = ScrapeHealth()
         self.last_decision: DecisionRecord | None = None  # the latest, lifecycle steps included
-        self.last_policy_decision: DecisionRecord | None = None
         self.last_exit: str | None = None
         self.fatal_reason: str | None = None
         self.exit_code = 0
+        self.restarts_by_reason: dict[str, int] = {}
+        self.start_blocked: str | None = None  # why the last start was refused (GPU busy)
+        self.backoff_until: float | None = None
+        self.drained_by_operator = False
         self._spawning = False
         self._taking_down = False
+        self._admitting = False  # this engine's first canary passed: held requests may go
         # (rule, reason): the next take-down of this engine first captures evidence
         self._evidence_for: tuple[str, str] | None = None
         self._force = asyncio.Event()
         self._restart_reason = ""
         self._restart_when_down = False
         self._backoff: Timer | None = None
-        self._backoff_until: float | None = None
         self._ready_sent = False
         self._last_watchdog = 0.0
         self._last_extend = -EXTEND_EVERY_S
         self._stop_replies: list[asyncio.Future[dict[str, Any]]] = []
-        self._jobs = Jobs()
-        self._done = False
-        # the watchdog
-        self.window = SignalWindow(self.config.signals.window(self.config.gpu))
-        self.policy_memory = PolicyMemory()
-        self.policy_paused = False
-        self.throttle_level = 0
-        self.batch_reduced = False
-        self.spec_tokens: int | None = relaunch.spec_tokens(self.config.engine.args)
-        self.restarts_by_reason: dict[str, int] = {}
-        self.trips_by_rule: dict[str, int] = {}
-        self.actions_by_kind: dict[str, int] = {}
-        self._gpu_errors_logged = False
-        # the front door: present when [proxy] is enabled
-        self.proxy: FrontProxy | None = None
-        self.gate = Gate(self._gate_limits())
-        self.drained_by_operator = False
-        # in-place remedies: what this engine supports, the one in progress
-        self.sleep_mode: bool = False  # probed once the engine serves
-        self.sleep_mode_why: str | None = "the engine has not started"
-        self.remedy_running: tuple[str, float] | None = None  # (rung, since)
-        # held by each canary probe, and by a KV reset from its drain to its end: the
-        # daemon's own generations are engine traffic the drain must wait for too
-        self._probe_lock = asyncio.Lock()
-        self._probes_in_flight = 0  # the daemon's own generations at the engine now
-        self._remedy_ended_at = -1.0
         self._remedy_replies: list[asyncio.Future[dict[str, Any]]] = []
-        self.start_blocked: str | None = None  # why the last start was refused (GPU busy)
-        self._relaunch: watching.Relaunch | None = None  # a policy relaunch, audited when it ends
+        self._relaunch: Relaunch | None = None  # a policy relaunch, audited when it ends
+        self._done = False
 
     # ---- running ----------------------------------------------------------------------
 
@@ -184,47 +166,57 @@ class EngineUnit:
         (supervisor/host.py) owns the signals, the sockets and the proxy around it."""
         if self.config.several:  # every line of this unit and its jobs names its engine
             structlog.contextvars.bind_contextvars(engine=self.name)
-        self.guard.disarm()  # starts the guard now, so that its pid is in the first log line
-        log.info("engine unit started", guard_pid=self.guard.pid)
-        self._launch(self._ticker(), "ticker")
+        log.info("engine unit started", **self.act.begin())
+        interval = self.tick_interval_s
+        if self.notifier.watchdog_interval_s is not None:
+            interval = min(interval, self.notifier.watchdog_interval_s)
+        self.act.tick_every(interval)
         if self.sampler is not None:
             self.act.sample_gpu(self.sampler)
-        self._start_engine("daemon started")
+        self.start("daemon started")
         try:
             while not self._done:
-                event = await self.queue.get()
-                handler: Callable[[Any], None] = getattr(self, f"handle_{event.name}")
-                handler(event)
+                self.handle(await self.queue.get())
         except BaseException:
             # A bug in a handler: do not leave the engine running without its supervisor.
             if self.engine is not None:
                 log.critical("daemon failing; killing the engine's process group",
                              pid=self.engine.pid, exc_info=True)
-                proctree.kill_group(self.engine.pgid, self.engine.known)
+                self.act.kill_now(self.engine)
             self.exit_code = 70  # EX_SOFTWARE
             raise
         finally:
-            self.gate.close("the engine is stopped")
-            await self._jobs.cancel_all()
-            self.guard.close()
+            self._sync_gate(ended=True)
+            await self.act.end()
         return self.exit_code
+
+    def handle(self, event: Event) -> None:
+        """One event, by its `handle_<name>` method; then the gate follows the state."""
+        handler: Callable[[Any], None] = getattr(self, f"handle_{event.name}")
+        handler(event)
+        self._sync_gate()
+
+    def start(self, reason: str) -> None:
+        """The first start (tests start the unit's engine here too)."""
+        self._start_engine(reason)
+        self._sync_gate()
 
     async def submit(self, command: str, args: dict[str, Any]) -> dict[str, Any]:
         """Called by the control server: enqueue an intent and wait for its answer."""
         reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self.queue.put_nowait(ControlRequest(command, args, reply))
+        self.post(ControlRequest(command, args, reply))
         return await reply
 
-    def _launch(self, coro: Coroutine[Any, Any, Any], what: str) -> asyncio.Task[Any]:
-        return self._jobs.launch(coro, what)
+    def post(self, event: Event) -> None:
+        """An event for this unit's task (a control request, a signal, a reload)."""
+        self.queue.put_nowait(event)
 
-    async def _ticker(self) -> None:
-        interval = self.tick_interval_s
-        if self.notifier.watchdog_interval_s is not None:
-            interval = min(interval, self.notifier.watchdog_interval_s)
-        while True:
-            await asyncio.sleep(interval)
-            self.queue.put_nowait(Tick())
+    async def view(self) -> ExporterView:
+        """For the exporter: answered by the state-owning task, so that /healthz fails
+        when that task is stuck."""
+        reply: asyncio.Future[ExporterView] = asyncio.get_running_loop().create_future()
+        self.queue.put_nowait(ViewRequest(reply))
+        return await reply
 
     # ---- state ------------------------------------------------------------------------
 
@@ -240,45 +232,91 @@ class EngineUnit:
             self.not_running_since = self.state_since
         pid = self.engine.pid if self.engine else None
         log.info("state change", **{"from": old.value, "to": new.value}, reason=reason, pid=pid)
-        if new in (State.FATAL, State.STOPPING, State.STOPPED):
-            self.gate.close(f"the engine is {new.value}: {reason}")
-        elif new is not State.RUNNING:
-            self.gate.hold(f"the engine is {new.value}: {reason}")
-        # RUNNING opens the gate only once a canary has passed (handle_gate_probe)
-        self._audit("state", **{"from": old.value, "to": new.value}, reason=reason, pid=pid)
+        self.audit("state", **{"from": old.value, "to": new.value}, reason=reason, pid=pid)
         self.notifier.status(f"{new.value}: {reason}"[:200])
 
     def _decide(self, action: str, reason: str) -> None:
         self.last_decision = DecisionRecord(action, reason, self.clock.wall())
 
-    def _audit(self, event: str, **fields: Any) -> None:
+    def audit(self, event: str, **fields: Any) -> None:
+        """One entry in the audit trail, naming this engine when there are several."""
         if self.config.several:
             fields["engine"] = self.name
-        err = self.audit.append({"time": iso_time(self.clock.wall()), "event": event, **fields})
+        err = self.audit_trail.append({"time": iso_time(self.clock.wall()), "event": event,
+                                       **fields})
         if err is not None:
             log.warning("audit write failed", error=err)
+
+    def _sync_gate(self, ended: bool = False) -> None:
+        """The one place the gate is opened, held or closed: from the state, the first
+        canary, the operator's drain and a KV reset in progress. The throttle level the
+        watchdog holds is applied here too."""
+        g, s = self.gate, self.state
+        level = self.watch.tuning.throttle_level if self.fronted else 0
+        if g.level != level:
+            g.set_level(level)
+        if ended or s in (State.FATAL, State.STOPPING, State.STOPPED):
+            why = "the engine is stopped" if ended and s is not State.STOPPED \
+                else f"the engine is {s.value}: {self.state_reason}"
+            if g.closed_reason != why:
+                g.close(why)  # no engine is coming: waiting requests fail now
+            return
+        want: str | None
+        if s is not State.RUNNING:
+            want = f"the engine is {s.value}: {self.state_reason}"
+        else:
+            want = self.watch.holds_requests() or (
+                "drain requested by operator" if self.drained_by_operator else None)
+            if want is None and not self._admitting:
+                want = g.held_reason or "the engine's first canary has not passed yet"
+        if want is not None:
+            if g.held_reason != want or g.closed_reason is not None:
+                g.hold(want)  # new requests wait
+        elif g.held_reason is not None:
+            waiting = g.waiting
+            g.release()
+            if waiting:
+                log.info("held requests released", count=waiting)
+                self.audit("released", count=waiting)
+
+    def facts(self) -> UnitFacts:
+        """The unit's state as its watchdog half reads it."""
+        return UnitFacts(self.state, self.engine, self._taking_down, self.fronted,
+                         self.gate.in_flight + self.act.probes_in_flight())
+
+    def serving(self) -> bool:
+        """Serving: the engine runs and the gate lets requests through."""
+        return self.state is State.RUNNING and self.gate.held_reason is None \
+            and not self._taking_down
+
+    @property
+    def taking_down(self) -> bool:
+        return self._taking_down
+
+    @property
+    def state_value(self) -> str:
+        return self.state.value
 
     # ---- engine lifecycle -------------------------------------------------------------
 
     def _start_engine(self, reason: str) -> None:
         assert self.engine is None and not self._spawning
         self.generation += 1
-        self.scrapes.reset()
-        self.window.reset()
+        self.watch.engine_starting()
         self._evidence_for = None  # (for the engine that went, if none was taken down)
-        self.sleep_mode, self.sleep_mode_why = False, "the engine is not serving yet"
         self._spawning = True
+        self._admitting = False
         self._force = asyncio.Event()
         if self._relaunch is not None:
             self._relaunch.starts += 1
         self._set_state(State.STARTING, reason)
         self._decide("start", reason)
         cfg = self.config.engine
-        overrides = self.overrides()
+        overrides = self.watch.overrides(self.fronted)
         if overrides:
             cfg = dataclasses.replace(cfg, args=relaunch.apply(cfg.args, overrides))
             log.info("engine arguments overridden", overrides=overrides,
-                     throttle_level=self.throttle_level)
+                     throttle_level=self.watch.tuning.throttle_level)
         spec = eng.build_spawn_spec(cfg, self.environ)
         self.act.spawn(self.generation, spec, cfg)
 
@@ -286,10 +324,10 @@ class EngineUnit:
         self._spawning = False
         for line in ev.leftovers:
             log.warning("killed a process left by an earlier run", process=line)
-            self._audit("leftover_killed", process=line)
+            self.audit("leftover_killed", process=line)
         if ev.engine is None:
             log.error("engine could not be started", error=ev.error)
-            self._audit("spawn_failed", error=ev.error, gpu_busy=ev.gpu_busy)
+            self.audit("spawn_failed", error=ev.error, gpu_busy=ev.gpu_busy)
             if self.state is State.STOPPING:
                 self._finish_stop()
             elif ev.gpu_busy:
@@ -302,17 +340,13 @@ class EngineUnit:
         self.start_blocked = None
         engine = ev.engine
         self.engine = engine
-        if self.proxy is not None:
-            self.proxy.follow_engine(self.name, engine.config.base_url,
-                                     engine.config.served_models(), engine.config.models_open)
+        if self.fronted:
+            self.act.follow(engine)  # the proxy's route for this engine goes to it now
         log.info("engine spawned", pid=engine.pid, argv=engine.spec.argv)
-        self._audit("spawn", pid=engine.pid, generation=engine.generation)
+        self.audit("spawn", pid=engine.pid, generation=engine.generation)
         self.act.watch(engine)
         if self.state in (State.STOPPING, State.DRAINING):
             self._take_down(graceful=True)  # a stop or restart came while it was spawning
-
-    def handle_metrics_sampled(self, ev: MetricsSampled) -> None:
-        watching.on_metrics(self, ev)
 
     def handle_tree_seen(self, ev: TreeSeen) -> None:
         if self.engine is not None and self.engine.generation == ev.generation:
@@ -325,7 +359,7 @@ class EngineUnit:
                 used = max(0.0, ev.cpu_s - e.cpu_seen[1])
                 e.cpu_percent = round(100 * used / (ev.at - e.cpu_seen[0]), 2)
             e.cpu_seen = (ev.at, ev.cpu_s)
-            self.window.add_tree(ev.at, ev.rss_bytes, e.cpu_percent)
+            self.watch.window.add_tree(ev.at, ev.rss_bytes, e.cpu_percent)
 
     def handle_exited(self, ev: Exited) -> None:
         engine = self.engine
@@ -339,7 +373,7 @@ class EngineUnit:
                 exit_fields = {"signal": signal.Signals(-ev.code).name}
         asked = self._taking_down or self.state not in (State.STARTING, State.RUNNING)
         log.info("engine exited", pid=engine.pid, asked=asked, **exit_fields)
-        self._audit("exit", pid=engine.pid, asked=asked, **exit_fields)
+        self.audit("exit", pid=engine.pid, asked=asked, **exit_fields)
         if asked:
             return
         # vLLM may exit 0 after its engine core died: any unasked exit is a crash.
@@ -361,13 +395,11 @@ class EngineUnit:
                 self._ready_sent = True
                 self.notifier.ready(f"RUNNING: engine pid {engine.pid} serving")
             self.act.serve(engine)
-            if self.proxy is None or not self.config.canary.enabled:
-                watching.finish_relaunch(self, "ok", None)  # serving: nothing more is waited for
-            if self.proxy is not None:
-                if self.config.canary.enabled:
-                    self.act.gate_probe(engine)
-                elif not self.drained_by_operator:
-                    self.gate.release()  # no canary configured: healthy is all we know
+            if self.fronted and self.config.canary.enabled:
+                self.act.gate_probe(engine)  # held requests go once one canary passed
+            else:
+                self._admitting = True  # no canary to wait for: healthy is all we know
+                self._finish_relaunch("ok", None)  # serving: nothing more is waited for
         elif engine.exit_code is None:
             self._failure(f"engine not healthy within {engine.config.startup_timeout_s:g} s",
                           healthy_for=None)
@@ -381,7 +413,7 @@ class EngineUnit:
         if verdict.fatal:
             self._give_up(verdict.reason)
         else:
-            self._backoff_until = self.clock.monotonic() + verdict.delay_s
+            self.backoff_until = self.clock.monotonic() + verdict.delay_s
             self._set_state(State.BACKOFF, f"{reason}; retrying in {verdict.delay_s:g} s")
             self._decide("backoff", reason)
         if self.engine is not None:
@@ -395,7 +427,7 @@ class EngineUnit:
         every backoff_max_s; `restart` looks at once."""
         self.start_blocked = why
         delay = self.config.restart.backoff_max_s
-        self._backoff_until = self.clock.monotonic() + delay
+        self.backoff_until = self.clock.monotonic() + delay
         self._set_state(State.BACKOFF, f"start refused: {why}; checking again in {delay:g} s")
         self._decide("backoff", f"start refused: {why}")
         if not self._ready_sent:
@@ -410,7 +442,7 @@ class EngineUnit:
         errors = list(engine.recent_errors) if engine else []
         self.fatal_reason = reason
         self._set_state(State.FATAL, reason)
-        watching.finish_relaunch(self, "failed", reason)
+        self._finish_relaunch("failed", reason)
         self._decide("give_up", reason)
         log.error("giving up on the engine", reason=reason, last_engine_errors=errors[-10:])
         self.fatal_errors = errors[-10:]
@@ -421,14 +453,14 @@ class EngineUnit:
             self.notifier.ready(f"FATAL: {reason}"[:200])
 
     def _arm_backoff(self) -> None:
-        delay = max(0.0, (self._backoff_until or 0.0) - self.clock.monotonic())
+        delay = max(0.0, (self.backoff_until or 0.0) - self.clock.monotonic())
         self._backoff = self.act.after(delay, BackoffElapsed(self.generation))
 
     def _cancel_backoff(self) -> None:
         if self._backoff is not None:
             self._backoff.cancel()
             self._backoff = None
-        self._backoff_until = None
+        self.backoff_until = None
 
     def handle_backoff_elapsed(self, ev: BackoffElapsed) -> None:
         self._backoff = None
@@ -443,7 +475,7 @@ class EngineUnit:
         if self._relaunch is not None and self._relaunch.taken_down_at is None:
             self._relaunch.taken_down_at = self.clock.monotonic()
         req = self._evidence_request(engine)
-        self._audit("take_down", pid=engine.pid, graceful=graceful,
+        self.audit("take_down", pid=engine.pid, graceful=graceful,
                     evidence_for=req.rule if req is not None else None)
         log.info("taking the engine down", pid=engine.pid, graceful=graceful)
         self.act.take_down(engine, graceful, self._force, req)
@@ -457,7 +489,8 @@ class EngineUnit:
         return evidence.EvidenceRequest(
             reason=reason, rule=rule, engine_pid=engine.pid, pids=pids,
             log_lines=list(engine.recent_lines),
-            signals=watching.signals(self, self.clock.monotonic()), gpu=self.window.gpu_snapshot(),
+            signals=self.watch.signals(self.clock.monotonic(), engine),
+            gpu=self.watch.window.gpu_snapshot(),
             wall=self.clock.wall())
 
     def handle_evidence_captured(self, ev: EvidenceCaptured) -> None:
@@ -467,7 +500,7 @@ class EngineUnit:
             log.error("evidence not captured", **fields)
         else:
             log.info("evidence captured", **fields)
-        self._audit("evidence", **fields)
+        self.audit("evidence", **fields)
 
     def handle_down(self, ev: Down) -> None:
         engine = self.engine
@@ -495,7 +528,7 @@ class EngineUnit:
             if r.port_problem:
                 fields["port"] = r.port_problem
             log.info("engine tree reaped", **fields, problem=problem)
-            self._audit("reaped", **fields, problem=problem)
+            self.audit("reaped", **fields, problem=problem)
         if self.state is State.FATAL:
             self.fatal_errors = list(engine.recent_errors)[-10:]  # now complete
         if problem is None:
@@ -528,12 +561,12 @@ class EngineUnit:
         if self.state is State.STOPPING:
             if not self._force.is_set():
                 log.warning("second stop request: skipping to SIGKILL", reason=reason)
-                self._audit("force_stop", reason=reason)
+                self.audit("force_stop", reason=reason)
                 self._force.set()
             return
         self._cancel_backoff()
         self._set_state(State.STOPPING, reason)
-        watching.finish_relaunch(self, "abandoned", f"the daemon is stopping: {reason}")
+        self._finish_relaunch("abandoned", f"the daemon is stopping: {reason}")
         self._decide("stop", reason)
         self.notifier.stopping(f"STOPPING: {reason}")
         if self.engine is not None and not self._taking_down:
@@ -557,15 +590,14 @@ class EngineUnit:
             self._set_state(State.DRAINING, reason)
             self._decide("restart", reason)
             if self.engine is not None and not self._taking_down:
-                if self.proxy is not None:
+                if self.fronted:
                     log.info("restart: new requests held", in_flight=self.gate.in_flight,
                              waiting=self.gate.waiting)
-                if graceful and self.proxy is not None \
-                        and self.engine.config.drain == "continue":
-                    paused = self.proxy.pause_streams(self.name)
+                if graceful and self.fronted and self.engine.config.drain == "continue":
+                    paused = self.act.pause_streams(self.engine)
                     log.info("restart: streams paused, to go on on the new engine",
                              paused=paused)
-                if graceful and self.proxy is not None and self.gate.in_flight:
+                if graceful and self.fronted and self.gate.in_flight:
                     # The gate holds new requests now; let the ones at the engine finish
                     # before SIGTERM (vLLM's own drain aborts streams), bounded.
                     self.act.drain(self.engine)
@@ -587,14 +619,54 @@ class EngineUnit:
         else:
             raise CommandError(f"the daemon is {s.value}")
 
-    # ---- the watchdog -----------------------------------------------------------------
 
-    def overrides(self) -> dict[str, str | None]:
-        """Engine flags the next (or current) start replaces: throttle, reduced batch,
-        speculative tokens. None = the flag is removed."""
-        level = 0 if self.proxy is not None else self.throttle_level  # live at the proxy
-        return relaunch.overrides(self.config.engine.args, self.config.throttle,
-                                  level, self.batch_reduced, self.spec_tokens)
+    # ---- what the watchdog asks -------------------------------------------------------
+
+    def _carry_out(self, intents: list[Intent]) -> None:
+        for intent in intents:
+            if isinstance(intent, Decided):
+                self.last_decision = intent.record
+            elif isinstance(intent, Restart):
+                self._count_restart("policy")
+                if intent.rung is not None:
+                    self._begin_relaunch(intent.rung, intent.reason)
+                if intent.evidence is not None:
+                    self._evidence_for = intent.evidence
+                self._restart(intent.reason, graceful=intent.graceful)
+            elif isinstance(intent, HoldDown):
+                if intent.evidence is not None:
+                    self._evidence_for = intent.evidence
+                self._give_up(intent.reason)
+                if self.engine is not None and not self._taking_down:
+                    self._take_down(graceful=True)
+            elif isinstance(intent, BeginRemedy):
+                assert self.engine is not None
+                self._sync_gate()  # (a KV reset holds new requests from now on)
+                self.act.remedy(self.engine, intent.rung)
+            elif isinstance(intent, Throttled):
+                self._sync_gate()  # live at the proxy: in force at once
+                remedy_ended(self.audit, {"rung": "throttle", "outcome": "ok",
+                                          "duration_s": 0.0, "rule": intent.rule,
+                                          "throttle_level": intent.level,
+                                          "max_concurrency": self.gate.concurrency_limit})
+
+    def _begin_relaunch(self, rung: str, reason: str) -> None:
+        # one entry per rung tried: a relaunch still waiting for its engine ends here
+        self._finish_relaunch("superseded", f"superseded by {rung}: {reason}")
+        self._relaunch = Relaunch(rung, reason, self.clock.monotonic())
+
+    def _finish_relaunch(self, outcome: str, error: str | None) -> None:
+        r, self._relaunch = self._relaunch, None
+        if r is None:
+            return
+        now = self.clock.monotonic()
+        remedy_ended(self.audit, {
+            "rung": r.rung, "outcome": outcome, "duration_s": round(now - r.started, 3),
+            "steps_s": r.steps(now), "error": error, "starts": r.starts,
+            "held": self.gate.waiting if self.fronted else None, "reason": r.reason})
+
+    def _count_restart(self, reason: str) -> None:
+        self.restarts_by_reason[reason] = self.restarts_by_reason.get(reason, 0) + 1
 
     def _gate_limits(self) -> GateLimits:
         p = self.config.proxy
@@ -603,16 +675,36 @@ class EngineUnit:
                           queue_max=p.hold_queue_max, max_wait_s=p.hold_timeout_s,
                           kv_high=p.kv_breaker_high, kv_low=p.kv_breaker_low)
 
-    def serving(self) -> bool:
-        """Serving: the engine runs and the gate lets requests through."""
-        return self.state is State.RUNNING and self.gate.held_reason is None \
-            and not self._taking_down
+    # ---- the watchdog's events --------------------------------------------------------
+
+    def handle_metrics_sampled(self, ev: MetricsSampled) -> None:
+        self.watch.on_metrics(ev, self.facts())
+        if ev.snapshot is not None and self.engine is not None \
+                and self.engine.generation == ev.generation:
+            self.gate.set_kv_usage(ev.snapshot.kv_cache_usage)
+
+    def handle_canary_done(self, ev: CanaryDone) -> None:
+        self.watch.on_canary_done(ev, self.facts())
+
+    def handle_gpu_sampled(self, ev: GpuSampled) -> None:
+        self.watch.on_gpu_sampled(ev, self.engine)
+
+    def handle_sleep_mode_probed(self, ev: SleepModeProbed) -> None:
+        self.watch.on_sleep_mode_probed(ev, self.facts())
+
+    def handle_remedy_done(self, ev: RemedyDone) -> None:
+        fields, intents = self.watch.on_remedy_done(ev, self.facts(), self.gate.waiting)
+        for reply in self._remedy_replies:
+            if not reply.done():
+                reply.set_result(fields)
+        self._remedy_replies.clear()
+        self._carry_out(intents)
 
     def handle_drained(self, ev: Drained) -> None:
         engine = self.engine
         log.info("proxy drained" if ev.idle else "drain timeout: requests still in flight",
                  waited_s=round(ev.waited_s, 3), in_flight=self.gate.in_flight)
-        self._audit("drained", idle=ev.idle, waited_s=round(ev.waited_s, 3))
+        self.audit("drained", idle=ev.idle, waited_s=round(ev.waited_s, 3))
         if (engine is None or engine.generation != ev.generation or self._taking_down
                 or self.state not in (State.DRAINING, State.STOPPING)):
             return  # the engine is gone already (a crash being reaped) or a stop took over
@@ -625,40 +717,10 @@ class EngineUnit:
         if not ev.ok:
             log.warning("the first canary failed; releasing held requests anyway",
                         error=ev.error, waiting=self.gate.waiting)
-        watching.finish_relaunch(
-            self, "ok", None if ev.ok else f"the first canary failed: {ev.error}")
+        self._finish_relaunch("ok", None if ev.ok else f"the first canary failed: {ev.error}")
+        self._admitting = True  # (`_sync_gate` lets the held requests go)
         if self.drained_by_operator:
             log.info("engine ready; requests stay held until `resume`", waiting=self.gate.waiting)
-            return
-        waiting = self.gate.waiting
-        self.gate.release()
-        if waiting:
-            log.info("held requests released", count=waiting)
-            self._audit("released", count=waiting)
-
-    def _count_restart(self, reason: str) -> None:
-        self.restarts_by_reason[reason] = self.restarts_by_reason.get(reason, 0) + 1
-
-    # ---- in-place remedies ------------------------------------------------------------
-
-    def handle_sleep_mode_probed(self, ev: SleepModeProbed) -> None:
-        watching.on_sleep_mode_probed(self, ev)
-
-    def handle_remedy_done(self, ev: RemedyDone) -> None:
-        watching.on_remedy_done(self, ev)
-
-    def handle_canary_done(self, ev: CanaryDone) -> None:
-        watching.on_canary_done(self, ev)
-
-    def handle_gpu_sampled(self, ev: GpuSampled) -> None:
-        watching.on_gpu_sampled(self, ev)
-
-    async def view(self) -> ExporterView:
-        """For the exporter: answered by the state-owning task, so that /healthz fails
-        when that task is stuck."""
-        reply: asyncio.Future[ExporterView] = asyncio.get_running_loop().create_future()
-        self.queue.put_nowait(ViewRequest(reply))
-        return await reply
 
     def handle_view_request(self, ev: ViewRequest) -> None:
         if not ev.reply.done():
@@ -685,14 +747,12 @@ class EngineUnit:
             # ahead of us, but only while the engine is starting.
             self._last_extend = now
             self.notifier.extend_timeout(EXTEND_BY_S)
-        if self.config.policy.enabled and self.remedy_running is None:
-            # (during an in-place remedy the signals describe the remedy, not the engine)
-            watching.evaluate_policy(self, now)
+        self._carry_out(self.watch.evaluate(now, self.facts()))
 
     def handle_reloaded(self, ev: Reloaded) -> None:
         if ev.config is None:
             log.warning("reload refused; the running config stays in force", error=ev.error)
-            self._audit("reload_refused", error=ev.error)
+            self.audit("reload_refused", error=ev.error)
             if ev.reply is not None and not ev.reply.done():
                 ev.reply.set_exception(CommandError(f"reload refused: {ev.error}"))
             return
@@ -700,15 +760,13 @@ class EngineUnit:
         plan = reload.plan(diff_keys(self.config, new))
         self.config = new
         # what applies now: every copy of the old config is replaced or reconfigured here
-        # (the rest is read from self.config where it is used); supervisor/reload.py
-        # says which key applies when
+        # (the rest is read from self.config where it is used, the engine's settings at
+        # its next start); supervisor/reload.py says which key applies when
         self.tracker.cfg = new.restart
         set_level(new.log.level)
-        self.audit = AuditTrail(new.audit.path, new.audit.max_bytes, new.audit.backups)
-        self.window.reconfigure(new.signals.window(new.gpu))
+        self.audit_trail = AuditTrail(new.audit.path, new.audit.max_bytes, new.audit.backups)
+        self.watch.reconfigure(new)
         self.gate.set_limits(self._gate_limits())
-        # (a shorter list of level factors: the level stays within it)
-        self.throttle_level = min(self.throttle_level, len(new.throttle.level_factors))
         # (the proxy's shared settings are the host's to reconfigure)
         log.info("config reloaded", **plan.as_dict())
         if plan.next_engine_start:
@@ -717,11 +775,11 @@ class EngineUnit:
         if plan.next_daemon_start:
             log.warning("these settings take effect only when the daemon restarts",
                         keys=list(plan.next_daemon_start))
-        self._audit("reload", **plan.as_dict())
+        self.audit("reload", **plan.as_dict())
         if ev.reply is not None and not ev.reply.done():
             ev.reply.set_result(plan.as_dict())
 
-    # ---- control ----------------------------------------------------------------------
+    # ---- control: what `supervisor/engine/commands.py` asks -----------------------------
 
     def handle_control_request(self, ev: ControlRequest) -> None:
         if ev.reply.done():  # the client gave up waiting
@@ -734,9 +792,47 @@ class EngineUnit:
         except CommandError as exc:
             ev.reply.set_exception(exc)
 
+    def restart(self, reason: str) -> None:
+        """An operator's restart (a throttle without a proxy is one too)."""
+        self._restart(reason)
+        self._count_restart("operator")
+
+    def stop(self, reply: asyncio.Future[dict[str, Any]]) -> None:
+        self._stop_replies.append(reply)
+        self._begin_stop("stop requested over the control socket")
+
+    def drain(self, held: bool) -> int:
+        """The operator holds (or lets go) new requests; how many wait now."""
+        self.drained_by_operator = held
+        waiting = self.gate.waiting
+        self._sync_gate()
+        return waiting
+
+    def set_throttle(self, level: int) -> bool:
+        """The operator's throttle level: live at the proxy, else a drained relaunch.
+        Whether it changed."""
+        changed = self.watch.set_throttle(level)
+        if changed and not self.fronted:
+            self.restart(f"throttle level {level} requested by operator")
+        self._sync_gate()
+        return changed
+
+    def kv_reset(self, reply: asyncio.Future[dict[str, Any]], reason: str) -> None:
+        why = self.watch.kv_reset_refusal(self.facts())
+        if why is not None:
+            raise CommandError(f"kv-reset refused: {why}")
+        self.audit("control", command="kv-reset")
+        self._remedy_replies.append(reply)  # answered when it ends
+        self.begin_remedy("kv_reset", reason)
+
+    def begin_remedy(self, rung: str, reason: str) -> None:
+        """An in-place remedy on the serving engine, as the policy begins one."""
+        self._carry_out([self.watch.begin_remedy(rung, reason, self.facts())])
+
     def status(self) -> dict[str, Any]:
         """What `vllm-supervisorctl status` shows (supervisor/engine/views.py)."""
         return views.status(self)
+
 
 def runtime_paths_ok(cfg: Config) -> str | None:
     """Create the runtime directory; returns a problem instead of raising."""

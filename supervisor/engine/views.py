@@ -1,33 +1,84 @@
 """Read-only views of one engine's unit: its status for `vllm-supervisorctl status`, and
-its snapshot for the exporter. Called on the unit's task; they read, never change.
+its snapshot for the exporter. Called on the unit's task with the unit seen through
+`Viewable` (what it shows); they read, never change.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from supervisor.engine import watching
+from supervisor.config import Config
+from supervisor.engine.events import DecisionRecord
+from supervisor.engine.process import EngineProcess
 from supervisor.engine.states import State
+from supervisor.engine.watch import EngineWatch, UnitFacts
+from supervisor.front.admission import Gate
+from supervisor.loop import Clock
 from supervisor.ops.exposition import ExporterView, ProxyView
 from supervisor.watchdog.policy import PRIORITY
 from supervisor.watchdog.signals import SIGNALS
 
-if TYPE_CHECKING:
-    from supervisor.engine.unit import EngineUnit
-
 RESTART_REASONS = ("crash", "boot_failure", "policy", "operator")  # the exporter's labels
 
 
-def admission(unit: EngineUnit) -> dict[str, Any] | None:
-    if unit.proxy is None:
+class Viewable(Protocol):
+    """What the views read of an engine's unit (`supervisor/engine/unit.py`)."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def state(self) -> State: ...
+    @property
+    def state_reason(self) -> str: ...
+    @property
+    def state_since(self) -> float: ...
+    @property
+    def started_at(self) -> float: ...
+    @property
+    def not_running_since(self) -> float | None: ...
+    @property
+    def engine(self) -> EngineProcess | None: ...
+    @property
+    def generation(self) -> int: ...
+    @property
+    def gate(self) -> Gate: ...
+    @property
+    def fronted(self) -> bool: ...
+    @property
+    def drained_by_operator(self) -> bool: ...
+    @property
+    def watch(self) -> EngineWatch: ...
+    @property
+    def last_decision(self) -> DecisionRecord | None: ...
+    @property
+    def last_exit(self) -> str | None: ...
+    @property
+    def backoff_until(self) -> float | None: ...
+    @property
+    def fatal_reason(self) -> str | None: ...
+    @property
+    def fatal_errors(self) -> list[str]: ...
+    @property
+    def start_blocked(self) -> str | None: ...
+    @property
+    def restarts_by_reason(self) -> dict[str, int]: ...
+    @property
+    def taking_down(self) -> bool: ...
+
+    def serving(self) -> bool: ...
+
+    def facts(self) -> UnitFacts: ...
+
+
+def admission(unit: Viewable) -> dict[str, Any] | None:
+    """The gate of this engine (the host adds where the proxy listens)."""
+    if not unit.fronted:
         return None
     g = unit.gate
-    # (where it listens, not a reloaded address it will take at the next daemon start)
-    listen = f"{unit.proxy.s.listen_host}:{unit.proxy.port}"
-    upstream = unit.proxy.backends[unit.name].upstream \
-        if unit.name in unit.proxy.backends else None
-    return {"listen": listen, "upstream": upstream, "held": g.held_reason,
+    return {"held": g.held_reason,
             "in_flight": g.in_flight, "tokens_in_flight": g.tokens_in_flight,
             "waiting": g.waiting, "max_concurrency": g.concurrency_limit,
             "max_tokens_in_flight": g.token_limit or None,
@@ -35,11 +86,11 @@ def admission(unit: EngineUnit) -> dict[str, Any] | None:
             "drained_by_operator": unit.drained_by_operator}
 
 
-def rules(unit: EngineUnit, now: float) -> dict[str, dict[str, Any]]:
+def rules(unit: Viewable, now: float) -> dict[str, dict[str, Any]]:
     """Where each rule stands: how long its condition (or its clear condition) has
     held, and the throttle it holds. Answers "why has it not acted (or lifted) yet?"."""
     out = {}
-    for name, m in unit.policy_memory.rules.items():
+    for name, m in unit.watch.memory.rules.items():
         out[name] = {
             "holding_s": round(now - m.true_since, 3) if m.true_since is not None else None,
             "clearing_s": (round(now - m.clear_since, 3) if m.clear_since is not None
@@ -49,9 +100,9 @@ def rules(unit: EngineUnit, now: float) -> dict[str, dict[str, Any]]:
     return out
 
 
-def gate_view(unit: EngineUnit) -> ProxyView | None:
+def gate_view(unit: Viewable) -> ProxyView | None:
     """This engine's gate; the host adds the proxy's shared counters."""
-    if unit.proxy is None:
+    if not unit.fronted:
         return None
     g = unit.gate
     return ProxyView(responses_by_code={}, rejections_by_reason={}, in_flight=g.in_flight,
@@ -59,10 +110,11 @@ def gate_view(unit: EngineUnit) -> ProxyView | None:
                      kv_breaker_open=g.breaker_open, connect_retries=0)
 
 
-def status(unit: EngineUnit) -> dict[str, Any]:
+def status(unit: Viewable) -> dict[str, Any]:
     """What `vllm-supervisorctl status` shows of this engine."""
     now = unit.clock.monotonic()
-    e = unit.engine
+    e, w = unit.engine, unit.watch
+    facts = w.facts(unit.facts())
     up = now - e.healthy_at if e is not None and e.healthy_at is not None else None
     return {
         "state": unit.state.value,
@@ -73,61 +125,59 @@ def status(unit: EngineUnit) -> dict[str, Any]:
         "uptime_s": round(up, 3) if up is not None else None,
         "daemon_pid": os.getpid(),
         "daemon_uptime_s": round(now - unit.started_at, 3),
-        "throttle_level": unit.throttle_level,
-        "overrides": unit.overrides(),
+        "throttle_level": w.tuning.throttle_level,
+        "overrides": w.overrides(unit.fronted),
         "admission": admission(unit),
         "policy": {"enabled": unit.config.policy.enabled,
-                   "paused": unit.policy_paused,
+                   "paused": w.paused,
                    "dry_run": unit.config.policy.dry_run,
-                   "restarts_last_hour": len([t for t in unit.policy_memory.restarts
+                   "restarts_last_hour": len([t for t in w.memory.restarts
                                               if now - t < 3600]),
                    "max_restarts_per_hour": unit.config.policy.max_restarts_per_hour,
-                   "trips": dict(unit.trips_by_rule),
+                   "trips": dict(w.trips_by_rule),
                    "rules": rules(unit, now)},
         "last_decision": unit.last_decision.as_dict() if unit.last_decision else None,
-        "last_policy_decision": (unit.last_policy_decision.as_dict()
-                                 if unit.last_policy_decision else None),
+        "last_policy_decision": w.last_decision.as_dict() if w.last_decision else None,
         "last_exit": unit.last_exit,
-        "backoff_remaining_s": (round(max(0.0, unit._backoff_until - now), 3)
-                                if unit._backoff_until is not None
+        "backoff_remaining_s": (round(max(0.0, unit.backoff_until - now), 3)
+                                if unit.backoff_until is not None
                                 and unit.state is State.BACKOFF else None),
         "fatal_reason": unit.fatal_reason if unit.state is State.FATAL else None,
         "start_blocked": unit.start_blocked if unit.state is State.BACKOFF else None,
         "remedies": {
             "allowed": list(unit.config.policy.remedies),
-            "reset_prefix_cache": watching.engine_view(unit).can_reset_prefix_cache,
-            "kv_reset": watching.engine_view(unit).can_kv_reset,
-            "kv_reset_unavailable": None if unit.sleep_mode else unit.sleep_mode_why,
-            "running": (None if unit.remedy_running is None else {
-                "rung": unit.remedy_running[0],
-                "for_s": round(now - unit.remedy_running[1], 3)})},
+            "reset_prefix_cache": facts.can_reset_prefix_cache,
+            "kv_reset": facts.can_kv_reset,
+            "kv_reset_unavailable": None if w.sleep_mode else w.sleep_mode_why,
+            "running": (None if w.remedy is None else {
+                "rung": w.remedy.rung, "for_s": round(now - w.remedy.since, 3)})},
         "last_engine_errors": unit.fatal_errors if unit.state is State.FATAL else [],
         # the running engine's address; the config's until one has started
         "engine": {"host": (e.config if e is not None else unit.config.engine).host,
                    "port": (e.config if e is not None else unit.config.engine).port,
                    "processes": e.live_processes if e is not None else 0},
-        "signals": watching.signals(unit, now),
+        "signals": w.signals(now, e),
         "config": unit.config.source,
     }
 
 
-def exporter_view(unit: EngineUnit) -> ExporterView:
+def exporter_view(unit: Viewable) -> ExporterView:
     """What the exporter shows of this engine (the host adds the proxy's counters)."""
     now = unit.clock.monotonic()
-    signals = watching.signals(unit, now)
-    e = unit.engine
+    e, w = unit.engine, unit.watch
+    signals = w.signals(now, e)
     return ExporterView(
         state=unit.state.value,
-        ready=unit.serving() if unit.proxy is not None
-        else unit.state is State.RUNNING and not unit._taking_down,
-        throttle_level=unit.throttle_level,
+        ready=unit.serving() if unit.fronted
+        else unit.state is State.RUNNING and not unit.taking_down,
+        throttle_level=w.tuning.throttle_level,
         # every series exists from the start, at 0: Prometheus' increase() cannot see
         # a counter's first step when the series is born with it
         restarts_by_reason={**dict.fromkeys(RESTART_REASONS, 0), **unit.restarts_by_reason},
-        trips_by_rule={**dict.fromkeys(unit.config.policy.rules, 0), **unit.trips_by_rule},
-        actions_by_kind={**dict.fromkeys(PRIORITY, 0), **unit.actions_by_kind},
+        trips_by_rule={**dict.fromkeys(unit.config.policy.rules, 0), **w.trips_by_rule},
+        actions_by_kind={**dict.fromkeys(PRIORITY, 0), **w.actions_by_kind},
         last_decision_wall=unit.last_decision.wall if unit.last_decision else None,
-        policy_paused=unit.policy_paused,
+        policy_paused=w.paused,
         dry_run=unit.config.policy.dry_run,
         engine_uptime_s=(now - e.healthy_at if e is not None and e.healthy_at is not None
                          else None),

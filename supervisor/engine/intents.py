@@ -1,0 +1,98 @@
+"""What the watchdog half of a unit asks its unit to do, and the record of a relaunch.
+
+`EngineWatch` (`supervisor/engine/watch.py`) never changes the unit's lifecycle: it
+returns these intents, and `EngineUnit` (`supervisor/engine/unit.py`) carries them out
+on its own task, in order. Frozen values; this module imports no lifecycle code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from supervisor.engine.events import DecisionRecord
+
+log = structlog.get_logger("supervisor")
+
+# (rule, reason): the engine's next take-down captures evidence first
+EvidenceFor = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Restart:
+    """A drained restart (or, not graceful, an immediate one)."""
+
+    reason: str
+    graceful: bool = True
+    rung: str | None = None  # a remedy relaunch, audited once when it ends (`Relaunch`)
+    evidence: EvidenceFor | None = None
+
+
+@dataclass(frozen=True)
+class HoldDown:
+    """Take the engine down and keep it down (FATAL) until the operator restarts it."""
+
+    reason: str
+    evidence: EvidenceFor | None = None
+
+
+@dataclass(frozen=True)
+class BeginRemedy:
+    """An in-place remedy on the serving engine (a prefix-cache reset, a KV reset)."""
+
+    rung: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Throttled:
+    """The throttle level changed at the proxy: in force at once, audited as a remedy."""
+
+    rule: str
+    level: int
+
+
+@dataclass(frozen=True)
+class Decided:
+    """The policy decided: the unit's last decision (for `status`)."""
+
+    record: DecisionRecord
+
+
+Intent = Restart | HoldDown | BeginRemedy | Throttled | Decided
+
+
+@dataclass
+class Relaunch:
+    """A relaunch the policy chose (a restart rung, a reduced batch, a hang's restart,
+    a failed in-place remedy's fallback): one `remedy` audit entry once the new engine
+    serves again, or once it cannot. Marks are monotonic times; the unit sets them."""
+
+    rung: str
+    reason: str
+    started: float
+    taken_down_at: float | None = None  # the take-down began (the drain ended)
+    down_at: float | None = None  # the old tree was proven gone
+    starts: int = 0  # engine starts it took (a failed boot backs off and tries again)
+
+    def steps(self, now: float) -> dict[str, float]:
+        marks = [("drain", self.taken_down_at), ("take_down", self.down_at), ("start", now)]
+        out: dict[str, float] = {}
+        last = self.started
+        for name, at in marks:
+            if at is None:
+                break
+            out[name] = round(at - last, 3)
+            last = at
+        return out
+
+
+def remedy_ended(audit: Callable[..., None], fields: dict[str, Any]) -> None:
+    """Every rung tried ends in one `remedy` audit entry and one log line: rung,
+    outcome, duration."""
+    audit("remedy", **fields)
+    (log.info if fields["outcome"] in ("ok", "alerted") else log.warning)(
+        "remedy ended", **fields)

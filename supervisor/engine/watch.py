@@ -1,0 +1,343 @@
+"""The watchdog half of one engine's unit: the signals kept from the engine's metrics,
+the GPU and the canary; the policy evaluated every tick; the in-place remedies; the
+settings the policy tunes (throttle level, reduced batch, speculative tokens).
+
+`EngineWatch` owns all of that state, alone. It is called on its unit's task with the
+events the unit hands it and a `UnitFacts` of the unit's own state, and it never
+changes the unit: what it wants done comes back as intents (`supervisor/engine/intents.py`)
+that the unit carries out. The decisions themselves are pure
+(`supervisor/watchdog/policy.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from supervisor.config import Config
+from supervisor.engine import process as eng
+from supervisor.engine.events import (
+    CanaryDone,
+    DecisionRecord,
+    GpuSampled,
+    MetricsSampled,
+    RemedyDone,
+    SleepModeProbed,
+)
+from supervisor.engine.intents import (
+    BeginRemedy,
+    Decided,
+    EvidenceFor,
+    HoldDown,
+    Intent,
+    Restart,
+    Throttled,
+    remedy_ended,
+)
+from supervisor.engine.states import State
+from supervisor.watchdog import relaunch, xid
+from supervisor.watchdog.policy import EngineFacts, PolicyMemory, PolicyState, decide
+from supervisor.watchdog.poller import ScrapeHealth
+from supervisor.watchdog.signals import Signals, SignalWindow
+
+log = structlog.get_logger("supervisor")
+
+
+@dataclass(frozen=True)
+class UnitFacts:
+    """What the watchdog reads of its unit, handed to it with each call."""
+
+    state: State
+    engine: eng.EngineProcess | None  # the current engine; None between two
+    taking_down: bool
+    fronted: bool  # a front proxy holds requests for this engine
+    at_engine: int  # requests the daemon knows are at the engine (the gate's + canaries)
+
+    def serving_engine(self, generation: int) -> bool:
+        """`generation` is the engine that serves now, not one being taken down."""
+        return (self.engine is not None and self.engine.generation == generation
+                and self.state is State.RUNNING and not self.taking_down)
+
+
+@dataclass
+class Tuning:
+    """The engine settings the watchdog tunes. The throttle level is live at the proxy
+    when there is one, else a relaunch; `spec_tokens` is the policy's own choice of
+    num_speculative_tokens (None: the engine's arguments as configured)."""
+
+    throttle_level: int = 0
+    batch_reduced: bool = False
+    spec_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Remedy:
+    rung: str
+    since: float
+    reason: str
+
+
+class EngineWatch:
+    def __init__(self, config: Config, environ: dict[str, str], monotonic: Callable[[], float],
+                 wall: Callable[[], float], audit: Callable[..., None]) -> None:
+        self.config = config
+        self._environ = environ
+        self._monotonic, self._wall, self._audit = monotonic, wall, audit
+        self.window = SignalWindow(config.signals.window(config.gpu))
+        self.scrapes = ScrapeHealth()
+        self.memory = PolicyMemory()
+        self.paused = False
+        self.tuning = Tuning()
+        self.trips_by_rule: dict[str, int] = {}
+        self.actions_by_kind: dict[str, int] = {}
+        self.last_decision: DecisionRecord | None = None  # the policy's latest
+        # in-place remedies: what this engine supports, the one in progress
+        self.sleep_mode = False  # probed once the engine serves
+        self.sleep_mode_why: str | None = "the engine has not started"
+        self.remedy: Remedy | None = None
+        self._remedy_ended_at = -1.0
+        self._gpu_errors_logged = False
+
+    # ---- the unit's lifecycle ---------------------------------------------------------
+
+    def engine_starting(self) -> None:
+        """A new engine: its signals start afresh."""
+        self.scrapes.reset()
+        self.window.reset()
+        self.sleep_mode, self.sleep_mode_why = False, "the engine is not serving yet"
+
+    def reconfigure(self, config: Config) -> None:
+        self.config = config
+        self.window.reconfigure(config.signals.window(config.gpu))
+        # (a shorter list of level factors: the level stays within it)
+        self.tuning.throttle_level = min(self.tuning.throttle_level,
+                                         len(config.throttle.level_factors))
+
+    def overrides(self, fronted: bool) -> dict[str, str | None]:
+        """Engine flags the next (or current) start replaces: throttle, reduced batch,
+        speculative tokens. None = the flag is removed."""
+        t = self.tuning
+        level = 0 if fronted else t.throttle_level  # live at the proxy
+        return relaunch.overrides(self.config.engine.args, self.config.throttle, level,
+                                  t.batch_reduced, t.spec_tokens)
+
+    def spec_tokens(self) -> int | None:
+        """num_speculative_tokens in force: the policy's, else the configured one."""
+        if self.tuning.spec_tokens is not None:
+            return self.tuning.spec_tokens
+        return relaunch.spec_tokens(self.config.engine.args)
+
+    # ---- operator ---------------------------------------------------------------------
+
+    def set_throttle(self, level: int) -> bool:
+        changed = level != self.tuning.throttle_level
+        self.tuning.throttle_level = level
+        return changed
+
+    def pause(self, paused: bool) -> bool:
+        changed = paused != self.paused
+        self.paused = paused
+        return changed
+
+    # ---- signals ----------------------------------------------------------------------
+
+    def on_metrics(self, ev: MetricsSampled, unit: UnitFacts) -> None:
+        e = unit.engine
+        if e is None or e.generation != ev.generation:
+            return
+        if ev.snapshot is None:
+            if self.scrapes.failed():  # logged once per streak, counted always
+                log.warning("metrics scrape failed", error=ev.error, pid=e.pid)
+            return
+        now = self._monotonic()
+        ended = self.scrapes.succeeded(ev.snapshot, now)
+        # the requests the daemon knows are at the engine: a stopped core's own gauges
+        # freeze at their last value, which may say idle
+        self.window.add_metrics(now, ev.snapshot, unit.at_engine)
+        if ended:
+            log.info("metrics scrape recovered", failed_scrapes=ended, pid=e.pid)
+
+    def signals(self, now: float, engine: eng.EngineProcess | None) -> Signals:
+        """The watchdog's signals now, under the names used in config, logs, status and
+        the exporter. None means unknown."""
+        at = self.scrapes.last_at
+        up = now - engine.healthy_at if engine is not None and engine.healthy_at is not None \
+            else None
+        return self.window.compute(
+            now, metrics_age_s=round(now - at, 3) if at is not None else None,
+            staleness_s=round(self.scrapes.staleness_s(now), 3),
+            scrape_failures_total=self.scrapes.failures_total, engine_uptime_s=up)
+
+    def on_canary_done(self, ev: CanaryDone, unit: UnitFacts) -> None:
+        if not unit.serving_engine(ev.generation):
+            return  # a draining engine refuses work on purpose: not the canary's business
+        if self.remedy is not None or ev.started <= self._remedy_ended_at:
+            return  # an engine asleep for a KV reset does not answer: not a hang
+        o = ev.outcome
+        # A canary that timed out behind a queue while tokens kept flowing is slow, not
+        # hung: only a failure with no progress counts towards the hang rule.
+        counted = not o.ok and not self.window.progressed_between(ev.started, ev.ended)
+        before = self.window.canary_failures
+        self.window.add_canary(o.ok, o.latency_s if o.ok else None, counted)
+        assert unit.engine is not None
+        if not o.ok:
+            log.warning("canary failed", error=o.error, latency_s=round(o.latency_s, 3),
+                        counted=counted, consecutive=self.window.canary_failures,
+                        pid=unit.engine.pid)
+        elif before:
+            log.info("canary passed again", latency_s=round(o.latency_s, 3),
+                     failures_before=before)
+
+    def on_gpu_sampled(self, ev: GpuSampled, engine: eng.EngineProcess | None) -> None:
+        r = ev.reading
+        if r.errors and not self._gpu_errors_logged:
+            log.warning("GPU readings incomplete; retrying each period", errors=list(r.errors))
+        elif not r.errors and self._gpu_errors_logged:
+            log.info("GPU readings complete again")
+        self._gpu_errors_logged = bool(r.errors)
+        pids = [p.pid for p in engine.known] if engine is not None else []
+        remedies = {c: xid.describe(c).remedy for c in r.xids}
+        for code in r.xids:
+            x = xid.describe(code)
+            log.error("GPU XID event", xid=code, name=x.name, remedy=x.remedy)
+            self._audit("xid", xid=code, name=x.name, remedy=x.remedy)
+        self.window.add_gpu(ev.at, r, pids, remedies)
+
+    # ---- the policy -------------------------------------------------------------------
+
+    def facts(self, unit: UnitFacts) -> EngineFacts:
+        """What the policy knows of the engine and of the remedies it allows."""
+        env = eng.build_spawn_spec(self.config.engine, self._environ).env
+        return EngineFacts(
+            state=unit.state.value,
+            generation=unit.engine.generation if unit.engine is not None else 0,
+            throttle_level=self.tuning.throttle_level,
+            max_throttle_level=len(self.config.throttle.level_factors),
+            batch_reduced=self.tuning.batch_reduced, spec_tokens=self.spec_tokens(),
+            spec_tokens_max=(self.config.policy.spec_tokens_max
+                             or relaunch.spec_tokens(self.config.engine.args) or 0),
+            can_reset_prefix_cache=env.get("VLLM_SERVER_DEV_MODE") == "1",
+            # sleep and wake behind a hold of new requests: the proxy must be there to hold
+            can_kv_reset=self.sleep_mode and unit.fronted,
+            # with the proxy, throttling is admission control; without it, a relaunch
+            live_throttle=unit.fronted)
+
+    def evaluate(self, now: float, unit: UnitFacts) -> list[Intent]:
+        """One tick of the policy: what it decided, as intents for the unit."""
+        if not self.config.policy.enabled or self.remedy is not None:
+            # (during an in-place remedy the signals describe the remedy, not the engine)
+            return []
+        state = PolicyState(self.facts(unit), self.memory, self.paused)
+        d = decide(self.signals(now, unit.engine), state, self.config.policy, now)
+        self.memory = d.memory
+        if d.held_back is not None:
+            log.info("policy action held back", rule=d.rule, held_back=d.held_back,
+                     reason=d.reason, evidence=dict(d.evidence))
+            self._audit("decision_held_back", rule=d.rule, held_back=d.held_back,
+                        reason=d.reason, evidence=dict(d.evidence))
+        if d.action == "none":
+            return []
+        assert d.rule is not None
+        # One canonical line and one audit entry per decision.
+        fields: dict[str, Any] = {"rule": d.rule, "action": d.action, "reason": d.reason,
+                                  "evidence": dict(d.evidence), "dry_run": d.dry_run,
+                                  "throttle_level": d.throttle_level}
+        log.warning("policy decision", **fields)
+        self._audit("decision", **fields)
+        self.trips_by_rule[d.rule] = self.trips_by_rule.get(d.rule, 0) + 1
+        self.last_decision = DecisionRecord(d.action, d.reason, self._wall(), d.rule,
+                                            dict(d.evidence), d.dry_run)
+        out: list[Intent] = [Decided(self.last_decision)]
+        if d.dry_run:
+            return out
+        self.actions_by_kind[d.action] = self.actions_by_kind.get(d.action, 0) + 1
+        reason = f"policy {d.rule}: {d.action} ({d.reason})"
+        if d.action == "alert":
+            log.error("policy alert", rule=d.rule, reason=d.reason)
+            remedy_ended(self._audit, {"rung": "alert", "outcome": "alerted",
+                                       "duration_s": 0.0, "rule": d.rule})
+        elif d.action == "hold_down":
+            codes = [f"XID {c} ({xid.describe(c).name})" for c in self.window.xids]
+            why = f"{reason}: {', '.join(codes) or 'GPU error'}; the GPU needs a reset or " \
+                  "a reboot, so the engine stays down until `vllm-supervisorctl restart`"
+            out.append(HoldDown(why, self._evidence(d.rule, reason)))
+        elif d.action in ("reset_prefix_cache", "kv_reset"):
+            if unit.engine is not None:
+                out.append(self.begin_remedy(d.action, reason, unit))
+        else:
+            # throttle and lift at the proxy, or a relaunch: restart, restart_now, and
+            # every relaunch with new arguments
+            t = self.tuning
+            t.throttle_level, t.batch_reduced = d.throttle_level, d.batch_reduced
+            # (the configured number is no override: a reload of the engine's
+            # arguments then applies as configured)
+            t.spec_tokens = None if d.spec_tokens == relaunch.spec_tokens(
+                self.config.engine.args) else d.spec_tokens
+            if d.restarts_engine:
+                lifted = d.action == "lift"  # (restoring settings is not a remedy)
+                out.append(Restart(
+                    reason, graceful=d.action != "restart_now",
+                    rung=None if lifted else d.action,
+                    evidence=None if lifted else self._evidence(d.rule, reason)))
+            elif d.action == "throttle":
+                out.append(Throttled(d.rule, t.throttle_level))
+        return out
+
+    def _evidence(self, rule: str, reason: str) -> EvidenceFor | None:
+        """Evidence first at the take-down, if the rule is one of evidence.rules (a hang,
+        no progress, an XID by default)."""
+        return (rule, reason) if rule in self.config.evidence.rules else None
+
+    # ---- in-place remedies ------------------------------------------------------------
+
+    def on_sleep_mode_probed(self, ev: SleepModeProbed, unit: UnitFacts) -> None:
+        if unit.engine is None or unit.engine.generation != ev.generation:
+            return
+        self.sleep_mode, self.sleep_mode_why = ev.available, ev.why
+        if ev.available:
+            log.info("the engine can drop its KV cache in place (sleep and wake)")
+        else:
+            log.info("no KV reset in place for this engine", reason=ev.why)
+
+    def kv_reset_refusal(self, unit: UnitFacts) -> str | None:
+        if unit.state is not State.RUNNING or unit.engine is None or unit.taking_down:
+            return f"the engine is not serving (state {unit.state.value})"
+        if self.remedy is not None:
+            return f"a {self.remedy.rung} is already in progress"
+        if not self.sleep_mode:
+            return f"this engine cannot drop its KV cache in place: {self.sleep_mode_why}"
+        return None
+
+    def begin_remedy(self, rung: str, reason: str, unit: UnitFacts) -> BeginRemedy:
+        self.remedy = Remedy(rung, self._monotonic(), reason)
+        log.info("remedy started", rung=rung, reason=reason, in_flight=unit.at_engine)
+        return BeginRemedy(rung, reason)
+
+    def holds_requests(self) -> str | None:
+        """Why new requests must wait at the proxy for a remedy now (a KV reset)."""
+        if self.remedy is not None and self.remedy.rung == "kv_reset":
+            return f"KV reset in progress ({self.remedy.reason})"
+        return None
+
+    def on_remedy_done(self, ev: RemedyDone, unit: UnitFacts,
+                       held: int) -> tuple[dict[str, Any], list[Intent]]:
+        """The remedy's audit fields (the operator's answer), and what follows."""
+        self.remedy = None
+        self._remedy_ended_at = self._monotonic()
+        o = ev.outcome
+        outcome = "ok" if o.ok else ("not attempted" if not o.attempted else "failed")
+        fields: dict[str, Any] = {
+            "rung": ev.rung, "outcome": outcome, "duration_s": round(ev.duration_s, 3),
+            "steps_s": {k: round(v, 3) for k, v in o.steps.items()}, "error": o.error,
+            "held": held if ev.rung == "kv_reset" else None}
+        remedy_ended(self._audit, fields)
+        if not unit.serving_engine(ev.generation) or o.ok or not o.attempted:
+            # (the engine went meanwhile: its restart holds and releases requests)
+            return fields, []
+        # The engine refused or failed its remedy (it may even be asleep): a drained
+        # restart instead; new requests stay held through it.
+        why = f"{ev.rung} failed ({o.error}): restarting instead"
+        return fields, [Restart(why, rung="restart", evidence=(f"{ev.rung}_failed", why))]
