@@ -36,8 +36,8 @@ import dataclasses
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from supervisor.config import PolicyConfig
 from supervisor.watchdog.conditions import Condition, parse_condition
 from supervisor.watchdog.rules import IN_PLACE, LADDER, LIFTABLE, RuleConfig
 from supervisor.watchdog.signals import SIGNAL_NAMES
@@ -73,6 +73,21 @@ class PolicyMemory:
     last_action_at: float | None = None
     budget_alerted: bool = False
     last_note: tuple[str, str] | None = None  # (rule, why held back), reported once
+
+
+class PolicySettings(Protocol):
+    """What the policy reads of `[policy]` (`supervisor.config.PolicyConfig`)."""
+
+    @property
+    def dry_run(self) -> bool: ...
+    @property
+    def max_restarts_per_hour(self) -> int: ...
+    @property
+    def min_action_gap_s(self) -> float: ...
+    @property
+    def remedies(self) -> list[str]: ...
+    @property
+    def rules(self) -> dict[str, RuleConfig]: ...
 
 
 @dataclass(frozen=True)
@@ -303,7 +318,7 @@ def _restarts(action: str, e: EngineFacts, lifts_batch: bool = False) -> bool:
     return action == "throttle" and not e.live_throttle
 
 
-def decide(signals: Mapping[str, float | None], state: PolicyState, config: PolicyConfig,
+def decide(signals: Mapping[str, float | None], state: PolicyState, config: PolicySettings,
            now: float) -> PolicyDecision:
     e = state.engine
     mem = state.memory

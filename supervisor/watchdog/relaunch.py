@@ -11,8 +11,23 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import Protocol
 
-from supervisor.config import ThrottleConfig
+
+class BatchSettings(Protocol):
+    """What a relaunch reads of `[throttle]` (`supervisor.config.ThrottleConfig`)."""
+
+    @property
+    def level_factors(self) -> list[float]: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    @property
+    def min_num_batched_tokens(self) -> int: ...
+    @property
+    def reduce_batch_factor(self) -> float: ...
+
 
 SEQS = "--max-num-seqs"
 BATCHED = "--max-num-batched-tokens"
@@ -65,7 +80,7 @@ def spec_tokens(args: Sequence[str]) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
-def overrides(args: Sequence[str], cfg: ThrottleConfig, level: int, reduced: bool,
+def overrides(args: Sequence[str], cfg: BatchSettings, level: int, reduced: bool,
               spec: int | None) -> dict[str, str | None]:
     """The flags a relaunch replaces at this throttle level, reduced batch and number of
     speculative tokens; {} when everything is as configured."""
