@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import structlog
 
 from supervisor import __version__, loop
 from supervisor.config import EX_CONFIG, Config, ConfigError, EngineConfig, load_config
 from supervisor.control.server import ControlSocketError
-from supervisor.engine.unit import runtime_paths_ok
 from supervisor.front.proxy import ProxyError
 from supervisor.host import Host
 from supervisor.ops.exporter import ExporterError
@@ -85,3 +85,13 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def runtime_paths_ok(cfg: Config) -> str | None:
+    """Create the runtime directory; returns a problem instead of raising."""
+    try:
+        Path(cfg.daemon.runtime_dir).mkdir(parents=True, exist_ok=True)
+        Path(cfg.control.socket).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create runtime directory: {exc}"
+    return None

@@ -90,6 +90,44 @@ class Relaunch:
         return out
 
 
+class RelaunchLog:
+    """The relaunch in progress, if any: marked as it goes (taken down, down, each
+    start), audited once as a `remedy` when it ends. `held`: requests waiting at the
+    proxy now (None without one)."""
+
+    def __init__(self, audit: Callable[..., None], monotonic: Callable[[], float],
+                 held: Callable[[], int | None]) -> None:
+        self._audit, self._monotonic, self._held = audit, monotonic, held
+        self.current: Relaunch | None = None
+
+    def begin(self, rung: str, reason: str) -> None:
+        # one entry per rung tried: a relaunch still waiting for its engine ends here
+        self.finish("superseded", f"superseded by {rung}: {reason}")
+        self.current = Relaunch(rung, reason, self._monotonic())
+
+    def starting(self) -> None:
+        if self.current is not None:
+            self.current.starts += 1
+
+    def taken_down(self) -> None:
+        if self.current is not None and self.current.taken_down_at is None:
+            self.current.taken_down_at = self._monotonic()
+
+    def down(self) -> None:
+        if self.current is not None and self.current.down_at is None:
+            self.current.down_at = self._monotonic()
+
+    def finish(self, outcome: str, error: str | None) -> None:
+        r, self.current = self.current, None
+        if r is None:
+            return
+        now = self._monotonic()
+        remedy_ended(self._audit, {
+            "rung": r.rung, "outcome": outcome, "duration_s": round(now - r.started, 3),
+            "steps_s": r.steps(now), "error": error, "starts": r.starts,
+            "held": self._held(), "reason": r.reason})
+
+
 def remedy_ended(audit: Callable[..., None], fields: dict[str, Any]) -> None:
     """Every rung tried ends in one `remedy` audit entry and one log line: rung,
     outcome, duration."""

@@ -205,7 +205,7 @@ class JobEffects:
                     rss, cpu = await asyncio.to_thread(proctree.tree_usage, procs)
                     self.queue.put_nowait(TreeSeen(gen, tuple(procs), self.clock.monotonic(),
                                                    rss, cpu))
-                    merged = merge_known(recorded, procs)
+                    merged = proctree.merge_known(recorded, procs)
                     if len(merged) > len(recorded):  # rewrite only when the tree grew
                         try:
                             await asyncio.to_thread(self.state_file.write, engine.pgid, merged)
@@ -372,10 +372,3 @@ class JobEffects:
             self.queue.put_nowait(GpuSampled(reading, self.clock.monotonic()))
             await asyncio.sleep(self.config().gpu.period_s)  # (a reload applies here)
 
-
-def merge_known(known: list[proctree.ProcInfo],
-           seen: list[proctree.ProcInfo]) -> list[proctree.ProcInfo]:
-    merged = {(p.pid, p.create_time): p for p in known}
-    for p in seen:
-        merged.setdefault((p.pid, p.create_time), p)
-    return list(merged.values())

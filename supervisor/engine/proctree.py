@@ -289,3 +289,11 @@ class Guard:
             self._proc.kill()
             self._proc.wait(timeout=2)
         self._proc = None
+
+
+def merge_known(known: list[ProcInfo], seen: list[ProcInfo]) -> list[ProcInfo]:
+    """Every process ever seen in a tree, each once (a pid with its start time)."""
+    merged = {(p.pid, p.create_time): p for p in known}
+    for p in seen:
+        merged.setdefault((p.pid, p.create_time), p)
+    return list(merged.values())

@@ -24,13 +24,11 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -38,7 +36,7 @@ import structlog
 from supervisor import reload
 from supervisor.config import DEFAULT_ENGINE, Config, diff_keys
 from supervisor.engine import process as eng
-from supervisor.engine import proctree, views
+from supervisor.engine import views
 from supervisor.engine.commands import COMMANDS
 from supervisor.engine.effects import Effects, Front, Timer
 from supervisor.engine.events import (
@@ -66,18 +64,21 @@ from supervisor.engine.events import (
     ViewRequest,
     iso_time,
 )
+from supervisor.engine.gatekeeper import GateKeeper
 from supervisor.engine.intents import (
     BeginRemedy,
     Decided,
     HoldDown,
     Intent,
-    Relaunch,
+    RelaunchLog,
     Restart,
     Throttled,
     remedy_ended,
 )
-from supervisor.engine.jobs import JobEffects, merge_known
+from supervisor.engine.jobs import JobEffects
 from supervisor.engine.lifecycle import RestartTracker
+from supervisor.engine.notices import SystemdNotices
+from supervisor.engine.slot import EngineSlot
 from supervisor.engine.states import State, check_transition
 from supervisor.engine.watch import EngineWatch, UnitFacts
 from supervisor.front.admission import Gate, GateLimits
@@ -86,12 +87,10 @@ from supervisor.ops.audit import AuditTrail
 from supervisor.ops.exposition import ExporterView
 from supervisor.ops.logs import set_level
 from supervisor.ops.sdnotify import Notifier
-from supervisor.watchdog import evidence, relaunch
+from supervisor.watchdog import relaunch
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
 
 log = structlog.get_logger("supervisor")
-EXTEND_EVERY_S = 10.0  # while the first engine starts, push systemd's start timeout ...
-EXTEND_BY_S = 30.0  # ... this far ahead each time
 
 
 @dataclass
@@ -131,32 +130,24 @@ class EngineUnit:
         self.tracker = RestartTracker(self.config.restart)
         self.watch = EngineWatch(self.config, self.environ, self.clock.monotonic,
                                  self.clock.wall, self.audit)
-        self.engine: eng.EngineProcess | None = None
-        self.generation = 0
+        self.slot = EngineSlot(self.act, self.audit)  # the engine process, spawn to reap
         self.fatal_errors: list[str] = []
         self.last_decision: DecisionRecord | None = None  # the latest, lifecycle steps included
-        self.last_exit: str | None = None
         self.fatal_reason: str | None = None
         self.exit_code = 0
         self.restarts_by_reason: dict[str, int] = {}
         self.start_blocked: str | None = None  # why the last start was refused (GPU busy)
         self.backoff_until: float | None = None
-        self.drained_by_operator = False
-        self._spawning = False
-        self._taking_down = False
-        self._admitting = False  # this engine's first canary passed: held requests may go
-        # (rule, reason): the next take-down of this engine first captures evidence
-        self._evidence_for: tuple[str, str] | None = None
-        self._force = asyncio.Event()
+        self.keeper = GateKeeper(self.gate, self.audit)  # opens, holds, closes the gate
         self._restart_reason = ""
         self._restart_when_down = False
         self._backoff: Timer | None = None
-        self._ready_sent = False
-        self._last_watchdog = 0.0
-        self._last_extend = -EXTEND_EVERY_S
+        self.notices = SystemdNotices(self.notifier)
         self._stop_replies: list[asyncio.Future[dict[str, Any]]] = []
         self._remedy_replies: list[asyncio.Future[dict[str, Any]]] = []
-        self._relaunch: Relaunch | None = None  # a policy relaunch, audited when it ends
+        # a relaunch the policy chose, audited once when it ends
+        self.relaunch = RelaunchLog(self.audit, self.clock.monotonic,
+                                    lambda: self.gate.waiting if self.fronted else None)
         self._done = False
 
     # ---- running ----------------------------------------------------------------------
@@ -167,10 +158,7 @@ class EngineUnit:
         if self.config.several:  # every line of this unit and its jobs names its engine
             structlog.contextvars.bind_contextvars(engine=self.name)
         log.info("engine unit started", **self.act.begin())
-        interval = self.tick_interval_s
-        if self.notifier.watchdog_interval_s is not None:
-            interval = min(interval, self.notifier.watchdog_interval_s)
-        self.act.tick_every(interval)
+        self.act.tick_every(self.notices.tick_interval(self.tick_interval_s))
         if self.sampler is not None:
             self.act.sample_gpu(self.sampler)
         self.start("daemon started")
@@ -233,7 +221,7 @@ class EngineUnit:
         pid = self.engine.pid if self.engine else None
         log.info("state change", **{"from": old.value, "to": new.value}, reason=reason, pid=pid)
         self.audit("state", **{"from": old.value, "to": new.value}, reason=reason, pid=pid)
-        self.notifier.status(f"{new.value}: {reason}"[:200])
+        self.notices.status(f"{new.value}: {reason}")
 
     def _decide(self, action: str, reason: str) -> None:
         self.last_decision = DecisionRecord(action, reason, self.clock.wall())
@@ -248,50 +236,39 @@ class EngineUnit:
             log.warning("audit write failed", error=err)
 
     def _sync_gate(self, ended: bool = False) -> None:
-        """The one place the gate is opened, held or closed: from the state, the first
-        canary, the operator's drain and a KV reset in progress. The throttle level the
-        watchdog holds is applied here too."""
-        g, s = self.gate, self.state
-        level = self.watch.tuning.throttle_level if self.fronted else 0
-        if g.level != level:
-            g.set_level(level)
-        if ended or s in (State.FATAL, State.STOPPING, State.STOPPED):
-            why = "the engine is stopped" if ended and s is not State.STOPPED \
-                else f"the engine is {s.value}: {self.state_reason}"
-            if g.closed_reason != why:
-                g.close(why)  # no engine is coming: waiting requests fail now
-            return
-        want: str | None
-        if s is not State.RUNNING:
-            want = f"the engine is {s.value}: {self.state_reason}"
-        else:
-            want = self.watch.holds_requests() or (
-                "drain requested by operator" if self.drained_by_operator else None)
-            if want is None and not self._admitting:
-                want = g.held_reason or "the engine's first canary has not passed yet"
-        if want is not None:
-            if g.held_reason != want or g.closed_reason is not None:
-                g.hold(want)  # new requests wait
-        elif g.held_reason is not None:
-            waiting = g.waiting
-            g.release()
-            if waiting:
-                log.info("held requests released", count=waiting)
-                self.audit("released", count=waiting)
+        """The gate follows the state (`supervisor/engine/gatekeeper.py`)."""
+        self.keeper.sync(self.state, self.state_reason, self.watch.holds_requests(),
+                         self.watch.tuning.throttle_level if self.fronted else 0, ended)
 
     def facts(self) -> UnitFacts:
         """The unit's state as its watchdog half reads it."""
-        return UnitFacts(self.state, self.engine, self._taking_down, self.fronted,
+        return UnitFacts(self.state, self.engine, self.slot.taking_down, self.fronted,
                          self.gate.in_flight + self.act.probes_in_flight())
 
     def serving(self) -> bool:
         """Serving: the engine runs and the gate lets requests through."""
         return self.state is State.RUNNING and self.gate.held_reason is None \
-            and not self._taking_down
+            and not self.slot.taking_down
+
+    @property
+    def engine(self) -> eng.EngineProcess | None:
+        return self.slot.engine
+
+    @property
+    def generation(self) -> int:
+        return self.slot.generation
 
     @property
     def taking_down(self) -> bool:
-        return self._taking_down
+        return self.slot.taking_down
+
+    @property
+    def last_exit(self) -> str | None:
+        return self.slot.last_exit
+
+    @property
+    def drained_by_operator(self) -> bool:
+        return self.keeper.drained_by_operator
 
     @property
     def state_value(self) -> str:
@@ -300,15 +277,9 @@ class EngineUnit:
     # ---- engine lifecycle -------------------------------------------------------------
 
     def _start_engine(self, reason: str) -> None:
-        assert self.engine is None and not self._spawning
-        self.generation += 1
         self.watch.engine_starting()
-        self._evidence_for = None  # (for the engine that went, if none was taken down)
-        self._spawning = True
-        self._admitting = False
-        self._force = asyncio.Event()
-        if self._relaunch is not None:
-            self._relaunch.starts += 1
+        self.keeper.admitting = False
+        self.relaunch.starting()
         self._set_state(State.STARTING, reason)
         self._decide("start", reason)
         cfg = self.config.engine
@@ -317,17 +288,11 @@ class EngineUnit:
             cfg = dataclasses.replace(cfg, args=relaunch.apply(cfg.args, overrides))
             log.info("engine arguments overridden", overrides=overrides,
                      throttle_level=self.watch.tuning.throttle_level)
-        spec = eng.build_spawn_spec(cfg, self.environ)
-        self.act.spawn(self.generation, spec, cfg)
+        self.slot.spawn(eng.build_spawn_spec(cfg, self.environ), cfg)
 
     def handle_spawned(self, ev: Spawned) -> None:
-        self._spawning = False
-        for line in ev.leftovers:
-            log.warning("killed a process left by an earlier run", process=line)
-            self.audit("leftover_killed", process=line)
-        if ev.engine is None:
-            log.error("engine could not be started", error=ev.error)
-            self.audit("spawn_failed", error=ev.error, gpu_busy=ev.gpu_busy)
+        engine = self.slot.spawned(ev)
+        if engine is None:
             if self.state is State.STOPPING:
                 self._finish_stop()
             elif ev.gpu_busy:
@@ -338,68 +303,43 @@ class EngineUnit:
                 self._failure(f"engine could not be started: {ev.error}", healthy_for=None)
             return
         self.start_blocked = None
-        engine = ev.engine
-        self.engine = engine
         if self.fronted:
             self.act.follow(engine)  # the proxy's route for this engine goes to it now
-        log.info("engine spawned", pid=engine.pid, argv=engine.spec.argv)
-        self.audit("spawn", pid=engine.pid, generation=engine.generation)
-        self.act.watch(engine)
         if self.state in (State.STOPPING, State.DRAINING):
             self._take_down(graceful=True)  # a stop or restart came while it was spawning
 
     def handle_tree_seen(self, ev: TreeSeen) -> None:
-        if self.engine is not None and self.engine.generation == ev.generation:
-            e = self.engine
-            e.known = merge_known(e.known, list(ev.procs))
-            e.live_processes = len(ev.procs)
-            e.rss_bytes = ev.rss_bytes
-            if e.cpu_seen is not None and ev.at > e.cpu_seen[0]:
-                # a process that exited takes its CPU seconds with it: never below zero
-                used = max(0.0, ev.cpu_s - e.cpu_seen[1])
-                e.cpu_percent = round(100 * used / (ev.at - e.cpu_seen[0]), 2)
-            e.cpu_seen = (ev.at, ev.cpu_s)
-            self.watch.window.add_tree(ev.at, ev.rss_bytes, e.cpu_percent)
+        cpu = self.slot.tree_seen(ev)
+        if self.slot.current(ev.generation) is not None:
+            self.watch.window.add_tree(ev.at, ev.rss_bytes, cpu)
 
     def handle_exited(self, ev: Exited) -> None:
-        engine = self.engine
-        if engine is None or engine.generation != ev.generation:
-            return
-        engine.exit_code = ev.code
-        self.last_exit = engine.describe_exit()
-        exit_fields: dict[str, Any] = {"exit_code": ev.code}
-        if ev.code < 0:
-            with contextlib.suppress(ValueError):
-                exit_fields = {"signal": signal.Signals(-ev.code).name}
-        asked = self._taking_down or self.state not in (State.STARTING, State.RUNNING)
-        log.info("engine exited", pid=engine.pid, asked=asked, **exit_fields)
-        self.audit("exit", pid=engine.pid, asked=asked, **exit_fields)
-        if asked:
+        asked = self.slot.taking_down or self.state not in (State.STARTING, State.RUNNING)
+        engine = self.slot.exited(ev, asked)
+        if engine is None or asked:
             return
         # vLLM may exit 0 after its engine core died: any unasked exit is a crash.
         healthy_for = (self.clock.monotonic() - engine.healthy_at
                        if engine.healthy_at is not None else None)
-        self._failure(f"engine {self.last_exit} without being asked", healthy_for=healthy_for)
+        self._failure(f"engine {self.slot.last_exit} without being asked",
+                      healthy_for=healthy_for)
 
     def handle_health_result(self, ev: HealthResult) -> None:
-        engine = self.engine
-        if (engine is None or engine.generation != ev.generation
-                or self.state is not State.STARTING or self._taking_down):
+        engine = self.slot.current(ev.generation)
+        if engine is None or self.state is not State.STARTING or self.slot.taking_down:
             return
         now = self.clock.monotonic()
         if ev.healthy:
             engine.healthy_at = now
             self._set_state(State.RUNNING,
                             f"/health answered 200 after {now - engine.started_at:.1f} s")
-            if not self._ready_sent:
-                self._ready_sent = True
-                self.notifier.ready(f"RUNNING: engine pid {engine.pid} serving")
+            self.notices.ready_once(f"RUNNING: engine pid {engine.pid} serving")
             self.act.serve(engine)
             if self.fronted and self.config.canary.enabled:
                 self.act.gate_probe(engine)  # held requests go once one canary passed
             else:
-                self._admitting = True  # no canary to wait for: healthy is all we know
-                self._finish_relaunch("ok", None)  # serving: nothing more is waited for
+                self.keeper.admitting = True  # no canary to wait for: healthy is all we know
+                self.relaunch.finish("ok", None)  # serving: nothing more is waited for
         elif engine.exit_code is None:
             self._failure(f"engine not healthy within {engine.config.startup_timeout_s:g} s",
                           healthy_for=None)
@@ -430,10 +370,8 @@ class EngineUnit:
         self.backoff_until = self.clock.monotonic() + delay
         self._set_state(State.BACKOFF, f"start refused: {why}; checking again in {delay:g} s")
         self._decide("backoff", f"start refused: {why}")
-        if not self._ready_sent:
-            # systemd's start must not wait on someone else's job: say so, and stay up
-            self._ready_sent = True
-            self.notifier.ready(f"BACKOFF: start refused: {why}"[:200])
+        # systemd's start must not wait on someone else's job: say so, and stay up
+        self.notices.ready_once(f"BACKOFF: start refused: {why}")
         self._arm_backoff()
 
     def _give_up(self, reason: str, engine: eng.EngineProcess | None = None) -> None:
@@ -442,15 +380,13 @@ class EngineUnit:
         errors = list(engine.recent_errors) if engine else []
         self.fatal_reason = reason
         self._set_state(State.FATAL, reason)
-        self._finish_relaunch("failed", reason)
+        self.relaunch.finish("failed", reason)
         self._decide("give_up", reason)
         log.error("giving up on the engine", reason=reason, last_engine_errors=errors[-10:])
         self.fatal_errors = errors[-10:]
-        if not self._ready_sent:
-            # The daemon is up and answering even though the engine is not: tell systemd,
-            # so that `systemctl start` returns and `status` shows FATAL with the reason.
-            self._ready_sent = True
-            self.notifier.ready(f"FATAL: {reason}"[:200])
+        # The daemon is up and answering even though the engine is not: tell systemd, so
+        # that `systemctl start` returns and `status` shows FATAL with the reason.
+        self.notices.ready_once(f"FATAL: {reason}")
 
     def _arm_backoff(self) -> None:
         delay = max(0.0, (self.backoff_until or 0.0) - self.clock.monotonic())
@@ -465,33 +401,16 @@ class EngineUnit:
     def handle_backoff_elapsed(self, ev: BackoffElapsed) -> None:
         self._backoff = None
         if (self.state is State.BACKOFF and ev.generation == self.generation
-                and self.engine is None and not self._spawning):
+                and self.engine is None and not self.slot.spawning):
             self._start_engine("backoff elapsed")
 
     def _take_down(self, graceful: bool) -> None:
-        engine = self.engine
-        assert engine is not None and not self._taking_down
-        self._taking_down = True
-        if self._relaunch is not None and self._relaunch.taken_down_at is None:
-            self._relaunch.taken_down_at = self.clock.monotonic()
-        req = self._evidence_request(engine)
-        self.audit("take_down", pid=engine.pid, graceful=graceful,
-                    evidence_for=req.rule if req is not None else None)
-        log.info("taking the engine down", pid=engine.pid, graceful=graceful)
-        self.act.take_down(engine, graceful, self._force, req)
-
-    def _evidence_request(self, engine: eng.EngineProcess) -> evidence.EvidenceRequest | None:
-        pending, self._evidence_for = self._evidence_for, None
-        if pending is None or not self.config.evidence.enabled:
-            return None
-        rule, reason = pending
-        pids = [engine.pid, *(p.pid for p in engine.known if p.pid != engine.pid)]
-        return evidence.EvidenceRequest(
-            reason=reason, rule=rule, engine_pid=engine.pid, pids=pids,
-            log_lines=list(engine.recent_lines),
-            signals=self.watch.signals(self.clock.monotonic(), engine),
-            gpu=self.watch.window.gpu_snapshot(),
-            wall=self.clock.wall())
+        self.relaunch.taken_down()
+        now = self.clock.monotonic()
+        req = self.slot.evidence_request(
+            self.config.evidence.enabled, self.watch.signals(now, self.engine),
+            self.watch.window.gpu_snapshot(), self.clock.wall())
+        self.slot.take_down(graceful, req)
 
     def handle_evidence_captured(self, ev: EvidenceCaptured) -> None:
         fields = {"rule": ev.request.rule, "reason": ev.request.reason,
@@ -503,39 +422,10 @@ class EngineUnit:
         self.audit("evidence", **fields)
 
     def handle_down(self, ev: Down) -> None:
-        engine = self.engine
-        assert engine is not None
-        self.engine = None
-        self._taking_down = False
-        if self._relaunch is not None and self._relaunch.down_at is None:
-            self._relaunch.down_at = self.clock.monotonic()
-        problem = ev.error
-        if ev.result is not None:
-            r = ev.result
-            engine.exit_code = r.exit_code
-            survivors = [proctree.describe(p.pid) for p in r.survivors]
-            held = {pid: round(mem / 2**20) for pid, mem in r.gpu_holders.items()}
-            fields: dict[str, Any] = {"pid": engine.pid, "duration_s": round(r.duration_s, 3),
-                                      "sigkilled": r.sigkilled, "exit": engine.describe_exit()}
-            if survivors:
-                problem = "processes of the old engine tree survived SIGKILL: " + ", ".join(
-                    survivors)
-                fields["survivors"] = survivors
-            elif held:
-                problem = "GPU memory still held by the old engine tree: " + ", ".join(
-                    f"pid {p} ({mib} MiB)" for p, mib in held.items())
-                fields["gpu_holders_mib"] = held
-            if r.port_problem:
-                fields["port"] = r.port_problem
-            log.info("engine tree reaped", **fields, problem=problem)
-            self.audit("reaped", **fields, problem=problem)
+        engine, problem = self.slot.down(ev)
+        self.relaunch.down()
         if self.state is State.FATAL:
             self.fatal_errors = list(engine.recent_errors)[-10:]  # now complete
-        if problem is None:
-            self.act.forget(engine)
-        else:
-            log.error("engine tree not proven gone", problem=problem)
-
         if self.state is State.STOPPING:
             if problem:
                 self.exit_code = 1
@@ -559,19 +449,19 @@ class EngineUnit:
 
     def _begin_stop(self, reason: str) -> None:
         if self.state is State.STOPPING:
-            if not self._force.is_set():
+            if not self.slot.force.is_set():
                 log.warning("second stop request: skipping to SIGKILL", reason=reason)
                 self.audit("force_stop", reason=reason)
-                self._force.set()
+                self.slot.force.set()
             return
         self._cancel_backoff()
         self._set_state(State.STOPPING, reason)
-        self._finish_relaunch("abandoned", f"the daemon is stopping: {reason}")
+        self.relaunch.finish("abandoned", f"the daemon is stopping: {reason}")
         self._decide("stop", reason)
-        self.notifier.stopping(f"STOPPING: {reason}")
-        if self.engine is not None and not self._taking_down:
+        self.notices.stopping(f"STOPPING: {reason}")
+        if self.engine is not None and not self.slot.taking_down:
             self._take_down(graceful=True)
-        elif self.engine is None and not self._spawning:
+        elif self.engine is None and not self.slot.spawning:
             self._finish_stop()
         # otherwise: a take-down (ends in handle_down) or a spawn (ends in handle_spawned)
         # is in flight, and finishes the stop.
@@ -589,7 +479,7 @@ class EngineUnit:
             self._restart_reason = reason
             self._set_state(State.DRAINING, reason)
             self._decide("restart", reason)
-            if self.engine is not None and not self._taking_down:
+            if self.engine is not None and not self.slot.taking_down:
                 if self.fronted:
                     log.info("restart: new requests held", in_flight=self.gate.in_flight,
                              waiting=self.gate.waiting)
@@ -610,7 +500,7 @@ class EngineUnit:
             self._cancel_backoff()
             self._restart_reason = reason
             self._decide("restart", reason)
-            if self.engine is None and not self._spawning:
+            if self.engine is None and not self.slot.spawning:
                 self._start_engine(reason)
             else:
                 self._restart_when_down = True
@@ -629,15 +519,15 @@ class EngineUnit:
             elif isinstance(intent, Restart):
                 self._count_restart("policy")
                 if intent.rung is not None:
-                    self._begin_relaunch(intent.rung, intent.reason)
+                    self.relaunch.begin(intent.rung, intent.reason)
                 if intent.evidence is not None:
-                    self._evidence_for = intent.evidence
+                    self.slot.evidence_for = intent.evidence
                 self._restart(intent.reason, graceful=intent.graceful)
             elif isinstance(intent, HoldDown):
                 if intent.evidence is not None:
-                    self._evidence_for = intent.evidence
+                    self.slot.evidence_for = intent.evidence
                 self._give_up(intent.reason)
-                if self.engine is not None and not self._taking_down:
+                if self.engine is not None and not self.slot.taking_down:
                     self._take_down(graceful=True)
             elif isinstance(intent, BeginRemedy):
                 assert self.engine is not None
@@ -649,21 +539,6 @@ class EngineUnit:
                                           "duration_s": 0.0, "rule": intent.rule,
                                           "throttle_level": intent.level,
                                           "max_concurrency": self.gate.concurrency_limit})
-
-    def _begin_relaunch(self, rung: str, reason: str) -> None:
-        # one entry per rung tried: a relaunch still waiting for its engine ends here
-        self._finish_relaunch("superseded", f"superseded by {rung}: {reason}")
-        self._relaunch = Relaunch(rung, reason, self.clock.monotonic())
-
-    def _finish_relaunch(self, outcome: str, error: str | None) -> None:
-        r, self._relaunch = self._relaunch, None
-        if r is None:
-            return
-        now = self.clock.monotonic()
-        remedy_ended(self.audit, {
-            "rung": r.rung, "outcome": outcome, "duration_s": round(now - r.started, 3),
-            "steps_s": r.steps(now), "error": error, "starts": r.starts,
-            "held": self.gate.waiting if self.fronted else None, "reason": r.reason})
 
     def _count_restart(self, reason: str) -> None:
         self.restarts_by_reason[reason] = self.restarts_by_reason.get(reason, 0) + 1
@@ -705,7 +580,7 @@ class EngineUnit:
         log.info("proxy drained" if ev.idle else "drain timeout: requests still in flight",
                  waited_s=round(ev.waited_s, 3), in_flight=self.gate.in_flight)
         self.audit("drained", idle=ev.idle, waited_s=round(ev.waited_s, 3))
-        if (engine is None or engine.generation != ev.generation or self._taking_down
+        if (engine is None or engine.generation != ev.generation or self.slot.taking_down
                 or self.state not in (State.DRAINING, State.STOPPING)):
             return  # the engine is gone already (a crash being reaped) or a stop took over
         self._take_down(graceful=True)
@@ -717,9 +592,9 @@ class EngineUnit:
         if not ev.ok:
             log.warning("the first canary failed; releasing held requests anyway",
                         error=ev.error, waiting=self.gate.waiting)
-        self._finish_relaunch("ok", None if ev.ok else f"the first canary failed: {ev.error}")
-        self._admitting = True  # (`_sync_gate` lets the held requests go)
-        if self.drained_by_operator:
+        self.relaunch.finish("ok", None if ev.ok else f"the first canary failed: {ev.error}")
+        self.keeper.admitting = True  # (`_sync_gate` lets the held requests go)
+        if self.keeper.drained_by_operator:
             log.info("engine ready; requests stay held until `resume`", waiting=self.gate.waiting)
 
     def handle_view_request(self, ev: ViewRequest) -> None:
@@ -735,18 +610,7 @@ class EngineUnit:
 
     def handle_tick(self, _: Tick) -> None:
         now = self.clock.monotonic()
-        wd = self.notifier.watchdog_interval_s
-        # The keep-alive comes from this loop only: a stuck loop stops it, and systemd's
-        # watchdog then restarts the daemon.
-        if wd is not None and now - self._last_watchdog >= wd:
-            self._last_watchdog = now
-            self.notifier.watchdog()
-        if (not self._ready_sent and self.state in (State.STARTING, State.BACKOFF)
-                and now - self._last_extend >= EXTEND_EVERY_S):
-            # First start of a large model can take minutes: keep systemd's start timeout
-            # ahead of us, but only while the engine is starting.
-            self._last_extend = now
-            self.notifier.extend_timeout(EXTEND_BY_S)
+        self.notices.tick(now, starting=self.state in (State.STARTING, State.BACKOFF))
         self._carry_out(self.watch.evaluate(now, self.facts()))
 
     def handle_reloaded(self, ev: Reloaded) -> None:
@@ -803,7 +667,7 @@ class EngineUnit:
 
     def drain(self, held: bool) -> int:
         """The operator holds (or lets go) new requests; how many wait now."""
-        self.drained_by_operator = held
+        self.keeper.drained_by_operator = held
         waiting = self.gate.waiting
         self._sync_gate()
         return waiting
@@ -833,12 +697,3 @@ class EngineUnit:
         """What `vllm-supervisorctl status` shows (supervisor/engine/views.py)."""
         return views.status(self)
 
-
-def runtime_paths_ok(cfg: Config) -> str | None:
-    """Create the runtime directory; returns a problem instead of raising."""
-    try:
-        Path(cfg.daemon.runtime_dir).mkdir(parents=True, exist_ok=True)
-        Path(cfg.control.socket).parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return f"cannot create runtime directory: {exc}"
-    return None

@@ -1,0 +1,57 @@
+"""When an engine's gate at the proxy opens, holds or closes: one owner, one rule.
+
+The unit (`supervisor/engine/unit.py`) calls `sync` after every event it handles, with its
+state; nothing else opens or closes the gate (`supervisor/front/admission.py` is the gate
+itself: the waiting requests and the limits). Closed while FATAL, STOPPING or STOPPED
+(no engine is coming: waiting requests fail at once); held while the engine is not
+RUNNING, until its first canary passed, while the operator drains it, and during a KV
+reset; open otherwise. The watchdog's throttle level is applied here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import structlog
+
+from supervisor.engine.states import State
+from supervisor.front.admission import Gate
+
+log = structlog.get_logger("supervisor")
+CLOSED = (State.FATAL, State.STOPPING, State.STOPPED)
+
+
+class GateKeeper:
+    def __init__(self, gate: Gate, audit: Callable[..., None]) -> None:
+        self.gate, self._audit = gate, audit
+        self.admitting = False  # the engine's first canary passed: held requests may go
+        self.drained_by_operator = False  # `drain` until `resume`
+
+    def sync(self, state: State, reason: str, remedy_hold: str | None, level: int,
+             ended: bool = False) -> None:
+        g = self.gate
+        if g.level != level:
+            g.set_level(level)
+        if ended or state in CLOSED:
+            why = "the engine is stopped" if ended and state is not State.STOPPED \
+                else f"the engine is {state.value}: {reason}"
+            if g.closed_reason != why:
+                g.close(why)
+            return
+        want: str | None
+        if state is not State.RUNNING:
+            want = f"the engine is {state.value}: {reason}"
+        else:
+            want = remedy_hold or (
+                "drain requested by operator" if self.drained_by_operator else None)
+            if want is None and not self.admitting:
+                want = g.held_reason or "the engine's first canary has not passed yet"
+        if want is not None:
+            if g.held_reason != want or g.closed_reason is not None:
+                g.hold(want)  # new requests wait
+        elif g.held_reason is not None:
+            waiting = g.waiting
+            g.release()
+            if waiting:
+                log.info("held requests released", count=waiting)
+                self._audit("released", count=waiting)

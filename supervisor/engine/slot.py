@@ -1,0 +1,158 @@
+"""One engine process of a unit, from its spawn to its tree proven gone.
+
+`EngineSlot` keeps the facts of the engine in it (the process, its generation, whether
+it is being spawned or taken down, what its take-down must capture first) and starts
+that engine's jobs through the unit's effects. It decides nothing: the unit
+(`supervisor/engine/unit.py`) owns the lifecycle and calls the slot on its own task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import structlog
+
+from supervisor.config import EngineConfig
+from supervisor.engine import process as eng
+from supervisor.engine import proctree
+from supervisor.engine.effects import Effects
+from supervisor.engine.events import Down, Exited, Spawned, TreeSeen
+from supervisor.engine.intents import EvidenceFor
+from supervisor.watchdog import evidence
+
+log = structlog.get_logger("supervisor")
+
+
+class EngineSlot:
+    def __init__(self, act: Effects, audit: Callable[..., None]) -> None:
+        self._act, self._audit = act, audit
+        self.engine: eng.EngineProcess | None = None
+        self.generation = 0  # changes with every spawn
+        self.spawning = False
+        self.taking_down = False
+        self.last_exit: str | None = None  # how the last engine ended, for `status`
+        # set by a second stop: the take-down in flight skips to SIGKILL
+        self.force = asyncio.Event()
+        # the next take-down of this engine first captures evidence for (rule, reason)
+        self.evidence_for: EvidenceFor | None = None
+
+    def current(self, generation: int) -> eng.EngineProcess | None:
+        """The engine in the slot, if it is of `generation` (events of a gone one are
+        stale)."""
+        e = self.engine
+        return e if e is not None and e.generation == generation else None
+
+    def spawn(self, spec: eng.SpawnSpec, cfg: EngineConfig) -> None:
+        assert self.engine is None and not self.spawning
+        self.generation += 1
+        self.spawning = True
+        self.force = asyncio.Event()
+        self.evidence_for = None  # (for the engine that went, if none was taken down)
+        self._act.spawn(self.generation, spec, cfg)
+
+    def spawned(self, ev: Spawned) -> eng.EngineProcess | None:
+        """The spawn ended: the engine now in the slot, or None (`ev.error` says why)."""
+        self.spawning = False
+        for line in ev.leftovers:
+            log.warning("killed a process left by an earlier run", process=line)
+            self._audit("leftover_killed", process=line)
+        if ev.engine is None:
+            log.error("engine could not be started", error=ev.error)
+            self._audit("spawn_failed", error=ev.error, gpu_busy=ev.gpu_busy)
+            return None
+        self.engine = engine = ev.engine
+        log.info("engine spawned", pid=engine.pid, argv=engine.spec.argv)
+        self._audit("spawn", pid=engine.pid, generation=engine.generation)
+        self._act.watch(engine)
+        return engine
+
+    def tree_seen(self, ev: TreeSeen) -> float | None:
+        """The engine's tree as last seen; its CPU percent (None: not yet known)."""
+        e = self.current(ev.generation)
+        if e is None:
+            return None
+        e.known = proctree.merge_known(e.known, list(ev.procs))
+        e.live_processes = len(ev.procs)
+        e.rss_bytes = ev.rss_bytes
+        if e.cpu_seen is not None and ev.at > e.cpu_seen[0]:
+            # a process that exited takes its CPU seconds with it: never below zero
+            used = max(0.0, ev.cpu_s - e.cpu_seen[1])
+            e.cpu_percent = round(100 * used / (ev.at - e.cpu_seen[0]), 2)
+        e.cpu_seen = (ev.at, ev.cpu_s)
+        return e.cpu_percent
+
+    def exited(self, ev: Exited, asked: bool) -> eng.EngineProcess | None:
+        """The engine's main process exited (asked for, or not); None: a stale event."""
+        engine = self.current(ev.generation)
+        if engine is None:
+            return None
+        engine.exit_code = ev.code
+        self.last_exit = engine.describe_exit()
+        fields: dict[str, Any] = {"exit_code": ev.code}
+        if ev.code < 0:
+            with contextlib.suppress(ValueError):
+                fields = {"signal": signal.Signals(-ev.code).name}
+        log.info("engine exited", pid=engine.pid, asked=asked, **fields)
+        self._audit("exit", pid=engine.pid, asked=asked, **fields)
+        return engine
+
+    def take_down(self, graceful: bool, req: evidence.EvidenceRequest | None) -> None:
+        engine = self.engine
+        assert engine is not None and not self.taking_down
+        self.taking_down = True
+        self._audit("take_down", pid=engine.pid, graceful=graceful,
+                    evidence_for=req.rule if req is not None else None)
+        log.info("taking the engine down", pid=engine.pid, graceful=graceful)
+        self._act.take_down(engine, graceful, self.force, req)
+
+    def evidence_request(self, enabled: bool, signals: Mapping[str, float | None],
+                         gpu: Mapping[str, Any] | None,
+                         wall: float) -> evidence.EvidenceRequest | None:
+        """What the take-down now beginning captures first, if anything was asked."""
+        pending, self.evidence_for = self.evidence_for, None
+        engine = self.engine
+        if pending is None or not enabled or engine is None:
+            return None
+        rule, reason = pending
+        pids = [engine.pid, *(p.pid for p in engine.known if p.pid != engine.pid)]
+        return evidence.EvidenceRequest(
+            reason=reason, rule=rule, engine_pid=engine.pid, pids=pids,
+            log_lines=list(engine.recent_lines), signals=signals, gpu=gpu, wall=wall)
+
+    def down(self, ev: Down) -> tuple[eng.EngineProcess, str | None]:
+        """The take-down ended: the engine that left the slot, and why its tree is not
+        proven gone (None: it is, and its state file and guard are dropped)."""
+        engine = self.engine
+        assert engine is not None
+        self.engine = None
+        self.taking_down = False
+        problem = ev.error
+        if ev.result is not None:
+            r = ev.result
+            engine.exit_code = r.exit_code
+            survivors = [proctree.describe(p.pid) for p in r.survivors]
+            held = {pid: round(mem / 2**20) for pid, mem in r.gpu_holders.items()}
+            fields: dict[str, Any] = {"pid": engine.pid, "duration_s": round(r.duration_s, 3),
+                                      "sigkilled": r.sigkilled, "exit": engine.describe_exit()}
+            if survivors:
+                problem = "processes of the old engine tree survived SIGKILL: " + ", ".join(
+                    survivors)
+                fields["survivors"] = survivors
+            elif held:
+                problem = "GPU memory still held by the old engine tree: " + ", ".join(
+                    f"pid {p} ({mib} MiB)" for p, mib in held.items())
+                fields["gpu_holders_mib"] = held
+            if r.port_problem:
+                fields["port"] = r.port_problem
+            log.info("engine tree reaped", **fields, problem=problem)
+            self._audit("reaped", **fields, problem=problem)
+        if problem is None:
+            self._act.forget(engine)
+        else:
+            log.error("engine tree not proven gone", problem=problem)
+        return engine, problem
+
