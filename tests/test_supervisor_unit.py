@@ -25,6 +25,7 @@ from supervisor.engine.events import (
     Down,
     Event,
     Exited,
+    GateProbe,
     HealthResult,
     Reloaded,
     RemedyDone,
@@ -123,7 +124,7 @@ class RecordingEffects:
 class World:
     """A supervisor, its recorded effects and a clock the test moves."""
 
-    def __init__(self, tmp: Path, **sections: dict[str, Any]) -> None:
+    def __init__(self, tmp: Path, fronted: bool = False, **sections: dict[str, Any]) -> None:
         doc: dict[str, dict[str, Any]] = {
             "engine": {"command": ["vllm", "serve", "m"], "port": 18100},
             "restart": {"backoff_initial_s": 1.0, "backoff_max_s": 8.0,
@@ -131,7 +132,7 @@ class World:
             "daemon": {"runtime_dir": str(tmp / "run")},
             "control": {"socket": str(tmp / "run" / "c.sock")},
             "audit": {"path": str(tmp / "events.jsonl")},
-            "gpu": {"sampler": "off"}, "proxy": {"enabled": False},
+            "gpu": {"sampler": "off"}, "proxy": {"enabled": fronted},
         }
         for name, table in sections.items():
             doc.setdefault(name, {}).update(table)
@@ -141,7 +142,7 @@ class World:
         self.sup = EngineUnit(
             config=parse_config(doc, str(tmp / "config.toml"), tmp), notifier=Notifier({}),
             gpu=_NoGpu(), clock=Clock(monotonic=lambda: self.now, wall=lambda: self.now),
-            environ={}, effects=self.fx)
+            environ={}, effects=self.fx, fronted=fronted)
         self.next_pid = 4000
         self.loop = asyncio.new_event_loop()  # the replies' futures; it never runs
 
@@ -293,6 +294,85 @@ def test_a_reloaded_port_is_used_at_the_next_start_only(world: World,
     world.control("restart")
     world.down(engine)
     assert world.fx.last("spawn")["spec"].port == 18200
+
+
+SPEC_4 = '{"model":"draft","num_speculative_tokens":4}'
+SPEC_6 = '{"model":"draft","num_speculative_tokens":6}'
+
+
+def test_every_reloaded_engine_key_is_what_the_next_start_uses(tmp_path: Path) -> None:
+    """No copy of the engine's config outlives a reload: after one that changes every
+    [engine] key, the next start is made of the new values, and of nothing older (a
+    speculative config of 4 tokens at the first start, 6 after the reload: 6)."""
+    w = World(tmp_path, engine={"args": ["--speculative-config", SPEC_4]})
+    try:
+        engine = w.serving()
+        assert SPEC_4 in w.fx.last("spawn")["spec"].argv
+        changed = {
+            "command": ["vllm", "serve", "m2"], "args": ["--speculative-config", SPEC_6],
+            "env": {"A": "1"}, "inherit_env": False, "cwd": str(tmp_path / "elsewhere"),
+            "host": "127.0.0.2", "port": 18200, "health_path": "/ping",
+            "health_interval_s": 2.0, "startup_timeout_s": 100.0, "drain_timeout_s": 5.0,
+            "drain": "continue", "stop_grace_s": 3.0, "reap_timeout_s": 4.0, "gpus": [0],
+            "gpu_release_timeout_s": 5.0, "gpu_foreign_allowance_mib": 10,
+            "access_log": True, "models": ["m2"], "share_gpus": True}
+        only_with_several = {"fallback"}  # ([engines.NAME] only)
+        assert set(changed) | only_with_several == {
+            f.name for f in dataclasses.fields(EngineConfig)}, "a new [engine] key: add it"
+        doc = {**w.doc, "engine": {**w.doc["engine"], **changed}}
+        new = parse_config(doc, str(tmp_path / "config.toml"), tmp_path)
+        reply: asyncio.Future[dict[str, Any]] = w.loop.create_future()
+        w.feed(Reloaded(new, None, reply))
+        assert sorted(reply.result()["next_engine_start"]) == sorted(
+            f"engine.{k}" for k in changed)
+        w.control("restart")
+        w.down(engine)
+        spawn = w.fx.last("spawn")
+        assert spawn["cfg"] == new.engine  # every key as reloaded
+        assert spawn["spec"].argv[:3] == ["vllm", "serve", "m2"]
+        assert SPEC_6 in spawn["spec"].argv and SPEC_4 not in spawn["spec"].argv
+        assert spawn["spec"].port == 18200 and spawn["spec"].env["A"] == "1"
+        assert w.sup.status()["overrides"] == {}
+    finally:
+        w.loop.close()
+
+
+def test_the_gate_follows_the_unit_canary_drain_kv_reset_restart_and_stop(
+        tmp_path: Path) -> None:
+    """With the proxy's gate in the loop: held until the first canary passes, held
+    while the operator drains and during a KV reset, held through a restart, closed by
+    a stop; the proxy follows each new engine and its streams are paused for a restart
+    with drain = "continue"."""
+    w = World(tmp_path, fronted=True, engine={"drain": "continue"})
+    try:
+        gate = w.sup.gate
+        engine = w.serving()
+        assert "follow" in w.fx.names() and w.fx.last("gate_probe") == {"pid": engine.pid}
+        assert w.state == "RUNNING" and gate.held_reason is not None  # no canary yet
+        w.feed(GateProbe(engine.generation, True, None))
+        assert gate.held_reason is None and w.sup.serving()
+        w.control("drain")
+        assert gate.held_reason == "drain requested by operator" and not w.sup.serving()
+        assert w.control("resume").result()["held"] is False and gate.held_reason is None
+        w.sup.begin_remedy("kv_reset", "test")
+        assert gate.held_reason == "KV reset in progress (test)"
+        w.feed(RemedyDone(engine.generation, "kv_reset",
+                          RemedyOutcome(ok=True, steps={"sleep": 0.1}), 0.3))
+        assert gate.held_reason is None
+        assert w.control("throttle", level=2).result()["live"] is True
+        assert gate.level == 2 and "take_down" not in w.fx.names()  # live: no relaunch
+        w.control("restart")
+        assert w.fx.last("pause_streams") == {"pid": engine.pid}
+        assert gate.held_reason is not None and "DRAINING" in gate.held_reason
+        w.down(engine)
+        engine = w.serving()
+        assert gate.held_reason is not None  # a new engine: its own first canary again
+        w.feed(GateProbe(engine.generation, False, "timed out"))  # released anyway
+        assert gate.held_reason is None and gate.closed_reason is None
+        w.control("stop")
+        assert gate.closed_reason is not None and "STOPPING" in gate.closed_reason
+    finally:
+        w.loop.close()
 
 
 def test_a_failed_in_place_remedy_becomes_a_drained_restart(world: World) -> None:
