@@ -23,6 +23,7 @@ from supervisor.engine.events import (
     BackoffElapsed,
     ControlRequest,
     Down,
+    Drained,
     Event,
     Exited,
     GateProbe,
@@ -55,6 +56,7 @@ class RecordingEffects:
     def __init__(self) -> None:
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.timers: list[FakeTimer] = []
+        self.deadlines: list[float] = []  # of each drain and take-down, in order
 
     def names(self) -> list[str]:
         return [name for name, _ in self.calls]
@@ -75,15 +77,17 @@ class RecordingEffects:
         self.calls.append(("gate_probe", {"pid": engine.pid}))
 
     def take_down(self, engine: EngineProcess, graceful: bool, force: asyncio.Event,
-                  req: evidence.EvidenceRequest | None) -> None:
+                  req: evidence.EvidenceRequest | None, deadline: float) -> None:
         self.calls.append(("take_down", {"pid": engine.pid, "graceful": graceful,
                                          "evidence": req}))
+        self.deadlines.append(deadline)
 
     def forget(self, engine: EngineProcess) -> None:
         self.calls.append(("forget", {"pid": engine.pid}))
 
-    def drain(self, engine: EngineProcess) -> None:
+    def drain(self, engine: EngineProcess, deadline: float) -> None:
         self.calls.append(("drain", {"pid": engine.pid}))
+        self.deadlines.append(deadline)
 
     def remedy(self, engine: EngineProcess, rung: str) -> None:
         self.calls.append(("remedy", {"pid": engine.pid, "rung": rung}))
@@ -371,6 +375,30 @@ def test_the_gate_follows_the_unit_canary_drain_kv_reset_restart_and_stop(
         assert gate.held_reason is None and gate.closed_reason is None
         w.control("stop")
         assert gate.closed_reason is not None and "STOPPING" in gate.closed_reason
+    finally:
+        w.loop.close()
+
+
+def test_a_restart_runs_under_one_deadline_from_its_drain_to_the_tree_gone(
+        tmp_path: Path) -> None:
+    w = World(tmp_path, fronted=True, engine={"drain_timeout_s": 20, "stop_grace_s": 5,
+                                               "reap_timeout_s": 2, "gpu_release_timeout_s": 9})
+    try:
+        engine = w.serving()
+        w.feed(GateProbe(engine.generation, True, None))
+        ticket = w.loop.run_until_complete(w.sup.gate.acquire(1))  # a request in flight
+        start = w.now
+        w.control("restart")
+        # the proxy's drain 20 + the engine's drain 20 and grace 5 + 3 x reap 2 + GPU 9
+        assert w.fx.deadlines == [start + 60.0] and w.fx.names()[-1] == "drain"
+        assert w.sup.status()["stop_deadline_in_s"] == 60.0
+        w.now += 20.0
+        w.sup.gate.done(ticket)
+        w.feed(Drained(engine.generation, True, 20.0))
+        assert w.fx.deadlines == [start + 60.0, start + 60.0]  # the same one
+        assert w.sup.status()["stop_deadline_in_s"] == 40.0
+        w.down(engine)
+        assert w.sup.status()["stop_deadline_in_s"] is None
     finally:
         w.loop.close()
 

@@ -86,6 +86,24 @@ def test_force_skips_the_drain_of_an_engine_ignoring_sigterm():
     assert r.sigkilled and r.exit_code == -9 and r.survivors == []
 
 
+def test_the_stop_deadline_cuts_the_drain_of_an_engine_ignoring_sigterm():
+    """A restart's one deadline: what is left of it bounds the engine's drain and grace
+    (60 s + 60 s configured, 1 s left), and the kill is still made and proven."""
+    async def run() -> eng.TakeDown:
+        cfg = EngineConfig(command=[sys.executable, str(FAKE_ENGINE), "--ignore-sigterm"],
+                           port=free_port(), cwd=str(Path.cwd()), drain_timeout_s=60,
+                           stop_grace_s=60, reap_timeout_s=3)
+        assert eng.stop_budget_s(cfg, proxy_drain=True, evidence_s=6.0) == 60 + 6 + 60 + 60 + 9 + 60
+        e = await spawn_running(cfg)
+        return await asyncio.wait_for(
+            eng.take_down(e, cfg, graceful=True, force=asyncio.Event(), gpu=NoGpu(),
+                          budget_s=1.0), 60)
+
+    r = asyncio.run(run())
+    assert r.sigkilled and r.exit_code == -9 and r.survivors == []
+    assert r.duration_s < 60  # not the 120 s of drain and grace: what was left of 1 s
+
+
 def test_a_sibling_engines_gpu_memory_is_neither_waited_for_nor_foreign() -> None:
     """Before a start: our own killed leftovers must leave the GPU (waited for), another
     engine of this daemon on a shared GPU is expected (not waited for, not foreign), and

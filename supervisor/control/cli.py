@@ -161,6 +161,8 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(f"last exit  {st['last_exit']}")
     if st.get("backoff_remaining_s") is not None:
         lines.append(f"backoff    next start in {st['backoff_remaining_s']:.1f} s")
+    if st.get("stop_deadline_in_s") is not None:
+        lines.append(f"deadline   the old engine gone within {st['stop_deadline_in_s']:.1f} s")
     if st.get("fatal_reason"):
         lines.append(f"fatal      {st['fatal_reason']}")
         for err in st.get("last_engine_errors", []):

@@ -60,15 +60,17 @@ class Effects(Protocol):
         """One canary before held requests are let through: `GateProbe`."""
 
     def take_down(self, engine: EngineProcess, graceful: bool, force: asyncio.Event,
-                  req: evidence.EvidenceRequest | None) -> None:
+                  req: evidence.EvidenceRequest | None, deadline: float) -> None:
         """Evidence first when asked, then drain, SIGTERM, SIGKILL the group, reap and
-        prove the tree gone (and its GPU memory released): `EvidenceCaptured`, `Down`."""
+        prove the tree gone (and its GPU memory released), by `deadline` (the unit's
+        monotonic clock) as far as a kill allows: `EvidenceCaptured`, `Down`."""
 
     def forget(self, engine: EngineProcess) -> None:
         """Its tree is proven gone: drop the state file, disarm the guard."""
 
-    def drain(self, engine: EngineProcess) -> None:
-        """Wait (bounded) for the requests in flight at the proxy: `Drained`."""
+    def drain(self, engine: EngineProcess, deadline: float) -> None:
+        """Wait for the requests in flight at the proxy, up to the engine's drain timeout
+        and `deadline`: `Drained`."""
 
     def remedy(self, engine: EngineProcess, rung: str) -> None:
         """An in-place remedy (prefix-cache reset, KV reset): `RemedyDone`."""

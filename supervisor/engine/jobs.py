@@ -122,15 +122,15 @@ class JobEffects:
         self._launch(self._gate_probe(engine), "gate probe")
 
     def take_down(self, engine: eng.EngineProcess, graceful: bool, force: asyncio.Event,
-                  req: evidence.EvidenceRequest | None) -> None:
-        self._launch(self._take_down(engine, graceful, force, req), "take down")
+                  req: evidence.EvidenceRequest | None, deadline: float) -> None:
+        self._launch(self._take_down(engine, graceful, force, req, deadline), "take down")
 
     def forget(self, engine: eng.EngineProcess) -> None:
         self.state_file.remove()
         self.guard.disarm()
 
-    def drain(self, engine: eng.EngineProcess) -> None:
-        self._launch(self._drain(engine), "drain")
+    def drain(self, engine: eng.EngineProcess, deadline: float) -> None:
+        self._launch(self._drain(engine, deadline), "drain")
 
     def remedy(self, engine: eng.EngineProcess, rung: str) -> None:
         self._launch(self._remedy(engine, rung), rung)
@@ -248,14 +248,15 @@ class JobEffects:
         self.queue.put_nowait(EvidenceCaptured(engine.generation, req, bundle))
 
     async def _take_down(self, engine: eng.EngineProcess, graceful: bool,
-                             force: asyncio.Event,
-                             req: evidence.EvidenceRequest | None = None) -> None:
+                         force: asyncio.Event, req: evidence.EvidenceRequest | None,
+                         deadline: float) -> None:
         try:
             if req is not None:
                 await self._evidence(engine, req)
             # the engine's own config: a reload since its start does not change its stop
             result = await eng.take_down(engine, engine.config, graceful=graceful,
-                                         force=force, gpu=self.gpu)
+                                         force=force, gpu=self.gpu,
+                                         budget_s=deadline - self.clock.monotonic())
             # With the tree gone the pipes close: let the relays log the engine's last
             # words (a boot failure's traceback) before anyone reads them.
             if engine.relays:
@@ -281,9 +282,10 @@ class JobEffects:
                 await asyncio.sleep(0.5)
         self.queue.put_nowait(GateProbe(engine.generation, False, error))
 
-    async def _drain(self, engine: eng.EngineProcess) -> None:
+    async def _drain(self, engine: eng.EngineProcess, deadline: float) -> None:
         t0 = self.clock.monotonic()
-        idle = await self.gate.wait_idle(engine.config.drain_timeout_s)
+        idle = await self.gate.wait_idle(
+            min(engine.config.drain_timeout_s, max(0.0, deadline - t0)))
         self.queue.put_nowait(Drained(engine.generation, idle, self.clock.monotonic() - t0))
 
     async def _probe_sleep_mode(self, engine: eng.EngineProcess) -> None:

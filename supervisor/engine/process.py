@@ -233,24 +233,44 @@ async def wait_exit(proc: asyncio.subprocess.Process) -> int:
     return proc.returncode
 
 
+def stop_budget_s(cfg: EngineConfig, *, proxy_drain: bool, evidence_s: float) -> float:
+    """The one deadline of a restart or a stop, from its start to the old tree proven
+    gone: the bounds of its steps added up (the proxy's drain, the evidence capture, the
+    engine's own drain and grace, the exit, the tree and the port within reap_timeout_s
+    each, the GPU's release). `take_down` keeps within what is left of it."""
+    return ((cfg.drain_timeout_s if proxy_drain else 0.0) + evidence_s + cfg.drain_timeout_s
+            + cfg.stop_grace_s + 3 * cfg.reap_timeout_s + cfg.gpu_release_timeout_s)
+
+
 async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
-                    force: asyncio.Event, gpu: GpuProcessLister) -> TakeDown:
-    """Stop the engine and prove its tree gone, within one bounded deadline.
+                    force: asyncio.Event, gpu: GpuProcessLister,
+                    budget_s: float | None = None) -> TakeDown:
+    """Stop the engine and prove its tree gone, within `budget_s` (what is left of the
+    restart's or stop's deadline; None: the steps' own bounds added up).
 
     graceful: SIGTERM to the main pid only (vLLM drains for --shutdown-timeout, and its
     workers exit at once on SIGTERM, so never the group), wait for the drain plus a
     grace; `force` being set skips the wait. Then, always: SIGKILL the group, wait for
     every process of the tree to vanish, for the port to free and for the GPU to be
-    released by the old tree.
+    released by the old tree. Each wait is its own bound or what is left of the budget,
+    whichever is less; past the budget, the kill is still made and checked once (the
+    exit and the tree for at least a second).
     """
     t0 = time.monotonic()
+    end = t0 + (budget_s if budget_s is not None
+                else stop_budget_s(cfg, proxy_drain=False, evidence_s=0.0))
+
+    def within(bound: float, floor: float = 0.0) -> float:
+        return min(bound, max(floor, end - time.monotonic()))
+
     proc = engine.proc
     sigkilled = False
     if graceful and proc.returncode is None:
         proctree.signal_pid(engine.pid, signal.SIGTERM)
         waiter = asyncio.ensure_future(wait_exit(proc))
         forced = asyncio.ensure_future(force.wait())
-        await asyncio.wait({waiter, forced}, timeout=cfg.drain_timeout_s + cfg.stop_grace_s,
+        await asyncio.wait({waiter, forced},
+                           timeout=within(cfg.drain_timeout_s + cfg.stop_grace_s),
                            return_when=asyncio.FIRST_COMPLETED)
         forced.cancel()
         waiter.cancel()
@@ -260,7 +280,7 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
     known = list(engine.known)
     await asyncio.to_thread(proctree.kill_group, engine.pgid, known)
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(wait_exit(proc), timeout=cfg.reap_timeout_s)
+        await asyncio.wait_for(wait_exit(proc), timeout=within(cfg.reap_timeout_s, 1.0))
     # Kill again each time round: a process forked during the first kill joins the group.
     def still_there() -> list[proctree.ProcInfo]:
         left = proctree.survivors(known, engine.pgid)
@@ -268,16 +288,17 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
             proctree.kill_group(engine.pgid, left)
         return left
 
-    survivors = await poll_until_clear(still_there, cfg.reap_timeout_s)
+    survivors = await poll_until_clear(still_there, within(cfg.reap_timeout_s, 1.0))
     tree_pids = {i.pid for i in known} | {engine.pid}
 
     def gpu_held() -> dict[int, int]:
         listed = gpu.processes() or {}
         return {pid: mem for pid, mem in listed.items() if pid in tree_pids}
 
-    gpu_holders = await poll_until_clear(gpu_held, cfg.gpu_release_timeout_s, interval_s=0.25)
+    gpu_holders = await poll_until_clear(gpu_held, within(cfg.gpu_release_timeout_s),
+                                         interval_s=0.25)
     port_problem = await poll_until_clear(
-        lambda: proctree.port_holder(cfg.host, cfg.port), cfg.reap_timeout_s)
+        lambda: proctree.port_holder(cfg.host, cfg.port), within(cfg.reap_timeout_s))
     return TakeDown(exit_code=proc.returncode, survivors=survivors, gpu_holders=gpu_holders,
                     port_problem=port_problem, duration_s=time.monotonic() - t0,
                     sigkilled=sigkilled)

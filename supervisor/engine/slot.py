@@ -100,14 +100,15 @@ class EngineSlot:
         self._audit("exit", pid=engine.pid, asked=asked, **fields)
         return engine
 
-    def take_down(self, graceful: bool, req: evidence.EvidenceRequest | None) -> None:
+    def take_down(self, graceful: bool, req: evidence.EvidenceRequest | None,
+                  deadline: float) -> None:
         engine = self.engine
         assert engine is not None and not self.taking_down
         self.taking_down = True
         self._audit("take_down", pid=engine.pid, graceful=graceful,
                     evidence_for=req.rule if req is not None else None)
         log.info("taking the engine down", pid=engine.pid, graceful=graceful)
-        self._act.take_down(engine, graceful, self.force, req)
+        self._act.take_down(engine, graceful, self.force, req, deadline)
 
     def evidence_request(self, enabled: bool, signals: Mapping[str, float | None],
                          gpu: Mapping[str, Any] | None,

@@ -138,6 +138,8 @@ class EngineUnit:
         self.restarts_by_reason: dict[str, int] = {}
         self.start_blocked: str | None = None  # why the last start was refused (GPU busy)
         self.backoff_until: float | None = None
+        # a restart or stop under way ends by this (monotonic); None: none under way
+        self.stop_deadline: float | None = None
         self.keeper = GateKeeper(self.gate, self.audit)  # opens, holds, closes the gate
         self._restart_reason = ""
         self._restart_when_down = False
@@ -404,13 +406,26 @@ class EngineUnit:
                 and self.engine is None and not self.slot.spawning):
             self._start_engine("backoff elapsed")
 
+    def _set_deadline(self, proxy_drain: bool) -> float:
+        """The one deadline of the restart or stop beginning now (unless one runs):
+        every step of it keeps within what is left (`process.stop_budget_s`)."""
+        if self.stop_deadline is None:
+            e = self.engine
+            evidence_s = self.config.evidence.timeout_s + 1.0 \
+                if self.slot.evidence_for is not None and self.config.evidence.enabled else 0.0
+            self.stop_deadline = self.clock.monotonic() + eng.stop_budget_s(
+                (e.config if e is not None else self.config.engine),
+                proxy_drain=proxy_drain, evidence_s=evidence_s)
+        return self.stop_deadline
+
     def _take_down(self, graceful: bool) -> None:
+        deadline = self._set_deadline(proxy_drain=False)
         self.relaunch.taken_down()
         now = self.clock.monotonic()
         req = self.slot.evidence_request(
             self.config.evidence.enabled, self.watch.signals(now, self.engine),
             self.watch.window.gpu_snapshot(), self.clock.wall())
-        self.slot.take_down(graceful, req)
+        self.slot.take_down(graceful, req, deadline)
 
     def handle_evidence_captured(self, ev: EvidenceCaptured) -> None:
         fields = {"rule": ev.request.rule, "reason": ev.request.reason,
@@ -423,6 +438,7 @@ class EngineUnit:
 
     def handle_down(self, ev: Down) -> None:
         engine, problem = self.slot.down(ev)
+        self.stop_deadline = None
         self.relaunch.down()
         if self.state is State.FATAL:
             self.fatal_errors = list(engine.recent_errors)[-10:]  # now complete
@@ -490,7 +506,7 @@ class EngineUnit:
                 if graceful and self.fronted and self.gate.in_flight:
                     # The gate holds new requests now; let the ones at the engine finish
                     # before SIGTERM (vLLM's own drain aborts streams), bounded.
-                    self.act.drain(self.engine)
+                    self.act.drain(self.engine, self._set_deadline(proxy_drain=True))
                 else:
                     self._take_down(graceful=graceful)
             # a take-down already running (a crash being reaped) ends in handle_down

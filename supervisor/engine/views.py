@@ -58,6 +58,8 @@ class Viewable(Protocol):
     @property
     def backoff_until(self) -> float | None: ...
     @property
+    def stop_deadline(self) -> float | None: ...
+    @property
     def fatal_reason(self) -> str | None: ...
     @property
     def fatal_errors(self) -> list[str]: ...
@@ -142,6 +144,9 @@ def status(unit: Viewable) -> dict[str, Any]:
         "backoff_remaining_s": (round(max(0.0, unit.backoff_until - now), 3)
                                 if unit.backoff_until is not None
                                 and unit.state is State.BACKOFF else None),
+        # a restart's or stop's one deadline: the old tree proven gone by then
+        "stop_deadline_in_s": (round(max(0.0, unit.stop_deadline - now), 3)
+                               if unit.stop_deadline is not None else None),
         "fatal_reason": unit.fatal_reason if unit.state is State.FATAL else None,
         "start_blocked": unit.start_blocked if unit.state is State.BACKOFF else None,
         "remedies": {
