@@ -217,7 +217,8 @@ class Host:
         e = unit.config.engine
         models = e.served_models()
         self.proxy.add_engine(Backend(name, unit.gate, unit.serving, e.base_url, models,
-                                      e.models_open or not models, e.fallback or None))
+                                      e.models_open or not models, e.fallback or None,
+                                      generation=lambda: unit.generation))
 
     def _pids_but(self, name: str) -> set[int]:
         """The processes of every other engine (a shared GPU's expected memory)."""

@@ -22,6 +22,10 @@ script a fault:
                         requests running at that moment to <pidfile dir>/sleeps, and
                         completions answer 503 while asleep
   --wake-fails          POST /wake_up answers 500 (and the engine stays asleep)
+  --die-on-prompt TEXT  a completion whose prompt holds TEXT (as text or as its token ids,
+                        as a continuation sends it) gets no answer: the engine
+                        exits 1 0.3 s after it arrives (a request that kills vLLM)
+  --die-answering       ... answered as any other until then (its first tokens sent)
   --fault-file PATH     when PATH appears, it is read and removed, and every stream in
                         flight at that moment meets the fault it names: "cut" (the
                         connection closed mid-answer), "error" (vLLM's error event, then
@@ -86,6 +90,8 @@ def main() -> None:
     p.add_argument("--enable-sleep-mode", action="store_true")
     p.add_argument("--wake-fails", action="store_true")
     p.add_argument("--fault-file", default=None)
+    p.add_argument("--die-on-prompt", default=None)
+    p.add_argument("--die-answering", action="store_true")
     p.add_argument("--served-model-name", default="fake")  # the one name it answers to
     a, _engine_args = p.parse_known_args()  # the rest: engine flags, e.g. --max-num-seqs
 
@@ -199,6 +205,13 @@ def main() -> None:
                 req = {}
             req = req if isinstance(req, dict) else {}
             generate = self.path in ("/v1/completions", "/v1/chat/completions")
+            if generate and a.die_on_prompt and kills(req, self.path, a.die_on_prompt):
+                print("ERROR EngineCore encountered a fatal error (a request killed it)",
+                      flush=True)
+                if not a.die_answering:
+                    time.sleep(0.3)
+                    os._exit(1)
+                threading.Timer(0.3, os._exit, args=(1,)).start()
             if generate and dying.is_set():
                 body, code = b'{"error": {"message": "EngineDeadError", "code": 500}}', 500
             elif generate and asleep.is_set():
@@ -369,6 +382,13 @@ def prompt_ids(req: dict[str, Any], chat: bool) -> list[int]:
     if not isinstance(p, str):
         p = str(p)
     return [ord(c) % 1000 for c in p]
+
+
+def kills(req: dict[str, Any], path: str, text: str) -> bool:
+    """The prompt holds `text`: as a string, or as its token ids (a continuation)."""
+    ids = prompt_ids(req, path == "/v1/chat/completions")
+    want = [ord(c) % 1000 for c in text]
+    return any(ids[i:i + len(want)] == want for i in range(len(ids) - len(want) + 1))
 
 
 def next_token(seq: list[int]) -> int:

@@ -248,3 +248,57 @@ def test_a_drained_restart_pauses_streams_and_goes_on_with_them(daemon_factory, 
         assert continued == 3 and restart_s < 5  # not the streams' remaining ~5.5 s
     else:
         assert continued == 0 and restart_s >= 4  # it waited for them
+
+
+@pytest.mark.parametrize("answering", [False, True], ids=["silent", "answering"])
+def test_a_request_that_kills_its_engine_is_refused_and_the_innocent_streams_complete(
+        fronted, answering):
+    """An engine that dies whenever one prompt arrives, beside four long streams: that
+    request ends in an explicit error after at most three engine deaths (an HTTP 502
+    when it kills before its answer begins, an error event and no [DONE] when its first
+    tokens were sent); the innocent streams, continued through every death, complete
+    with every token; the daemon keeps serving (a crash after serving is no boot
+    failure: never FATAL)."""
+    d, cfg = fronted("--die-on-prompt", "KILLER",
+                     *(["--die-answering"] if answering else []), keepalive_s=0.5)
+    n = 150  # 3 s each at 0.02 s a token: in flight at each death
+    bodies = [comp(prompt=f"innocent {i}", max_tokens=n) for i in range(4)]
+    results: list[Seen | None] = [None] * len(bodies)
+    started = [threading.Event() for _ in bodies]
+
+    def one(i: int) -> None:
+        results[i] = run(cfg, bodies[i], started=started[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for e in started:
+        assert e.wait(30), "a stream never started"
+    if answering:
+        seen = run(cfg, comp(prompt="KILLER", max_tokens=200))
+        assert seen.status == 200 and seen.texts and not seen.done, seen
+        assert seen.error is not None and "3 of its deaths" in seen.error, seen
+    else:  # no stream ever starts: its refusal is the HTTP error itself
+        r = httpx.post(url(cfg), json=comp(prompt="KILLER", max_tokens=20), timeout=120)
+        assert r.status_code == 502 and r.json()["error"]["type"] == "kills_engine", r.text
+        assert "3 of its deaths" in r.json()["error"]["message"]
+    for t in threads:
+        t.join(120)
+    for i, s in enumerate(results):
+        assert s is not None and s.complete, s
+        assert "".join(s.texts) == expected_text(
+            prompt_ids({"prompt": f"innocent {i}"}, False), n)
+        assert s.usage is not None and s.usage["completion_tokens"] == n
+    st = wait_for(lambda: (s := d.status())["state"] == "RUNNING" and s, 30, "RUNNING")
+    assert 1 <= st["restarts"] <= 3
+    m = metrics(cfg)
+    key = (("vllm_supervisor_proxy_continuation_refusals_total",
+            (("reason", "kills_engine"),)) if answering else
+           ("vllm_supervisor_proxy_rejections_total", (("reason", "kills_engine"),)))
+    assert m[key] == 1
+    event = "stream failed" if answering else "request refused"
+    refused = [e for e in d.log_records() if e.get("event") == event and e.get("body")]
+    assert len(refused) == 1 and refused[0]["body"].startswith("sha256:")
+    assert "KILLER" not in json.dumps(refused[0]) and refused[0]["deaths"] == 3
+    assert httpx.post(url(cfg), json={"model": "fake", "prompt": "fine", "max_tokens": 2},
+                      timeout=30).status_code == 200

@@ -40,7 +40,7 @@ OUTCOMES = ("continued", "resent", "closed", "refused", "failed", "client_gone")
 REFUSALS = ("several_choices", "beam_search", "echo", "logprobs", "structured_output",
             "stop_strings", "penalties", "logits_processors", "tools", "multimodal",
             "prompt_form", "several_prompts", "no_model", "parser_output", "no_token_ids",
-            "too_many_faults")
+            "too_many_faults", "kills_engine")
 CONTINUATION_PATH = "/v1/completions"
 DONE = b"data: [DONE]\n\n"
 

@@ -31,6 +31,9 @@ class Backend:
     models: tuple[str, ...] = ()
     models_open: bool = False  # LoRA, or no names known: any model name may be served
     fallback: str | None = None  # the engine that takes its models while it is down
+    # which start of the engine this is (its unit's generation): a request counts one
+    # death per engine start it was at, however many ways that engine failed it
+    generation: Callable[[], int] = lambda: 0
 
     def serving(self) -> bool:
         return self.ready() and not self.gate.breaker_open

@@ -73,3 +73,18 @@ class Exchange:
     gap_from: float | None = None  # a broken stream's last answer bytes, until it goes on
     transcript: Transcript | None = None  # a continuable stream's record
     backend: Backend | None = None  # the engine it was sent to (a continuation stays there)
+    sent_to: tuple[str, int] | None = None  # (engine, its generation) it went to last
+    # the engine starts that failed it while they had it (supervisor/front/quarantine.py)
+    died_at: set[tuple[str, int]] = field(default_factory=set)
+
+    def sent(self, backend: Backend) -> None:
+        self.sent_to = (backend.name, backend.generation())
+
+    def engine_failed(self) -> None:
+        """The engine it was last sent to went while it had it: one death per start."""
+        if self.sent_to is not None:
+            self.died_at.add(self.sent_to)
+
+    @property
+    def deaths(self) -> int:
+        return len(self.died_at)

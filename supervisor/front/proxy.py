@@ -40,7 +40,7 @@ import structlog
 from aiohttp import web
 from yarl import URL
 
-from supervisor.front import continuation, dispatch, routing
+from supervisor.front import continuation, dispatch, quarantine, routing
 from supervisor.front.admission import Gate, Rejected
 from supervisor.front.continuation import Transcript
 from supervisor.front.dispatch import Backend, Choice, RequestFacts, read_request
@@ -82,7 +82,8 @@ class FrontProxy:
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         # the streams it can continue: relayed, paused, continued
-        self.streams = StreamRelay(settings, self.stats, self.latency)
+        self.lanes = quarantine.Quarantine()  # requests that kill their engine
+        self.streams = StreamRelay(settings, self.stats, self.latency, self.lanes)
 
     def add_engine(self, backend: Backend) -> None:
         """An engine to route to, after those there are (a reload adds one)."""
@@ -277,7 +278,9 @@ class FrontProxy:
             plan = continuation.plan(target.path, choice.body, choice.doc) \
                 if self.s.continuation else None
             try:
-                return await self._forward(request, target, choice.body, ex, plan)
+                async with self.lanes.lane(choice.backend.name, ex.deaths):
+                    ex.sent(choice.backend)
+                    return await self._forward(request, target, choice.body, ex, plan)
             except Broken as exc:
                 broken = exc  # continued below, once its ticket is given back
                 break
@@ -285,6 +288,10 @@ class FrontProxy:
                 # the engine refused the connection or is dying: the client has seen
                 # nothing, and the request is routed again: to an engine that serves now,
                 # or held while the daemon brings its own back (bounded by the hold timeout)
+                if exc.reached:
+                    ex.engine_failed()
+                if ex.deaths >= quarantine.REFUSE_AT:
+                    return self._refuse_killer(body, ex, exc)
                 self.stats.retried_connects += 1
                 if time.monotonic() >= give_up:
                     ex.status, ex.outcome = 503, "hold_timeout"
@@ -296,6 +303,13 @@ class FrontProxy:
             finally:
                 choice.backend.gate.done(ticket)
         return await self.streams.continue_stream(request, broken, ex)
+
+    def _refuse_killer(self, body: bytes, ex: Exchange, exc: BaseException) -> web.Response:
+        """A request the engine died of, each time it was sent: not sent again."""
+        ex.status, ex.outcome = 502, quarantine.REASON
+        log.warning("request refused", reason=quarantine.REASON, deaths=ex.deaths,
+                    body=quarantine.digest(body), last_error=str(exc)[:300])
+        return self._error(502, quarantine.refusal(ex.deaths), quarantine.REASON)
 
     def _finish(self, request: web.Request, target: Target, ex: Exchange) -> None:
         """The request is over: its latencies into the histograms, its one access line."""
@@ -356,7 +370,8 @@ class FrontProxy:
                     # nothing has reached the client, and the engine is dying (vLLM answers
                     # 500 to new requests between its core's death and its own exit): the
                     # answer goes to the engine that replaces it instead
-                    raise NotDelivered(f"HTTP {up.status} from a dying engine")
+                    raise NotDelivered(f"HTTP {up.status} from a dying engine",
+                                       reached=True)
                 resp = web.StreamResponse(status=up.status, reason=up.reason)
                 for k, v in up.headers.items():
                     if k.lower() not in HOP_BY_HOP:
@@ -384,9 +399,10 @@ class FrontProxy:
         except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
                 aiohttp.ClientOSError) as exc:
             if resp is None or not resp.prepared:
-                # refused, or a kept-alive connection the engine had closed: no answer has
+                # refused, or the engine went while it had the request: no answer has
                 # begun, so the client has seen nothing and the request can go again
-                raise NotDelivered(repr(exc)) from exc
+                raise NotDelivered(repr(exc), reached=not isinstance(
+                    exc, aiohttp.ClientConnectorError)) from exc
             if isinstance(exc, aiohttp.ClientConnectorError):
                 raise
             return self._cut(target, request, resp, exc, ex)

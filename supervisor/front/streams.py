@@ -22,7 +22,7 @@ import structlog
 from aiohttp import web
 from yarl import URL
 
-from supervisor.front import continuation
+from supervisor.front import continuation, quarantine
 from supervisor.front.admission import Rejected, Ticket
 from supervisor.front.continuation import StreamBroken, Transcript
 from supervisor.front.dispatch import Backend
@@ -48,11 +48,12 @@ class StreamRelay:
     for a drained restart, continued when their engine fails them. `s` follows the
     proxy's reloaded settings; `session` is the proxy's upstream session once it listens."""
 
-    def __init__(self, settings: ProxySettings, stats: ProxyStats,
-                 latency: ClientLatency) -> None:
+    def __init__(self, settings: ProxySettings, stats: ProxyStats, latency: ClientLatency,
+                 lanes: quarantine.Quarantine) -> None:
         self.s = settings
         self.stats = stats
         self.latency = latency
+        self.lanes = lanes
         self.session: aiohttp.ClientSession | None = None
         # continuable streams being relayed: id(transcript) -> (it, its engine answer,
         # the engine's name)
@@ -134,6 +135,8 @@ class StreamRelay:
         resp, t, cause = broken.resp, broken.transcript, broken.cause
         ka = asyncio.create_task(self._keepalive(resp, ex))
         faults = 0 if isinstance(cause, Paused) else 1
+        if faults:
+            ex.engine_failed()
         try:
             while True:
                 if t.finish_reason is not None and t.plan.refused is None:
@@ -141,6 +144,11 @@ class StreamRelay:
                     await resp.write_eof()
                     return self._continued(resp, ex, "closed")
                 why = None if t.events == 0 else t.refusal()
+                if why is None and ex.deaths >= quarantine.REFUSE_AT:
+                    self.stats.continued("refused", quarantine.REASON)
+                    return await self._end_with_error(
+                        resp, ex, f"{cause}; {quarantine.refusal(ex.deaths)}",
+                        killer=quarantine.digest(t.plan.body))
                 if why is None and faults > self.s.max_continuations:
                     why = "too_many_faults"
                 if why is not None:
@@ -151,7 +159,12 @@ class StreamRelay:
                     await self._attempt(request, resp, ex, t, cause)
                 except Broken as again:
                     cause = again.cause
-                    faults += not isinstance(cause, Paused)
+                    if not isinstance(cause, Paused):
+                        faults += 1
+                        ex.engine_failed()
+                    continue
+                except EngineDied as died:
+                    cause = died
                     continue
                 except GaveUp as exc:
                     self.stats.continued("failed")
@@ -195,27 +208,39 @@ class StreamRelay:
                     path, body = continuation.CONTINUATION_PATH, t.continuation()
                 url = URL(backend.upstream + path, encoded=True)
                 try:
-                    async with self.session.post(url, data=body,
-                                                  headers=upstream_headers(request)) as up:
-                        if up.status >= 500 and (not await self.engine_healthy(backend)
-                                                 or (errors := errors + 1) < 3):
-                            # a dying engine (its /health may say 200 for a moment
-                            # after its core died): the continuation waits for the next
-                            raise NotDelivered(f"HTTP {up.status} from a dying engine")
-                        if up.status != 200:
-                            text = (await up.read())[:500].decode(errors="replace")
-                            raise GaveUp(f"the engine refused the continuation: HTTP "
-                                          f"{up.status}: {text}")
-                        if t.events:
-                            t.begin_attempt()
-                            ex.gap_from = broke_at
-                            log.info("stream continued", id=t.id, attempt=t.attempt,
-                                     tokens_before=t.base, cause=str(cause)[:300],
-                                     waited_s=round(time.monotonic() - broke_at, 3))
-                        await self.relay_events(up, resp, ex, t)
-                        return
-                except (TimeoutError, aiohttp.ClientError, NotDelivered):
-                    pass  # refused, or a dying engine's answer: not back yet
+                    async with self.lanes.lane(backend.name, ex.deaths, left):
+                        ex.sent(backend)
+                        async with self.session.post(
+                                url, data=body, headers=upstream_headers(request)) as up:
+                            if up.status >= 500 and (not await self.engine_healthy(backend)
+                                                     or (errors := errors + 1) < 3):
+                                # a dying engine (its /health may say 200 for a moment
+                                # after its core died): the continuation waits for the
+                                # next one, and the request was there as it died
+                                raise NotDelivered(f"HTTP {up.status} from a dying engine",
+                                                   reached=True)
+                            if up.status != 200:
+                                text = (await up.read())[:500].decode(errors="replace")
+                                raise GaveUp(f"the engine refused the continuation: HTTP "
+                                              f"{up.status}: {text}")
+                            if t.events:
+                                t.begin_attempt()
+                                ex.gap_from = broke_at
+                                log.info("stream continued", id=t.id, attempt=t.attempt,
+                                         tokens_before=t.base, cause=str(cause)[:300],
+                                         waited_s=round(time.monotonic() - broke_at, 3))
+                            await self.relay_events(up, resp, ex, t)
+                            return
+                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                        NotDelivered) as exc:
+                    reached = not isinstance(exc, aiohttp.ClientConnectorError) and (
+                        not isinstance(exc, NotDelivered) or exc.reached)
+                    if reached:  # it was at the engine when the engine went
+                        ex.engine_failed()
+                        raise EngineDied(f"the engine failed the request again: {exc!r}"
+                                         ) from exc
+                except (TimeoutError, aiohttp.ClientError):
+                    pass  # refused, or its lane or the engine busy: not back yet
             finally:
                 backend.gate.done(ticket)
             await asyncio.sleep(0.2)
@@ -246,14 +271,15 @@ class StreamRelay:
                     idle = 0.0
                 await asyncio.sleep(self.s.keepalive_s - idle)
 
-    async def _end_with_error(self, resp: web.StreamResponse, ex: Exchange,
-                              message: str) -> web.StreamResponse:
+    async def _end_with_error(self, resp: web.StreamResponse, ex: Exchange, message: str,
+                              killer: str | None = None) -> web.StreamResponse:
         """The explicit end of a stream that cannot be finished: an error event and the
-        end of the body, no [DONE]; never a stream that ends cleanly but short."""
-        ex.outcome = "failed"
+        end of the body, no [DONE]; never a stream that ends cleanly but short. `killer`:
+        the digest of a request refused for killing its engine."""
+        ex.outcome = quarantine.REASON if killer else "failed"
         self.stats.count(502)
         log.warning("stream failed", id=ex.transcript.id if ex.transcript else None,
-                    why=message[:500])
+                    why=message[:500], deaths=ex.deaths, **({"body": killer} if killer else {}))
         await resp.write(continuation.error_event(message))
         await resp.write_eof()
         return resp
@@ -296,4 +322,13 @@ class GaveUp(Exception):
 
 
 class NotDelivered(Exception):
-    """The engine refused the connection: the request never reached it."""
+    """No answer began: the engine refused the connection (the request never reached
+    it), or it was reached and the engine went (`reached`: a death it was at)."""
+
+    def __init__(self, message: str, reached: bool = False) -> None:
+        super().__init__(message)
+        self.reached = reached
+
+
+class EngineDied(Exception):
+    """A continuation reached its engine, and the engine went before answering."""

@@ -1,0 +1,66 @@
+"""Requests that kill their engine, kept from taking the host down.
+
+A request that crashes the engine whenever it runs (an oversized prompt that OOM-kills
+vLLM, say) would otherwise be replayed on every restarted engine, since the proxy holds
+and continues what a fault interrupts. Every request counts the engine deaths it was at
+the engine for (`Exchange.deaths`): its stream broken by the engine, or its connection
+dropped or answered 5xx by a dying engine; a connection refused does not count (the
+request never reached an engine), nor a stream paused for a drained restart.
+
+- At `SUSPECT_AT` deaths (2) a request is a suspect: from then on it goes to its engine
+  only through that engine's suspect lane, one suspect at a time. Other requests flow as
+  usual; the suspects wait for each other.
+- At `REFUSE_AT` deaths (3) it is refused: a stream ends with an explicit error event and
+  no `[DONE]`, any other request gets a JSON error with HTTP 502; counted under the
+  reason `kills_engine` and logged with its id and a digest of its body, never the body.
+
+Bounds. A request that kills its engine every time causes at most 3 deaths: with the
+others at the first, again when resent with the others at the second, alone among the
+suspects at the third. An innocent request is at most a suspect (it needs a third death
+while it runs alone among suspects, which only a second request that kills the engine,
+arriving just then, could cause); the extra wait it pays is the time the suspects ahead
+of it in the lane take to run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from collections.abc import AsyncIterator
+
+SUSPECT_AT = 2
+REFUSE_AT = 3
+REASON = "kills_engine"
+
+
+def digest(body: bytes) -> str:
+    """What the log says of a refused request's body: enough to match it, not to read it."""
+    return "sha256:" + hashlib.sha256(body).hexdigest()[:16]
+
+
+def refusal(deaths: int) -> str:
+    return (f"refused: this request was at the engine at {deaths} of its deaths "
+            f"({REASON}); it is not sent again")
+
+
+class Quarantine:
+    """The suspect lane of each engine."""
+
+    def __init__(self) -> None:
+        self._lanes: dict[str, asyncio.Lock] = {}
+
+    @contextlib.asynccontextmanager
+    async def lane(self, engine: str, deaths: int,
+                   timeout_s: float | None = None) -> AsyncIterator[None]:
+        """Through engine's suspect lane when `deaths` makes a suspect (raises
+        TimeoutError if it is not free within `timeout_s`); straight through otherwise."""
+        if deaths < SUSPECT_AT:
+            yield
+            return
+        lock = self._lanes.setdefault(engine, asyncio.Lock())
+        await asyncio.wait_for(lock.acquire(), timeout_s)
+        try:
+            yield
+        finally:
+            lock.release()
