@@ -56,7 +56,22 @@ def _gpu(cfg: Config, engine: EngineConfig) -> tuple[GpuProcessLister, GpuSample
         else:
             log.warning("no GPU found; GPU checks and readings are off", reason=problem)
         return NoGpu(), None
+    if not engine.gpus and len(nvml.indices) > 1:
+        log.warning("engine.gpus is not set: the engine sees every GPU of this host; name "
+                    "its GPUs to give it those alone",
+                    engine=next((n for n, e in cfg.engines.items() if e is engine), None),
+                    gpus_seen=nvml.indices)
     return nvml, (nvml if mode != "off" else None)
+
+
+def runtime_paths_ok(cfg: Config) -> str | None:
+    """Create the runtime directory; returns a problem instead of raising."""
+    try:
+        Path(cfg.daemon.runtime_dir).mkdir(parents=True, exist_ok=True)
+        Path(cfg.control.socket).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create runtime directory: {exc}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,12 +101,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def runtime_paths_ok(cfg: Config) -> str | None:
-    """Create the runtime directory; returns a problem instead of raising."""
-    try:
-        Path(cfg.daemon.runtime_dir).mkdir(parents=True, exist_ok=True)
-        Path(cfg.control.socket).parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return f"cannot create runtime directory: {exc}"
-    return None

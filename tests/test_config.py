@@ -179,6 +179,32 @@ def test_engine_rules_name_the_key_and_the_problem(doc, expected):
     assert any(p.startswith(expected) for p in found), found
 
 
+@pytest.mark.parametrize(("engine", "expected"), [
+    ({"gpus": [2, 3], "env": {"CUDA_VISIBLE_DEVICES": "0"}},
+     "engine.env.CUDA_VISIBLE_DEVICES: '0' disagrees with engine.gpus = [2, 3]"),
+    ({"gpus": [1], "env": {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}},
+     "engine.env.CUDA_DEVICE_ORDER: 'FASTEST_FIRST'; with engine.gpus the daemon sets"),
+    ({"gpus": [0, 1], "args": ["--tensor-parallel-size", "2", "-pp=2"]},
+     "engine.args: --tensor-parallel-size 2 x --pipeline-parallel-size 2 = 4 GPUs, but "
+     "engine.gpus names 2 ([0, 1])"),
+    ({"gpus": [0], "args": ["--tensor_parallel_size=2"]},
+     "engine.args: --tensor-parallel-size 2 = 2 GPUs, but engine.gpus names 1"),
+])
+def test_gpus_the_engine_cannot_have_are_refused_naming_both_sides(engine, expected):
+    found = problems(with_engine(**engine))
+    assert any(p.startswith(expected) for p in found), found
+
+
+def test_gpus_that_agree_with_the_environment_and_the_parallel_size_are_valid():
+    cfg = parse_config(with_engine(gpus=[2, 3], env={"CUDA_VISIBLE_DEVICES": "2, 3",
+                                                    "CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
+                                   args=["-tp", "2"]), "t.toml", Path("/b"))
+    assert cfg.engine.gpus == [2, 3]
+    # without gpus nothing is checked: the engine sees what the daemon sees
+    parse_config(with_engine(args=["-tp", "8"], env={"CUDA_VISIBLE_DEVICES": "5"}),
+                 "t.toml", Path("/b"))
+
+
 def test_engines_sharing_a_gpu_when_both_allow_it_is_valid():
     cfg = parse_config(engines(a={"port": 8101, "gpus": [0], "share_gpus": True},
                                b={"port": 8102, "gpus": [0], "share_gpus": True}),

@@ -198,3 +198,19 @@ def test_replicas_of_one_model_share_it_and_a_held_request_takes_the_first_to_se
     r = ask(cfg, "m")
     assert r.status_code == 200 and r.headers["x-supervisor-engine"] == "r2"
     assert engines_of(d)["r1"]["state"] in ("BACKOFF", "STARTING")
+
+
+def test_each_engine_gets_the_gpus_it_names_and_no_other(daemon_factory, tmp_path):
+    """`gpus` is given to the engine: CUDA counting as NVML does (PCI_BUS_ID) and only
+    the GPUs named, whatever the daemon's own environment says; an engine without `gpus`
+    sees what the daemon sees."""
+    cfg = engines_config(tmp_path, a={"gpus": [2, 0], "share_gpus": True},
+                         b={"gpus": [], "share_gpus": True})
+    for name in ("a", "b"):
+        cfg[f"engines.{name}"]["env"]["FAKE_ENGINE_ENVFILE"] = str(tmp_path / f"{name}.env")
+    d = daemon_factory(cfg, env={"CUDA_VISIBLE_DEVICES": "7"})
+    wait_for(lambda: all_serving(d, "a", "b"), 30, "both engines serving")
+    a = json.loads((tmp_path / "a.env").read_text())
+    b = json.loads((tmp_path / "b.env").read_text())
+    assert a["CUDA_VISIBLE_DEVICES"] == "2,0" and a["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert b["CUDA_VISIBLE_DEVICES"] == "7" and "CUDA_DEVICE_ORDER" not in b

@@ -17,7 +17,7 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -54,6 +54,7 @@ class SpawnSpec:
 def build_spawn_spec(cfg: EngineConfig, environ: Mapping[str, str]) -> SpawnSpec:
     env = {k: v for k, v in environ.items() if k not in _PRIVATE_ENV} if cfg.inherit_env else {}
     env.update(cfg.env)
+    env.update(gpu_pinning(cfg.gpus))
     env.setdefault("PYTHONUNBUFFERED", "1")  # engine lines reach the journal as they happen
     argv = [*cfg.command, "--host", cfg.host, "--port", str(cfg.port),
             "--shutdown-timeout", f"{cfg.drain_timeout_s:g}", *cfg.args]
@@ -62,6 +63,20 @@ def build_spawn_spec(cfg: EngineConfig, environ: Mapping[str, str]) -> SpawnSpec
         # (either spelling in the operator's args wins)
         argv.append("--disable-uvicorn-access-log")
     return SpawnSpec(argv=argv, env=env, cwd=cfg.cwd, host=cfg.host, port=cfg.port)
+
+
+def gpu_pinning(gpus: Sequence[int]) -> dict[str, str]:
+    """The environment that gives an engine the GPUs its `gpus` names, and no other.
+
+    NVML numbers GPUs by PCI bus; CUDA, by default, fastest first. `CUDA_DEVICE_ORDER=
+    PCI_BUS_ID` makes CUDA count as NVML does, so the indices the daemon watches are the
+    GPUs the engine uses. Indices rather than UUIDs: every vLLM version takes them (0.22
+    and older crash on a UUID, vllm#20939; newer ones refuse the short form, vllm#51677).
+    {} without `gpus`: the engine sees what the daemon sees."""
+    if not gpus:
+        return {}
+    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus)}
 
 
 def _libc_prctl() -> object | None:

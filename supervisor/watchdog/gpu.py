@@ -111,6 +111,11 @@ class NvmlSampler:
         self.xid_problem: str | None = None  # why XID events are not read, if they are not
         self._xid_problem_told = False
 
+    @property
+    def indices(self) -> list[int]:
+        """The GPUs sampled: the engine's `gpus`, or every GPU NVML sees once `init` ran."""
+        return list(self._indices)
+
     def init(self) -> str | None:
         """Initialise NVML; returns why it is unavailable, or None when it works."""
         if self._ok:
