@@ -212,6 +212,9 @@ def phase_start() -> None:
     sig = st["signals"]
     procs = nvml_processes()
     tree = {p.pid: p.name() for p in engine_tree(st["pid"])}
+    # what the daemon gave the engine (issue 27): its GPUs, in NVML's order
+    pinning = {str(p.pid): {k: v for k, v in p.environ().items() if k.startswith("CUDA_")}
+               for p in engine_tree(st["pid"])}
     metrics = urllib.request.urlopen(f"http://{EXPORTER}/metrics", timeout=10).read().decode()
     exported = {line.split(" ")[0]: line.split(" ")[-1] for line in metrics.splitlines()
                 if line.startswith(("vllm_supervisor_gpu_", "vllm_supervisor_engine_gpu"))}
@@ -219,7 +222,8 @@ def phase_start() -> None:
            reason=st["reason"],
            signals={k: v for k, v in sig.items() if k.startswith(("gpu_", "engine_gpu"))},
            nvml_processes_mib={str(p): round(b / 2**20) for p, b in procs.items()},
-           engine_tree=tree, exporter=exported, remedies=st["remedies"])
+           engine_tree=tree, engine_cuda_env=pinning, exporter=exported,
+           remedies=st["remedies"])
 
 
 def phase_kv_reset() -> None:
