@@ -80,6 +80,12 @@ class EngineConfig:
     models: list[str] = spec([])
     # another engine may claim one of this engine's `gpus` (both must allow it)
     share_gpus: bool = spec(False)
+    # "awake": a second engine of the same command and arguments, kept loaded and idle
+    # on the same GPUs and its own port, takes over when this one fails or is restarted
+    # (docs/standby.md); "none": every fault costs a cold start
+    standby: str = spec("none", choices=("none", "awake"))
+    # the standby's internal port; 0: this engine's port + 1
+    standby_port: int = spec(0, lo=0, hi=65535)
 
     @property
     def base_url(self) -> str:
@@ -87,6 +93,11 @@ class EngineConfig:
         address reached on loopback, IPv6 in brackets)."""
         host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
         return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    def second(self) -> EngineConfig:
+        """The config of the standby's engine: this one's, on the standby's port. The two
+        engines take turns serving: each start uses the port of its place."""
+        return dataclasses.replace(self, port=self.standby_port or self.port + 1)
 
     @property
     def models_open(self) -> bool:
@@ -329,6 +340,11 @@ class Config:
             return Path(self.daemon.runtime_dir) / "engine-tree.json"
         return Path(self.daemon.runtime_dir) / f"engine-tree-{self.engine_name}.json"
 
+    def state_file_of(self, bay: int) -> Path:
+        """The state file of an engine in bay 0 (today's file) or bay 1 (the second
+        engine a standby keeps: `engine-tree.bay1.json`)."""
+        return self.state_file if bay == 0 else self.state_file.with_suffix(f".bay{bay}.json")
+
 
 _SECTIONS: dict[str, type[Any]] = {
     "engine": EngineConfig,
@@ -428,9 +444,14 @@ def _check_engines(key: str, engines: dict[str, EngineConfig], problems: list[st
     claimed once unless both engines share them."""
     by_port: dict[tuple[str, int], str] = {}
     for name, e in engines.items():
-        other = by_port.setdefault((e.base_url.rsplit(":", 1)[0], e.port), name)
-        if other != name:
-            problems.append(f"{key}.{name}.port: {e.port} is engine {other}'s port too")
+        places = [(e.port, "port")] + ([(e.second().port, "standby_port")]
+                                       if e.standby != "none" else [])
+        for port, what in places:
+            other = by_port.setdefault((e.base_url.rsplit(":", 1)[0], port), name)
+            if other != name:
+                problems.append(f"{key}.{name}.{what}: {port} is engine {other}'s port too")
+        if e.standby != "none" and e.second().port == e.port:
+            problems.append(f"{key}.{name}.standby_port: {e.port} is the engine's own port")
     for name, e in engines.items():
         if not e.fallback:
             continue

@@ -224,8 +224,8 @@ class Host:
         """The processes of every other engine (a shared GPU's expected memory)."""
         pids: set[int] = set()
         for other, unit in self.units.items():
-            if other != name and unit.engine is not None:
-                pids |= {p.pid for p in unit.engine.known}
+            if other != name:
+                pids |= unit.pids()
         return pids
 
     def handle_unit_done(self, ev: UnitDone) -> None:

@@ -45,8 +45,9 @@ class Effects(Protocol):
     def tick_every(self, interval_s: float) -> None:
         """`Tick` on the queue every `interval_s`, for as long as the unit runs."""
 
-    def spawn(self, generation: int, spec: SpawnSpec, cfg: EngineConfig) -> None:
-        """Clean up leftovers, check the port and GPUs, start the engine: `Spawned`."""
+    def spawn(self, generation: int, spec: SpawnSpec, cfg: EngineConfig, bay: int) -> None:
+        """Clean up the leftovers of `bay` (0, or 1: a standby's second place), check the
+        port and GPUs, start the engine there: `Spawned`."""
 
     def watch(self, engine: EngineProcess) -> None:
         """Guard its group against the daemon's death, relay its output, watch its exit,

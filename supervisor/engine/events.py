@@ -88,6 +88,13 @@ class Down(Event):
 
 
 @dataclass(frozen=True)
+class StandbyDue(Event):
+    """Time to start the standby again after it failed."""
+
+    name = "standby_due"
+
+
+@dataclass(frozen=True)
 class BackoffElapsed(Event):
     name = "backoff_elapsed"
     generation: int

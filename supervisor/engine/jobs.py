@@ -70,8 +70,10 @@ class JobEffects:
         self.queue, self.config, self.clock, self.environ = queue, config, clock, environ
         self.gpu, self.siblings, self.gate, self.front, self.name = (
             gpu, siblings, gate, front, name)
-        self.state_file = proctree.StateFile(config().state_file)
-        self.guard = proctree.Guard()
+        # each bay (0; 1 with a standby) its own state file and guard
+        self.bays = [(proctree.StateFile(config().state_file_of(b)), proctree.Guard())
+                     for b in (0, 1)]
+        self._in_bay: dict[int, eng.EngineProcess] = {}  # watched, not yet forgotten
         self._jobs = Jobs()
         # held by each canary probe, and by a KV reset from its drain to its end: the
         # daemon's own generations are engine traffic the drain must wait for too
@@ -82,12 +84,14 @@ class JobEffects:
         return self._jobs.launch(coro, what)
 
     def begin(self) -> dict[str, Any]:
-        self.guard.disarm()  # starts the guard now, so that its pid is in the first log line
-        return {"guard_pid": self.guard.pid}
+        guard = self.bays[0][1]
+        guard.disarm()  # starts the guard now, so that its pid is in the first log line
+        return {"guard_pid": guard.pid}
 
     async def end(self) -> None:
         await self._jobs.cancel_all()
-        self.guard.close()
+        for _, guard in self.bays:
+            guard.close()
 
     def tick_every(self, interval_s: float) -> None:
         async def ticker() -> None:
@@ -97,11 +101,12 @@ class JobEffects:
 
         self._launch(ticker(), "ticker")
 
-    def spawn(self, generation: int, spec: eng.SpawnSpec, cfg: EngineConfig) -> None:
-        self._launch(self._spawn(generation, spec, cfg), "spawn")
+    def spawn(self, generation: int, spec: eng.SpawnSpec, cfg: EngineConfig, bay: int) -> None:
+        self._launch(self._spawn(generation, spec, cfg, bay), "spawn")
 
     def watch(self, engine: eng.EngineProcess) -> None:
-        self.guard.arm(engine.pgid)
+        self.bays[engine.bay][1].arm(engine.pgid)
+        self._in_bay[engine.bay] = engine
         assert engine.proc.stdout is not None and engine.proc.stderr is not None
         engine.relays = [
             self._launch(eng.relay_output(engine, engine.proc.stdout, "stdout"),
@@ -126,8 +131,11 @@ class JobEffects:
         self._launch(self._take_down(engine, graceful, force, req, deadline), "take down")
 
     def forget(self, engine: eng.EngineProcess) -> None:
-        self.state_file.remove()
-        self.guard.disarm()
+        state_file, guard = self.bays[engine.bay]
+        state_file.remove()
+        guard.disarm()
+        if self._in_bay.get(engine.bay) is engine:
+            del self._in_bay[engine.bay]
 
     def drain(self, engine: eng.EngineProcess, deadline: float) -> None:
         self._launch(self._drain(engine, deadline), "drain")
@@ -161,20 +169,25 @@ class JobEffects:
 
         return self._launch(later(), f"timer: {event.name}")
 
-    async def _spawn(self, generation: int, spec: eng.SpawnSpec,
-                         cfg: EngineConfig) -> None:
+    async def _spawn(self, generation: int, spec: eng.SpawnSpec, cfg: EngineConfig,
+                     bay: int) -> None:
         leftovers: list[str] = []
+        state_file = self.bays[bay][0]
         try:
-            leftovers, own = await eng.clean_leftovers(self.state_file, cfg.reap_timeout_s)
-            # (a sibling engine's processes on a shared GPU are expected, not foreign)
+            leftovers, own = await eng.clean_leftovers(state_file, cfg.reap_timeout_s)
+            # (a sibling engine's processes on a shared GPU are expected, not foreign; so
+            # are those of this unit's engine in its other bay)
+            beside = {p.pid for b, e in self._in_bay.items() if b != bay for p in e.known}
             await eng.check_gpus_free(self.gpu, own, cfg.gpu_foreign_allowance_mib << 20,
-                                      cfg.gpu_release_timeout_s, frozenset(self.siblings()))
+                                      cfg.gpu_release_timeout_s,
+                                      frozenset(self.siblings()) | beside)
             held = await asyncio.to_thread(proctree.port_holder, spec.host, spec.port)
             if held is not None:
                 raise RuntimeError(f"engine port refused: {held}")
             engine = await eng.spawn_engine(spec, generation, self.clock.monotonic(), cfg,
                                             self.config().evidence.log_lines)
-            await asyncio.to_thread(self.state_file.write, engine.pgid, engine.known)
+            engine.bay = bay
+            await asyncio.to_thread(state_file.write, engine.pgid, engine.known)
         except Exception as exc:  # any failure here is a failed start, never a stuck one
             error = str(exc) if isinstance(exc, OSError | RuntimeError) else repr(exc)
             self.queue.put_nowait(Spawned(generation, None, error, tuple(leftovers),
@@ -208,7 +221,8 @@ class JobEffects:
                     merged = proctree.merge_known(recorded, procs)
                     if len(merged) > len(recorded):  # rewrite only when the tree grew
                         try:
-                            await asyncio.to_thread(self.state_file.write, engine.pgid, merged)
+                            await asyncio.to_thread(self.bays[engine.bay][0].write,
+                                                    engine.pgid, merged)
                             recorded = merged
                         except OSError as exc:
                             log.warning("cannot write the state file", error=str(exc))

@@ -120,6 +120,7 @@ class EngineProcess:
     recent_errors: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     recent_lines: deque[str] = field(default_factory=lambda: deque(maxlen=200))  # evidence
     relays: list[asyncio.Task[None]] = field(default_factory=list)  # stdout, stderr readers
+    bay: int = 0  # which of its unit's two places (state file, guard) it occupies
 
     @property
     def pgid(self) -> int:

@@ -28,8 +28,10 @@ log = structlog.get_logger("supervisor")
 
 
 class EngineSlot:
-    def __init__(self, act: Effects, audit: Callable[..., None]) -> None:
-        self._act, self._audit = act, audit
+    def __init__(self, act: Effects, audit: Callable[..., None],
+                 next_generation: Callable[[], int], bay: int = 0) -> None:
+        self._act, self._audit, self._next = act, audit, next_generation
+        self.bay = bay  # its state file and guard (supervisor/engine/jobs.py)
         self.engine: eng.EngineProcess | None = None
         self.generation = 0  # changes with every spawn
         self.spawning = False
@@ -48,11 +50,11 @@ class EngineSlot:
 
     def spawn(self, spec: eng.SpawnSpec, cfg: EngineConfig) -> None:
         assert self.engine is None and not self.spawning
-        self.generation += 1
+        self.generation = self._next()  # unique across the unit's slots
         self.spawning = True
         self.force = asyncio.Event()
         self.evidence_for = None  # (for the engine that went, if none was taken down)
-        self._act.spawn(self.generation, spec, cfg)
+        self._act.spawn(self.generation, spec, cfg, self.bay)
 
     def spawned(self, ev: Spawned) -> eng.EngineProcess | None:
         """The spawn ended: the engine now in the slot, or None (`ev.error` says why)."""

@@ -28,7 +28,9 @@ TRANSITIONS: dict[State, frozenset[State]] = {
                                State.DRAINING}),
     # RUNNING -> FATAL: the policy holds the engine down (an XID that needs a GPU reset).
     State.RUNNING: frozenset({State.DRAINING, State.BACKOFF, State.STOPPING, State.FATAL}),
-    State.DRAINING: frozenset({State.STARTING, State.BACKOFF, State.FATAL, State.STOPPING}),
+    # DRAINING -> RUNNING: the drained engine's standby took over (no cold start)
+    State.DRAINING: frozenset({State.STARTING, State.RUNNING, State.BACKOFF, State.FATAL,
+                               State.STOPPING}),
     State.BACKOFF: frozenset({State.STARTING, State.FATAL, State.STOPPING}),
     State.FATAL: frozenset({State.STARTING, State.STOPPING}),
     State.STOPPING: frozenset({State.STOPPED}),

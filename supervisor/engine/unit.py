@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import os
 import signal
 from collections.abc import Callable
@@ -34,7 +35,7 @@ from typing import Any
 import structlog
 
 from supervisor import reload
-from supervisor.config import DEFAULT_ENGINE, Config, diff_keys
+from supervisor.config import DEFAULT_ENGINE, Config, EngineConfig, diff_keys
 from supervisor.engine import process as eng
 from supervisor.engine import views
 from supervisor.engine.commands import COMMANDS
@@ -59,6 +60,7 @@ from supervisor.engine.events import (
     SignalReceived,
     SleepModeProbed,
     Spawned,
+    StandbyDue,
     Tick,
     TreeSeen,
     ViewRequest,
@@ -79,6 +81,7 @@ from supervisor.engine.jobs import JobEffects
 from supervisor.engine.lifecycle import RestartTracker
 from supervisor.engine.notices import SystemdNotices
 from supervisor.engine.slot import EngineSlot
+from supervisor.engine.standby import Standby
 from supervisor.engine.states import State, check_transition
 from supervisor.engine.watch import EngineWatch, UnitFacts
 from supervisor.front.admission import Gate, GateLimits
@@ -130,7 +133,13 @@ class EngineUnit:
         self.tracker = RestartTracker(self.config.restart)
         self.watch = EngineWatch(self.config, self.environ, self.clock.monotonic,
                                  self.clock.wall, self.audit)
-        self.slot = EngineSlot(self.act, self.audit)  # the engine process, spawn to reap
+        generations = itertools.count(1)
+        # the serving engine's place, from spawn to reap; the standby's, when configured
+        self.slot = EngineSlot(self.act, self.audit, lambda: next(generations), bay=0)
+        self.standby = Standby(self.act, self.audit, self.clock.monotonic,
+                               EngineSlot(self.act, self.audit, lambda: next(generations),
+                                          bay=1))
+        self.serving_starts = 0  # engines that took the serving place (cold or failover)
         self.fatal_errors: list[str] = []
         self.last_decision: DecisionRecord | None = None  # the latest, lifecycle steps included
         self.fatal_reason: str | None = None
@@ -181,9 +190,13 @@ class EngineUnit:
         return self.exit_code
 
     def handle(self, event: Event) -> None:
-        """One event, by its `handle_<name>` method; then the gate follows the state."""
-        handler: Callable[[Any], None] = getattr(self, f"handle_{event.name}")
-        handler(event)
+        """One event, by its `handle_<name>` method (the standby's engine's, by the
+        standby); then the gate follows the state."""
+        if self.standby.owns(event) and not isinstance(event, EvidenceCaptured):
+            self._standby_event(event)
+        else:
+            handler: Callable[[Any], None] = getattr(self, f"handle_{event.name}")
+            handler(event)
         self._sync_gate()
 
     def start(self, reason: str) -> None:
@@ -282,21 +295,29 @@ class EngineUnit:
         self.watch.engine_starting()
         self.keeper.admitting = False
         self.relaunch.starting()
+        self.serving_starts += 1
         self._set_state(State.STARTING, reason)
         self._decide("start", reason)
-        cfg = self.config.engine
-        overrides = self.watch.overrides(self.fronted)
-        if overrides:
-            cfg = dataclasses.replace(cfg, args=relaunch.apply(cfg.args, overrides))
-            log.info("engine arguments overridden", overrides=overrides,
-                     throttle_level=self.watch.tuning.throttle_level)
+        cfg = self._engine_config(self.slot.bay)
+        if cfg.args != self.config.engine.args:
+            log.info("engine arguments overridden", overrides=self.watch.overrides(
+                self.fronted), throttle_level=self.watch.tuning.throttle_level)
         self.slot.spawn(eng.build_spawn_spec(cfg, self.environ), cfg)
+
+    def _engine_config(self, bay: int) -> EngineConfig:
+        """What an engine started now in `bay` runs with: the current config, its place's
+        port (bay 1: the standby's), the watchdog's overrides (throttle, batch,
+        speculative tokens)."""
+        cfg = self.config.engine if bay == 0 else self.config.engine.second()
+        overrides = self.watch.overrides(self.fronted)
+        return dataclasses.replace(cfg, args=relaunch.apply(cfg.args, overrides)) \
+            if overrides else cfg
 
     def handle_spawned(self, ev: Spawned) -> None:
         engine = self.slot.spawned(ev)
         if engine is None:
             if self.state is State.STOPPING:
-                self._finish_stop()
+                self._maybe_finish_stop()
             elif ev.gpu_busy:
                 self._start_blocked(ev.error or "GPU busy")
             elif self.state is State.DRAINING:
@@ -321,6 +342,11 @@ class EngineUnit:
         if engine is None or asked:
             return
         # vLLM may exit 0 after its engine core died: any unasked exit is a crash.
+        if self.state is State.RUNNING and self._standby_fits():
+            self._count_restart("crash")
+            self._fail_over(f"engine {self.slot.last_exit} without being asked",
+                            graceful=False)
+            return
         healthy_for = (self.clock.monotonic() - engine.healthy_at
                        if engine.healthy_at is not None else None)
         self._failure(f"engine {self.slot.last_exit} without being asked",
@@ -337,6 +363,7 @@ class EngineUnit:
                             f"/health answered 200 after {now - engine.started_at:.1f} s")
             self.notices.ready_once(f"RUNNING: engine pid {engine.pid} serving")
             self.act.serve(engine)
+            self._start_standby()
             if self.fronted and self.config.canary.enabled:
                 self.act.gate_probe(engine)  # held requests go once one canary passed
             else:
@@ -382,6 +409,10 @@ class EngineUnit:
         errors = list(engine.recent_errors) if engine else []
         self.fatal_reason = reason
         self._set_state(State.FATAL, reason)
+        # (on the same GPUs and arguments: a standby cannot help an engine held down)
+        self.standby.retire(reason, graceful=True, deadline=self.clock.monotonic()
+                            + eng.stop_budget_s(self.config.engine, proxy_drain=False,
+                                                evidence_s=0.0))
         self.relaunch.finish("failed", reason)
         self._decide("give_up", reason)
         log.error("giving up on the engine", reason=reason, last_engine_errors=errors[-10:])
@@ -445,7 +476,7 @@ class EngineUnit:
         if self.state is State.STOPPING:
             if problem:
                 self.exit_code = 1
-            self._finish_stop()
+            self._maybe_finish_stop()
         elif problem is not None and self.state is not State.FATAL:
             self._give_up(problem, engine)
         elif self.state is State.DRAINING:
@@ -475,12 +506,19 @@ class EngineUnit:
         self.relaunch.finish("abandoned", f"the daemon is stopping: {reason}")
         self._decide("stop", reason)
         self.notices.stopping(f"STOPPING: {reason}")
+        self.standby.retire("the daemon is stopping", graceful=True,
+                            deadline=self._set_deadline(proxy_drain=False))
         if self.engine is not None and not self.slot.taking_down:
             self._take_down(graceful=True)
-        elif self.engine is None and not self.slot.spawning:
-            self._finish_stop()
+        else:
+            self._maybe_finish_stop()
         # otherwise: a take-down (ends in handle_down) or a spawn (ends in handle_spawned)
         # is in flight, and finishes the stop.
+
+    def _maybe_finish_stop(self) -> None:
+        """STOPPED once both places are empty (the serving engine's, the standby's)."""
+        if self.engine is None and not self.slot.spawning and self.standby.idle:
+            self._finish_stop()
 
     def _finish_stop(self) -> None:
         self._set_state(State.STOPPED, "engine stopped")
@@ -508,7 +546,7 @@ class EngineUnit:
                     # before SIGTERM (vLLM's own drain aborts streams), bounded.
                     self.act.drain(self.engine, self._set_deadline(proxy_drain=True))
                 else:
-                    self._take_down(graceful=graceful)
+                    self._swap_or_take_down(graceful)
             # a take-down already running (a crash being reaped) ends in handle_down
         elif s in (State.BACKOFF, State.FATAL):
             self.tracker.reset()
@@ -525,6 +563,104 @@ class EngineUnit:
         else:
             raise CommandError(f"the daemon is {s.value}")
 
+
+    # ---- the standby (supervisor/engine/standby.py) -----------------------------------
+
+    def _start_standby(self) -> None:
+        """A standby in its free place, when one is configured and the engine serves."""
+        if (self.config.engine.standby == "none" or self.state is not State.RUNNING
+                or not self.standby.can_start()):
+            return
+        if self.standby.failures:
+            r = self.config.restart
+            self.standby.due_later(r.backoff_initial_s, r.backoff_max_s)
+            return
+        cfg = self._engine_config(self.standby.slot.bay)
+        self.standby.start(eng.build_spawn_spec(cfg, self.environ), cfg)
+
+    def handle_standby_due(self, _: StandbyDue) -> None:
+        self.standby.due()
+        self._start_standby()
+
+    def _standby_event(self, ev: Event) -> None:
+        deadline = self.clock.monotonic() + eng.stop_budget_s(
+            self.config.engine, proxy_drain=False, evidence_s=0.0)
+        free = self.standby.handle(ev, deadline, stopping=self.state is State.STOPPING)
+        if self.state is State.STOPPING:
+            self._maybe_finish_stop()
+        elif free:
+            self._start_standby()
+
+    def _standby_fits(self) -> bool:
+        """A ready standby that runs what a start now would run."""
+        cfg = self._engine_config(self.standby.slot.bay)
+        return self.standby.fits(eng.build_spawn_spec(cfg, self.environ))
+
+    def _swap_or_take_down(self, graceful: bool) -> None:
+        """A drained restart: the standby takes over when it is ready and up to date;
+        else the engine is taken down for a cold start (and an out-of-date standby is
+        replaced)."""
+        if self._standby_fits():
+            self._fail_over(self._restart_reason, graceful)
+            return
+        if self.standby.ready:
+            self.standby.retire("its arguments are out of date", graceful=True,
+                                deadline=self._set_deadline(proxy_drain=False))
+        self._take_down(graceful)
+
+    def _fail_over(self, reason: str, graceful: bool) -> None:
+        """The ready standby serves now: the proxy sends this engine's requests to it
+        (streams in flight are continued on it, held requests go to it once it answered
+        a generation); the old engine is taken down in the standby's place, and a new
+        standby starts there once that tree is proven gone."""
+        old = self.slot
+        self.slot = self.standby.take_over(old)
+        engine = self.slot.engine
+        assert engine is not None
+        self.serving_starts += 1
+        self.watch.engine_starting()
+        self.keeper.admitting = False
+        log.warning("failover: the standby serves", reason=reason, pid=engine.pid,
+                    port=engine.spec.port, old_pid=old.engine.pid if old.engine else None)
+        self.audit("failover", reason=reason, pid=engine.pid, port=engine.spec.port,
+                   old_pid=old.engine.pid if old.engine else None, graceful=graceful)
+        self._decide("failover", reason)
+        if self.state is State.DRAINING:
+            self._set_state(State.RUNNING, f"the standby took over ({reason})")
+        if self.fronted:
+            self.act.follow(engine)
+        self.act.serve(engine)
+        if self.fronted and self.config.canary.enabled:
+            self.act.gate_probe(engine)  # one generation again before held requests go
+        else:
+            self.keeper.admitting = True
+            self.relaunch.finish("ok", None)
+        if old.engine is not None and not old.taking_down:
+            now = self.clock.monotonic()
+            req = old.evidence_request(
+                self.config.evidence.enabled, self.watch.signals(now, old.engine),
+                self.watch.window.gpu_snapshot(), self.clock.wall())
+            old.take_down(graceful, req, self._set_deadline(proxy_drain=False))
+        self.stop_deadline = None  # (the restart is over; the old engine's has its own)
+        self.relaunch.taken_down()
+        self.relaunch.down()
+        if old.engine is None:
+            self._start_standby()
+
+    def standby_status(self, now: float) -> dict[str, Any]:
+        """`status`'s `standby`: `"ready"` when armed (awake and proven)."""
+        if self.config.engine.standby == "none" and self.standby.idle:
+            return {"state": "none"}
+        return {"mode": self.config.engine.standby, **self.standby.status(now)}
+
+    @property
+    def restarts(self) -> int:
+        return max(0, self.serving_starts - 1)
+
+    def pids(self) -> set[int]:
+        """Every process of this unit's engines (both places)."""
+        return {p.pid for s in (self.slot, self.standby.slot) if s.engine is not None
+                for p in s.engine.known}
 
     # ---- what the watchdog asks -------------------------------------------------------
 
@@ -599,7 +735,10 @@ class EngineUnit:
         if (engine is None or engine.generation != ev.generation or self.slot.taking_down
                 or self.state not in (State.DRAINING, State.STOPPING)):
             return  # the engine is gone already (a crash being reaped) or a stop took over
-        self._take_down(graceful=True)
+        if self.state is State.DRAINING:
+            self._swap_or_take_down(graceful=True)
+        else:
+            self._take_down(graceful=True)
 
     def handle_gate_probe(self, ev: GateProbe) -> None:
         if (self.engine is None or self.engine.generation != ev.generation

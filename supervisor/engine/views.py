@@ -70,7 +70,12 @@ class Viewable(Protocol):
     @property
     def taking_down(self) -> bool: ...
 
+    @property
+    def restarts(self) -> int: ...
+
     def serving(self) -> bool: ...
+
+    def standby_status(self, now: float) -> dict[str, Any]: ...
 
     def facts(self) -> UnitFacts: ...
 
@@ -123,7 +128,7 @@ def status(unit: Viewable) -> dict[str, Any]:
         "reason": unit.state_reason,
         "state_for_s": round(now - unit.state_since, 3),
         "pid": e.pid if e is not None and e.exit_code is None else None,
-        "restarts": max(0, unit.generation - 1),
+        "restarts": unit.restarts,
         "uptime_s": round(up, 3) if up is not None else None,
         "daemon_pid": os.getpid(),
         "daemon_uptime_s": round(now - unit.started_at, 3),
@@ -148,6 +153,7 @@ def status(unit: Viewable) -> dict[str, Any]:
         "stop_deadline_in_s": (round(max(0.0, unit.stop_deadline - now), 3)
                                if unit.stop_deadline is not None else None),
         "fatal_reason": unit.fatal_reason if unit.state is State.FATAL else None,
+        "standby": unit.standby_status(now),
         "start_blocked": unit.start_blocked if unit.state is State.BACKOFF else None,
         "remedies": {
             "allowed": list(unit.config.policy.remedies),

@@ -1,0 +1,192 @@
+"""The standby: a second engine of the same command and arguments, kept loaded and idle
+on the same GPUs and its own port, that takes over when the serving engine fails or is
+restarted (`engine.standby = "awake"`; docs/standby.md).
+
+`Standby` owns the standby's place (`EngineSlot` in bay 1, or bay 0 once the engines have
+swapped) and its lifecycle: started once the serving engine serves, healthy, then proven
+with a real generation before it counts as ready; a standby that fails is taken down and
+started again after a backoff. On a failover the unit (`supervisor/engine/unit.py`)
+takes the ready standby's slot as its serving one and hands its old slot back here to be
+taken down; once that tree is proven gone a new standby starts in the freed place. Nothing
+but the daemon's proof reaches a standby before it serves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from supervisor.config import EngineConfig
+from supervisor.engine import process as eng
+from supervisor.engine.effects import Effects, Timer
+from supervisor.engine.events import (
+    Down,
+    Event,
+    EvidenceCaptured,
+    Exited,
+    GateProbe,
+    HealthResult,
+    Spawned,
+    StandbyDue,
+    TreeSeen,
+)
+from supervisor.engine.slot import EngineSlot
+
+log = structlog.get_logger("supervisor")
+
+# "none": not configured; "waiting": to start after a backoff; "starting": spawned, not
+# healthy yet; "proving": healthy, its first generation under way; "ready": proven, idle;
+# "retiring": an engine (a failed standby, or the old serving one) being taken down;
+# "failed": a tree not proven gone: no new standby in that place until a restart
+STATES = ("none", "waiting", "starting", "proving", "ready", "retiring", "failed")
+
+
+class Standby:
+    def __init__(self, act: Effects, audit: Callable[..., None],
+                 monotonic: Callable[[], float], slot: EngineSlot) -> None:
+        self._act, self._audit, self._monotonic = act, audit, monotonic
+        self.slot = slot
+        self.state = "none"
+        self.why: str | None = None
+        self.since = monotonic()
+        self.failures = 0  # in a row: the backoff before the next start
+        self._timer: Timer | None = None
+
+    def owns(self, ev: Event) -> bool:
+        """The event is about the engine in the standby's place (generations are unique
+        across a unit's places)."""
+        gen = getattr(ev, "generation", None)
+        return gen is not None and gen == self.slot.generation and gen > 0
+
+    def _to(self, state: str, why: str | None = None) -> None:
+        if state != self.state:
+            self.state, self.why, self.since = state, why, self._monotonic()
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready" and self.slot.engine is not None
+
+    @property
+    def idle(self) -> bool:
+        """No engine in the standby's place, none coming."""
+        return self.slot.engine is None and not self.slot.spawning
+
+    def can_start(self) -> bool:
+        return self.idle and self.state not in ("failed", "waiting")
+
+    def start(self, spec: eng.SpawnSpec, cfg: EngineConfig) -> None:
+        self._to("starting")
+        log.info("standby starting", port=spec.port)
+        self.slot.spawn(spec, cfg)
+
+    def due_later(self, backoff_initial_s: float, backoff_max_s: float) -> None:
+        """Start again after a backoff that grows with each failure in a row."""
+        delay = min(backoff_max_s, backoff_initial_s * 2 ** max(0, self.failures - 1))
+        self._to("waiting", self.why)
+        self.cancel_timer()
+        self._timer = self._act.after(delay, StandbyDue())
+
+    def due(self) -> None:
+        self._timer = None
+        if self.state == "waiting":
+            self._to("none", self.why)
+
+    def cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def fits(self, spec: eng.SpawnSpec) -> bool:
+        """The ready standby was started as an engine started now would be (a reload or
+        a relaunch with new arguments since makes it out of date)."""
+        e = self.slot.engine
+        return self.ready and e is not None and e.spec.argv == spec.argv \
+            and e.spec.env == spec.env and e.spec.cwd == spec.cwd
+
+    def take_over(self, old: EngineSlot) -> EngineSlot:
+        """The ready standby's slot, to serve; `old` (the serving one) takes its place,
+        to be taken down by the caller."""
+        new, self.slot = self.slot, old
+        self.failures = 0
+        self._to("retiring" if old.engine is not None else "none", "took over")
+        return new
+
+    def retire(self, why: str, graceful: bool, deadline: float) -> None:
+        """Take the engine in the standby's place down (a failed standby, one out of
+        date, the daemon stopping)."""
+        self.cancel_timer()
+        if self.slot.engine is not None and not self.slot.taking_down:
+            self.slot.take_down(graceful, None, deadline)
+        if self.slot.engine is not None or self.slot.spawning:
+            self._to("retiring", why)
+        elif self.state != "failed":
+            self._to("none", why)
+
+    def _failed(self, why: str, deadline: float) -> None:
+        self.failures += 1
+        log.warning("standby failed", why=why, failures=self.failures)
+        self._audit("standby_failed", why=why, failures=self.failures)
+        self.retire(why, graceful=False, deadline=deadline)
+
+    def handle(self, ev: Event, deadline: float, stopping: bool) -> bool:
+        """One event of the standby's engine. True when its place is free again and a
+        new standby may start (the unit decides whether one should)."""
+        s = self.slot
+        if isinstance(ev, Spawned):
+            engine = s.spawned(ev)
+            if engine is None:
+                self.failures += 1
+                self._to("none", f"could not be started: {ev.error}")
+                return True
+            if stopping:
+                s.take_down(True, None, deadline)
+                self._to("retiring", "the daemon is stopping")
+        elif isinstance(ev, HealthResult):
+            e = s.current(ev.generation)
+            if e is None or s.taking_down or self.state != "starting":
+                return False
+            if ev.healthy:
+                e.healthy_at = self._monotonic()
+                self._to("proving")
+                self._act.gate_probe(e)  # a real generation proves it
+            elif e.exit_code is None:
+                self._failed(f"not healthy within {e.config.startup_timeout_s:g} s", deadline)
+        elif isinstance(ev, GateProbe):
+            e = s.current(ev.generation)
+            if e is None or s.taking_down or self.state != "proving":
+                return False
+            if ev.ok:
+                self._to("ready")
+                log.info("standby ready", pid=e.pid, port=e.spec.port,
+                         start_s=round(self._monotonic() - e.started_at, 3))
+                self._audit("standby_ready", pid=e.pid, port=e.spec.port,
+                            start_s=round(self._monotonic() - e.started_at, 3))
+            else:
+                self._failed(f"its first generation failed: {ev.error}", deadline)
+        elif isinstance(ev, Exited):
+            asked = s.taking_down
+            if s.exited(ev, asked) is not None and not asked:
+                self._failed(f"it {s.last_exit} without being asked", deadline)
+        elif isinstance(ev, TreeSeen):
+            s.tree_seen(ev)
+        elif isinstance(ev, Down):
+            _, problem = s.down(ev)
+            if problem is not None:
+                self._to("failed", problem)
+                self._audit("standby_failed", why=problem, failures=self.failures)
+                return False
+            if self.state == "retiring":
+                self._to("none", self.why)
+            return True
+        elif isinstance(ev, EvidenceCaptured):
+            return False  # (the unit audits evidence; a standby never asks for it)
+        # anything else (metrics, canaries, drains) comes from jobs of a retired engine
+        return False
+
+    def status(self, now: float) -> dict[str, Any]:
+        e = self.slot.engine
+        return {"state": self.state, "reason": self.why, "for_s": round(now - self.since, 3),
+                "pid": e.pid if e is not None and e.exit_code is None else None,
+                "port": e.spec.port if e is not None else None}
