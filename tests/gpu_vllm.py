@@ -5,12 +5,14 @@ its 10-minute calls, the daemon living on between them in its own session:
 
     python3 tests/gpu_vllm.py start     # daemon up (installed from the project's wheel),
                                         # NVML in status and on the exporter
+    python3 tests/gpu_vllm.py start awake  # the same, with an awake standby beside it
     python3 tests/gpu_vllm.py kv-reset  # KV resets through sleep/wake under a small load
     python3 tests/gpu_vllm.py crash     # SIGKILL of the API server: orphan, release, restart
     python3 tests/gpu_vllm.py hang      # SIGSTOP of VLLM::EngineCore: detected and healed
     python3 tests/gpu_vllm.py continue kill late   # vLLM's own bench client through the
     python3 tests/gpu_vllm.py continue kill early  # proxy, 3000 prompts at 128 streams,
     python3 tests/gpu_vllm.py continue stop late   # EngineCore SIGKILLed / SIGSTOPped 5 s
+    python3 tests/gpu_vllm.py continue restart late  # (or `vllm-supervisorctl restart`)
                                               # after 64 run, or as soon as all 128 are in
                                               # their first tokens: every stream whole,
                                               # four raw streams tapped (issues 12, 20)
@@ -181,7 +183,7 @@ def result(phase: str, **values: Any) -> None:
                 (Path(out) / name).write_bytes((WORK / name).read_bytes())
 
 
-def phase_start() -> None:
+def phase_start(standby: str = "none") -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     demo = tomllib.loads((ROOT / "config.gpu.toml").read_text())
     demo["engine"].update({
@@ -190,7 +192,7 @@ def phase_start() -> None:
                  "--gpu-memory-utilization", "0.3", "--max-model-len", "512",
                  "--enable-sleep-mode"],
         "env": {"PYTHONPATH": VLLM_SITE, "VLLM_SERVER_DEV_MODE": "1"},
-        "startup_timeout_s": 480.0, "drain_timeout_s": 20.0})
+        "startup_timeout_s": 480.0, "drain_timeout_s": 20.0, "standby": standby})
     demo["control"] = {"socket": str(WORK / "control.sock")}
     demo["daemon"] = {"runtime_dir": str(WORK)}
     demo["audit"] = {"path": str(WORK / "events.jsonl")}
@@ -208,6 +210,11 @@ def phase_start() -> None:
     wait(lambda: status()["remedies"]["kv_reset_unavailable"] is None
          and status()["remedies"]["kv_reset"], 60, "sleep mode probed")
     wait(lambda: status()["signals"].get("engine_gpu_memory_bytes"), 60, "NVML readings")
+    standby_s = None
+    if standby != "none":
+        t1 = time.monotonic()
+        wait(lambda: status()["standby"]["state"] == "ready", 540, "the standby ready")
+        standby_s = round(time.monotonic() - t1, 1)
     st = status()
     sig = st["signals"]
     procs = nvml_processes()
@@ -219,6 +226,7 @@ def phase_start() -> None:
     exported = {line.split(" ")[0]: line.split(" ")[-1] for line in metrics.splitlines()
                 if line.startswith(("vllm_supervisor_gpu_", "vllm_supervisor_engine_gpu"))}
     result("start", supervisor_from=supervisor.__file__, startup_s=round(startup_s, 1),
+           standby=st.get("standby"), standby_ready_after_s=standby_s,
            reason=st["reason"],
            signals={k: v for k, v in sig.items() if k.startswith(("gpu_", "engine_gpu"))},
            nvml_processes_mib={str(p): round(b / 2**20) for p, b in procs.items()},
@@ -498,7 +506,11 @@ def phase_continue(fault: str, when: str) -> None:
             time.sleep(0.05)
         fired["running"] = engine_running()
         fired["t"] = time.monotonic()
-        core.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        if fault == "restart":  # an operator's restart (a swap with a standby)
+            threading.Thread(target=ctl, args=("restart", "--reason", "gpu test"),
+                             daemon=True).start()
+        else:
+            core.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
 
     watcher = threading.Thread(target=fault_once, daemon=True)
     watcher.start()
@@ -538,7 +550,9 @@ def phase_continue(fault: str, when: str) -> None:
            max_gap_s=max((e.get("waited_s", 0) for e in continued), default=None),
            running_again_after_kill_s=round(time.monotonic() - fired["t"], 1)
            if "t" in fired else None,
-           taps=tapped, state_reason=back["reason"])
+           taps=tapped, state_reason=back["reason"], standby_after=back.get("standby"),
+           failovers=[e for e in (json.loads(x) for x in (WORK / "events.jsonl").read_text()
+                                  .splitlines() if x.strip()) if e.get("event") == "failover"])
     assert doc.get("completed") == prompts and not errors
     assert doc.get("total_output_tokens") == prompts * want
     assert not [n for n in lens if n < want]
@@ -577,6 +591,8 @@ if __name__ == "__main__":
         phase_continue(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "late")
     elif sys.argv[1] == "throughput":
         phase_throughput([int(x) for x in sys.argv[2:]])
+    elif sys.argv[1] == "start":
+        phase_start(sys.argv[2] if len(sys.argv) > 2 else "none")
     else:
-        {"start": phase_start, "kv-reset": phase_kv_reset, "crash": phase_crash,
+        {"kv-reset": phase_kv_reset, "crash": phase_crash,
          "hang": phase_hang, "stop": phase_stop}[sys.argv[1]]()
