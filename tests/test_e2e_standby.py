@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.harness import Daemon, alive, free_port, wait_for
-from tests.test_e2e_proxy import Answer, answer, proxy_url
+from tests.test_e2e_proxy import Answer, _quiet, answer, proxy_url
 from tests.test_e2e_vllm import START_TIMEOUT, tree, vllm_config
 
 pytestmark = pytest.mark.e2e
@@ -48,27 +48,60 @@ def run_all(cfg: dict[str, Any]) -> tuple[list[Answer], list[threading.Thread]]:
 
 def through_a_fault(d: Daemon, cfg: dict[str, Any], fault: Any,
                     reference: list[Answer]) -> dict[str, Any]:
-    """Six streams; the fault once each has tokens; a new request just after, timed."""
+    """Six streams; the fault once some are truly mid-generation; a new request just
+    after, timed. On two busy cores vLLM's API server hands out chunks late, so what a
+    client sees says little of where the core is: the core is SIGSTOPped first, and once
+    the clients have all it produced, a stream with tokens but not all of them is
+    mid-generation (tests/test_e2e_proxy.py does the same)."""
     logged = len(d.log_records())
-    answers, threads = run_all(cfg)
-    wait_for(lambda: all(a.tokens_seen > 0 for a in answers), 120,
-             "every stream to have tokens", interval=0.02)
-    seen_at_fault = [a.tokens_seen for a in answers]
-    fault()
+    core = next(p for p in tree(d.status()["pid"]) if p.name().startswith("VLLM::EngineCor"))
+    for _wave in range(6):
+        answers, threads = run_all(cfg)
+        wait_for(lambda a=answers, t=threads: all(x.tokens_seen > 0 or not y.is_alive()
+                                                  for x, y in zip(a, t, strict=True)),
+                 120, "every stream to have tokens", interval=0.02)
+        core.suspend()
+        _quiet(answers, 1.0, 5.0)
+        seen_at_fault = [a.tokens_seen for a in answers]
+        mid = sum(0 < n < TOKENS for n in seen_at_fault)
+        if mid:
+            break
+        core.resume()
+        for t in threads:
+            t.join(300)
+    assert mid, "no stream was caught mid-generation in six waves"
+    fault(core)
     t0 = time.monotonic()
-    r = httpx.post(proxy_url(cfg), timeout=120, json={
-        "model": "tiny-llama", "prompt": "hi", "max_tokens": 4})
-    answered_s = time.monotonic() - t0
+    new: list[Any] = []
+    sent = threading.Thread(target=lambda: new.append(httpx.post(
+        proxy_url(cfg), timeout=120, json={"model": "tiny-llama", "prompt": "hi",
+                                           "max_tokens": 4})))
+    sent.start()
+    # the client's gap: from the fault to each interrupted stream's next token (the
+    # stop before the fault is the test's own, not counted)
+    moved: dict[int, float] = {}
+    while len(moved) < mid and time.monotonic() - t0 < 120:
+        for i, a in enumerate(answers):
+            if i not in moved and 0 < seen_at_fault[i] < TOKENS \
+                    and a.tokens_seen > seen_at_fault[i]:
+                moved[i] = time.monotonic() - t0
+        time.sleep(0.01)
+    sent.join(120)
+    r = new[0]
+    answered_s = r.elapsed.total_seconds()
     for t in threads:
         t.join(300)
     waited = [e["waited_s"] for e in d.log_records()[logged:]
               if e.get("event") == "stream continued"]
-    out = {"tokens_seen_at_fault": seen_at_fault, "new_request_status": r.status_code,
+    out = {"tokens_seen_at_fault": seen_at_fault, "mid_generation": mid,
+           "new_request_status": r.status_code,
            "new_request_answered_s": round(answered_s, 2),
            "complete": sum(a.done and a.error is None for a in answers),
            "identical_to_undisturbed": sum(a.text == b.text for a, b in
                                            zip(answers, reference, strict=True)),
-           "longest_gap_s": max(waited, default=None)}
+           "continued": len(waited),
+           "longest_gap_after_fault_s": round(max(moved.values(), default=-1), 2),
+           "logged_waits_s": [round(w, 2) for w in waited]}
     print("standby:", json.dumps(out))
     for a in answers:
         assert a.done and a.error is None and a.finish == "length", a
@@ -78,7 +111,7 @@ def through_a_fault(d: Daemon, cfg: dict[str, Any], fault: Any,
     # near-ties that a continuation's prefill and the undisturbed run's cached decode,
     # in different batches, round apart; tests/test_e2e_proxy.py sees the same)
     assert r.status_code == 200 and answered_s <= 5, out
-    assert waited and max(waited) <= 5, out
+    assert len(waited) >= mid and len(moved) == mid and max(moved.values()) <= 5, out
     return out
 
 
@@ -104,8 +137,7 @@ def test_the_standby_takes_over_a_core_sigkill_and_a_restart(tmp_path):
         st = d.status()
         spare = st["standby"]["pid"]
         seen += [p.pid for pid in (st["pid"], spare) for p in tree(pid)]
-        core = next(p for p in tree(st["pid"]) if p.name().startswith("VLLM::EngineCor"))
-        through_a_fault(d, cfg, lambda: core.send_signal(signal.SIGKILL), reference)
+        through_a_fault(d, cfg, lambda core: core.send_signal(signal.SIGKILL), reference)
         st = d.status()
         assert st["state"] == "RUNNING" and st["pid"] == spare and st["restarts"] == 1
         wait_for(lambda: (s := d.status()["standby"])["state"] == "ready"
@@ -114,7 +146,9 @@ def test_the_standby_takes_over_a_core_sigkill_and_a_restart(tmp_path):
         st = d.status()
         spare = st["standby"]["pid"]
         seen += [p.pid for p in tree(spare)]
-        through_a_fault(d, cfg, lambda: d.ctl("restart").check_returncode(), reference)
+        # (the stopped core is the old engine's: taken down in the standby's place)
+        through_a_fault(d, cfg, lambda _core: d.ctl("restart").check_returncode(),
+                        reference)
         st = wait_for(lambda: (s := d.status())["state"] == "RUNNING" and s, 60, "RUNNING")
         assert st["pid"] == spare and st["restarts"] == 2
         r = d.ctl("stop", timeout=180)

@@ -63,3 +63,16 @@ def test_status_prints_human_units_and_leaves_unknown_signals_out() -> None:
         "daemon_pid": 9, "daemon_uptime_s": 80})
     assert "signal     engine_rss_bytes = 2.9 GiB" in text
     assert "e+09" not in text and "gpu_temperature_c" not in text
+
+
+def test_status_says_where_the_standby_stands_and_why_it_is_not_ready() -> None:
+    base = {"state": "RUNNING", "reason": "healthy", "pid": 10, "restarts": 1,
+            "engine": {"processes": 3, "host": "127.0.0.1", "port": 8100}}
+    ready = format_status({**base, "standby": {"mode": "awake", "state": "ready", "pid": 11,
+                                               "port": 8101, "for_s": 42.4, "reason": None}})
+    assert "standby    ready (pid 11, port 8101) for 42 s" in ready
+    waiting = format_status({**base, "standby": {
+        "mode": "awake", "state": "waiting", "pid": None, "port": None, "for_s": 3,
+        "reason": "could not be started: port in use"}})
+    assert "standby    waiting for 3 s: could not be started: port in use" in waiting
+    assert "standby" not in format_status({**base, "standby": {"state": "none"}})

@@ -159,6 +159,11 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(f"decision   {d['action']} at {d['time']}: {d['reason']}")
     if st.get("last_exit"):
         lines.append(f"last exit  {st['last_exit']}")
+    sb = st.get("standby") or {}
+    if sb.get("state", "none") != "none":
+        where = f" (pid {sb['pid']}, port {sb['port']})" if sb.get("pid") else ""
+        why = f": {sb['reason']}" if sb.get("reason") and sb["state"] != "ready" else ""
+        lines.append(f"standby    {sb['state']}{where} for {sb.get('for_s', 0):.0f} s{why}")
     if st.get("backoff_remaining_s") is not None:
         lines.append(f"backoff    next start in {st['backoff_remaining_s']:.1f} s")
     if st.get("stop_deadline_in_s") is not None:

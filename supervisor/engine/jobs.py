@@ -75,10 +75,12 @@ class JobEffects:
                      for b in (0, 1)]
         self._in_bay: dict[int, eng.EngineProcess] = {}  # watched, not yet forgotten
         self._jobs = Jobs()
-        # held by each canary probe, and by a KV reset from its drain to its end: the
-        # daemon's own generations are engine traffic the drain must wait for too
-        self._probe_lock = asyncio.Lock()
-        self._probes = 0  # the daemon's own generations at the engine now
+        # each engine's: held by each canary probe, and by a KV reset from its drain to
+        # its end (the daemon's own generations are engine traffic the drain must wait
+        # for too); one per engine, so that a hung engine's canary never delays the
+        # proof of the standby that replaces it
+        self._probe_locks: dict[int, asyncio.Lock] = {}
+        self._probes: dict[int, int] = {}  # the daemon's own generations at each engine
 
     def _launch(self, coro: Any, what: str) -> asyncio.Task[Any]:
         return self._jobs.launch(coro, what)
@@ -136,6 +138,8 @@ class JobEffects:
         guard.disarm()
         if self._in_bay.get(engine.bay) is engine:
             del self._in_bay[engine.bay]
+        self._probe_locks.pop(engine.generation, None)
+        self._probes.pop(engine.generation, None)
 
     def drain(self, engine: eng.EngineProcess, deadline: float) -> None:
         self._launch(self._drain(engine, deadline), "drain")
@@ -158,7 +162,10 @@ class JobEffects:
         proctree.kill_group(engine.pgid, engine.known)
 
     def probes_in_flight(self) -> int:
-        return self._probes
+        return sum(self._probes.values())
+
+    def _lock(self, engine: eng.EngineProcess) -> asyncio.Lock:
+        return self._probe_locks.setdefault(engine.generation, asyncio.Lock())
 
     def after(self, delay_s: float, event: Event) -> Timer:
         queue = self.queue
@@ -283,12 +290,10 @@ class JobEffects:
     async def _gate_probe(self, engine: eng.EngineProcess) -> None:
         """Healthy is not enough to release held requests: one canary must pass first
         (bounded: a few tries, then the gate opens anyway and the hang rule judges)."""
-        ecfg = engine.config
-        base = ecfg.base_url
         error: str | None = None
         async with httpx.AsyncClient() as client:
             for _ in range(3):
-                _, _, outcome = await self._probe(client, base, None)
+                _, _, outcome = await self._probe(client, engine, None)
                 if outcome.ok:
                     self.queue.put_nowait(GateProbe(engine.generation, True, None))
                     return
@@ -328,7 +333,7 @@ class JobEffects:
                 c = self.config().canary
                 idle = await self.gate.wait_idle(cfg.drain_timeout_s)
                 # a canary in flight ends within its own deadline; none starts meanwhile
-                quiet = idle and await _acquire(self._probe_lock, c.timeout_s + 1.0)
+                quiet = idle and await _acquire(self._lock(engine), c.timeout_s + 1.0)
                 waited = self.clock.monotonic() - t0
                 if not quiet:
                     busy = (f"{self.gate.in_flight} requests still in flight after "
@@ -342,41 +347,42 @@ class JobEffects:
                         outcome = await remedy.kv_reset(client, base, c.model or None,
                                                         c.prompt, 60.0, max(c.timeout_s, 10.0))
                     finally:
-                        self._probe_lock.release()
+                        self._lock(engine).release()
                     outcome = dataclasses.replace(outcome, steps={"drain": waited,
                                                                   **outcome.steps})
         self.queue.put_nowait(RemedyDone(engine.generation, rung, outcome,
                                          self.clock.monotonic() - t0))
 
-    async def _probe(self, client: httpx.AsyncClient, base: str,
+    async def _probe(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
                      model: str | None) -> tuple[str | None, float, canary.CanaryOutcome]:
         """One canary (the model asked for, when it began, its outcome), never beside a
-        KV reset: the daemon's own generation is engine traffic that reset must drain."""
+        KV reset of its engine: the daemon's own generation is engine traffic that reset
+        must drain."""
         cfg = self.config().canary
-        async with self._probe_lock:
+        base = engine.config.base_url
+        async with self._lock(engine):
             t0 = self.clock.monotonic()
             model = model or cfg.model or await canary.find_model(client, base, cfg.timeout_s)
             if model is None:
                 return None, t0, canary.CanaryOutcome(False, self.clock.monotonic() - t0,
                                                       "/v1/models named no model")
-            self._probes += 1  # (read only by the state-owning task)
+            gen = engine.generation
+            self._probes[gen] = self._probes.get(gen, 0) + 1  # (read by the unit's task)
             try:
                 return model, t0, await canary.probe(client, base, model, cfg.prompt,
                                                      cfg.max_tokens, cfg.timeout_s)
             finally:
-                self._probes -= 1
+                self._probes[gen] = self._probes.get(gen, 1) - 1
 
     async def _canary(self, engine: eng.EngineProcess) -> None:
         """A tiny generation every period, for as long as this engine lives."""
-        ecfg = engine.config
-        base = ecfg.base_url
         async with httpx.AsyncClient() as client:
             model: str | None = None
             while engine.proc.returncode is None:
                 await asyncio.sleep(self.config().canary.period_s)
                 # (a reloaded canary.model applies at the next probe)
                 model, t0, outcome = await self._probe(
-                    client, base, self.config().canary.model or model)
+                    client, engine, self.config().canary.model or model)
                 if engine.proc.returncode is not None:
                     return
                 self.queue.put_nowait(CanaryDone(engine.generation, outcome, t0,
