@@ -341,13 +341,19 @@ def phase_hang() -> None:
     assert decision["rule"] == "hang"
 
 
-ENGINE = "127.0.0.1:8100"
+def engine_addr() -> str:
+    """The serving engine's internal address (with a standby the two engines take turns
+    on their ports)."""
+    e = status()["engine"]
+    return f"{e['host']}:{e['port']}"
+
 
 
 def engine_running() -> float:
     """vllm:num_requests_running from the engine's own /metrics (0 when unreadable)."""
     try:
-        text = urllib.request.urlopen(f"http://{ENGINE}/metrics", timeout=2).read().decode()
+        text = urllib.request.urlopen(f"http://{engine_addr()}/metrics",
+                                      timeout=2).read().decode()
     except Exception:
         return 0.0
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -397,7 +403,7 @@ def capture_sse() -> dict[str, Any]:
                          {"messages": [{"role": "user", "content": "hi"}]})):
         body = json.dumps({"model": "tiny-llama", "max_tokens": 4, "stream": True,
                            "ignore_eos": True, "return_token_ids": True, **extra}).encode()
-        req = urllib.request.Request(f"http://{ENGINE}{path}", data=body,
+        req = urllib.request.Request(f"http://{engine_addr()}{path}", data=body,
                                      headers={"content-type": "application/json"})
         raw = urllib.request.urlopen(req, timeout=60).read()
         name = "sse-" + path.strip("/").replace("/", "-") + ".txt"
@@ -567,7 +573,7 @@ def phase_throughput(concurrencies: list[int]) -> None:
         prompts = {1: 6, 8: 64, 32: 192}.get(conc, conc * 3)
         runs: dict[str, list[float]] = {"direct": [], "proxy": []}
         for i in range(2):
-            for where, base in (("direct", ENGINE), ("proxy", PROXY)):
+            for where, base in (("direct", engine_addr()), ("proxy", PROXY)):
                 doc = bench(base, conc, prompts, f"tp-{conc}-{where}-{i}")
                 runs[where].append(round(float(doc["output_throughput"]), 1))
         ratio = sum(runs["proxy"]) / sum(runs["direct"])
