@@ -140,6 +140,9 @@ class EngineUnit:
                                EngineSlot(self.act, self.audit, lambda: next(generations),
                                           bay=1))
         self.serving_starts = 0  # engines that took the serving place (cold or failover)
+        self.failovers = 0
+        self.last_failover_s: float | None = None  # fault seen to held requests released
+        self._failover_at: float | None = None  # a handover under way since
         self.fatal_errors: list[str] = []
         self.last_decision: DecisionRecord | None = None  # the latest, lifecycle steps included
         self.fatal_reason: str | None = None
@@ -618,6 +621,8 @@ class EngineUnit:
         engine = self.slot.engine
         assert engine is not None
         self.serving_starts += 1
+        self.failovers += 1
+        self._failover_at = self.clock.monotonic()
         self.watch.engine_starting()
         self.keeper.admitting = False
         log.warning("failover: the standby serves", reason=reason, pid=engine.pid,
@@ -635,6 +640,7 @@ class EngineUnit:
         else:
             self.keeper.admitting = True
             self.relaunch.finish("ok", None)
+            self._failover_done()
         if old.engine is not None and not old.taking_down:
             now = self.clock.monotonic()
             req = old.evidence_request(
@@ -646,6 +652,14 @@ class EngineUnit:
         self.relaunch.down()
         if old.engine is None:
             self._start_standby()
+
+    def _failover_done(self) -> None:
+        """The handover is over: held requests go to the standby now."""
+        if self._failover_at is not None:
+            self.last_failover_s = round(self.clock.monotonic() - self._failover_at, 3)
+            self._failover_at = None
+            log.info("failover done", seconds=self.last_failover_s)
+            self.audit("failover_done", seconds=self.last_failover_s)
 
     def standby_status(self, now: float) -> dict[str, Any]:
         """`status`'s `standby`: `"ready"` when armed (awake and proven)."""
@@ -749,6 +763,7 @@ class EngineUnit:
                         error=ev.error, waiting=self.gate.waiting)
         self.relaunch.finish("ok", None if ev.ok else f"the first canary failed: {ev.error}")
         self.keeper.admitting = True  # (`_sync_gate` lets the held requests go)
+        self._failover_done()
         if self.keeper.drained_by_operator:
             log.info("engine ready; requests stay held until `resume`", waiting=self.gate.waiting)
 

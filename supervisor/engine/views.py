@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from supervisor.config import Config
 from supervisor.engine.events import DecisionRecord
 from supervisor.engine.process import EngineProcess
+from supervisor.engine.standby import Standby
 from supervisor.engine.states import State
 from supervisor.engine.watch import EngineWatch, UnitFacts
 from supervisor.front.admission import Gate
@@ -72,6 +73,12 @@ class Viewable(Protocol):
 
     @property
     def restarts(self) -> int: ...
+    @property
+    def standby(self) -> Standby: ...
+    @property
+    def failovers(self) -> int: ...
+    @property
+    def last_failover_s(self) -> float | None: ...
 
     def serving(self) -> bool: ...
 
@@ -195,5 +202,8 @@ def exporter_view(unit: Viewable) -> ExporterView:
         engine_not_running_s=(now - unit.not_running_since
                               if unit.not_running_since is not None else 0.0),
         engine_startup_timeout_s=unit.config.engine.startup_timeout_s,
+        standby_ready=(None if unit.config.engine.standby == "none"
+                       else float(unit.standby.ready)),
+        failovers=unit.failovers, last_failover_s=unit.last_failover_s,
         gauges=[(spec.metric, spec.help, signals[spec.name]) for spec in SIGNALS],
         proxy=gate_view(unit))

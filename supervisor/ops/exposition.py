@@ -53,6 +53,10 @@ class ExporterView:
     proxy: ProxyView | None = None  # the front proxy's counters, when it runs
     engine_not_running_s: float = 0.0  # since the engine was last RUNNING; 0 while it is
     engine_startup_timeout_s: float | None = None  # its allowance to become healthy
+    # with a standby configured: 1.0 while it is armed, 0.0 while not; None without one
+    standby_ready: float | None = None
+    failovers: int = 0  # handovers to the standby
+    last_failover_s: float | None = None  # the last one: fault seen to requests released
     # several engines (or named ones): each one's view, shown with an `engine` label; the
     # fields above then summarise them (state, ready) and `proxy` holds the shared
     # counters, each engine's `proxy` its own gate's numbers
@@ -150,7 +154,11 @@ class _ViewCollector(Collector):
              lambda e: e.engine_not_running_s),
             ("engine_startup_timeout_seconds",
              "the engine's allowance to become healthy (engine.startup_timeout_s)",
-             lambda e: e.engine_startup_timeout_s)]
+             lambda e: e.engine_startup_timeout_s),
+            ("standby_ready", "with a standby configured: 1 while it is armed (loaded and "
+             "proven), 0 while it is not", lambda e: e.standby_ready),
+            ("last_failover_seconds", "the last handover to the standby: from the fault "
+             "seen to the held requests released", lambda e: e.last_failover_s)]
         yield from _per_engine_gauges(simple, views)
         counts: list[tuple[str, str, str, Callable[[ExporterView], Mapping[str, int]]]] = [
                 ("engine_restarts", "engine restarts, by reason", "reason",
@@ -165,6 +173,13 @@ class _ViewCollector(Collector):
                 for key, n in sorted(get_counts(e).items()):
                     counter.add_metric(lv(name, key), float(n))
             yield counter
+        if any(e.standby_ready is not None for _, e in views):
+            failovers = _counter("failovers", "handovers of an engine's requests to its "
+                                 "standby (a crash, a hang, a restart)", views)
+            for name, e in views:
+                if e.standby_ready is not None:
+                    failovers.add_metric(lv(name), float(e.failovers))
+            yield failovers
         more: list[tuple[str, str, Callable[[ExporterView], float | None]]] = [
                 ("throttle_level", "throttle level in force (0: none)",
                  lambda e: float(e.throttle_level)),
@@ -188,12 +203,13 @@ class _ViewCollector(Collector):
             "engine_state", "engine_ready", "engine_uptime_seconds", "throttle_level",
             "policy_paused", "policy_dry_run", "last_decision_timestamp_seconds",
             "proxy_in_flight", "proxy_held", "proxy_held_limit", "proxy_kv_breaker_open",
-            "engine_not_running_seconds", "engine_startup_timeout_seconds")}
+            "engine_not_running_seconds", "engine_startup_timeout_seconds", "standby_ready",
+            "last_failover_seconds")}
         for n in ("proxy_responses", "proxy_rejections", "proxy_connect_retries",
                   *(k.metric for k in KINDS)):
             taken |= {PREFIX + n, PREFIX + n + "_total", PREFIX + n + "_created",
                       PREFIX + n + "_bucket", PREFIX + n + "_count", PREFIX + n + "_sum"}
-        for n in ("engine_restarts", "policy_trips", "policy_actions"):
+        for n in ("engine_restarts", "policy_trips", "policy_actions", "failovers"):
             taken |= {PREFIX + n, PREFIX + n + "_total", PREFIX + n + "_created"}
         families: dict[str, GaugeMetricFamily] = {}
         for engine, view in views:
