@@ -81,6 +81,10 @@ def test_a_crash_and_a_restart_each_hand_over_to_the_standby(daemon_factory, tmp
     wait_for(lambda: standby_ready(d) and d.status()["standby"]["pid"] != spare_pid, 30,
              "a new standby in the old engine's place")
     assert d.status()["standby"]["port"] == cfg["engine"]["port"]
+    m = metrics(cfg)
+    assert m[("vllm_supervisor_standby_ready", ())] == 1
+    assert m[("vllm_supervisor_failovers_total", ())] == 1
+    assert 0 < m[("vllm_supervisor_last_failover_seconds", ())] < 5
 
     # an operator's restart under the same load: paused streams go on on the standby
     second = d.status()
