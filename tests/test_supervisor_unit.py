@@ -538,3 +538,36 @@ def test_a_standby_out_of_date_after_a_reload_is_replaced_not_swapped_in(
         assert w.fx.last("spawn")["bay"] == 0
     finally:
         w.loop.close()
+
+
+def test_a_standby_that_fails_is_started_again_after_a_growing_backoff(
+        tmp_path: Path) -> None:
+    w = World(tmp_path, engine={"standby": "awake"})
+    try:
+        w.serving()
+        delays = []
+        for _ in range(2):  # it cannot be started: backoff_initial_s, then twice that
+            spawn = w.fx.last("spawn")
+            assert spawn["bay"] == 1
+            w.feed(Spawned(spawn["generation"], None, "port in use"))
+            st = w.sup.status()["standby"]
+            assert st["state"] == "waiting" and "port in use" in st["reason"]
+            timer = w.fx.timers[-1]
+            delays.append(timer.delay_s)
+            w.now += timer.delay_s
+            w.feed(timer.event)
+        assert delays == [pytest.approx(1.0), pytest.approx(2.0)]
+        spare = w.spawned()  # started again; this time it serves, then dies unasked
+        w.feed(HealthResult(spare.generation, True))
+        w.feed(GateProbe(spare.generation, True, None))
+        assert w.sup.status()["standby"]["state"] == "ready"
+        w.feed(Exited(spare.generation, 1))
+        assert w.sup.status()["standby"]["state"] == "retiring"
+        assert w.fx.last("take_down") == {"pid": spare.pid, "graceful": False,
+                                          "evidence": None}
+        assert w.state == "RUNNING"  # the serving engine is not touched
+        w.down(spare)
+        assert w.sup.status()["standby"]["state"] == "waiting"
+        assert w.fx.timers[-1].delay_s == pytest.approx(1.0)  # a new streak
+    finally:
+        w.loop.close()

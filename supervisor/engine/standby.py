@@ -159,6 +159,7 @@ class Standby:
                 return False
             if ev.ok:
                 self._to("ready")
+                self.failures = 0  # (a later failure begins a new streak)
                 log.info("standby ready", pid=e.pid, port=e.spec.port,
                          start_s=round(self._monotonic() - e.started_at, 3))
                 self._audit("standby_ready", pid=e.pid, port=e.spec.port,

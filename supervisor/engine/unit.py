@@ -195,7 +195,9 @@ class EngineUnit:
     def handle(self, event: Event) -> None:
         """One event, by its `handle_<name>` method (the standby's engine's, by the
         standby); then the gate follows the state."""
-        if self.standby.owns(event) and not isinstance(event, EvidenceCaptured):
+        # (evidence and a remedy's end are the unit's whichever engine they were about:
+        # an old engine's remedy must still end, and its operator be answered)
+        if self.standby.owns(event) and not isinstance(event, EvidenceCaptured | RemedyDone):
             self._standby_event(event)
         else:
             handler: Callable[[Any], None] = getattr(self, f"handle_{event.name}")
@@ -569,12 +571,13 @@ class EngineUnit:
 
     # ---- the standby (supervisor/engine/standby.py) -----------------------------------
 
-    def _start_standby(self) -> None:
-        """A standby in its free place, when one is configured and the engine serves."""
+    def _start_standby(self, due: bool = False) -> None:
+        """A standby in its free place, when one is configured and the engine serves;
+        after a failure, once its backoff is `due`."""
         if (self.config.engine.standby == "none" or self.state is not State.RUNNING
                 or not self.standby.can_start()):
             return
-        if self.standby.failures:
+        if self.standby.failures and not due:
             r = self.config.restart
             self.standby.due_later(r.backoff_initial_s, r.backoff_max_s)
             return
@@ -583,7 +586,7 @@ class EngineUnit:
 
     def handle_standby_due(self, _: StandbyDue) -> None:
         self.standby.due()
-        self._start_standby()
+        self._start_standby(due=True)
 
     def _standby_event(self, ev: Event) -> None:
         deadline = self.clock.monotonic() + eng.stop_budget_s(
