@@ -165,6 +165,7 @@ class StreamRelay:
                     continue
                 except EngineDied as died:
                     cause = died
+                    await asyncio.sleep(0.2)  # (the engine is going: not at once again)
                     continue
                 except GaveUp as exc:
                     self.stats.continued("failed")
@@ -212,13 +213,16 @@ class StreamRelay:
                         ex.sent(backend)
                         async with self.session.post(
                                 url, data=body, headers=upstream_headers(request)) as up:
-                            if up.status >= 500 and (not await self.engine_healthy(backend)
-                                                     or (errors := errors + 1) < 3):
-                                # a dying engine (its /health may say 200 for a moment
-                                # after its core died): the continuation waits for the
-                                # next one, and the request was there as it died
-                                raise NotDelivered(f"HTTP {up.status} from a dying engine",
-                                                   reached=True)
+                            if up.status >= 500:
+                                if not await self.engine_healthy(backend):
+                                    # a dying engine: the continuation waits for the next
+                                    # one, and the request was there as it died
+                                    raise NotDelivered(
+                                        f"HTTP {up.status} from a dying engine", reached=True)
+                                if (errors := errors + 1) < 3:
+                                    # its /health may say 200 for a moment after its core
+                                    # died: asked again here, a few times
+                                    raise NotDelivered(f"HTTP {up.status}")
                             if up.status != 200:
                                 text = (await up.read())[:500].decode(errors="replace")
                                 raise GaveUp(f"the engine refused the continuation: HTTP "
