@@ -571,3 +571,23 @@ def test_a_standby_that_fails_is_started_again_after_a_growing_backoff(
         assert w.fx.timers[-1].delay_s == pytest.approx(1.0)  # a new streak
     finally:
         w.loop.close()
+
+
+def test_a_standby_retired_while_it_spawns_is_taken_down_once_it_exists(
+        tmp_path: Path) -> None:
+    """The engine given up on (its tree not proven gone) while its standby is being
+    spawned: the standby is taken down as soon as it exists, not left idle."""
+    w = World(tmp_path, engine={"standby": "awake"})
+    try:
+        engine = w.serving()
+        assert w.fx.last("spawn")["bay"] == 1  # the standby, spawning
+        w.control("restart")
+        w.feed(Down(engine.generation, None, "take-down failed: boom"))
+        assert w.state == "FATAL" and w.sup.status()["standby"]["state"] == "retiring"
+        spare = w.spawned()
+        assert w.fx.last("take_down") == {"pid": spare.pid, "graceful": True,
+                                          "evidence": None}
+        w.down(spare)
+        assert w.sup.status()["standby"]["state"] == "none" and w.state == "FATAL"
+    finally:
+        w.loop.close()

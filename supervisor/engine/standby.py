@@ -140,9 +140,9 @@ class Standby:
                 self.failures += 1
                 self._to("none", f"could not be started: {ev.error}")
                 return True
-            if stopping:
+            if stopping or self.state == "retiring":  # (retired while it spawned)
                 s.take_down(True, None, deadline)
-                self._to("retiring", "the daemon is stopping")
+                self._to("retiring", "the daemon is stopping" if stopping else self.why)
         elif isinstance(ev, HealthResult):
             e = s.current(ev.generation)
             if e is None or s.taking_down or self.state != "starting":
