@@ -415,9 +415,7 @@ class EngineUnit:
         self.fatal_reason = reason
         self._set_state(State.FATAL, reason)
         # (on the same GPUs and arguments: a standby cannot help an engine held down)
-        self.standby.retire(reason, graceful=True, deadline=self.clock.monotonic()
-                            + eng.stop_budget_s(self.config.engine, proxy_drain=False,
-                                                evidence_s=0.0))
+        self.standby.retire(reason, graceful=True, deadline=self._standby_deadline())
         self.relaunch.finish("failed", reason)
         self._decide("give_up", reason)
         log.error("giving up on the engine", reason=reason, last_engine_errors=errors[-10:])
@@ -454,14 +452,23 @@ class EngineUnit:
                 proxy_drain=proxy_drain, evidence_s=evidence_s)
         return self.stop_deadline
 
+    def _standby_deadline(self) -> float:
+        """The deadline of a take-down in the standby's place, from now (no drain first)."""
+        return self.clock.monotonic() + eng.stop_budget_s(
+            self.config.engine, proxy_drain=False, evidence_s=0.0)
+
     def _take_down(self, graceful: bool) -> None:
         deadline = self._set_deadline(proxy_drain=False)
         self.relaunch.taken_down()
-        now = self.clock.monotonic()
-        req = self.slot.evidence_request(
-            self.config.evidence.enabled, self.watch.signals(now, self.engine),
+        self._take_down_in(self.slot, graceful, deadline)
+
+    def _take_down_in(self, slot: EngineSlot, graceful: bool, deadline: float) -> None:
+        """Take the engine in `slot` down, with the evidence its fault asked for."""
+        req = slot.evidence_request(
+            self.config.evidence.enabled,
+            self.watch.signals(self.clock.monotonic(), slot.engine),
             self.watch.window.gpu_snapshot(), self.clock.wall())
-        self.slot.take_down(graceful, req, deadline)
+        slot.take_down(graceful, req, deadline)
 
     def handle_evidence_captured(self, ev: EvidenceCaptured) -> None:
         fields = {"rule": ev.request.rule, "reason": ev.request.reason,
@@ -589,9 +596,8 @@ class EngineUnit:
         self._start_standby(due=True)
 
     def _standby_event(self, ev: Event) -> None:
-        deadline = self.clock.monotonic() + eng.stop_budget_s(
-            self.config.engine, proxy_drain=False, evidence_s=0.0)
-        free = self.standby.handle(ev, deadline, stopping=self.state is State.STOPPING)
+        free = self.standby.handle(ev, self._standby_deadline(),
+                                   stopping=self.state is State.STOPPING)
         if self.state is State.STOPPING:
             self._maybe_finish_stop()
         elif free:
@@ -645,11 +651,7 @@ class EngineUnit:
             self.relaunch.finish("ok", None)
             self._failover_done()
         if old.engine is not None and not old.taking_down:
-            now = self.clock.monotonic()
-            req = old.evidence_request(
-                self.config.evidence.enabled, self.watch.signals(now, old.engine),
-                self.watch.window.gpu_snapshot(), self.clock.wall())
-            old.take_down(graceful, req, self._set_deadline(proxy_drain=False))
+            self._take_down_in(old, graceful, self._set_deadline(proxy_drain=False))
         self.stop_deadline = None  # (the restart is over; the old engine's has its own)
         self.relaunch.taken_down()
         self.relaunch.down()

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator
 SUSPECT_AT = 2
 REFUSE_AT = 3
 REASON = "kills_engine"
+_STRAIGHT: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 
 def digest(body: bytes) -> str:
@@ -50,14 +51,17 @@ class Quarantine:
     def __init__(self) -> None:
         self._lanes: dict[str, asyncio.Lock] = {}
 
-    @contextlib.asynccontextmanager
-    async def lane(self, engine: str, deaths: int,
-                   timeout_s: float | None = None) -> AsyncIterator[None]:
+    def lane(self, engine: str, deaths: int,
+             timeout_s: float | None = None) -> contextlib.AbstractAsyncContextManager[None]:
         """Through engine's suspect lane when `deaths` makes a suspect (raises
-        TimeoutError if it is not free within `timeout_s`); straight through otherwise."""
+        TimeoutError if it is not free within `timeout_s`); straight through otherwise
+        (no generator on every request's way)."""
         if deaths < SUSPECT_AT:
-            yield
-            return
+            return _STRAIGHT
+        return self._through(engine, timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def _through(self, engine: str, timeout_s: float | None) -> AsyncIterator[None]:
         lock = self._lanes.setdefault(engine, asyncio.Lock())
         await asyncio.wait_for(lock.acquire(), timeout_s)
         try:
