@@ -8,7 +8,7 @@ script a fault:
   --exit-code N         the code for --crash-after (default 0: vLLM can exit 0 unasked)
   --fail-boot           print an error and exit 1 at once
   --ignore-sigterm      ignore SIGTERM (only SIGKILL ends it)
-  --child               fork a child in the same process group, like VLLM::EngineCore
+  --child               fork a child in the same process group, titled VLLM::EngineCore
   --metrics-file PATH   serve /metrics from this file, read afresh on every request
   --gpu-mib N           that child holds N MiB of GPU memory (torch, CUDA), as EngineCore
                         does; the engine serves only once it is allocated
@@ -69,6 +69,15 @@ def log(level: str, msg: str, tag: str = "APIServer") -> None:
     print(f"({tag} pid={os.getpid()}) {level} {stamp} [fake_engine.py:1] {msg}", flush=True)
 
 
+def set_title(title: str) -> None:
+    """The process's name as ps and psutil show it (Linux prctl PR_SET_NAME)."""
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(15, title.encode()[:15], 0, 0, 0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--host", default="127.0.0.1")
@@ -107,6 +116,7 @@ def main() -> None:
         child_pid = os.fork()
         if child_pid == 0:  # the "engine core": holds its memory, sleeps until killed
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            set_title("VLLM::EngineCore")  # (comm keeps 15 bytes, as for vLLM's)
             held = []  # referenced until the process dies, so the memory stays allocated
             if a.gpu_mib:
                 import torch
@@ -351,9 +361,8 @@ def main() -> None:
     deadline = time.monotonic() + a.crash_after if a.crash_after is not None else None
     while not stopping.is_set():
         if deadline is not None and time.monotonic() >= deadline:
+            # (the child is left to the daemon's group kill: the exit alone is the news)
             log("ERROR", "engine core died (fake crash)", tag="EngineCore_DP0")
-            if child_pid:
-                os.kill(child_pid, signal.SIGKILL)
             os._exit(a.exit_code)
         stopping.wait(0.05)
     log("INFO", f"shutting down (drain up to {a.shutdown_timeout:g} s)")

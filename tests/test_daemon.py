@@ -85,6 +85,27 @@ def test_sigkill_of_the_main_pid_is_seen_though_its_orphan_holds_the_pipes(daemo
     assert exits[0]["signal"] == "SIGKILL" and exits[0]["asked"] is False
 
 
+def test_running_to_backoff_when_the_core_dies_before_its_api_server(daemon_factory,
+                                                                     tmp_path):
+    """vLLM's API server outlives its dead EngineCore by seconds (8 s on the H100): the
+    core's death is the crash, seen the moment it happens, and the API server still up
+    is taken down with the rest of the tree."""
+    d = daemon_factory(fake_engine_config(tmp_path, "--child"))
+    d.wait_state("RUNNING", 20)
+    main, core = d.engine_pids()
+    os.kill(core, signal.SIGKILL)
+    wait_for(lambda: d.status()["state"] != "RUNNING", 5, "the crash seen")
+    events = d.events()
+    seen = next(e for e in events if e["event"] == "core_exit")
+    assert seen["pid"] == main and seen["core_pid"] == core
+    # the API server was alive when the crash was seen: its exit came from the take-down
+    exits = [e for e in events if e["event"] == "exit"]
+    assert all(e["asked"] for e in exits)
+    st = d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] >= 1)
+    assert alive([main, core]) == []
+    assert st["pid"] != main and st["last_exit"] == f"lost its core (pid {core})"
+
+
 def test_boot_failures_end_in_fatal_and_restart_leaves_it(daemon_factory, tmp_path):
     cfg = fake_engine_config(tmp_path, "--fail-boot",
                              restart={"boot_failures_max": 3, "backoff_initial_s": 0.1})

@@ -47,6 +47,15 @@ class Exited(Event):
 
 
 @dataclass(frozen=True)
+class CoreExited(Event):
+    """The engine's `VLLM::EngineCore` ended while its API server may still be up
+    (`supervisor/engine/corewatch.py`)."""
+    name = "core_exited"
+    generation: int
+    pid: int
+
+
+@dataclass(frozen=True)
 class HealthResult(Event):
     name = "health_result"
     generation: int

@@ -22,9 +22,11 @@ import structlog
 from supervisor.config import Config, EngineConfig, MetricsConfig
 from supervisor.engine import process as eng
 from supervisor.engine import proctree
+from supervisor.engine.corewatch import CoreWatch
 from supervisor.engine.effects import Front, Timer
 from supervisor.engine.events import (
     CanaryDone,
+    CoreExited,
     Down,
     Drained,
     Event,
@@ -218,10 +220,14 @@ class JobEffects:
             lambda f: None if f.cancelled() else self.queue.put_nowait(
                 HealthResult(gen, f.exception() is None and f.result())))
         recorded = list(engine.known)  # what the state file holds (written at spawn)
+        # the core's death is a crash the moment it happens, not when its API server exits
+        cores = CoreWatch(lambda pid: None if exited.done()
+                          else self.queue.put_nowait(CoreExited(gen, pid)))
         try:
             while not exited.done():
                 procs = await asyncio.to_thread(proctree.snapshot_tree, engine.pid)
                 if procs:
+                    cores.add(procs)
                     rss, cpu = await asyncio.to_thread(proctree.tree_usage, procs)
                     self.queue.put_nowait(TreeSeen(gen, tuple(procs), self.clock.monotonic(),
                                                    rss, cpu))
@@ -235,6 +241,7 @@ class JobEffects:
                             log.warning("cannot write the state file", error=str(exc))
                 await asyncio.wait({exited}, timeout=2.0 if engine.healthy_at is None else 10.0)
         finally:
+            cores.close()
             health.cancel()
 
     async def _poll(self, engine: eng.EngineProcess, cfg: MetricsConfig) -> None:

@@ -117,6 +117,7 @@ class EngineProcess:
     cpu_seen: tuple[float, float] | None = None  # (monotonic time, CPU seconds) last look
     healthy_at: float | None = None
     exit_code: int | None = None  # as asyncio reports it: negative = killed by that signal
+    core_lost: int | None = None  # the pid of its core, when that died first (a crash)
     recent_errors: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     recent_lines: deque[str] = field(default_factory=lambda: deque(maxlen=200))  # evidence
     relays: list[asyncio.Task[None]] = field(default_factory=list)  # stdout, stderr readers
@@ -128,6 +129,8 @@ class EngineProcess:
 
     def describe_exit(self) -> str:
         code = self.exit_code
+        if self.core_lost is not None:  # (what ended it; the API server's exit followed)
+            return f"lost its core (pid {self.core_lost})"
         if code is None:
             return "still running"
         if code < 0:

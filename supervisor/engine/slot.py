@@ -20,7 +20,7 @@ from supervisor.config import EngineConfig
 from supervisor.engine import process as eng
 from supervisor.engine import proctree
 from supervisor.engine.effects import Effects
-from supervisor.engine.events import Down, Exited, Spawned, TreeSeen
+from supervisor.engine.events import CoreExited, Down, Exited, Spawned, TreeSeen
 from supervisor.engine.intents import EvidenceFor
 from supervisor.watchdog import evidence
 
@@ -100,6 +100,18 @@ class EngineSlot:
                 fields = {"signal": signal.Signals(-ev.code).name}
         log.info("engine exited", pid=engine.pid, asked=asked, **fields)
         self._audit("exit", pid=engine.pid, asked=asked, **fields)
+        return engine
+
+    def core_exited(self, ev: CoreExited) -> eng.EngineProcess | None:
+        """The engine's core died, its API server still up: the engine, when that is news
+        (not a take-down's doing, not after the API server's own exit)."""
+        engine = self.current(ev.generation)
+        if engine is None or engine.exit_code is not None or self.taking_down:
+            return None
+        engine.core_lost = ev.pid
+        self.last_exit = engine.describe_exit()
+        log.warning("engine core exited", pid=engine.pid, core_pid=ev.pid)
+        self._audit("core_exit", pid=engine.pid, core_pid=ev.pid)
         return engine
 
     def take_down(self, graceful: bool, req: evidence.EvidenceRequest | None,

@@ -22,6 +22,7 @@ from supervisor.config import EngineConfig
 from supervisor.engine import process as eng
 from supervisor.engine.effects import Effects, Timer
 from supervisor.engine.events import (
+    CoreExited,
     Down,
     Event,
     EvidenceCaptured,
@@ -170,6 +171,9 @@ class Standby:
             asked = s.taking_down
             if s.exited(ev, asked) is not None and not asked:
                 self._failed(f"it {s.last_exit} without being asked", deadline)
+        elif isinstance(ev, CoreExited):
+            if s.core_exited(ev) is not None:
+                self._failed(f"it {s.last_exit}", deadline)
         elif isinstance(ev, TreeSeen):
             s.tree_seen(ev)
         elif isinstance(ev, Down):

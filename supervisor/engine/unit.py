@@ -45,6 +45,7 @@ from supervisor.engine.events import (
     CanaryDone,
     CommandError,
     ControlRequest,
+    CoreExited,
     DecisionRecord,
     Down,
     Drained,
@@ -347,6 +348,17 @@ class EngineUnit:
         if engine is None or asked:
             return
         # vLLM may exit 0 after its engine core died: any unasked exit is a crash.
+        self._crashed(engine)
+
+    def handle_core_exited(self, ev: CoreExited) -> None:
+        """The core died and its API server is still up (it exits seconds later): the
+        engine has crashed now, not when that exit comes."""
+        engine = self.slot.core_exited(ev)
+        if engine is not None and self.state in (State.STARTING, State.RUNNING):
+            self._crashed(engine)
+
+    def _crashed(self, engine: eng.EngineProcess) -> None:
+        """The serving engine failed unasked: the standby serves, or a cold start."""
         if self.state is State.RUNNING and self._standby_fits():
             self._count_restart("crash")
             self._fail_over(f"engine {self.slot.last_exit} without being asked",
