@@ -18,11 +18,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from supervisor import engine_checks
 from supervisor.front.routes import route_problem
 from supervisor.ops.exporter import parse_listen
 from supervisor.schema import ConfigError as ConfigError  # raised by load_config
 from supervisor.schema import build_section, spec
-from supervisor.watchdog.relaunch import arg_value
 from supervisor.watchdog.rules import DEFAULT_RULES, REMEDIES, RuleConfig
 from supervisor.watchdog.signals import WindowConfig
 
@@ -80,10 +80,11 @@ class EngineConfig:
     models: list[str] = spec([])
     # another engine may claim one of this engine's `gpus` (both must allow it)
     share_gpus: bool = spec(False)
-    # "awake": a second engine of the same command and arguments, kept loaded and idle
-    # on the same GPUs and its own port, takes over when this one fails or is restarted
-    # (docs/standby.md); "none": every fault costs a cold start
-    standby: str = spec("none", choices=("none", "awake"))
+    # a second engine of the same command and arguments on the same GPUs and its own
+    # port takes over when this one fails or is restarted (docs/standby.md): "awake",
+    # kept loaded and idle; "sleep", kept asleep through vLLM's sleep mode (GPUs only);
+    # "none": every fault costs a cold start
+    standby: str = spec("none", choices=("none", "sleep", "awake"))
     # the standby's internal port; 0: this engine's port + 1
     standby_port: int = spec(0, lo=0, hi=65535)
 
@@ -403,40 +404,8 @@ def _check_engine(key: str, engine: EngineConfig, problems: list[str]) -> None:
     if engine.stop_grace_s + engine.drain_timeout_s > 3600:
         problems.append(f"{key}.drain_timeout_s + {key}.stop_grace_s: expected at most "
                         "3600 s in all")
-    _check_pinning(key, engine, problems)
-
-
-# vLLM's parallel sizes: the GPUs an engine needs is their product
-_PARALLEL = (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp"),
-             ("--data-parallel-size", "-dp"))
-
-
-def _check_pinning(key: str, engine: EngineConfig, problems: list[str]) -> None:
-    """`gpus` is what the engine gets (supervisor/engine/process.py's gpu_pinning): an
-    environment that says otherwise, or more parallel ranks than GPUs, is refused."""
-    if not engine.gpus:
-        return
-    named = [str(g) for g in engine.gpus]
-    visible = engine.env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and [v.strip() for v in visible.split(",")] != named:
-        problems.append(f"{key}.env.CUDA_VISIBLE_DEVICES: {visible!r} disagrees with "
-                        f"{key}.gpus = {list(engine.gpus)}; the daemon gives the engine the "
-                        f"GPUs of {key}.gpus: remove the variable or make them agree")
-    order = engine.env.get("CUDA_DEVICE_ORDER")
-    if order is not None and order != "PCI_BUS_ID":
-        problems.append(f"{key}.env.CUDA_DEVICE_ORDER: {order!r}; with {key}.gpus the "
-                        "daemon sets PCI_BUS_ID, the order NVML numbers GPUs in")
-    sizes: list[str] = []
-    need = 1
-    for long, short in _PARALLEL:
-        raw = next((v for flag in (long, long.replace("-", "_").replace("__", "--"), short)
-                    if (v := arg_value(engine.args, flag)) is not None), None)
-        if raw is not None and raw.isdigit() and int(raw) > 1:
-            need *= int(raw)
-            sizes.append(f"{long} {raw}")
-    if need > len(engine.gpus):
-        problems.append(f"{key}.args: {' x '.join(sizes)} = {need} GPUs, but {key}.gpus "
-                        f"names {len(engine.gpus)} ({list(engine.gpus)})")
+    engine_checks.check_pinning(key, engine, problems)
+    engine_checks.check_standby(key, engine, problems)
 
 
 def _check_engines(key: str, engines: dict[str, EngineConfig], problems: list[str]) -> None:

@@ -100,3 +100,60 @@ def test_a_crash_and_a_restart_each_hand_over_to_the_standby(daemon_factory, tmp
     m = metrics(cfg)
     assert m[("vllm_supervisor_proxy_continuations_total", (("outcome", "continued"),))] >= 4
     wait_for(lambda: standby_ready(d), 30, "a standby again")
+
+
+def sleep_config(tmp_path: Path, *fake: str) -> dict[str, Any]:
+    cfg = proxy_config(tmp_path, "--token-delay", "0.02", "--enable-sleep-mode",
+                       "--gpu-memory-utilization", "0.45", *fake, keepalive_s=0.5)
+    cfg["engine"].update(standby="sleep", drain="continue",
+                         env={**cfg["engine"].get("env", {}), "VLLM_SERVER_DEV_MODE": "1"})
+    return cfg
+
+
+def test_a_core_crash_wakes_the_sleeping_standby_and_streams_go_on_there(daemon_factory,
+                                                                          tmp_path):
+    """`standby = "sleep"`: the standby is proven, put to sleep (vLLM's /sleep), and on
+    a SIGKILL of the serving engine's core (its API server still up) woken and proven
+    before anything else reaches it; the streams go on on it token-exact."""
+    cfg = sleep_config(tmp_path)
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: standby_ready(d), 30, "the standby ready")
+    first = d.status()
+    assert first["standby"]["asleep"] is True
+    spare_pid = first["standby"]["pid"]
+    sleeps = (tmp_path / "sleeps").read_text().split()
+    assert sleeps == ["0"]  # put to sleep once, with nothing running on it
+    main, core = d.engine_pids()[:2]
+    assert main == first["pid"]
+    answered_s = streams_under(cfg, lambda: os.kill(core, signal.SIGKILL))
+    st = d.status()
+    assert st["state"] == "RUNNING" and st["pid"] == spare_pid
+    assert answered_s < 5, answered_s
+    audit = [json.loads(line) for line in
+             Path(cfg["audit"]["path"]).read_text().splitlines() if line.strip()]
+    names = [e["event"] for e in audit]
+    assert names.index("core_exit") < names.index("failover") \
+        < names.index("standby_woken") < names.index("failover_done")
+    # nothing but the daemon's own calls reached the standby before its wake
+    woke = next(e for e in audit if e["event"] == "standby_woken")
+    assert woke["pid"] == spare_pid
+    wait_for(lambda: standby_ready(d) and d.status()["standby"]["pid"] != spare_pid, 30,
+             "a new standby, asleep, in the old engine's place")
+    assert d.status()["standby"]["asleep"] is True
+
+
+def test_a_standby_that_does_not_wake_falls_back_to_a_cold_start(daemon_factory,
+                                                                  tmp_path):
+    cfg = sleep_config(tmp_path, "--wake-fails")
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: standby_ready(d), 30, "the standby ready")
+    first = d.status()
+    streams_under(cfg, lambda: os.kill(first["pid"], signal.SIGKILL))
+    audit = [json.loads(line) for line in
+             Path(cfg["audit"]["path"]).read_text().splitlines() if line.strip()]
+    failed = next(e for e in audit if e["event"] == "failover_failed")
+    assert "did not wake" in failed["reason"]
+    st = wait_for(lambda: (s := d.status())["state"] == "RUNNING" and s, 30, "RUNNING")
+    assert st["pid"] not in (first["pid"], first["standby"]["pid"])  # a cold start

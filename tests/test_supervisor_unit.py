@@ -77,6 +77,12 @@ class RecordingEffects:
     def gate_probe(self, engine: EngineProcess) -> None:
         self.calls.append(("gate_probe", {"pid": engine.pid}))
 
+    def sleep(self, engine: EngineProcess) -> None:
+        self.calls.append(("sleep", {"pid": engine.pid}))
+
+    def wake(self, engine: EngineProcess) -> None:
+        self.calls.append(("wake", {"pid": engine.pid}))
+
     def take_down(self, engine: EngineProcess, graceful: bool, force: asyncio.Event,
                   req: evidence.EvidenceRequest | None, deadline: float) -> None:
         self.calls.append(("take_down", {"pid": engine.pid, "graceful": graceful,
@@ -444,150 +450,5 @@ def test_a_unit_of_a_named_engine_uses_its_own_state_file_and_names_itself(
         assert w.fx.last("spawn")["spec"].port == 18102
         records = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
         assert records[-1]["engine"] == "b" and records[-1]["to"] == "STARTING"
-    finally:
-        w.loop.close()
-
-
-def test_a_standby_is_proven_then_takes_over_a_crash_and_a_restart_without_a_cold_start(
-        tmp_path: Path) -> None:
-    """`standby = "awake"`: started beside the engine once it serves, proven with a
-    generation, then the serving engine's crash is a failover (the proxy follows the
-    standby, which is proven again before held requests go; the old tree is taken down
-    in the standby's place, and a new standby starts there once it is gone); an
-    operator's restart is a swap too. No cold start anywhere."""
-    w = World(tmp_path, fronted=True, engine={"standby": "awake"})
-    try:
-        gate = w.sup.gate
-        first = w.serving()
-        w.feed(GateProbe(first.generation, True, None))
-        spawn = w.fx.last("spawn")
-        assert spawn["bay"] == 1 and spawn["spec"].port == 18101  # port + 1
-        assert w.sup.status()["standby"]["state"] == "starting"
-        spare = w.spawned()
-        w.feed(HealthResult(spare.generation, True))
-        assert w.fx.last("gate_probe") == {"pid": spare.pid}
-        assert w.sup.status()["standby"]["state"] == "proving"
-        w.feed(GateProbe(spare.generation, True, None))
-        assert w.sup.status()["standby"]["state"] == "ready"
-        spawns = w.fx.names().count("spawn")
-
-        # the serving engine crashes: the standby serves at once
-        w.now += 5
-        w.feed(Exited(first.generation, 0))
-        assert w.state == "RUNNING" and w.sup.engine is spare
-        assert w.fx.last("follow") == {"pid": spare.pid}
-        assert w.fx.last("serve") == {"pid": spare.pid}
-        assert w.fx.last("take_down") == {"pid": first.pid, "graceful": False, "evidence": None}
-        assert gate.held_reason is not None  # until the new engine answered a generation
-        w.feed(GateProbe(spare.generation, True, None))
-        assert gate.held_reason is None
-        st = w.sup.status()
-        assert st["restarts"] == 1 and st["last_decision"]["action"] == "failover"
-        assert st["standby"]["state"] == "retiring" and st["pid"] == spare.pid
-        assert w.fx.names().count("spawn") == spawns  # no cold start
-        w.down(first)  # the old tree gone: a new standby in its place
-        spawn = w.fx.last("spawn")
-        assert spawn["bay"] == 0 and spawn["spec"].port == 18100
-        third = w.spawned()
-        w.feed(HealthResult(third.generation, True))
-        w.feed(GateProbe(third.generation, True, None))
-        assert w.sup.status()["standby"]["state"] == "ready"
-
-        # an operator's restart with nothing in flight: a swap
-        reply = w.control("restart")
-        assert reply.result()["state"] == "RUNNING" and w.sup.engine is third
-        assert w.fx.last("take_down") == {"pid": spare.pid, "graceful": True, "evidence": None}
-        assert w.sup.status()["restarts"] == 2
-        w.feed(Exited(spare.generation, 0))  # asked for: no failover, no crash
-        assert w.state == "RUNNING" and w.sup.engine is third
-        w.down(spare)
-        assert w.fx.last("spawn")["bay"] == 1
-
-        # stop: both places emptied, then STOPPED
-        fourth = w.spawned()
-        stop = w.control("stop")
-        names = [d["pid"] for n, d in w.fx.calls if n == "take_down"][-2:]
-        assert sorted(names) == sorted([third.pid, fourth.pid]) and w.state == "STOPPING"
-        w.down(third)
-        assert w.state == "STOPPING"
-        w.down(fourth)
-        assert w.state == "STOPPED" and stop.result()["state"] == "STOPPED"
-    finally:
-        w.loop.close()
-
-
-def test_a_standby_out_of_date_after_a_reload_is_replaced_not_swapped_in(
-        tmp_path: Path) -> None:
-    w = World(tmp_path, engine={"standby": "awake"})
-    try:
-        first = w.serving()
-        spare = w.spawned()
-        w.feed(HealthResult(spare.generation, True))
-        w.feed(GateProbe(spare.generation, True, None))
-        assert w.sup.status()["standby"]["state"] == "ready"
-        doc = {**w.doc, "engine": {**w.doc["engine"], "args": ["--max-num-seqs", "8"]}}
-        new = parse_config(doc, str(tmp_path / "config.toml"), tmp_path)
-        reply: asyncio.Future[dict[str, Any]] = w.loop.create_future()
-        w.feed(Reloaded(new, None, reply))
-        w.control("restart")
-        assert w.state == "DRAINING"  # a cold restart: the standby has the old arguments
-        downs = {d["pid"] for n, d in w.fx.calls if n == "take_down"}
-        assert downs == {first.pid, spare.pid}
-        w.down(first)
-        assert "--max-num-seqs" in w.fx.last("spawn")["spec"].argv
-        assert w.fx.last("spawn")["bay"] == 0
-    finally:
-        w.loop.close()
-
-
-def test_a_standby_that_fails_is_started_again_after_a_growing_backoff(
-        tmp_path: Path) -> None:
-    w = World(tmp_path, engine={"standby": "awake"})
-    try:
-        w.serving()
-        delays = []
-        for _ in range(2):  # it cannot be started: backoff_initial_s, then twice that
-            spawn = w.fx.last("spawn")
-            assert spawn["bay"] == 1
-            w.feed(Spawned(spawn["generation"], None, "port in use"))
-            st = w.sup.status()["standby"]
-            assert st["state"] == "waiting" and "port in use" in st["reason"]
-            timer = w.fx.timers[-1]
-            delays.append(timer.delay_s)
-            w.now += timer.delay_s
-            w.feed(timer.event)
-        assert delays == [pytest.approx(1.0), pytest.approx(2.0)]
-        spare = w.spawned()  # started again; this time it serves, then dies unasked
-        w.feed(HealthResult(spare.generation, True))
-        w.feed(GateProbe(spare.generation, True, None))
-        assert w.sup.status()["standby"]["state"] == "ready"
-        w.feed(Exited(spare.generation, 1))
-        assert w.sup.status()["standby"]["state"] == "retiring"
-        assert w.fx.last("take_down") == {"pid": spare.pid, "graceful": False,
-                                          "evidence": None}
-        assert w.state == "RUNNING"  # the serving engine is not touched
-        w.down(spare)
-        assert w.sup.status()["standby"]["state"] == "waiting"
-        assert w.fx.timers[-1].delay_s == pytest.approx(1.0)  # a new streak
-    finally:
-        w.loop.close()
-
-
-def test_a_standby_retired_while_it_spawns_is_taken_down_once_it_exists(
-        tmp_path: Path) -> None:
-    """The engine given up on (its tree not proven gone) while its standby is being
-    spawned: the standby is taken down as soon as it exists, not left idle."""
-    w = World(tmp_path, engine={"standby": "awake"})
-    try:
-        engine = w.serving()
-        assert w.fx.last("spawn")["bay"] == 1  # the standby, spawning
-        w.control("restart")
-        w.feed(Down(engine.generation, None, "take-down failed: boom"))
-        assert w.state == "FATAL" and w.sup.status()["standby"]["state"] == "retiring"
-        spare = w.spawned()
-        assert w.fx.last("take_down") == {"pid": spare.pid, "graceful": True,
-                                          "evidence": None}
-        w.down(spare)
-        assert w.sup.status()["standby"]["state"] == "none" and w.state == "FATAL"
     finally:
         w.loop.close()

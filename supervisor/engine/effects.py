@@ -60,6 +60,12 @@ class Effects(Protocol):
     def gate_probe(self, engine: EngineProcess) -> None:
         """One canary before held requests are let through: `GateProbe`."""
 
+    def sleep(self, engine: EngineProcess) -> None:
+        """Put a proven standby to sleep (vLLM's sleep mode, level 1): `Slept`."""
+
+    def wake(self, engine: EngineProcess) -> None:
+        """Wake a sleeping standby: `Woken` (its generation proves it afterwards)."""
+
     def take_down(self, engine: EngineProcess, graceful: bool, force: asyncio.Event,
                   req: evidence.EvidenceRequest | None, deadline: float) -> None:
         """Evidence first when asked, then drain, SIGTERM, SIGKILL the group, reap and

@@ -184,6 +184,24 @@ class Drained(Event):
 
 
 @dataclass(frozen=True)
+class Slept(Event):
+    """A standby put to sleep (`POST /sleep?level=1`, then `/is_sleeping` says so)."""
+    name = "slept"
+    generation: int
+    error: str | None  # None: asleep
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Woken(Event):
+    """A sleeping standby woken (`POST /wake_up`, then `/is_sleeping` says awake)."""
+    name = "woken"
+    generation: int
+    error: str | None  # None: awake
+    seconds: float
+
+
+@dataclass(frozen=True)
 class GateProbe(Event):
     """The first canary of a new engine: its answer opens the gate (held requests go)."""
 

@@ -38,9 +38,11 @@ from supervisor.engine.events import (
     MetricsSampled,
     RemedyDone,
     SleepModeProbed,
+    Slept,
     Spawned,
     Tick,
     TreeSeen,
+    Woken,
 )
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock, Jobs
@@ -129,6 +131,12 @@ class JobEffects:
 
     def gate_probe(self, engine: eng.EngineProcess) -> None:
         self._launch(self._gate_probe(engine), "gate probe")
+
+    def sleep(self, engine: eng.EngineProcess) -> None:
+        self._launch(self._sleep_or_wake(engine, asleep=True), "sleep")
+
+    def wake(self, engine: eng.EngineProcess) -> None:
+        self._launch(self._sleep_or_wake(engine, asleep=False), "wake up")
 
     def take_down(self, engine: eng.EngineProcess, graceful: bool, force: asyncio.Event,
                   req: evidence.EvidenceRequest | None, deadline: float) -> None:
@@ -328,6 +336,16 @@ class JobEffects:
             if asleep:
                 why = "the engine reports it is asleep"
         self.queue.put_nowait(SleepModeProbed(engine.generation, why is None, why))
+
+    async def _sleep_or_wake(self, engine: eng.EngineProcess, asleep: bool) -> None:
+        """Bounded by `remedy.SLEEP_TIMEOUT_S` a call: the first sleep pins the weights in
+        host RAM (11-13 s for an 8B model on the H100)."""
+        t0 = self.clock.monotonic()
+        async with httpx.AsyncClient() as client:
+            error = await remedy.set_asleep(client, engine.config.base_url, asleep,
+                                            remedy.SLEEP_TIMEOUT_S)
+        event = Slept if asleep else Woken
+        self.queue.put_nowait(event(engine.generation, error, self.clock.monotonic() - t0))
 
     async def _remedy(self, engine: eng.EngineProcess, rung: str) -> None:
         cfg = engine.config

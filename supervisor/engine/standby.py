@@ -1,14 +1,17 @@
-"""The standby: a second engine of the same command and arguments, kept loaded and idle
-on the same GPUs and its own port, that takes over when the serving engine fails or is
-restarted (`engine.standby = "awake"`; docs/standby.md).
+"""The standby: a second engine of the same command and arguments on the same GPUs and
+its own port, kept loaded and idle (`engine.standby = "awake"`) or asleep through vLLM's
+sleep mode (`"sleep"`), that takes over when the serving engine fails or is restarted
+(docs/standby.md).
 
 `Standby` owns the standby's place (`EngineSlot` in bay 1, or bay 0 once the engines have
-swapped) and its lifecycle: started once the serving engine serves, healthy, then proven
-with a real generation before it counts as ready; a standby that fails is taken down and
-started again after a backoff. On a failover the unit (`supervisor/engine/unit.py`)
+swapped) and its lifecycle: started (beside the serving engine, or before it when the
+two do not fit side by side), healthy, proven with a real generation, put to sleep when
+so configured, and only then ready; a standby that fails is taken down and started again
+after a backoff. On a failover the unit (`supervisor/engine/unit.py`)
 takes the ready standby's slot as its serving one and hands its old slot back here to be
 taken down; once that tree is proven gone a new standby starts in the freed place. Nothing
-but the daemon's proof reaches a standby before it serves.
+but the daemon's proof, its sleep and its wake reach a standby before it serves (a request
+to a sleeping vLLM can crash it: vllm#15483).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from supervisor.engine.events import (
     Exited,
     GateProbe,
     HealthResult,
+    Slept,
     Spawned,
     StandbyDue,
     TreeSeen,
@@ -37,11 +41,15 @@ from supervisor.engine.slot import EngineSlot
 
 log = structlog.get_logger("supervisor")
 
-# "none": not configured; "waiting": to start after a backoff; "starting": spawned, not
-# healthy yet; "proving": healthy, its first generation under way; "ready": proven, idle;
-# "retiring": an engine (a failed standby, or the old serving one) being taken down;
-# "failed": a tree not proven gone: no new standby in that place until a restart
-STATES = ("none", "waiting", "starting", "proving", "ready", "retiring", "failed")
+# "none": not configured; "waiting": to start after a backoff; "no_room": none can start
+# beside the serving engine (until its next cold start); "starting": spawned, not healthy
+# yet; "proving": healthy, its first generation under way; "sleeping": being put to
+# sleep; "ready": proven (and asleep, with "sleep"), idle; "retiring": an engine (a failed
+# standby, or the old serving one) being taken down; "failed": a tree not proven gone: no
+# new standby in that place until a restart
+STATES = ("none", "waiting", "no_room", "starting", "proving", "sleeping", "ready",
+          "retiring", "failed")
+ON_ITS_WAY = ("starting", "proving", "sleeping")
 
 
 class Standby:
@@ -53,6 +61,8 @@ class Standby:
         self.why: str | None = None
         self.since = monotonic()
         self.failures = 0  # in a row: the backoff before the next start
+        self.mode = "awake"  # as it was started: "awake" or "sleep"
+        self.asleep = False
         self._timer: Timer | None = None
 
     def owns(self, ev: Event) -> bool:
@@ -77,10 +87,22 @@ class Standby:
     def can_start(self) -> bool:
         return self.idle and self.state not in ("failed", "waiting")
 
-    def start(self, spec: eng.SpawnSpec, cfg: EngineConfig) -> None:
+    @property
+    def on_its_way(self) -> bool:
+        """Started, not ready yet."""
+        return self.state in ON_ITS_WAY and not self.slot.taking_down
+
+    def start(self, spec: eng.SpawnSpec, cfg: EngineConfig, mode: str) -> None:
         self._to("starting")
-        log.info("standby starting", port=spec.port)
+        self.mode, self.asleep = mode, False
+        log.info("standby starting", port=spec.port, mode=mode)
         self.slot.spawn(spec, cfg)
+
+    def no_room(self, why: str) -> None:
+        """None can start now (the serving engine took the room a standby needs)."""
+        if self.state != "no_room":
+            log.info("no standby for now", why=why)
+        self._to("no_room", why)
 
     def due_later(self, backoff_initial_s: float, backoff_max_s: float) -> None:
         """Start again after a backoff that grows with each failure in a row."""
@@ -106,13 +128,15 @@ class Standby:
         return self.ready and e is not None and e.spec.argv == spec.argv \
             and e.spec.env == spec.env and e.spec.cwd == spec.cwd
 
-    def take_over(self, old: EngineSlot) -> EngineSlot:
-        """The ready standby's slot, to serve; `old` (the serving one) takes its place,
-        to be taken down by the caller."""
+    def take_over(self, old: EngineSlot) -> tuple[EngineSlot, bool]:
+        """The ready standby's slot, to serve, and whether its engine is asleep (to be
+        woken before anything reaches it); `old` (the serving one) takes its place, to be
+        taken down by the caller."""
         new, self.slot = self.slot, old
+        asleep, self.asleep = self.asleep, False
         self.failures = 0
         self._to("retiring" if old.engine is not None else "none", "took over")
-        return new
+        return new, asleep
 
     def retire(self, why: str, graceful: bool, deadline: float) -> None:
         """Take the engine in the standby's place down (a failed standby, one out of
@@ -158,15 +182,22 @@ class Standby:
             e = s.current(ev.generation)
             if e is None or s.taking_down or self.state != "proving":
                 return False
-            if ev.ok:
-                self._to("ready")
-                self.failures = 0  # (a later failure begins a new streak)
-                log.info("standby ready", pid=e.pid, port=e.spec.port,
-                         start_s=round(self._monotonic() - e.started_at, 3))
-                self._audit("standby_ready", pid=e.pid, port=e.spec.port,
-                            start_s=round(self._monotonic() - e.started_at, 3))
-            else:
+            if not ev.ok:
                 self._failed(f"its first generation failed: {ev.error}", deadline)
+            elif self.mode == "sleep":
+                self._to("sleeping")
+                self._act.sleep(e)
+            else:
+                self._ready(e)
+        elif isinstance(ev, Slept):
+            e = s.current(ev.generation)
+            if e is None or s.taking_down or self.state != "sleeping":
+                return False
+            if ev.error is None:
+                self.asleep = True
+                self._ready(e, sleep_s=round(ev.seconds, 3))
+            else:
+                self._failed(f"it could not be put to sleep: {ev.error}", deadline)
         elif isinstance(ev, Exited):
             asked = s.taking_down
             if s.exited(ev, asked) is not None and not asked:
@@ -190,8 +221,20 @@ class Standby:
         # anything else (metrics, canaries, drains) comes from jobs of a retired engine
         return False
 
+    def _ready(self, e: eng.EngineProcess, **fields: Any) -> None:
+        self._to("ready")
+        self.failures = 0  # (a later failure begins a new streak)
+        fields = {"pid": e.pid, "port": e.spec.port, "asleep": self.asleep,
+                  "start_s": round(self._monotonic() - e.started_at, 3), **fields}
+        log.info("standby ready", **fields)
+        self._audit("standby_ready", **fields)
+
     def status(self, now: float) -> dict[str, Any]:
         e = self.slot.engine
+        alive = e is not None and e.exit_code is None
         return {"state": self.state, "reason": self.why, "for_s": round(now - self.since, 3),
-                "pid": e.pid if e is not None and e.exit_code is None else None,
-                "port": e.spec.port if e is not None else None}
+                "pid": e.pid if alive and e is not None else None,
+                "port": e.spec.port if e is not None else None,
+                "asleep": self.asleep,
+                # the tree's host memory as last seen (asleep at level 1: its weights)
+                "rss_bytes": e.rss_bytes if alive and e is not None else None}

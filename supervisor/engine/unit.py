@@ -34,7 +34,7 @@ from typing import Any
 
 import structlog
 
-from supervisor import reload
+from supervisor import engine_checks, reload
 from supervisor.config import DEFAULT_ENGINE, Config, EngineConfig, diff_keys
 from supervisor.engine import process as eng
 from supervisor.engine import views
@@ -65,6 +65,7 @@ from supervisor.engine.events import (
     Tick,
     TreeSeen,
     ViewRequest,
+    Woken,
     iso_time,
 )
 from supervisor.engine.gatekeeper import GateKeeper
@@ -144,6 +145,11 @@ class EngineUnit:
         self.failovers = 0
         self.last_failover_s: float | None = None  # fault seen to held requests released
         self._failover_at: float | None = None  # a handover under way since
+        # a cold start waits for its standby to be asleep first (no room beside it else)
+        self._standby_first = False
+        self._waking = False  # the standby that took over is being woken
+        self._wake_when_down = False  # ... once the old engine's memory is released
+        self._proving_woken = False  # ... and proven with a generation
         self.fatal_errors: list[str] = []
         self.last_decision: DecisionRecord | None = None  # the latest, lifecycle steps included
         self.fatal_reason: str | None = None
@@ -302,8 +308,32 @@ class EngineUnit:
         self.keeper.admitting = False
         self.relaunch.starting()
         self.serving_starts += 1
+        self._failover_at = None  # (a cold start ends any handover)
+        self._waking = self._wake_when_down = self._proving_woken = False
         self._set_state(State.STARTING, reason)
         self._decide("start", reason)
+        if self._start_standby_first():
+            return
+        self._spawn_serving()
+
+    def _start_standby_first(self) -> bool:
+        """A sleeping standby that cannot start beside the serving engine starts before
+        it: proven, put to sleep, then the engine starts beside it (docs/standby.md).
+        Whether the engine's spawn waits for that."""
+        cfg = self._engine_config(self.standby.slot.bay)
+        if (cfg.standby != "sleep" or self.standby.ready
+                or engine_checks.side_by_side(engine_checks.argv(cfg))):
+            return False
+        if self.standby.can_start():
+            self._standby_first = True
+            log.info("the standby starts first: the engine starts beside it once it "
+                     "sleeps (no room for it to start beside the engine)")
+            self._start_standby(due=True)
+        else:
+            self._standby_first = self.standby.on_its_way
+        return self._standby_first
+
+    def _spawn_serving(self) -> None:
         cfg = self._engine_config(self.slot.bay)
         if cfg.args != self.config.engine.args:
             log.info("engine arguments overridden", overrides=self.watch.overrides(
@@ -425,6 +455,7 @@ class EngineUnit:
         engine = engine or self.engine
         errors = list(engine.recent_errors) if engine else []
         self.fatal_reason = reason
+        self._standby_first = False
         self._set_state(State.FATAL, reason)
         # (on the same GPUs and arguments: a standby cannot help an engine held down)
         self.standby.retire(reason, graceful=True, deadline=self._standby_deadline())
@@ -526,6 +557,7 @@ class EngineUnit:
                 self.slot.force.set()
             return
         self._cancel_backoff()
+        self._standby_first = False
         self._set_state(State.STOPPING, reason)
         self.relaunch.finish("abandoned", f"the daemon is stopping: {reason}")
         self._decide("stop", reason)
@@ -571,6 +603,8 @@ class EngineUnit:
                     self.act.drain(self.engine, self._set_deadline(proxy_drain=True))
                 else:
                     self._swap_or_take_down(graceful)
+            elif self.engine is None and not self.slot.spawning:
+                self._start_engine(reason)  # (its standby was starting first)
             # a take-down already running (a crash being reaped) ends in handle_down
         elif s in (State.BACKOFF, State.FATAL):
             self.tracker.reset()
@@ -591,17 +625,27 @@ class EngineUnit:
     # ---- the standby (supervisor/engine/standby.py) -----------------------------------
 
     def _start_standby(self, due: bool = False) -> None:
-        """A standby in its free place, when one is configured and the engine serves;
-        after a failure, once its backoff is `due`."""
-        if (self.config.engine.standby == "none" or self.state is not State.RUNNING
-                or not self.standby.can_start()):
+        """A standby in its free place, when one is configured and the engine serves (or
+        waits for it to sleep first); after a failure, once its backoff is `due`."""
+        mode = self.config.engine.standby
+        if (mode == "none" or not self.standby.can_start() or self._failover_at is not None
+                or (self.state is not State.RUNNING and not self._standby_first)):
+            return
+        cfg = self._engine_config(self.standby.slot.bay)
+        # (an awake standby's share was checked at load; on CPU no share is given)
+        if mode == "sleep" and not self._standby_first \
+                and not engine_checks.side_by_side(engine_checks.argv(cfg)):
+            share = engine_checks.gpu_share(engine_checks.argv(cfg)) \
+                or engine_checks.DEFAULT_GPU_SHARE
+            self.standby.no_room(
+                f"two engines at --gpu-memory-utilization {share:g} do not fit on the "
+                f"card: a standby starts again before the engine's next cold start")
             return
         if self.standby.failures and not due:
             r = self.config.restart
             self.standby.due_later(r.backoff_initial_s, r.backoff_max_s)
             return
-        cfg = self._engine_config(self.standby.slot.bay)
-        self.standby.start(eng.build_spawn_spec(cfg, self.environ), cfg)
+        self.standby.start(eng.build_spawn_spec(cfg, self.environ), cfg, mode)
 
     def handle_standby_due(self, _: StandbyDue) -> None:
         self.standby.due()
@@ -610,8 +654,21 @@ class EngineUnit:
     def _standby_event(self, ev: Event) -> None:
         free = self.standby.handle(ev, self._standby_deadline(),
                                    stopping=self.state is State.STOPPING)
+        if self._wake_when_down and isinstance(ev, Down):
+            self._wake_when_down = False  # the old engine is gone, its memory released
+            if self.standby.state == "failed":
+                self._takeover_failed(f"the old engine's tree was not proven gone "
+                                      f"({self.standby.why}): not waking the standby")
+            elif self.engine is not None:
+                self.act.wake(self.engine)
         if self.state is State.STOPPING:
             self._maybe_finish_stop()
+        elif self._standby_first and not self.standby.on_its_way:
+            if self.standby.ready or self.standby.idle:
+                self._standby_first = False
+                if (self.state is State.STARTING and self.engine is None
+                        and not self.slot.spawning):
+                    self._spawn_serving()  # beside the sleeping standby (or without one)
         elif free:
             self._start_standby()
 
@@ -636,9 +693,11 @@ class EngineUnit:
         """The ready standby serves now: the proxy sends this engine's requests to it
         (streams in flight are continued on it, held requests go to it once it answered
         a generation); the old engine is taken down in the standby's place, and a new
-        standby starts there once that tree is proven gone."""
+        standby starts there once that tree is proven gone. A sleeping standby is woken
+        first: at once when the two engines fit on the card side by side, else once the
+        old engine's memory is released (a wake before that fails and wedges it)."""
         old = self.slot
-        self.slot = self.standby.take_over(old)
+        self.slot, asleep = self.standby.take_over(old)
         engine = self.slot.engine
         assert engine is not None
         self.serving_starts += 1
@@ -647,36 +706,75 @@ class EngineUnit:
         self.watch.engine_starting()
         self.keeper.admitting = False
         log.warning("failover: the standby serves", reason=reason, pid=engine.pid,
-                    port=engine.spec.port, old_pid=old.engine.pid if old.engine else None)
+                    port=engine.spec.port, old_pid=old.engine.pid if old.engine else None,
+                    asleep=asleep)
         self.audit("failover", reason=reason, pid=engine.pid, port=engine.spec.port,
-                   old_pid=old.engine.pid if old.engine else None, graceful=graceful)
+                   old_pid=old.engine.pid if old.engine else None, graceful=graceful,
+                   asleep=asleep)
         self._decide("failover", reason)
         if self.state is State.DRAINING:
             self._set_state(State.RUNNING, f"the standby took over ({reason})")
-        if self.fronted:
-            self.act.follow(engine)
-        self.act.serve(engine)
-        if self.fronted and self.config.canary.enabled:
-            self.act.gate_probe(engine)  # one generation again before held requests go
+        if not asleep:
+            self._serve_taken_over(engine)
+        elif old.engine is not None \
+                and not engine_checks.side_by_side(engine_checks.argv(engine.config)):
+            self._waking = self._wake_when_down = True  # (handled in _standby_event)
         else:
-            self.keeper.admitting = True
-            self.relaunch.finish("ok", None)
-            self._failover_done()
+            self._waking = True
+            self.act.wake(engine)
         if old.engine is not None and not old.taking_down:
             self._take_down_in(old, graceful, self._set_deadline(proxy_drain=False))
         self.stop_deadline = None  # (the restart is over; the old engine's has its own)
         self.relaunch.taken_down()
         self.relaunch.down()
-        if old.engine is None:
-            self._start_standby()
+
+    def _serve_taken_over(self, engine: eng.EngineProcess) -> None:
+        """The proxy's route goes to the engine that took over; held requests go once it
+        answered a generation (a woken one always: a wake can leave a broken engine)."""
+        if self.fronted:
+            self.act.follow(engine)
+        self.act.serve(engine)
+        if self._proving_woken or (self.fronted and self.config.canary.enabled):
+            self.act.gate_probe(engine)
+        else:
+            self.keeper.admitting = True
+            self.relaunch.finish("ok", None)
+            self._failover_done()
+
+    def handle_woken(self, ev: Woken) -> None:
+        engine = self.slot.current(ev.generation)
+        if engine is None or self.slot.taking_down or not self._waking:
+            return
+        self._waking = False
+        if ev.error is not None:
+            self._takeover_failed(f"the standby did not wake: {ev.error}")
+            return
+        log.info("standby woken", pid=engine.pid, seconds=round(ev.seconds, 3))
+        self.audit("standby_woken", pid=engine.pid, seconds=round(ev.seconds, 3))
+        self._proving_woken = True
+        self._serve_taken_over(engine)
+
+    def _takeover_failed(self, reason: str) -> None:
+        """The standby that took over cannot serve: today's path, a cold start after a
+        backoff (the woken engine is taken down)."""
+        log.error("failover failed: cold start", reason=reason)
+        self.audit("failover_failed", reason=reason)
+        self._failover_at = None
+        self._waking = self._wake_when_down = self._proving_woken = False
+        engine = self.engine
+        healthy_for = (self.clock.monotonic() - engine.healthy_at
+                       if engine is not None and engine.healthy_at is not None else None)
+        self._failure(reason, healthy_for=healthy_for)
 
     def _failover_done(self) -> None:
-        """The handover is over: held requests go to the standby now."""
+        """The handover is over: held requests go to the standby now, and a new standby
+        may start in the old engine's place once it is free."""
         if self._failover_at is not None:
             self.last_failover_s = round(self.clock.monotonic() - self._failover_at, 3)
             self._failover_at = None
             log.info("failover done", seconds=self.last_failover_s)
             self.audit("failover_done", seconds=self.last_failover_s)
+            self._start_standby()
 
     def standby_status(self, now: float) -> dict[str, Any]:
         """`status`'s `standby`: `"ready"` when armed (awake and proven)."""
@@ -775,6 +873,12 @@ class EngineUnit:
         if (self.engine is None or self.engine.generation != ev.generation
                 or self.state is not State.RUNNING):
             return
+        if self._proving_woken:
+            self._proving_woken = False
+            if not ev.ok:
+                self._takeover_failed(f"its first generation after waking failed: "
+                                      f"{ev.error}")
+                return
         if not ev.ok:
             log.warning("the first canary failed; releasing held requests anyway",
                         error=ev.error, waiting=self.gate.waiting)

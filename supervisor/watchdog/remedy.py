@@ -74,6 +74,27 @@ async def _post(client: httpx.AsyncClient, url: str, timeout_s: float) -> str | 
     return None
 
 
+# a sleep or wake call's bound: the first sleep of an engine pins its weights in host RAM
+# (11-13 s for an 8B model on the H100; later ones 0.4 s; a wake 0.5-0.6 s)
+SLEEP_TIMEOUT_S = 60.0
+
+
+async def set_asleep(client: httpx.AsyncClient, base_url: str, asleep: bool,
+                     timeout_s: float) -> str | None:
+    """Sleep (level 1: KV cache dropped, weights to host RAM) or wake, then check that
+    `/is_sleeping` agrees. None when it does, else what went wrong."""
+    call = f"{base_url}/sleep?level=1" if asleep else f"{base_url}/wake_up"
+    error = await _post(client, call, timeout_s)
+    if error is not None:
+        return error
+    now, why = await is_sleeping(client, base_url, timeout_s)
+    if now is None:
+        return why
+    if now != asleep:
+        return f"the engine still reports it is {'awake' if asleep else 'asleep'}"
+    return None
+
+
 async def reset_prefix_cache(client: httpx.AsyncClient, base_url: str,
                              timeout_s: float) -> RemedyOutcome:
     t0 = time.monotonic()

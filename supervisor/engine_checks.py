@@ -1,0 +1,128 @@
+"""The checks of one engine's settings that read its vLLM arguments: the GPUs it is
+pinned to and the standby it keeps (`supervisor/config.py` runs them at every load and
+reload). Each appends a sentence naming the key and the numbers to `problems`; none
+reads a file or the machine.
+
+The standby's memory (docs/standby.md): vLLM checks at start that
+`--gpu-memory-utilization` of the whole card is free. An awake standby is started beside
+the serving engine, so the two fractions must fit on the card together. A sleeping one
+holds only its CUDA context and graphs once asleep (1.8 GiB for an 8B model on the H100,
+4.75 GiB in a 72B case): when the two fit side by side it is started beside the serving
+engine like an awake one; when they do not, it is started first, put to sleep, and the
+serving engine beside it, which leaves no room to arm a new one after a failover until
+the next cold start.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from supervisor.watchdog.relaunch import arg_value
+
+# vLLM's parallel sizes: the GPUs an engine needs is their product
+_PARALLEL = (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp"),
+             ("--data-parallel-size", "-dp"))
+# vLLM's default --gpu-memory-utilization
+DEFAULT_GPU_SHARE = 0.9
+# what two engines' --gpu-memory-utilization may add up to when both run on one card:
+# the rest is for the driver and each process's CUDA context outside vLLM's budget
+SIDE_BY_SIDE_MAX = 0.94
+# the most a serving engine beside a sleeping standby may take (the standby keeps its
+# CUDA context and graphs: 1.8 GiB of 80 for an 8B model, more for larger ones)
+BESIDE_SLEEPING_MAX = 0.92
+
+
+class CheckedEngine(Protocol):
+    @property
+    def command(self) -> list[str]: ...
+    @property
+    def args(self) -> list[str]: ...
+    @property
+    def env(self) -> dict[str, str]: ...
+    @property
+    def gpus(self) -> list[int]: ...
+    @property
+    def standby(self) -> str: ...
+
+
+def argv(engine: CheckedEngine) -> list[str]:
+    """The engine's command line as the daemon starts it (flags may sit in either)."""
+    return [*engine.command, *engine.args]
+
+
+def gpu_share(args: list[str]) -> float | None:
+    """`--gpu-memory-utilization` as the arguments give it; None when absent or not a
+    number."""
+    raw = arg_value(args, "--gpu-memory-utilization")
+    try:
+        return float(raw) if raw is not None else None
+    except ValueError:
+        return None
+
+
+def side_by_side(args: list[str]) -> bool:
+    """Two engines of these arguments can start on one card together (the standby beside
+    the serving engine; a new standby beside the one that took over)."""
+    share = gpu_share(args)
+    return 2 * (share if share is not None else DEFAULT_GPU_SHARE) <= SIDE_BY_SIDE_MAX
+
+
+def check_pinning(key: str, engine: CheckedEngine, problems: list[str]) -> None:
+    """`gpus` is what the engine gets (supervisor/engine/process.py's gpu_pinning): an
+    environment that says otherwise, or more parallel ranks than GPUs, is refused."""
+    if not engine.gpus:
+        return
+    named = [str(g) for g in engine.gpus]
+    visible = engine.env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and [v.strip() for v in visible.split(",")] != named:
+        problems.append(f"{key}.env.CUDA_VISIBLE_DEVICES: {visible!r} disagrees with "
+                        f"{key}.gpus = {list(engine.gpus)}; the daemon gives the engine the "
+                        f"GPUs of {key}.gpus: remove the variable or make them agree")
+    order = engine.env.get("CUDA_DEVICE_ORDER")
+    if order is not None and order != "PCI_BUS_ID":
+        problems.append(f"{key}.env.CUDA_DEVICE_ORDER: {order!r}; with {key}.gpus the "
+                        "daemon sets PCI_BUS_ID, the order NVML numbers GPUs in")
+    sizes: list[str] = []
+    need = 1
+    for long, short in _PARALLEL:
+        raw = next((v for flag in (long, long.replace("-", "_").replace("__", "--"), short)
+                    if (v := arg_value(engine.args, flag)) is not None), None)
+        if raw is not None and raw.isdigit() and int(raw) > 1:
+            need *= int(raw)
+            sizes.append(f"{long} {raw}")
+    if need > len(engine.gpus):
+        problems.append(f"{key}.args: {' x '.join(sizes)} = {need} GPUs, but {key}.gpus "
+                        f"names {len(engine.gpus)} ({list(engine.gpus)})")
+
+
+def check_standby(key: str, engine: CheckedEngine, problems: list[str]) -> None:
+    """A standby the engine's arguments cannot keep: a sleeping one without vLLM's sleep
+    mode, or one that does not fit on the card beside the serving engine."""
+    if engine.standby == "none":
+        return
+    args = argv(engine)
+    share = gpu_share(args)
+    raw = arg_value(args, "--gpu-memory-utilization")
+    if raw is not None and share is None:
+        problems.append(f"{key}.args: --gpu-memory-utilization {raw!r} is not a number")
+        return
+    if engine.standby == "sleep":
+        if not any(a == "--enable-sleep-mode" or a.startswith("--enable-sleep-mode=")
+                   for a in args):
+            problems.append(f'{key}.args: standby = "sleep" needs --enable-sleep-mode '
+                            "(vLLM's sleep mode keeps the standby asleep)")
+        if engine.env.get("VLLM_SERVER_DEV_MODE") != "1":
+            problems.append(f'{key}.env.VLLM_SERVER_DEV_MODE: standby = "sleep" needs "1" '
+                            "(vLLM serves /sleep and /wake_up only then)")
+        used = share if share is not None else DEFAULT_GPU_SHARE
+        if used > BESIDE_SLEEPING_MAX:
+            problems.append(f"{key}.args: --gpu-memory-utilization {used:g}"
+                            f"{'' if share is not None else ' (vLLM default)'} leaves no "
+                            f"room for the sleeping standby's CUDA context and graphs; "
+                            f"at most {BESIDE_SLEEPING_MAX:g} with standby = \"sleep\"")
+    elif share is not None and 2 * share > SIDE_BY_SIDE_MAX:
+        # (an awake standby holds its share all the time; on CPU the flag is not given)
+        problems.append(f"{key}.args: --gpu-memory-utilization {share:g} twice is "
+                        f"{2 * share:g} of the card: an awake standby starts beside the "
+                        f"serving engine and vLLM checks at start that its share is free; "
+                        f"at most {SIDE_BY_SIDE_MAX / 2:g} each, or standby = \"sleep\"")
