@@ -6,7 +6,10 @@
 #   scripts/setup.sh model        models/tiny-llama, built offline by the engine venv
 #   scripts/setup.sh prometheus   .tools/prometheus: Debian's prometheus package, unpacked
 #                                 (prometheus and promtool, for the rules and their tests)
-#   scripts/setup.sh all          all four (the default)
+#   scripts/setup.sh router       .tools/vllm-router: vllm-router 0.1.17 (vLLM's Rust router,
+#                                 its PyPI wheel installed with pip --target; run it as
+#                                 PYTHONPATH=.tools/vllm-router .tools/vllm-router/bin/vllm-router)
+#   scripts/setup.sh all          all five (the default)
 #   scripts/setup.sh nginx        Debian's nginx-light, the proxy benchmark's baseline
 #
 # The two virtualenvs stay apart on purpose: vLLM pulls in the PyPI package
@@ -86,6 +89,25 @@ setup_prometheus() {
   "$dest/usr/bin/promtool" --version >/dev/null
 }
 
+# vLLM's router, which many hosts of this daemon sit behind: a wheel with a Rust
+# binary, installed into a project-local folder (not a virtualenv of its own, and not
+# into .venv, whose package it has nothing to do with).
+# Its dependencies (pydantic-core, orjson, aiohttp) are built for one Python: the stamp
+# names the interpreter, and its `bin/vllm-router` starts with that interpreter's path.
+setup_router() {
+  local dest=.tools/vllm-router stamp=.stamps/router want="vllm-router==0.1.17" py
+  if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=$PY; fi
+  want="$want $("$py" -c 'import sys; print("py%d.%d" % sys.version_info[:2])')"
+  if [ -x "$dest/bin/vllm-router" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then return; fi
+  say "vllm-router ($want, into $dest)"
+  rm -rf "$dest"
+  mkdir -p .tools
+  "$py" -m pip install --quiet --disable-pip-version-check --target "$dest" "${want%% *}"
+  PYTHONPATH="$dest" "$dest/bin/vllm-router" --help >/dev/null \
+    || { echo "vllm-router does not run" >&2; exit 1; }
+  echo "$want" > "$stamp"
+}
+
 setup_nginx() {
   if command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ]; then return; fi
   say "nginx (Debian's nginx-light), the proxy benchmark's baseline"
@@ -105,8 +127,10 @@ case "${1:-all}" in
   supervisor) setup_supervisor ;;
   engine) setup_engine; setup_engine_name ;;
   model) setup_engine; setup_engine_name; setup_model ;;
-  all) setup_supervisor; setup_engine; setup_engine_name; setup_model; setup_prometheus ;;
+  all) setup_supervisor; setup_engine; setup_engine_name; setup_model; setup_prometheus
+       setup_router ;;
   prometheus) setup_prometheus ;;
+  router) setup_router ;;
   nginx) setup_nginx ;;
-  *) echo "usage: $0 [supervisor|engine|model|prometheus|all|nginx]" >&2; exit 2 ;;
+  *) echo "usage: $0 [supervisor|engine|model|prometheus|router|all|nginx]" >&2; exit 2 ;;
 esac
