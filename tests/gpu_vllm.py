@@ -6,6 +6,7 @@ its 10-minute calls, the daemon living on between them in its own session:
     python3 tests/gpu_vllm.py start     # daemon up (installed from the project's wheel),
                                         # NVML in status and on the exporter
     python3 tests/gpu_vllm.py start awake  # the same, with an awake standby beside it
+    python3 tests/gpu_vllm.py start sleep 0.42  # a sleeping standby, each engine at 0.42
     python3 tests/gpu_vllm.py kv-reset  # KV resets through sleep/wake under a small load
     python3 tests/gpu_vllm.py crash     # SIGKILL of the API server: orphan, release, restart
     python3 tests/gpu_vllm.py hang      # SIGSTOP of VLLM::EngineCore: detected and healed
@@ -183,13 +184,13 @@ def result(phase: str, **values: Any) -> None:
                 (Path(out) / name).write_bytes((WORK / name).read_bytes())
 
 
-def phase_start(standby: str = "none") -> None:
+def phase_start(standby: str = "none", share: str = "0.3") -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     demo = tomllib.loads((ROOT / "config.gpu.toml").read_text())
     demo["engine"].update({
         "command": [sys.executable, "-m", "vllm.entrypoints.openai.api_server"],
         "args": ["--model", MODEL, "--served-model-name", "tiny-llama", "--enforce-eager",
-                 "--gpu-memory-utilization", "0.3", "--max-model-len", "512",
+                 "--gpu-memory-utilization", share, "--max-model-len", "512",
                  "--enable-sleep-mode"],
         "env": {"PYTHONPATH": VLLM_SITE, "VLLM_SERVER_DEV_MODE": "1"},
         "startup_timeout_s": 480.0, "drain_timeout_s": 20.0, "standby": standby})
@@ -215,7 +216,12 @@ def phase_start(standby: str = "none") -> None:
         t1 = time.monotonic()
         wait(lambda: status()["standby"]["state"] == "ready", 540, "the standby ready")
         standby_s = round(time.monotonic() - t1, 1)
+        time.sleep(2.0)  # (NVML's view of the standby once asleep)
     st = status()
+    spare = st.get("standby") or {}
+    spare_tree = engine_tree(spare["pid"]) if spare.get("pid") else []
+    spare_gpu = {str(pid): round(b / 2**20) for pid, b in nvml_processes().items()
+                 if pid in {q.pid for q in spare_tree}}
     sig = st["signals"]
     procs = nvml_processes()
     tree = {p.pid: p.name() for p in engine_tree(st["pid"])}
@@ -227,6 +233,7 @@ def phase_start(standby: str = "none") -> None:
                 if line.startswith(("vllm_supervisor_gpu_", "vllm_supervisor_engine_gpu"))}
     result("start", supervisor_from=supervisor.__file__, startup_s=round(startup_s, 1),
            standby=st.get("standby"), standby_ready_after_s=standby_s,
+           gpu_memory_utilization=share, standby_nvml_mib=spare_gpu,
            reason=st["reason"],
            signals={k: v for k, v in sig.items() if k.startswith(("gpu_", "engine_gpu"))},
            nvml_processes_mib={str(p): round(b / 2**20) for p, b in procs.items()},
@@ -485,6 +492,8 @@ def phase_continue(fault: str, when: str) -> None:
     0 failed, the tokens generated equal to those asked for, none short."""
     prompts, conc, want = 3000, 128, 256
     tag = f"continue-{fault}-{when}"
+    if (status().get("standby") or {}).get("state", "none") != "none":
+        wait(lambda: status()["standby"]["state"] == "ready", 400, "the standby ready")
     st = status()
     restarts = st["restarts"]
     core = core_of(st["pid"])
@@ -557,8 +566,10 @@ def phase_continue(fault: str, when: str) -> None:
            running_again_after_kill_s=round(time.monotonic() - fired["t"], 1)
            if "t" in fired else None,
            taps=tapped, state_reason=back["reason"], standby_after=back.get("standby"),
-           failovers=[e for e in (json.loads(x) for x in (WORK / "events.jsonl").read_text()
-                                  .splitlines() if x.strip()) if e.get("event") == "failover"])
+           handover=[e for e in (json.loads(x) for x in (WORK / "events.jsonl").read_text()
+                                 .splitlines() if x.strip())
+                     if e.get("event") in ("core_exit", "failover", "standby_woken",
+                                           "failover_done", "failover_failed")])
     assert doc.get("completed") == prompts and not errors
     assert doc.get("total_output_tokens") == prompts * want
     assert not [n for n in lens if n < want]
@@ -598,7 +609,7 @@ if __name__ == "__main__":
     elif sys.argv[1] == "throughput":
         phase_throughput([int(x) for x in sys.argv[2:]])
     elif sys.argv[1] == "start":
-        phase_start(sys.argv[2] if len(sys.argv) > 2 else "none")
+        phase_start(*sys.argv[2:4])
     else:
         {"kv-reset": phase_kv_reset, "crash": phase_crash,
          "hang": phase_hang, "stop": phase_stop}[sys.argv[1]]()
