@@ -75,4 +75,9 @@ def test_status_says_where_the_standby_stands_and_why_it_is_not_ready() -> None:
         "mode": "awake", "state": "waiting", "pid": None, "port": None, "for_s": 3,
         "reason": "could not be started: port in use"}})
     assert "standby    waiting for 3 s: could not be started: port in use" in waiting
+    asleep = format_status({**base, "standby": {
+        "mode": "sleep", "state": "ready", "pid": 11, "port": 8101, "for_s": 65,
+        "reason": None, "asleep": True, "rss_bytes": 18 * 2**30}})
+    assert "standby    ready, asleep (pid 11, port 8101) for 65 s, 18.0 GiB host memory" \
+        in asleep
     assert "standby" not in format_status({**base, "standby": {"state": "none"}})

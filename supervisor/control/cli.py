@@ -163,7 +163,10 @@ def format_status(st: dict[str, Any]) -> str:
     if sb.get("state", "none") != "none":
         where = f" (pid {sb['pid']}, port {sb['port']})" if sb.get("pid") else ""
         why = f": {sb['reason']}" if sb.get("reason") and sb["state"] != "ready" else ""
-        lines.append(f"standby    {sb['state']}{where} for {sb.get('for_s', 0):.0f} s{why}")
+        asleep = ", asleep" if sb.get("asleep") else ""
+        rss = f", {sb['rss_bytes'] / 2**30:.1f} GiB host memory" if sb.get("rss_bytes") else ""
+        lines.append(f"standby    {sb['state']}{asleep}{where} for {sb.get('for_s', 0):.0f} s"
+                     f"{rss}{why}")
     if st.get("backoff_remaining_s") is not None:
         lines.append(f"backoff    next start in {st['backoff_remaining_s']:.1f} s")
     if st.get("stop_deadline_in_s") is not None:

@@ -155,8 +155,8 @@ class _ViewCollector(Collector):
             ("engine_startup_timeout_seconds",
              "the engine's allowance to become healthy (engine.startup_timeout_s)",
              lambda e: e.engine_startup_timeout_s),
-            ("standby_ready", "with a standby configured: 1 while it is armed (loaded and "
-             "proven), 0 while it is not", lambda e: e.standby_ready),
+            ("standby_ready", "with a standby configured: 1 while it is armed (loaded or "
+             "asleep, and proven), 0 while it is not", lambda e: e.standby_ready),
             ("last_failover_seconds", "the last handover to the standby: from the fault "
              "seen to the held requests released", lambda e: e.last_failover_s)]
         yield from _per_engine_gauges(simple, views)
