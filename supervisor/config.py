@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import engine_checks
+from supervisor.fleet.router import url_problem
 from supervisor.front.routes import route_problem
 from supervisor.ops.exporter import parse_listen
 from supervisor.schema import ConfigError as ConfigError  # raised by load_config
@@ -298,6 +299,30 @@ class ExporterConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class FleetConfig:
+    # vllm-router base URLs (http://HOST:PORT) this daemon registers with (docs/fleet.md)
+    routers: list[str] = spec([])
+    # this daemon's proxy as the routers reach it; "": from proxy.listen (not a wildcard)
+    advertise: str = spec("")
+    # how often each router's worker list is read while registered (a restarted router
+    # has forgotten its workers)
+    check_interval_s: float = spec(10.0, lo=0.1, hi=3600)
+    request_timeout_s: float = spec(5.0, lo=0.1, hi=600)  # each call to a router
+    # after a failed call: exponential backoff with jitter, from the first to the most
+    retry_initial_s: float = spec(0.5, lo=0.01, hi=600)
+    retry_max_s: float = spec(30.0, lo=0.01, hi=3600)
+    # stopping: the most the daemon waits to leave its routers before its engines stop
+    leave_timeout_s: float = spec(3.0, lo=0.0, hi=60)
+
+    def advertised(self, proxy_listen: str) -> str:
+        """The URL the routers know this daemon by."""
+        if self.advertise:
+            return self.advertise
+        host, port = parse_listen(proxy_listen)
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     # the engine this config is viewed for: a unit's own (`for_engine`), else the first
     engine: EngineConfig
@@ -315,6 +340,7 @@ class Config:
     exporter: ExporterConfig = spec(ExporterConfig())
     proxy: ProxyConfig = spec(ProxyConfig())
     evidence: EvidenceConfig = spec(EvidenceConfig())
+    fleet: FleetConfig = spec(FleetConfig())
     source: str = ""  # the file this came from; not a TOML key
     # every engine by name, in config order: [engines.NAME] tables, or the one [engine]
     # named "default" (not TOML keys themselves)
@@ -363,6 +389,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "exporter": ExporterConfig,
     "proxy": ProxyConfig,
     "evidence": EvidenceConfig,
+    "fleet": FleetConfig,
 }
 
 
@@ -406,6 +433,34 @@ def _check_engine(key: str, engine: EngineConfig, problems: list[str]) -> None:
                         "3600 s in all")
     engine_checks.check_pinning(key, engine, problems)
     engine_checks.check_standby(key, engine, problems)
+
+
+def _check_fleet(fleet: FleetConfig, proxy: ProxyConfig, problems: list[str]) -> None:
+    """Routers to register with need the proxy, and an address they can reach it at."""
+    for i, url in enumerate(fleet.routers):
+        if (why := url_problem(url)) is not None:
+            problems.append(f"fleet.routers[{i}]: {url!r}: {why}")
+    if len(set(fleet.routers)) != len(fleet.routers):
+        problems.append("fleet.routers: a router is named twice")
+    if fleet.advertise and (why := url_problem(fleet.advertise)) is not None:
+        problems.append(f"fleet.advertise: {fleet.advertise!r}: {why}")
+    if fleet.retry_max_s < fleet.retry_initial_s:
+        problems.append(f"fleet.retry_max_s: expected at least fleet.retry_initial_s "
+                        f"({fleet.retry_initial_s:g}), got {fleet.retry_max_s:g}")
+    if not fleet.routers:
+        return
+    if not proxy.enabled:
+        problems.append("fleet.routers: routers send requests to the proxy, and "
+                        "proxy.enabled is false")
+    elif not fleet.advertise:
+        try:
+            host, _ = parse_listen(proxy.listen)
+        except ValueError:
+            return  # (proxy.listen's own problem is reported)
+        if host in ("", "0.0.0.0", "::"):
+            problems.append(f"fleet.advertise: required when proxy.listen ({proxy.listen}) "
+                            "is a wildcard: the URL routers reach this daemon at, e.g. "
+                            "http://10.0.0.12:8000")
 
 
 def _check_engines(key: str, engines: dict[str, EngineConfig], problems: list[str]) -> None:
@@ -518,6 +573,7 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
             b >= a for a, b in itertools.pairwise(factors)):
         problems.append(f"throttle.level_factors: expected decreasing factors between 0 and 1 "
                         f"(one per level), got {factors!r}")
+    _check_fleet(sections["fleet"], proxy, problems)
     if problems:
         raise ConfigError(source, problems)
 
@@ -551,6 +607,7 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
         proxy=proxy,
         evidence=dataclasses.replace(evidence, dir=_resolve(
             base, evidence.dir or str(Path(audit_path).parent / "evidence"))),
+        fleet=sections["fleet"],
         source=source,
     )
 

@@ -40,6 +40,7 @@ from supervisor.engine.events import (
     iso_time,
 )
 from supervisor.engine.unit import EngineUnit
+from supervisor.fleet.registrar import Registrar
 from supervisor.front.dispatch import Backend
 from supervisor.front.exchange import ProxySettings
 from supervisor.front.proxy import FrontProxy, ProxyError
@@ -118,6 +119,7 @@ class Host:
         self.exit_code = 0
         self.started_at = self.clock.monotonic()
         self.proxy: FrontProxy | None = None
+        self.registrar: Registrar | None = None  # [fleet] routers, once the sockets listen
         self._settled: dict[str, str] = {}  # engine -> why it counts as settled
         self._statuses: dict[str, str] = {}
         self._ready_sent = False
@@ -145,6 +147,7 @@ class Host:
                      socket=self.config.control.socket, engines=list(self.units))
             for name in self.units:
                 self._start_unit(name)
+            self._join_fleet()
             while self.tasks:
                 event = await self.queue.get()
                 getattr(self, f"handle_{event.name}")(event)
@@ -154,6 +157,8 @@ class Host:
             for task in self.tasks.values():  # (only when the host itself failed)
                 task.cancel()
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            if self.registrar is not None:
+                await self.registrar.close(self.config.fleet.leave_timeout_s)
             await self._close_sockets()
             await self._jobs.cancel_all()
         return self.exit_code
@@ -249,11 +254,51 @@ class Host:
             self.begin_stop(f"engine {ev.engine} stopped")
 
     def begin_stop(self, reason: str, signum: int = signal.SIGTERM) -> None:
-        """Every unit stops (drains, takes its engine down); the loop ends with the last."""
+        """Every unit stops (drains, takes its engine down); the loop ends with the last.
+        With routers, the daemon leaves them first (bounded), so that none sends it a
+        request it would refuse; a second stop does not wait for that."""
+        first = not self.stopping
         self.stopping = True
+        log.info("daemon stopping", reason=reason, engines=list(self.units))
+        if first and self.registrar is not None:
+            self.launch(self._leave_fleet_then_stop(signum), "leave the routers")
+            return
+        self._stop_units(signum)
+
+    def _stop_units(self, signum: int) -> None:
         for unit in self.units.values():
             unit.post(SignalReceived(signum))
-        log.info("daemon stopping", reason=reason, engines=list(self.units))
+
+    # ---- the fleet (supervisor/fleet/registrar.py) ------------------------------------
+
+    def _join_fleet(self) -> None:
+        f = self.config.fleet
+        if not f.routers or self.proxy is None:
+            return
+        self.registrar = Registrar(f, f.advertised(self.config.proxy.listen),
+                                   self._why_not_in_fleet)
+        self.registrar.start()
+        log.info("fleet: routers to register with", routers=f.routers,
+                 advertise=self.registrar.advertise)
+
+    def _why_not_in_fleet(self) -> str | None:
+        """Why routers should not send requests here now (None: they should): what the
+        proxy's /health says (docs/fleet.md)."""
+        if self.stopping:
+            return "the daemon is stopping"
+        problems = self.proxy.unhealthy() if self.proxy is not None else ["no proxy"]
+        return "; ".join(problems) or None
+
+    async def leave_fleet(self) -> None:
+        """Out of every router, within fleet.leave_timeout_s (nothing without routers)."""
+        if self.registrar is not None:
+            await self.registrar.leave(self.config.fleet.leave_timeout_s)
+
+    async def _leave_fleet_then_stop(self, signum: int) -> None:
+        try:
+            await self.leave_fleet()
+        finally:
+            self._stop_units(signum)
 
     def handle_signal_received(self, ev: SignalReceived) -> None:
         if ev.signum == signal.SIGHUP:
@@ -309,8 +354,9 @@ class Host:
         names = self.live() or list(self.units)[:1]
         views = await asyncio.gather(*(self.units[n].view() for n in names))
         shared = self._proxy_counters(views)
+        fleet = self.registrar.registered() if self.registrar is not None else None
         if not self.config.several:
-            return ExporterView(**{**views[0].__dict__, "proxy": shared})
+            return ExporterView(**{**views[0].__dict__, "proxy": shared, "fleet": fleet})
         ready = self.proxy.ready() if self.proxy is not None else all(v.ready for v in views)
         worst = next((v.state for v in views if v.state != "RUNNING"), "RUNNING")
         first = views[0]
@@ -318,7 +364,7 @@ class Host:
             state=worst, ready=ready, throttle_level=first.throttle_level,
             restarts_by_reason={}, trips_by_rule={}, actions_by_kind={},
             last_decision_wall=None, policy_paused=False, dry_run=first.dry_run,
-            engine_uptime_s=None, gauges=[], proxy=shared,
+            engine_uptime_s=None, gauges=[], proxy=shared, fleet=fleet,
             engines=list(zip(names, views, strict=True)))
 
     def _proxy_counters(self, views: list[ExporterView]) -> ProxyView | None:

@@ -55,6 +55,7 @@ WHEN: tuple[tuple[str, str], ...] = (
     ("exporter.", DAEMON_RESTART),
     ("control.", DAEMON_RESTART),
     ("daemon.", DAEMON_RESTART),
+    ("fleet.", DAEMON_RESTART),  # the registrar is built once, with its routers
 )
 
 

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "supervisor"
 
 # lowest first; a module may import its own layer's modules and those below
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundations", ("loop", "ops", "front", "watchdog", "control.protocol",
+    ("foundations", ("loop", "ops", "front", "watchdog", "fleet", "control.protocol",
                      "control.client", "schema")),
     ("settings", ("config", "engine_checks", "reload")),
     ("engine unit", ("engine",)),

@@ -38,6 +38,7 @@ class HostControl(Protocol):
                  required: bool) -> EngineUnit | None: ...
     def live(self) -> list[str]: ...
     def launch(self, coro: Coroutine[Any, Any, Any], what: str) -> None: ...
+    async def leave_fleet(self) -> None: ...
     def summary_line(self, name: str, st: dict[str, Any]) -> dict[str, Any]: ...
     def front_address(self, name: str) -> dict[str, Any]: ...
     def daemon_uptime_s(self) -> float: ...
@@ -89,18 +90,19 @@ def stop(host: HostControl, req: ControlRequest) -> None:
     if "engine" in req.args:
         raise CommandError("stop: stops the daemon and every engine; to stop one engine, "
                            "remove its [engines.NAME] table and reload")
+    host.stopping = True
+    host.launch(_stop(host, req.reply), "stop")
+
+
+async def _stop(host: HostControl, reply: asyncio.Future[dict[str, Any]]) -> None:
+    """Out of the routers first (bounded), then every engine stops."""
+    await host.leave_fleet()
     loop = asyncio.get_running_loop()
     futures = []
-    host.stopping = True
     for name in host.live():
         fut: asyncio.Future[dict[str, Any]] = loop.create_future()
         host.units[name].post(ControlRequest("stop", {}, fut))
         futures.append(fut)
-    host.launch(_stopped(futures, req.reply), "stop")
-
-
-async def _stopped(futures: list[asyncio.Future[dict[str, Any]]],
-                   reply: asyncio.Future[dict[str, Any]]) -> None:
     results = await asyncio.gather(*futures, return_exceptions=True)
     codes = [r.get("exit_code", 0) if isinstance(r, dict) else 70 for r in results]
     if not reply.done():

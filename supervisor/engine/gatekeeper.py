@@ -6,6 +6,13 @@ itself: the waiting requests and the limits). Closed while FATAL, STOPPING or ST
 (no engine is coming: waiting requests fail at once); held while the engine is not
 RUNNING, until its first canary passed, while the operator drains it, and during a KV
 reset; open otherwise. The watchdog's throttle level is applied here too.
+
+It also says whether a router should count the engine healthy (`Gate.unhealthy`, what the
+proxy's `/health` answers; docs/fleet.md): healthy while it serves or holds requests for
+a short wait only (its first canary after a handover to the standby, a KV reset, a swap
+with a ready standby); unhealthy while a cold start, a backoff, an operator's drain, a
+stop or FATAL keeps it from serving, and while its canaries fail with no progress (a
+frozen engine, whose own `/health` still says 200).
 """
 
 from __future__ import annotations
@@ -28,10 +35,13 @@ class GateKeeper:
         self.drained_by_operator = False  # `drain` until `resume`
 
     def sync(self, state: State, reason: str, remedy_hold: str | None, level: int,
-             ended: bool = False) -> None:
+             ended: bool = False, suspect: str | None = None, swap: bool = False) -> None:
+        """`suspect`: why the engine may be frozen; `swap`: a restart under way hands over
+        to a ready standby."""
         g = self.gate
         if g.level != level:
             g.set_level(level)
+        g.unhealthy = self._unhealthy(state, reason, ended, suspect, swap)
         if ended or state in CLOSED:
             why = "the engine is stopped" if ended and state is not State.STOPPED \
                 else f"the engine is {state.value}: {reason}"
@@ -55,3 +65,15 @@ class GateKeeper:
             if waiting:
                 log.info("held requests released", count=waiting)
                 self._audit("released", count=waiting)
+
+    def _unhealthy(self, state: State, reason: str, ended: bool, suspect: str | None,
+                   swap: bool) -> str | None:
+        if ended:
+            return "the engine is stopped"
+        if state is State.DRAINING and swap:
+            return None  # (the standby takes over within about a second)
+        if state is not State.RUNNING:
+            return f"the engine is {state.value}: {reason}"
+        if self.drained_by_operator:
+            return "drain requested by operator"
+        return suspect

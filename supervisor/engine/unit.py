@@ -265,7 +265,9 @@ class EngineUnit:
     def _sync_gate(self, ended: bool = False) -> None:
         """The gate follows the state (`supervisor/engine/gatekeeper.py`)."""
         self.keeper.sync(self.state, self.state_reason, self.watch.holds_requests(),
-                         self.watch.tuning.throttle_level if self.fronted else 0, ended)
+                         self.watch.tuning.throttle_level if self.fronted else 0, ended,
+                         suspect=self.watch.suspect(),
+                         swap=self.state is State.DRAINING and self._standby_fits())
 
     def facts(self) -> UnitFacts:
         """The unit's state as its watchdog half reads it."""

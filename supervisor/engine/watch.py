@@ -316,6 +316,12 @@ class EngineWatch:
         log.info("remedy started", rung=rung, reason=reason, in_flight=unit.at_engine)
         return BeginRemedy(rung, reason)
 
+    def suspect(self) -> str | None:
+        """Why the engine may be frozen: canaries failing in a row with no progress (the
+        hang rule acts at its own threshold; a router should look elsewhere before)."""
+        n = self.window.canary_failures
+        return f"its last {n} canaries failed with no progress" if n >= 2 else None
+
     def holds_requests(self) -> str | None:
         """Why new requests must wait at the proxy for a remedy now (a KV reset)."""
         if self.remedy is not None and self.remedy.rung == "kv_reset":

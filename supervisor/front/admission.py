@@ -69,6 +69,9 @@ class Gate:
         self.level = 0
         self.held_reason: str | None = "engine not started"  # held until the daemon opens it
         self.closed_reason: str | None = None  # refusing at once: no engine will come
+        # why a router should send this engine's requests elsewhere (None: it serves, or
+        # will within a short wait: a handover, a KV reset); docs/fleet.md
+        self.unhealthy: str | None = "engine not started"
         self.breaker_open = False
         self.in_flight = 0
         self.tokens_in_flight = 0

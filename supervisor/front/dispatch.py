@@ -38,6 +38,13 @@ class Backend:
     def serving(self) -> bool:
         return self.ready() and not self.gate.breaker_open
 
+    def unhealthy(self) -> str | None:
+        """Why a router should send this engine's requests elsewhere; None: it serves
+        now or within a short wait (docs/fleet.md)."""
+        if self.gate.breaker_open:
+            return "its KV-cache breaker is open"
+        return self.gate.unhealthy
+
     def view(self) -> routing.BackendView:
         return routing.BackendView(self.name, self.models, self.serving(),
                                   self.gate.in_flight, self.fallback)

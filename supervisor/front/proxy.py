@@ -346,13 +346,30 @@ class FrontProxy:
             fields["queued_s"] = round(ex.queued_s, 3)
         log.info("request", **fields)
 
+    def unhealthy(self) -> list[str]:
+        """Why a router should not send requests here now, one line per engine whose
+        models nothing else here answers; [] when every model is served now or within a
+        short wait (docs/fleet.md)."""
+        if not self.backends:
+            return ["no engine"]
+        ok = {n for n, b in self.backends.items() if b.unhealthy() is None}
+        return [f"engine {n}: {b.unhealthy()}" for n, b in self.backends.items()
+                if n not in ok and b.fallback not in ok]
+
     def _answer_locally(self, path: str) -> web.Response:
-        """/healthz: the daemon runs. /readyz, and vLLM's /health and /ping for clients
-        that probe those: the engine serves and the gate is open (the daemon's view, which
-        sees a frozen engine whose own /health still says 200)."""
-        if path == "/healthz" or self.ready():
-            return web.Response(text="ok\n" if path == "/healthz" else "ready\n")
-        return web.Response(status=503, text="not ready\n")
+        """/healthz: the daemon runs. /readyz: every engine's models are served now (its
+        gate open). vLLM's /health and /ping, which routers and clients probe: served now
+        or within a short wait (a handover to the standby, a KV reset), else 503 naming
+        why; never 200 for a frozen engine whose own /health still says 200."""
+        if path == "/healthz":
+            return web.Response(text="ok\n")
+        if path == "/readyz":
+            return web.Response(text="ready\n") if self.ready() \
+                else web.Response(status=503, text="not ready\n")
+        problems = self.unhealthy()
+        if not problems:
+            return web.Response(text="ready\n")
+        return web.Response(status=503, text="not ready: " + "; ".join(problems)[:1000] + "\n")
 
     async def _forward(self, request: web.Request, target: Target, body: bytes,
                        ex: Exchange, plan: continuation.Plan | None) -> web.StreamResponse:

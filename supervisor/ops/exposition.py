@@ -57,6 +57,8 @@ class ExporterView:
     standby_ready: float | None = None
     failovers: int = 0  # handovers to the standby
     last_failover_s: float | None = None  # the last one: fault seen to requests released
+    # [fleet]: each router's URL -> whether this daemon is its worker; None: no routers
+    fleet: Mapping[str, bool] | None = None
     # several engines (or named ones): each one's view, shown with an `engine` label; the
     # fields above then summarise them (state, ready) and `proxy` holds the shared
     # counters, each engine's `proxy` its own gate's numbers
@@ -194,6 +196,13 @@ class _ViewCollector(Collector):
             gates: Labelled = ([(n, e) for n, e in v.engines if e.proxy is not None]
                                or [(None, v)])
             yield from _proxy_metrics(v.proxy, gates)
+        if v.fleet is not None:
+            fleet = GaugeMetricFamily(
+                PREFIX + "fleet_registered", "1 while this daemon is the router's worker "
+                "(registered, and the router answers), 0 while not", labels=["router"])
+            for router, registered in sorted(v.fleet.items()):
+                fleet.add_metric([router], float(registered))
+            yield fleet
         yield from self._gauges(views)
 
     def _gauges(self, views: Labelled) -> Iterator[Metric]:

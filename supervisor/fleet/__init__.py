@@ -1,0 +1,1 @@
+"""This daemon in a fleet: registration with vLLM's router (docs/fleet.md)."""
