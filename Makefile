@@ -1,6 +1,6 @@
 # Two commands do everything from nothing: `make run` and `make test`.
 .PHONY: setup run test test-fast lint bench bench-lifecycle bench-watchdog bench-proxy soak \
-	bench-restart bench-healthy-soak bench-proxy-routing clean
+	bench-restart bench-failover bench-healthy-soak bench-proxy-routing clean
 
 setup:
 	bash scripts/setup.sh all
@@ -27,8 +27,8 @@ lint:
 	.venv/bin/mypy
 
 # Every benchmark, side by side with its baseline; each rewrites its own section of
-# docs/benchmarks.md (about 8 + 10 + 12 + 4 minutes).
-bench: bench-lifecycle bench-watchdog bench-proxy bench-restart
+# docs/benchmarks.md (about 8 + 10 + 12 + 4 + 8 minutes).
+bench: bench-lifecycle bench-watchdog bench-proxy bench-restart bench-failover
 
 bench-lifecycle: setup
 	.venv/bin/python bench/lifecycle_bench.py --out docs/benchmarks.md
@@ -47,6 +47,11 @@ bench-proxy-routing: setup
 
 bench-restart: setup
 	.venv/bin/python bench/restart_bench.py --out docs/benchmarks.md
+
+# A SIGKILL of the serving engine core under streams, with a standby and with a cold start
+# side by side (ROUNDS=N, default 3; about 8 minutes, bounded to 25).
+bench-failover: setup
+	.venv/bin/python bench/failover_bench.py --rounds $(or $(ROUNDS),3) --out docs/benchmarks.md
 
 # Ten minutes of heavy, healthy load against the real engine: the default rules must
 # decide nothing (MINUTES=N to change the length).

@@ -217,3 +217,60 @@ def test_two_engine_demo_config_is_valid_with_the_second_the_first_ones_fallback
     assert list(cfg.engines) == ["primary", "fallback"]
     assert cfg.engines["primary"].fallback == "fallback"
     assert cfg.engines["primary"].port != cfg.engines["fallback"].port
+
+
+SLEEPY = {"env": {"VLLM_SERVER_DEV_MODE": "1"}}
+
+
+@pytest.mark.parametrize(("engine", "expected"), [
+    ({"standby": "sleep", **SLEEPY, "args": ["--gpu-memory-utilization", "0.4"]},
+     'engine.args: standby = "sleep" needs --enable-sleep-mode'),
+    ({"standby": "sleep", "args": ["--enable-sleep-mode"]},
+     'engine.env.VLLM_SERVER_DEV_MODE: standby = "sleep" needs "1"'),
+    ({"standby": "sleep", **SLEEPY, "args": ["--enable-sleep-mode",
+                                             "--gpu-memory-utilization", "0.95"]},
+     "engine.args: --gpu-memory-utilization 0.95 leaves no room for the sleeping standby"),
+    ({"standby": "awake", "args": ["--gpu-memory-utilization=0.6"]},
+     "engine.args: --gpu-memory-utilization 0.6 twice is 1.2 of the card"),
+    ({"standby": "awake", "args": ["--gpu-memory-utilization", "lots"]},
+     "engine.args: --gpu-memory-utilization 'lots' is not a number"),
+])
+def test_a_standby_that_cannot_be_kept_is_refused_with_the_numbers(engine, expected):
+    found = problems(with_engine(**engine))
+    assert any(p.startswith(expected) for p in found), found
+
+
+@pytest.mark.parametrize("engine", [
+    {"standby": "awake"},  # (a CPU engine: no share given, nothing to check)
+    {"standby": "awake", "args": ["--gpu-memory-utilization", "0.45"]},
+    {"standby": "sleep", **SLEEPY, "args": ["--enable-sleep-mode"]},  # (0.9: it goes first)
+    {"standby": "sleep", **SLEEPY, "command": ["vllm", "serve", "m", "--enable-sleep-mode"],
+     "args": ["--gpu-memory-utilization", "0.42"]},
+])
+def test_a_standby_that_fits_is_valid(engine):
+    parse_config(with_engine(**engine), "t.toml", Path("/base"))
+
+
+@pytest.mark.parametrize(("doc", "expected"), [
+    ({"fleet": {"routers": ["http://10.0.0.5:30000/"]}},
+     "fleet.routers[0]: 'http://10.0.0.5:30000/': no trailing '/'"),
+    ({"fleet": {"routers": ["http://r:1", "http://r:1"]}}, "fleet.routers: a router is named"),
+    ({"fleet": {"routers": ["http://r:1"]}, "proxy": {"enabled": False}},
+     "fleet.routers: routers send requests to the proxy, and proxy.enabled is false"),
+    ({"fleet": {"routers": ["http://r:1"]}, "proxy": {"listen": "0.0.0.0:8000"}},
+     "fleet.advertise: required when proxy.listen (0.0.0.0:8000) is a wildcard"),
+    ({"fleet": {"advertise": "10.0.0.12:8000"}}, "fleet.advertise: '10.0.0.12:8000': expected"),
+])
+def test_fleet_problems_name_the_key(doc, expected):
+    found = problems({**MIN, **doc})
+    assert any(p.startswith(expected) for p in found), found
+
+
+def test_a_fleet_member_advertises_its_proxy_address_unless_told_otherwise():
+    cfg = parse_config({**MIN, "fleet": {"routers": ["http://r:1"]},
+                        "proxy": {"listen": "10.0.0.12:8000"}}, "t.toml", Path("/base"))
+    assert cfg.fleet.advertised(cfg.proxy.listen) == "http://10.0.0.12:8000"
+    cfg = parse_config({**MIN, "fleet": {"routers": ["http://r:1"],
+                                         "advertise": "http://gpu7.lan:8000"},
+                        "proxy": {"listen": "0.0.0.0:8000"}}, "t.toml", Path("/base"))
+    assert cfg.fleet.advertised(cfg.proxy.listen) == "http://gpu7.lan:8000"

@@ -72,7 +72,9 @@ def test_a_standby_is_proven_then_takes_over_a_crash_and_a_restart_without_a_col
         w.feed(GateProbe(third.generation, True, None))
         assert w.sup.status()["standby"]["state"] == "ready"
 
-        # an operator's restart with nothing in flight: a swap
+        # an operator's restart with nothing in flight: a swap (a router need not look
+        # elsewhere meanwhile)
+        assert gate.unhealthy is None
         reply = w.control("restart")
         assert reply.result()["state"] == "RUNNING" and w.sup.engine is third
         assert w.fx.last("take_down") == {"pid": spare.pid, "graceful": True, "evidence": None}
@@ -324,3 +326,18 @@ def test_a_standby_that_cannot_sleep_is_retried_after_a_backoff(tmp_path: Path) 
         assert w.sup.status()["standby"]["state"] == "waiting"
     finally:
         w.loop.close()
+
+
+def test_a_drain_before_a_swap_keeps_the_engine_healthy_for_routers() -> None:
+    """A restart that hands over to a ready standby waits about a second: a router
+    keeps sending (the requests are held, then served); one without a standby is a cold
+    start: a router should look elsewhere."""
+    from supervisor.engine.gatekeeper import GateKeeper
+    from supervisor.engine.states import State
+    from supervisor.front.admission import Gate
+
+    keeper = GateKeeper(Gate(), lambda *a, **k: None)
+    keeper.sync(State.DRAINING, "operator restart", None, 0, swap=True)
+    assert keeper.gate.unhealthy is None and keeper.gate.held_reason is not None
+    keeper.sync(State.DRAINING, "operator restart", None, 0, swap=False)
+    assert keeper.gate.unhealthy == "the engine is DRAINING: operator restart"

@@ -21,6 +21,7 @@ import pytest
 from supervisor.config import EngineConfig, parse_config
 from supervisor.engine.events import (
     BackoffElapsed,
+    CanaryDone,
     ControlRequest,
     Down,
     Drained,
@@ -37,6 +38,7 @@ from supervisor.engine.unit import EngineUnit
 from supervisor.loop import Clock
 from supervisor.ops.sdnotify import Notifier
 from supervisor.watchdog import evidence
+from supervisor.watchdog.canary import CanaryOutcome
 from supervisor.watchdog.remedy import RemedyOutcome
 
 
@@ -361,13 +363,17 @@ def test_the_gate_follows_the_unit_canary_drain_kv_reset_restart_and_stop(
         engine = w.serving()
         assert "follow" in w.fx.names() and w.fx.last("gate_probe") == {"pid": engine.pid}
         assert w.state == "RUNNING" and gate.held_reason is not None  # no canary yet
+        assert gate.unhealthy is None  # (for a router: served within a short wait)
         w.feed(GateProbe(engine.generation, True, None))
         assert gate.held_reason is None and w.sup.serving()
         w.control("drain")
         assert gate.held_reason == "drain requested by operator" and not w.sup.serving()
+        assert gate.unhealthy == "drain requested by operator"
         assert w.control("resume").result()["held"] is False and gate.held_reason is None
+        assert gate.unhealthy is None
         w.sup.begin_remedy("kv_reset", "test")
         assert gate.held_reason == "KV reset in progress (test)"
+        assert gate.unhealthy is None  # a KV reset holds for a fraction of a second
         w.feed(RemedyDone(engine.generation, "kv_reset",
                           RemedyOutcome(ok=True, steps={"sleep": 0.1}), 0.3))
         assert gate.held_reason is None
@@ -376,13 +382,20 @@ def test_the_gate_follows_the_unit_canary_drain_kv_reset_restart_and_stop(
         w.control("restart")
         assert w.fx.last("pause_streams") == {"pid": engine.pid}
         assert gate.held_reason is not None and "DRAINING" in gate.held_reason
+        assert gate.unhealthy is not None and "DRAINING" in gate.unhealthy  # a cold start
         w.down(engine)
         engine = w.serving()
         assert gate.held_reason is not None  # a new engine: its own first canary again
         w.feed(GateProbe(engine.generation, False, "timed out"))  # released anyway
         assert gate.held_reason is None and gate.closed_reason is None
+        for _ in range(2):  # canaries failing with no progress: a frozen engine
+            w.feed(CanaryDone(engine.generation, CanaryOutcome(False, 5.0, "timed out"),
+                              w.now, w.now + 5))
+            w.now += 10
+        assert gate.unhealthy == "its last 2 canaries failed with no progress"
         w.control("stop")
         assert gate.closed_reason is not None and "STOPPING" in gate.closed_reason
+        assert gate.unhealthy is not None and "STOPPING" in gate.unhealthy
     finally:
         w.loop.close()
 

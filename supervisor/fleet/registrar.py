@@ -30,7 +30,13 @@ from typing import Protocol
 
 import httpx
 import structlog
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    wait_exponential,
+    wait_random,
+)
 
 from supervisor.fleet.router import Router, RouterError
 
@@ -130,8 +136,12 @@ class Registrar:
             if want != st.registered or (want and now - checked_at >= self.s.check_interval_s):
                 retrying = AsyncRetrying(
                     retry=retry_if_exception_type(RouterError),
-                    wait=wait_exponential_jitter(initial=self.s.retry_initial_s,
-                                                 max=self.s.retry_max_s),
+                    # doubling from retry_initial_s up to retry_max_s, plus up to
+                    # retry_initial_s of jitter (hosts that lost a router together do
+                    # not come back to it in step)
+                    wait=wait_exponential(multiplier=self.s.retry_initial_s,
+                                          max=self.s.retry_max_s)
+                    + wait_random(0, self.s.retry_initial_s),
                     stop=lambda _: self._leaving,
                     sleep=functools.partial(self._nap, st),
                     before_sleep=functools.partial(self._failed, st), reraise=True)
@@ -153,8 +163,10 @@ class Registrar:
                 return
             forgot = st.registered is True and st.error is None
             await r.add(self.advertise)
-            self._standing(st, True, None,
-                           "the router had forgotten this daemon" if forgot else "serving")
+            if forgot:  # (no change of standing to log, but news)
+                log.info("registered with router", router=st.router,
+                         advertise=self.advertise, why="the router had forgotten this daemon")
+            self._standing(st, True, None, "serving")
         else:
             await r.remove(self.advertise)
             self._standing(st, False, None, why)

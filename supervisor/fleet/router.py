@@ -16,6 +16,8 @@ Fetching only: each call raises `RouterError` naming the router and what went wr
 
 from __future__ import annotations
 
+import re
+
 import httpx
 
 
@@ -23,22 +25,23 @@ class RouterError(Exception):
     """A router call that did not do what was asked."""
 
 
+_URL = re.compile(r"(?P<scheme>[a-z]+)://(?P<host>\[[0-9a-fA-F:.]+\]|[^/:\[\]@?#]+)"
+                  r"(?::(?P<port>\d{1,5}))?(?P<rest>.*)")
+
+
 def url_problem(url: str) -> str | None:
     """Why `url` cannot name a router or a worker (http(s)://HOST:PORT, nothing after)."""
-    try:
-        u = httpx.URL(url)
-    except (httpx.InvalidURL, TypeError) as exc:
-        return f"not a URL: {exc}"
-    if u.scheme not in ("http", "https"):
+    m = _URL.fullmatch(url)
+    if m is None or m["scheme"] not in ("http", "https"):
         return "expected http://HOST:PORT or https://HOST:PORT"
-    if not u.host:
-        return "no host"
-    if u.port is None:
+    if m["port"] is None:
         return "no port (say it: routers compare worker URLs as exact strings)"
-    if u.raw_path not in (b"", b"/") or u.query or u.fragment:
-        return "expected nothing after HOST:PORT"
-    if url.endswith("/"):
+    if not 0 < int(m["port"]) < 65536:
+        return f"port {m['port']} is out of range 1-65535"
+    if m["rest"] == "/":
         return "no trailing '/': vllm-router would probe '//health' and never add it"
+    if m["rest"]:
+        return "expected nothing after HOST:PORT"
     return None
 
 
