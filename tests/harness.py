@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import psutil
 
 from supervisor.control.client import ControlClientError, call
@@ -251,3 +252,49 @@ def raw_request(address: str, method: str, target: str, body: bytes = b"",
             data += chunk
     status_line, _, rest = data.partition(b"\r\n")
     return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+ROUTER = ROOT / ".tools" / "vllm-router"
+
+
+class RouterProcess:
+    """vllm-router 0.1.17 on loopback (`scripts/setup.sh router`), in its own session,
+    with short health checks and breaker timeout; stopped by its pid."""
+
+    def __init__(self, port: int, metrics_port: int, log: Path) -> None:
+        self.port, self.metrics_port, self.log = port, metrics_port, log
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        exe = ROUTER / "bin" / "vllm-router"
+        assert exe.exists(), f"{exe} is missing: run `bash scripts/setup.sh router`"
+        self.proc = subprocess.Popen(
+            [str(exe), "--host", "127.0.0.1", "--port", str(self.port),
+             "--prometheus-port", str(self.metrics_port), "--policy", "round_robin",
+             "--health-check-interval-secs", "1", "--health-failure-threshold", "2",
+             "--health-success-threshold", "1", "--worker-startup-timeout-secs", "10",
+             "--worker-startup-check-interval", "1", "--cb-timeout-duration-secs", "5"],
+            stdout=self.log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(ROUTER)})
+        wait_for(lambda: self._up(), 20, "the router listening")
+
+    def _up(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/liveness", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def workers(self) -> dict[str, bool]:
+        doc = httpx.get(f"{self.url}/workers", timeout=5).json()
+        return {w["url"]: w["is_healthy"] for w in doc["workers"]}
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import ROOT, Daemon, alive, free_port, wait_for
+from tests.harness import ROOT, Daemon, RouterProcess, alive, free_port, wait_for
 from tests.test_e2e_vllm import START_TIMEOUT, tree, vllm_config
 
 pytestmark = pytest.mark.e2e
@@ -45,7 +45,7 @@ def gpu_reading(path: Path, temp: float, throttled: bool) -> None:
 
 
 class Prometheus:
-    def __init__(self, tmp: Path, exporter: str, engine: str) -> None:
+    def __init__(self, tmp: Path, exporter: str, engine: str, router: str) -> None:
         if not PROMETHEUS.exists():
             pytest.fail("prometheus is not set up: run `bash scripts/setup.sh prometheus`")
         self.port = free_port()
@@ -57,7 +57,8 @@ class Prometheus:
             "rule_files": [str(ALERTS)],
             "scrape_configs": [
                 {"job_name": "vllm-supervisor", "static_configs": [{"targets": [exporter]}]},
-                {"job_name": "vllm-engine", "static_configs": [{"targets": [engine]}]}]}))
+                {"job_name": "vllm-engine", "static_configs": [{"targets": [engine]}]},
+                {"job_name": "vllm-router", "static_configs": [{"targets": [router]}]}]}))
         self.log = tmp / "prometheus.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
@@ -107,14 +108,20 @@ def observed(tmp_path_factory: pytest.TempPathFactory
         "signals": {"rate_window_s": 10},
         "policy.rules.thermal": {"for_s": 2, "clear_for_s": 4, "cooldown_s": 5},
     })
+    # a router in front, as in a fleet: the daemon registers with it (the fleet panels)
+    router = RouterProcess(free_port(), free_port(), tmp / "router.log")
+    router.start()
+    cfg["fleet"] = {"routers": [router.url], "check_interval_s": 2.0}
     d = Daemon(tmp, cfg)
     d.gpu_file = gpu  # type: ignore[attr-defined]
     d.seen_pids = []  # type: ignore[attr-defined]
-    prom = Prometheus(tmp, cfg["exporter"]["listen"], f"127.0.0.1:{cfg['engine']['port']}")
+    prom = Prometheus(tmp, cfg["exporter"]["listen"], f"127.0.0.1:{cfg['engine']['port']}",
+                      f"127.0.0.1:{router.metrics_port}")
     try:
         yield d, cfg, prom
     finally:
         prom.close()
+        router.stop()
         seen = d.seen_pids  # type: ignore[attr-defined]
         d.close()
         for pid in alive(seen):
@@ -231,7 +238,7 @@ def dashboard_queries() -> list[tuple[str, str]]:
 
 def grafana(expr: str) -> str:
     """Grafana's variables, as a dashboard with every engine and model selected has them."""
-    for var, value in (("$__rate_interval", "15s"), ("$engine", ".*"), ("$model", ".*")):
+    for var, value in (("$__rate_interval", "15s"), ("$instance", ".*"), ("$model", ".*")):
         expr = expr.replace(var, value)
     assert "$" not in expr, expr
     return expr

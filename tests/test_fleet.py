@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,54 +20,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import ROOT, Daemon, free_port, wait_for
+from tests.harness import Daemon, RouterProcess, free_port, wait_for
 from tests.test_proxy import proxy_config
 
 pytestmark = pytest.mark.component
-ROUTER = ROOT / ".tools" / "vllm-router"
 TOKENS = 8
-
-
-class RouterProcess:
-    """vllm-router on loopback, in its own session; stopped by its pid."""
-
-    def __init__(self, port: int, metrics_port: int, log: Path) -> None:
-        self.port, self.metrics_port, self.log = port, metrics_port, log
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        exe = ROUTER / "bin" / "vllm-router"
-        assert exe.exists(), f"{exe} is missing: run `bash scripts/setup.sh router`"
-        self.proc = subprocess.Popen(
-            [str(exe), "--host", "127.0.0.1", "--port", str(self.port),
-             "--prometheus-port", str(self.metrics_port), "--policy", "round_robin",
-             "--health-check-interval-secs", "1", "--health-failure-threshold", "2",
-             "--health-success-threshold", "1", "--worker-startup-timeout-secs", "10",
-             "--worker-startup-check-interval", "1", "--cb-timeout-duration-secs", "5"],
-            stdout=self.log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PYTHONPATH": str(ROUTER)})
-        wait_for(lambda: self._up(), 20, "the router listening")
-
-    def _up(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/liveness", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def workers(self) -> dict[str, bool]:
-        doc = httpx.get(f"{self.url}/workers", timeout=5).json()
-        return {w["url"]: w["is_healthy"] for w in doc["workers"]}
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.proc = None
 
 
 @dataclass

@@ -143,7 +143,9 @@ class Standby:
         date, the daemon stopping)."""
         self.cancel_timer()
         if self.slot.engine is not None and not self.slot.taking_down:
-            self.slot.take_down(graceful, None, deadline)
+            # one still starting has nothing to finish, and vLLM ignores SIGTERM until it
+            # serves: it would cost the whole grace (30 s on the H100) for nothing
+            self.slot.take_down(graceful and self.state not in ON_ITS_WAY, None, deadline)
         if self.slot.engine is not None or self.slot.spawning:
             self._to("retiring", why)
         elif self.state != "failed":
