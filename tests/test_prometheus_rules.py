@@ -102,3 +102,9 @@ def test_every_alert_has_a_summary_a_description_with_its_subject_and_a_runbook_
         url = ann["runbook_url"]
         assert url.startswith("docs/runbook.md#"), url
         assert url.split("#", 1)[1] in headings, f"{a['alert']}: no heading for {url}"
+
+
+def test_promtool_checks_the_example_scrape_config() -> None:
+    r = promtool("check", "config", "prometheus.yml")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCESS" in r.stdout + r.stderr
