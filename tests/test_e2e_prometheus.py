@@ -151,7 +151,7 @@ def stream(proxy: str, tokens: int = 32) -> bool:
     return r.status_code == 200 and len(lines) >= 2 and lines[-1] == "data: [DONE]"
 
 
-def test_both_targets_are_scraped_and_clients_are_measured(observed):
+def test_every_target_is_scraped_and_clients_are_measured(observed):
     d, cfg, prom = observed
     d.wait_state("RUNNING", START_TIMEOUT)
     remember(d)
@@ -162,11 +162,11 @@ def test_both_targets_are_scraped_and_clients_are_measured(observed):
     assert httpx.post(f"http://{proxy}/reset_prefix_cache", timeout=10
                       ).status_code == 403  # a refusal, counted by reason
 
-    def both_up() -> bool:
+    def all_up() -> bool:
         res = prom.get("/api/v1/query", query="up")["result"]
         return {r["metric"]["job"]: r["value"][1] for r in res} == {
-            "vllm-supervisor": "1", "vllm-engine": "1"}
-    wait_for(both_up, 60, f"Prometheus scraping both; log:\n{prom.log.read_text()}")
+            "vllm-supervisor": "1", "vllm-engine": "1", "vllm-router": "1"}
+    wait_for(all_up, 60, f"Prometheus scraping all three; log:\n{prom.log.read_text()}")
     q = 'sum(vllm_supervisor_client_ttft_seconds_count{model="tiny-llama"})'
     wait_for(lambda: prom.get("/api/v1/query", query=q)["result"], 30, "client TTFT series")
 

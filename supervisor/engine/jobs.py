@@ -45,7 +45,7 @@ from supervisor.engine.events import (
     Woken,
 )
 from supervisor.front.admission import Gate
-from supervisor.loop import Clock, Jobs
+from supervisor.loop import Clock, Jobs, http_client
 from supervisor.watchdog import canary, evidence, remedy
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
 from supervisor.watchdog.poller import scrape
@@ -256,7 +256,7 @@ class JobEffects:
         """Scrape the engine's /metrics every period for as long as this engine lives."""
         ecfg = engine.config
         url = ecfg.base_url + cfg.path
-        async with httpx.AsyncClient() as client:
+        async with http_client() as client:
             while engine.proc.returncode is None:
                 snap, error = await scrape(client, url, cfg.timeout_s)
                 if engine.proc.returncode is not None:
@@ -306,7 +306,7 @@ class JobEffects:
         """Healthy is not enough to release held requests: one canary must pass first
         (bounded: a few tries, then the gate opens anyway and the hang rule judges)."""
         error: str | None = None
-        async with httpx.AsyncClient() as client:
+        async with http_client() as client:
             for _ in range(3):
                 _, _, outcome = await self._probe(client, engine, None)
                 if outcome.ok:
@@ -331,7 +331,7 @@ class JobEffects:
             why = "no front proxy to hold requests while the engine sleeps ([proxy] is off)"
         if why is None:
             base = engine.config.base_url
-            async with httpx.AsyncClient() as client:
+            async with http_client() as client:
                 asleep, why = await remedy.is_sleeping(client, base, 10.0)
             if asleep:
                 why = "the engine reports it is asleep"
@@ -341,7 +341,7 @@ class JobEffects:
         """Bounded by `remedy.SLEEP_TIMEOUT_S` a call: the first sleep pins the weights in
         host RAM (11-13 s for an 8B model on the H100)."""
         t0 = self.clock.monotonic()
-        async with httpx.AsyncClient() as client:
+        async with http_client() as client:
             error = await remedy.set_asleep(client, engine.config.base_url, asleep,
                                             remedy.SLEEP_TIMEOUT_S)
         event = Slept if asleep else Woken
@@ -351,7 +351,7 @@ class JobEffects:
         cfg = engine.config
         base = cfg.base_url
         t0 = self.clock.monotonic()
-        async with httpx.AsyncClient() as client:
+        async with http_client() as client:
             if rung == "reset_prefix_cache":
                 outcome = await remedy.reset_prefix_cache(client, base, 30.0)
             else:
@@ -401,7 +401,7 @@ class JobEffects:
 
     async def _canary(self, engine: eng.EngineProcess) -> None:
         """A tiny generation every period, for as long as this engine lives."""
-        async with httpx.AsyncClient() as client:
+        async with http_client() as client:
             model: str | None = None
             while engine.proc.returncode is None:
                 await asyncio.sleep(self.config().canary.period_s)

@@ -27,6 +27,7 @@ import structlog
 from supervisor.config import EngineConfig
 from supervisor.engine import proctree
 from supervisor.engine.enginelog import parse_engine_line
+from supervisor.loop import http_client
 from supervisor.watchdog.gpu import GpuProcessLister
 
 log = structlog.get_logger("supervisor.engine")
@@ -181,7 +182,7 @@ async def wait_healthy(url: str, interval_s: float, timeout_s: float,
     """Poll `url` until it answers 200 (True), or the time is up or the engine exits
     (False). The port refuses connections until vLLM is ready, so errors are expected."""
     deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(timeout=httpx.Timeout(min(5.0, max(interval_s, 1.0)))) as client:
+    async with http_client(timeout=httpx.Timeout(min(5.0, max(interval_s, 1.0)))) as client:
         while not exited.done():
             try:
                 r = await client.get(url)
@@ -317,7 +318,9 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
     gpu_holders = await poll_until_clear(gpu_held, within(cfg.gpu_release_timeout_s),
                                          interval_s=0.25)
     port_problem = await poll_until_clear(
-        lambda: proctree.port_holder(cfg.host, cfg.port), within(cfg.reap_timeout_s))
+        lambda: proctree.port_busy(cfg.host, cfg.port), within(cfg.reap_timeout_s))
+    if port_problem is not None:  # (who holds it: asked once, it is costly)
+        port_problem = await asyncio.to_thread(proctree.port_holder, cfg.host, cfg.port)
     return TakeDown(exit_code=proc.returncode, survivors=survivors, gpu_holders=gpu_holders,
                     port_problem=port_problem, duration_s=time.monotonic() - t0,
                     sigkilled=sigkilled)

@@ -136,8 +136,8 @@ def describe(pid: int) -> str:
     return f"pid {pid} ({cmd})"
 
 
-def port_holder(host: str, port: int) -> str | None:
-    """None if host:port can be bound now; otherwise who holds it, as best we can tell."""
+def port_busy(host: str, port: int) -> str | None:
+    """None if host:port can be bound now, else why not (cheap: one bind)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -147,6 +147,17 @@ def port_holder(host: str, port: int) -> str | None:
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:
                 return f"cannot bind {host}:{port}: {exc.strerror}"
+            return f"{host}:{port} is in use"
+
+
+def port_holder(host: str, port: int) -> str | None:
+    """None if host:port can be bound now; otherwise who holds it, as best we can tell.
+    Costly when the port is in use (psutil reads every process's sockets, in Python,
+    holding the GIL for a good part of a second on a busy host): poll `port_busy`, and
+    ask this once."""
+    busy = port_busy(host, port)
+    if busy is None or not busy.endswith("is in use"):
+        return busy
     holders = set()
     try:
         for c in psutil.net_connections(kind="inet"):

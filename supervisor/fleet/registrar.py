@@ -39,6 +39,7 @@ from tenacity import (
 )
 
 from supervisor.fleet.router import Router, RouterError
+from supervisor.loop import http_client
 
 log = structlog.get_logger("supervisor")
 # how often each task looks at the daemon's wish (a function call, no I/O)
@@ -74,7 +75,7 @@ class Registrar:
                  why_not: Callable[[], str | None], client: httpx.AsyncClient | None = None,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         self.s, self.advertise, self._why_not = settings, advertise, why_not
-        self._client = client or httpx.AsyncClient()
+        self._client = client or http_client()
         self._own_client = client is None
         self._monotonic = monotonic
         self.standings = {u: Standing(u, since=monotonic()) for u in settings.routers}
