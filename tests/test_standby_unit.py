@@ -343,3 +343,61 @@ def test_a_drain_before_a_swap_keeps_the_engine_healthy_for_routers() -> None:
     assert keeper.gate.unhealthy is None and keeper.gate.held_reason is not None
     keeper.sync(State.DRAINING, "operator restart", None, 0, swap=False)
     assert keeper.gate.unhealthy == "the engine is DRAINING: operator restart"
+
+
+def test_a_reload_of_the_engines_arguments_is_an_upgrade_through_the_standby(
+        tmp_path: Path) -> None:
+    """A new vLLM or model revision in the config: the standby is replaced by one with the
+    new arguments, proven, then swapped in (a drained restart that is a handover); no
+    cold start, and afterwards both engines run the new arguments."""
+    w = World(tmp_path, fronted=True, engine={"standby": "awake"})
+    try:
+        first = w.serving()
+        w.feed(GateProbe(first.generation, True, None))
+        spare = w.spawned()
+        w.feed(HealthResult(spare.generation, True))
+        w.feed(GateProbe(spare.generation, True, None))
+        doc = {**w.doc, "engine": {**w.doc["engine"], "args": ["--revision", "v2"]}}
+        reply: asyncio.Future[dict[str, Any]] = w.loop.create_future()
+        w.feed(Reloaded(parse_config(doc, str(tmp_path / "config.toml"), tmp_path),
+                        None, reply))
+        assert list(reply.result()["next_engine_start"]) == ["engine.args"]
+        assert w.fx.last("take_down") == {"pid": spare.pid, "graceful": True,
+                                          "evidence": None}
+        assert w.state == "RUNNING" and w.sup.engine is first  # the engine serves on
+        w.down(spare)
+        spawn = w.fx.last("spawn")
+        assert spawn["bay"] == 1 and "--revision" in spawn["spec"].argv
+        new = w.spawned()
+        w.feed(HealthResult(new.generation, True))
+        w.feed(GateProbe(new.generation, True, None))  # proven: the swap
+        assert w.sup.engine is new and w.state == "RUNNING"
+        assert w.fx.last("take_down") == {"pid": first.pid, "graceful": True,
+                                          "evidence": None}
+        assert w.sup.status()["last_decision"]["action"] == "failover"
+        states = [json.loads(x)["to"] for x in
+                  (tmp_path / "events.jsonl").read_text().splitlines() if '"state"' in x]
+        assert states.count("STARTING") == 1  # the first start alone: no cold start
+        w.feed(GateProbe(new.generation, True, None))
+        w.down(first)
+        assert "--revision" in w.fx.last("spawn")["spec"].argv  # the next standby too
+        assert w.sup.restarts_by_reason == {"upgrade": 1}
+    finally:
+        w.loop.close()
+
+
+def test_a_reload_that_changes_nothing_the_engine_runs_is_no_upgrade(tmp_path: Path) -> None:
+    w = World(tmp_path, engine={"standby": "awake"})
+    try:
+        w.serving()
+        spare = w.spawned()
+        w.feed(HealthResult(spare.generation, True))
+        w.feed(GateProbe(spare.generation, True, None))
+        doc = {**w.doc, "engine": {**w.doc["engine"], "stop_grace_s": 7.0}}
+        reply: asyncio.Future[dict[str, Any]] = w.loop.create_future()
+        w.feed(Reloaded(parse_config(doc, str(tmp_path / "config.toml"), tmp_path),
+                        None, reply))
+        assert "take_down" not in w.fx.names()
+        assert w.sup.status()["standby"]["state"] == "ready"
+    finally:
+        w.loop.close()

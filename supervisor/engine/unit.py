@@ -150,6 +150,9 @@ class EngineUnit:
         self._waking = False  # the standby that took over is being woken
         self._wake_when_down = False  # ... once the old engine's memory is released
         self._proving_woken = False  # ... and proven with a generation
+        # a reload changed what the engine runs: a standby with the new arguments, then a
+        # swap to it (why, while under way)
+        self._upgrade: str | None = None
         self.fatal_errors: list[str] = []
         self.last_decision: DecisionRecord | None = None  # the latest, lifecycle steps included
         self.fatal_reason: str | None = None
@@ -310,8 +313,9 @@ class EngineUnit:
         self.keeper.admitting = False
         self.relaunch.starting()
         self.serving_starts += 1
-        self._failover_at = None  # (a cold start ends any handover)
+        self._failover_at = None  # (a cold start ends any handover, and applies any upgrade)
         self._waking = self._wake_when_down = self._proving_woken = False
+        self._upgrade = None
         self._set_state(State.STARTING, reason)
         self._decide("start", reason)
         if self._start_standby_first():
@@ -673,6 +677,40 @@ class EngineUnit:
                     self._spawn_serving()  # beside the sleeping standby (or without one)
         elif free:
             self._start_standby()
+        if (self._upgrade is not None and self.state is State.RUNNING
+                and self._standby_fits()):
+            why, self._upgrade = self._upgrade, None
+            log.info("upgrade: the standby runs the new arguments; swapping to it", why=why)
+            self._count_restart("upgrade")
+            self._restart(f"upgrade: {why}")  # (drained, then a swap: `_swap_or_take_down`)
+
+    def _begin_upgrade(self, keys: tuple[str, ...]) -> None:
+        """A reload changed what the serving engine runs (a new vLLM, a model revision):
+        with a standby, one is started with the new arguments, proven, then swapped in, so
+        that no client waits for a cold start. Without one (or no room for one beside the
+        engine) the change applies at the next start, as any engine key does."""
+        e = self.engine
+        if self.config.engine.standby == "none" or self.state is not State.RUNNING \
+                or e is None:
+            return
+        cfg = self._engine_config(self.slot.bay)
+        spec = eng.build_spawn_spec(cfg, self.environ)
+        if (spec.argv, spec.env, spec.cwd) == (e.spec.argv, e.spec.env, e.spec.cwd):
+            return  # (nothing the engine runs changed: a timeout, a drain setting...)
+        if cfg.standby == "sleep" and not engine_checks.side_by_side(engine_checks.argv(cfg)):
+            log.info("no room for a standby beside the engine: the new arguments apply at "
+                     "its next start", keys=list(keys))
+            return
+        self._upgrade = f"reloaded {', '.join(keys)}"
+        log.info("upgrade: starting a standby with the new arguments", keys=list(keys))
+        self.audit("upgrade", keys=list(keys))
+        if self.standby.ready or self.standby.on_its_way:
+            self.standby.retire("its arguments are out of date", graceful=True,
+                                deadline=self._standby_deadline())
+        self.standby.cancel_timer()
+        self.standby.due()  # (a backoff under way is over: the arguments changed)
+        self.standby.failures = 0
+        self._start_standby(due=True)  # (now if its place is free; else once it is)
 
     def _standby_fits(self) -> bool:
         """A ready standby that runs what a start now would run."""
@@ -929,6 +967,7 @@ class EngineUnit:
         if plan.next_engine_start:
             log.info("engine settings take effect at the next start",
                      keys=list(plan.next_engine_start))
+            self._begin_upgrade(plan.next_engine_start)
         if plan.next_daemon_start:
             log.warning("these settings take effect only when the daemon restarts",
                         keys=list(plan.next_daemon_start))
