@@ -19,6 +19,7 @@ import httpx
 from tests.fake_engine import prompt_ids
 from tests.harness import wait_for
 from tests.test_continuation_proxy import Seen, comp, expected_text, metrics, run
+from tests.test_e2e_prometheus import NEEDS_STANDBY
 from tests.test_proxy import proxy_config, url
 
 N = 150  # tokens a stream; 3 s at 0.02 s a token: in flight at the fault
@@ -85,6 +86,8 @@ def test_a_crash_and_a_restart_each_hand_over_to_the_standby(daemon_factory, tmp
     assert m[("vllm_supervisor_standby_ready", ())] == 1
     assert m[("vllm_supervisor_failovers_total", ())] == 1
     assert 0 < m[("vllm_supervisor_last_failover_seconds", ())] < 5
+    # the dashboard's standby panels read these (the e2e Prometheus daemon has no standby)
+    assert {name for name, _ in m} >= set(NEEDS_STANDBY)
 
     # an operator's restart under the same load: paused streams go on on the standby
     second = d.status()
