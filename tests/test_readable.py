@@ -47,8 +47,15 @@ def test_the_console_drops_empty_fields_and_json_keeps_them(capsys) -> None:
     ("gpu_temperature_c", 71.4, "71 C"),
     ("gpu_power_w", 412.7, "413 W"),
     ("engine_cpu_percent", 97.25, "97.2 %"),
-    ("kv_cache_usage", 0.873456, "0.8735"),
+    ("kv_cache_usage", 0.873456, "87.3 %"),
+    ("spec_decode_acceptance_rate", 0.41, "41.0 %"),
     ("requests_running", 3, "3"),
+    ("generation_tokens_per_s", 118.4, "118.4 tokens/s"),  # (a rate, not a time)
+    ("preemption_rate", 0.25, "0.25 preemptions/s"),
+    ("ttft_p99", 0.0195, "20 ms"),
+    ("gpu_thermal_throttled", 1.0, "yes"),
+    ("prefix_cache_hit_rate_ratio", 0.5, "0.50 x its baseline"),
+    ("kv_blocks_held", 12, "12 blocks"),
 ])
 def test_signals_print_in_human_units(name: str, value: float, shown: str) -> None:
     assert format_signal(name, value) == shown
@@ -81,3 +88,13 @@ def test_status_says_where_the_standby_stands_and_why_it_is_not_ready() -> None:
     assert "standby    ready, asleep (pid 11, port 8101) for 65 s, 18.0 GiB host memory" \
         in asleep
     assert "standby" not in format_status({**base, "standby": {"state": "none"}})
+
+
+def test_every_signal_but_a_count_prints_with_its_unit() -> None:
+    """A new signal must say its unit in `status` (or be declared a plain count here)."""
+    from supervisor.watchdog.signals import SIGNAL_NAMES
+
+    counts = {"requests_waiting", "requests_running", "canary_failures",
+              "scrape_failures_total", "gpu_xid_reset_errors", "gpu_xid_restart_errors"}
+    bare = [n for n in SIGNAL_NAMES if format_signal(n, 0.5) == "0.5" and n not in counts]
+    assert not bare, bare

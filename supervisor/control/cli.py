@@ -95,10 +95,30 @@ def human_seconds(s: float) -> str:
     return _duration(s)
 
 
+# signals whose name does not say their unit (the names are the rules' public ones)
+_PERCENT = ("kv_cache_usage", "prefix_cache_hit_rate", "prefix_cache_hit_rate_baseline",
+            "spec_decode_acceptance_rate", "gpu_power_ratio", "gpu_utilization")
+_YES_NO = ("gpu_thermal_throttled", "gpu_power_capped")
+
+
 def format_signal(name: str, value: float | int | bool) -> str:
     """One signal in human units (status --json keeps the raw numbers)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return str(value)
+    if name in _PERCENT:
+        return f"{100 * value:.1f} %"
+    if name in _YES_NO:
+        return "yes" if value else "no"
+    if name == "generation_tokens_per_s":
+        return f"{value:.4g} tokens/s"
+    if name == "preemption_rate":
+        return f"{value:.3g} preemptions/s"
+    if name == "ttft_p99":
+        return human_seconds(value)
+    if name == "prefix_cache_hit_rate_ratio":
+        return f"{value:.2f} x its baseline"
+    if name.startswith("kv_blocks"):
+        return f"{value:.4g} blocks"
     if name.endswith("_bytes_per_h"):
         return human_bytes(value) + "/h"
     if name.endswith("_bytes"):
