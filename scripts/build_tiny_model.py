@@ -6,7 +6,7 @@ and tokenizers; the supervisor's own environment has none of them):
     /path/to/engine-venv/bin/python scripts/build_tiny_model.py [OUTPUT_DIR]
 
 OUTPUT_DIR defaults to ``models/tiny-llama``. The result is a directory that
-``python -m vllm.entrypoints.openai.api_server --model OUTPUT_DIR`` serves on
+``vllm serve OUTPUT_DIR`` serves on
 CPU: hidden size 128, 2 attention heads and 1 KV head (head_dim 64; the CPU
 attention kernel rejects head_dim 16), 2 layers, vocabulary 512, float32. The
 tokenizer is a byte-level BPE trained here on a generated corpus, with a

@@ -42,7 +42,8 @@ def _default_state_dir() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    # argv that starts vLLM's OpenAI server, e.g. [python, -m, vllm.entrypoints.openai.api_server]
+    # argv that starts vLLM's OpenAI server: [vllm, serve, MODEL] (the older module form,
+    # [python, -m, vllm.entrypoints.openai.api_server, --model, MODEL], still works)
     command: list[str] = spec(nonempty=True)
     # extra engine arguments; --host, --port and --shutdown-timeout are added by the daemon
     args: list[str] = spec([])

@@ -177,7 +177,15 @@ def main() -> None:
     else:
         signal.signal(signal.SIGTERM, lambda *_: stopping.set())
 
+    # vLLM's start, as it tells it: a phase line, then the wait, then its route table
+    log("INFO", "Starting to load model fake...", tag="EngineCore_DP0")
     time.sleep(a.startup_delay)
+    log("INFO", "init engine (profile, create kv cache, warmup model) took "
+        f"{a.startup_delay:.2f} s", tag="EngineCore_DP0")
+    log("INFO", "Available routes are:")
+    for route, methods in (("/health", "GET"), ("/metrics", "GET"), ("/v1/models", "GET"),
+                           ("/v1/completions", "POST"), ("/v1/chat/completions", "POST")):
+        log("INFO", f"Route: {route}, Methods: {methods}")
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def parse_request(self) -> bool:

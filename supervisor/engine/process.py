@@ -26,7 +26,7 @@ import structlog
 
 from supervisor.config import EngineConfig
 from supervisor.engine import proctree
-from supervisor.engine.enginelog import parse_engine_line
+from supervisor.engine.enginelog import parse_engine_line, phase_of, route_of
 from supervisor.loop import http_client
 from supervisor.watchdog.gpu import GpuProcessLister
 
@@ -119,6 +119,9 @@ class EngineProcess:
     healthy_at: float | None = None
     exit_code: int | None = None  # as asyncio reports it: negative = killed by that signal
     core_lost: int | None = None  # the pid of its core, when that died first (a crash)
+    # while it starts: the phase its last lines announced (enginelog.PHASES), since when
+    phase: str | None = None
+    phase_since: float | None = None
     recent_errors: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     recent_lines: deque[str] = field(default_factory=lambda: deque(maxlen=200))  # evidence
     relays: list[asyncio.Task[None]] = field(default_factory=list)  # stdout, stderr readers
@@ -156,8 +159,12 @@ async def spawn_engine(spec: SpawnSpec, generation: int, now: float,
 
 
 async def relay_output(engine: EngineProcess, stream: asyncio.StreamReader, name: str) -> None:
-    """Re-emit each engine line as a structured event until the stream closes."""
+    """Re-emit each engine line as a structured event until the stream closes: empty
+    fields left out, vLLM's route table (one line per route) summarised into one line
+    (each route stays at debug level), and while it starts, each new phase of its start
+    as one daemon line (`status` shows it too)."""
     default_level = "info" if name == "stdout" else "warning"
+    routes: list[str] = []
     while True:
         try:
             raw = await stream.readline()
@@ -173,8 +180,29 @@ async def relay_output(engine: EngineProcess, stream: asyncio.StreamReader, name
         engine.recent_lines.append(f"[{name}] {text.rstrip()}"[:2000])
         if level >= logging.WARNING:
             engine.recent_errors.append(line.message[:500])
-        log.log(level, line.message, source="engine", stream=name, proc=line.proc,
-                proc_pid=line.proc_pid, where=line.where, generation=engine.generation)
+        fields = {k: v for k, v in (("proc", line.proc), ("proc_pid", line.proc_pid),
+                                    ("where", line.where)) if v is not None}
+        route = route_of(line.message)
+        if route is not None:
+            routes.append(route)
+            level = logging.DEBUG
+        elif routes:
+            log.info("engine routes", count=len(routes), paths=" ".join(routes),
+                     generation=engine.generation)
+            routes.clear()
+        log.log(level, line.message, source="engine", stream=name,
+                generation=engine.generation, **fields)
+        if engine.healthy_at is None:
+            _note_phase(engine, phase_of(line.message))
+
+
+def _note_phase(engine: EngineProcess, phase: str | None) -> None:
+    if phase is None or phase == engine.phase:
+        return
+    now = time.monotonic()
+    log.info("engine start phase", phase=phase, after_s=round(now - engine.started_at, 1),
+             pid=engine.pid)
+    engine.phase, engine.phase_since = phase, now
 
 
 async def wait_healthy(url: str, interval_s: float, timeout_s: float,

@@ -130,6 +130,7 @@ class EngineUnit:
         self.state_since = self.clock.monotonic()
         self.started_at = self.clock.monotonic()
         self.not_running_since: float | None = self.started_at  # None while RUNNING
+        self.last_start_s: float | None = None  # the last cold start: spawn to healthy
         self.audit_trail = AuditTrail(self.config.audit.path, self.config.audit.max_bytes,
                                       self.config.audit.backups)
         self.tracker = RestartTracker(self.config.restart)
@@ -150,9 +151,9 @@ class EngineUnit:
         self._waking = False  # the standby that took over is being woken
         self._wake_when_down = False  # ... once the old engine's memory is released
         self._proving_woken = False  # ... and proven with a generation
-        # a reload changed what the engine runs: a standby with the new arguments, then a
-        # swap to it (why, while under way)
-        self._upgrade: str | None = None
+        # a reload or a policy relaunch changed what the engine runs: a standby with the
+        # new arguments, then a swap to it ((why, the restart's reason label) meanwhile)
+        self._upgrade: tuple[str, str] | None = None
         self.fatal_errors: list[str] = []
         self.last_decision: DecisionRecord | None = None  # the latest, lifecycle steps included
         self.fatal_reason: str | None = None
@@ -412,6 +413,7 @@ class EngineUnit:
         now = self.clock.monotonic()
         if ev.healthy:
             engine.healthy_at = now
+            self.last_start_s = round(now - engine.started_at, 1)
             self._set_state(State.RUNNING,
                             f"/health answered 200 after {now - engine.started_at:.1f} s")
             self.notices.ready_once(f"RUNNING: engine pid {engine.pid} serving")
@@ -679,31 +681,33 @@ class EngineUnit:
             self._start_standby()
         if (self._upgrade is not None and self.state is State.RUNNING
                 and self._standby_fits()):
-            why, self._upgrade = self._upgrade, None
+            (why, label), self._upgrade = self._upgrade, None
             log.info("upgrade: the standby runs the new arguments; swapping to it", why=why)
-            self._count_restart("upgrade")
+            self._count_restart(label)
             self._restart(f"upgrade: {why}")  # (drained, then a swap: `_swap_or_take_down`)
 
-    def _begin_upgrade(self, keys: tuple[str, ...]) -> None:
-        """A reload changed what the serving engine runs (a new vLLM, a model revision):
-        with a standby, one is started with the new arguments, proven, then swapped in, so
-        that no client waits for a cold start. Without one (or no room for one beside the
-        engine) the change applies at the next start, as any engine key does."""
+    def _begin_upgrade(self, why: str, label: str) -> bool:
+        """What the serving engine runs changed (a reload: a new vLLM, a model revision; a
+        policy relaunch: fewer speculative tokens, a smaller batch): with a standby, one is
+        started with the new arguments, proven, then swapped in, so that no client waits
+        for a cold start, and the engine serves meanwhile. Whether that began; without a
+        standby (or room for one beside the engine) a reload's change applies at the next
+        start, a relaunch restarts cold."""
         e = self.engine
         if self.config.engine.standby == "none" or self.state is not State.RUNNING \
                 or e is None:
-            return
+            return False
         cfg = self._engine_config(self.slot.bay)
         spec = eng.build_spawn_spec(cfg, self.environ)
         if (spec.argv, spec.env, spec.cwd) == (e.spec.argv, e.spec.env, e.spec.cwd):
-            return  # (nothing the engine runs changed: a timeout, a drain setting...)
+            return False  # (nothing the engine runs changed: a timeout, a grace...)
         if cfg.standby == "sleep" and not engine_checks.side_by_side(engine_checks.argv(cfg)):
-            log.info("no room for a standby beside the engine: the new arguments apply at "
-                     "its next start", keys=list(keys))
-            return
-        self._upgrade = f"reloaded {', '.join(keys)}"
-        log.info("upgrade: starting a standby with the new arguments", keys=list(keys))
-        self.audit("upgrade", keys=list(keys))
+            log.info("no room for a standby beside the engine: no upgrade through one",
+                     why=why)
+            return False
+        self._upgrade = (why, label)
+        log.info("upgrade: starting a standby with the new arguments", why=why)
+        self.audit("upgrade", why=why)
         if self.standby.ready or self.standby.on_its_way:
             self.standby.retire("its arguments are out of date", graceful=True,
                                 deadline=self._standby_deadline())
@@ -711,6 +715,7 @@ class EngineUnit:
         self.standby.due()  # (a backoff under way is over: the arguments changed)
         self.standby.failures = 0
         self._start_standby(due=True)  # (now if its place is free; else once it is)
+        return True
 
     def _standby_fits(self) -> bool:
         """A ready standby that runs what a start now would run."""
@@ -838,9 +843,12 @@ class EngineUnit:
             if isinstance(intent, Decided):
                 self.last_decision = intent.record
             elif isinstance(intent, Restart):
-                self._count_restart("policy")
                 if intent.rung is not None:
                     self.relaunch.begin(intent.rung, intent.reason)
+                if (intent.graceful and intent.rung is not None and intent.evidence is None
+                        and self._begin_upgrade(intent.reason, "policy")):
+                    continue  # a relaunch with new arguments: through the standby
+                self._count_restart("policy")
                 if intent.evidence is not None:
                     self.slot.evidence_for = intent.evidence
                 self._restart(intent.reason, graceful=intent.graceful)
@@ -967,7 +975,7 @@ class EngineUnit:
         if plan.next_engine_start:
             log.info("engine settings take effect at the next start",
                      keys=list(plan.next_engine_start))
-            self._begin_upgrade(plan.next_engine_start)
+            self._begin_upgrade(f"reloaded {', '.join(plan.next_engine_start)}", "upgrade")
         if plan.next_daemon_start:
             log.warning("these settings take effect only when the daemon restarts",
                         keys=list(plan.next_daemon_start))

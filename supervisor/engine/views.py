@@ -41,6 +41,8 @@ class Viewable(Protocol):
     @property
     def not_running_since(self) -> float | None: ...
     @property
+    def last_start_s(self) -> float | None: ...
+    @property
     def engine(self) -> EngineProcess | None: ...
     @property
     def generation(self) -> int: ...
@@ -124,6 +126,19 @@ def gate_view(unit: Viewable) -> ProxyView | None:
                      kv_breaker_open=g.breaker_open, connect_retries=0)
 
 
+def starting(unit: Viewable, now: float) -> dict[str, Any] | None:
+    """While the engine starts: what it is doing as vLLM says (its start phase), for how
+    long, and how long its last start took (the wait to expect)."""
+    e = unit.engine
+    if unit.state is not State.STARTING or e is None or e.healthy_at is not None:
+        return None
+    return {"phase": e.phase,
+            "phase_for_s": round(now - e.phase_since, 1) if e.phase_since is not None
+            else None,
+            "for_s": round(now - e.started_at, 1),
+            "last_start_s": unit.last_start_s}
+
+
 def status(unit: Viewable) -> dict[str, Any]:
     """What `vllm-supervisorctl status` shows of this engine."""
     now = unit.clock.monotonic()
@@ -161,6 +176,7 @@ def status(unit: Viewable) -> dict[str, Any]:
                                if unit.stop_deadline is not None else None),
         "fatal_reason": unit.fatal_reason if unit.state is State.FATAL else None,
         "standby": unit.standby_status(now),
+        "start": starting(unit, now),
         "start_blocked": unit.start_blocked if unit.state is State.BACKOFF else None,
         "remedies": {
             "allowed": list(unit.config.policy.remedies),
