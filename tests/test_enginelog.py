@@ -64,6 +64,12 @@ START_0_32_CPU = [
     ("Supported tasks: ['generate']", None),
     ("Application startup complete.", "answering its first health check"),
 ]
+# GPU compile lines of vLLM 0.32/0.33 (from their source: compilation/monitor.py)
+COMPILE_0_33 = [
+    ("[backbone] Starting torch.compile", "compiling and warming up"),
+    ("[backbone] torch.compile took 41.27 s in total", "compiling and warming up"),
+    ("Graph capturing finished in 12 secs, took 0.52 GiB", "capturing CUDA graphs"),
+]
 START_0_26_H100 = [
     ("Enforce eager set, disabling torch.compile and CUDAGraphs. This is equivalent to "
      "setting -cc.mode=none -cc.cudagraph_mode=none", None),
@@ -80,7 +86,8 @@ START_0_26_H100 = [
 ]
 
 
-@pytest.mark.parametrize(("message", "phase"), START_0_32_CPU + START_0_26_H100)
+@pytest.mark.parametrize(("message", "phase"),
+                         START_0_32_CPU + START_0_26_H100 + COMPILE_0_33)
 def test_each_start_line_names_the_phase_an_operator_waits_on(message: str,
                                                              phase: str | None) -> None:
     assert phase_of(message) == phase

