@@ -45,8 +45,9 @@ def _gpu(cfg: Config, engine: EngineConfig) -> tuple[GpuProcessLister, GpuSample
     log = structlog.get_logger("supervisor.gpu")
     mode = cfg.gpu.sampler
     if mode == "file":
-        scripted = FileSampler(cfg.gpu.file)
-        log.info("GPU readings come from a file (scripted)", file=cfg.gpu.file)
+        scripted = FileSampler(cfg.gpu.file, engine.gpus)
+        log.info("GPU readings come from a file (scripted)", file=cfg.gpu.file,
+                 gpus=engine.gpus)
         return scripted, scripted
     nvml = NvmlSampler(list(engine.gpus))
     problem = nvml.init()

@@ -15,7 +15,13 @@ from typing import Any
 import pynvml  # nvidia-ml-py imports without a driver; only nvmlInit needs one
 import pytest
 
-from supervisor.watchdog.gpu import FileSampler, GpuReading, NvmlLister, NvmlSampler
+from supervisor.watchdog.gpu import (
+    DeviceReading,
+    FileSampler,
+    GpuReading,
+    NvmlLister,
+    NvmlSampler,
+)
 from supervisor.watchdog.xid import XID_ACTIONS, describe
 
 FULL = {
@@ -310,7 +316,7 @@ class FakeNvml:
         self.gpus = list(gpus)
         self.initialised = 0
         self.registration_fails = registration_fails
-        self.pending_xids: list[int] = []
+        self.pending_xids: list[int | tuple[int, int]] = []  # code, or (GPU index, code)
         self.event_sets_freed = 0
         self.waits: list[int] = []
 
@@ -380,8 +386,13 @@ class FakeNvml:
         self.waits.append(timeout_ms)
         if not self.pending_xids:
             raise nvml_error(pynvml.NVML_ERROR_TIMEOUT)
+        xid = self.pending_xids.pop(0)
+        gpu, code = xid if isinstance(xid, tuple) else (0, xid)
         return types.SimpleNamespace(eventType=pynvml.nvmlEventTypeXidCriticalError,
-                                     eventData=self.pending_xids.pop(0))
+                                     eventData=code, device=self.gpus[gpu])
+
+    def nvmlDeviceGetIndex(self, h: FakeGpu) -> int:
+        return next(i for i, g in enumerate(self.gpus) if g is h)
 
     def nvmlEventSetFree(self, events: str) -> None:
         self.event_sets_freed += 1
@@ -400,11 +411,33 @@ def test_nvml_readings_over_two_gpus_are_summed_maxed_and_ored():
         FakeGpu(temperature=72, slowdown=87, power_mw=300_000, reasons=0x1, util_pct=50,
                 used=2 << 30, compute=[(4242, 5 << 30)], graphics=[(77, 1 << 30)]))
     r = started(nv).sample()
-    assert r == GpuReading(
+    assert dataclasses.replace(r, devices=()) == GpuReading(
         temperature_c=72.0, slowdown_temperature_c=87.0, power_w=990.5, power_limit_w=1400.0,
         utilization_ratio=0.75, memory_used_bytes=10 << 30, memory_total_bytes=160 << 30,
         clock_event_reasons=0x5, thermal_throttled=False, power_capped=True,
         process_memory={4242: 11 << 30, 77: 2 << 30}, xids=(), errors=())
+    # and each GPU's own readings, by NVML's index
+    assert r.devices == (
+        DeviceReading(index=0, temperature_c=61.0, slowdown_temperature_c=89.0,
+                      power_w=690.5, power_limit_w=700.0, utilization_ratio=1.0,
+                      memory_used_bytes=8 << 30, memory_total_bytes=80 << 30,
+                      clock_event_reasons=0x4, thermal_throttled=False, power_capped=True,
+                      process_memory={4242: 6 << 30, 77: 1 << 30}),
+        DeviceReading(index=1, temperature_c=72.0, slowdown_temperature_c=87.0,
+                      power_w=300.0, power_limit_w=700.0, utilization_ratio=0.5,
+                      memory_used_bytes=2 << 30, memory_total_bytes=80 << 30,
+                      clock_event_reasons=0x1, thermal_throttled=False, power_capped=False,
+                      process_memory={4242: 5 << 30, 77: 1 << 30}))
+
+
+def test_nvml_places_each_xid_on_its_gpu():
+    nv = FakeNvml(FakeGpu(), FakeGpu(), FakeGpu(), FakeGpu())
+    s = started(nv, [2, 3])
+    nv.pending_xids = [(3, 79), (2, 48)]
+    r = s.sample()
+    assert r.xids == (79, 48)
+    assert [d.xids for d in r.devices] == [(48,), (79,)]
+    assert r.xids_by_gpu() == [(2, 48), (3, 79)]
 
 
 def test_nvml_reads_only_the_engines_gpus():
@@ -477,7 +510,7 @@ def test_processes_are_unknown_when_the_compute_list_fails():
     assert s.processes() is None
     r = s.sample()
     assert r.process_memory is None and r.temperature_c == 60.0
-    assert r.errors == ("processes: NVMLError_NotSupported: Not Supported",)
+    assert r.errors == ("GPU 1 processes: NVMLError_NotSupported: Not Supported",)
 
 
 def test_a_gpu_index_nvml_does_not_see_is_refused_and_nvml_released():
@@ -519,7 +552,7 @@ def test_sample_never_raises_whatever_the_library_does():
     r = s.sample()
     assert r.temperature_c is None and r.process_memory is None and r.xids == ()
     assert r.errors == ("GPU 0 handle: RuntimeError: driver went away",
-                        "processes: RuntimeError: driver went away",
+                        "GPU 0 processes: RuntimeError: driver went away",
                         "XID events: OSError: event set gone")
     assert s.processes() is None
 
@@ -539,3 +572,63 @@ def test_sample_and_processes_can_be_called_from_several_threads():
     for t in threads:
         t.join(30)
     assert len(results) == 1600 and all(r == {5: 1 << 30} for r in results)
+
+
+# ---- a host's GPUs, scripted: each engine's sampler reads its own -------------------------
+
+def eight_gpus(**hot: dict[str, Any]) -> dict[str, Any]:
+    gpus = {str(i): {"temperature_c": 60.0 + i, "slowdown_temperature_c": 89.0,
+                     "power_w": 300.0, "power_limit_w": 700.0,
+                     "memory_used_bytes": 1 << 30, "memory_total_bytes": 80 << 30,
+                     "clock_event_reasons": 0, "process_memory": {str(1000 + i): 1 << 30}}
+            for i in range(8)}
+    for key, values in hot.items():
+        gpus[key.removeprefix("gpu")].update(values)
+    return {"gpus": gpus}
+
+
+def test_a_host_file_gives_each_engine_its_own_gpus(gpu_file: Path):
+    write_atomically(gpu_file, eight_gpus(gpu5={"temperature_c": 92.0, "xids": [79]}))
+    owner, other = FileSampler(gpu_file, [4, 5]), FileSampler(gpu_file, [6, 7])
+    r = owner.sample()
+    assert [d.index for d in r.devices] == [4, 5]
+    assert r.temperature_c == 92.0 and r.power_w == 600.0 and r.xids == (79,)
+    assert r.xids_by_gpu() == [(5, 79)]
+    assert r.process_memory == {1004: 1 << 30, 1005: 1 << 30} and r.errors == ()
+    assert r.thermal_throttled is False and r.power_capped is False  # from the reasons
+    o = other.sample()
+    assert o.temperature_c == 67.0 and o.xids == () and set(o.process_memory or {}) == {
+        1006, 1007}
+    # without indices: every GPU of the file
+    assert len(FileSampler(gpu_file).sample().devices) == 8
+
+
+def test_the_release_check_sees_a_pid_left_on_the_second_gpu_only(gpu_file: Path):
+    doc = eight_gpus()
+    doc["gpus"]["1"]["process_memory"] = {"4242": 6 << 30}
+    write_atomically(gpu_file, doc)
+    assert FileSampler(gpu_file, [0, 1]).processes() == {1000: 1 << 30, 4242: 6 << 30}
+    assert 4242 not in (FileSampler(gpu_file, [0]).processes() or {})
+
+
+def test_a_gpu_absent_from_the_host_file_is_unknown_and_named(gpu_file: Path):
+    write_atomically(gpu_file, {"gpus": {"0": {"temperature_c": 50.0}}})
+    r = FileSampler(gpu_file, [0, 3]).sample()
+    assert r.temperature_c is None  # the hottest is unknown while GPU 3 is
+    assert r.devices[0].temperature_c == 50.0 and r.devices[1].temperature_c is None
+    assert r.errors == (f"GPU 3: not in {gpu_file}",)
+
+
+@pytest.mark.parametrize(("doc", "error"), [
+    ({"gpus": [1, 2]}, 'gpus: expected {"INDEX": {readings}}'),
+    ({"gpus": {"x": {}}}, "gpus: 'x' is not a GPU index"),
+    ({"gpus": {"0": 5}}, "gpus.0: expected an object of readings"),
+    ({"gpus": {"0": {"errors": []}}}, "gpus.0: unknown key 'errors'"),
+    ({"gpus": {"0": {"temperature_c": "hot"}}}, "gpus.0.temperature_c: expected a finite"),
+    ({"gpus": {}, "temperature_c": 50}, "unknown key 'temperature_c' beside gpus"),
+])
+def test_a_bad_host_file_names_the_key(gpu_file: Path, doc: dict[str, Any], error: str):
+    write_atomically(gpu_file, doc)
+    r = FileSampler(gpu_file, [0]).sample()
+    assert r.temperature_c is None and len(r.errors) == 1
+    assert error in r.errors[0] and str(gpu_file) in r.errors[0]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.watchdog.gpu import GpuReading
+from supervisor.watchdog.gpu import DeviceReading, GpuReading, summarise
 from supervisor.watchdog.metrics import Snapshot, parse_metrics
 from supervisor.watchdog.signals import (
     SIGNAL_NAMES,
@@ -271,6 +271,28 @@ def test_gpu_margin_from_the_cards_own_threshold_and_power_ratio():
     assert (s["gpu_thermal_throttled"], s["gpu_power_capped"]) == (0.0, 1.0)
 
 
+def test_gpu_margin_is_each_cards_own_and_the_nearest_card_names_the_gpu():
+    # GPU 2 is the hotter card, but GPU 3 (its own slowdown at 87 C) is nearer its mark:
+    # the rule judges GPU 3 (a cross-card "coolest threshold - hottest temperature" would
+    # say 1 C, which no card is at)
+    r = summarise([DeviceReading(index=2, temperature_c=86.0, slowdown_temperature_c=95.0,
+                                 process_memory={100: 1 << 30, 999: 1 << 30}),
+                   DeviceReading(index=3, temperature_c=84.0, slowdown_temperature_c=87.0,
+                                 process_memory={101: 2 << 30}, xids=(79,))],
+                  process_memory={100: 1 << 30, 999: 1 << 30, 101: 2 << 30}, xids=(79,))
+    s = gpu_signals(r)
+    assert s["gpu_temperature_c"] == 86.0 and s["gpu_slowdown_margin_c"] == 3.0
+    w = SignalWindow(WindowConfig(slowdown_fallback_c=85.0, gpu_stale_s=30.0))
+    w.add_gpu(0.0, r, (100, 101), {79: "reset"})
+    worst = w.worst_gpu(0.0)
+    assert worst is not None and worst.index == 3
+    assert w.xids == [(3, 79)]
+    rows = w.gpu_devices(0.0, (100, 101))
+    assert [(g["index"], g["engine_memory_bytes"], g["slowdown_margin_c"]) for g in rows] \
+        == [(2, 1 << 30, 9.0), (3, 2 << 30, 3.0)]
+    assert w.gpu_devices(31.0, (100,)) == [] and w.worst_gpu(31.0) is None  # stale
+
+
 def test_gpu_margin_falls_back_to_85_c_when_nvml_has_no_threshold():
     s = gpu_signals(reading(slowdown_temperature_c=None, temperature_c=82.0))
     assert s["gpu_slowdown_temperature_c"] == 85.0 and s["gpu_slowdown_margin_c"] == 3.0
@@ -310,7 +332,7 @@ def test_xids_are_counted_by_remedy_and_an_unknown_code_needs_a_reset():
     s = compute(w, 10.0)
     assert s["gpu_xid_restart_errors"] == 2.0
     assert s["gpu_xid_reset_errors"] == 3.0  # 48, 79 and the unknown 12345; 92 is info
-    assert w.xids == [31, 92, 31, 48, 79, 12345]
+    assert [code for _, code in w.xids] == [31, 92, 31, 48, 79, 12345]  # (GPU unknown: flat)
     w.reset()  # a new engine
     assert compute(w, 11.0)["gpu_xid_restart_errors"] == 0.0 and w.xids == []
 

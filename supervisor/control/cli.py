@@ -205,9 +205,33 @@ def format_status(st: dict[str, Any]) -> str:
     for k, v in sorted(st.get("signals", {}).items()):
         if v is not None:  # unknown signals (no GPU, no spec decode...) stay out of the way
             lines.append(f"signal     {k} = {format_signal(k, v)}")
+    lines.extend(format_gpu(g) for g in st.get("gpus") or [])
     lines.append(f"daemon     pid {st.get('daemon_pid')}, "
                  f"up {_duration(st.get('daemon_uptime_s'))}")
     return "\n".join(lines)
+
+
+def format_gpu(g: dict[str, Any]) -> str:
+    """One GPU of the engine on one line: what is known of it, in its units."""
+    parts = []
+    if g.get("temperature_c") is not None:
+        slowdown = g.get("slowdown_temperature_c")
+        parts.append(f"{g['temperature_c']:.0f} C" + (
+            f" (slowdown at {slowdown:.0f} C)" if slowdown is not None else ""))
+    if g.get("power_w") is not None:
+        limit = g.get("power_limit_w")
+        parts.append(f"{g['power_w']:.0f} W" + (f" of {limit:.0f} W" if limit else ""))
+    if g.get("utilization_ratio") is not None:
+        parts.append(f"{100 * g['utilization_ratio']:.0f} % busy")
+    if g.get("memory_used_bytes") is not None:
+        parts.append(f"{g['memory_used_bytes'] / 2**30:.1f} GiB used")
+    if g.get("engine_memory_bytes") is not None:
+        parts.append(f"engine {g['engine_memory_bytes'] / 2**30:.1f} GiB")
+    if g.get("thermal_throttled"):
+        parts.append("thermal slowdown")
+    if g.get("xids"):
+        parts.append("XID " + ", ".join(str(x) for x in g["xids"]))
+    return f"gpu {g.get('index')}      " + (", ".join(parts) or "no readings")
 
 
 def format_event(ev: dict[str, Any]) -> str:

@@ -191,6 +191,8 @@ def status(unit: Viewable) -> dict[str, Any]:
                    "port": (e.config if e is not None else unit.config.engine).port,
                    "processes": e.live_processes if e is not None else 0},
         "signals": w.signals(now, e),
+        # each GPU of the engine (NVML's index), its readings and the engine's memory there
+        "gpus": w.window.gpu_devices(now, _pids(e)),
         "config": unit.config.source,
     }
 
@@ -222,4 +224,9 @@ def exporter_view(unit: Viewable) -> ExporterView:
                        else float(unit.standby.ready)),
         failovers=unit.failovers, last_failover_s=unit.last_failover_s,
         gauges=[(spec.metric, spec.help, signals[spec.name]) for spec in SIGNALS],
+        gpus=[(int(g["index"]), g) for g in w.window.gpu_devices(now, _pids(e))],
         proxy=gate_view(unit))
+
+
+def _pids(e: EngineProcess | None) -> list[int]:
+    return [p.pid for p in e.known] if e is not None else []

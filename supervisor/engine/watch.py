@@ -11,7 +11,7 @@ that the unit carries out. The decisions themselves are pure
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,10 +200,10 @@ class EngineWatch:
         self._gpu_errors_logged = bool(r.errors)
         pids = [p.pid for p in engine.known] if engine is not None else []
         remedies = {c: xid.describe(c).remedy for c in r.xids}
-        for code in r.xids:
+        for gpu, code in r.xids_by_gpu():
             x = xid.describe(code)
-            log.error("GPU XID event", xid=code, name=x.name, remedy=x.remedy)
-            self._audit("xid", xid=code, name=x.name, remedy=x.remedy)
+            log.error("GPU XID event", xid=code, name=x.name, remedy=x.remedy, gpu=gpu)
+            self._audit("xid", xid=code, name=x.name, remedy=x.remedy, gpu=gpu)
         self.window.add_gpu(ev.at, r, pids, remedies)
 
     # ---- the policy -------------------------------------------------------------------
@@ -242,14 +242,15 @@ class EngineWatch:
             return []
         assert d.rule is not None
         # One canonical line and one audit entry per decision.
+        evidence = {**d.evidence, **self._gpu_evidence(now, d.evidence)}
         fields: dict[str, Any] = {"rule": d.rule, "action": d.action, "reason": d.reason,
-                                  "evidence": dict(d.evidence), "dry_run": d.dry_run,
+                                  "evidence": evidence, "dry_run": d.dry_run,
                                   "throttle_level": d.throttle_level}
         log.warning("policy decision", **fields)
         self._audit("decision", **fields)
         self.trips_by_rule[d.rule] = self.trips_by_rule.get(d.rule, 0) + 1
         self.last_decision = DecisionRecord(d.action, d.reason, self._wall(), d.rule,
-                                            dict(d.evidence), d.dry_run)
+                                            evidence, d.dry_run)
         out: list[Intent] = [Decided(self.last_decision)]
         if d.dry_run:
             return out
@@ -260,7 +261,7 @@ class EngineWatch:
             remedy_ended(self._audit, {"rung": "alert", "outcome": "alerted",
                                        "duration_s": 0.0, "rule": d.rule})
         elif d.action == "hold_down":
-            codes = [f"XID {c} ({xid.describe(c).name})" for c in self.window.xids]
+            codes = [_xid_text(gpu, c) for gpu, c in self.window.xids]
             why = f"{reason}: {', '.join(codes) or 'GPU error'}; the GPU needs a reset or " \
                   "a reboot, so the engine stays down until `vllm-supervisorctl restart`"
             out.append(HoldDown(why, self._evidence(d.rule, reason)))
@@ -284,6 +285,24 @@ class EngineWatch:
                     evidence=None if lifted else self._evidence(d.rule, reason)))
             elif d.action == "throttle":
                 out.append(Throttled(d.rule, t.throttle_level))
+        return out
+
+    def _gpu_evidence(self, now: float, evidence: Mapping[str, Any]) -> dict[str, Any]:
+        """A GPU rule's evidence names the GPU: the one nearest its slowdown threshold (its
+        readings) for the thermal and power signals, where each XID happened for XIDs."""
+        if not any(k.startswith("gpu_") for k in evidence):
+            return {}
+        out: dict[str, Any] = {}
+        if any(k.startswith("gpu_xid") for k in evidence) and self.window.xids:
+            out["xids"] = [_xid_text(gpu, c) for gpu, c in self.window.xids]
+        worst = self.window.worst_gpu(now)
+        if worst is not None:
+            out["gpu"] = worst.index
+            out["gpu_readings"] = {
+                "temperature_c": worst.temperature_c,
+                "slowdown_temperature_c": worst.slowdown_temperature_c,
+                "power_w": worst.power_w, "power_limit_w": worst.power_limit_w,
+                "thermal_throttled": worst.thermal_throttled}
         return out
 
     def _evidence(self, rule: str, reason: str) -> EvidenceFor | None:
@@ -347,3 +366,8 @@ class EngineWatch:
         # restart instead; new requests stay held through it.
         why = f"{ev.rung} failed ({o.error}): restarting instead"
         return fields, [Restart(why, rung="restart", evidence=(f"{ev.rung}_failed", why))]
+
+
+def _xid_text(gpu: int | None, code: int) -> str:
+    where = f" on GPU {gpu}" if gpu is not None else ""
+    return f"XID {code} ({xid.describe(code).name}){where}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
@@ -63,6 +64,9 @@ class ExporterView:
     # fields above then summarise them (state, ready) and `proxy` holds the shared
     # counters, each engine's `proxy` its own gate's numbers
     engines: Sequence[tuple[str, ExporterView]] = ()
+    # each GPU of the engine (NVML's index) -> its readings (SignalWindow.gpu_devices'
+    # keys), shown with a `gpu` label beside the engine-wide gpu_* series (their summary)
+    gpus: Sequence[tuple[int, Mapping[str, Any]]] = ()
 
 
 @dataclass(frozen=True)
@@ -204,6 +208,7 @@ class _ViewCollector(Collector):
                 fleet.add_metric([router], float(registered))
             yield fleet
         yield from self._gauges(views)
+        yield from _gpu_devices(views)
 
     def _gauges(self, views: Labelled) -> Iterator[Metric]:
         # The fixed families above, and the sample names they make: a gauge must not
@@ -213,7 +218,7 @@ class _ViewCollector(Collector):
             "policy_paused", "policy_dry_run", "last_decision_timestamp_seconds",
             "proxy_in_flight", "proxy_held", "proxy_held_limit", "proxy_kv_breaker_open",
             "engine_not_running_seconds", "engine_startup_timeout_seconds", "standby_ready",
-            "last_failover_seconds")}
+            "last_failover_seconds", *(f[0] for f in GPU_DEVICE_FAMILIES))}
         for n in ("proxy_responses", "proxy_rejections", "proxy_connect_retries",
                   *(k.metric for k in KINDS)):
             taken |= {PREFIX + n, PREFIX + n + "_total", PREFIX + n + "_created",
@@ -245,6 +250,44 @@ class _ViewCollector(Collector):
                                                    views)
                 fam.add_metric([engine] if engine is not None else [], number)
         yield from families.values()
+
+
+# Per-GPU families: (name, help, the reading's key); with a `gpu` label (NVML's index)
+GPU_DEVICE_FAMILIES = (
+    ("gpu_device_temperature_celsius", "temperature of each engine GPU", "temperature_c"),
+    ("gpu_device_slowdown_temperature_celsius", "each GPU's own slowdown threshold (NVML)",
+     "slowdown_temperature_c"),
+    ("gpu_device_slowdown_margin_celsius", "degrees below each GPU's slowdown threshold",
+     "slowdown_margin_c"),
+    ("gpu_device_power_watts", "power draw of each engine GPU", "power_w"),
+    ("gpu_device_power_limit_watts", "enforced power limit of each engine GPU",
+     "power_limit_w"),
+    ("gpu_device_utilization_ratio", "utilisation of each engine GPU, 0..1",
+     "utilization_ratio"),
+    ("gpu_device_memory_used_bytes", "memory used on each engine GPU (every process)",
+     "memory_used_bytes"),
+    ("gpu_device_engine_memory_bytes", "memory of the engine's process tree on each GPU",
+     "engine_memory_bytes"),
+    ("gpu_device_thermal_throttled", "1 when NVML reports thermal slowdown on the GPU",
+     "thermal_throttled"),
+    ("gpu_device_power_capped", "1 when NVML reports a power cap or brake on the GPU",
+     "power_capped"),
+)
+
+
+def _gpu_devices(views: Labelled) -> Iterator[Metric]:
+    """Each engine's GPUs, a sample per (engine, gpu); unknown readings are omitted."""
+    for fname, helptext, key in GPU_DEVICE_FAMILIES:
+        rows = [(name, index, reading.get(key)) for name, e in views
+                for index, reading in e.gpus]
+        if all(value is None for _, _, value in rows):
+            continue
+        fam = _gauge(fname, helptext, views, ["gpu"])
+        for name, index, value in rows:
+            if value is not None:
+                fam.add_metric(([name] if name is not None else []) + [str(index)],
+                               float(value))
+        yield fam
 
 
 def _proxy_metrics(p: ProxyView, gates: Labelled) -> Iterator[Metric]:

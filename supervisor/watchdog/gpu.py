@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import json
 import math
@@ -40,6 +41,31 @@ _XID_DRAIN_MAX = 64  # events read per sample: a storm is read over several samp
 
 
 @dataclass(frozen=True)
+class DeviceReading:
+    """One GPU's readings, by NVML's index. None = unknown (never 0 for unknown)."""
+
+    index: int
+    temperature_c: float | None = None
+    slowdown_temperature_c: float | None = None  # NVML's slowdown threshold of this card
+    power_w: float | None = None
+    power_limit_w: float | None = None  # enforced
+    utilization_ratio: float | None = None  # 0..1
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    clock_event_reasons: int | None = None  # the raw bitmask
+    thermal_throttled: bool | None = None  # SW or HW thermal slowdown
+    power_capped: bool | None = None  # SW power cap or HW power brake
+    process_memory: dict[int, int] | None = None  # pid -> bytes on this GPU
+    xids: tuple[int, ...] = ()  # XID codes seen on this GPU since the previous sample
+
+    def margin_c(self, fallback_c: float) -> float | None:
+        """Degrees below this card's own slowdown threshold (the fallback when unknown)."""
+        if self.temperature_c is None:
+            return None
+        return (self.slowdown_temperature_c or fallback_c) - self.temperature_c
+
+
+@dataclass(frozen=True)
 class GpuReading:
     """One sample over the engine's GPUs. None = unknown (never 0 for unknown)."""
 
@@ -56,9 +82,81 @@ class GpuReading:
     process_memory: dict[int, int] | None = None  # pid -> bytes, all processes on them
     xids: tuple[int, ...] = ()  # XID codes seen since the previous sample
     errors: tuple[str, ...] = ()  # what failed this time, e.g. "GPU 0 temperature: ..."
+    # each GPU's own readings, in the engine's order (empty: only the summary is known,
+    # as from a flat scripted file); the fields above summarise them
+    devices: tuple[DeviceReading, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """As plain data; `devices` only when there are some (a flat scripted file reads
+        the rest back)."""
+        out = dataclasses.asdict(self)
+        if not self.devices:
+            del out["devices"]
+        return out
+
+    def xids_by_gpu(self) -> list[tuple[int | None, int]]:
+        """(GPU index or None when unknown, XID code) for each XID of this sample."""
+        if not self.devices:
+            return [(None, code) for code in self.xids]
+        out: list[tuple[int | None, int]] = [
+            (d.index, code) for d in self.devices for code in d.xids]
+        seen = [code for _, code in out]
+        for code in self.xids:  # an event NVML could not place on one of the GPUs
+            if code in seen:
+                seen.remove(code)
+            else:
+                out.append((None, code))
+        return out
+
+
+def summarise(devices: Sequence[DeviceReading], *, process_memory: dict[int, int] | None,
+              xids: Sequence[int] = (), errors: Sequence[str] = ()) -> GpuReading:
+    """The engine's reading over its GPUs: the hottest temperature, the lowest slowdown
+    threshold, summed power and memory, mean utilisation, OR-ed reasons; each unknown
+    when one GPU's part is (a partial figure would understate or miss the hot card)."""
+    temps = _all([d.temperature_c for d in devices])
+    slowdowns = _all([d.slowdown_temperature_c for d in devices])
+    power = _all([d.power_w for d in devices])
+    limits = _all([d.power_limit_w for d in devices])
+    utils = _all([d.utilization_ratio for d in devices])
+    used = _all([d.memory_used_bytes for d in devices])
+    total = _all([d.memory_total_bytes for d in devices])
+    reasons = _all([d.clock_event_reasons for d in devices])
+    mask = None
+    if reasons is not None:
+        mask = 0
+        for r in reasons:
+            mask |= r
+    return GpuReading(
+        temperature_c=max(temps) if temps else None,
+        slowdown_temperature_c=min(slowdowns) if slowdowns else None,
+        power_w=sum(power) if power else None,
+        power_limit_w=sum(limits) if limits else None,
+        utilization_ratio=sum(utils) / len(utils) if utils else None,
+        memory_used_bytes=sum(used) if used else None,
+        memory_total_bytes=sum(total) if total else None,
+        clock_event_reasons=mask,
+        thermal_throttled=_any([d.thermal_throttled for d in devices]),
+        power_capped=_any([d.power_capped for d in devices]),
+        process_memory=process_memory, xids=tuple(xids), errors=tuple(errors),
+        devices=tuple(devices))
+
+
+def _any(flags: Sequence[bool | None]) -> bool | None:
+    """True when one GPU says so; unknown when none does and one is unknown."""
+    if any(f is True for f in flags):
+        return True
+    return None if not flags or any(f is None for f in flags) else False
+
+
+def _sum_processes(per_gpu: Sequence[dict[int, int] | None]) -> dict[int, int] | None:
+    out: dict[int, int] = {}
+    for procs in per_gpu:
+        if procs is None:
+            return None
+        for pid, used in procs.items():
+            out[pid] = out.get(pid, 0) + used
+    return out
 
 
 class GpuProcessLister(Protocol):
@@ -190,27 +288,29 @@ class NvmlSampler:
                 return None
 
     def _processes(self, pynvml: Any) -> dict[int, int]:
-        out: dict[int, int] = {}
-        for i in self._indices:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            on_gpu: dict[int, int] = {}
-            for fn, optional in ((pynvml.nvmlDeviceGetComputeRunningProcesses, False),
-                                 (pynvml.nvmlDeviceGetGraphicsRunningProcesses, True)):
-                try:
-                    procs = fn(handle)
-                except pynvml.NVMLError_NotSupported:
-                    if not optional:
-                        raise
-                    continue  # no graphics on a headless data-centre GPU
-                for p in procs:
-                    # usedGpuMemory is None where NVML cannot attribute memory (MIG, some
-                    # containers): the pid still holds the GPU, so it stays listed, at 0.
-                    used = int(p.usedGpuMemory or 0)
-                    # a process in both lists is one process with one allocation
-                    on_gpu[int(p.pid)] = max(on_gpu.get(int(p.pid), 0), used)
-            for pid, used in on_gpu.items():
-                out[pid] = out.get(pid, 0) + used
-        return out
+        summed = _sum_processes([self._processes_on(pynvml, i) for i in self._indices])
+        assert summed is not None  # (each GPU's list is known, or it raised)
+        return summed
+
+    def _processes_on(self, pynvml: Any, i: int) -> dict[int, int]:
+        """pid -> bytes on GPU `i` (compute and graphics)."""
+        handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+        on_gpu: dict[int, int] = {}
+        for fn, optional in ((pynvml.nvmlDeviceGetComputeRunningProcesses, False),
+                             (pynvml.nvmlDeviceGetGraphicsRunningProcesses, True)):
+            try:
+                procs = fn(handle)
+            except pynvml.NVMLError_NotSupported:
+                if not optional:
+                    raise
+                continue  # no graphics on a headless data-centre GPU
+            for p in procs:
+                # usedGpuMemory is None where NVML cannot attribute memory (MIG, some
+                # containers): the pid still holds the GPU, so it stays listed, at 0.
+                used = int(p.usedGpuMemory or 0)
+                # a process in both lists is one process with one allocation
+                on_gpu[int(p.pid)] = max(on_gpu.get(int(p.pid), 0), used)
+        return on_gpu
 
     def sample(self) -> GpuReading:
         with self._lock:
@@ -234,38 +334,31 @@ class NvmlSampler:
                 errors.append(f"{what}: {type(exc).__name__}: {exc}")
                 return None
 
-        parts = [_read_gpu(pynvml, i, call) for i in self._indices]
-        procs = call("processes", lambda: self._processes(pynvml))
+        read = [(i, _read_gpu(pynvml, i, call), call(
+            f"GPU {i} processes", functools.partial(self._processes_on, pynvml, i)))
+            for i in self._indices]
         xids = self._drain_xids(pynvml, errors)
-        temps = _all([p.temperature for p in parts])
-        slowdowns = _all([p.slowdown for p in parts])
-        power = _all([p.power_mw for p in parts])
-        limits = _all([p.limit_mw for p in parts])
-        utils = _all([p.util_pct for p in parts])
-        used = _all([p.used for p in parts])
-        total = _all([p.total for p in parts])
-        reasons = _all([p.reasons for p in parts])
-        mask = None
-        if reasons is not None:
-            mask = 0
-            for r in reasons:
-                mask |= r
-        return GpuReading(
-            temperature_c=max(temps) if temps else None,
-            slowdown_temperature_c=min(slowdowns) if slowdowns else None,
-            power_w=sum(power) / 1000.0 if power else None,
-            power_limit_w=sum(limits) / 1000.0 if limits else None,
-            utilization_ratio=sum(utils) / len(utils) / 100.0 if utils else None,
-            memory_used_bytes=sum(used) if used else None,
-            memory_total_bytes=sum(total) if total else None,
-            clock_event_reasons=mask,
-            thermal_throttled=None if mask is None else bool(mask & self._thermal_mask),
-            power_capped=None if mask is None else bool(mask & self._power_mask),
-            process_memory=procs, xids=tuple(xids), errors=tuple(errors))
+        devices = []
+        for i, parts, procs in read:
+            mask = parts.reasons
+            devices.append(DeviceReading(
+                index=i, temperature_c=parts.temperature, slowdown_temperature_c=parts.slowdown,
+                power_w=None if parts.power_mw is None else parts.power_mw / 1000.0,
+                power_limit_w=None if parts.limit_mw is None else parts.limit_mw / 1000.0,
+                utilization_ratio=None if parts.util_pct is None else parts.util_pct / 100.0,
+                memory_used_bytes=parts.used, memory_total_bytes=parts.total,
+                clock_event_reasons=mask,
+                thermal_throttled=None if mask is None else bool(mask & self._thermal_mask),
+                power_capped=None if mask is None else bool(mask & self._power_mask),
+                process_memory=procs, xids=tuple(code for gpu, code in xids if gpu == i)))
+        return summarise(devices, process_memory=_sum_processes(
+            [d.process_memory for d in devices]), xids=[code for _, code in xids],
+            errors=errors)
 
-    def _drain_xids(self, pynvml: Any, errors: list[str]) -> list[int]:
-        """Every XID event waiting in the set, without blocking (timeout 0)."""
-        out: list[int] = []
+    def _drain_xids(self, pynvml: Any, errors: list[str]) -> list[tuple[int | None, int]]:
+        """Every XID event waiting in the set, without blocking (timeout 0), with the GPU
+        it happened on (None when NVML cannot say)."""
+        out: list[tuple[int | None, int]] = []
         if self._events is None:
             return out
         wait = getattr(pynvml, "nvmlEventSetWait_v2", None) or pynvml.nvmlEventSetWait
@@ -278,8 +371,20 @@ class NvmlSampler:
                 errors.append(f"XID events: {type(exc).__name__}: {exc}")
                 break
             if int(data.eventType) & int(pynvml.nvmlEventTypeXidCriticalError):
-                out.append(int(data.eventData))
+                out.append((self._gpu_of(pynvml, data), int(data.eventData)))
         return out
+
+    def _gpu_of(self, pynvml: Any, data: Any) -> int | None:
+        """The NVML index of the GPU an event came from, if NVML can tell."""
+        device = getattr(data, "device", None)
+        index_of = getattr(pynvml, "nvmlDeviceGetIndex", None)
+        if device is None or index_of is None:
+            return None
+        try:
+            index = int(index_of(device))
+        except Exception:  # an event whose device NVML no longer knows: unplaced
+            return None
+        return index if index in self._indices else None
 
 
 def _read_gpu(pynvml: Any, i: int, call: Callable[[str, Callable[[], Any]], Any]) -> _GpuParts:
@@ -342,12 +447,14 @@ _FLOATS = ("temperature_c", "slowdown_temperature_c", "power_w", "power_limit_w"
            "utilization_ratio")
 _INTS = ("memory_used_bytes", "memory_total_bytes", "clock_event_reasons")
 _BOOLS = ("thermal_throttled", "power_capped")
-_FIELDS = tuple(f.name for f in dataclasses.fields(GpuReading))
+_FIELDS = tuple(f.name for f in dataclasses.fields(GpuReading) if f.name != "devices")
+_DEVICE_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceReading) if f.name != "index")
 
 
 class FileSampler:
-    """Scripted readings: each sample re-reads a JSON object whose keys are GpuReading's
-    field names, all optional (an absent key is unknown, None):
+    """Scripted readings: each sample re-reads a JSON file. Either one flat object whose
+    keys are GpuReading's field names (the engine's summary), all optional (an absent key
+    is unknown, None):
 
         {"temperature_c": 91.0, "slowdown_temperature_c": 89.0, "power_w": 650.5,
          "power_limit_w": 700.0, "utilization_ratio": 0.97,
@@ -356,13 +463,24 @@ class FileSampler:
          "process_memory": {"4242": 7012876288}, "xids": [79],
          "errors": ["GPU 0 power: NVMLError_NotSupported: Not Supported"]}
 
-    For machines without a GPU and for tests, which drive the watchdog by rewriting the
-    file (atomically: write a temporary file, then os.replace). A missing, unreadable or
-    malformed file, an unknown key or a value of the wrong type gives a reading with every
-    value unknown and one error naming the file and the problem."""
+    or a host's GPUs, by NVML index, each with the same keys but `errors` (which stays at
+    the top), the way NVML reads them one by one:
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+        {"gpus": {"0": {"temperature_c": 60.0, "process_memory": {"4242": 7012876288}},
+                  "5": {"temperature_c": 91.0, "slowdown_temperature_c": 89.0,
+                        "xids": [79]}}}
+
+    Given `indices` (the engine's `gpus`), a sampler of the second form reads those GPUs
+    alone and summarises them as NVML's sampler does (a GPU absent from the file is
+    unknown); without, every GPU of the file. For machines without a GPU and for tests,
+    which drive the watchdog by rewriting the file (atomically: write a temporary file,
+    then os.replace). A missing, unreadable or malformed file, an unknown key or a value of
+    the wrong type gives a reading with every value unknown and one error naming the file
+    and the problem."""
+
+    def __init__(self, path: str | os.PathLike[str], indices: Sequence[int] = ()) -> None:
         self.path = str(path)
+        self.indices = list(indices)
 
     def _fail(self, why: str) -> GpuReading:
         return GpuReading(errors=(f"{self.path}: {why}",))
@@ -376,15 +494,58 @@ class FileSampler:
             return self._fail(f"not JSON: {exc}")
         if not isinstance(doc, dict):
             return self._fail("expected a JSON object of GPU readings")
+        if "gpus" in doc:
+            return self._sample_gpus(doc)
         values: dict[str, Any] = {}
         for key, raw in doc.items():
             if key not in _FIELDS:
-                return self._fail(f"unknown key {key!r} (known: {', '.join(_FIELDS)})")
+                return self._fail(f"unknown key {key!r} (known: {', '.join(_FIELDS)}, gpus)")
             try:
                 values[key] = _coerce(key, raw)
             except (TypeError, ValueError) as exc:
                 return self._fail(f"{key}: {exc}")
         return GpuReading(**values)
+
+    def _sample_gpus(self, doc: dict[str, Any]) -> GpuReading:
+        gpus, errors = doc["gpus"], doc.get("errors")
+        if extra := sorted(set(doc) - {"gpus", "errors"}):
+            return self._fail(f"unknown key {extra[0]!r} beside gpus (known: gpus, errors)")
+        if not isinstance(gpus, dict):
+            return self._fail('gpus: expected {"INDEX": {readings}}')
+        try:
+            notes = list(_coerce("errors", errors))
+        except TypeError as exc:
+            return self._fail(f"errors: {exc}")
+        by_index: dict[int, DeviceReading] = {}
+        for key, raw in gpus.items():
+            if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+                return self._fail(f"gpus: {key!r} is not a GPU index")
+            if not isinstance(raw, dict):
+                return self._fail(f"gpus.{key}: expected an object of readings")
+            values: dict[str, Any] = {}
+            for field, value in raw.items():
+                if field not in _DEVICE_FIELDS:
+                    return self._fail(f"gpus.{key}: unknown key {field!r} "
+                                      f"(known: {', '.join(_DEVICE_FIELDS)})")
+                try:
+                    values[field] = _coerce(field, value)
+                except (TypeError, ValueError) as exc:
+                    return self._fail(f"gpus.{key}.{field}: {exc}")
+            mask = values.get("clock_event_reasons")
+            if mask is not None:  # the flags follow the reasons, as NVML's sampler does
+                values.setdefault("thermal_throttled",
+                                  bool(mask & (SW_THERMAL_SLOWDOWN | HW_THERMAL_SLOWDOWN)))
+                values.setdefault("power_capped",
+                                  bool(mask & (SW_POWER_CAP | HW_POWER_BRAKE_SLOWDOWN)))
+            by_index[int(key)] = DeviceReading(index=int(key), **values)
+        indices = self.indices or sorted(by_index)
+        for i in indices:
+            if i not in by_index:
+                notes.append(f"GPU {i}: not in {self.path}")
+        devices = [by_index.get(i, DeviceReading(index=i)) for i in indices]
+        return summarise(devices, process_memory=_sum_processes(
+            [d.process_memory for d in devices]),
+            xids=[code for d in devices for code in d.xids], errors=notes)
 
     def processes(self) -> dict[int, int] | None:
         return self.sample().process_memory

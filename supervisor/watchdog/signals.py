@@ -32,12 +32,12 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from supervisor.watchdog.metrics import Snapshot
 
 if TYPE_CHECKING:
-    from supervisor.watchdog.gpu import GpuReading
+    from supervisor.watchdog.gpu import DeviceReading, GpuReading
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,8 @@ class SignalWindow:
         self._gpu: _Gpu | None = None
         self.canary_failures = 0
         self.canary_latency_s: float | None = None
-        self.xids: list[int] = []  # codes since this engine started, for evidence
+        # (GPU or None, code) of each XID since this engine started, for evidence
+        self.xids: list[tuple[int | None, int]] = []
         self._xid_restart = 0
         self._xid_reset = 0
         self._moved_at: float | None = None  # scrape that first showed these counters
@@ -277,13 +278,43 @@ class SignalWindow:
         self._gpu = _Gpu(now, reading, engine_bytes)
         if engine_bytes is not None:
             self._gpu_mem.add(now, engine_bytes)
-        for code in reading.xids:
-            self.xids.append(code)
+        for gpu, code in reading.xids_by_gpu():
+            self.xids.append((gpu, code))
             remedy = classify.get(code, "reset")
             if remedy == "restart":
                 self._xid_restart += 1
             elif remedy in ("reset", "reboot"):
                 self._xid_reset += 1
+
+    def worst_gpu(self, now: float) -> DeviceReading | None:
+        """The engine's GPU nearest its own slowdown threshold in the last fresh reading
+        (None: no per-GPU reading, or a GPU's temperature unknown)."""
+        g = self._gpu
+        if g is None or now - g.at > self.cfg.gpu_stale_s or not g.reading.devices:
+            return None
+        fallback = self.cfg.slowdown_fallback_c
+        margins = [(d.margin_c(fallback), d) for d in g.reading.devices]
+        if any(m is None for m, _ in margins):
+            return None
+        return min(margins, key=lambda md: md[0] or 0.0)[1]
+
+    def gpu_devices(self, now: float, engine_pids: Iterable[int]) -> list[dict[str, Any]]:
+        """Each of the engine's GPUs in the last fresh reading, as plain data (status, the
+        exporter, evidence): its readings and the memory of the engine's tree on it."""
+        g = self._gpu
+        if g is None or now - g.at > self.cfg.gpu_stale_s:
+            return []
+        pids = set(engine_pids)
+        out = []
+        for d in g.reading.devices:
+            row = dataclasses.asdict(d)
+            procs = row.pop("process_memory")
+            row["engine_memory_bytes"] = (sum(b for p, b in procs.items() if p in pids)
+                                          if procs is not None else None)
+            row["slowdown_margin_c"] = d.margin_c(self.cfg.slowdown_fallback_c)
+            row["xids"] = list(d.xids)
+            out.append(row)
+        return out
 
     def gpu_snapshot(self) -> dict[str, object] | None:
         """The last GPU reading, as plain data (for evidence), or None."""
@@ -392,7 +423,10 @@ class SignalWindow:
         out["gpu_temperature_c"] = r.temperature_c
         slowdown = r.slowdown_temperature_c or self.cfg.slowdown_fallback_c
         out["gpu_slowdown_temperature_c"] = slowdown
-        if r.temperature_c is not None:
+        worst = self.worst_gpu(now)
+        if worst is not None:  # each card against its own threshold: the nearest one
+            out["gpu_slowdown_margin_c"] = worst.margin_c(self.cfg.slowdown_fallback_c)
+        elif r.temperature_c is not None and not r.devices:
             out["gpu_slowdown_margin_c"] = slowdown - r.temperature_c
         out["gpu_power_w"] = r.power_w
         out["gpu_power_limit_w"] = r.power_limit_w

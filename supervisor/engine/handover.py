@@ -1,0 +1,349 @@
+"""Handing an engine's traffic to its standby (docs/standby.md), for one engine unit.
+
+`Handover` owns the standby (`supervisor/engine/standby.py`: its place and lifecycle)
+and every handover under way: arming the standby (beside the serving engine, or before
+it when two engines do not fit side by side), the failover (a crash, a drained restart)
+with its wake and its proof, and an upgrade (new arguments: a standby with them, then a
+swap). The unit (`supervisor/engine/unit.py`) owns the lifecycle and its state; it calls
+in at its steps, and `Handover` acts on it only through `ServingUnit`: the steps of the
+serving engine's lifecycle a handover may take. Runs on the unit's task; never blocks.
+
+Invariants:
+- nothing but the daemon's proof, sleep and wake reaches a standby before it serves;
+- a new standby starts only once the old engine's tree is proven gone and no handover
+  is under way (a standby starting while another engine releases the card fails vLLM's
+  memory profiling);
+- a woken standby serves only after a generation proved it; a failed wake or proof is a
+  cold start.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import structlog
+
+from supervisor import engine_checks
+from supervisor.config import Config, EngineConfig
+from supervisor.engine import process as eng
+from supervisor.engine.effects import Effects
+from supervisor.engine.events import Down, Event, GateProbe, Woken
+from supervisor.engine.gatekeeper import GateKeeper
+from supervisor.engine.intents import RelaunchLog
+from supervisor.engine.slot import EngineSlot
+from supervisor.engine.standby import Standby
+from supervisor.engine.states import State
+from supervisor.engine.watch import EngineWatch
+from supervisor.loop import Clock
+
+log = structlog.get_logger("supervisor")
+
+
+class ServingUnit(Protocol):
+    """What a handover reads and asks of its engine's unit."""
+
+    slot: EngineSlot  # the serving engine's place (a failover swaps it)
+    serving_starts: int
+    stop_deadline: float | None
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def state(self) -> State: ...
+    @property
+    def environ(self) -> dict[str, str]: ...
+    @property
+    def fronted(self) -> bool: ...
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def act(self) -> Effects: ...
+    @property
+    def keeper(self) -> GateKeeper: ...
+    @property
+    def watch(self) -> EngineWatch: ...
+    @property
+    def relaunch(self) -> RelaunchLog: ...
+    @property
+    def engine(self) -> eng.EngineProcess | None: ...
+    @property
+    def restart_reason(self) -> str: ...
+
+    def engine_config(self, bay: int) -> EngineConfig: ...
+    def spawn_serving(self) -> None: ...
+    def fail(self, reason: str, healthy_for: float | None) -> None: ...
+    def take_down(self, graceful: bool) -> None: ...
+    def take_down_in(self, slot: EngineSlot, graceful: bool, deadline: float) -> None: ...
+    def set_stop_deadline(self, proxy_drain: bool) -> float: ...
+    def standby_deadline(self) -> float: ...
+    def set_state(self, new: State, reason: str) -> None: ...
+    def decide(self, action: str, reason: str) -> None: ...
+    def restart_engine(self, reason: str, graceful: bool = True) -> None: ...
+    def count_restart(self, reason: str) -> None: ...
+    def maybe_finish_stop(self) -> None: ...
+    def audit(self, event: str, **fields: Any) -> None: ...
+
+
+class Handover:
+    def __init__(self, unit: ServingUnit, standby: Standby) -> None:
+        self.u = unit
+        self.standby = standby
+        self.failovers = 0
+        self.last_failover_s: float | None = None  # fault seen to held requests released
+        self.since: float | None = None  # a handover under way since (monotonic)
+        # a cold start waits for its standby to be asleep first (no room beside it else)
+        self.first = False
+        self._waking = False  # the standby that took over is being woken
+        self._wake_when_down = False  # ... once the old engine's memory is released
+        self._proving_woken = False  # ... and proven with a generation
+        # a reload or a policy relaunch changed what the engine runs: a standby with the
+        # new arguments, then a swap to it ((why, the restart's reason label) meanwhile)
+        self._upgrade: tuple[str, str] | None = None
+
+    @property
+    def mode(self) -> str:
+        return self.u.config.engine.standby
+
+    def cold_start(self) -> None:
+        """A cold start ends any handover, and applies any upgrade."""
+        self.since = None
+        self._waking = self._wake_when_down = self._proving_woken = False
+        self._upgrade = None
+
+    def abandon(self, why: str, deadline: float) -> None:
+        """No more standby for now: the engine is held down, or the daemon stops."""
+        self.first = False
+        self.standby.retire(why, graceful=True, deadline=deadline)
+
+    # ---- arming ---------------------------------------------------------------------
+
+    def start_first(self) -> bool:
+        """A sleeping standby that cannot start beside the serving engine starts before
+        it: proven, put to sleep, then the engine starts beside it (docs/standby.md).
+        Whether the engine's spawn waits for that."""
+        cfg = self.u.engine_config(self.standby.slot.bay)
+        if (cfg.standby != "sleep" or self.standby.ready
+                or engine_checks.side_by_side(engine_checks.argv(cfg))):
+            return False
+        if self.standby.can_start():
+            self.first = True
+            log.info("the standby starts first: the engine starts beside it once it "
+                     "sleeps (no room for it to start beside the engine)")
+            self.arm(due=True)
+        else:
+            self.first = self.standby.on_its_way
+        return self.first
+
+    def arm(self, due: bool = False) -> None:
+        """A standby in its free place, when one is configured and the engine serves (or
+        waits for it to sleep first); after a failure, once its backoff is `due`."""
+        u, mode = self.u, self.mode
+        if (mode == "none" or not self.standby.can_start() or self.since is not None
+                or (u.state is not State.RUNNING and not self.first)):
+            return
+        cfg = u.engine_config(self.standby.slot.bay)
+        # (an awake standby's share was checked at load; on CPU no share is given)
+        if mode == "sleep" and not self.first \
+                and not engine_checks.side_by_side(engine_checks.argv(cfg)):
+            share = engine_checks.gpu_share(engine_checks.argv(cfg)) \
+                or engine_checks.DEFAULT_GPU_SHARE
+            self.standby.no_room(
+                f"two engines at --gpu-memory-utilization {share:g} do not fit on the "
+                f"card: a standby starts again before the engine's next cold start")
+            return
+        if self.standby.failures and not due:
+            r = u.config.restart
+            self.standby.due_later(r.backoff_initial_s, r.backoff_max_s)
+            return
+        self.standby.start(eng.build_spawn_spec(cfg, u.environ), cfg, mode)
+
+    def due(self) -> None:
+        """The standby's backoff is over."""
+        self.standby.due()
+        self.arm(due=True)
+
+    def on_event(self, ev: Event) -> None:
+        """An event of the engine in the standby's place (the standby, or the old serving
+        engine being taken down there), and what follows from it."""
+        u = self.u
+        free = self.standby.handle(ev, u.standby_deadline(),
+                                   stopping=u.state is State.STOPPING)
+        if self._wake_when_down and isinstance(ev, Down):
+            self._wake_when_down = False  # the old engine is gone, its memory released
+            if self.standby.state == "failed":
+                self.takeover_failed(f"the old engine's tree was not proven gone "
+                                     f"({self.standby.why}): not waking the standby")
+            elif u.engine is not None:
+                u.act.wake(u.engine)
+        if u.state is State.STOPPING:
+            u.maybe_finish_stop()
+        elif self.first and not self.standby.on_its_way:
+            if self.standby.ready or self.standby.idle:
+                self.first = False
+                if (u.state is State.STARTING and u.engine is None
+                        and not u.slot.spawning):
+                    u.spawn_serving()  # beside the sleeping standby (or without one)
+        elif free:
+            self.arm()
+        if self._upgrade is not None and u.state is State.RUNNING and self.fits():
+            (why, label), self._upgrade = self._upgrade, None
+            log.info("upgrade: the standby runs the new arguments; swapping to it", why=why)
+            u.count_restart(label)
+            u.restart_engine(f"upgrade: {why}")  # (drained, then `swap_or_take_down`)
+
+    # ---- an upgrade -----------------------------------------------------------------
+
+    def begin_upgrade(self, why: str, label: str) -> bool:
+        """What the serving engine runs changed (a reload: a new vLLM, a model revision; a
+        policy relaunch: fewer speculative tokens, a smaller batch): with a standby, one is
+        started with the new arguments, proven, then swapped in, so that no client waits
+        for a cold start, and the engine serves meanwhile. Whether that began; without a
+        standby (or room for one beside the engine) a reload's change applies at the next
+        start, a relaunch restarts cold."""
+        u, e = self.u, self.u.engine
+        if self.mode == "none" or u.state is not State.RUNNING or e is None:
+            return False
+        cfg = u.engine_config(u.slot.bay)
+        spec = eng.build_spawn_spec(cfg, u.environ)
+        if (spec.argv, spec.env, spec.cwd) == (e.spec.argv, e.spec.env, e.spec.cwd):
+            return False  # (nothing the engine runs changed: a timeout, a grace...)
+        if cfg.standby == "sleep" and not engine_checks.side_by_side(engine_checks.argv(cfg)):
+            log.info("no room for a standby beside the engine: no upgrade through one",
+                     why=why)
+            return False
+        self._upgrade = (why, label)
+        log.info("upgrade: starting a standby with the new arguments", why=why)
+        u.audit("upgrade", why=why)
+        if self.standby.ready or self.standby.on_its_way:
+            self.standby.retire("its arguments are out of date", graceful=True,
+                                deadline=u.standby_deadline())
+        self.standby.cancel_timer()
+        self.standby.due()  # (a backoff under way is over: the arguments changed)
+        self.standby.failures = 0
+        self.arm(due=True)  # (now if its place is free; else once it is)
+        return True
+
+    # ---- the failover ---------------------------------------------------------------
+
+    def fits(self) -> bool:
+        """A ready standby that runs what a start now would run."""
+        cfg = self.u.engine_config(self.standby.slot.bay)
+        return self.standby.fits(eng.build_spawn_spec(cfg, self.u.environ))
+
+    def swap_or_take_down(self, graceful: bool) -> None:
+        """A drained restart: the standby takes over when it is ready and up to date;
+        else the engine is taken down for a cold start (and an out-of-date standby is
+        replaced)."""
+        if self.fits():
+            self.fail_over(self.u.restart_reason, graceful)
+            return
+        if self.standby.ready:
+            self.standby.retire("its arguments are out of date", graceful=True,
+                                deadline=self.u.set_stop_deadline(proxy_drain=False))
+        self.u.take_down(graceful)
+
+    def fail_over(self, reason: str, graceful: bool) -> None:
+        """The ready standby serves now: the proxy sends this engine's requests to it
+        (streams in flight are continued on it, held requests go to it once it answered
+        a generation); the old engine is taken down in the standby's place, and a new
+        standby starts there once that tree is proven gone. A sleeping standby is woken
+        first: at once when the two engines fit on the card side by side, else once the
+        old engine's memory is released (a wake before that fails and wedges it)."""
+        u = self.u
+        old = u.slot
+        u.slot, asleep = self.standby.take_over(old)
+        engine = u.slot.engine
+        assert engine is not None
+        u.serving_starts += 1
+        self.failovers += 1
+        self.since = u.clock.monotonic()
+        u.watch.engine_starting()
+        u.keeper.admitting = False
+        log.warning("failover: the standby serves", reason=reason, pid=engine.pid,
+                    port=engine.spec.port, old_pid=old.engine.pid if old.engine else None,
+                    asleep=asleep)
+        u.audit("failover", reason=reason, pid=engine.pid, port=engine.spec.port,
+                old_pid=old.engine.pid if old.engine else None, graceful=graceful,
+                asleep=asleep)
+        u.decide("failover", reason)
+        if u.state is State.DRAINING:
+            u.set_state(State.RUNNING, f"the standby took over ({reason})")
+        if not asleep:
+            self._serve(engine)
+        elif old.engine is not None \
+                and not engine_checks.side_by_side(engine_checks.argv(engine.config)):
+            self._waking = self._wake_when_down = True  # (done in `on_event`)
+        else:
+            self._waking = True
+            u.act.wake(engine)
+        if old.engine is not None and not old.taking_down:
+            u.take_down_in(old, graceful, u.set_stop_deadline(proxy_drain=False))
+        u.stop_deadline = None  # (the restart is over; the old engine's has its own)
+        u.relaunch.taken_down()
+        u.relaunch.down()
+
+    def _serve(self, engine: eng.EngineProcess) -> None:
+        """The proxy's route goes to the engine that took over; held requests go once it
+        answered a generation (a woken one always: a wake can leave a broken engine)."""
+        u = self.u
+        if u.fronted:
+            u.act.follow(engine)
+        u.act.serve(engine)
+        if self._proving_woken or (u.fronted and u.config.canary.enabled):
+            u.act.gate_probe(engine)
+        else:
+            u.keeper.admitting = True
+            u.relaunch.finish("ok", None)
+            self.done()
+
+    def woken(self, ev: Woken) -> None:
+        u = self.u
+        engine = u.slot.current(ev.generation)
+        if engine is None or u.slot.taking_down or not self._waking:
+            return
+        self._waking = False
+        if ev.error is not None:
+            self.takeover_failed(f"the standby did not wake: {ev.error}")
+            return
+        log.info("standby woken", pid=engine.pid, seconds=round(ev.seconds, 3))
+        u.audit("standby_woken", pid=engine.pid, seconds=round(ev.seconds, 3))
+        self._proving_woken = True
+        self._serve(engine)
+
+    def proof_failed(self, ev: GateProbe) -> bool:
+        """The first generation after a handover answered: whether it was a woken
+        standby's that failed (then the handover failed: a cold start)."""
+        if not self._proving_woken:
+            return False
+        self._proving_woken = False
+        if ev.ok:
+            return False
+        self.takeover_failed(f"its first generation after waking failed: {ev.error}")
+        return True
+
+    def takeover_failed(self, reason: str) -> None:
+        """The standby that took over cannot serve: today's path, a cold start after a
+        backoff (the woken engine is taken down)."""
+        log.error("failover failed: cold start", reason=reason)
+        self.u.audit("failover_failed", reason=reason)
+        self.cold_start()
+        engine = self.u.engine
+        healthy_for = (self.u.clock.monotonic() - engine.healthy_at
+                       if engine is not None and engine.healthy_at is not None else None)
+        self.u.fail(reason, healthy_for=healthy_for)
+
+    def done(self) -> None:
+        """The handover is over: held requests go to the standby now, and a new standby
+        may start in the old engine's place once it is free."""
+        if self.since is not None:
+            self.last_failover_s = round(self.u.clock.monotonic() - self.since, 3)
+            self.since = None
+            log.info("failover done", seconds=self.last_failover_s)
+            self.u.audit("failover_done", seconds=self.last_failover_s)
+            self.arm()
+
+    def status(self, now: float) -> dict[str, Any]:
+        """`status`'s `standby`: `"ready"` when armed (awake or asleep, and proven)."""
+        if self.mode == "none" and self.standby.idle:
+            return {"state": "none"}
+        return {"mode": self.mode, **self.standby.status(now)}
