@@ -189,9 +189,13 @@ def test_daemon_shows_nvml_readings_and_the_engine_gpu_memory_in_status_and_expo
 
     cfg = fake_engine_config(tmp_path, "--gpu-mib", str(MIB), gpu={"sampler": "nvml",
                                                                    "period_s": 1.0},
-                             engine={"startup_timeout_s": 120})
+                             engine={"startup_timeout_s": 120, "gpus": [0]})
+    cfg["engine"]["env"]["FAKE_ENGINE_ENVFILE"] = str(tmp_path / "engine.env")
     d = daemon_factory(cfg)
     d.wait_state("RUNNING", 120)
+    # the engine runs on the GPU the daemon watches, as CUDA and NVML both count it
+    env = json.loads((tmp_path / "engine.env").read_text())
+    assert (env["CUDA_VISIBLE_DEVICES"], env["CUDA_DEVICE_ORDER"]) == ("0", "PCI_BUS_ID")
     # the core's CUDA context comes first, its 1 GiB tensor a moment later
     sig = wait_for(lambda: (s := d.status()["signals"])["engine_gpu_memory_bytes"]
                    and s["engine_gpu_memory_bytes"] >= MIB << 20 and s,
@@ -204,3 +208,15 @@ def test_daemon_shows_nvml_readings_and_the_engine_gpu_memory_in_status_and_expo
     assert "vllm_supervisor_engine_gpu_memory_bytes" in text
     print("daemon gpu signals:", json.dumps({k: v for k, v in sig.items()
                                              if k.startswith(("gpu_", "engine_gpu"))}))
+    # each GPU on its own: NVML's index, its readings, the engine tree's memory there
+    (gpu,) = wait_for(lambda: (g := d.status()["gpus"]) and g[0]["engine_memory_bytes"]
+                      and g[0]["engine_memory_bytes"] >= MIB << 20 and g, 30, "per-GPU")
+    assert gpu["index"] == 0 and gpu["temperature_c"] is not None
+    assert gpu["slowdown_temperature_c"] and gpu["power_limit_w"]
+    assert gpu["memory_total_bytes"] > gpu["memory_used_bytes"] >= gpu["engine_memory_bytes"]
+    text = httpx.get(f"{d.exporter_url}/metrics", timeout=5).text
+    assert 'vllm_supervisor_gpu_device_temperature_celsius{gpu="0"}' in text
+    assert 'vllm_supervisor_gpu_device_engine_memory_bytes{gpu="0"}' in text
+    shown = d.ctl("status").stdout
+    line = next(x for x in shown.splitlines() if x.startswith("gpu 0"))
+    print("daemon per-GPU:", json.dumps(gpu), "| status:", line)
