@@ -326,7 +326,8 @@ class Handover:
         backoff (the woken engine is taken down)."""
         log.error("failover failed: cold start", reason=reason)
         self.u.audit("failover_failed", reason=reason)
-        self.cold_start()
+        self.since = None  # (not `cold_start`: an upgrade ends at the next cold start)
+        self._waking = self._wake_when_down = self._proving_woken = False
         engine = self.u.engine
         healthy_for = (self.u.clock.monotonic() - engine.healthy_at
                        if engine is not None and engine.healthy_at is not None else None)

@@ -7,8 +7,8 @@ sleep mode (`"sleep"`), that takes over when the serving engine fails or is rest
 swapped) and its lifecycle: started (beside the serving engine, or before it when the
 two do not fit side by side), healthy, proven with a real generation, put to sleep when
 so configured, and only then ready; a standby that fails is taken down and started again
-after a backoff. On a failover the unit (`supervisor/engine/unit.py`)
-takes the ready standby's slot as its serving one and hands its old slot back here to be
+after a backoff. On a failover the handover (`supervisor/engine/handover.py`) gives the
+unit the ready standby's slot as its serving one and hands its old slot back here to be
 taken down; once that tree is proven gone a new standby starts in the freed place. Nothing
 but the daemon's proof, its sleep and its wake reach a standby before it serves (a request
 to a sleeping vLLM can crash it: vllm#15483).

@@ -20,7 +20,7 @@ class State(enum.Enum):
 
 
 # Which states may follow each state. Every transition goes through
-# EngineUnit._set_state, which checks this table; there is no way around it.
+# EngineUnit.set_state, which checks this table; there is no way around it.
 TRANSITIONS: dict[State, frozenset[State]] = {
     # STOPPED -> STARTING is the daemon's first start.
     State.STOPPED: frozenset({State.STARTING}),

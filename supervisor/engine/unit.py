@@ -3,7 +3,7 @@
 Everything that happens reaches `EngineUnit.handle` as a typed event
 (`supervisor/engine/events.py`) on one queue: the engine's exit, its health, the end of a
 take-down, a backoff timer, a signal, a control request, a reloaded config, a tick. Each
-is handled by a `handle_<name>` method that may change state (only through `_set_state`,
+is handled by a `handle_<name>` method that may change state (only through `set_state`,
 which checks the transition table) and may start jobs through the effects protocol
 (`supervisor/engine/effects.py`): spawn, probe, take down, drain, follow at the proxy.
 Jobs report back only by putting an event on the queue; no handler blocks.
@@ -11,8 +11,12 @@ Jobs report back only by putting an event on the queue; no handler blocks.
 The unit owns the lifecycle; its watchdog half (`EngineWatch`,
 `supervisor/engine/watch.py`) owns the signals, the policy's memory and the settings it
 tunes, and asks for what it wants as intents (`supervisor/engine/intents.py`) that
-`_carry_out` does here. After every event, `_sync_gate` alone opens, holds or closes
-the proxy's gate for this engine, from the unit's state.
+`_carry_out` does here. Its standby and every handover to it (arming the standby, the
+failover with its wake and proof, an upgrade through the standby) are `Handover`'s
+(`supervisor/engine/handover.py`), called at the unit's steps; it acts on the unit only
+through the public steps it names (`ServingUnit`: `set_state`, `take_down`, `fail`...).
+After every event, `_sync_gate` alone opens, holds or closes the proxy's gate for this
+engine, from the unit's state.
 
 Invariants:
 - at most one engine exists at a time: a new one is spawned only after the previous
@@ -34,7 +38,7 @@ from typing import Any
 
 import structlog
 
-from supervisor import engine_checks, reload
+from supervisor import reload
 from supervisor.config import DEFAULT_ENGINE, Config, EngineConfig, diff_keys
 from supervisor.engine import process as eng
 from supervisor.engine import views
@@ -69,6 +73,7 @@ from supervisor.engine.events import (
     iso_time,
 )
 from supervisor.engine.gatekeeper import GateKeeper
+from supervisor.engine.handover import Handover
 from supervisor.engine.intents import (
     BeginRemedy,
     Decided,
@@ -137,23 +142,13 @@ class EngineUnit:
         self.watch = EngineWatch(self.config, self.environ, self.clock.monotonic,
                                  self.clock.wall, self.audit)
         generations = itertools.count(1)
-        # the serving engine's place, from spawn to reap; the standby's, when configured
+        # the serving engine's place, from spawn to reap
         self.slot = EngineSlot(self.act, self.audit, lambda: next(generations), bay=0)
-        self.standby = Standby(self.act, self.audit, self.clock.monotonic,
-                               EngineSlot(self.act, self.audit, lambda: next(generations),
-                                          bay=1))
+        # the standby (its place: bay 1) and every handover to it (engine/handover.py)
+        self.handover = Handover(self, Standby(
+            self.act, self.audit, self.clock.monotonic,
+            EngineSlot(self.act, self.audit, lambda: next(generations), bay=1)))
         self.serving_starts = 0  # engines that took the serving place (cold or failover)
-        self.failovers = 0
-        self.last_failover_s: float | None = None  # fault seen to held requests released
-        self._failover_at: float | None = None  # a handover under way since
-        # a cold start waits for its standby to be asleep first (no room beside it else)
-        self._standby_first = False
-        self._waking = False  # the standby that took over is being woken
-        self._wake_when_down = False  # ... once the old engine's memory is released
-        self._proving_woken = False  # ... and proven with a generation
-        # a reload or a policy relaunch changed what the engine runs: a standby with the
-        # new arguments, then a swap to it ((why, the restart's reason label) meanwhile)
-        self._upgrade: tuple[str, str] | None = None
         self.fatal_errors: list[str] = []
         self.last_decision: DecisionRecord | None = None  # the latest, lifecycle steps included
         self.fatal_reason: str | None = None
@@ -164,7 +159,7 @@ class EngineUnit:
         # a restart or stop under way ends by this (monotonic); None: none under way
         self.stop_deadline: float | None = None
         self.keeper = GateKeeper(self.gate, self.audit)  # opens, holds, closes the gate
-        self._restart_reason = ""
+        self.restart_reason = ""
         self._restart_when_down = False
         self._backoff: Timer | None = None
         self.notices = SystemdNotices(self.notifier)
@@ -208,8 +203,9 @@ class EngineUnit:
         standby); then the gate follows the state."""
         # (evidence and a remedy's end are the unit's whichever engine they were about:
         # an old engine's remedy must still end, and its operator be answered)
-        if self.standby.owns(event) and not isinstance(event, EvidenceCaptured | RemedyDone):
-            self._standby_event(event)
+        if self.handover.standby.owns(event) \
+                and not isinstance(event, EvidenceCaptured | RemedyDone):
+            self.handover.on_event(event)
         else:
             handler: Callable[[Any], None] = getattr(self, f"handle_{event.name}")
             handler(event)
@@ -239,7 +235,7 @@ class EngineUnit:
 
     # ---- state ------------------------------------------------------------------------
 
-    def _set_state(self, new: State, reason: str) -> None:
+    def set_state(self, new: State, reason: str) -> None:
         old = self.state
         check_transition(old, new)
         self.state = new
@@ -254,7 +250,7 @@ class EngineUnit:
         self.audit("state", **{"from": old.value, "to": new.value}, reason=reason, pid=pid)
         self.notices.status(f"{new.value}: {reason}")
 
-    def _decide(self, action: str, reason: str) -> None:
+    def decide(self, action: str, reason: str) -> None:
         self.last_decision = DecisionRecord(action, reason, self.clock.wall())
 
     def audit(self, event: str, **fields: Any) -> None:
@@ -271,7 +267,7 @@ class EngineUnit:
         self.keeper.sync(self.state, self.state_reason, self.watch.holds_requests(),
                          self.watch.tuning.throttle_level if self.fronted else 0, ended,
                          suspect=self.watch.suspect(),
-                         swap=self.state is State.DRAINING and self._standby_fits())
+                         swap=self.state is State.DRAINING and self.handover.fits())
 
     def facts(self) -> UnitFacts:
         """The unit's state as its watchdog half reads it."""
@@ -314,40 +310,21 @@ class EngineUnit:
         self.keeper.admitting = False
         self.relaunch.starting()
         self.serving_starts += 1
-        self._failover_at = None  # (a cold start ends any handover, and applies any upgrade)
-        self._waking = self._wake_when_down = self._proving_woken = False
-        self._upgrade = None
-        self._set_state(State.STARTING, reason)
-        self._decide("start", reason)
-        if self._start_standby_first():
+        self.handover.cold_start()
+        self.set_state(State.STARTING, reason)
+        self.decide("start", reason)
+        if self.handover.start_first():
             return
-        self._spawn_serving()
+        self.spawn_serving()
 
-    def _start_standby_first(self) -> bool:
-        """A sleeping standby that cannot start beside the serving engine starts before
-        it: proven, put to sleep, then the engine starts beside it (docs/standby.md).
-        Whether the engine's spawn waits for that."""
-        cfg = self._engine_config(self.standby.slot.bay)
-        if (cfg.standby != "sleep" or self.standby.ready
-                or engine_checks.side_by_side(engine_checks.argv(cfg))):
-            return False
-        if self.standby.can_start():
-            self._standby_first = True
-            log.info("the standby starts first: the engine starts beside it once it "
-                     "sleeps (no room for it to start beside the engine)")
-            self._start_standby(due=True)
-        else:
-            self._standby_first = self.standby.on_its_way
-        return self._standby_first
-
-    def _spawn_serving(self) -> None:
-        cfg = self._engine_config(self.slot.bay)
+    def spawn_serving(self) -> None:
+        cfg = self.engine_config(self.slot.bay)
         if cfg.args != self.config.engine.args:
             log.info("engine arguments overridden", overrides=self.watch.overrides(
                 self.fronted), throttle_level=self.watch.tuning.throttle_level)
         self.slot.spawn(eng.build_spawn_spec(cfg, self.environ), cfg)
 
-    def _engine_config(self, bay: int) -> EngineConfig:
+    def engine_config(self, bay: int) -> EngineConfig:
         """What an engine started now in `bay` runs with: the current config, its place's
         port (bay 1: the standby's), the watchdog's overrides (throttle, batch,
         speculative tokens)."""
@@ -360,19 +337,19 @@ class EngineUnit:
         engine = self.slot.spawned(ev)
         if engine is None:
             if self.state is State.STOPPING:
-                self._maybe_finish_stop()
+                self.maybe_finish_stop()
             elif ev.gpu_busy:
                 self._start_blocked(ev.error or "GPU busy")
             elif self.state is State.DRAINING:
-                self._start_engine(self._restart_reason)
+                self._start_engine(self.restart_reason)
             else:
-                self._failure(f"engine could not be started: {ev.error}", healthy_for=None)
+                self.fail(f"engine could not be started: {ev.error}", healthy_for=None)
             return
         self.start_blocked = None
         if self.fronted:
             self.act.follow(engine)  # the proxy's route for this engine goes to it now
         if self.state in (State.STOPPING, State.DRAINING):
-            self._take_down(graceful=True)  # a stop or restart came while it was spawning
+            self.take_down(graceful=True)  # a stop or restart came while it was spawning
 
     def handle_tree_seen(self, ev: TreeSeen) -> None:
         cpu = self.slot.tree_seen(ev)
@@ -396,15 +373,15 @@ class EngineUnit:
 
     def _crashed(self, engine: eng.EngineProcess) -> None:
         """The serving engine failed unasked: the standby serves, or a cold start."""
-        if self.state is State.RUNNING and self._standby_fits():
-            self._count_restart("crash")
-            self._fail_over(f"engine {self.slot.last_exit} without being asked",
-                            graceful=False)
+        if self.state is State.RUNNING and self.handover.fits():
+            self.count_restart("crash")
+            self.handover.fail_over(f"engine {self.slot.last_exit} without being asked",
+                                    graceful=False)
             return
         healthy_for = (self.clock.monotonic() - engine.healthy_at
                        if engine.healthy_at is not None else None)
-        self._failure(f"engine {self.slot.last_exit} without being asked",
-                      healthy_for=healthy_for)
+        self.fail(f"engine {self.slot.last_exit} without being asked",
+                  healthy_for=healthy_for)
 
     def handle_health_result(self, ev: HealthResult) -> None:
         engine = self.slot.current(ev.generation)
@@ -414,34 +391,34 @@ class EngineUnit:
         if ev.healthy:
             engine.healthy_at = now
             self.last_start_s = round(now - engine.started_at, 1)
-            self._set_state(State.RUNNING,
-                            f"/health answered 200 after {now - engine.started_at:.1f} s")
+            self.set_state(State.RUNNING,
+                           f"/health answered 200 after {now - engine.started_at:.1f} s")
             self.notices.ready_once(f"RUNNING: engine pid {engine.pid} serving")
             self.act.serve(engine)
-            self._start_standby()
+            self.handover.arm()
             if self.fronted and self.config.canary.enabled:
                 self.act.gate_probe(engine)  # held requests go once one canary passed
             else:
                 self.keeper.admitting = True  # no canary to wait for: healthy is all we know
                 self.relaunch.finish("ok", None)  # serving: nothing more is waited for
         elif engine.exit_code is None:
-            self._failure(f"engine not healthy within {engine.config.startup_timeout_s:g} s",
-                          healthy_for=None)
+            self.fail(f"engine not healthy within {engine.config.startup_timeout_s:g} s",
+                      healthy_for=None)
 
-    def _failure(self, reason: str, healthy_for: float | None) -> None:
+    def fail(self, reason: str, healthy_for: float | None) -> None:
         """The engine failed (crash, boot failure, startup timeout): back off or give up,
         and take down whatever is left of its tree."""
         verdict = self.tracker.record_failure(self.clock.monotonic(), healthy_for_s=healthy_for,
                                               what=reason)
-        self._count_restart("crash" if healthy_for is not None else "boot_failure")
+        self.count_restart("crash" if healthy_for is not None else "boot_failure")
         if verdict.fatal:
             self._give_up(verdict.reason)
         else:
             self.backoff_until = self.clock.monotonic() + verdict.delay_s
-            self._set_state(State.BACKOFF, f"{reason}; retrying in {verdict.delay_s:g} s")
-            self._decide("backoff", reason)
+            self.set_state(State.BACKOFF, f"{reason}; retrying in {verdict.delay_s:g} s")
+            self.decide("backoff", reason)
         if self.engine is not None:
-            self._take_down(graceful=False)
+            self.take_down(graceful=False)
         elif self.state is State.BACKOFF:
             self._arm_backoff()
 
@@ -452,8 +429,8 @@ class EngineUnit:
         self.start_blocked = why
         delay = self.config.restart.backoff_max_s
         self.backoff_until = self.clock.monotonic() + delay
-        self._set_state(State.BACKOFF, f"start refused: {why}; checking again in {delay:g} s")
-        self._decide("backoff", f"start refused: {why}")
+        self.set_state(State.BACKOFF, f"start refused: {why}; checking again in {delay:g} s")
+        self.decide("backoff", f"start refused: {why}")
         # systemd's start must not wait on someone else's job: say so, and stay up
         self.notices.ready_once(f"BACKOFF: start refused: {why}")
         self._arm_backoff()
@@ -463,12 +440,11 @@ class EngineUnit:
         engine = engine or self.engine
         errors = list(engine.recent_errors) if engine else []
         self.fatal_reason = reason
-        self._standby_first = False
-        self._set_state(State.FATAL, reason)
+        self.set_state(State.FATAL, reason)
         # (on the same GPUs and arguments: a standby cannot help an engine held down)
-        self.standby.retire(reason, graceful=True, deadline=self._standby_deadline())
+        self.handover.abandon(reason, self.standby_deadline())
         self.relaunch.finish("failed", reason)
-        self._decide("give_up", reason)
+        self.decide("give_up", reason)
         log.error("giving up on the engine", reason=reason, last_engine_errors=errors[-10:])
         self.fatal_errors = errors[-10:]
         # The daemon is up and answering even though the engine is not: tell systemd, so
@@ -491,7 +467,7 @@ class EngineUnit:
                 and self.engine is None and not self.slot.spawning):
             self._start_engine("backoff elapsed")
 
-    def _set_deadline(self, proxy_drain: bool) -> float:
+    def set_stop_deadline(self, proxy_drain: bool) -> float:
         """The one deadline of the restart or stop beginning now (unless one runs):
         every step of it keeps within what is left (`process.stop_budget_s`)."""
         if self.stop_deadline is None:
@@ -503,17 +479,17 @@ class EngineUnit:
                 proxy_drain=proxy_drain, evidence_s=evidence_s)
         return self.stop_deadline
 
-    def _standby_deadline(self) -> float:
+    def standby_deadline(self) -> float:
         """The deadline of a take-down in the standby's place, from now (no drain first)."""
         return self.clock.monotonic() + eng.stop_budget_s(
             self.config.engine, proxy_drain=False, evidence_s=0.0)
 
-    def _take_down(self, graceful: bool) -> None:
-        deadline = self._set_deadline(proxy_drain=False)
+    def take_down(self, graceful: bool) -> None:
+        deadline = self.set_stop_deadline(proxy_drain=False)
         self.relaunch.taken_down()
-        self._take_down_in(self.slot, graceful, deadline)
+        self.take_down_in(self.slot, graceful, deadline)
 
-    def _take_down_in(self, slot: EngineSlot, graceful: bool, deadline: float) -> None:
+    def take_down_in(self, slot: EngineSlot, graceful: bool, deadline: float) -> None:
         """Take the engine in `slot` down, with the evidence its fault asked for."""
         req = slot.evidence_request(
             self.config.evidence.enabled,
@@ -539,21 +515,21 @@ class EngineUnit:
         if self.state is State.STOPPING:
             if problem:
                 self.exit_code = 1
-            self._maybe_finish_stop()
+            self.maybe_finish_stop()
         elif problem is not None and self.state is not State.FATAL:
             self._give_up(problem, engine)
         elif self.state is State.DRAINING:
-            self._start_engine(self._restart_reason)
+            self._start_engine(self.restart_reason)
         elif self.state is State.BACKOFF:
             if self._restart_when_down:
                 self._restart_when_down = False
                 self._cancel_backoff()
-                self._start_engine(self._restart_reason)
+                self._start_engine(self.restart_reason)
             else:
                 self._arm_backoff()
         elif self.state is State.FATAL and self._restart_when_down and problem is None:
             self._restart_when_down = False
-            self._start_engine(self._restart_reason)
+            self._start_engine(self.restart_reason)
 
     # ---- stop and restart -------------------------------------------------------------
 
@@ -565,38 +541,36 @@ class EngineUnit:
                 self.slot.force.set()
             return
         self._cancel_backoff()
-        self._standby_first = False
-        self._set_state(State.STOPPING, reason)
+        self.set_state(State.STOPPING, reason)
         self.relaunch.finish("abandoned", f"the daemon is stopping: {reason}")
-        self._decide("stop", reason)
+        self.decide("stop", reason)
         self.notices.stopping(f"STOPPING: {reason}")
-        self.standby.retire("the daemon is stopping", graceful=True,
-                            deadline=self._set_deadline(proxy_drain=False))
+        self.handover.abandon("the daemon is stopping", self.set_stop_deadline(proxy_drain=False))
         if self.engine is not None and not self.slot.taking_down:
-            self._take_down(graceful=True)
+            self.take_down(graceful=True)
         else:
-            self._maybe_finish_stop()
+            self.maybe_finish_stop()
         # otherwise: a take-down (ends in handle_down) or a spawn (ends in handle_spawned)
         # is in flight, and finishes the stop.
 
-    def _maybe_finish_stop(self) -> None:
+    def maybe_finish_stop(self) -> None:
         """STOPPED once both places are empty (the serving engine's, the standby's)."""
-        if self.engine is None and not self.slot.spawning and self.standby.idle:
+        if self.engine is None and not self.slot.spawning and self.handover.standby.idle:
             self._finish_stop()
 
     def _finish_stop(self) -> None:
-        self._set_state(State.STOPPED, "engine stopped")
+        self.set_state(State.STOPPED, "engine stopped")
         for reply in self._stop_replies:
             if not reply.done():
                 reply.set_result({"state": State.STOPPED.value, "exit_code": self.exit_code})
         self._done = True
 
-    def _restart(self, reason: str, graceful: bool = True) -> None:
+    def restart_engine(self, reason: str, graceful: bool = True) -> None:
         s = self.state
         if s in (State.STARTING, State.RUNNING):
-            self._restart_reason = reason
-            self._set_state(State.DRAINING, reason)
-            self._decide("restart", reason)
+            self.restart_reason = reason
+            self.set_state(State.DRAINING, reason)
+            self.decide("restart", reason)
             if self.engine is not None and not self.slot.taking_down:
                 if self.fronted:
                     log.info("restart: new requests held", in_flight=self.gate.in_flight,
@@ -608,9 +582,9 @@ class EngineUnit:
                 if graceful and self.fronted and self.gate.in_flight:
                     # The gate holds new requests now; let the ones at the engine finish
                     # before SIGTERM (vLLM's own drain aborts streams), bounded.
-                    self.act.drain(self.engine, self._set_deadline(proxy_drain=True))
+                    self.act.drain(self.engine, self.set_stop_deadline(proxy_drain=True))
                 else:
-                    self._swap_or_take_down(graceful)
+                    self.handover.swap_or_take_down(graceful)
             elif self.engine is None and not self.slot.spawning:
                 self._start_engine(reason)  # (its standby was starting first)
             # a take-down already running (a crash being reaped) ends in handle_down
@@ -618,8 +592,8 @@ class EngineUnit:
             self.tracker.reset()
             self.fatal_reason = None
             self._cancel_backoff()
-            self._restart_reason = reason
-            self._decide("restart", reason)
+            self.restart_reason = reason
+            self.decide("restart", reason)
             if self.engine is None and not self.slot.spawning:
                 self._start_engine(reason)
             else:
@@ -629,203 +603,13 @@ class EngineUnit:
         else:
             raise CommandError(f"the daemon is {s.value}")
 
-
-    # ---- the standby (supervisor/engine/standby.py) -----------------------------------
-
-    def _start_standby(self, due: bool = False) -> None:
-        """A standby in its free place, when one is configured and the engine serves (or
-        waits for it to sleep first); after a failure, once its backoff is `due`."""
-        mode = self.config.engine.standby
-        if (mode == "none" or not self.standby.can_start() or self._failover_at is not None
-                or (self.state is not State.RUNNING and not self._standby_first)):
-            return
-        cfg = self._engine_config(self.standby.slot.bay)
-        # (an awake standby's share was checked at load; on CPU no share is given)
-        if mode == "sleep" and not self._standby_first \
-                and not engine_checks.side_by_side(engine_checks.argv(cfg)):
-            share = engine_checks.gpu_share(engine_checks.argv(cfg)) \
-                or engine_checks.DEFAULT_GPU_SHARE
-            self.standby.no_room(
-                f"two engines at --gpu-memory-utilization {share:g} do not fit on the "
-                f"card: a standby starts again before the engine's next cold start")
-            return
-        if self.standby.failures and not due:
-            r = self.config.restart
-            self.standby.due_later(r.backoff_initial_s, r.backoff_max_s)
-            return
-        self.standby.start(eng.build_spawn_spec(cfg, self.environ), cfg, mode)
+    # ---- the standby's events (the handover's: supervisor/engine/handover.py) ---------
 
     def handle_standby_due(self, _: StandbyDue) -> None:
-        self.standby.due()
-        self._start_standby(due=True)
-
-    def _standby_event(self, ev: Event) -> None:
-        free = self.standby.handle(ev, self._standby_deadline(),
-                                   stopping=self.state is State.STOPPING)
-        if self._wake_when_down and isinstance(ev, Down):
-            self._wake_when_down = False  # the old engine is gone, its memory released
-            if self.standby.state == "failed":
-                self._takeover_failed(f"the old engine's tree was not proven gone "
-                                      f"({self.standby.why}): not waking the standby")
-            elif self.engine is not None:
-                self.act.wake(self.engine)
-        if self.state is State.STOPPING:
-            self._maybe_finish_stop()
-        elif self._standby_first and not self.standby.on_its_way:
-            if self.standby.ready or self.standby.idle:
-                self._standby_first = False
-                if (self.state is State.STARTING and self.engine is None
-                        and not self.slot.spawning):
-                    self._spawn_serving()  # beside the sleeping standby (or without one)
-        elif free:
-            self._start_standby()
-        if (self._upgrade is not None and self.state is State.RUNNING
-                and self._standby_fits()):
-            (why, label), self._upgrade = self._upgrade, None
-            log.info("upgrade: the standby runs the new arguments; swapping to it", why=why)
-            self._count_restart(label)
-            self._restart(f"upgrade: {why}")  # (drained, then a swap: `_swap_or_take_down`)
-
-    def _begin_upgrade(self, why: str, label: str) -> bool:
-        """What the serving engine runs changed (a reload: a new vLLM, a model revision; a
-        policy relaunch: fewer speculative tokens, a smaller batch): with a standby, one is
-        started with the new arguments, proven, then swapped in, so that no client waits
-        for a cold start, and the engine serves meanwhile. Whether that began; without a
-        standby (or room for one beside the engine) a reload's change applies at the next
-        start, a relaunch restarts cold."""
-        e = self.engine
-        if self.config.engine.standby == "none" or self.state is not State.RUNNING \
-                or e is None:
-            return False
-        cfg = self._engine_config(self.slot.bay)
-        spec = eng.build_spawn_spec(cfg, self.environ)
-        if (spec.argv, spec.env, spec.cwd) == (e.spec.argv, e.spec.env, e.spec.cwd):
-            return False  # (nothing the engine runs changed: a timeout, a grace...)
-        if cfg.standby == "sleep" and not engine_checks.side_by_side(engine_checks.argv(cfg)):
-            log.info("no room for a standby beside the engine: no upgrade through one",
-                     why=why)
-            return False
-        self._upgrade = (why, label)
-        log.info("upgrade: starting a standby with the new arguments", why=why)
-        self.audit("upgrade", why=why)
-        if self.standby.ready or self.standby.on_its_way:
-            self.standby.retire("its arguments are out of date", graceful=True,
-                                deadline=self._standby_deadline())
-        self.standby.cancel_timer()
-        self.standby.due()  # (a backoff under way is over: the arguments changed)
-        self.standby.failures = 0
-        self._start_standby(due=True)  # (now if its place is free; else once it is)
-        return True
-
-    def _standby_fits(self) -> bool:
-        """A ready standby that runs what a start now would run."""
-        cfg = self._engine_config(self.standby.slot.bay)
-        return self.standby.fits(eng.build_spawn_spec(cfg, self.environ))
-
-    def _swap_or_take_down(self, graceful: bool) -> None:
-        """A drained restart: the standby takes over when it is ready and up to date;
-        else the engine is taken down for a cold start (and an out-of-date standby is
-        replaced)."""
-        if self._standby_fits():
-            self._fail_over(self._restart_reason, graceful)
-            return
-        if self.standby.ready:
-            self.standby.retire("its arguments are out of date", graceful=True,
-                                deadline=self._set_deadline(proxy_drain=False))
-        self._take_down(graceful)
-
-    def _fail_over(self, reason: str, graceful: bool) -> None:
-        """The ready standby serves now: the proxy sends this engine's requests to it
-        (streams in flight are continued on it, held requests go to it once it answered
-        a generation); the old engine is taken down in the standby's place, and a new
-        standby starts there once that tree is proven gone. A sleeping standby is woken
-        first: at once when the two engines fit on the card side by side, else once the
-        old engine's memory is released (a wake before that fails and wedges it)."""
-        old = self.slot
-        self.slot, asleep = self.standby.take_over(old)
-        engine = self.slot.engine
-        assert engine is not None
-        self.serving_starts += 1
-        self.failovers += 1
-        self._failover_at = self.clock.monotonic()
-        self.watch.engine_starting()
-        self.keeper.admitting = False
-        log.warning("failover: the standby serves", reason=reason, pid=engine.pid,
-                    port=engine.spec.port, old_pid=old.engine.pid if old.engine else None,
-                    asleep=asleep)
-        self.audit("failover", reason=reason, pid=engine.pid, port=engine.spec.port,
-                   old_pid=old.engine.pid if old.engine else None, graceful=graceful,
-                   asleep=asleep)
-        self._decide("failover", reason)
-        if self.state is State.DRAINING:
-            self._set_state(State.RUNNING, f"the standby took over ({reason})")
-        if not asleep:
-            self._serve_taken_over(engine)
-        elif old.engine is not None \
-                and not engine_checks.side_by_side(engine_checks.argv(engine.config)):
-            self._waking = self._wake_when_down = True  # (handled in _standby_event)
-        else:
-            self._waking = True
-            self.act.wake(engine)
-        if old.engine is not None and not old.taking_down:
-            self._take_down_in(old, graceful, self._set_deadline(proxy_drain=False))
-        self.stop_deadline = None  # (the restart is over; the old engine's has its own)
-        self.relaunch.taken_down()
-        self.relaunch.down()
-
-    def _serve_taken_over(self, engine: eng.EngineProcess) -> None:
-        """The proxy's route goes to the engine that took over; held requests go once it
-        answered a generation (a woken one always: a wake can leave a broken engine)."""
-        if self.fronted:
-            self.act.follow(engine)
-        self.act.serve(engine)
-        if self._proving_woken or (self.fronted and self.config.canary.enabled):
-            self.act.gate_probe(engine)
-        else:
-            self.keeper.admitting = True
-            self.relaunch.finish("ok", None)
-            self._failover_done()
+        self.handover.due()
 
     def handle_woken(self, ev: Woken) -> None:
-        engine = self.slot.current(ev.generation)
-        if engine is None or self.slot.taking_down or not self._waking:
-            return
-        self._waking = False
-        if ev.error is not None:
-            self._takeover_failed(f"the standby did not wake: {ev.error}")
-            return
-        log.info("standby woken", pid=engine.pid, seconds=round(ev.seconds, 3))
-        self.audit("standby_woken", pid=engine.pid, seconds=round(ev.seconds, 3))
-        self._proving_woken = True
-        self._serve_taken_over(engine)
-
-    def _takeover_failed(self, reason: str) -> None:
-        """The standby that took over cannot serve: today's path, a cold start after a
-        backoff (the woken engine is taken down)."""
-        log.error("failover failed: cold start", reason=reason)
-        self.audit("failover_failed", reason=reason)
-        self._failover_at = None
-        self._waking = self._wake_when_down = self._proving_woken = False
-        engine = self.engine
-        healthy_for = (self.clock.monotonic() - engine.healthy_at
-                       if engine is not None and engine.healthy_at is not None else None)
-        self._failure(reason, healthy_for=healthy_for)
-
-    def _failover_done(self) -> None:
-        """The handover is over: held requests go to the standby now, and a new standby
-        may start in the old engine's place once it is free."""
-        if self._failover_at is not None:
-            self.last_failover_s = round(self.clock.monotonic() - self._failover_at, 3)
-            self._failover_at = None
-            log.info("failover done", seconds=self.last_failover_s)
-            self.audit("failover_done", seconds=self.last_failover_s)
-            self._start_standby()
-
-    def standby_status(self, now: float) -> dict[str, Any]:
-        """`status`'s `standby`: `"ready"` when armed (awake and proven)."""
-        if self.config.engine.standby == "none" and self.standby.idle:
-            return {"state": "none"}
-        return {"mode": self.config.engine.standby, **self.standby.status(now)}
+        self.handover.woken(ev)
 
     @property
     def restarts(self) -> int:
@@ -833,8 +617,8 @@ class EngineUnit:
 
     def pids(self) -> set[int]:
         """Every process of this unit's engines (both places)."""
-        return {p.pid for s in (self.slot, self.standby.slot) if s.engine is not None
-                for p in s.engine.known}
+        return {p.pid for s in (self.slot, self.handover.standby.slot)
+                if s.engine is not None for p in s.engine.known}
 
     # ---- what the watchdog asks -------------------------------------------------------
 
@@ -846,18 +630,18 @@ class EngineUnit:
                 if intent.rung is not None:
                     self.relaunch.begin(intent.rung, intent.reason)
                 if (intent.graceful and intent.rung is not None and intent.evidence is None
-                        and self._begin_upgrade(intent.reason, "policy")):
+                        and self.handover.begin_upgrade(intent.reason, "policy")):
                     continue  # a relaunch with new arguments: through the standby
-                self._count_restart("policy")
+                self.count_restart("policy")
                 if intent.evidence is not None:
                     self.slot.evidence_for = intent.evidence
-                self._restart(intent.reason, graceful=intent.graceful)
+                self.restart_engine(intent.reason, graceful=intent.graceful)
             elif isinstance(intent, HoldDown):
                 if intent.evidence is not None:
                     self.slot.evidence_for = intent.evidence
                 self._give_up(intent.reason)
                 if self.engine is not None and not self.slot.taking_down:
-                    self._take_down(graceful=True)
+                    self.take_down(graceful=True)
             elif isinstance(intent, BeginRemedy):
                 assert self.engine is not None
                 self._sync_gate()  # (a KV reset holds new requests from now on)
@@ -869,7 +653,7 @@ class EngineUnit:
                                           "throttle_level": intent.level,
                                           "max_concurrency": self.gate.concurrency_limit})
 
-    def _count_restart(self, reason: str) -> None:
+    def count_restart(self, reason: str) -> None:
         self.restarts_by_reason[reason] = self.restarts_by_reason.get(reason, 0) + 1
 
     def _gate_limits(self) -> GateLimits:
@@ -913,26 +697,22 @@ class EngineUnit:
                 or self.state not in (State.DRAINING, State.STOPPING)):
             return  # the engine is gone already (a crash being reaped) or a stop took over
         if self.state is State.DRAINING:
-            self._swap_or_take_down(graceful=True)
+            self.handover.swap_or_take_down(graceful=True)
         else:
-            self._take_down(graceful=True)
+            self.take_down(graceful=True)
 
     def handle_gate_probe(self, ev: GateProbe) -> None:
         if (self.engine is None or self.engine.generation != ev.generation
                 or self.state is not State.RUNNING):
             return
-        if self._proving_woken:
-            self._proving_woken = False
-            if not ev.ok:
-                self._takeover_failed(f"its first generation after waking failed: "
-                                      f"{ev.error}")
-                return
+        if self.handover.proof_failed(ev):
+            return
         if not ev.ok:
             log.warning("the first canary failed; releasing held requests anyway",
                         error=ev.error, waiting=self.gate.waiting)
         self.relaunch.finish("ok", None if ev.ok else f"the first canary failed: {ev.error}")
         self.keeper.admitting = True  # (`_sync_gate` lets the held requests go)
-        self._failover_done()
+        self.handover.done()
         if self.keeper.drained_by_operator:
             log.info("engine ready; requests stay held until `resume`", waiting=self.gate.waiting)
 
@@ -975,7 +755,8 @@ class EngineUnit:
         if plan.next_engine_start:
             log.info("engine settings take effect at the next start",
                      keys=list(plan.next_engine_start))
-            self._begin_upgrade(f"reloaded {', '.join(plan.next_engine_start)}", "upgrade")
+            self.handover.begin_upgrade(f"reloaded {', '.join(plan.next_engine_start)}",
+                                        "upgrade")
         if plan.next_daemon_start:
             log.warning("these settings take effect only when the daemon restarts",
                         keys=list(plan.next_daemon_start))
@@ -998,8 +779,8 @@ class EngineUnit:
 
     def restart(self, reason: str) -> None:
         """An operator's restart (a throttle without a proxy is one too)."""
-        self._restart(reason)
-        self._count_restart("operator")
+        self.restart_engine(reason)
+        self.count_restart("operator")
 
     def stop(self, reply: asyncio.Future[dict[str, Any]]) -> None:
         self._stop_replies.append(reply)

@@ -10,8 +10,8 @@ from typing import Any, Protocol
 
 from supervisor.config import Config
 from supervisor.engine.events import DecisionRecord
+from supervisor.engine.handover import Handover
 from supervisor.engine.process import EngineProcess
-from supervisor.engine.standby import Standby
 from supervisor.engine.states import State
 from supervisor.engine.watch import EngineWatch, UnitFacts
 from supervisor.front.admission import Gate
@@ -76,15 +76,9 @@ class Viewable(Protocol):
     @property
     def restarts(self) -> int: ...
     @property
-    def standby(self) -> Standby: ...
-    @property
-    def failovers(self) -> int: ...
-    @property
-    def last_failover_s(self) -> float | None: ...
+    def handover(self) -> Handover: ...
 
     def serving(self) -> bool: ...
-
-    def standby_status(self, now: float) -> dict[str, Any]: ...
 
     def facts(self) -> UnitFacts: ...
 
@@ -175,7 +169,7 @@ def status(unit: Viewable) -> dict[str, Any]:
         "stop_deadline_in_s": (round(max(0.0, unit.stop_deadline - now), 3)
                                if unit.stop_deadline is not None else None),
         "fatal_reason": unit.fatal_reason if unit.state is State.FATAL else None,
-        "standby": unit.standby_status(now),
+        "standby": unit.handover.status(now),
         "start": starting(unit, now),
         "start_blocked": unit.start_blocked if unit.state is State.BACKOFF else None,
         "remedies": {
@@ -221,8 +215,8 @@ def exporter_view(unit: Viewable) -> ExporterView:
                               if unit.not_running_since is not None else 0.0),
         engine_startup_timeout_s=unit.config.engine.startup_timeout_s,
         standby_ready=(None if unit.config.engine.standby == "none"
-                       else float(unit.standby.ready)),
-        failovers=unit.failovers, last_failover_s=unit.last_failover_s,
+                       else float(unit.handover.standby.ready)),
+        failovers=unit.handover.failovers, last_failover_s=unit.handover.last_failover_s,
         gauges=[(spec.metric, spec.help, signals[spec.name]) for spec in SIGNALS],
         gpus=[(int(g["index"]), g) for g in w.window.gpu_devices(now, _pids(e))],
         proxy=gate_view(unit))
