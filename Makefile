@@ -1,6 +1,6 @@
 # Two commands do everything from nothing: `make run` and `make test`.
 .PHONY: setup run test test-fast lint bench bench-lifecycle bench-watchdog bench-proxy soak \
-	bench-restart bench-failover bench-healthy-soak bench-proxy-routing clean
+	bench-restart bench-failover bench-healthy-soak bench-proxy-routing bench-host-cost clean
 
 setup:
 	bash scripts/setup.sh all
@@ -27,8 +27,8 @@ lint:
 	.venv/bin/mypy
 
 # Every benchmark, side by side with its baseline; each rewrites its own section of
-# docs/benchmarks.md (about 8 + 10 + 12 + 4 + 8 minutes).
-bench: bench-lifecycle bench-watchdog bench-proxy bench-restart bench-failover
+# docs/benchmarks.md (about 8 + 10 + 12 + 4 + 8 + 8 minutes).
+bench: bench-lifecycle bench-watchdog bench-proxy bench-restart bench-failover bench-host-cost
 
 bench-lifecycle: setup
 	.venv/bin/python bench/lifecycle_bench.py --out docs/benchmarks.md
@@ -52,6 +52,12 @@ bench-restart: setup
 # side by side (ROUNDS=N, default 3; about 8 minutes, bounded to 25).
 bench-failover: setup
 	.venv/bin/python bench/failover_bench.py --rounds $(or $(ROUNDS),3) --out docs/benchmarks.md
+
+# The daemon's own cost on the 8-GPU example (six fake engines, 8 scripted GPUs) beside one
+# engine: RSS, idle CPU, CPU per request through the proxy, alternating (ROUNDS=N, default
+# 3; about 8 minutes).
+bench-host-cost: setup
+	.venv/bin/python bench/host_cost_bench.py --rounds $(or $(ROUNDS),3) --out docs/benchmarks.md
 
 # Ten minutes of heavy, healthy load against the real engine: the default rules must
 # decide nothing (MINUTES=N to change the length).
