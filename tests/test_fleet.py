@@ -34,6 +34,8 @@ class Load:
 
     url: str
     clients: int = 6
+    model: str = "fake"
+    tokens: int = TOKENS
     done: list[tuple[float, float, str]] = field(default_factory=list)  # start, end, outcome
     _stop: threading.Event = field(default_factory=threading.Event)
     _paused: threading.Event = field(default_factory=threading.Event)
@@ -66,8 +68,8 @@ class Load:
                     continue
                 n += 1
                 stream = (i + n) % 2 == 0
-                body = {"model": "fake", "prompt": f"c{i} r{n}", "max_tokens": TOKENS,
-                        "stream": stream}
+                body = {"model": self.model, "prompt": f"c{i} r{n}",
+                        "max_tokens": self.tokens, "stream": stream, "ignore_eos": True}
                 t0 = time.monotonic()
                 outcome = self._one(client, body)
                 self.done.append((t0, time.monotonic(), outcome))
@@ -79,7 +81,7 @@ class Load:
                 if r.status_code != 200:
                     return f"HTTP {r.status_code}: {r.text[:80]}"
                 got = r.json()["usage"]["completion_tokens"]
-                return "ok" if got == TOKENS else f"short: {got}"
+                return "ok" if got == self.tokens else f"short: {got}"
             with client.stream("POST", f"{self.url}/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     return f"HTTP {r.status_code}: {r.read()[:80]!r}"
@@ -88,7 +90,7 @@ class Load:
                          and json.loads(x)["choices"][0].get("text"))
             if not data or data[-1] != "[DONE]":
                 return f"truncated after {tokens} tokens"
-            return "ok" if tokens == TOKENS else f"short: {tokens}"
+            return "ok" if tokens == self.tokens else f"short: {tokens}"
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             return f"{type(exc).__name__}: {exc}"[:120]
 
