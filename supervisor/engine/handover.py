@@ -28,6 +28,7 @@ from supervisor.config import Config, EngineConfig
 from supervisor.engine import process as eng
 from supervisor.engine.effects import Effects
 from supervisor.engine.events import Down, Event, GateProbe, Woken
+from supervisor.engine.failures import Failures
 from supervisor.engine.gatekeeper import GateKeeper
 from supervisor.engine.intents import RelaunchLog
 from supervisor.engine.slot import EngineSlot
@@ -68,10 +69,11 @@ class ServingUnit(Protocol):
     def engine(self) -> eng.EngineProcess | None: ...
     @property
     def restart_reason(self) -> str: ...
+    @property
+    def failures(self) -> Failures: ...
 
     def engine_config(self, bay: int) -> EngineConfig: ...
     def spawn_serving(self) -> None: ...
-    def fail(self, reason: str, healthy_for: float | None) -> None: ...
     def take_down(self, graceful: bool) -> None: ...
     def take_down_in(self, slot: EngineSlot, graceful: bool, deadline: float) -> None: ...
     def set_stop_deadline(self, proxy_drain: bool) -> float: ...
@@ -331,7 +333,7 @@ class Handover:
         engine = self.u.engine
         healthy_for = (self.u.clock.monotonic() - engine.healthy_at
                        if engine is not None and engine.healthy_at is not None else None)
-        self.u.fail(reason, healthy_for=healthy_for)
+        self.u.failures.fail(reason, healthy_for=healthy_for)
 
     def done(self) -> None:
         """The handover is over: held requests go to the standby now, and a new standby

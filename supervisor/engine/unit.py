@@ -14,7 +14,9 @@ tunes, and asks for what it wants as intents (`supervisor/engine/intents.py`) th
 `_carry_out` does here. Its standby and every handover to it (arming the standby, the
 failover with its wake and proof, an upgrade through the standby) are `Handover`'s
 (`supervisor/engine/handover.py`), called at the unit's steps; it acts on the unit only
-through the public steps it names (`ServingUnit`: `set_state`, `take_down`, `fail`...).
+through the public steps it names (`ServingUnit`: `set_state`, `take_down`...). So are
+an engine's failures `Failures`' (`supervisor/engine/failures.py`: the backoff after one,
+a start refused for a busy GPU, giving up), through `FailingUnit`.
 After every event, `_sync_gate` alone opens, holds or closes the proxy's gate for this
 engine, from the unit's state.
 
@@ -43,7 +45,7 @@ from supervisor.config import DEFAULT_ENGINE, Config, EngineConfig, diff_keys
 from supervisor.engine import process as eng
 from supervisor.engine import views
 from supervisor.engine.commands import COMMANDS
-from supervisor.engine.effects import Effects, Front, Timer
+from supervisor.engine.effects import Effects, Front
 from supervisor.engine.events import (
     BackoffElapsed,
     CanaryDone,
@@ -72,6 +74,7 @@ from supervisor.engine.events import (
     Woken,
     iso_time,
 )
+from supervisor.engine.failures import Failures
 from supervisor.engine.gatekeeper import GateKeeper
 from supervisor.engine.handover import Handover
 from supervisor.engine.intents import (
@@ -85,7 +88,6 @@ from supervisor.engine.intents import (
     remedy_ended,
 )
 from supervisor.engine.jobs import JobEffects
-from supervisor.engine.lifecycle import RestartTracker
 from supervisor.engine.notices import SystemdNotices
 from supervisor.engine.slot import EngineSlot
 from supervisor.engine.standby import Standby
@@ -138,7 +140,6 @@ class EngineUnit:
         self.last_start_s: float | None = None  # the last cold start: spawn to healthy
         self.audit_trail = AuditTrail(self.config.audit.path, self.config.audit.max_bytes,
                                       self.config.audit.backups)
-        self.tracker = RestartTracker(self.config.restart)
         self.watch = EngineWatch(self.config, self.environ, self.clock.monotonic,
                                  self.clock.wall, self.audit)
         generations = itertools.count(1)
@@ -149,19 +150,15 @@ class EngineUnit:
             self.act, self.audit, self.clock.monotonic,
             EngineSlot(self.act, self.audit, lambda: next(generations), bay=1)))
         self.serving_starts = 0  # engines that took the serving place (cold or failover)
-        self.fatal_errors: list[str] = []
         self.last_decision: DecisionRecord | None = None  # the latest, lifecycle steps included
-        self.fatal_reason: str | None = None
         self.exit_code = 0
         self.restarts_by_reason: dict[str, int] = {}
-        self.start_blocked: str | None = None  # why the last start was refused (GPU busy)
-        self.backoff_until: float | None = None
+        # the backoff after a failure, a start refused, giving up (engine/failures.py)
+        self.failures = Failures(self, self.config.restart)
         # a restart or stop under way ends by this (monotonic); None: none under way
         self.stop_deadline: float | None = None
         self.keeper = GateKeeper(self.gate, self.audit)  # opens, holds, closes the gate
         self.restart_reason = ""
-        self._restart_when_down = False
-        self._backoff: Timer | None = None
         self.notices = SystemdNotices(self.notifier)
         self._stop_replies: list[asyncio.Future[dict[str, Any]]] = []
         self._remedy_replies: list[asyncio.Future[dict[str, Any]]] = []
@@ -213,7 +210,7 @@ class EngineUnit:
 
     def start(self, reason: str) -> None:
         """The first start (tests start the unit's engine here too)."""
-        self._start_engine(reason)
+        self.start_engine(reason)
         self._sync_gate()
 
     async def submit(self, command: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -305,7 +302,7 @@ class EngineUnit:
 
     # ---- engine lifecycle -------------------------------------------------------------
 
-    def _start_engine(self, reason: str) -> None:
+    def start_engine(self, reason: str) -> None:
         self.watch.engine_starting()
         self.keeper.admitting = False
         self.relaunch.starting()
@@ -339,13 +336,14 @@ class EngineUnit:
             if self.state is State.STOPPING:
                 self.maybe_finish_stop()
             elif ev.gpu_busy:
-                self._start_blocked(ev.error or "GPU busy")
+                self.failures.start_refused(ev.error or "GPU busy")
             elif self.state is State.DRAINING:
-                self._start_engine(self.restart_reason)
+                self.start_engine(self.restart_reason)
             else:
-                self.fail(f"engine could not be started: {ev.error}", healthy_for=None)
+                self.failures.fail(f"engine could not be started: {ev.error}",
+                                   healthy_for=None)
             return
-        self.start_blocked = None
+        self.failures.started()
         if self.fronted:
             self.act.follow(engine)  # the proxy's route for this engine goes to it now
         if self.state in (State.STOPPING, State.DRAINING):
@@ -380,8 +378,8 @@ class EngineUnit:
             return
         healthy_for = (self.clock.monotonic() - engine.healthy_at
                        if engine.healthy_at is not None else None)
-        self.fail(f"engine {self.slot.last_exit} without being asked",
-                  healthy_for=healthy_for)
+        self.failures.fail(f"engine {self.slot.last_exit} without being asked",
+                           healthy_for=healthy_for)
 
     def handle_health_result(self, ev: HealthResult) -> None:
         engine = self.slot.current(ev.generation)
@@ -402,70 +400,12 @@ class EngineUnit:
                 self.keeper.admitting = True  # no canary to wait for: healthy is all we know
                 self.relaunch.finish("ok", None)  # serving: nothing more is waited for
         elif engine.exit_code is None:
-            self.fail(f"engine not healthy within {engine.config.startup_timeout_s:g} s",
-                      healthy_for=None)
-
-    def fail(self, reason: str, healthy_for: float | None) -> None:
-        """The engine failed (crash, boot failure, startup timeout): back off or give up,
-        and take down whatever is left of its tree."""
-        verdict = self.tracker.record_failure(self.clock.monotonic(), healthy_for_s=healthy_for,
-                                              what=reason)
-        self.count_restart("crash" if healthy_for is not None else "boot_failure")
-        if verdict.fatal:
-            self._give_up(verdict.reason)
-        else:
-            self.backoff_until = self.clock.monotonic() + verdict.delay_s
-            self.set_state(State.BACKOFF, f"{reason}; retrying in {verdict.delay_s:g} s")
-            self.decide("backoff", reason)
-        if self.engine is not None:
-            self.take_down(graceful=False)
-        elif self.state is State.BACKOFF:
-            self._arm_backoff()
-
-    def _start_blocked(self, why: str) -> None:
-        """Another program holds the engine's GPUs: not a boot failure (the engine never
-        ran), nothing to kill (not ours). Wait in BACKOFF, saying why, and look again
-        every backoff_max_s; `restart` looks at once."""
-        self.start_blocked = why
-        delay = self.config.restart.backoff_max_s
-        self.backoff_until = self.clock.monotonic() + delay
-        self.set_state(State.BACKOFF, f"start refused: {why}; checking again in {delay:g} s")
-        self.decide("backoff", f"start refused: {why}")
-        # systemd's start must not wait on someone else's job: say so, and stay up
-        self.notices.ready_once(f"BACKOFF: start refused: {why}")
-        self._arm_backoff()
-
-    def _give_up(self, reason: str, engine: eng.EngineProcess | None = None) -> None:
-        """FATAL, with the last error lines of `engine` (default: the current one)."""
-        engine = engine or self.engine
-        errors = list(engine.recent_errors) if engine else []
-        self.fatal_reason = reason
-        self.set_state(State.FATAL, reason)
-        # (on the same GPUs and arguments: a standby cannot help an engine held down)
-        self.handover.abandon(reason, self.standby_deadline())
-        self.relaunch.finish("failed", reason)
-        self.decide("give_up", reason)
-        log.error("giving up on the engine", reason=reason, last_engine_errors=errors[-10:])
-        self.fatal_errors = errors[-10:]
-        # The daemon is up and answering even though the engine is not: tell systemd, so
-        # that `systemctl start` returns and `status` shows FATAL with the reason.
-        self.notices.ready_once(f"FATAL: {reason}")
-
-    def _arm_backoff(self) -> None:
-        delay = max(0.0, (self.backoff_until or 0.0) - self.clock.monotonic())
-        self._backoff = self.act.after(delay, BackoffElapsed(self.generation))
-
-    def _cancel_backoff(self) -> None:
-        if self._backoff is not None:
-            self._backoff.cancel()
-            self._backoff = None
-        self.backoff_until = None
+            self.failures.fail(
+                f"engine not healthy within {engine.config.startup_timeout_s:g} s",
+                healthy_for=None)
 
     def handle_backoff_elapsed(self, ev: BackoffElapsed) -> None:
-        self._backoff = None
-        if (self.state is State.BACKOFF and ev.generation == self.generation
-                and self.engine is None and not self.slot.spawning):
-            self._start_engine("backoff elapsed")
+        self.failures.backoff_elapsed(ev)
 
     def set_stop_deadline(self, proxy_drain: bool) -> float:
         """The one deadline of the restart or stop beginning now (unless one runs):
@@ -510,26 +450,16 @@ class EngineUnit:
         engine, problem = self.slot.down(ev)
         self.stop_deadline = None
         self.relaunch.down()
-        if self.state is State.FATAL:
-            self.fatal_errors = list(engine.recent_errors)[-10:]  # now complete
         if self.state is State.STOPPING:
             if problem:
                 self.exit_code = 1
             self.maybe_finish_stop()
         elif problem is not None and self.state is not State.FATAL:
-            self._give_up(problem, engine)
+            self.failures.give_up(problem, engine)
         elif self.state is State.DRAINING:
-            self._start_engine(self.restart_reason)
-        elif self.state is State.BACKOFF:
-            if self._restart_when_down:
-                self._restart_when_down = False
-                self._cancel_backoff()
-                self._start_engine(self.restart_reason)
-            else:
-                self._arm_backoff()
-        elif self.state is State.FATAL and self._restart_when_down and problem is None:
-            self._restart_when_down = False
-            self._start_engine(self.restart_reason)
+            self.start_engine(self.restart_reason)
+        elif self.state in (State.BACKOFF, State.FATAL):
+            self.failures.down(engine, problem)
 
     # ---- stop and restart -------------------------------------------------------------
 
@@ -540,7 +470,7 @@ class EngineUnit:
                 self.audit("force_stop", reason=reason)
                 self.slot.force.set()
             return
-        self._cancel_backoff()
+        self.failures.cancel_backoff()
         self.set_state(State.STOPPING, reason)
         self.relaunch.finish("abandoned", f"the daemon is stopping: {reason}")
         self.decide("stop", reason)
@@ -586,18 +516,11 @@ class EngineUnit:
                 else:
                     self.handover.swap_or_take_down(graceful)
             elif self.engine is None and not self.slot.spawning:
-                self._start_engine(reason)  # (its standby was starting first)
+                self.start_engine(reason)  # (its standby was starting first)
             # a take-down already running (a crash being reaped) ends in handle_down
         elif s in (State.BACKOFF, State.FATAL):
-            self.tracker.reset()
-            self.fatal_reason = None
-            self._cancel_backoff()
             self.restart_reason = reason
-            self.decide("restart", reason)
-            if self.engine is None and not self.slot.spawning:
-                self._start_engine(reason)
-            else:
-                self._restart_when_down = True
+            self.failures.restart(reason)
         elif s is State.DRAINING:
             raise CommandError("a restart is already in progress")
         else:
@@ -639,7 +562,7 @@ class EngineUnit:
             elif isinstance(intent, HoldDown):
                 if intent.evidence is not None:
                     self.slot.evidence_for = intent.evidence
-                self._give_up(intent.reason)
+                self.failures.give_up(intent.reason)
                 if self.engine is not None and not self.slot.taking_down:
                     self.take_down(graceful=True)
             elif isinstance(intent, BeginRemedy):
@@ -745,7 +668,7 @@ class EngineUnit:
         # what applies now: every copy of the old config is replaced or reconfigured here
         # (the rest is read from self.config where it is used, the engine's settings at
         # its next start); supervisor/reload.py says which key applies when
-        self.tracker.cfg = new.restart
+        self.failures.reconfigure(new.restart)
         set_level(new.log.level)
         self.audit_trail = AuditTrail(new.audit.path, new.audit.max_bytes, new.audit.backups)
         self.watch.reconfigure(new)

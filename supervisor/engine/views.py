@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from supervisor.config import Config
 from supervisor.engine.events import DecisionRecord
+from supervisor.engine.failures import Failures
 from supervisor.engine.handover import Handover
 from supervisor.engine.process import EngineProcess
 from supervisor.engine.states import State
@@ -59,15 +60,9 @@ class Viewable(Protocol):
     @property
     def last_exit(self) -> str | None: ...
     @property
-    def backoff_until(self) -> float | None: ...
+    def failures(self) -> Failures: ...
     @property
     def stop_deadline(self) -> float | None: ...
-    @property
-    def fatal_reason(self) -> str | None: ...
-    @property
-    def fatal_errors(self) -> list[str]: ...
-    @property
-    def start_blocked(self) -> str | None: ...
     @property
     def restarts_by_reason(self) -> dict[str, int]: ...
     @property
@@ -162,16 +157,16 @@ def status(unit: Viewable) -> dict[str, Any]:
         "last_decision": unit.last_decision.as_dict() if unit.last_decision else None,
         "last_policy_decision": w.last_decision.as_dict() if w.last_decision else None,
         "last_exit": unit.last_exit,
-        "backoff_remaining_s": (round(max(0.0, unit.backoff_until - now), 3)
-                                if unit.backoff_until is not None
+        "backoff_remaining_s": (round(max(0.0, unit.failures.backoff_until - now), 3)
+                                if unit.failures.backoff_until is not None
                                 and unit.state is State.BACKOFF else None),
         # a restart's or stop's one deadline: the old tree proven gone by then
         "stop_deadline_in_s": (round(max(0.0, unit.stop_deadline - now), 3)
                                if unit.stop_deadline is not None else None),
-        "fatal_reason": unit.fatal_reason if unit.state is State.FATAL else None,
+        "fatal_reason": unit.failures.fatal_reason if unit.state is State.FATAL else None,
         "standby": unit.handover.status(now),
         "start": starting(unit, now),
-        "start_blocked": unit.start_blocked if unit.state is State.BACKOFF else None,
+        "start_blocked": unit.failures.start_blocked if unit.state is State.BACKOFF else None,
         "remedies": {
             "allowed": list(unit.config.policy.remedies),
             "reset_prefix_cache": facts.can_reset_prefix_cache,
@@ -179,7 +174,7 @@ def status(unit: Viewable) -> dict[str, Any]:
             "kv_reset_unavailable": None if w.sleep_mode else w.sleep_mode_why,
             "running": (None if w.remedy is None else {
                 "rung": w.remedy.rung, "for_s": round(now - w.remedy.since, 3)})},
-        "last_engine_errors": unit.fatal_errors if unit.state is State.FATAL else [],
+        "last_engine_errors": unit.failures.fatal_errors if unit.state is State.FATAL else [],
         # the running engine's address; the config's until one has started
         "engine": {"host": (e.config if e is not None else unit.config.engine).host,
                    "port": (e.config if e is not None else unit.config.engine).port,
