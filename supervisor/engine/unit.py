@@ -17,7 +17,7 @@ failover with its wake and proof, an upgrade through the standby) are `Handover`
 through the public steps it names (`ServingUnit`: `set_state`, `take_down`...). So are
 an engine's failures `Failures`' (`supervisor/engine/failures.py`: the backoff after one,
 a start refused for a busy GPU, giving up), through `FailingUnit`.
-After every event, `_sync_gate` alone opens, holds or closes the proxy's gate for this
+After every event, `sync_gate` alone opens, holds or closes the proxy's gate for this
 engine, from the unit's state.
 
 Invariants:
@@ -40,11 +40,9 @@ from typing import Any
 
 import structlog
 
-from supervisor import reload
-from supervisor.config import DEFAULT_ENGINE, Config, EngineConfig, diff_keys
+from supervisor.config import DEFAULT_ENGINE, Config, EngineConfig
+from supervisor.engine import commands, views
 from supervisor.engine import process as eng
-from supervisor.engine import views
-from supervisor.engine.commands import COMMANDS
 from supervisor.engine.effects import Effects, Front
 from supervisor.engine.events import (
     BackoffElapsed,
@@ -191,7 +189,7 @@ class EngineUnit:
             self.exit_code = 70  # EX_SOFTWARE
             raise
         finally:
-            self._sync_gate(ended=True)
+            self.sync_gate(ended=True)
             await self.act.end()
         return self.exit_code
 
@@ -206,12 +204,12 @@ class EngineUnit:
         else:
             handler: Callable[[Any], None] = getattr(self, f"handle_{event.name}")
             handler(event)
-        self._sync_gate()
+        self.sync_gate()
 
     def start(self, reason: str) -> None:
         """The first start (tests start the unit's engine here too)."""
         self.start_engine(reason)
-        self._sync_gate()
+        self.sync_gate()
 
     async def submit(self, command: str, args: dict[str, Any]) -> dict[str, Any]:
         """Called by the control server: enqueue an intent and wait for its answer."""
@@ -259,7 +257,7 @@ class EngineUnit:
         if err is not None:
             log.warning("audit write failed", error=err)
 
-    def _sync_gate(self, ended: bool = False) -> None:
+    def sync_gate(self, ended: bool = False) -> None:
         """The gate follows the state (`supervisor/engine/gatekeeper.py`)."""
         self.keeper.sync(self.state, self.state_reason, self.watch.holds_requests(),
                          self.watch.tuning.throttle_level if self.fronted else 0, ended,
@@ -463,7 +461,12 @@ class EngineUnit:
 
     # ---- stop and restart -------------------------------------------------------------
 
-    def _begin_stop(self, reason: str) -> None:
+    def begin_stop(self, reason: str,
+                   reply: asyncio.Future[dict[str, Any]] | None = None) -> None:
+        """A stop: the daemon ends once its engines are down (answering `reply` then); a
+        second one skips to the SIGKILL."""
+        if reply is not None:
+            self._stop_replies.append(reply)
         if self.state is State.STOPPING:
             if not self.slot.force.is_set():
                 log.warning("second stop request: skipping to SIGKILL", reason=reason)
@@ -567,10 +570,10 @@ class EngineUnit:
                     self.take_down(graceful=True)
             elif isinstance(intent, BeginRemedy):
                 assert self.engine is not None
-                self._sync_gate()  # (a KV reset holds new requests from now on)
+                self.sync_gate()  # (a KV reset holds new requests from now on)
                 self.act.remedy(self.engine, intent.rung)
             elif isinstance(intent, Throttled):
-                self._sync_gate()  # live at the proxy: in force at once
+                self.sync_gate()  # live at the proxy: in force at once
                 remedy_ended(self.audit, {"rung": "throttle", "outcome": "ok",
                                           "duration_s": 0.0, "rule": intent.rule,
                                           "throttle_level": intent.level,
@@ -634,7 +637,7 @@ class EngineUnit:
             log.warning("the first canary failed; releasing held requests anyway",
                         error=ev.error, waiting=self.gate.waiting)
         self.relaunch.finish("ok", None if ev.ok else f"the first canary failed: {ev.error}")
-        self.keeper.admitting = True  # (`_sync_gate` lets the held requests go)
+        self.keeper.admitting = True  # (`sync_gate` lets the held requests go)
         self.handover.done()
         if self.keeper.drained_by_operator:
             log.info("engine ready; requests stay held until `resume`", waiting=self.gate.waiting)
@@ -648,7 +651,7 @@ class EngineUnit:
     def handle_signal_received(self, ev: SignalReceived) -> None:
         name = signal.Signals(ev.signum).name
         if ev.signum != signal.SIGHUP:  # (a reload is the host's: supervisor/host.py)
-            self._begin_stop(f"{name} received")
+            self.begin_stop(f"{name} received")
 
     def handle_tick(self, _: Tick) -> None:
         now = self.clock.monotonic()
@@ -656,85 +659,32 @@ class EngineUnit:
         self._carry_out(self.watch.evaluate(now, self.facts()))
 
     def handle_reloaded(self, ev: Reloaded) -> None:
-        if ev.config is None:
-            log.warning("reload refused; the running config stays in force", error=ev.error)
-            self.audit("reload_refused", error=ev.error)
-            if ev.reply is not None and not ev.reply.done():
-                ev.reply.set_exception(CommandError(f"reload refused: {ev.error}"))
-            return
-        new = ev.config
-        plan = reload.plan(diff_keys(self.config, new))
+        commands.reloaded(self, ev)
+
+    def reconfigure(self, new: Config) -> None:
+        """A reloaded config in force: every copy of the old one is replaced or
+        reconfigured here (the rest is read from self.config where it is used, the
+        engine's settings at its next start); supervisor/reload.py says which key
+        applies when."""
         self.config = new
-        # what applies now: every copy of the old config is replaced or reconfigured here
-        # (the rest is read from self.config where it is used, the engine's settings at
-        # its next start); supervisor/reload.py says which key applies when
         self.failures.reconfigure(new.restart)
         set_level(new.log.level)
         self.audit_trail = AuditTrail(new.audit.path, new.audit.max_bytes, new.audit.backups)
         self.watch.reconfigure(new)
         self.gate.set_limits(self._gate_limits())
         # (the proxy's shared settings are the host's to reconfigure)
-        log.info("config reloaded", **plan.as_dict())
-        if plan.next_engine_start:
-            log.info("engine settings take effect at the next start",
-                     keys=list(plan.next_engine_start))
-            self.handover.begin_upgrade(f"reloaded {', '.join(plan.next_engine_start)}",
-                                        "upgrade")
-        if plan.next_daemon_start:
-            log.warning("these settings take effect only when the daemon restarts",
-                        keys=list(plan.next_daemon_start))
-        self.audit("reload", **plan.as_dict())
-        if ev.reply is not None and not ev.reply.done():
-            ev.reply.set_result(plan.as_dict())
 
     # ---- control: what `supervisor/engine/commands.py` asks -----------------------------
 
     def handle_control_request(self, ev: ControlRequest) -> None:
-        if ev.reply.done():  # the client gave up waiting
-            return
-        command = COMMANDS.get(ev.command)
-        try:
-            if command is None:
-                raise CommandError(f"unknown command {ev.command!r}")
-            command(self, ev)
-        except CommandError as exc:
-            ev.reply.set_exception(exc)
+        commands.run(self, ev)
 
-    def restart(self, reason: str) -> None:
-        """An operator's restart (a throttle without a proxy is one too)."""
-        self.restart_engine(reason)
-        self.count_restart("operator")
-
-    def stop(self, reply: asyncio.Future[dict[str, Any]]) -> None:
-        self._stop_replies.append(reply)
-        self._begin_stop("stop requested over the control socket")
-
-    def drain(self, held: bool) -> int:
-        """The operator holds (or lets go) new requests; how many wait now."""
-        self.keeper.drained_by_operator = held
-        waiting = self.gate.waiting
-        self._sync_gate()
-        return waiting
-
-    def set_throttle(self, level: int) -> bool:
-        """The operator's throttle level: live at the proxy, else a drained relaunch.
-        Whether it changed."""
-        changed = self.watch.set_throttle(level)
-        if changed and not self.fronted:
-            self.restart(f"throttle level {level} requested by operator")
-        self._sync_gate()
-        return changed
-
-    def kv_reset(self, reply: asyncio.Future[dict[str, Any]], reason: str) -> None:
-        why = self.watch.kv_reset_refusal(self.facts())
-        if why is not None:
-            raise CommandError(f"kv-reset refused: {why}")
-        self.audit("control", command="kv-reset")
-        self._remedy_replies.append(reply)  # answered when it ends
-        self.begin_remedy("kv_reset", reason)
-
-    def begin_remedy(self, rung: str, reason: str) -> None:
-        """An in-place remedy on the serving engine, as the policy begins one."""
+    def begin_remedy(self, rung: str, reason: str,
+                     reply: asyncio.Future[dict[str, Any]] | None = None) -> None:
+        """An in-place remedy on the serving engine, as the policy begins one (an
+        operator's KV reset is answered by `reply` when it ends)."""
+        if reply is not None:
+            self._remedy_replies.append(reply)
         self._carry_out([self.watch.begin_remedy(rung, reason, self.facts())])
 
     def status(self) -> dict[str, Any]:
