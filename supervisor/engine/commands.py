@@ -24,6 +24,7 @@ from supervisor.config import Config, diff_keys
 from supervisor.engine.events import CommandError, ControlRequest, Reloaded
 from supervisor.engine.gatekeeper import GateKeeper
 from supervisor.engine.handover import Handover
+from supervisor.engine.remedies import Remedies
 from supervisor.engine.watch import EngineWatch, UnitFacts
 from supervisor.front.admission import Gate
 
@@ -46,6 +47,8 @@ class Commandable(Protocol):
     @property
     def handover(self) -> Handover: ...
     @property
+    def remedies(self) -> Remedies: ...
+    @property
     def state_value(self) -> str: ...
 
     def status(self) -> dict[str, Any]: ...
@@ -55,8 +58,6 @@ class Commandable(Protocol):
     def count_restart(self, reason: str) -> None: ...
     def begin_stop(self, reason: str,
                    reply: asyncio.Future[dict[str, Any]] | None = None) -> None: ...
-    def begin_remedy(self, rung: str, reason: str,
-                     reply: asyncio.Future[dict[str, Any]] | None = None) -> None: ...
     def sync_gate(self) -> None: ...
     def reconfigure(self, new: Config) -> None: ...
 
@@ -148,7 +149,7 @@ def kv_reset(unit: Commandable, ev: ControlRequest) -> None:
     if why is not None:
         raise CommandError(f"kv-reset refused: {why}")
     unit.audit("control", command="kv-reset")
-    unit.begin_remedy("kv_reset", "requested by operator", ev.reply)  # answered when it ends
+    unit.remedies.begin("kv_reset", "requested by operator", ev.reply)  # answered at its end
 
 
 COMMANDS: dict[str, Command] = {

@@ -1,8 +1,8 @@
 """What the watchdog half of a unit asks its unit to do, and the record of a relaunch.
 
 `EngineWatch` (`supervisor/engine/watch.py`) never changes the unit's lifecycle: it
-returns these intents, and `EngineUnit` (`supervisor/engine/unit.py`) carries them out
-on its own task, in order. Frozen values; this module imports no lifecycle code.
+returns these intents, and its unit's `Remedies` (`supervisor/engine/remedies.py`)
+carries them out on the unit's task, in order. Frozen values; this module imports no lifecycle code.
 """
 
 from __future__ import annotations

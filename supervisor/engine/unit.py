@@ -11,7 +11,8 @@ Jobs report back only by putting an event on the queue; no handler blocks.
 The unit owns the lifecycle; its watchdog half (`EngineWatch`,
 `supervisor/engine/watch.py`) owns the signals, the policy's memory and the settings it
 tunes, and asks for what it wants as intents (`supervisor/engine/intents.py`) that
-`_carry_out` does here. Its standby and every handover to it (arming the standby, the
+`Remedies` (`supervisor/engine/remedies.py`) carries out through the unit's steps
+(`RemedyingUnit`). Its standby and every handover to it (arming the standby, the
 failover with its wake and proof, an upgrade through the standby) are `Handover`'s
 (`supervisor/engine/handover.py`), called at the unit's steps; it acts on the unit only
 through the public steps it names (`ServingUnit`: `set_state`, `take_down`...). So are
@@ -75,18 +76,10 @@ from supervisor.engine.events import (
 from supervisor.engine.failures import Failures
 from supervisor.engine.gatekeeper import GateKeeper
 from supervisor.engine.handover import Handover
-from supervisor.engine.intents import (
-    BeginRemedy,
-    Decided,
-    HoldDown,
-    Intent,
-    RelaunchLog,
-    Restart,
-    Throttled,
-    remedy_ended,
-)
+from supervisor.engine.intents import RelaunchLog
 from supervisor.engine.jobs import JobEffects
 from supervisor.engine.notices import SystemdNotices
+from supervisor.engine.remedies import Remedies
 from supervisor.engine.slot import EngineSlot
 from supervisor.engine.standby import Standby
 from supervisor.engine.states import State, check_transition
@@ -159,10 +152,11 @@ class EngineUnit:
         self.restart_reason = ""
         self.notices = SystemdNotices(self.notifier)
         self._stop_replies: list[asyncio.Future[dict[str, Any]]] = []
-        self._remedy_replies: list[asyncio.Future[dict[str, Any]]] = []
         # a relaunch the policy chose, audited once when it ends
         self.relaunch = RelaunchLog(self.audit, self.clock.monotonic,
                                     lambda: self.gate.waiting if self.fronted else None)
+        # what the watchdog asks, carried out (engine/remedies.py)
+        self.remedies = Remedies(self)
         self._done = False
 
     # ---- running ----------------------------------------------------------------------
@@ -246,7 +240,11 @@ class EngineUnit:
         self.notices.status(f"{new.value}: {reason}")
 
     def decide(self, action: str, reason: str) -> None:
-        self.last_decision = DecisionRecord(action, reason, self.clock.wall())
+        self.decided(DecisionRecord(action, reason, self.clock.wall()))
+
+    def decided(self, record: DecisionRecord) -> None:
+        """The latest decision: a lifecycle step's, or the policy's with its evidence."""
+        self.last_decision = record
 
     def audit(self, event: str, **fields: Any) -> None:
         """One entry in the audit trail, naming this engine when there are several."""
@@ -537,6 +535,8 @@ class EngineUnit:
     def handle_woken(self, ev: Woken) -> None:
         self.handover.woken(ev)
 
+    # ---- counts, processes, the gate's limits ----------------------------------------
+
     @property
     def restarts(self) -> int:
         return max(0, self.serving_starts - 1)
@@ -545,39 +545,6 @@ class EngineUnit:
         """Every process of this unit's engines (both places)."""
         return {p.pid for s in (self.slot, self.handover.standby.slot)
                 if s.engine is not None for p in s.engine.known}
-
-    # ---- what the watchdog asks -------------------------------------------------------
-
-    def _carry_out(self, intents: list[Intent]) -> None:
-        for intent in intents:
-            if isinstance(intent, Decided):
-                self.last_decision = intent.record
-            elif isinstance(intent, Restart):
-                if intent.rung is not None:
-                    self.relaunch.begin(intent.rung, intent.reason)
-                if (intent.graceful and intent.rung is not None and intent.evidence is None
-                        and self.handover.begin_upgrade(intent.reason, "policy")):
-                    continue  # a relaunch with new arguments: through the standby
-                self.count_restart("policy")
-                if intent.evidence is not None:
-                    self.slot.evidence_for = intent.evidence
-                self.restart_engine(intent.reason, graceful=intent.graceful)
-            elif isinstance(intent, HoldDown):
-                if intent.evidence is not None:
-                    self.slot.evidence_for = intent.evidence
-                self.failures.give_up(intent.reason)
-                if self.engine is not None and not self.slot.taking_down:
-                    self.take_down(graceful=True)
-            elif isinstance(intent, BeginRemedy):
-                assert self.engine is not None
-                self.sync_gate()  # (a KV reset holds new requests from now on)
-                self.act.remedy(self.engine, intent.rung)
-            elif isinstance(intent, Throttled):
-                self.sync_gate()  # live at the proxy: in force at once
-                remedy_ended(self.audit, {"rung": "throttle", "outcome": "ok",
-                                          "duration_s": 0.0, "rule": intent.rule,
-                                          "throttle_level": intent.level,
-                                          "max_concurrency": self.gate.concurrency_limit})
 
     def count_restart(self, reason: str) -> None:
         self.restarts_by_reason[reason] = self.restarts_by_reason.get(reason, 0) + 1
@@ -607,12 +574,7 @@ class EngineUnit:
         self.watch.on_sleep_mode_probed(ev, self.facts())
 
     def handle_remedy_done(self, ev: RemedyDone) -> None:
-        fields, intents = self.watch.on_remedy_done(ev, self.facts(), self.gate.waiting)
-        for reply in self._remedy_replies:
-            if not reply.done():
-                reply.set_result(fields)
-        self._remedy_replies.clear()
-        self._carry_out(intents)
+        self.remedies.done(ev)
 
     def handle_drained(self, ev: Drained) -> None:
         engine = self.engine
@@ -656,7 +618,7 @@ class EngineUnit:
     def handle_tick(self, _: Tick) -> None:
         now = self.clock.monotonic()
         self.notices.tick(now, starting=self.state in (State.STARTING, State.BACKOFF))
-        self._carry_out(self.watch.evaluate(now, self.facts()))
+        self.remedies.carry_out(self.watch.evaluate(now, self.facts()))
 
     def handle_reloaded(self, ev: Reloaded) -> None:
         commands.reloaded(self, ev)
@@ -678,14 +640,6 @@ class EngineUnit:
 
     def handle_control_request(self, ev: ControlRequest) -> None:
         commands.run(self, ev)
-
-    def begin_remedy(self, rung: str, reason: str,
-                     reply: asyncio.Future[dict[str, Any]] | None = None) -> None:
-        """An in-place remedy on the serving engine, as the policy begins one (an
-        operator's KV reset is answered by `reply` when it ends)."""
-        if reply is not None:
-            self._remedy_replies.append(reply)
-        self._carry_out([self.watch.begin_remedy(rung, reason, self.facts())])
 
     def status(self) -> dict[str, Any]:
         """What `vllm-supervisorctl status` shows (supervisor/engine/views.py)."""

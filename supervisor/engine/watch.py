@@ -5,7 +5,7 @@ settings the policy tunes (throttle level, reduced batch, speculative tokens).
 `EngineWatch` owns all of that state, alone. It is called on its unit's task with the
 events the unit hands it and a `UnitFacts` of the unit's own state, and it never
 changes the unit: what it wants done comes back as intents (`supervisor/engine/intents.py`)
-that the unit carries out. The decisions themselves are pure
+that the unit carries out (`supervisor/engine/remedies.py`). The decisions themselves are pure
 (`supervisor/watchdog/policy.py`).
 """
 
