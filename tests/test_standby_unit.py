@@ -430,8 +430,15 @@ def test_a_policy_relaunch_with_new_arguments_goes_through_the_standby(
         w.feed(HealthResult(new.generation, True))
         w.feed(GateProbe(new.generation, True, None))
         assert w.sup.engine is new and w.sup.restarts_by_reason == {"policy": 1}
-        states = [json.loads(x)["to"] for x in
-                  (tmp_path / "events.jsonl").read_text().splitlines() if '"state"' in x]
+        w.feed(GateProbe(new.generation, True, None))  # serving: its first generation
+        audit = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+        states = [e["to"] for e in audit if e["event"] == "state"]
         assert states.count("STARTING") == 1  # no cold start
+        # the remedy's steps: the standby's start (the engine serving), then the swap's
+        # drain and handover; not a drain as long as the standby's start
+        rem = next(e for e in audit if e["event"] == "remedy")
+        assert rem["rung"] == "fewer_spec_tokens" and rem["outcome"] == "ok"
+        assert list(rem["steps_s"]) == ["standby", "drain", "take_down", "start"]
+        assert rem["duration_s"] == pytest.approx(sum(rem["steps_s"].values()), abs=0.01)
     finally:
         w.loop.close()

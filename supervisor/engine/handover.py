@@ -190,6 +190,7 @@ class Handover:
         if self._upgrade is not None and u.state is State.RUNNING and self.fits():
             (why, label), self._upgrade = self._upgrade, None
             log.info("upgrade: the standby runs the new arguments; swapping to it", why=why)
+            u.relaunch.standby_ready()  # (a policy relaunch: its steps say so)
             u.count_restart(label)
             u.restart_engine(f"upgrade: {why}")  # (drained, then `swap_or_take_down`)
 

@@ -74,12 +74,17 @@ class Relaunch:
     rung: str
     reason: str
     started: float
+    # through a standby (a relaunch with new arguments): one running them was proven and
+    # the swap's drain began; before it, the engine served while that standby started
+    standby_at: float | None = None
     taken_down_at: float | None = None  # the take-down began (the drain ended)
     down_at: float | None = None  # the old tree was proven gone
     starts: int = 0  # engine starts it took (a failed boot backs off and tries again)
 
     def steps(self, now: float) -> dict[str, float]:
         marks = [("drain", self.taken_down_at), ("take_down", self.down_at), ("start", now)]
+        if self.standby_at is not None:
+            marks.insert(0, ("standby", self.standby_at))
         out: dict[str, float] = {}
         last = self.started
         for name, at in marks:
@@ -108,6 +113,10 @@ class RelaunchLog:
     def starting(self) -> None:
         if self.current is not None:
             self.current.starts += 1
+
+    def standby_ready(self) -> None:
+        if self.current is not None and self.current.standby_at is None:
+            self.current.standby_at = self._monotonic()
 
     def taken_down(self) -> None:
         if self.current is not None and self.current.taken_down_at is None:
