@@ -1,6 +1,7 @@
 # Two commands do everything from nothing: `make run` and `make test`.
 .PHONY: setup run test test-fast lint bench bench-lifecycle bench-watchdog bench-proxy soak \
-	bench-restart bench-failover bench-healthy-soak bench-proxy-routing bench-host-cost clean
+	bench-restart bench-failover bench-healthy-soak bench-proxy-routing bench-host-cost \
+	bench-spec-decode clean
 
 setup:
 	bash scripts/setup.sh all
@@ -58,6 +59,13 @@ bench-failover: setup
 # 3; about 8 minutes).
 bench-host-cost: setup
 	.venv/bin/python bench/host_cost_bench.py --rounds $(or $(ROUNDS),3) --out docs/benchmarks.md
+# Speculative decoding for real (issue 24): n-gram speculation on the real CPU engine, a
+# workload that accepts well then one that accepts badly; the shipped acceptance rules
+# (times shortened) relaunch with one token more, then one fewer; with an awake standby
+# (a swap) and without (a cold relaunch). About 10-15 minutes on two busy cores, bounded
+# to 25.
+bench-spec-decode: setup
+	.venv/bin/python bench/spec_decode_run.py --out docs/benchmarks.md
 
 # Ten minutes of heavy, healthy load against the real engine: the default rules must
 # decide nothing (MINUTES=N to change the length).
