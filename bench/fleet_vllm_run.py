@@ -44,15 +44,21 @@ class VllmLoad(Load):
             return super()._one(client, body)
         try:
             with client.stream("POST", f"{self.url}/v1/completions", json=body) as r:
+                raw = r.read()
                 if r.status_code != 200:
-                    return f"HTTP {r.status_code}: {r.read()[:80]!r}"
-                data = [x[6:] for x in r.iter_lines() if x.startswith("data: ")]
+                    return f"HTTP {r.status_code}: {raw[:80]!r}"
         except httpx.HTTPError as exc:
             return f"{type(exc).__name__}: {exc}"[:120]
-        if not data or data[-1] != "[DONE]":
+        # split on b"\n" alone: vLLM's JSON carries raw U+2028 and U+0085 (the tiny model's
+        # tokens), which str.splitlines (httpx's iter_lines) would cut events at
+        data = [x[6:] for x in raw.split(b"\n") if x.startswith(b"data: ")]
+        if not data or data[-1] != b"[DONE]":
             return f"truncated after {len(data)} events"
-        reasons = [c.get("finish_reason") for x in data[:-1]
-                   for c in json.loads(x).get("choices", [])]
+        try:
+            reasons = [c.get("finish_reason") for x in data[:-1]
+                       for c in json.loads(x).get("choices", [])]
+        except ValueError as exc:
+            return f"bad event: {exc}"[:120]
         return "ok" if "length" in reasons else f"no finish: {reasons[-3:]}"
 
 

@@ -342,7 +342,8 @@ class Host:
                              continuation=p.continue_streams,
                              continue_timeout_s=p.continue_timeout_s,
                              max_continuations=p.max_continuations,
-                             keepalive_s=p.keepalive_s)
+                             keepalive_s=p.keepalive_s,
+                             refuse_when_unhealthy=bool(self.config.fleet.routers))
 
     def live(self) -> list[str]:
         """The units whose task still runs (one that ended reads its queue no more)."""

@@ -50,6 +50,11 @@ class ProxySettings:
     continue_timeout_s: float = 300.0  # the longest a broken stream waits for an engine
     max_continuations: int = 3  # per request
     keepalive_s: float = 10.0  # keep-alive lines to a waiting stream, this often
+    # in a fleet ([fleet] routers): a new request whose engines will not serve within a
+    # short wait (a cold start, a backoff, a drain, FATAL: their /health says 503) is
+    # refused at once, 503 with Retry-After, for the router to send it to another host;
+    # alone, the proxy holds it. Streams in flight are continued here either way.
+    refuse_when_unhealthy: bool = False
 
 
 @dataclass

@@ -261,6 +261,10 @@ class FrontProxy:
         broken: Broken | None = None
         give_up = time.monotonic() + choices[0].backend.gate.limits.max_wait_s
         while True:
+            if self.s.refuse_when_unhealthy and (why := _all_unhealthy(choices)):
+                ex.status, ex.outcome = 503, "engine_unavailable"
+                return self._error(503, f"not served on this host now ({why}): try another",
+                                   "engine_unavailable")
             try:
                 choice, ticket = await dispatch.acquire_any(choices, ex.tokens)
             except Rejected as exc:
@@ -452,3 +456,10 @@ class FrontProxy:
 
 class ProxyError(Exception):
     pass
+
+
+def _all_unhealthy(choices: list[Choice]) -> str | None:
+    """Why none of these engines will serve within a short wait; None when one will."""
+    whys = [c.backend.unhealthy() for c in choices]
+    return None if any(w is None for w in whys) else "; ".join(
+        f"{c.backend.name}: {w}" for c, w in zip(choices, whys, strict=True))
