@@ -637,8 +637,16 @@ def render(args: argparse.Namespace, syn: dict[str, Any],
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "_proxy":
         from supervisor import loop
+        prof = None
+        if os.environ.get("PROXY_CPROFILE"):  # bench/proxy_profile.py --cprofile
+            import cProfile
+            prof = cProfile.Profile()
+            prof.enable()
         loop.run(run_proxy(sys.argv[2], routed=sys.argv[3:] == ["routed"]),
                  "asyncio" if sys.argv[3:] == ["asyncio"] else "uvloop")
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(os.environ["PROXY_CPROFILE"])
         return 0
     if len(sys.argv) > 1 and sys.argv[1] == "_client":
         client_main()
