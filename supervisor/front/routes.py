@@ -22,9 +22,10 @@ Pure: no I/O, no logging.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import quote
 
 # The serving API forwarded to the engine (vLLM 0.32's routes; `*` = one segment).
@@ -81,7 +82,7 @@ class Target:
     path: str  # decoded and canonical: what the allow-list was checked against
     query: str | None  # as received, without the "?"; None when there was none (or empty)
 
-    @property
+    @functools.cached_property  # (a Target is immutable; read_target's cache shares it)
     def upstream_path_qs(self) -> str:
         """What goes on the upstream request line: the checked path, re-encoded, and the
         query as received. Send it as already encoded (no client-side normalisation)."""
@@ -89,9 +90,12 @@ class Target:
         return encoded if self.query is None else f"{encoded}?{self.query}"
 
 
+@functools.lru_cache(maxsize=1024)
 def read_target(raw: str) -> Target:
     """The one reading of a request target (the raw request-line target, query
-    included). Raises PathRefused(400, "bad_path", ...) for anything ambiguous."""
+    included). Raises PathRefused(400, "bad_path", ...) for anything ambiguous.
+    Pure, so its answers are kept (a bounded cache: clients send the same few targets;
+    a refusal is an exception, read again each time)."""
     if not raw.startswith("/"):
         raise _bad("the request target must be a path starting with /")
     raw_path, _, query = raw.partition("?")
@@ -131,12 +135,20 @@ class Routes:
     """The allow-list: exact routes, `*` for one non-empty segment."""
 
     patterns: tuple[tuple[str, ...], ...]
+    # the routes without `*`, as paths: one set lookup answers the usual request
+    exact: frozenset[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "exact", frozenset(
+            "/" + "/".join(p) for p in self.patterns if "*" not in p))
 
     @classmethod
     def serving(cls, extra: Iterable[str] = ()) -> Routes:
         return cls(tuple(tuple(r.split("/")[1:]) for r in (*SERVING, *extra)))
 
     def allows(self, path: str) -> bool:
+        if path in self.exact:
+            return True
         segments = path.split("/")[1:]
         return any(_matches(p, segments) for p in self.patterns)
 
