@@ -62,6 +62,9 @@ log = structlog.get_logger("supervisor.proxy")
 ENGINE_HEADER = "X-Supervisor-Engine"  # names the engine that answered
 USAGE_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 TAIL_BYTES = 1024  # of an answer, kept to read its usage from
+# A non-streamed answer of at most this many bytes (its Content-Length) is read whole and
+# sent in one write; a larger one, or one of unknown length, is relayed as it arrives.
+WHOLE_MAX = 1 << 20
 
 
 class FrontProxy:
@@ -393,21 +396,37 @@ class FrontProxy:
                     # answer goes to the engine that replaces it instead
                     raise NotDelivered(f"HTTP {up.status} from a dying engine",
                                        reached=True)
-                resp = web.StreamResponse(status=up.status, reason=up.reason)
+                ex.stream = up.content_type == "text/event-stream"
+                whole = (not ex.stream and up.content_length is not None
+                         and up.content_length <= WHOLE_MAX and request.method != "HEAD"
+                         and up.status not in (204, 304))
+                if whole:
+                    # a sized answer, read before the client is answered, then sent as
+                    # one write, headers and body, with its length; an engine that fails
+                    # inside it is as one that failed before answering: the client has
+                    # seen nothing, and the request goes again
+                    try:
+                        data = await up.read()
+                    except aiohttp.ClientPayloadError as exc:
+                        raise NotDelivered(f"the engine's answer was cut: {exc!r}",
+                                           reached=True) from exc
+                    resp = web.Response(status=up.status, reason=up.reason, body=data)
+                    ex.tail = data[-TAIL_BYTES:]
+                else:
+                    resp = web.StreamResponse(status=up.status, reason=up.reason)
                 for k, v in up.headers.items():
                     if k.lower() not in HOP_BY_HOP:
                         resp.headers.add(k, v)
                 resp.headers[ENGINE_HEADER] = ex.backend.name
                 ex.status = up.status
-                ex.stream = up.content_type == "text/event-stream"
                 try:
                     await resp.prepare(request)
                     if plan is not None and ex.stream:
                         ex.transcript = Transcript(plan)
                         await self.streams.relay_events(up, resp, ex, ex.transcript)
-                    else:
+                    elif not whole:
                         await self._relay(up, resp, ex)
-                    await resp.write_eof()
+                    await resp.write_eof()  # (a whole answer: its one write)
                 except (ConnectionError, aiohttp.ClientConnectionResetError):
                     # the client went away: leaving this block closes the upstream
                     # connection, and vLLM aborts the request

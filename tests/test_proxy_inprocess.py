@@ -1,0 +1,134 @@
+"""The front proxy in this process, in front of a scripted upstream (an aiohttp app, or a
+raw socket server that misbehaves on purpose): how answers are framed to the client,
+and what it does when an engine fails inside an answer. Fast: no daemon, no engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from structlog.testing import capture_logs
+
+from supervisor.front.admission import Gate, GateLimits
+from supervisor.front.exchange import ProxySettings
+from supervisor.front.proxy import ENGINE_HEADER, FrontProxy
+
+COMPLETION = json.dumps({
+    "id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
+    "choices": [{"index": 0, "text": " hi", "logprobs": None, "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 7, "total_tokens": 8}}).encode()
+
+
+async def _upstream(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                    ) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def _proxy(upstream: str) -> FrontProxy:
+    gate = Gate(GateLimits(concurrency=100, max_wait_s=5))
+    gate.release()
+    proxy = FrontProxy(ProxySettings("127.0.0.1", 0, upstream), gate, ready=lambda: True)
+    await proxy.start()
+    return proxy
+
+
+def _post(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()
+
+
+def test_a_sized_answer_goes_to_the_client_whole_with_its_length_and_headers() -> None:
+    seen: list[bytes] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        seen.append(await request.read())
+        if request.path == "/v1/embeddings":  # an answer of unknown length: relayed
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+            resp.enable_chunked_encoding()
+            await resp.prepare(request)
+            await resp.write(COMPLETION[:20])
+            await resp.write(COMPLETION[20:])
+            await resp.write_eof()
+            return resp
+        return web.Response(body=COMPLETION, content_type="application/json",
+                            headers={"X-Engine-Own": "1"}, status=201)
+
+    async def main() -> None:
+        runner, up = await _upstream(handler)
+        proxy = await _proxy(up)
+        try:
+            async with aiohttp.ClientSession() as s:
+                with capture_logs() as logs:
+                    async with s.post(f"http://127.0.0.1:{proxy.port}/v1/completions",
+                                      data=_post({"model": "m", "prompt": "x"})) as r:
+                        body = await r.read()
+                        assert r.status == 201 and body == COMPLETION
+                        assert r.headers["Content-Length"] == str(len(COMPLETION))
+                        assert "Transfer-Encoding" not in r.headers
+                        assert r.headers["X-Engine-Own"] == "1"
+                        assert r.headers["Content-Type"] == "application/json"
+                        assert r.headers[ENGINE_HEADER] == "default"
+                    async with s.post(f"http://127.0.0.1:{proxy.port}/v1/embeddings",
+                                      data=_post({"model": "m", "input": "x"})) as r:
+                        assert await r.read() == COMPLETION
+                        assert r.headers["Transfer-Encoding"] == "chunked"
+            access = [e for e in logs if e["event"] == "request"]
+            assert [(e["path"], e["status"], e["tokens"]) for e in access] == [
+                ("/v1/completions", 201, 7), ("/v1/embeddings", 200, 7)]
+            assert proxy.stats.responses == {"201": 1, "200": 1}
+            assert len(seen) == 2
+        finally:
+            await proxy.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_a_sized_answer_cut_by_a_dying_engine_is_sent_again_never_half_delivered() -> None:
+    """The engine sends its headers and part of a sized body, then its connection
+    drops: the client has seen nothing, so the request goes through the gate again and
+    the next answer reaches it whole."""
+    attempts: list[int] = []
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        await reader.readexactly(length)
+        attempts.append(1)
+        status = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(COMPLETION))
+        if len(attempts) == 1:
+            writer.write(status + COMPLETION[:10])  # ... and dies
+        else:
+            writer.write(status + COMPLETION)
+        await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(engine, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        proxy = await _proxy(f"http://127.0.0.1:{port}")
+        try:
+            async with aiohttp.ClientSession() as s, s.post(
+                    f"http://127.0.0.1:{proxy.port}/v1/completions",
+                    data=_post({"model": "m", "prompt": "x"})) as r:
+                assert r.status == 200 and await r.read() == COMPLETION
+            assert len(attempts) == 2
+            assert proxy.stats.retried_connects == 1
+        finally:
+            await proxy.close()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())
