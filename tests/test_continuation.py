@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from supervisor.front import continuation
 from supervisor.front.continuation import (
     DONE,
     REFUSALS,
@@ -386,17 +388,75 @@ def _through(t: Transcript, pieces: list[bytes], fast: bool) -> tuple[bytes, str
     return out, ""
 
 
+@st.composite
+def _runs(draw: st.DrawFn) -> tuple[bool, bool, list[bytes]]:
+    """Long runs of plain token chunks, as an engine that writes faster than the proxy
+    reads gives them, now and then something else among them, cut anywhere."""
+    chat = draw(st.booleans())
+    client_ids = draw(st.booleans())
+    events = [draw(_chunk(chat, True))]
+    for _ in range(draw(st.integers(0, 3))):
+        for _ in range(draw(st.integers(0, 12))):
+            text = draw(_text)
+            ids = draw(st.lists(st.integers(0, 70000), max_size=3))
+            if chat:
+                raw = {"id": "c", "object": "chat.completion.chunk", "created": 1,
+                       "model": "m", "choices": [{"index": 0, "delta": {"content": text},
+                                                  "logprobs": None, "finish_reason": None,
+                                                  "token_ids": ids}]}
+            else:
+                raw = {"id": "c", "object": "text_completion", "created": 1, "model": "m",
+                       "choices": [{"index": 0, "text": text, "logprobs": None,
+                                    "finish_reason": None, "stop_reason": None,
+                                    "prompt_token_ids": None, "token_ids": ids}]}
+            events.append(json.dumps(raw, separators=(",", ":")).encode())
+        events.append(draw(_chunk(chat, False)))
+    if draw(st.booleans()):
+        events.append(b"[DONE]")
+    raw = b"".join(b"data: " + e + b"\n\n" for e in events)
+    cuts = sorted(draw(st.lists(st.integers(0, len(raw)), max_size=3)))
+    pieces = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True)]
+    return chat, client_ids, pieces
+
+
+@pytest.mark.parametrize("run_min", [continuation._RUN_MIN, 0])
 @settings(max_examples=400, deadline=None)
-@given(_stream())
+@given(st.one_of(_stream(), _runs()))
 def test_the_fast_path_reads_every_stream_exactly_as_take_does(
-        stream: tuple[bool, bool, list[bytes]]) -> None:
+        run_min: int, stream: tuple[bool, bool, list[bytes]]) -> None:
+    """One event at a time, and (run_min 0: every read) runs of them at once."""
     chat, client_ids, pieces = stream
     raw = chat_body(return_token_ids=client_ids) if chat else body(return_token_ids=client_ids)
     fast, slow = recorded(raw, CHAT if chat else COMP), recorded(raw, CHAT if chat else COMP)
-    assert _through(fast, pieces, True) == _through(slow, pieces, False)
+    with mock.patch.object(continuation, "_RUN_MIN", run_min):
+        assert _through(fast, pieces, True) == _through(slow, pieces, False)
     keys = ("id", "created", "model", "system_fingerprint", "prompt_ids", "delivered",
             "finish_reason", "usage_sent", "done", "events", "not_continuable")
     assert {k: getattr(fast, k) for k in keys} == {k: getattr(slow, k) for k in keys}
+
+
+def test_a_large_read_takes_its_runs_of_plain_chunks_at_once() -> None:
+    """The engine wrote faster than the proxy read: the plain token chunks of one read
+    are taken as runs, the first chunk (the prompt's ids) and the last one decoded."""
+    raw = body(max_tokens=40)
+    events = [comp_chunk("", [7], prompt=[1, 2]), *(comp_chunk(f" t{i}", [100 + i])
+                                                    for i in range(38)),
+              comp_chunk(" end", [200], finish="length")]
+    stream = b"".join(b"data: " + e.replace(b", ", b",").replace(b": ", b":") + b"\n\n"
+                      for e in events) + DONE
+    fast, slow = recorded(raw, COMP), recorded(raw, COMP)
+    taken: list[bytes] = []
+    take = fast.take
+
+    def counted(data: bytes) -> bytes | None:
+        taken.append(data)
+        return take(data)
+
+    fast.take = counted  # type: ignore[method-assign]
+    assert len(stream) >= continuation._RUN_MIN
+    assert _through(fast, [stream], True) == _through(slow, [stream], False)
+    assert fast.delivered == [7, *range(100, 138), 200] and fast.events == 40 and fast.done
+    assert len(taken) == 3  # the first, the last, [DONE]
 
 
 SSE = Path(__file__).parent / "fixtures" / "vllm-0.32-cpu-sse"

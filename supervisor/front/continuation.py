@@ -71,12 +71,35 @@ _TOKEN_IDS = re.compile(rb',\s*"(?:prompt_)?token_ids"\s*:\s*(?:\[[0-9,\s]*\]|nu
 # Inside a JSON string every `"` is escaped, so the id and model exclude `"` and `\`, and
 # a text is a run of unescaped non-quotes and escapes.
 _STR = rb'"(?:[^"\\]|\\.)*"'
+_IDS = rb'(?:(?:0|[1-9][0-9]*)(?:,(?:0|[1-9][0-9]*))*)?'  # as JSON writes a list of ints
 _PLAIN = re.compile(
     rb'\{"id":"[^"\\]*","object":"(?:text_completion|(chat)\.completion\.chunk)",'
     rb'"created":\d+,"model":"[^"\\]*","choices":\[\{"index":0,'
     rb'(?:"text":' + _STR + rb'|"delta":\{"content":' + _STR + rb'\})'
     rb',"logprobs":null,"finish_reason":null(?:,"stop_reason":null)?'
-    rb'(,"prompt_token_ids":null)?(,"token_ids":\[([0-9,]*)\])\}\]\}', re.S)
+    rb'(,"prompt_token_ids":null)?(,"token_ids":\[(' + _IDS + rb')\])\}\]\}', re.S)
+
+
+def _run(chat: bool) -> re.Pattern[bytes]:
+    """A run of whole plain token events (`data: ` + `_PLAIN` + a blank line), of one
+    kind, with no newline inside one (JSON escapes its newlines; an event with a raw one
+    goes the long way): Transcript.read takes such a run with three scans of its bytes,
+    not a Python loop over its events."""
+    s = rb'"(?:[^"\\\n]|\\[^\n])*"'
+    obj, text = ((rb'chat\.completion\.chunk', rb'"delta":\{"content":' + s + rb'\}') if chat
+                 else (rb'text_completion', rb'"text":' + s))
+    return re.compile(
+        rb'(?:data: \{"id":"[^"\\\n]*","object":"' + obj + rb'","created":\d+,'
+        rb'"model":"[^"\\\n]*","choices":\[\{"index":0,' + text +
+        rb',"logprobs":null,"finish_reason":null(?:,"stop_reason":null)?'
+        rb'(?:,"prompt_token_ids":null)?,"token_ids":\[' + _IDS + rb'\]\}\]\}\n\n)+')
+
+
+_RUNS = {False: _run(False), True: _run(True)}
+_RUN_MIN = 1024  # a read of this many bytes or more is looked at for runs (4 events)
+# In a run: each event's token ids (its last field), and the id fields to cut out
+_RUN_IDS = re.compile(rb'"token_ids":\[([0-9,]*)\]\}\]\}\n\n')
+_RUN_CUT = re.compile(rb',"(?:prompt_token_ids":null,")?token_ids":\[[0-9,]*\](?=\}\]\}\n\n)')
 
 
 class StreamBroken(Exception):
@@ -233,41 +256,84 @@ class Transcript:
 
     def read(self, chunk: bytes) -> bytes:
         """Bytes from the engine as they arrive -> the bytes for the client (the events
-        complete in them). A plain token chunk of the original answer, exactly as vLLM
-        writes it (`_PLAIN`), is recorded without decoding its JSON, with `take`'s exact
-        result (tests/test_continuation.py checks the two against each other); every
+        complete in them). Plain token chunks of the original answer, exactly as vLLM
+        writes them (`_PLAIN`), are recorded without decoding their JSON, with `take`'s
+        exact result (tests/test_continuation.py checks the two against each other):
+        one by one, or, in a large read, a run of them at once (`_read_runs`); every
         other event goes through `take`. Stops at the answer's end (`done`). Raises
         StreamBroken as `take` does; what was taken before is recorded, and
         `StreamBroken.partial` holds its bytes for the client."""
         out: list[bytes] = []
-        # (the hot path of every continuable stream: locals, one match, one groups())
-        plain, chat, strip, delivered = _PLAIN.fullmatch, self.plan.chat, self._strip, \
-            self.delivered
-        fast = not self.attempt and self.id is not None and self.prompt_ids is not None
         try:
-            for data in self._reader.feed(chunk):
-                m = plain(data) if fast else None
-                if m is not None and (m[1] is not None) is chat:
-                    _, pnull, _, ids = m.groups()
-                    if ids:
-                        delivered.extend(map(int, ids.split(b",")))
-                    self.events += 1
-                    if strip:  # what _TOKEN_IDS.sub removes: the two id fields
-                        cut = m.start(2) if pnull is not None else m.start(3)
-                        out.append(b"data: " + data[:cut] + data[m.end(3):] + b"\n\n")
-                    else:
-                        out.append(b"data: " + data + b"\n\n")
-                    continue
-                o = self.take(data)
-                if o:
-                    out.append(o)
-                if self.done:
-                    break
-                fast = not self.attempt and self.id is not None and self.prompt_ids is not None
+            if len(chunk) >= _RUN_MIN:
+                self._read_runs(chunk, out)
+            else:  # an engine's usual read: an event or two
+                self._events(self._reader.feed(chunk), out)
         except StreamBroken as exc:
             exc.partial = b"".join(out)
             raise
         return b"".join(out)
+
+    def _read_runs(self, chunk: bytes, out: list[bytes]) -> None:
+        """A large read (the engine wrote faster than the proxy read): each run of plain
+        token events in it taken at once (`_take_run`), the events between one by one."""
+        reader = self._reader
+        buf = reader.pending_and(chunk)
+        if b"\r" in buf:  # (not vLLM's framing: every event the long way)
+            self._events(reader.feed(buf), out)
+            return
+        run, pos = _RUNS[self.plan.chat].match, 0
+        while True:
+            if not self.attempt and self.id is not None and self.prompt_ids is not None:
+                m = run(buf, pos)
+                if m is not None:
+                    out.append(self._take_run(m[0]))
+                    pos = m.end()
+            end = buf.find(b"\n\n", pos)
+            if end < 0:
+                break
+            self._events(reader.feed(buf[pos:end + 2]), out)  # one event
+            pos = end + 2
+            if self.done:
+                break
+        reader.keep(buf[pos:])
+
+    def _take_run(self, run: bytes) -> bytes:
+        """A run of plain token events (`_RUNS`): each one's ids recorded, and what the
+        client gets: the same bytes, less the id fields unless it asked for them."""
+        found = _RUN_IDS.findall(run)
+        ids = b",".join(filter(None, found))
+        if ids:
+            self.delivered.extend(map(int, ids.split(b",")))
+        self.events += len(found)
+        return _RUN_CUT.sub(b"", run) if self._strip else run
+
+    def _events(self, events: list[bytes], out: list[bytes]) -> None:
+        """Whole events' data, one by one: a plain token chunk without decoding its JSON,
+        any other through `take`; stops at the answer's end."""
+        # (the hot path of every continuable stream: locals, one match, one groups())
+        plain, chat, strip, delivered = _PLAIN.fullmatch, self.plan.chat, self._strip, \
+            self.delivered
+        fast = not self.attempt and self.id is not None and self.prompt_ids is not None
+        for data in events:
+            m = plain(data) if fast else None
+            if m is not None and (m[1] is not None) is chat:
+                _, pnull, _, ids = m.groups()
+                if ids:
+                    delivered.extend(map(int, ids.split(b",")))
+                self.events += 1
+                if strip:  # what _TOKEN_IDS.sub removes: the two id fields
+                    cut = m.start(2) if pnull is not None else m.start(3)
+                    out.append(b"data: " + data[:cut] + data[m.end(3):] + b"\n\n")
+                else:
+                    out.append(b"data: " + data + b"\n\n")
+                continue
+            o = self.take(data)
+            if o:
+                out.append(o)
+            if self.done:
+                break
+            fast = not self.attempt and self.id is not None and self.prompt_ids is not None
 
     # ---- what can be done --------------------------------------------------------------
 
@@ -467,6 +533,15 @@ class EventReader:
 
     def __init__(self) -> None:
         self._buf = b""
+
+    def pending_and(self, chunk: bytes) -> bytes:
+        """The bytes of an unfinished event, taken out, and `chunk` after them; `keep`
+        gives back what is left unread (Transcript.read frames events itself)."""
+        buf, self._buf = (self._buf + chunk if self._buf else chunk), b""
+        return buf
+
+    def keep(self, rest: bytes) -> None:
+        self._buf = rest
 
     def feed(self, chunk: bytes) -> list[bytes]:
         buf = self._buf + chunk if self._buf else chunk
