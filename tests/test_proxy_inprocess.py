@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from structlog.testing import capture_logs
+from yarl import URL
 
 from supervisor.front.admission import Gate, GateLimits
 from supervisor.front.exchange import ProxySettings
@@ -35,10 +36,11 @@ async def _upstream(handler: Callable[[web.Request], Awaitable[web.StreamRespons
     return runner, f"http://127.0.0.1:{port}"
 
 
-async def _proxy(upstream: str) -> FrontProxy:
+async def _proxy(upstream: str, **settings: Any) -> FrontProxy:
     gate = Gate(GateLimits(concurrency=100, max_wait_s=5))
     gate.release()
-    proxy = FrontProxy(ProxySettings("127.0.0.1", 0, upstream), gate, ready=lambda: True)
+    proxy = FrontProxy(ProxySettings("127.0.0.1", 0, upstream, **settings), gate,
+                       ready=lambda: True)
     await proxy.start()
     return proxy
 
@@ -130,5 +132,39 @@ def test_a_sized_answer_cut_by_a_dying_engine_is_sent_again_never_half_delivered
             await proxy.close()
             server.close()
             await server.wait_closed()
+
+    asyncio.run(main())
+
+
+def test_the_raw_target_is_checked_and_the_body_bounded_before_the_engine_sees_them() -> None:
+    """aiohttp's low-level server hands every request to the proxy's one handler: the
+    allow-list on the raw target, the body limit, the local health routes."""
+    seen: list[str] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        seen.append(request.raw_path)
+        return web.Response(body=COMPLETION, content_type="application/json")
+
+    async def main() -> None:
+        runner, up = await _upstream(handler)
+        proxy = await _proxy(up, max_body_bytes=100)
+        base = f"http://127.0.0.1:{proxy.port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                for path, status in [("/v1/completions/../../sleep", 400), ("/sleep", 403),
+                                     ("/v1/nothing", 404), ("/metrics", 404)]:
+                    async with s.post(URL(base + path, encoded=True), data=b"{}") as r:
+                        assert r.status == status, path
+                async with s.post(base + "/v1/completions", data=b"x" * 101) as r:
+                    assert r.status == 413
+                async with s.get(base + "/healthz") as r:
+                    assert r.status == 200
+                async with s.post(URL(base + "/v1/completions?a=%2F", encoded=True),
+                                  data=_post({"model": "m"})) as r:
+                    assert r.status == 200 and await r.read() == COMPLETION
+            assert seen == ["/v1/completions?a=%2F"]
+        finally:
+            await proxy.close()
+            await runner.cleanup()
 
     asyncio.run(main())

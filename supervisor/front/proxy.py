@@ -38,6 +38,10 @@ from collections.abc import Callable
 import aiohttp
 import structlog
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import RequestHandler
 from yarl import URL
 
 from supervisor.front import continuation, dispatch, quarantine, routing
@@ -82,7 +86,7 @@ class FrontProxy:
             self.add_engine(Backend(name, gate, ready or (lambda: True), settings.upstream,
                                     settings.models,
                                     settings.models_open or not settings.models))
-        self._runner: web.AppRunner | None = None
+        self._runner: web.ServerRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         # the streams it can continue: relayed, paused, continued
         self.lanes = quarantine.Quarantine()  # requests that kill their engine
@@ -114,11 +118,21 @@ class FrontProxy:
 
     async def start(self) -> None:
         """Listen; raises ProxyError naming the address when it cannot."""
-        app = web.Application(client_max_size=self.s.max_body_bytes)
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(
-            app, handle_signals=False, access_log=None, handler_cancellation=True,
-            max_line_size=self.s.max_header_bytes, max_field_size=self.s.max_header_bytes)
+        # aiohttp's low-level server: every request to the one handler, with no router,
+        # middlewares or application signals in its way (the handler reads the target)
+        loop, max_body = asyncio.get_running_loop(), self.s.max_body_bytes
+
+        def request(message: RawRequestMessage, payload: StreamReader,
+                    protocol: RequestHandler, writer: AbstractStreamWriter,
+                    task: asyncio.Task[None]) -> web.BaseRequest:
+            return web.BaseRequest(message, payload, protocol, writer, task, loop,
+                                   client_max_size=max_body)
+
+        server = web.Server(
+            self._handle, request_factory=request, handler_cancellation=True,
+            access_log=None, max_line_size=self.s.max_header_bytes,
+            max_field_size=self.s.max_header_bytes)
+        self._runner = web.ServerRunner(server, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.s.listen_host, self.s.listen_port,
                            reuse_address=True)
@@ -191,7 +205,7 @@ class FrontProxy:
         body = {"error": {"message": message, "type": reason or "proxy_error", "code": status}}
         return web.json_response(body, status=status, headers=headers)
 
-    def _cut(self, target: Target, request: web.Request, resp: web.StreamResponse,
+    def _cut(self, target: Target, request: web.BaseRequest, resp: web.StreamResponse,
              exc: BaseException, ex: Exchange) -> web.StreamResponse:
         """The answer had started: nothing to do but cut it, so the client sees an
         incomplete stream rather than a truncated success."""
@@ -203,7 +217,7 @@ class FrontProxy:
                 request.transport.close()
         return resp
 
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         ex = Exchange(arrived=time.monotonic())
         try:
             target = read_target(request.raw_path)
@@ -258,7 +272,7 @@ class FrontProxy:
         self.stats.count(200)
         return web.json_response({"object": "list", "data": list(data.values())})
 
-    async def _admit_and_forward(self, request: web.Request, target: Target,
+    async def _admit_and_forward(self, request: web.BaseRequest, target: Target,
                                  facts: RequestFacts, body: bytes, choices: list[Choice],
                                  ex: Exchange) -> web.StreamResponse:
         broken: Broken | None = None
@@ -318,7 +332,7 @@ class FrontProxy:
                     body=quarantine.digest(body), last_error=str(exc)[:300])
         return self._error(502, quarantine.refusal(ex.deaths), quarantine.REASON)
 
-    def _finish(self, request: web.Request, target: Target, ex: Exchange) -> None:
+    def _finish(self, request: web.BaseRequest, target: Target, ex: Exchange) -> None:
         """The request is over: its latencies into the histograms, its one access line."""
         now = time.monotonic()
         label = self.latency.label(ex.model)
@@ -378,7 +392,7 @@ class FrontProxy:
             return web.Response(text="ready\n")
         return web.Response(status=503, text="not ready: " + "; ".join(problems)[:1000] + "\n")
 
-    async def _forward(self, request: web.Request, target: Target, body: bytes,
+    async def _forward(self, request: web.BaseRequest, target: Target, body: bytes,
                        ex: Exchange, plan: continuation.Plan | None) -> web.StreamResponse:
         assert self._session is not None and ex.backend is not None
         headers = upstream_headers(request)

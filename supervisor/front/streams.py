@@ -126,7 +126,7 @@ class StreamRelay:
 
     # ---- a stream the engine failed ---------------------------------------------------
 
-    async def continue_stream(self, request: web.Request, broken: Broken | None,
+    async def continue_stream(self, request: web.BaseRequest, broken: Broken | None,
                         ex: Exchange) -> web.StreamResponse:
         """A stream the engine failed mid-answer: continued on the engine that comes back,
         up to `max_continuations` times and `continue_timeout_s` each; or ended with an
@@ -186,7 +186,7 @@ class StreamRelay:
         self.stats.count(200)
         return resp
 
-    async def _attempt(self, request: web.Request, resp: web.StreamResponse, ex: Exchange,
+    async def _attempt(self, request: web.BaseRequest, resp: web.StreamResponse, ex: Exchange,
                        t: Transcript, cause: BaseException) -> None:
         """One continuation (or, when the client has seen nothing, the request again):
         wait for an engine, send it, relay it. Returns at its [DONE]; raises Broken when
@@ -289,7 +289,7 @@ class StreamRelay:
         return resp
 
 
-def upstream_headers(request: web.Request) -> dict[str, str]:
+def upstream_headers(request: web.BaseRequest) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
 
 
