@@ -11,7 +11,7 @@ import pytest
 import structlog
 
 from supervisor.control.cli import format_signal, format_status
-from supervisor.ops.logs import configure_logging
+from supervisor.ops.logs import RequestLog, configure_logging, set_level
 from tests.harness import fake_engine_config, wait_for
 
 
@@ -36,6 +36,38 @@ def test_the_console_drops_empty_fields_and_json_keeps_them(capsys) -> None:
     structlog.get_logger("t").info("engine line", proc=None, where="", pid=42)
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["proc"] is None and line["where"] == "" and line["pid"] == 42
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_the_access_line_is_the_line_structlog_writes_and_follows_the_level(capsys) -> None:
+    """The proxy's access line skips the standard library's record and formatter: the
+    same bytes, the same level, and a test's capture_logs still sees it."""
+    fields = {"method": "POST", "path": "/v1/completions", "status": 200, "peer": None,
+              "duration_s": 0.0012, "model": "m\u00e9\"", "tokens": 3}
+    configure_logging("info", "json")
+    structlog.contextvars.bind_contextvars(engine="e1")
+    try:
+        structlog.get_logger("supervisor.proxy").info("request", **fields)
+        RequestLog("supervisor.proxy").info("request", **fields)
+    finally:
+        structlog.contextvars.clear_contextvars()
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2
+    ts = [json.loads(line)["timestamp"] for line in lines]
+    assert lines[0].replace(ts[0], "T") == lines[1].replace(ts[1], "T")
+    assert json.loads(lines[1])["engine"] == "e1"
+    set_level("warning")
+    RequestLog("supervisor.proxy").info("request", **fields)
+    assert capsys.readouterr().out == ""
+    set_level("info")
+    with structlog.testing.capture_logs() as logs:
+        RequestLog("supervisor.proxy").info("request", tokens=1)
+    assert logs == [{"event": "request", "tokens": 1, "log_level": "info"}]
+    assert capsys.readouterr().out == ""
+    configure_logging("info", "console")
+    RequestLog("supervisor.proxy").info("request", tokens=1)
+    out = capsys.readouterr().out
+    assert "request" in out and "tokens" in out and not out.startswith("{")
 
 
 @pytest.mark.parametrize(("name", "value", "shown"), [

@@ -60,8 +60,10 @@ from supervisor.front.streams import (
     upstream_chunks,
     upstream_headers,
 )
+from supervisor.ops.logs import RequestLog
 
 log = structlog.get_logger("supervisor.proxy")
+access = RequestLog("supervisor.proxy")  # the access line: once per request
 
 ENGINE_HEADER = "X-Supervisor-Engine"  # names the engine that answered
 USAGE_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
@@ -365,7 +367,7 @@ class FrontProxy:
             fields["held_s"] = round(ex.held_s, 3)
         if ex.queued_s > 0:
             fields["queued_s"] = round(ex.queued_s, 3)
-        log.info("request", **fields)
+        access.info("request", **fields)
 
     def unhealthy(self) -> list[str]:
         """Why a router should not send requests here now, one line per engine whose
