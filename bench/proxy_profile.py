@@ -100,7 +100,8 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
                                                     "StreamResponse.write_eof")),
     ("transcript (Transcript.read)", ("Transcript.read",)),
     ("access line: histograms, fields (_finish)", ("FrontProxy._finish",)),
-    ("access line: structlog + logging (render, write)", ("BoundLogger.info",)),
+    ("access line: structlog + logging (render, write)", ("BoundLogger.info",
+                                                         "RequestLog.info")),
     ("JSON encode/decode anywhere (json module)", ("(json/",)),
 ]
 
