@@ -45,29 +45,12 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.report import write_section  # noqa: E402
+from bench.report import Clock, write_section  # noqa: E402
 from tests.harness import Daemon, free_port, wait_for  # noqa: E402
 from tests.test_e2e_proxy import sse_lines  # noqa: E402
 from tests.test_e2e_vllm import START_TIMEOUT, tree, vllm_config  # noqa: E402
 
 MODES = ("awake", "none")
-
-
-class OutOfTime(Exception):
-    """The run's global deadline has passed."""
-
-
-class Clock:
-    """The run's global deadline: every wait is bounded by what is left of it."""
-
-    def __init__(self, minutes: float) -> None:
-        self.deadline = time.monotonic() + minutes * 60
-
-    def left(self, cap: float) -> float:
-        rest = self.deadline - time.monotonic()
-        if rest <= 0:
-            raise OutOfTime("the run's deadline has passed")
-        return min(cap, rest)
 
 
 @dataclass

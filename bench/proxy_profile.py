@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +215,38 @@ def drive(client: Client, url: str, cmd: dict[str, Any], proxy: Child, spy_out: 
     return r
 
 
+@contextlib.contextmanager
+def _staged(args: argparse.Namespace, tmp: Path, grace: float | None = None) -> Iterator[
+        tuple[Path, list[tuple[str, list[str]]], list[Child], Client, int]]:
+    """The proxies to profile (this tree's, and the baseline's in a worktree), the
+    synthetic upstream and the client; everything stopped and removed afterwards."""
+    proxies = [("proxy", [PY, str(ROOT / "bench" / "proxy_bench.py")])]
+    if args.baseline:
+        base = tmp / "baseline"
+        subprocess.run(["git", "worktree", "add", "--detach", str(base), args.baseline],
+                       cwd=ROOT, check=True, capture_output=True)
+        proxies.insert(0, ("proxy-before", [PY, str(base / "bench" / "proxy_bench.py")]))
+    children: list[Child] = []
+    client = None
+    try:
+        up = Child("upstream", [PY, str(ROOT / "bench" / "synthetic_upstream.py")], tmp)
+        children.append(up)
+        up_port = up.wait_listening()
+        client = Client()
+        yield tmp, proxies, children, client, up_port
+    finally:
+        if client is not None:
+            client.close()
+        for c in reversed(children):
+            if grace is None:
+                c.stop()
+            else:
+                c.stop(grace=grace)
+        if args.baseline:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "baseline")],
+                           cwd=ROOT, check=False, capture_output=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", metavar="REF", help="profile the proxy at REF as well")
@@ -229,63 +262,42 @@ def main() -> int:
     if args.instructions:
         return count_main(args)
     lines: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="proxy-profile-") as d:
-        tmp = Path(d)
-        proxies = [("proxy", [PY, str(ROOT / "bench" / "proxy_bench.py")])]
-        if args.baseline:
-            base = tmp / "baseline"
-            subprocess.run(["git", "worktree", "add", "--detach", str(base), args.baseline],
-                           cwd=ROOT, check=True, capture_output=True)
-            proxies.insert(0, ("proxy-before", [PY, str(base / "bench" / "proxy_bench.py")]))
-        children: list[Child] = []
-        client = None
-        try:
-            up = Child("upstream", [PY, str(ROOT / "bench" / "synthetic_upstream.py")], tmp)
-            children.append(up)
-            up_port = up.wait_listening()
-            client = Client()
-            for name, argv in proxies:
-                env = dict(os.environ)
-                prof = tmp / f"{name}.cprofile"
-                if args.cprofile:
-                    env["PROXY_CPROFILE"] = str(prof)
-                px = Child(name, [*argv, "_proxy", f"http://127.0.0.1:{up_port}"], tmp,
-                           env=env)
-                children.append(px)
-                url = f"http://127.0.0.1:{px.wait_listening()}/v1/completions"
-                for kind, conc, cmd in LOADS:
-                    cmd = dict(cmd, total=max(conc, int(cmd["total"] * args.scale)))
-                    spy_out = None if args.cprofile else tmp / f"{name}-{kind}-{conc}.txt"
-                    r = drive(client, url, cmd, px, spy_out, args.rate)
-                    per = r["events"] if kind == "stream" else r["n"]
-                    unit = "chunk" if kind == "stream" else "request"
-                    head = (f"{name}, {kind} at {conc}: {r['cpu_s'] / per * 1e6:.1f} µs of "
-                            f"proxy CPU per {unit} ({per} {unit}s, {r['rate']:.0f} req/s, "
-                            f"p50 {r['p50_ms']:.3f} ms, errors {r['errors']})")
-                    print(head, flush=True)
-                    lines += [f"### {head}", ""]
-                    if spy_out is not None and spy_out.exists() and args.raw is not None:
-                        args.raw.mkdir(parents=True, exist_ok=True)
-                        shutil.copy(spy_out, args.raw / spy_out.name)
-                    if spy_out is not None and spy_out.exists():
-                        lines += render(summarise(parse_collapsed(spy_out)),
-                                        r["cpu_s"] / per * 1e6, unit)
-                    if kind == "stream" and conc == 64:
-                        print(f"  RSS {rss_mb(px):.1f} MB", flush=True)
-                        lines += [f"RSS after the loads: {rss_mb(px):.1f} MB", ""]
-                px.stop()
-                if args.cprofile and prof.exists():
-                    st = pstats.Stats(str(prof))
-                    st.sort_stats("tottime").print_stats(40)
-                    st.sort_stats("cumulative").print_stats(40)
-        finally:
-            if client is not None:
-                client.close()
-            for c in reversed(children):
-                c.stop()
-            if args.baseline:
-                subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "baseline")],
-                               cwd=ROOT, check=False, capture_output=True)
+    with tempfile.TemporaryDirectory(prefix="proxy-profile-") as d, \
+            _staged(args, Path(d)) as (tmp, proxies, children, client, up_port):
+        for name, argv in proxies:
+            env = dict(os.environ)
+            prof = tmp / f"{name}.cprofile"
+            if args.cprofile:
+                env["PROXY_CPROFILE"] = str(prof)
+            px = Child(name, [*argv, "_proxy", f"http://127.0.0.1:{up_port}"], tmp,
+                       env=env)
+            children.append(px)
+            url = f"http://127.0.0.1:{px.wait_listening()}/v1/completions"
+            for kind, conc, cmd in LOADS:
+                cmd = dict(cmd, total=max(conc, int(cmd["total"] * args.scale)))
+                spy_out = None if args.cprofile else tmp / f"{name}-{kind}-{conc}.txt"
+                r = drive(client, url, cmd, px, spy_out, args.rate)
+                per = r["events"] if kind == "stream" else r["n"]
+                unit = "chunk" if kind == "stream" else "request"
+                head = (f"{name}, {kind} at {conc}: {r['cpu_s'] / per * 1e6:.1f} µs of "
+                        f"proxy CPU per {unit} ({per} {unit}s, {r['rate']:.0f} req/s, "
+                        f"p50 {r['p50_ms']:.3f} ms, errors {r['errors']})")
+                print(head, flush=True)
+                lines += [f"### {head}", ""]
+                if spy_out is not None and spy_out.exists() and args.raw is not None:
+                    args.raw.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(spy_out, args.raw / spy_out.name)
+                if spy_out is not None and spy_out.exists():
+                    lines += render(summarise(parse_collapsed(spy_out)),
+                                    r["cpu_s"] / per * 1e6, unit)
+                if kind == "stream" and conc == 64:
+                    print(f"  RSS {rss_mb(px):.1f} MB", flush=True)
+                    lines += [f"RSS after the loads: {rss_mb(px):.1f} MB", ""]
+            px.stop()
+            if args.cprofile and prof.exists():
+                st = pstats.Stats(str(prof))
+                st.sort_stats("tottime").print_stats(40)
+                st.sort_stats("cumulative").print_stats(40)
     text = "\n".join(lines)
     print(text)
     if args.out is not None:
@@ -305,50 +317,29 @@ INSTR_LOADS: list[tuple[str, int, dict[str, Any]]] = [
 def count_main(args: argparse.Namespace) -> int:
     """Instructions per request and per chunk, each proxy in turn under callgrind."""
     results: dict[tuple[str, str], list[float]] = {}
-    with tempfile.TemporaryDirectory(prefix="proxy-instr-") as d:
-        tmp = Path(d)
-        proxies = [("proxy", [PY, str(ROOT / "bench" / "proxy_bench.py")])]
-        if args.baseline:
-            base = tmp / "baseline"
-            subprocess.run(["git", "worktree", "add", "--detach", str(base), args.baseline],
-                           cwd=ROOT, check=True, capture_output=True)
-            proxies.insert(0, ("proxy-before", [PY, str(base / "bench" / "proxy_bench.py")]))
-        children: list[Child] = []
-        client = None
-        try:
-            up = Child("upstream", [PY, str(ROOT / "bench" / "synthetic_upstream.py")], tmp)
-            children.append(up)
-            up_port = up.wait_listening()
-            client = Client()
-            started = {}
-            for name, argv in proxies:
-                px = Child(name, ["valgrind", "--tool=callgrind", "--callgrind-out-file="
-                                  + str(tmp / f"{name}.cg"), *argv, "_proxy",
-                                  f"http://127.0.0.1:{up_port}"], tmp)
-                children.append(px)
-                started[name] = (px, f"http://127.0.0.1:{px.wait_listening(300)}"
-                                     "/v1/completions")
-            for rnd in range(args.rounds):
-                for kind, conc, cmd in INSTR_LOADS:
-                    cmd = dict(cmd, total=max(conc, int(cmd["total"] * args.scale)))
-                    for name, _ in proxies:
-                        px, url = started[name]
-                        r = count(client, url, cmd, px.p.pid)
-                        per = r["events"] if kind == "stream" else r["n"]
-                        v = r["instructions"] / per
-                        results.setdefault((f"{kind} at {conc}", name), []).append(v)
-                        print(f"round {rnd + 1} {kind} {conc} {name}: {v:,.0f} instructions "
-                              f"per {'chunk' if kind == 'stream' else 'request'} "
-                              f"(errors {r['errors']}, short {r['short_streams']})",
-                              flush=True)
-        finally:
-            if client is not None:
-                client.close()
-            for c in reversed(children):
-                c.stop(grace=30)
-            if args.baseline:
-                subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "baseline")],
-                               cwd=ROOT, check=False, capture_output=True)
+    with tempfile.TemporaryDirectory(prefix="proxy-instr-") as d, \
+            _staged(args, Path(d), grace=30) as (tmp, proxies, children, client, up_port):
+        started = {}
+        for name, argv in proxies:
+            px = Child(name, ["valgrind", "--tool=callgrind", "--callgrind-out-file="
+                              + str(tmp / f"{name}.cg"), *argv, "_proxy",
+                              f"http://127.0.0.1:{up_port}"], tmp)
+            children.append(px)
+            started[name] = (px, f"http://127.0.0.1:{px.wait_listening(300)}"
+                                 "/v1/completions")
+        for rnd in range(args.rounds):
+            for kind, conc, cmd in INSTR_LOADS:
+                cmd = dict(cmd, total=max(conc, int(cmd["total"] * args.scale)))
+                for name, _ in proxies:
+                    px, url = started[name]
+                    r = count(client, url, cmd, px.p.pid)
+                    per = r["events"] if kind == "stream" else r["n"]
+                    v = r["instructions"] / per
+                    results.setdefault((f"{kind} at {conc}", name), []).append(v)
+                    print(f"round {rnd + 1} {kind} {conc} {name}: {v:,.0f} instructions "
+                          f"per {'chunk' if kind == 'stream' else 'request'} "
+                          f"(errors {r['errors']}, short {r['short_streams']})",
+                          flush=True)
     names = [n for n, _ in proxies]
     lines = ["| load | " + " | ".join(f"{n} (instructions)" for n in names)
              + (" | after / before |" if len(names) == 2 else " |"),

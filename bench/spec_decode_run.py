@@ -79,7 +79,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.report import write_section  # noqa: E402
+from bench.report import Clock, write_section  # noqa: E402
 from tests.harness import Daemon, free_port, wait_for  # noqa: E402
 
 MODES = ("awake", "none")
@@ -94,21 +94,6 @@ _WORDS = ("the of and to in is you that it he was for on are as with his they at
 WORDS = _WORDS.split()
 DRAFTED = "vllm:spec_decode_num_draft_tokens_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
-
-
-class OutOfTime(Exception):
-    """The run's global deadline has passed."""
-
-
-class Clock:
-    def __init__(self, minutes: float) -> None:
-        self.deadline = time.monotonic() + minutes * 60
-
-    def left(self, cap: float) -> float:
-        rest = self.deadline - time.monotonic()
-        if rest <= 0:
-            raise OutOfTime("the run's deadline has passed")
-        return min(cap, rest)
 
 
 def spec_config(k: int) -> str:
