@@ -93,3 +93,47 @@ vllm:num_requests_waiting{engine="1"} 4
 def test_garbage_raises_a_parse_error(garbage):
     with pytest.raises(MetricsParseError):
         parse_metrics(garbage)
+
+
+def _reference_samples(text: str):  # type: ignore[no-untyped-def]
+    """prometheus_client's own parser: the reference the line reader is checked against."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                yield s.name, s.labels, float(s.value)
+    except (ValueError, TypeError, IndexError, KeyError) as exc:
+        raise MetricsParseError(f"not a Prometheus text page: {exc}") from None
+
+
+OLD_NAMES_PAGE = """\
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.5
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{engine="0",model_name="m \\"quoted\\" \\\\ name"} 3.0 1700000000000
+vllm:gpu_prefix_cache_hit_rate{engine="0",} 0.25
+"""
+
+
+@pytest.mark.parametrize("page", [
+    "vllm-0.32-cpu-metrics/idle.txt", "vllm-0.32-cpu-metrics/kv-saturated.txt",
+    "vllm-0.32-cpu-metrics/after-load.txt", "vllm-0.32-cpu-metrics/spec-decode-ngram.txt",
+    "vllm-0.26-h100-metrics/idle.txt", "old names"])
+def test_the_line_reader_reads_what_prometheus_clients_parser_reads(page, monkeypatch):
+    from supervisor.watchdog import metrics
+
+    text = OLD_NAMES_PAGE if page == "old names" else (FIX / page).read_text()
+    ours = parse_metrics(text)
+    monkeypatch.setattr(metrics, "_samples", _reference_samples)
+    assert ours == parse_metrics(text)
+    assert ours.has_vllm_series
+
+
+@pytest.mark.parametrize("garbage", [
+    "vllm:foo{engine=\"0\"} 1\nnot a sample line\n",
+    "vllm:unread_series{engine=\"0\"} twelve\n",
+    "vllm:kv_cache_usage_perc{engine=0} 1\n",
+])
+def test_a_garbled_line_anywhere_raises(garbage):
+    with pytest.raises(MetricsParseError):
+        parse_metrics(garbage)
