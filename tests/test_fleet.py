@@ -251,3 +251,20 @@ def test_in_a_fleet_a_new_request_is_refused_at_once_while_the_engine_cold_start
     assert httpx.post(f"{url}/v1/completions", json=body, timeout=10).status_code == 200
     text = httpx.get(f"{d.exporter_url}/metrics", timeout=5).text
     assert 'vllm_supervisor_proxy_rejections_total{reason="engine_unavailable"} 1.0' in text
+
+
+def test_in_a_fleet_a_request_that_kills_its_engine_is_still_refused_here(
+        daemon_factory, tmp_path):
+    """The early refusal is for requests no engine has died with: one that killed this
+    host's engine stays here, held while the engine comes back, so that its deaths are
+    counted and it is refused after three (sent on with a 503, it would kill every host
+    of the fleet in turn, one death each, and never be refused)."""
+    cfg = proxy_config(tmp_path, "--die-on-prompt", "KILLER")
+    cfg["fleet"] = {"routers": [f"http://127.0.0.1:{free_port()}"],  # (nobody there)
+                    "retry_initial_s": 0.1, "retry_max_s": 0.5, "leave_timeout_s": 0.5}
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING", 30)
+    r = httpx.post(f"http://{cfg['proxy']['listen']}/v1/completions",
+                   json={"model": "fake", "prompt": "KILLER", "max_tokens": 4}, timeout=120)
+    assert r.status_code == 502 and r.json()["error"]["type"] == "kills_engine", r.text
+    assert d.status()["restarts"] >= 2

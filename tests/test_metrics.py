@@ -137,3 +137,13 @@ def test_the_line_reader_reads_what_prometheus_clients_parser_reads(page, monkey
 def test_a_garbled_line_anywhere_raises(garbage):
     with pytest.raises(MetricsParseError):
         parse_metrics(garbage)
+
+
+def test_the_line_reader_takes_what_the_text_format_allows():
+    page = ("  # TYPE vllm:num_requests_running gauge\r\n"
+            "  vllm:num_requests_running{engine=\"0\"}2 1700000000.5\r\n"
+            "vllm:num_requests_waiting{engine=\"0\",note=\"a } b # c\"} +Inf\n"
+            "vllm:kv_cache_usage_perc{} NaN\n")
+    s = parse_metrics(page)
+    assert (s.requests_running, s.requests_waiting) == (2.0, float("inf"))
+    assert s.kv_cache_usage is None and s.engines == 1

@@ -168,3 +168,81 @@ def test_the_raw_target_is_checked_and_the_body_bounded_before_the_engine_sees_t
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_sized_answer_cut_by_a_healthy_engine_is_a_502_not_sent_again() -> None:
+    """The engine cuts a sized answer but its /health says it serves: asked again, it
+    could cut it again (and run the completion again each time), so the client, who has
+    seen nothing, gets an explicit 502 at once."""
+    attempts: list[int] = []
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"GET /health"):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        else:
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            await reader.readexactly(length)
+            attempts.append(1)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(COMPLETION) + COMPLETION[:10])
+        await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(engine, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        proxy = await _proxy(f"http://127.0.0.1:{port}")
+        try:
+            async with aiohttp.ClientSession() as s, s.post(
+                    f"http://127.0.0.1:{proxy.port}/v1/completions",
+                    data=_post({"model": "m", "prompt": "x"})) as r:
+                assert r.status == 502
+                assert (await r.json())["error"]["type"] == "engine_failed"
+            assert len(attempts) == 1 and proxy.stats.retried_connects == 0
+        finally:
+            await proxy.close()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())
+
+
+def test_expect_100_continue_is_answered_before_the_body_and_an_unknown_expect_refused(
+        ) -> None:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        return web.Response(body=COMPLETION, content_type="application/json")
+
+    async def ask(expect: str, body: bytes) -> tuple[bytes, bytes]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nExpect: " + expect.encode()
+                     + b"\r\nContent-Length: %d\r\n\r\n" % len(body))
+        await writer.drain()
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        rest = b""
+        if interim.startswith(b"HTTP/1.1 100"):
+            writer.write(body)
+            await writer.drain()
+            rest = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        writer.close()
+        return interim, rest
+
+    async def main() -> None:
+        nonlocal proxy
+        runner, upstream = await _upstream(handler)
+        proxy = await _proxy(upstream)
+        try:
+            interim, final = await ask("100-continue", _post({"model": "m", "prompt": "x"}))
+            assert interim.startswith(b"HTTP/1.1 100 Continue") and final.startswith(
+                b"HTTP/1.1 200")
+            refused, _ = await ask("something-else", b"{}")
+            assert refused.startswith(b"HTTP/1.1 417")
+        finally:
+            await proxy.close()
+            await runner.cleanup()
+
+    proxy: Any = None
+    asyncio.run(main())

@@ -231,6 +231,13 @@ class FrontProxy:
                         method=request.method, path=request.raw_path[:512],
                         peer=request.remote, why=exc.message)
             return self._error(exc.status, exc.message, exc.reason)
+        if (expect := request.headers.get("Expect")) is not None \
+                and request.version == aiohttp.HttpVersion11:
+            # (what aiohttp's Application did for us: the low-level server does not)
+            if expect.lower() != "100-continue":
+                return self._error(417, f"unknown Expect: {expect[:100]}", "bad_expect")
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -280,7 +287,10 @@ class FrontProxy:
         broken: Broken | None = None
         give_up = time.monotonic() + choices[0].backend.gate.limits.max_wait_s
         while True:
-            if self.s.refuse_when_unhealthy and (why := _all_unhealthy(choices)):
+            # (only a request no engine has died with: one that has must stay here, where
+            # its deaths are counted, or a killer would travel the fleet unrefused)
+            if self.s.refuse_when_unhealthy and ex.deaths == 0 \
+                    and (why := _all_unhealthy(choices)):
                 ex.status, ex.outcome = 503, "engine_unavailable"
                 return self._error(503, f"not served on this host now ({why}): try another",
                                    "engine_unavailable")
@@ -424,6 +434,11 @@ class FrontProxy:
                     try:
                         data = await up.read()
                     except aiohttp.ClientPayloadError as exc:
+                        if await self.streams.engine_healthy(ex.backend):
+                            # (a healthy engine that cut its answer: asked again, it may
+                            # cut it again; the client has seen nothing: an explicit 502)
+                            raise UpstreamFailed(
+                                f"the engine cut its answer: {exc!r}") from exc
                         raise NotDelivered(f"the engine's answer was cut: {exc!r}",
                                            reached=True) from exc
                     resp = web.Response(status=up.status, reason=up.reason, body=data)

@@ -90,12 +90,20 @@ class Target:
         return encoded if self.query is None else f"{encoded}?{self.query}"
 
 
-@functools.lru_cache(maxsize=1024)
+_CACHED_TARGET_MAX = 256  # longer targets (rare, and attacker-sized) are read each time
+
+
 def read_target(raw: str) -> Target:
     """The one reading of a request target (the raw request-line target, query
     included). Raises PathRefused(400, "bad_path", ...) for anything ambiguous.
-    Pure, so its answers are kept (a bounded cache: clients send the same few targets;
-    a refusal is an exception, read again each time)."""
+    Pure, so short targets' answers are kept (a cache bounded in count and in size:
+    clients send the same few targets; a refusal is an exception, read again each time)."""
+    if len(raw) > _CACHED_TARGET_MAX:
+        return _read_target(raw)
+    return _read_target_cached(raw)
+
+
+def _read_target(raw: str) -> Target:
     if not raw.startswith("/"):
         raise _bad("the request target must be a path starting with /")
     raw_path, _, query = raw.partition("?")
@@ -125,6 +133,9 @@ def read_target(raw: str) -> Target:
         raise _bad("dot segments ('.', '..', encoded or not) are not resolved here")
     return Target(path=path, query=query or None)
 
+
+
+_read_target_cached = functools.lru_cache(maxsize=1024)(_read_target)
 
 def _bad(why: str) -> PathRefused:
     return PathRefused(400, "bad_path", f"request path refused: {why}")

@@ -77,8 +77,10 @@ _TTFT = "vllm:time_to_first_token_seconds"
 
 
 # a sample line of the text format: name, labels, value, optional timestamp
-_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?[ \t]+(\S+)"
-                     r"(?:[ \t]+-?[0-9]+)?[ \t]*")
+# (timestamps in milliseconds, or seconds with a fraction as OpenMetrics writes them; no
+# exemplars: the text format 0.0.4 that the poller asks for and vLLM serves has none)
+_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\}[ \t]*|[ \t]+)(\S+)"
+                     r"(?:[ \t]+-?[0-9][0-9.eE+-]*)?[ \t]*")
 _LABEL = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"[ \t]*(?:,|$)')
 _ENGINE = re.compile(r'(?:^|,)[ \t]*engine[ \t]*=[ \t]*"([^"\\]*)"')
 _UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
@@ -113,9 +115,10 @@ def _samples(text: str) -> Iterable[tuple[str, dict[str, str], float]]:
     """The samples of the series the daemon reads, and the `engine` label alone of the
     other `vllm:*` series; raises MetricsParseError on a line outside the format."""
     for line in text.split("\n"):  # (not splitlines: a label may hold U+2028)
-        if not line or line[0] == "#" or line.isspace():
+        line = line.strip(" \t\r")
+        if not line or line[0] == "#":
             continue
-        m = _SAMPLE.fullmatch(line.rstrip("\r"))
+        m = _SAMPLE.fullmatch(line)
         if m is None:
             raise MetricsParseError(f"not a Prometheus text page: {line[:80]!r}")
         name, raw_labels, raw_value = m.groups()
