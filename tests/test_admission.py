@@ -161,3 +161,32 @@ def test_wait_idle_returns_when_the_last_request_is_done_or_times_out():
         return True, timed_out, await waiter
 
     assert run(go()) == (True, False, True)
+
+
+def test_a_refusable_waiter_goes_elsewhere_once_the_engine_turns_unhealthy():
+    """In a fleet a request no engine has died with waits for a busy engine, but not
+    for a cold start: when the engine turns unhealthy it is refused (for the router to
+    send elsewhere), while a stream's continuation (not refusable) keeps waiting."""
+    async def main() -> None:
+        g = Gate(GateLimits(concurrency=1, max_wait_s=30))
+        g.release()
+        g.unhealthy = None
+        first = await g.acquire(1)  # the engine's one slot
+        refusable = asyncio.ensure_future(g.acquire(1, refusable=True))
+        kept = asyncio.ensure_future(g.acquire(1))
+        await asyncio.sleep(0.01)
+        assert g.waiting == 2 and not refusable.done()
+        g.hold("the engine is BACKOFF: crashed")
+        g.unhealthy = "the engine is BACKOFF: crashed"
+        with pytest.raises(Rejected) as e:
+            await refusable
+        assert e.value.reason == "engine_unavailable" and "try another" in str(e.value)
+        assert g.waiting == 1 and not kept.done()
+        with pytest.raises(Rejected):  # and a new one is refused at once
+            await g.acquire(1, refusable=True)
+        g.done(first)
+        g.unhealthy = None
+        g.release()
+        g.done(await kept)
+
+    asyncio.run(main())

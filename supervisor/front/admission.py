@@ -47,6 +47,7 @@ class _Waiter:
     future: asyncio.Future[None]
     since: float
     held: bool = False
+    refusable: bool = False  # sent elsewhere (503) once the engine is unhealthy (a fleet)
 
 
 @dataclass
@@ -69,9 +70,8 @@ class Gate:
         self.level = 0
         self.held_reason: str | None = "engine not started"  # held until the daemon opens it
         self.closed_reason: str | None = None  # refusing at once: no engine will come
-        # why a router should send this engine's requests elsewhere (None: it serves, or
-        # will within a short wait: a handover, a KV reset); docs/fleet.md
-        self.unhealthy: str | None = "engine not started"
+        # why a router should send this engine's requests elsewhere (`unhealthy`)
+        self._unhealthy: str | None = "engine not started"
         self.breaker_open = False
         self.in_flight = 0
         self.tokens_in_flight = 0
@@ -80,6 +80,24 @@ class Gate:
         self._idle.set()
 
     # ---- the daemon's side ----------------------------------------------------------
+
+    @property
+    def unhealthy(self) -> str | None:
+        """Why a router should send this engine's requests elsewhere (None: it serves, or
+        will within a short wait: a handover, a KV reset); docs/fleet.md."""
+        return self._unhealthy
+
+    @unhealthy.setter
+    def unhealthy(self, why: str | None) -> None:
+        """Set by the daemon; waiters that may go elsewhere (in a fleet) go now."""
+        self._unhealthy = why
+        if why is None or not any(w.refusable for w in self._waiters):
+            return
+        for w in [w for w in self._waiters if w.refusable]:
+            self._waiters.remove(w)
+            if not w.future.done():
+                w.future.set_exception(_unavailable(why, self.clock() - w.since, w.held))
+        self._wake()  # (one of them may have been the head)
 
     def hold(self, reason: str) -> None:
         """New requests wait (in order) instead of going to the engine."""
@@ -174,11 +192,15 @@ class Gate:
 
     # ---- the proxy's side -----------------------------------------------------------
 
-    async def acquire(self, tokens: int) -> Ticket:
-        """Wait (bounded) for a slot; raises Rejected."""
+    async def acquire(self, tokens: int, refusable: bool = False) -> Ticket:
+        """Wait (bounded) for a slot; raises Rejected. A `refusable` request (in a fleet,
+        one no engine has died with) is refused while the engine is unhealthy, and when it
+        turns unhealthy while the request waits, for the router to send it elsewhere."""
         t0 = self.clock()
         if self.closed_reason is not None:
             raise Rejected("engine_down", self.closed_reason)
+        if refusable and self._unhealthy is not None:
+            raise _unavailable(self._unhealthy, 0.0, False)
         if not self._waiters and self._fits(tokens):
             self._admit(tokens)
             return Ticket(tokens, 0.0, held=False)
@@ -186,7 +208,7 @@ class Gate:
             raise Rejected("queue_full", f"the hold queue is full ({self.limits.queue_max} "
                                          f"requests waiting)")
         w = _Waiter(tokens, asyncio.get_running_loop().create_future(), t0,
-                    held=self.held_reason is not None)
+                    held=self.held_reason is not None, refusable=refusable)
         self._waiters.append(w)
         try:
             await asyncio.wait_for(asyncio.shield(w.future), self.limits.max_wait_s)
@@ -230,3 +252,8 @@ class Gate:
         except TimeoutError:
             return False
         return True
+
+
+def _unavailable(why: str, waited_s: float, held: bool) -> Rejected:
+    return Rejected("engine_unavailable", f"not served on this host now ({why}): try another",
+                    waited_s=waited_s, held=held)

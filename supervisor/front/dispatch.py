@@ -126,14 +126,16 @@ def _choice(backend: Backend, model: str | None, facts: RequestFacts,
     return Choice(backend, json.dumps(doc).encode(), doc)
 
 
-async def acquire_any(choices: list[Choice], tokens: int) -> tuple[Choice, Ticket]:
+async def acquire_any(choices: list[Choice], tokens: int,
+                      refusable: bool = False) -> tuple[Choice, Ticket]:
     """A slot at the first of these engines' gates to admit the request (one engine:
     its gate). Raises Rejected once every gate has refused it. Every other slot granted
     meanwhile is given back, even when the caller is cancelled (the client went away)."""
     if len(choices) == 1:
-        return choices[0], await choices[0].backend.gate.acquire(tokens)
+        return choices[0], await choices[0].backend.gate.acquire(tokens, refusable)
     tasks: dict[asyncio.Future[Ticket], Choice] = {
-        asyncio.ensure_future(c.backend.gate.acquire(tokens)): c for c in choices}
+        asyncio.ensure_future(c.backend.gate.acquire(tokens, refusable)): c
+        for c in choices}
     pending: set[asyncio.Future[Ticket]] = set(tasks)
     refused: list[Rejected] = []
     won: asyncio.Future[Ticket] | None = None

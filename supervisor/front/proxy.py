@@ -295,7 +295,9 @@ class FrontProxy:
                 return self._error(503, f"not served on this host now ({why}): try another",
                                    "engine_unavailable")
             try:
-                choice, ticket = await dispatch.acquire_any(choices, ex.tokens)
+                choice, ticket = await dispatch.acquire_any(
+                    choices, ex.tokens,
+                    refusable=self.s.refuse_when_unhealthy and ex.deaths == 0)
             except Rejected as exc:
                 ex.status, ex.outcome = 503, exc.reason
                 if exc.held:
