@@ -511,7 +511,9 @@ class ProxyError(Exception):
 
 
 def _all_unhealthy(choices: list[Choice]) -> str | None:
-    """Why none of these engines will serve within a short wait; None when one will."""
-    whys = [c.backend.unhealthy() for c in choices]
+    """Why none of these engines will serve within a short wait; None when one will. (An
+    open KV breaker is no such reason: the engine serves, saturated, and a request held
+    here is served as the cache frees, where one sent on may find every host as full.)"""
+    whys = [c.backend.gate.unhealthy for c in choices]
     return None if any(w is None for w in whys) else "; ".join(
         f"{c.backend.name}: {w}" for c, w in zip(choices, whys, strict=True))
