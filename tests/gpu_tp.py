@@ -138,6 +138,36 @@ def daemon_config() -> str:
     return str(path)
 
 
+def two() -> None:
+    """Two engines, `gpus = [0]` and `gpus = [1]`: each engine's processes on its own GPU."""
+    text = Path(daemon_config()).read_text()
+    engine, rest = text.split("[gpu]", 1)
+    engine = engine.replace('"--tensor-parallel-size", "2", ', "")
+    a = engine.replace("[engine]", "[engines.a]").replace("gpus = [0, 1]", "gpus = [0]")
+    b = engine.replace("[engine]", "[engines.b]").replace("gpus = [0, 1]", "gpus = [1]") \
+        .replace("port = 8100", "port = 8101").replace('"m"', '"m2"')
+    cfg = WORK / "two.toml"
+    cfg.write_text(a + b + "[gpu]" + rest)
+    env = {**os.environ, "PYTHONPATH": SUP, "PYTHONUNBUFFERED": "1"}
+    with open(OUT / "daemon-two.log", "wb") as dlog:
+        d = subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
+                             env=env, stdout=dlog, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        try:
+            wait(lambda: all(e["serving"] for e in status()["engines"]), 300, "both serving")
+            time.sleep(3)
+            st = status()
+            trees = {n: sorted(int(x) for x in sh(
+                f"pgrep -g {os.getpgid(e['pid'])}").split()) for n, e in st["detail"].items()}
+            log("RESULT two", nvml=nvml_lists(), trees=trees,
+                gpus={n: [(g["index"], g["engine_memory_bytes"]) for g in e["gpus"]]
+                      for n, e in st["detail"].items()})
+        finally:
+            d.send_signal(signal.SIGTERM)
+            d.wait(120)
+            log("stopped", rc=d.returncode, nvml=nvml_lists())
+
+
 def kill() -> None:
     cfg = daemon_config()
     with open(OUT / "daemon.log", "wb") as dlog, open(OUT / "bench.log", "wb") as blog:
@@ -170,9 +200,10 @@ def _kill(cfg: str, dlog: Any, blog: Any) -> None:
              "load running")
         old = [int(x) for x in sh(f"pgrep -g {os.getpgid(st['pid'])}").split()]
         tp1 = next(p for p in old if title(p).startswith("VLLM::Worker_TP1"))
+        sig = signal.SIGSTOP if os.environ.get("SIG") == "STOP" else signal.SIGKILL
         killed = time.time()
-        os.kill(tp1, signal.SIGKILL)
-        log("killed VLLM::Worker_TP1", pid=tp1, old_tree=len(old))
+        os.kill(tp1, sig)
+        log(f"{sig.name} of VLLM::Worker_TP1", pid=tp1, old_tree=len(old))
         wait(lambda: not [p for p in old if Path(f"/proc/{p}").exists()], 120, "tree gone")
         gone_s = round(time.time() - killed, 2)
         wait(lambda: not {p for g in nvml_lists().values() for p in g} & set(old), 120,
@@ -181,6 +212,10 @@ def _kill(cfg: str, dlog: Any, blog: Any) -> None:
         st = wait(lambda: (s := status())["state"] == "RUNNING" and s["restarts"] >= 1 and s,
                   400, "serving again")
         back_s = round(time.time() - killed, 2)
+        decisions = [json.loads(x) for x in (WORK / "events.jsonl").read_text().splitlines()
+                     if '"decision"' in x or '"core_exit"' in x or '"exit"' in x]
+        log("decisions", seen=[{k: e.get(k) for k in ("time", "event", "rule", "action",
+                                                       "reason", "asked")} for e in decisions])
         log("restarted", tree_gone_s=gone_s, gpus_released_s=released_s, serving_again_s=back_s,
             last_exit=st.get("last_exit"), nvml=nvml_lists())
         bench.wait(420)
@@ -207,4 +242,4 @@ def _kill(cfg: str, dlog: Any, blog: Any) -> None:
 
 
 if __name__ == "__main__":
-    {"install": install, "kill": kill}[sys.argv[1]]()
+    {"install": install, "kill": kill, "two": two}[sys.argv[1]]()
