@@ -40,12 +40,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.report import Clock, write_section  # noqa: E402
+from bench.report import write_section  # noqa: E402
+from bench.runs import Clock, TreeLedger  # noqa: E402
 from tests.harness import Daemon, free_port, wait_for  # noqa: E402
 from tests.test_e2e_proxy import sse_lines  # noqa: E402
 from tests.test_e2e_vllm import START_TIMEOUT, tree, vllm_config  # noqa: E402
@@ -143,29 +143,10 @@ def config(tmp: Path, mode: str) -> dict[str, Any]:
     return cfg
 
 
-class Bench:
+class Bench(TreeLedger):
     def __init__(self, a: argparse.Namespace, clock: Clock) -> None:
+        super().__init__()
         self.a, self.clock = a, clock
-        self.procs: dict[int, psutil.Process] = {}  # every engine process seen, by pid
-
-    def remember(self, pid: int | None) -> None:
-        if not pid:
-            return
-        try:
-            for p in tree(pid):
-                self.procs.setdefault(p.pid, p)
-        except psutil.Error:
-            pass
-
-    def leftovers(self) -> list[psutil.Process]:
-        out = []
-        for p in self.procs.values():
-            try:
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
-            except psutil.Error:
-                pass
-        return out
 
     def ready(self, d: Daemon, mode: str, restarts: int, old: set[int]) -> None:
         """RUNNING after `restarts` restarts, the gate open, and (standby) a new standby

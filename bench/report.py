@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 
@@ -16,20 +15,3 @@ def write_section(path: Path, name: str, text: str) -> None:
     else:
         new = old.rstrip() + "\n\n" + block
     path.write_text(new)
-
-
-class OutOfTime(Exception):
-    """A bench run's global deadline has passed."""
-
-
-class Clock:
-    """A bench run's global deadline: every wait is bounded by what is left of it."""
-
-    def __init__(self, minutes: float) -> None:
-        self.deadline = time.monotonic() + minutes * 60
-
-    def left(self, cap: float) -> float:
-        rest = self.deadline - time.monotonic()
-        if rest <= 0:
-            raise OutOfTime("the run's deadline has passed")
-        return min(cap, rest)

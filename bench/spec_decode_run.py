@@ -79,7 +79,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.report import Clock, write_section  # noqa: E402
+from bench.report import write_section  # noqa: E402
+from bench.runs import Clock, TreeLedger  # noqa: E402
 from tests.harness import Daemon, free_port, wait_for  # noqa: E402
 
 MODES = ("awake", "none")
@@ -341,30 +342,10 @@ def wall(iso: str) -> float:
     return datetime.fromisoformat(iso).timestamp()
 
 
-class Run:
+class Run(TreeLedger):
     def __init__(self, a: argparse.Namespace, clock: Clock) -> None:
+        super().__init__()
         self.a, self.clock = a, clock
-        self.procs: dict[int, psutil.Process] = {}
-
-    def remember(self, pid: int | None) -> None:
-        if not pid:
-            return
-        try:
-            root = psutil.Process(pid)
-            for p in [root, *root.children(recursive=True)]:
-                self.procs.setdefault(p.pid, p)
-        except psutil.Error:
-            pass
-
-    def leftovers(self) -> list[psutil.Process]:
-        out = []
-        for p in self.procs.values():
-            try:
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
-            except psutil.Error:
-                pass
-        return out
 
     def decision(self, d: Daemon, action: str, after: float) -> dict[str, Any]:
         def found() -> dict[str, Any] | None:

@@ -5,8 +5,9 @@ and what it does when an engine fails inside an answer. Fast: no daemon, no engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -43,6 +44,30 @@ async def _proxy(upstream: str, **settings: Any) -> FrontProxy:
                        ready=lambda: True)
     await proxy.start()
     return proxy
+
+
+RawEngine = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def _behind_raw_engine(engine: RawEngine) -> AsyncIterator[FrontProxy]:
+    """The proxy in front of a raw socket server (an engine that misbehaves on purpose)."""
+    server = await asyncio.start_server(engine, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    proxy = await _proxy(f"http://127.0.0.1:{port}")
+    try:
+        yield proxy
+    finally:
+        await proxy.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def _read_body(reader: asyncio.StreamReader, head: bytes) -> bytes:
+    """The body of a request whose head was read, by its Content-Length."""
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    return await reader.readexactly(length)
 
 
 def _post(body: dict[str, Any]) -> bytes:
@@ -103,10 +128,7 @@ def test_a_sized_answer_cut_by_a_dying_engine_is_sent_again_never_half_delivered
     attempts: list[int] = []
 
     async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length")))
-        await reader.readexactly(length)
+        await _read_body(reader, await reader.readuntil(b"\r\n\r\n"))
         attempts.append(1)
         status = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(COMPLETION))
@@ -118,20 +140,13 @@ def test_a_sized_answer_cut_by_a_dying_engine_is_sent_again_never_half_delivered
         writer.close()
 
     async def main() -> None:
-        server = await asyncio.start_server(engine, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        proxy = await _proxy(f"http://127.0.0.1:{port}")
-        try:
+        async with _behind_raw_engine(engine) as proxy:
             async with aiohttp.ClientSession() as s, s.post(
                     f"http://127.0.0.1:{proxy.port}/v1/completions",
                     data=_post({"model": "m", "prompt": "x"})) as r:
                 assert r.status == 200 and await r.read() == COMPLETION
             assert len(attempts) == 2
             assert proxy.stats.retried_connects == 1
-        finally:
-            await proxy.close()
-            server.close()
-            await server.wait_closed()
 
     asyncio.run(main())
 
@@ -181,9 +196,7 @@ def test_a_sized_answer_cut_by_a_healthy_engine_is_a_502_not_sent_again() -> Non
         if head.startswith(b"GET /health"):
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
         else:
-            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length")))
-            await reader.readexactly(length)
+            await _read_body(reader, head)
             attempts.append(1)
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n" % len(COMPLETION) + COMPLETION[:10])
@@ -191,20 +204,13 @@ def test_a_sized_answer_cut_by_a_healthy_engine_is_a_502_not_sent_again() -> Non
         writer.close()
 
     async def main() -> None:
-        server = await asyncio.start_server(engine, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        proxy = await _proxy(f"http://127.0.0.1:{port}")
-        try:
+        async with _behind_raw_engine(engine) as proxy:
             async with aiohttp.ClientSession() as s, s.post(
                     f"http://127.0.0.1:{proxy.port}/v1/completions",
                     data=_post({"model": "m", "prompt": "x"})) as r:
                 assert r.status == 502
                 assert (await r.json())["error"]["type"] == "engine_failed"
             assert len(attempts) == 1 and proxy.stats.retried_connects == 0
-        finally:
-            await proxy.close()
-            server.close()
-            await server.wait_closed()
 
     asyncio.run(main())
 
