@@ -13,7 +13,7 @@ import asyncio
 import functools
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from supervisor.front import routing
 from supervisor.front.admission import Gate, Rejected, Ticket
@@ -34,6 +34,16 @@ class Backend:
     # which start of the engine this is (its unit's generation): a request counts one
     # death per engine start it was at, however many ways that engine failed it
     generation: Callable[[], int] = lambda: 0
+    # when the front door first saw each recent start fail a request (monotonic s): a
+    # death is counted only for the requests sent to that start before then
+    failure_seen: dict[int, float] = field(default_factory=dict)
+
+    def failed(self, generation: int, now: float) -> float:
+        """Start `generation` failed a request at `now`: when its failure was first seen."""
+        first = self.failure_seen.setdefault(generation, now)
+        if len(self.failure_seen) > 8:  # only the last starts matter
+            del self.failure_seen[min(self.failure_seen)]
+        return first
 
     def serving(self) -> bool:
         return self.ready() and not self.gate.breaker_open

@@ -4,6 +4,7 @@ the streams it continues (`supervisor/front/streams.py`)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from supervisor.front.continuation import Transcript
@@ -78,17 +79,24 @@ class Exchange:
     gap_from: float | None = None  # a broken stream's last answer bytes, until it goes on
     transcript: Transcript | None = None  # a continuable stream's record
     backend: Backend | None = None  # the engine it was sent to (a continuation stays there)
-    sent_to: tuple[str, int] | None = None  # (engine, its generation) it went to last
+    # the engine start it went to last, and when it was sent there
+    sent_to: tuple[Backend, int, float] | None = None
     # the engine starts that failed it while they had it (supervisor/front/quarantine.py)
     died_at: set[tuple[str, int]] = field(default_factory=set)
 
     def sent(self, backend: Backend) -> None:
-        self.sent_to = (backend.name, backend.generation())
+        self.sent_to = (backend, backend.generation(), time.monotonic())
 
     def engine_failed(self) -> None:
-        """The engine it was last sent to went while it had it: one death per start."""
-        if self.sent_to is not None:
-            self.died_at.add(self.sent_to)
+        """The engine it was last sent to went while it had it: one death per start, and
+        only when it was sent there before anyone saw that start fail (a request sent to
+        an engine already seen dying, as the next suspect in its lane is, was not part
+        of its death)."""
+        if self.sent_to is None:
+            return
+        backend, generation, at = self.sent_to
+        if at <= backend.failed(generation, time.monotonic()):
+            self.died_at.add((backend.name, generation))
 
     @property
     def deaths(self) -> int:

@@ -5,7 +5,10 @@ vLLM, say) would otherwise be replayed on every restarted engine, since the prox
 and continues what a fault interrupts. Every request counts the engine deaths it was at
 the engine for (`Exchange.deaths`): its stream broken by the engine, or its connection
 dropped or answered 5xx by a dying engine; a connection refused does not count (the
-request never reached an engine), nor a stream paused for a drained restart.
+request never reached an engine), nor a stream paused for a drained restart, nor a
+request sent to an engine start after the front door first saw that start fail another
+(it went to an engine already dying: the next suspect in a lane, sent the moment the
+killer before it is answered, would otherwise count the killer's death as its own).
 
 - At `SUSPECT_AT` deaths (2) a request is a suspect: from then on it goes to its engine
   only through that engine's suspect lane, one suspect at a time. Other requests flow as
