@@ -87,16 +87,18 @@ class Exchange:
     def sent(self, backend: Backend) -> None:
         self.sent_to = (backend, backend.generation(), time.monotonic())
 
-    def engine_failed(self) -> None:
+    def engine_failed(self) -> bool:
         """The engine it was last sent to went while it had it: one death per start, and
         only when it was sent there before anyone saw that start fail (a request sent to
         an engine already seen dying, as the next suspect in its lane is, was not part
-        of its death)."""
+        of its death). Whether it was sent before: False, it met a death already known."""
         if self.sent_to is None:
-            return
+            return False
         backend, generation, at = self.sent_to
-        if at <= backend.failed(generation, time.monotonic()):
-            self.died_at.add((backend.name, generation))
+        if at > backend.failed(generation, time.monotonic()):
+            return False
+        self.died_at.add((backend.name, generation))
+        return True
 
     @property
     def deaths(self) -> int:

@@ -10,7 +10,8 @@ handler cancellation closes the upstream connection, and vLLM aborts the request
 Only the serving API is forwarded, and only by route (`supervisor/front/routes.py`): the
 request target is read once, anything ambiguous refused with 400, the allow-list checked
 on that one canonical path, and the upstream request line built from the same path,
-sent as already encoded, so no URL library normalises it again on the way. The engine's
+sent as already encoded, so no URL library normalises it again on the way (the upstream client,
+`supervisor/front/upstream.py`, sends the target it is given). The engine's
 administrative routes (`/sleep`, `/wake_up`, `/reset_*`, `/pause`, `/collective_rpc`,
 `/server_info`...) are refused with 403: vLLM leaves them unauthenticated and only the
 daemon calls them, on the internal port. Every refused path is logged with its peer and
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import re
 import time
 from collections.abc import Callable
@@ -42,7 +44,6 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
-from yarl import URL
 
 from supervisor.front import continuation, dispatch, quarantine, routing
 from supervisor.front.admission import Gate, Rejected
@@ -59,6 +60,14 @@ from supervisor.front.streams import (
     UpstreamFailed,
     upstream_chunks,
     upstream_headers,
+)
+from supervisor.front.upstream import (
+    Answer,
+    BodyCut,
+    ConnectFailed,
+    Disconnected,
+    Upstream,
+    UpstreamError,
 )
 from supervisor.ops.logs import RequestLog
 
@@ -89,7 +98,7 @@ class FrontProxy:
                                     settings.models,
                                     settings.models_open or not settings.models))
         self._runner: web.ServerRunner | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._upstream: Upstream | None = None
         # the streams it can continue: relayed, paused, continued
         self.lanes = quarantine.Quarantine()  # requests that kill their engine
         self.streams = StreamRelay(settings, self.stats, self.latency, self.lanes)
@@ -144,14 +153,8 @@ class FrontProxy:
             await self._runner.cleanup()
             raise ProxyError(f"proxy cannot listen on {self.s.listen_host}:"
                              f"{self.s.listen_port}: {exc}") from exc
-        self._session = aiohttp.ClientSession(
-            # idle upstream connections are dropped before uvicorn's own 5 s keep-alive
-            # timeout closes them under us
-            connector=aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=4.0),
-            auto_decompress=False, timeout=aiohttp.ClientTimeout(
-                total=None, connect=self.s.connect_timeout_s,
-                sock_read=self.s.idle_read_timeout_s))
-        self.streams.session = self._session
+        self._upstream = Upstream(self.s.connect_timeout_s, self.s.idle_read_timeout_s)
+        self.streams.upstream = self._upstream
         log.info("proxy listening", host=self.s.listen_host, port=self.port,
                  upstream=self.s.upstream)
 
@@ -194,8 +197,8 @@ class FrontProxy:
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
-        if self._session is not None:
-            await self._session.close()
+        if self._upstream is not None:
+            await self._upstream.close()
 
     # ---- requests -------------------------------------------------------------------
 
@@ -262,16 +265,16 @@ class FrontProxy:
     async def _list_models(self) -> web.Response:
         """GET /v1/models with several engines: every model served here, each once, as
         the engines that serve now describe it (a down engine's by name alone)."""
-        assert self._session is not None
+        assert self._upstream is not None
         data: dict[str, dict[str, object]] = {}
         for b in self.backends.values():
             entries: list[dict[str, object]] = []
             if b.serving():
-                with contextlib.suppress(TimeoutError, aiohttp.ClientError, ValueError):
-                    async with self._session.get(
-                            b.upstream + "/v1/models",
-                            timeout=aiohttp.ClientTimeout(total=2.0)) as r:
-                        doc = await r.json(content_type=None)
+                with contextlib.suppress(TimeoutError, UpstreamError, ValueError,
+                                         AttributeError):
+                    status, text = await self._upstream.get(b.upstream, "/v1/models", 2.0)
+                    if status == 200:
+                        doc = json.loads(text)
                         entries = [e for e in doc.get("data", []) if isinstance(e, dict)]
             for m in b.models:
                 if not any(e.get("id") == m for e in entries):
@@ -408,16 +411,15 @@ class FrontProxy:
 
     async def _forward(self, request: web.BaseRequest, target: Target, body: bytes,
                        ex: Exchange, plan: continuation.Plan | None) -> web.StreamResponse:
-        assert self._session is not None and ex.backend is not None
-        headers = upstream_headers(request)
+        assert self._upstream is not None and ex.backend is not None
         if plan is not None:
             body = plan.body
-        # as already encoded: the path checked is the path sent, not normalised again
-        url = URL(ex.backend.upstream + target.upstream_path_qs, encoded=True)
         resp: web.StreamResponse | None = None
         try:
-            async with self._session.request(request.method, url, headers=headers, data=body,
-                                             allow_redirects=False) as up:
+            # the target as it came: the path checked is the path sent, not normalised
+            async with self._upstream.request(request.method, ex.backend.upstream,
+                                              target.upstream_path_qs,
+                                              upstream_headers(request), body) as up:
                 if up.status >= 500 and not await self.streams.engine_healthy(ex.backend):
                     # nothing has reached the client, and the engine is dying (vLLM answers
                     # 500 to new requests between its core's death and its own exit): the
@@ -435,7 +437,7 @@ class FrontProxy:
                     # seen nothing, and the request goes again
                     try:
                         data = await up.read()
-                    except aiohttp.ClientPayloadError as exc:
+                    except BodyCut as exc:
                         if await self.streams.engine_healthy(ex.backend):
                             # (a healthy engine that cut its answer: asked again, it may
                             # cut it again; the client has seen nothing: an explicit 502)
@@ -447,7 +449,7 @@ class FrontProxy:
                     ex.tail = data[-TAIL_BYTES:]
                 else:
                     resp = web.StreamResponse(status=up.status, reason=up.reason)
-                for k, v in up.headers.items():
+                for k, v in up.headers:
                     if k.lower() not in HOP_BY_HOP:
                         resp.headers.add(k, v)
                 resp.headers[ENGINE_HEADER] = ex.backend.name
@@ -469,24 +471,18 @@ class FrontProxy:
                     return resp
                 self.stats.count(up.status)
                 return resp
-        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
-                aiohttp.ClientOSError) as exc:
-            if resp is None or not resp.prepared:
-                # refused, or the engine went while it had the request: no answer has
-                # begun, so the client has seen nothing and the request can go again
-                raise NotDelivered(repr(exc), reached=not isinstance(
-                    exc, aiohttp.ClientConnectorError)) from exc
-            if isinstance(exc, aiohttp.ClientConnectorError):
-                raise
-            return self._cut(target, request, resp, exc, ex)
-        except (TimeoutError, aiohttp.ClientError, UpstreamFailed) as exc:
+        except (ConnectFailed, Disconnected) as exc:
+            # refused, or the engine went while it had the request: no answer has begun,
+            # so the client has seen nothing and the request can go again
+            raise NotDelivered(repr(exc), reached=isinstance(exc, Disconnected)) from exc
+        except (TimeoutError, UpstreamError, UpstreamFailed) as exc:
             if resp is not None and resp.prepared:
                 return self._cut(target, request, resp, exc, ex)
             ex.status, ex.outcome = 502, "engine_failed"
             return self._error(502, f"the engine failed during the request: "
                                     f"{type(exc).__name__}: {exc}", "engine_failed")
 
-    async def _relay(self, up: aiohttp.ClientResponse, resp: web.StreamResponse,
+    async def _relay(self, up: Answer, resp: web.StreamResponse,
                      ex: Exchange) -> None:
         """The answer, chunk by chunk as it arrives; the stream's gaps as the client gets
         them, and the answer's tail (where its usage is) for the access line."""

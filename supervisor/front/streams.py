@@ -3,7 +3,7 @@ restart, continued when their engine fails them (`supervisor/front/continuation.
 half: the plan, the refusal rules, the transcript and its reframing).
 
 `StreamRelay` owns those streams for the proxy (`supervisor/front/proxy.py`), which
-gives it its settings, counters, histograms and upstream session, and nothing else.
+gives it its settings, counters, histograms and upstream client, and nothing else.
 A broken stream keeps its client's connection: it gives back its slot at the gate
 (a drain does not wait for it), waits at most `proxy.continue_timeout_s` for the gate
 to admit it again with blank keep-alive lines meanwhile, and goes on from the engine
@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator
 import aiohttp
 import structlog
 from aiohttp import web
-from yarl import URL
 
 from supervisor.front import continuation, quarantine
 from supervisor.front.admission import Rejected, Ticket
@@ -28,6 +27,7 @@ from supervisor.front.continuation import StreamBroken, Transcript
 from supervisor.front.dispatch import Backend
 from supervisor.front.exchange import Exchange, ProxySettings, ProxyStats
 from supervisor.front.latency import ClientLatency
+from supervisor.front.upstream import Answer, ConnectFailed, Disconnected, Upstream, UpstreamError
 
 log = structlog.get_logger("supervisor.proxy")
 
@@ -39,14 +39,15 @@ log = structlog.get_logger("supervisor.proxy")
 # blank lines and reads `data:` lines drops a comment too, and one blank line alone would
 # shift its next event by a newline.
 KEEPALIVE = b"\n\n"
+# (and `expect`: the proxy answered a client's 100-continue itself, and has the body)
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-              "trailer", "transfer-encoding", "upgrade", "host", "content-length"}
+              "trailer", "transfer-encoding", "upgrade", "host", "content-length", "expect"}
 
 
 class StreamRelay:
     """The front door's continuable streams: relayed through their transcripts, paused
     for a drained restart, continued when their engine fails them. `s` follows the
-    proxy's reloaded settings; `session` is the proxy's upstream session once it listens."""
+    proxy's reloaded settings; `upstream` is the proxy's upstream client once it listens."""
 
     def __init__(self, settings: ProxySettings, stats: ProxyStats, latency: ClientLatency,
                  lanes: quarantine.Quarantine) -> None:
@@ -54,19 +55,18 @@ class StreamRelay:
         self.stats = stats
         self.latency = latency
         self.lanes = lanes
-        self.session: aiohttp.ClientSession | None = None
+        self.upstream: Upstream | None = None
         # continuable streams being relayed: id(transcript) -> (it, its engine answer,
         # the engine's name)
-        self._relays: dict[int, tuple[Transcript, aiohttp.ClientResponse, str]] = {}
+        self._relays: dict[int, tuple[Transcript, Answer, str]] = {}
 
     async def engine_healthy(self, backend: Backend) -> bool:
-        assert self.session is not None
+        assert self.upstream is not None
         try:
-            async with self.session.get(backend.upstream + "/health",
-                                         timeout=aiohttp.ClientTimeout(total=2.0)) as r:
-                return r.status == 200
-        except (TimeoutError, aiohttp.ClientError):
+            status, _ = await self.upstream.get(backend.upstream, "/health", 2.0)
+        except (TimeoutError, UpstreamError):
             return False
+        return status == 200
 
     async def _write(self, resp: web.StreamResponse, ex: Exchange, data: bytes) -> None:
         """Bytes of a continuable stream to its client, timed as `_relay` times them."""
@@ -83,7 +83,7 @@ class StreamRelay:
         ex.last_write_at = ex.last_data_at = now
         ex.events += data.count(b"data:")
 
-    async def relay_events(self, up: aiohttp.ClientResponse, resp: web.StreamResponse,
+    async def relay_events(self, up: Answer, resp: web.StreamResponse,
                             ex: Exchange, t: Transcript) -> None:
         """A continuable stream, event by event through its transcript (token ids recorded
         and removed, a continuation reframed); returns at its [DONE], raises Broken when
@@ -191,7 +191,7 @@ class StreamRelay:
         """One continuation (or, when the client has seen nothing, the request again):
         wait for an engine, send it, relay it. Returns at its [DONE]; raises Broken when
         it fails mid-answer too, GaveUp when no engine took it in time."""
-        assert self.session is not None and ex.backend is not None
+        assert self.upstream is not None and ex.backend is not None
         backend = ex.backend  # the same engine: a fallback would not give the same tokens
         broke_at = ex.last_data_at or time.monotonic()
         deadline = time.monotonic() + self.s.continue_timeout_s
@@ -207,12 +207,12 @@ class StreamRelay:
                     path, body = t.plan.path, t.plan.body
                 else:
                     path, body = continuation.CONTINUATION_PATH, t.continuation()
-                url = URL(backend.upstream + path, encoded=True)
                 try:
                     async with self.lanes.lane(backend.name, ex.deaths, left):
                         ex.sent(backend)
-                        async with self.session.post(
-                                url, data=body, headers=upstream_headers(request)) as up:
+                        async with self.upstream.request(
+                                "POST", backend.upstream, path, upstream_headers(request),
+                                body) as up:
                             if up.status >= 500:
                                 if not await self.engine_healthy(backend):
                                     # a dying engine: the continuation waits for the next
@@ -235,15 +235,16 @@ class StreamRelay:
                                          waited_s=round(time.monotonic() - broke_at, 3))
                             await self.relay_events(up, resp, ex, t)
                             return
-                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-                        NotDelivered) as exc:
-                    reached = not isinstance(exc, aiohttp.ClientConnectorError) and (
+                except (ConnectFailed, Disconnected, NotDelivered) as exc:
+                    reached = not isinstance(exc, ConnectFailed) and (
                         not isinstance(exc, NotDelivered) or exc.reached)
-                    if reached:  # it was at the engine when the engine went
-                        ex.engine_failed()
+                    # it was at the engine when the engine went: a new fault; one that
+                    # met an engine already seen dying waits on for the next, as if
+                    # refused
+                    if reached and ex.engine_failed():
                         raise EngineDied(f"the engine failed the request again: {exc!r}"
                                          ) from exc
-                except (TimeoutError, aiohttp.ClientError):
+                except (TimeoutError, UpstreamError):
                     pass  # refused, or its lane or the engine busy: not back yet
             finally:
                 backend.gate.done(ticket)
@@ -289,17 +290,17 @@ class StreamRelay:
         return resp
 
 
-def upstream_headers(request: web.BaseRequest) -> dict[str, str]:
-    return {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+def upstream_headers(request: web.BaseRequest) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
 
 
-async def upstream_chunks(up: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """The upstream body as it arrives; an upstream failure is raised as UpstreamFailed,
-    so that it is never mistaken for the client going away."""
+async def upstream_chunks(up: Answer) -> AsyncIterator[bytes]:
+    """The upstream body as it arrives, each read whole; an upstream failure is raised
+    as UpstreamFailed, so that it is never mistaken for the client going away."""
     try:
-        async for chunk in up.content.iter_any():
+        while chunk := await up.read_some():
             yield chunk
-    except (TimeoutError, aiohttp.ClientError) as exc:
+    except (TimeoutError, UpstreamError) as exc:
         raise UpstreamFailed(exc) from exc
 
 

@@ -1,0 +1,385 @@
+"""The proxy's client to its engines: HTTP/1.1 over keep-alive connections, one asyncio
+protocol per connection with httptools' C response parser (as uvicorn parses requests).
+
+Why not aiohttp's client: on the proxy's hot path it cost 65-80 µs a request (its
+connector, its request writer task, a Python callback per HTTP chunk of an answer) and
+1.5 µs a streamed chunk (docs/proxy.md, "Cost per request and per chunk"). Here a request
+is one write, an answer's head one wake-up, and each read of a streamed answer is handed
+to the proxy whole, however many HTTP chunks it holds.
+
+What a caller sees (`Upstream.request`, used as `async with ... as answer`):
+- `ConnectFailed`: no connection (refused, unreachable, or none within the connect
+  timeout): the request never reached the engine.
+- `Disconnected`: the connection went before the answer's head: the engine had it.
+- `BodyCut`: the connection went inside the answer's body.
+- `TimeoutError`: no byte of the answer for `read_timeout_s`.
+All but the timeout are `UpstreamError`s; none is a `ConnectionError`, which the proxy
+keeps for its own client going away.
+
+Connections are kept for the next request once an answer was read to its end, and
+dropped after `keepalive_s` idle (below uvicorn's own 5 s, so that the engine never
+closes one under a request being sent), or when the answer asked for it. A reader slower
+than its engine pauses the socket's reading (64 KiB buffered at most), as aiohttp did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Iterable
+from types import TracebackType
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+
+HIGH_WATER = 64 << 10  # body bytes buffered before the socket's reading pauses
+_BIG_BODY = 64 << 10  # a request body above this goes in a write of its own
+_NO_BODY = frozenset(("GET", "HEAD", "DELETE", "OPTIONS"))
+
+
+class UpstreamError(Exception):
+    pass
+
+
+class ConnectFailed(UpstreamError):
+    """No connection to the engine: the request never reached it."""
+
+
+class Disconnected(UpstreamError):
+    """The connection went before the answer's head: the engine had the request."""
+
+
+class BodyCut(UpstreamError):
+    """The connection went inside the answer's body."""
+
+
+@functools.lru_cache(maxsize=64)
+def address(upstream: str) -> tuple[str, int, bytes]:
+    """http://127.0.0.1:8100 -> (host, port, the Host header's value)."""
+    parts = urlsplit(upstream)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"not an http:// address: {upstream!r}")
+    port = parts.port or 80
+    host = parts.hostname
+    shown = f"[{host}]" if ":" in host else host
+    return host, port, f"{shown}:{port}".encode()
+
+
+class Answer:
+    """An engine's answer: its head at once, its body as it arrives (`read_some`) or
+    whole (`read`). Owned by the one task that sent the request; `close` may come from
+    any other (a stream paused for a drained restart)."""
+
+    __slots__ = ("_body", "_buffered", "_conn", "_error", "_waiter", "chunked", "complete",
+                 "content_length", "content_type", "headers", "keep_alive", "reason",
+                 "status")
+
+    def __init__(self, conn: _Connection, status: int, reason: str,
+                 headers: list[tuple[str, str]]) -> None:
+        self._conn = conn
+        self.status = status
+        self.reason = reason
+        self.headers = headers  # (name, value) as the engine sent them, in order
+        self.content_type = ""
+        self.content_length: int | None = None
+        self.chunked = False
+        for name, value in headers:
+            low = name.lower()
+            if low == "content-type":
+                self.content_type = value.split(";", 1)[0].strip().lower()
+            elif low == "content-length" and value.strip().isdigit():
+                self.content_length = int(value)
+            elif low == "transfer-encoding" and "chunked" in value.lower():
+                self.chunked = True
+        self._body: list[bytes] = []
+        self._buffered = 0
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self.complete = False
+        self.keep_alive = False
+
+    async def read_some(self) -> bytes:
+        """What arrived of the body since the last call, waiting for some if none did;
+        b"" at its end."""
+        while not self._body:
+            if self._error is not None:
+                raise self._error
+            if self.complete:
+                return b""
+            await self._wait()
+        data = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self._body.clear()
+        self._buffered = 0
+        self._conn.resume()
+        return data
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        parts = []
+        while chunk := await self.read_some():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def close(self) -> None:
+        """Drop the connection now (the engine sees its client go, and vLLM aborts the
+        request); a reader waiting on it is told the body was cut."""
+        self._conn.close()
+        self._fail(BodyCut("closed by the proxy"))
+
+    async def _wait(self) -> None:
+        loop = self._conn.loop
+        self._waiter = waiter = loop.create_future()
+        timer = loop.call_later(self._conn.read_timeout_s, self._timed_out, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    def _timed_out(self, waiter: asyncio.Future[None]) -> None:
+        if not waiter.done():
+            waiter.set_exception(TimeoutError(
+                f"no answer bytes for {self._conn.read_timeout_s:g} s"))
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None and not self.complete:
+            self._error = error
+        self._wake()
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to an engine, one request at a time."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, read_timeout_s: float) -> None:
+        self.loop = loop
+        self.read_timeout_s = read_timeout_s
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = 0.0
+        self.head_only = False  # a HEAD request's answer: no body follows its head
+        self._reason = ""
+        self._headers: list[tuple[str, str]] = []
+        self._head: asyncio.Future[Answer] | None = None
+        self.answer: Answer | None = None
+        self._paused = False
+
+    # ---- the request --------------------------------------------------------------
+
+    def send(self, head: bytes, body: bytes, head_only: bool) -> asyncio.Future[Answer]:
+        """Write the request; the answer's head arrives on the future returned."""
+        assert self.transport is not None
+        self.parser = httptools.HttpResponseParser(self)
+        self._headers = []
+        self.answer = None
+        self.head_only = head_only
+        self._head = self.loop.create_future()
+        if len(body) > _BIG_BODY:
+            self.transport.write(head)
+            self.transport.write(body)
+        else:
+            self.transport.write(head + body)
+        return self._head
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.abort()
+
+    # ---- asyncio.Protocol -----------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # (uvloop's is not a subclass)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._lost(BodyCut(f"unreadable answer from the engine: {exc}"))
+            self.close()
+            return
+        answer = self.answer
+        if answer is not None and answer._body:
+            if answer._buffered > HIGH_WATER and not self._paused and not answer.complete:
+                self._paused = True
+                assert self.transport is not None
+                self.transport.pause_reading()
+            answer._wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        answer = self.answer
+        if (exc is None and answer is not None and not answer.complete
+                and answer.content_length is None and not answer.chunked):
+            answer.complete = True  # a body that ends with its connection: whole
+            answer._wake()
+            return
+        why = f": {exc!r}" if exc is not None else ""
+        self._lost(None, why)
+
+    def _lost(self, error: UpstreamError | None, why: str = "") -> None:
+        if self._head is not None and not self._head.done():
+            self._head.set_exception(error or Disconnected(
+                f"the engine closed the connection before answering{why}"))
+        elif self.answer is not None:
+            self.answer._fail(error or BodyCut(
+                f"the engine closed the connection inside its answer{why}"))
+
+    # ---- httptools' callbacks ----------------------------------------------------------
+
+    def on_status(self, status: bytes) -> None:
+        self._reason = status.decode("latin-1")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status < 200:  # an interim answer (100 Continue): the real one follows
+            self._headers = []
+            return
+        self.answer = answer = Answer(self, status, self._reason, self._headers)
+        if self.head_only or status in (204, 304):
+            answer.complete = True  # nothing follows; not reused (the parser expects a body)
+        if self._head is not None and not self._head.done():
+            self._head.set_result(answer)
+
+    def on_body(self, body: bytes) -> None:
+        answer = self.answer
+        if answer is not None and not answer.complete:
+            answer._body.append(body)
+            answer._buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        answer = self.answer
+        if answer is not None and not answer.complete:
+            answer.complete = True
+            answer.keep_alive = self.parser.should_keep_alive()
+            answer._wake()
+
+
+class Upstream:
+    """Keep-alive connections to the engines, by address; one request per connection
+    at a time."""
+
+    def __init__(self, connect_timeout_s: float, read_timeout_s: float,
+                 keepalive_s: float = 4.0) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.keepalive_s = keepalive_s
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._closed = False
+
+    def request(self, method: str, upstream: str, target: str,
+                headers: Iterable[tuple[str, str]], body: bytes = b"") -> Call:
+        """`async with upstream.request(...) as answer`: the request sent, its answer's
+        head read. `target` is sent as it is (the proxy checked it raw)."""
+        return Call(self, method, upstream, target, headers, body)
+
+    async def get(self, upstream: str, target: str, timeout_s: float) -> tuple[int, bytes]:
+        """A small GET (a health check, the model list): its status and body, within
+        `timeout_s` in all."""
+        async with asyncio.timeout(timeout_s), self.request("GET", upstream, target,
+                                                            ()) as answer:
+            return answer.status, await answer.read()
+
+    async def close(self) -> None:
+        self._closed = True
+        for conns in self._idle.values():
+            for c in conns:
+                c.close()
+        self._idle.clear()
+
+    async def _connection(self, host: str, port: int) -> _Connection:
+        if self._closed:
+            raise ConnectFailed("the proxy's upstream client is closed")
+        idle = self._idle.get((host, port))
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and now - conn.idle_since < self.keepalive_s:
+                return conn
+            conn.close()
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(loop, self.read_timeout_s), host, port)
+        except TimeoutError as exc:
+            raise ConnectFailed(f"no connection to {host}:{port} within "
+                                f"{self.connect_timeout_s:g} s") from exc
+        except OSError as exc:
+            raise ConnectFailed(f"cannot connect to {host}:{port}: {exc}") from exc
+        return conn
+
+    def _release(self, host: str, port: int, conn: _Connection) -> None:
+        answer = conn.answer
+        if (self._closed or conn.closed or conn.head_only or answer is None
+                or not answer.complete or not answer.keep_alive or answer._error is not None):
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        self._idle.setdefault((host, port), []).append(conn)
+
+
+class Call:
+    """One request to an engine, as an async context manager: entered, the request is
+    sent and its answer's head read; left, its connection kept for the next request
+    (when the answer was read to its end) or dropped."""
+
+    __slots__ = ("_answer", "_args", "_client", "_conn", "_host", "_port")
+
+    def __init__(self, client: Upstream, method: str, upstream: str, target: str,
+                 headers: Iterable[tuple[str, str]], body: bytes) -> None:
+        self._client = client
+        self._args = (method, upstream, target, headers, body)
+        self._conn: _Connection | None = None
+        self._host = ""
+        self._port = 0
+
+    async def __aenter__(self) -> Answer:
+        method, upstream, target, headers, body = self._args
+        self._host, self._port, host_header = address(upstream)
+        lines = [f"{method} {target} HTTP/1.1\r\nHost: ".encode(), host_header, b"\r\n"]
+        if body or method not in _NO_BODY:  # (a GET says nothing of a body, as aiohttp)
+            lines.append(b"Content-Length: %d\r\n" % len(body))
+        for name, value in headers:
+            lines.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
+        lines.append(b"\r\n")
+        conn = self._conn = await self._client._connection(self._host, self._port)
+        if conn.closed:
+            raise Disconnected("the connection to the engine closed")
+        head = conn.send(b"".join(lines), body, method == "HEAD")
+        timer = conn.loop.call_later(conn.read_timeout_s, _time_out, head,
+                                     conn.read_timeout_s)
+        try:
+            return await head
+        finally:
+            timer.cancel()
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        conn = self._conn
+        if conn is None:
+            return
+        if kind is None:
+            self._client._release(self._host, self._port, conn)
+        else:
+            conn.close()
+
+
+def _time_out(head: asyncio.Future[Answer], after_s: float) -> None:
+    if not head.done():
+        head.set_exception(TimeoutError(f"no answer from the engine within {after_s:g} s"))

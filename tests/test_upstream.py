@@ -1,0 +1,252 @@
+"""The proxy's upstream client (supervisor/front/upstream.py) against raw socket servers
+that answer as scripted: what it sends, what it hands back, which failure it names,
+and when it keeps a connection. Fast: no daemon, no engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from supervisor.front.upstream import (
+    HIGH_WATER,
+    BodyCut,
+    ConnectFailed,
+    Disconnected,
+    Upstream,
+    address,
+)
+
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+
+class Engine:
+    """A raw server; `connections` counts the connections it accepted."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.connections = 0
+        self.url = ""
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            await self.script(reader, writer)
+
+
+@contextlib.asynccontextmanager
+async def engine(script: Script) -> AsyncIterator[Engine]:
+    e = Engine(script)
+    server = await asyncio.start_server(e._serve, "127.0.0.1", 0)
+    e.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        yield e
+    finally:
+        server.close()
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head, await reader.readexactly(length)
+
+
+def test_a_request_is_one_write_and_its_connection_serves_the_next() -> None:
+    seen: list[tuple[bytes, bytes]] = []
+
+    async def answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            seen.append(await read_request(reader))
+            writer.write(OK)
+
+    async def main() -> None:
+        async with engine(answer_each) as e:
+            u = Upstream(1.0, 5.0)
+            for _ in range(3):
+                async with u.request("POST", e.url, "/v1/completions?x=%2F",
+                                     [("Content-Type", "application/json"), ("X-A", "1"),
+                                      ("X-A", "2")], b'{"a": 1}') as a:
+                    assert (a.status, a.reason, a.content_type, a.content_length) == (
+                        200, "OK", "application/json", 2)
+                    assert await a.read() == b"{}"
+            assert e.connections == 1
+            status, body = await u.get(e.url, "/health", 2.0)
+            assert (status, body) == (200, b"{}") and e.connections == 1
+            await u.close()
+        head, body = seen[0]
+        port = e.url.rsplit(":", 1)[1]
+        assert head.startswith(b"POST /v1/completions?x=%2F HTTP/1.1\r\nHost: 127.0.0.1:"
+                               + port.encode() + b"\r\nContent-Length: 8\r\n")
+        assert b"\r\nX-A: 1\r\nX-A: 2\r\n" in head and body == b'{"a": 1}'
+        assert seen[3][0].startswith(b"GET /health HTTP/1.1\r\n")
+        assert b"content-length" not in seen[3][0].lower()  # a GET says nothing of a body
+
+    asyncio.run(main())
+
+
+def test_a_chunked_answer_is_handed_over_a_read_at_a_time_not_a_chunk_at_a_time() -> None:
+    go = asyncio.Event()
+
+    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        writer.write(b"5\r\nhello\r\n1\r\n \r\n5\r\nworld\r\n")  # three chunks, one write
+        await writer.drain()
+        await go.wait()
+        writer.write(b"1\r\n!\r\n0\r\n\r\n")
+        await writer.drain()
+        await read_request(reader)  # the connection is kept for the next request
+        writer.write(OK)
+
+    async def main() -> None:
+        async with engine(stream) as e:
+            u = Upstream(1.0, 5.0)
+            async with u.request("POST", e.url, "/v1/completions", [], b"{}") as a:
+                assert a.content_type == "text/event-stream" and a.content_length is None
+                assert await a.read_some() == b"hello world"
+                go.set()
+                assert await a.read_some() == b"!"
+                assert await a.read_some() == b""
+            assert (await u.get(e.url, "/", 2.0)) == (200, b"{}")
+            assert e.connections == 1
+            await u.close()
+
+    asyncio.run(main())
+
+
+def test_each_failure_is_named_for_where_it_happened() -> None:
+    async def close_at_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.close()
+
+    async def cut_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 10)
+        await writer.drain()
+        writer.close()
+
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"SMTP ready\r\n\r\n")
+        await writer.drain()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await asyncio.sleep(5)
+
+    async def main() -> None:
+        u = Upstream(1.0, 0.3)
+        # nothing listens there: the request never reached an engine
+        async with engine(silent) as e:
+            gone = e.url
+        with pytest.raises(ConnectFailed):
+            async with u.request("POST", gone, "/", [], b"{}"):
+                pass
+        async with engine(close_at_once) as e:
+            with pytest.raises(Disconnected):
+                async with u.request("POST", e.url, "/", [], b"{}"):
+                    pass
+        async with engine(cut_body) as e, u.request("POST", e.url, "/", [], b"{}") as a:
+            assert a.status == 200
+            with pytest.raises(BodyCut):
+                await a.read()
+        async with engine(garbage) as e:
+            with pytest.raises((BodyCut, Disconnected)):
+                async with u.request("POST", e.url, "/", [], b"{}"):
+                    pass
+        async with engine(silent) as e:
+            with pytest.raises(TimeoutError):
+                async with u.request("POST", e.url, "/", [], b"{}"):
+                    pass
+            assert e.connections == 1
+        await u.close()
+
+    asyncio.run(main())
+
+
+def test_a_reader_closed_from_elsewhere_is_told_its_body_was_cut() -> None:
+    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n")
+        await writer.drain()
+        await reader.read()  # until the proxy drops the connection
+
+    async def main() -> None:
+        async with engine(endless) as e:
+            u = Upstream(1.0, 5.0)
+            async with u.request("POST", e.url, "/", [], b"{}") as a:
+                assert await a.read_some() == b"ok"
+                asyncio.get_running_loop().call_later(0.05, a.close)
+                with pytest.raises(BodyCut):
+                    await a.read_some()
+            await u.close()
+
+    asyncio.run(main())
+
+
+def test_idle_and_unfinished_connections_are_not_reused() -> None:
+    async def answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head, _ = await read_request(reader)
+            if head.startswith(b"HEAD"):
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n")
+            elif head.startswith(b"POST /open"):  # an answer that has not ended
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             b"2\r\nok\r\n")
+            else:
+                writer.write(OK)
+
+    async def main() -> None:
+        async with engine(answer_each) as e:
+            u = Upstream(1.0, 5.0, keepalive_s=0.2)
+            async with u.request("HEAD", e.url, "/", []) as a:  # no body follows its head
+                assert a.status == 200 and a.content_length == 2
+                assert await a.read() == b""
+            async with u.request("POST", e.url, "/open", [], b"{}") as a:
+                assert await a.read_some() == b"ok"  # left before its end: not reused
+            assert (await u.get(e.url, "/", 2.0)) == (200, b"{}")
+            assert e.connections == 3
+            await asyncio.sleep(0.3)  # idle past keepalive_s: dropped, not reused
+            assert (await u.get(e.url, "/", 2.0)) == (200, b"{}")
+            assert e.connections == 4
+            await u.close()
+
+    asyncio.run(main())
+
+
+def test_a_slow_reader_pauses_the_socket_and_still_gets_every_byte() -> None:
+    size = 16 * HIGH_WATER
+
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        for i in range(16):
+            writer.write(bytes([65 + i]) * HIGH_WATER)
+            await writer.drain()
+
+    async def main() -> None:
+        async with engine(flood) as e:
+            u = Upstream(1.0, 5.0)
+            async with u.request("POST", e.url, "/", [], b"{}") as a:
+                await asyncio.sleep(0.3)  # not reading: the client must stop reading too
+                held = a._buffered
+                assert HIGH_WATER <= held < 4 * HIGH_WATER, held
+                body = await a.read()
+            assert len(body) == size and body[-1:] == b"P"
+            await u.close()
+
+    asyncio.run(main())
+
+
+def test_an_address_is_read_once_and_a_bad_one_refused() -> None:
+    assert address("http://127.0.0.1:8100") == ("127.0.0.1", 8100, b"127.0.0.1:8100")
+    assert address("http://[::1]:8100") == ("::1", 8100, b"[::1]:8100")
+    with pytest.raises(ValueError, match="not an http"):
+        address("https://127.0.0.1:8100")
