@@ -221,6 +221,33 @@ def test_idle_and_unfinished_connections_are_not_reused() -> None:
     asyncio.run(main())
 
 
+def test_a_request_given_up_before_its_answer_closes_its_connection() -> None:
+    """Its caller cancelled (the proxy's client went away) while the engine has not
+    answered: the engine sees the connection close, as vLLM must to abort the request."""
+    closed = asyncio.Event()
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await reader.read()  # b"" once the proxy closes
+        closed.set()
+
+    async def main() -> None:
+        async with engine(slow) as e:
+            u = Upstream(1.0, 5.0)
+
+            async def ask() -> None:
+                async with u.request("POST", e.url, "/", [], b"{}"):
+                    pass
+
+            task = asyncio.create_task(ask())
+            await asyncio.sleep(0.1)
+            task.cancel()
+            await asyncio.wait_for(closed.wait(), 2)
+            await u.close()
+
+    asyncio.run(main())
+
+
 def test_a_slow_reader_pauses_the_socket_and_still_gets_every_byte() -> None:
     size = 16 * HIGH_WATER
 

@@ -243,7 +243,8 @@ class _Connection(asyncio.Protocol):
         self._reason = status.decode("latin-1")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        self._headers.append((name.decode("utf-8", "surrogateescape"),
+                              value.decode("utf-8", "surrogateescape")))  # (as aiohttp)
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
@@ -359,13 +360,16 @@ class Call:
             lines.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
         lines.append(b"\r\n")
         conn = self._conn = await self._client._connection(self._host, self._port)
-        if conn.closed:
-            raise Disconnected("the connection to the engine closed")
         head = conn.send(b"".join(lines), body, method == "HEAD")
         timer = conn.loop.call_later(conn.read_timeout_s, _time_out, head,
                                      conn.read_timeout_s)
         try:
             return await head
+        except BaseException:
+            # no answer to hand over (a failure, a timeout, the caller cancelled because
+            # its client went): `__aexit__` will not run, so the connection goes here
+            conn.close()
+            raise
         finally:
             timer.cancel()
 
