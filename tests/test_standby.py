@@ -105,6 +105,55 @@ def test_a_crash_and_a_restart_each_hand_over_to_the_standby(daemon_factory, tmp
     wait_for(lambda: standby_ready(d), 30, "a standby again")
 
 
+def test_a_restart_with_drain_finish_swaps_at_once_and_the_old_engine_finishes_its_streams(
+        daemon_factory, tmp_path):
+    """`drain = "finish"` (the default) with an awake standby: an operator's restart
+    under four streams does not hold new requests behind them; a request sent just
+    after it is answered by the standby while the streams are still running, and they
+    end whole on the old engine, never broken nor continued; then the old engine is
+    taken down and a new standby is proven in its place."""
+    cfg = proxy_config(tmp_path, "--token-delay", "0.02", keepalive_s=0.5)
+    cfg["engine"].update(standby="awake", drain="finish", drain_timeout_s=60)
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: standby_ready(d), 30, "the standby ready")
+    before = d.status()
+    results: list[Seen | None] = [None] * 4
+    ended = [0.0] * 4
+    started = [threading.Event() for _ in results]
+
+    def one(i: int) -> None:
+        results[i] = run(cfg, comp(prompt=f"stream {i}", max_tokens=N), started=started[i])
+        ended[i] = time.monotonic()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for e in started:
+        assert e.wait(30), "a stream never started"
+    d.ctl("restart", "--reason", "swap test").check_returncode()
+    r = httpx.post(url(cfg), json={"model": "fake", "prompt": "new", "max_tokens": 2},
+                   timeout=30)
+    answered = time.monotonic()
+    assert r.status_code == 200, r.text
+    assert d.status()["pid"] == before["standby"]["pid"]  # the standby serves now
+    for t in threads:
+        t.join(60)
+    assert answered < min(ended), (answered, ended)  # not held behind the streams
+    for i, s in enumerate(results):
+        assert s is not None and s.complete, s
+        assert "".join(s.texts) == expected_text(prompt_ids({"prompt": f"stream {i}"}, False), N)
+    m = metrics(cfg)
+    assert m.get(("vllm_supervisor_proxy_continuations_total", (("outcome", "continued"),)),
+                 0) == 0  # none broken: they ended where they began
+    drained = wait_for(lambda: [e for e in d.log_records()
+                                if e.get("event") == "swap: the old engine drained"], 20,
+                       "the old engine drained")
+    assert drained[0]["pid"] == before["pid"]
+    wait_for(lambda: standby_ready(d) and d.status()["standby"]["pid"] != before["pid"], 30,
+             "a new standby in the old engine's place")
+
+
 def sleep_config(tmp_path: Path, *fake: str) -> dict[str, Any]:
     cfg = proxy_config(tmp_path, "--token-delay", "0.02", "--enable-sleep-mode",
                        "--gpu-memory-utilization", "0.45", *fake, keepalive_s=0.5)

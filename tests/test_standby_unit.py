@@ -14,6 +14,7 @@ import pytest
 from supervisor.config import parse_config
 from supervisor.engine.events import (
     Down,
+    Drained,
     Exited,
     GateProbe,
     HealthResult,
@@ -97,6 +98,42 @@ def test_a_standby_is_proven_then_takes_over_a_crash_and_a_restart_without_a_col
         assert w.state == "STOPPING"
         w.down(fourth)
         assert w.state == "STOPPED" and stop.result()["state"] == "STOPPED"
+    finally:
+        w.loop.close()
+
+
+def test_a_restart_with_requests_in_flight_swaps_at_once_and_the_old_engine_finishes_them(
+        tmp_path: Path) -> None:
+    """`drain = "finish"` with an awake standby ready: the restart does not hold new
+    requests while the old engine's finish; the standby serves at once (after its
+    generation), the old engine keeps the requests it has until they end (the proxy's
+    count of them, bounded by its drain timeout), and only then is taken down."""
+    w = World(tmp_path, fronted=True, engine={"standby": "awake", "drain": "finish"})
+    try:
+        gate = w.sup.gate
+        first = w.serving()
+        w.feed(GateProbe(first.generation, True, None))
+        spare = w.spawned()
+        w.feed(HealthResult(spare.generation, True))
+        w.feed(GateProbe(spare.generation, True, None))
+        ticket = asyncio.run(gate.acquire(1))  # a stream at the serving engine
+        w.control("restart")
+        assert w.state == "RUNNING" and w.sup.engine is spare
+        assert w.fx.last("follow") == {"pid": spare.pid}
+        assert "drain" not in w.fx.names()  # nothing holds new requests behind the old
+        assert w.fx.last("drain_behind") == {"pid": first.pid}
+        assert "take_down" not in w.fx.names()  # the old engine keeps its stream
+        w.feed(GateProbe(spare.generation, True, None))
+        assert gate.held_reason is None  # new requests go to the standby now
+        st = w.sup.status()
+        assert st["last_decision"]["action"] == "failover" and st["restarts"] == 1
+        gate.done(ticket)
+        w.feed(Drained(first.generation, True, 2.5))  # its stream ended there
+        assert w.fx.last("take_down") == {"pid": first.pid, "graceful": True, "evidence": None}
+        w.feed(Drained(first.generation, True, 2.5))  # (a late repeat: nothing more)
+        assert w.fx.names().count("take_down") == 1
+        w.down(first)
+        assert w.fx.last("spawn")["bay"] == 0  # a new standby in the old one's place
     finally:
         w.loop.close()
 

@@ -98,6 +98,10 @@ class RecordingEffects:
         self.calls.append(("drain", {"pid": engine.pid}))
         self.deadlines.append(deadline)
 
+    def drain_behind(self, engine: EngineProcess, deadline: float) -> None:
+        self.calls.append(("drain_behind", {"pid": engine.pid}))
+        self.deadlines.append(deadline)
+
     def remedy(self, engine: EngineProcess, rung: str) -> None:
         self.calls.append(("remedy", {"pid": engine.pid, "rung": rung}))
 

@@ -34,6 +34,8 @@ class Front(Protocol):
 
     def pause_streams(self, engine: str) -> int: ...
 
+    def in_flight_at(self, engine: str, generation: int) -> int: ...
+
 
 class Effects(Protocol):
     def begin(self) -> dict[str, Any]:
@@ -78,6 +80,11 @@ class Effects(Protocol):
     def drain(self, engine: EngineProcess, deadline: float) -> None:
         """Wait for the requests in flight at the proxy, up to the engine's drain timeout
         and `deadline`: `Drained`."""
+
+    def drain_behind(self, engine: EngineProcess, deadline: float) -> None:
+        """After a swap to the standby: wait for the requests the proxy sent to `engine`
+        (the old one; new requests go to the standby meanwhile) to end, up to its drain
+        timeout and `deadline`: `Drained` with its generation."""
 
     def remedy(self, engine: EngineProcess, rung: str) -> None:
         """An in-place remedy (prefix-cache reset, KV reset): `RemedyDone`."""

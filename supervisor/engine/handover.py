@@ -27,7 +27,7 @@ from supervisor import engine_checks
 from supervisor.config import Config, EngineConfig
 from supervisor.engine import process as eng
 from supervisor.engine.effects import Effects
-from supervisor.engine.events import Down, Event, GateProbe, Woken
+from supervisor.engine.events import Down, Drained, Event, GateProbe, Woken
 from supervisor.engine.failures import Failures
 from supervisor.engine.gatekeeper import GateKeeper
 from supervisor.engine.intents import RelaunchLog
@@ -168,6 +168,9 @@ class Handover:
         """An event of the engine in the standby's place (the standby, or the old serving
         engine being taken down there), and what follows from it."""
         u = self.u
+        if isinstance(ev, Drained):  # (the old engine's, behind a swap)
+            self.drained_behind(ev)
+            return
         free = self.standby.handle(ev, u.standby_deadline(),
                                    stopping=u.state is State.STOPPING)
         if self._wake_when_down and isinstance(ev, Down):
@@ -233,6 +236,13 @@ class Handover:
         cfg = self.u.engine_config(self.standby.slot.bay)
         return self.standby.fits(eng.build_spawn_spec(cfg, self.u.environ))
 
+    def swaps_at_once(self) -> bool:
+        """A drained restart need not hold new requests while the engine's finish: the
+        standby is ready, up to date and awake (nothing to wait for before it serves), so
+        it takes the new requests now and those at the old engine end there behind it
+        (`fail_over(drain_behind=True)`)."""
+        return self.fits() and not self.standby.asleep
+
     def swap_or_take_down(self, graceful: bool) -> None:
         """A drained restart: the standby takes over when it is ready and up to date;
         else the engine is taken down for a cold start (and an out-of-date standby is
@@ -245,13 +255,15 @@ class Handover:
                                 deadline=self.u.set_stop_deadline(proxy_drain=False))
         self.u.take_down(graceful)
 
-    def fail_over(self, reason: str, graceful: bool) -> None:
+    def fail_over(self, reason: str, graceful: bool, drain_behind: bool = False) -> None:
         """The ready standby serves now: the proxy sends this engine's requests to it
         (streams in flight are continued on it, held requests go to it once it answered
         a generation); the old engine is taken down in the standby's place, and a new
         standby starts there once that tree is proven gone. A sleeping standby is woken
         first: at once when the two engines fit on the card side by side, else once the
-        old engine's memory is released (a wake before that fails and wedges it)."""
+        old engine's memory is released (a wake before that fails and wedges it).
+        `drain_behind` (a drained restart to an awake standby): the requests at the old
+        engine finish there first, up to its drain timeout, and then it is taken down."""
         u = self.u
         old = u.slot
         u.slot, asleep = self.standby.take_over(old)
@@ -280,7 +292,12 @@ class Handover:
             self._waking = True
             u.act.wake(engine)
         if old.engine is not None and not old.taking_down:
-            u.take_down_in(old, graceful, u.set_stop_deadline(proxy_drain=False))
+            if drain_behind:
+                log.info("swap: the requests at the old engine finish there",
+                         pid=old.engine.pid, generation=old.engine.generation)
+                u.act.drain_behind(old.engine, u.standby_deadline())
+            else:
+                u.take_down_in(old, graceful, u.set_stop_deadline(proxy_drain=False))
         u.stop_deadline = None  # (the restart is over; the old engine's has its own)
         u.relaunch.taken_down()
         u.relaunch.down()
@@ -298,6 +315,20 @@ class Handover:
             u.keeper.admitting = True
             u.relaunch.finish("ok", None)
             self.done()
+
+    def drained_behind(self, ev: Drained) -> None:
+        """The requests at the old engine after a swap have ended (or its drain timeout
+        ran out): it is taken down now, in the standby's place (unless it went already,
+        or the daemon's stop took it down)."""
+        old = self.standby.slot
+        if old.engine is not None and old.engine.generation == ev.generation \
+                and not old.taking_down:
+            log.info("swap: the old engine drained" if ev.idle else
+                     "swap: drain timeout, requests still at the old engine",
+                     pid=old.engine.pid, waited_s=round(ev.waited_s, 3))
+            self.u.audit("drained", idle=ev.idle, waited_s=round(ev.waited_s, 3),
+                         pid=old.engine.pid, behind_swap=True)
+            self.u.take_down_in(old, True, self.u.standby_deadline())
 
     def woken(self, ev: Woken) -> None:
         u = self.u

@@ -154,6 +154,9 @@ class JobEffects:
     def drain(self, engine: eng.EngineProcess, deadline: float) -> None:
         self._launch(self._drain(engine, deadline), "drain")
 
+    def drain_behind(self, engine: eng.EngineProcess, deadline: float) -> None:
+        self._launch(self._drain_behind(engine, deadline), "drain behind a swap")
+
     def remedy(self, engine: eng.EngineProcess, rung: str) -> None:
         self._launch(self._remedy(engine, rung), rung)
 
@@ -320,6 +323,18 @@ class JobEffects:
         t0 = self.clock.monotonic()
         idle = await self.gate.wait_idle(
             min(engine.config.drain_timeout_s, max(0.0, deadline - t0)))
+        self.queue.put_nowait(Drained(engine.generation, idle, self.clock.monotonic() - t0))
+
+    async def _drain_behind(self, engine: eng.EngineProcess, deadline: float) -> None:
+        t0 = self.clock.monotonic()
+        until = t0 + min(engine.config.drain_timeout_s, max(0.0, deadline - t0))
+        front = self.front
+        # (polled: the proxy counts its requests per engine start on this loop, and
+        # tells no one when one ends)
+        while front is not None and front.in_flight_at(self.name, engine.generation) \
+                and self.clock.monotonic() < until:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+        idle = front is None or not front.in_flight_at(self.name, engine.generation)
         self.queue.put_nowait(Drained(engine.generation, idle, self.clock.monotonic() - t0))
 
     async def _probe_sleep_mode(self, engine: eng.EngineProcess) -> None:

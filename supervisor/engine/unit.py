@@ -510,7 +510,12 @@ class EngineUnit:
                     paused = self.act.pause_streams(self.engine)
                     log.info("restart: streams paused, to go on on the new engine",
                              paused=paused)
-                if graceful and self.fronted and self.gate.in_flight:
+                if graceful and self.fronted and self.gate.in_flight \
+                        and self.handover.swaps_at_once():
+                    # an awake standby takes the new requests now; the ones at the old
+                    # engine finish there before its SIGTERM
+                    self.handover.fail_over(reason, graceful, drain_behind=True)
+                elif graceful and self.fronted and self.gate.in_flight:
                     # The gate holds new requests now; let the ones at the engine finish
                     # before SIGTERM (vLLM's own drain aborts streams), bounded.
                     self.act.drain(self.engine, self.set_stop_deadline(proxy_drain=True))

@@ -38,6 +38,20 @@ class Backend:
     # death is counted only for the requests sent to that start before then
     failure_seen: dict[int, float] = field(default_factory=dict)
 
+    # the requests at each engine start now (sent, not yet answered or failed): what a
+    # swap to the standby waits for before the old engine is taken down
+    at: dict[int, int] = field(default_factory=dict)
+
+    def arrive(self, generation: int) -> None:
+        self.at[generation] = self.at.get(generation, 0) + 1
+
+    def leave(self, generation: int) -> None:
+        n = self.at.get(generation, 0) - 1
+        if n > 0:
+            self.at[generation] = n
+        else:
+            self.at.pop(generation, None)
+
     def failed(self, generation: int, now: float) -> float:
         """Start `generation` failed a request at `now`: when its failure was first seen."""
         first = self.failure_seen.setdefault(generation, now)

@@ -83,9 +83,19 @@ class Exchange:
     sent_to: tuple[Backend, int, float] | None = None
     # the engine starts that failed it while they had it (supervisor/front/quarantine.py)
     died_at: set[tuple[str, int]] = field(default_factory=set)
+    at_engine: bool = False  # sent, and not yet answered or failed there
 
     def sent(self, backend: Backend) -> None:
-        self.sent_to = (backend, backend.generation(), time.monotonic())
+        self.left()
+        self.sent_to = (backend, generation := backend.generation(), time.monotonic())
+        backend.arrive(generation)
+        self.at_engine = True
+
+    def left(self) -> None:
+        """No longer at the engine it was sent to: answered, failed, or given up."""
+        if self.at_engine and self.sent_to is not None:
+            self.sent_to[0].leave(self.sent_to[1])
+            self.at_engine = False
 
     def engine_failed(self) -> bool:
         """The engine it was last sent to went while it had it: one death per start, and

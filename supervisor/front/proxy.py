@@ -174,6 +174,11 @@ class FrontProxy:
         new engine (`StreamRelay.pause`). How many."""
         return self.streams.pause(engine)
 
+    def in_flight_at(self, name: str, generation: int) -> int:
+        """Requests sent to start `generation` of engine `name` and not yet over there."""
+        b = self.backends.get(name)
+        return b.at.get(generation, 0) if b is not None else 0
+
     def follow_engine(self, name: str, upstream: str, models: tuple[str, ...],
                       models_open: bool = False) -> None:
         """Engine `name`, being started, listens here and serves these names: its requests
@@ -339,6 +344,7 @@ class FrontProxy:
                 with contextlib.suppress(routing.UnknownModel):  # (removed by a reload)
                     choices = dispatch.choices(self.backends, facts, body)
             finally:
+                ex.left()
                 choice.backend.gate.done(ticket)
         return await self.streams.continue_stream(request, broken, ex)
 

@@ -247,6 +247,7 @@ class StreamRelay:
                 except (TimeoutError, UpstreamError):
                     pass  # refused, or its lane or the engine busy: not back yet
             finally:
+                ex.left()
                 backend.gate.done(ticket)
             await asyncio.sleep(0.2)
 
