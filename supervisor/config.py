@@ -58,9 +58,10 @@ class EngineConfig:
     startup_timeout_s: float = spec(600.0, lo=1, hi=3600)
     # the engine's --shutdown-timeout: in-flight requests get this long to finish on SIGTERM
     drain_timeout_s: float = spec(30.0, lo=0, hi=3600)
-    # a drained restart: "finish" waits for the streams in flight (up to drain_timeout_s);
-    # "continue" pauses the ones the proxy can continue and goes on with them on the new
-    # engine, so long generations do not hold the restart (docs/proxy.md)
+    # a drained restart: "finish" waits for the streams in flight (up to drain_timeout_s;
+    # with an awake standby they finish on the old engine while new requests go to the
+    # standby: docs/standby.md); "continue" pauses the ones the proxy can continue and
+    # goes on with them on the new engine, so long generations do not hold the restart
     drain: str = spec("finish", choices=("finish", "continue"))
     # after the drain, this long for the engine to exit before its group is SIGKILLed
     stop_grace_s: float = spec(10.0, lo=0.5, hi=600)
