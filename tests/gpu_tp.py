@@ -1,7 +1,8 @@
 """A tensor-parallel engine on two GPUs under the daemon (issue 27), on a lent two-GPU machine.
 
 Not collected by pytest (no GPU in CI). After the stage calls (`../shared/tools/gpu-vllm/stage`,
-its parts in ~/vllm-stage, the supervisor's wheel and structlog/tenacity among its wheels):
+its parts in ~/vllm-stage, the supervisor's wheel and structlog/tenacity among its wheels; the
+proxy's httptools too, unless vLLM's own uvicorn[standard] brought it):
 
     python3 tests/gpu_tp.py install     # vLLM -> ~/vllm-site, the daemon -> /tmp/sup-site, ~/m8b
     python3 tests/gpu_tp.py kill        # TP=2 8B-shaped engine (dummy weights) on gpus [0, 1]:
@@ -49,7 +50,8 @@ def install() -> None:
              f"-e tenacity) 2>&1 | tail -3"))
     print(sh(f"python3 -m pip install -q --no-index --no-deps --no-compile --target {SUP} "
              f"{STAGE}/wheels/vllm_supervisor*.whl {STAGE}/wheels/structlog*.whl "
-             f"{STAGE}/wheels/tenacity*.whl 2>&1 | tail -3"))
+             f"{STAGE}/wheels/tenacity*.whl $(ls {STAGE}/wheels/httptools*.whl 2>/dev/null) "
+             f"2>&1 | tail -3"))
     M8B.mkdir(exist_ok=True)
     cfg = json.loads((STAGE / "model" / "config.json").read_text())
     cfg.update(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
