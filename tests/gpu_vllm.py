@@ -571,7 +571,7 @@ def phase_continue(fault: str, when: str) -> None:
            handover=[e for e in (json.loads(x) for x in (WORK / "events.jsonl").read_text()
                                  .splitlines() if x.strip())
                      if e.get("event") in ("core_exit", "failover", "standby_woken",
-                                           "failover_done", "failover_failed")])
+                                           "failover_done", "failover_failed", "drained")])
     assert doc.get("completed") == prompts and not errors
     assert doc.get("total_output_tokens") == prompts * want
     assert not [n for n in lens if n < want]
