@@ -10,8 +10,8 @@ handler cancellation closes the upstream connection, and vLLM aborts the request
 Only the serving API is forwarded, and only by route (`supervisor/front/routes.py`): the
 request target is read once, anything ambiguous refused with 400, the allow-list checked
 on that one canonical path, and the upstream request line built from the same path,
-sent as already encoded, so no URL library normalises it again on the way (the upstream client,
-`supervisor/front/upstream.py`, sends the target it is given). The engine's
+sent as already encoded, so nothing normalises it again on the way (the upstream client,
+`supervisor/front/upstream.py`, writes the target it is given). The engine's
 administrative routes (`/sleep`, `/wake_up`, `/reset_*`, `/pause`, `/collective_rpc`,
 `/server_info`...) are refused with 403: vLLM leaves them unauthenticated and only the
 daemon calls them, on the internal port. Every refused path is logged with its peer and
