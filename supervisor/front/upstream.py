@@ -29,7 +29,7 @@ import functools
 import time
 from collections.abc import Iterable
 from types import TracebackType
-from typing import cast
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -131,17 +131,13 @@ class Answer:
     async def _wait(self) -> None:
         loop = self._conn.loop
         self._waiter = waiter = loop.create_future()
-        timer = loop.call_later(self._conn.read_timeout_s, self._timed_out, waiter)
+        timer = loop.call_later(self._conn.read_timeout_s, _expire, waiter,
+                                f"no answer bytes for {self._conn.read_timeout_s:g} s")
         try:
             await waiter
         finally:
             timer.cancel()
             self._waiter = None
-
-    def _timed_out(self, waiter: asyncio.Future[None]) -> None:
-        if not waiter.done():
-            waiter.set_exception(TimeoutError(
-                f"no answer bytes for {self._conn.read_timeout_s:g} s"))
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -361,8 +357,9 @@ class Call:
         lines.append(b"\r\n")
         conn = self._conn = await self._client._connection(self._host, self._port)
         head = conn.send(b"".join(lines), body, method == "HEAD")
-        timer = conn.loop.call_later(conn.read_timeout_s, _time_out, head,
-                                     conn.read_timeout_s)
+        timer = conn.loop.call_later(
+            conn.read_timeout_s, _expire, head,
+            f"no answer from the engine within {conn.read_timeout_s:g} s")
         try:
             return await head
         except BaseException:
@@ -384,6 +381,7 @@ class Call:
             conn.close()
 
 
-def _time_out(head: asyncio.Future[Answer], after_s: float) -> None:
-    if not head.done():
-        head.set_exception(TimeoutError(f"no answer from the engine within {after_s:g} s"))
+def _expire(waiter: asyncio.Future[Any], why: str) -> None:
+    """A wait for the engine ran past the read timeout (a timer's callback)."""
+    if not waiter.done():
+        waiter.set_exception(TimeoutError(why))
