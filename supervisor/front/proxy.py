@@ -4,8 +4,10 @@ Owns the public listening socket and the requests on it; never the engine's life
 Every request passes the admission gate (`admission.Gate`): held during a drain or a
 restart, limited by the throttle level, stopped by the KV breaker; then it is forwarded
 to the engine's internal port and its answer streamed back chunk by chunk (SSE included),
-status and headers kept. A client that goes away cancels its upstream request (aiohttp's
-handler cancellation closes the upstream connection, and vLLM aborts the request).
+status and headers kept. A client that goes away cancels its upstream request (the
+server cancels its handler, which closes the upstream connection, and vLLM aborts the
+request). The HTTP on both sides is the proxy's own, on httptools' parsers: the server
+(`supervisor/front/server.py`) and the upstream client (`supervisor/front/upstream.py`).
 
 Only the serving API is forwarded, and only by route (`supervisor/front/routes.py`): the
 request target is read once, anything ambiguous refused with 400, the allow-list checked
@@ -37,13 +39,7 @@ import re
 import time
 from collections.abc import Callable
 
-import aiohttp
 import structlog
-from aiohttp import web
-from aiohttp.abc import AbstractStreamWriter
-from aiohttp.http_parser import RawRequestMessage
-from aiohttp.streams import StreamReader
-from aiohttp.web_protocol import RequestHandler
 
 from supervisor.front import continuation, dispatch, quarantine, routing
 from supervisor.front.admission import Gate, Rejected
@@ -52,6 +48,15 @@ from supervisor.front.dispatch import Backend, Choice, RequestFacts, read_reques
 from supervisor.front.exchange import Exchange, ProxySettings, ProxyStats
 from supervisor.front.latency import ClientLatency
 from supervisor.front.routes import LOCAL, PathRefused, Routes, Target, read_target
+from supervisor.front.server import (
+    BodyTooLarge,
+    Limits,
+    Request,
+    Response,
+    Server,
+    StreamResponse,
+    json_response,
+)
 from supervisor.front.streams import (
     HOP_BY_HOP,
     Broken,
@@ -97,7 +102,7 @@ class FrontProxy:
             self.add_engine(Backend(name, gate, ready or (lambda: True), settings.upstream,
                                     settings.models,
                                     settings.models_open or not settings.models))
-        self._runner: web.ServerRunner | None = None
+        self._server: Server | None = None
         self._upstream: Upstream | None = None
         # the streams it can continue: relayed, paused, continued
         self.lanes = quarantine.Quarantine()  # requests that kill their engine
@@ -129,30 +134,16 @@ class FrontProxy:
 
     async def start(self) -> None:
         """Listen; raises ProxyError naming the address when it cannot."""
-        # aiohttp's low-level server: every request to the one handler, with no router,
-        # middlewares or application signals in its way (the handler reads the target)
-        loop, max_body = asyncio.get_running_loop(), self.s.max_body_bytes
-
-        def request(message: RawRequestMessage, payload: StreamReader,
-                    protocol: RequestHandler, writer: AbstractStreamWriter,
-                    task: asyncio.Task[None]) -> web.BaseRequest:
-            return web.BaseRequest(message, payload, protocol, writer, task, loop,
-                                   client_max_size=max_body)
-
-        server = web.Server(
-            self._handle, request_factory=request, handler_cancellation=True,
-            access_log=None, max_line_size=self.s.max_header_bytes,
-            max_field_size=self.s.max_header_bytes)
-        self._runner = web.ServerRunner(server, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.s.listen_host, self.s.listen_port,
-                           reuse_address=True)
+        # every request to the one handler, which reads the target itself
+        limits = Limits(max_line=self.s.max_header_bytes, max_field=self.s.max_header_bytes,
+                        max_body=self.s.max_body_bytes)
+        server = Server(self._handle, limits, refused=self._bad_http)
         try:
-            await site.start()
+            await server.listen(self.s.listen_host, self.s.listen_port)
         except OSError as exc:
-            await self._runner.cleanup()
             raise ProxyError(f"proxy cannot listen on {self.s.listen_host}:"
                              f"{self.s.listen_port}: {exc}") from exc
+        self._server = server
         self._upstream = Upstream(self.s.connect_timeout_s, self.s.idle_read_timeout_s)
         self.streams.upstream = self._upstream
         log.info("proxy listening", host=self.s.listen_host, port=self.port,
@@ -192,31 +183,32 @@ class FrontProxy:
 
     @property
     def port(self) -> int:
-        assert self._runner is not None
-        for site in self._runner.sites:
-            server = getattr(site, "_server", None)
-            if server is not None and server.sockets:
-                return int(server.sockets[0].getsockname()[1])
-        return self.s.listen_port
+        assert self._server is not None
+        return self._server.port
 
     async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+        if self._server is not None:
+            await self._server.close()
         if self._upstream is not None:
             await self._upstream.close()
 
     # ---- requests -------------------------------------------------------------------
 
-    def _error(self, status: int, message: str, reason: str | None = None) -> web.Response:
+    def _bad_http(self, status: int) -> None:
+        """The server refused what it could not parse, or what was over a limit."""
+        self.stats.count(status)
+        self.stats.reject("bad_http")
+
+    def _error(self, status: int, message: str, reason: str | None = None) -> Response:
         headers = {"Retry-After": str(self.s.retry_after_s)} if status == 503 else {}
         if reason is not None:
             self.stats.reject(reason)
         self.stats.count(status)
         body = {"error": {"message": message, "type": reason or "proxy_error", "code": status}}
-        return web.json_response(body, status=status, headers=headers)
+        return json_response(body, status=status, headers=headers)
 
-    def _cut(self, target: Target, request: web.BaseRequest, resp: web.StreamResponse,
-             exc: BaseException, ex: Exchange) -> web.StreamResponse:
+    def _cut(self, target: Target, request: Request, resp: StreamResponse,
+             exc: BaseException, ex: Exchange) -> StreamResponse:
         """The answer had started: nothing to do but cut it, so the client sees an
         incomplete stream rather than a truncated success."""
         ex.outcome = "cut"
@@ -227,7 +219,7 @@ class FrontProxy:
                 request.transport.close()
         return resp
 
-    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def _handle(self, request: Request) -> StreamResponse:
         ex = Exchange(arrived=time.monotonic())
         try:
             target = read_target(request.raw_path)
@@ -240,15 +232,11 @@ class FrontProxy:
                         peer=request.remote, why=exc.message)
             return self._error(exc.status, exc.message, exc.reason)
         if (expect := request.headers.get("Expect")) is not None \
-                and request.version == aiohttp.HttpVersion11:
-            # (what aiohttp's Application did for us: the low-level server does not)
-            if expect.lower() != "100-continue":
-                return self._error(417, f"unknown Expect: {expect[:100]}", "bad_expect")
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            request.writer.output_size = 0
+                and request.version == (1, 1) and expect.lower() != "100-continue":
+            return self._error(417, f"unknown Expect: {expect[:100]}", "bad_expect")
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
+            body = await request.read()  # (a 100-continue answered first)
+        except BodyTooLarge:
             return self._error(413, f"request body over {self.s.max_body_bytes} bytes",
                                "body_too_large")
         if target.path == "/v1/models" and request.method == "GET" and len(self.backends) > 1:
@@ -267,7 +255,7 @@ class FrontProxy:
         finally:
             self._finish(request, target, ex)
 
-    async def _list_models(self) -> web.Response:
+    async def _list_models(self) -> Response:
         """GET /v1/models with several engines: every model served here, each once, as
         the engines that serve now describe it (a down engine's by name alone)."""
         assert self._upstream is not None
@@ -287,11 +275,11 @@ class FrontProxy:
             for e in entries:
                 data.setdefault(str(e.get("id")), e)
         self.stats.count(200)
-        return web.json_response({"object": "list", "data": list(data.values())})
+        return json_response({"object": "list", "data": list(data.values())})
 
-    async def _admit_and_forward(self, request: web.BaseRequest, target: Target,
+    async def _admit_and_forward(self, request: Request, target: Target,
                                  facts: RequestFacts, body: bytes, choices: list[Choice],
-                                 ex: Exchange) -> web.StreamResponse:
+                                 ex: Exchange) -> StreamResponse:
         broken: Broken | None = None
         give_up = time.monotonic() + choices[0].backend.gate.limits.max_wait_s
         while True:
@@ -348,14 +336,14 @@ class FrontProxy:
                 choice.backend.gate.done(ticket)
         return await self.streams.continue_stream(request, broken, ex)
 
-    def _refuse_killer(self, body: bytes, ex: Exchange, exc: BaseException) -> web.Response:
+    def _refuse_killer(self, body: bytes, ex: Exchange, exc: BaseException) -> Response:
         """A request the engine died of, each time it was sent: not sent again."""
         ex.status, ex.outcome = 502, quarantine.REASON
         log.warning("request refused", reason=quarantine.REASON, deaths=ex.deaths,
                     body=quarantine.digest(body), last_error=str(exc)[:300])
         return self._error(502, quarantine.refusal(ex.deaths), quarantine.REASON)
 
-    def _finish(self, request: web.BaseRequest, target: Target, ex: Exchange) -> None:
+    def _finish(self, request: Request, target: Target, ex: Exchange) -> None:
         """The request is over: its latencies into the histograms, its one access line."""
         now = time.monotonic()
         label = self.latency.label(ex.model)
@@ -400,27 +388,27 @@ class FrontProxy:
         return [f"engine {n}: {b.unhealthy()}" for n, b in self.backends.items()
                 if n not in ok and b.fallback not in ok]
 
-    def _answer_locally(self, path: str) -> web.Response:
+    def _answer_locally(self, path: str) -> Response:
         """/healthz: the daemon runs. /readyz: every engine's models are served now (its
         gate open). vLLM's /health and /ping, which routers and clients probe: served now
         or within a short wait (a handover to the standby, a KV reset), else 503 naming
         why; never 200 for a frozen engine whose own /health still says 200."""
         if path == "/healthz":
-            return web.Response(text="ok\n")
+            return Response(text="ok\n")
         if path == "/readyz":
-            return web.Response(text="ready\n") if self.ready() \
-                else web.Response(status=503, text="not ready\n")
+            return Response(text="ready\n") if self.ready() \
+                else Response(status=503, text="not ready\n")
         problems = self.unhealthy()
         if not problems:
-            return web.Response(text="ready\n")
-        return web.Response(status=503, text="not ready: " + "; ".join(problems)[:1000] + "\n")
+            return Response(text="ready\n")
+        return Response(status=503, text="not ready: " + "; ".join(problems)[:1000] + "\n")
 
-    async def _forward(self, request: web.BaseRequest, target: Target, body: bytes,
-                       ex: Exchange, plan: continuation.Plan | None) -> web.StreamResponse:
+    async def _forward(self, request: Request, target: Target, body: bytes,
+                       ex: Exchange, plan: continuation.Plan | None) -> StreamResponse:
         assert self._upstream is not None and ex.backend is not None
         if plan is not None:
             body = plan.body
-        resp: web.StreamResponse | None = None
+        resp: StreamResponse | None = None
         try:
             # the target as it came: the path checked is the path sent, not normalised
             async with self._upstream.request(request.method, ex.backend.upstream,
@@ -451,10 +439,10 @@ class FrontProxy:
                                 f"the engine cut its answer: {exc!r}") from exc
                         raise NotDelivered(f"the engine's answer was cut: {exc!r}",
                                            reached=True) from exc
-                    resp = web.Response(status=up.status, reason=up.reason, body=data)
+                    resp = Response(status=up.status, reason=up.reason, body=data)
                     ex.tail = data[-TAIL_BYTES:]
                 else:
-                    resp = web.StreamResponse(status=up.status, reason=up.reason)
+                    resp = StreamResponse(status=up.status, reason=up.reason)
                 for k, v in up.headers:
                     if k.lower() not in HOP_BY_HOP:
                         resp.headers.add(k, v)
@@ -468,7 +456,7 @@ class FrontProxy:
                     elif not whole:
                         await self._relay(up, resp, ex)
                     await resp.write_eof()  # (a whole answer: its one write)
-                except (ConnectionError, aiohttp.ClientConnectionResetError):
+                except ConnectionError:
                     # the client went away: leaving this block closes the upstream
                     # connection, and vLLM aborts the request
                     ex.status, ex.outcome = 499, "client_gone"
@@ -488,7 +476,7 @@ class FrontProxy:
             return self._error(502, f"the engine failed during the request: "
                                     f"{type(exc).__name__}: {exc}", "engine_failed")
 
-    async def _relay(self, up: Answer, resp: web.StreamResponse,
+    async def _relay(self, up: Answer, resp: StreamResponse,
                      ex: Exchange) -> None:
         """The answer, chunk by chunk as it arrives; the stream's gaps as the client gets
         them, and the answer's tail (where its usage is) for the access line."""

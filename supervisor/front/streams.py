@@ -17,9 +17,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
-import aiohttp
 import structlog
-from aiohttp import web
 
 from supervisor.front import continuation, quarantine
 from supervisor.front.admission import Rejected, Ticket
@@ -27,6 +25,7 @@ from supervisor.front.continuation import StreamBroken, Transcript
 from supervisor.front.dispatch import Backend
 from supervisor.front.exchange import Exchange, ProxySettings, ProxyStats
 from supervisor.front.latency import ClientLatency
+from supervisor.front.server import Request, StreamResponse
 from supervisor.front.upstream import Answer, ConnectFailed, Disconnected, Upstream, UpstreamError
 
 log = structlog.get_logger("supervisor.proxy")
@@ -68,7 +67,7 @@ class StreamRelay:
             return False
         return status == 200
 
-    async def _write(self, resp: web.StreamResponse, ex: Exchange, data: bytes) -> None:
+    async def _write(self, resp: StreamResponse, ex: Exchange, data: bytes) -> None:
         """Bytes of a continuable stream to its client, timed as `_relay` times them."""
         await resp.write(data)
         now = time.monotonic()
@@ -83,7 +82,7 @@ class StreamRelay:
         ex.last_write_at = ex.last_data_at = now
         ex.events += data.count(b"data:")
 
-    async def relay_events(self, up: Answer, resp: web.StreamResponse,
+    async def relay_events(self, up: Answer, resp: StreamResponse,
                             ex: Exchange, t: Transcript) -> None:
         """A continuable stream, event by event through its transcript (token ids recorded
         and removed, a continuation reframed); returns at its [DONE], raises Broken when
@@ -126,8 +125,8 @@ class StreamRelay:
 
     # ---- a stream the engine failed ---------------------------------------------------
 
-    async def continue_stream(self, request: web.BaseRequest, broken: Broken | None,
-                        ex: Exchange) -> web.StreamResponse:
+    async def continue_stream(self, request: Request, broken: Broken | None,
+                        ex: Exchange) -> StreamResponse:
         """A stream the engine failed mid-answer: continued on the engine that comes back,
         up to `max_continuations` times and `continue_timeout_s` each; or ended with an
         error event when it cannot be. The client's connection stays open meanwhile."""
@@ -172,21 +171,21 @@ class StreamRelay:
                     return await self._end_with_error(resp, ex, f"{cause}; {exc}")
                 await resp.write_eof()
                 return self._continued(resp, ex, "continued" if t.attempt else "resent")
-        except (ConnectionError, aiohttp.ClientConnectionResetError):
+        except ConnectionError:
             ex.status, ex.outcome = 499, "client_gone"
             self.stats.continued("client_gone")
             return resp
         finally:
             ka.cancel()
 
-    def _continued(self, resp: web.StreamResponse, ex: Exchange,
-                   outcome: str) -> web.StreamResponse:
+    def _continued(self, resp: StreamResponse, ex: Exchange,
+                   outcome: str) -> StreamResponse:
         ex.outcome = "ok"
         self.stats.continued(outcome)
         self.stats.count(200)
         return resp
 
-    async def _attempt(self, request: web.BaseRequest, resp: web.StreamResponse, ex: Exchange,
+    async def _attempt(self, request: Request, resp: StreamResponse, ex: Exchange,
                        t: Transcript, cause: BaseException) -> None:
         """One continuation (or, when the client has seen nothing, the request again):
         wait for an engine, send it, relay it. Returns at its [DONE]; raises Broken when
@@ -263,12 +262,11 @@ class StreamRelay:
         ex.held_s += ticket.waited_s if ticket.held else 0.0
         return ticket
 
-    async def _keepalive(self, resp: web.StreamResponse, ex: Exchange) -> None:
+    async def _keepalive(self, resp: StreamResponse, ex: Exchange) -> None:
         """Keep-alive bytes while a broken stream waits, so that idle timeouts on the
         client's side do not fire: `KEEPALIVE`, two blank lines."""
         # RuntimeError: the stream was finished (write_eof) while this one was writing
-        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError,
-                                 RuntimeError):
+        with contextlib.suppress(ConnectionError, RuntimeError):
             while True:
                 idle = time.monotonic() - ex.last_write_at
                 if idle >= self.s.keepalive_s:
@@ -277,8 +275,8 @@ class StreamRelay:
                     idle = 0.0
                 await asyncio.sleep(self.s.keepalive_s - idle)
 
-    async def _end_with_error(self, resp: web.StreamResponse, ex: Exchange, message: str,
-                              killer: str | None = None) -> web.StreamResponse:
+    async def _end_with_error(self, resp: StreamResponse, ex: Exchange, message: str,
+                              killer: str | None = None) -> StreamResponse:
         """The explicit end of a stream that cannot be finished: an error event and the
         end of the body, no [DONE]; never a stream that ends cleanly but short. `killer`:
         the digest of a request refused for killing its engine."""
@@ -291,7 +289,7 @@ class StreamRelay:
         return resp
 
 
-def upstream_headers(request: web.BaseRequest) -> list[tuple[str, str]]:
+def upstream_headers(request: Request) -> list[tuple[str, str]]:
     return [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
 
 
@@ -312,7 +310,7 @@ class UpstreamFailed(Exception):
 class Broken(Exception):
     """A continuable stream the engine failed after its answer had begun."""
 
-    def __init__(self, resp: web.StreamResponse, transcript: Transcript,
+    def __init__(self, resp: StreamResponse, transcript: Transcript,
                  cause: BaseException) -> None:
         super().__init__(str(cause))
         self.resp, self.transcript, self.cause = resp, transcript, cause
