@@ -67,6 +67,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                         "aiohttp/base_protocol")),
     ("aiohttp shared (streams, writer, helpers)", ("aiohttp/",)),
     ("yarl, multidict", ("yarl/", "multidict/")),
+    ("front server (front/server.py)", ("front/server.py",)),
     ("proxy: continuation (transcript)", ("front/continuation.py",)),
     ("proxy: streams.py", ("front/streams.py",)),
     ("proxy: proxy.py", ("front/proxy.py",)),
@@ -78,9 +79,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # Where in a request a sample was: the marker frame nearest its innermost frame (so the
 # logging inside `_finish` is the access log's, the rest of `_finish` the histograms').
 STAGES: list[tuple[str, tuple[str, ...]]] = [
-    ("server: parse, dispatch, keep-alive (aiohttp web_protocol)",
+    ("server: parse, dispatch, keep-alive (front/server.py; aiohttp web_protocol)",
      ("RequestHandler.", "Application._handle", "BaseRequest.", "Request.",
-      "(aiohttp/web_protocol.py")),
+      "(aiohttp/web_protocol.py", "Connection.", "Server.", "(supervisor/front/server.py")),
     ("handler: our own code (proxy.py, streams.py)",
      ("FrontProxy._handle ", "FrontProxy._admit_and_forward", "FrontProxy._forward",
       "FrontProxy._relay", "StreamRelay.relay_events", "StreamRelay._write")),
@@ -90,7 +91,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("handler: gate, dispatch, lane (admission.py, dispatch.py, quarantine.py)",
      ("acquire_any", "Gate.", "Quarantine.", "Exchange.sent", "Backend.")),
     ("handler: upstream headers copy (upstream_headers)", ("upstream_headers",)),
-    ("server: request body read (request.read)", ("BaseRequest.read",)),
+    ("server: request body read (request.read)", ("BaseRequest.read", "Request.read")),
     ("client: send the request, wait for its headers (session.request, Call.__aenter__)",
      ("_BaseRequestContextManager.__aenter__", "ClientSession._request", "Call.__aenter__",
       "Upstream._connection")),
@@ -102,7 +103,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
                                                   "Answer._wake")),
     ("server: response headers (StreamResponse.prepare)", ("StreamResponse.prepare",)),
     ("server: body write (resp.write, write_eof)", ("StreamResponse.write",
-                                                    "StreamResponse.write_eof")),
+                                                    "Response.write_eof")),
     ("transcript (Transcript.read)", ("Transcript.read",)),
     ("access line: histograms, fields (_finish)", ("FrontProxy._finish",)),
     ("access line: structlog + logging (render, write)", ("BoundLogger.info",
