@@ -1,6 +1,7 @@
-"""The front door's own HTTP/1.1 server (`supervisor/front/server.py`), over real sockets
-on loopback: framing, keep-alive and pipelining, the limits, a client that goes away, a
-handler that fails, a slow reader, and closing."""
+"""The front door's own HTTP/1.1 server (`supervisor/front/server.py`, its messages in
+`supervisor/front/messages.py`), over real sockets on loopback: framing, keep-alive and
+pipelining, the limits, a client that goes away, a handler that fails, a slow reader,
+and closing."""
 
 from __future__ import annotations
 
@@ -10,15 +11,14 @@ from contextlib import asynccontextmanager
 
 import aiohttp
 
-from supervisor.front.server import (
+from supervisor.front.messages import (
     BodyTooLarge,
-    Limits,
     Request,
     Response,
-    Server,
     StreamResponse,
     json_response,
 )
+from supervisor.front.server import Limits, Server
 
 Handler = Callable[[Request], Awaitable[StreamResponse]]
 

@@ -47,16 +47,15 @@ from supervisor.front.continuation import Transcript
 from supervisor.front.dispatch import Backend, Choice, RequestFacts, read_request
 from supervisor.front.exchange import Exchange, ProxySettings, ProxyStats
 from supervisor.front.latency import ClientLatency
-from supervisor.front.routes import LOCAL, PathRefused, Routes, Target, read_target
-from supervisor.front.server import (
+from supervisor.front.messages import (
     BodyTooLarge,
-    Limits,
     Request,
     Response,
-    Server,
     StreamResponse,
     json_response,
 )
+from supervisor.front.routes import LOCAL, PathRefused, Routes, Target, read_target
+from supervisor.front.server import Limits, Server
 from supervisor.front.streams import (
     HOP_BY_HOP,
     Broken,

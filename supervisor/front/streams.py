@@ -25,7 +25,7 @@ from supervisor.front.continuation import StreamBroken, Transcript
 from supervisor.front.dispatch import Backend
 from supervisor.front.exchange import Exchange, ProxySettings, ProxyStats
 from supervisor.front.latency import ClientLatency
-from supervisor.front.server import Request, StreamResponse
+from supervisor.front.messages import Request, StreamResponse
 from supervisor.front.upstream import Answer, ConnectFailed, Disconnected, Upstream, UpstreamError
 
 log = structlog.get_logger("supervisor.proxy")

@@ -1,0 +1,262 @@
+"""The front door's requests and answers, as its server (`supervisor/front/server.py`)
+hands them to the proxy's handler and writes them: a `Request` (its line and headers at
+once, its body when read), and a `Response` (a whole answer: head and body in one write,
+with its length) or a `StreamResponse` (written as it comes: HTTP/1.1 chunks, or for an
+HTTP/1.0 client the bytes as they are and the connection closed at the end).
+
+The shapes are aiohttp's where the proxy used those (`prepare`, `write`, `write_eof`,
+`prepared`, `headers.add`), so that the proxy's code reads as it did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from supervisor.front.server import Connection
+
+_NO_BODY_STATUS = frozenset((204, 304))
+REASONS = {200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
+            413: "Payload Too Large", 414: "URI Too Long", 417: "Expectation Failed",
+            431: "Request Header Fields Too Large", 499: "Client Closed Request",
+            500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable"}
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class Headers:
+    """A request's header fields in their order, names as sent; `get` ignores case."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: list[tuple[str, str]]) -> None:
+        self._items = items
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        low = name.lower()
+        for k, v in self._items:
+            if k.lower() == low:
+                return v
+        return default
+
+    def items(self) -> list[tuple[str, str]]:
+        return self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k, _ in self._items)
+
+
+class ResponseHeaders:
+    """An answer's header fields, in order: `add` one, or set one (replacing any of that
+    name)."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: dict[str, str] | None = None) -> None:
+        self.items: list[tuple[str, str]] = list(items.items()) if items else []
+
+    def add(self, name: str, value: str) -> None:
+        self.items.append((name, value))
+
+    def __setitem__(self, name: str, value: str) -> None:
+        low = name.lower()
+        self.items = [(k, v) for k, v in self.items if k.lower() != low]
+        self.items.append((name, value))
+
+    def get(self, name: str) -> str | None:
+        low = name.lower()
+        return next((v for k, v in self.items if k.lower() == low), None)
+
+
+class Request:
+    """One request: its line and headers at once, its body when the handler reads it."""
+
+    __slots__ = ("_body", "_conn", "_done", "_expect_continue", "_size", "_waiter",
+                 "headers", "keep_alive", "method", "raw_path", "too_large", "version")
+
+    def __init__(self, conn: Connection, method: str, raw_path: str,
+                 version: tuple[int, int], headers: list[tuple[str, str]],
+                 keep_alive: bool) -> None:
+        self._conn = conn
+        self.method = method
+        self.raw_path = raw_path  # the target exactly as sent
+        self.version = version
+        self.headers = Headers(headers)
+        self.keep_alive = keep_alive
+        self._body: list[bytes] = []
+        self._size = 0
+        self._done = False
+        self._waiter: asyncio.Future[None] | None = None
+        self.too_large = False
+        self._expect_continue = False
+
+    @property
+    def remote(self) -> str | None:
+        return self._conn.peer
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self._conn.transport
+
+    async def read(self) -> bytes:
+        """The whole body; `BodyTooLarge` past the server's limit."""
+        if self._expect_continue and not self._done and not self.too_large:
+            self._expect_continue = False
+            self._conn.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        while not self._done and not self.too_large:
+            self._waiter = self._conn.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self.too_large:
+            raise BodyTooLarge()
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self._body = [body]
+        return body
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _add_body(self, data: bytes, limit: int) -> None:
+        self._size += len(data)
+        if self.too_large:
+            return
+        if self._size > limit:
+            self.too_large = True
+            self._body.clear()
+            self._wake()
+            return
+        self._body.append(data)
+
+    def _complete(self) -> None:
+        self._done = True
+        self._wake()
+
+
+class StreamResponse:
+    """An answer written as it comes: its head at `prepare`, then `write`s (HTTP/1.1
+    chunks; for an HTTP/1.0 client the bytes as they are, the connection closed at the
+    end), ended by `write_eof`."""
+
+    def __init__(self, status: int = 200, reason: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        self.status = status
+        self.reason = reason or REASONS.get(status, "")
+        self.headers = ResponseHeaders(headers)
+        self.prepared = False
+        self._conn: Connection | None = None
+        self._request: Request | None = None
+        self._chunked = False
+        self._bodyless = False
+        self._ended = False
+
+    def _head(self, request: Request, framing: str | None) -> bytes:
+        conn = self._conn
+        assert conn is not None
+        keep = request.keep_alive and not conn.closing and not request.too_large \
+            and not (framing is None and not self._bodyless)
+        request.keep_alive = keep
+        lines = [f"HTTP/1.1 {self.status} {self.reason}"]
+        lines += [f"{k}: {v}" for k, v in self.headers.items]
+        if framing is not None:
+            lines.append(framing)
+        if self.headers.get("date") is None:
+            lines.append(date_header())
+        if not keep:
+            lines.append("Connection: close")
+        elif request.version == (1, 0):
+            lines.append("Connection: keep-alive")
+        lines.append("\r\n")
+        return "\r\n".join(lines).encode("utf-8", "surrogateescape")
+
+    async def prepare(self, request: Request) -> None:
+        if self.prepared:
+            return
+        self.prepared = True
+        self._conn, self._request = request._conn, request
+        self._bodyless = request.method == "HEAD" or self.status in _NO_BODY_STATUS \
+            or self.status < 200
+        self._chunked = not self._bodyless and request.version >= (1, 1)
+        head = self._head(request, "Transfer-Encoding: chunked" if self._chunked else None)
+        await self._conn.send(head)
+
+    async def write(self, data: bytes) -> None:
+        conn = self._conn
+        assert conn is not None, "write before prepare"
+        if self._ended:
+            raise RuntimeError("a write after the answer's end")
+        if self._bodyless or not data:
+            if conn.lost:
+                raise ConnectionResetError("the client went away")
+            return
+        if self._chunked:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        await conn.send(data)
+
+    async def write_eof(self) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        conn = self._conn
+        assert conn is not None and self._request is not None
+        if self._chunked:
+            await conn.send(b"0\r\n\r\n")
+
+
+class Response(StreamResponse):
+    """A whole answer: head and body in one write, with its length."""
+
+    def __init__(self, status: int = 200, reason: str | None = None, body: bytes = b"",
+                 text: str | None = None, content_type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(status, reason, headers)
+        if text is not None:
+            body = text.encode()
+            content_type = content_type or "text/plain; charset=utf-8"
+        if content_type is not None:
+            self.headers["Content-Type"] = content_type
+        self.body = body
+
+    async def prepare(self, request: Request) -> None:
+        self.prepared = True
+        self._conn, self._request = request._conn, request
+
+    async def write(self, data: bytes) -> None:
+        raise RuntimeError("a whole answer is written by write_eof")
+
+    async def write_eof(self) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        request, conn = self._request, self._conn
+        assert request is not None and conn is not None
+        bodyless = self.status in _NO_BODY_STATUS or self.status < 200
+        head = self._head(request, None if bodyless else f"Content-Length: {len(self.body)}")
+        send = head if bodyless or request.method == "HEAD" else head + self.body
+        await conn.send(send)
+
+
+def json_response(doc: Any, status: int = 200,
+                  headers: dict[str, str] | None = None) -> Response:
+    return Response(status, body=json.dumps(doc).encode(), content_type="application/json",
+                    headers=headers)
+
+
+_date_cache: tuple[int, str] = (0, "")
+
+
+def date_header() -> str:
+    global _date_cache
+    now = int(time.time())
+    if _date_cache[0] != now:
+        _date_cache = (now, "Date: " + email.utils.formatdate(now, usegmt=True))
+    return _date_cache[1]
