@@ -66,7 +66,7 @@ class Limits:
 
 class Connection(asyncio.Protocol):
     """One client connection: requests parsed as they come, handled one at a time in
-    their order, each in a task of its own (cancelled if the client goes)."""
+    their order by the connection's one task (cancelled if the client goes)."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
@@ -211,7 +211,7 @@ class Connection(asyncio.Protocol):
             self._idle.cancel()     # its head included: a stalled head is closed too)
             self._idle = None
         self._current = req
-        if self._task is None:
+        if self._task is None or self._task.done():
             self._task = self.loop.create_task(self._serve_all())
         elif self._wakeup is not None and not self._wakeup.done():
             self._wakeup.set_result(None)
