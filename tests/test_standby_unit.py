@@ -138,6 +138,38 @@ def test_a_restart_with_requests_in_flight_swaps_at_once_and_the_old_engine_fini
         w.loop.close()
 
 
+def test_the_old_engine_dying_while_it_finishes_behind_a_swap_is_no_standby_failure(
+        tmp_path: Path) -> None:
+    """The old engine crashes while the requests it had finish there behind a swap (the
+    proxy continues them on the new one): its tree is taken down at once, and the next
+    standby starts as soon as it is gone, with no backoff and no failure counted."""
+    w = World(tmp_path, fronted=True, engine={"standby": "awake", "drain": "finish"})
+    try:
+        first = w.serving()
+        w.feed(GateProbe(first.generation, True, None))
+        spare = w.spawned()
+        w.feed(HealthResult(spare.generation, True))
+        w.feed(GateProbe(spare.generation, True, None))
+        ticket = asyncio.run(w.sup.gate.acquire(1))
+        w.control("restart")
+        assert w.fx.last("drain_behind") == {"pid": first.pid}
+        w.feed(GateProbe(spare.generation, True, None))  # the new one serves
+        w.feed(Exited(first.generation, -9))  # the old one dies with its stream
+        assert w.fx.last("take_down") == {"pid": first.pid, "graceful": False,
+                                          "evidence": None}
+        st = w.sup.status()
+        assert st["standby"]["state"] == "retiring" and w.sup.handover.standby.failures == 0
+        assert w.state == "RUNNING" and w.sup.engine is spare  # the new one serves on
+        w.sup.gate.done(ticket)
+        w.feed(Drained(first.generation, True, 0.5))  # (its drain job ends: nothing more)
+        assert w.fx.names().count("take_down") == 1
+        w.down(first)
+        assert w.fx.last("spawn")["bay"] == 0  # the next standby at once, no backoff
+        assert not any(t.event.__class__.__name__ == "StandbyDue" for t in w.fx.timers)
+    finally:
+        w.loop.close()
+
+
 def test_a_standby_out_of_date_after_a_reload_is_replaced_not_swapped_in(
         tmp_path: Path) -> None:
     w = World(tmp_path, engine={"standby": "awake"})

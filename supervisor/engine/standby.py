@@ -151,6 +151,19 @@ class Standby:
         elif self.state != "failed":
             self._to("none", why)
 
+    def _gone_unasked(self, why: str, deadline: float) -> None:
+        """The engine in the standby's place died. A standby's death is a failure (a
+        backoff before the next); the old serving engine's, while the requests it had
+        finish there behind a swap, is not the standby's: its tree is taken down, and a
+        new standby starts once it is gone, as after any swap."""
+        if self.state == "retiring":
+            log.warning("the engine being retired died", why=why, reason=self.why,
+                        pid=self.slot.engine.pid if self.slot.engine else None)
+            self._audit("retired_engine_died", why=why, reason=self.why)
+            self.retire(self.why or why, graceful=False, deadline=deadline)
+            return
+        self._failed(why, deadline)
+
     def _failed(self, why: str, deadline: float) -> None:
         self.failures += 1
         log.warning("standby failed", why=why, failures=self.failures)
@@ -203,10 +216,10 @@ class Standby:
         elif isinstance(ev, Exited):
             asked = s.taking_down
             if s.exited(ev, asked) is not None and not asked:
-                self._failed(f"it {s.last_exit} without being asked", deadline)
+                self._gone_unasked(f"it {s.last_exit} without being asked", deadline)
         elif isinstance(ev, CoreExited):
             if s.core_exited(ev) is not None:
-                self._failed(f"it {s.last_exit}", deadline)
+                self._gone_unasked(f"it {s.last_exit}", deadline)
         elif isinstance(ev, TreeSeen):
             s.tree_seen(ev)
         elif isinstance(ev, Down):
