@@ -1,7 +1,8 @@
 """Configuration: a TOML file, validated completely when loaded.
 
 Owns the schema (frozen dataclasses, one per section) and the rules that check a parsed
-TOML document against it. Loading never starts anything and never half-applies: it
+TOML document against it (those across keys and sections in `supervisor/config_checks.py`).
+Loading never starts anything and never half-applies: it
 returns a whole `Config` or raises `ConfigError` naming every bad key path and what was
 expected. Relative paths are resolved against the directory of the config file, so the
 demo's `config.toml` works from any working directory.
@@ -18,8 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from supervisor import engine_checks
-from supervisor.fleet.router import url_problem
+from supervisor import config_checks
 from supervisor.front.routes import route_problem
 from supervisor.ops.exporter import parse_listen
 from supervisor.schema import ConfigError as ConfigError  # raised by load_config
@@ -425,87 +425,6 @@ def _engine_tables(doc: Mapping[str, Any], problems: list[str]) -> dict[str, Any
     return dict(tables)
 
 
-def _check_engine(key: str, engine: EngineConfig, problems: list[str]) -> None:
-    for flag in ("--host", "--port", "--shutdown-timeout"):
-        if any(a == flag or a.startswith(flag + "=") for a in engine.args):
-            problems.append(f"{key}.args: {flag} is set by the daemon; use the engine "
-                            f"section's own key instead")
-    if engine.stop_grace_s + engine.drain_timeout_s > 3600:
-        problems.append(f"{key}.drain_timeout_s + {key}.stop_grace_s: expected at most "
-                        "3600 s in all")
-    engine_checks.check_pinning(key, engine, problems)
-    engine_checks.check_standby(key, engine, problems)
-
-
-def _check_fleet(fleet: FleetConfig, proxy: ProxyConfig, problems: list[str]) -> None:
-    """Routers to register with need the proxy, and an address they can reach it at."""
-    for i, url in enumerate(fleet.routers):
-        if (why := url_problem(url)) is not None:
-            problems.append(f"fleet.routers[{i}]: {url!r}: {why}")
-    if len(set(fleet.routers)) != len(fleet.routers):
-        problems.append("fleet.routers: a router is named twice")
-    if fleet.advertise and (why := url_problem(fleet.advertise)) is not None:
-        problems.append(f"fleet.advertise: {fleet.advertise!r}: {why}")
-    if fleet.retry_max_s < fleet.retry_initial_s:
-        problems.append(f"fleet.retry_max_s: expected at least fleet.retry_initial_s "
-                        f"({fleet.retry_initial_s:g}), got {fleet.retry_max_s:g}")
-    if not fleet.routers:
-        return
-    if not proxy.enabled:
-        problems.append("fleet.routers: routers send requests to the proxy, and "
-                        "proxy.enabled is false")
-    elif not fleet.advertise:
-        try:
-            host, _ = parse_listen(proxy.listen)
-        except ValueError:
-            return  # (proxy.listen's own problem is reported)
-        if host in ("", "0.0.0.0", "::"):
-            problems.append(f"fleet.advertise: required when proxy.listen ({proxy.listen}) "
-                            "is a wildcard: the URL routers reach this daemon at, e.g. "
-                            "http://10.0.0.12:8000")
-
-
-def _check_engines(key: str, engines: dict[str, EngineConfig], problems: list[str]) -> None:
-    """The rules across engines: distinct ports, known fallbacks without cycles, GPUs
-    claimed once unless both engines share them."""
-    by_port: dict[tuple[str, int], str] = {}
-    for name, e in engines.items():
-        places = [(e.port, "port")] + ([(e.second().port, "standby_port")]
-                                       if e.standby != "none" else [])
-        for port, what in places:
-            other = by_port.setdefault((e.base_url.rsplit(":", 1)[0], port), name)
-            if other != name:
-                problems.append(f"{key}.{name}.{what}: {port} is engine {other}'s port too")
-        if e.standby != "none" and e.second().port == e.port:
-            problems.append(f"{key}.{name}.standby_port: {e.port} is the engine's own port")
-    for name, e in engines.items():
-        if not e.fallback:
-            continue
-        if e.fallback not in engines:
-            problems.append(f"{key}.{name}.fallback: no engine named {e.fallback!r} (the "
-                            f"engines are {', '.join(engines)})")
-        elif not engines[e.fallback].served_models():
-            problems.append(f"{key}.{name}.fallback: engine {e.fallback} serves no model "
-                            f"name the daemon can read from its arguments; set "
-                            f"{key}.{e.fallback}.models")
-    for name in engines:  # a cycle: following fallbacks comes back to the start
-        seen = [name]
-        nxt = engines[name].fallback
-        while nxt in engines and nxt not in seen:
-            seen.append(nxt)
-            nxt = engines[nxt].fallback
-        if nxt == name:
-            problems.append(f"{key}.{name}.fallback: a cycle ({' -> '.join([*seen, name])}); "
-                            "a fallback must serve while its engine does not")
-    names = list(engines)
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            shared = sorted(set(engines[a].gpus) & set(engines[b].gpus))
-            if shared and not (engines[a].share_gpus and engines[b].share_gpus):
-                problems.append(f"{key}.{b}.gpus: GPU {shared[0]} is engine {a}'s too; set "
-                                f"share_gpus = true on both to allow it")
-
-
 def parse_config(doc: Mapping[str, Any], source: str = "<config>",
                  base_dir: Path | None = None) -> Config:
     """Validate a parsed TOML document and return a Config, with paths resolved."""
@@ -535,11 +454,12 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
         raise ConfigError(source, problems)
 
     for name, engine in engines.items():
-        _check_engine("engine" if key == "engine" else f"engines.{name}", engine, problems)
+        config_checks.check_engine("engine" if key == "engine" else f"engines.{name}",
+                                   engine, problems)
     if key == "engine" and engines[DEFAULT_ENGINE].fallback:
         problems.append("engine.fallback: a fallback is another engine: name the engines "
                         "in [engines.NAME] tables")
-    _check_engines(key, engines, problems)
+    config_checks.check_engines(key, engines, problems)
     restart: RestartConfig = sections["restart"]
     if restart.backoff_max_s < restart.backoff_initial_s:
         problems.append(f"restart.backoff_max_s: expected at least restart.backoff_initial_s "
@@ -575,7 +495,7 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
             b >= a for a, b in itertools.pairwise(factors)):
         problems.append(f"throttle.level_factors: expected decreasing factors between 0 and 1 "
                         f"(one per level), got {factors!r}")
-    _check_fleet(sections["fleet"], proxy, problems)
+    config_checks.check_fleet(sections["fleet"], proxy, problems)
     if problems:
         raise ConfigError(source, problems)
 

@@ -15,10 +15,20 @@ import email.utils
 import json
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from supervisor.front.server import Connection
+
+class Connection(Protocol):
+    """What a request and its answer use of their connection (`server.Connection`)."""
+
+    loop: asyncio.AbstractEventLoop
+    peer: str | None
+    transport: asyncio.Transport | None
+    closing: bool
+    lost: bool
+
+    def write(self, data: bytes) -> None: ...
+    async def send(self, data: bytes) -> None: ...
 
 _NO_BODY_STATUS = frozenset((204, 304))
 REASONS = {200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
