@@ -23,9 +23,18 @@ from supervisor.engine.events import (
     Spawned,
     Woken,
 )
+from supervisor.engine.process import EngineProcess
 from tests.test_supervisor_unit import World
 
 SLEEP = {"standby": "sleep", "env": {"VLLM_SERVER_DEV_MODE": "1"}}
+
+
+def ready_standby(w: World) -> EngineProcess:
+    """The standby spawned, healthy and proven by its first generation: ready."""
+    spare = w.spawned()
+    w.feed(HealthResult(spare.generation, True))
+    w.feed(GateProbe(spare.generation, True, None))
+    return spare
 
 
 def test_a_standby_is_proven_then_takes_over_a_crash_and_a_restart_without_a_cold_start(
@@ -113,9 +122,7 @@ def test_a_restart_with_requests_in_flight_swaps_at_once_and_the_old_engine_fini
         gate = w.sup.gate
         first = w.serving()
         w.feed(GateProbe(first.generation, True, None))
-        spare = w.spawned()
-        w.feed(HealthResult(spare.generation, True))
-        w.feed(GateProbe(spare.generation, True, None))
+        spare = ready_standby(w)
         ticket = asyncio.run(gate.acquire(1))  # a stream at the serving engine
         w.control("restart")
         assert w.state == "RUNNING" and w.sup.engine is spare
@@ -147,9 +154,7 @@ def test_the_old_engine_dying_while_it_finishes_behind_a_swap_is_no_standby_fail
     try:
         first = w.serving()
         w.feed(GateProbe(first.generation, True, None))
-        spare = w.spawned()
-        w.feed(HealthResult(spare.generation, True))
-        w.feed(GateProbe(spare.generation, True, None))
+        spare = ready_standby(w)
         ticket = asyncio.run(w.sup.gate.acquire(1))
         w.control("restart")
         assert w.fx.last("drain_behind") == {"pid": first.pid}
@@ -175,9 +180,7 @@ def test_a_standby_out_of_date_after_a_reload_is_replaced_not_swapped_in(
     w = World(tmp_path, engine={"standby": "awake"})
     try:
         first = w.serving()
-        spare = w.spawned()
-        w.feed(HealthResult(spare.generation, True))
-        w.feed(GateProbe(spare.generation, True, None))
+        spare = ready_standby(w)
         assert w.sup.status()["standby"]["state"] == "ready"
         doc = {**w.doc, "engine": {**w.doc["engine"], "args": ["--max-num-seqs", "8"]}}
         new = parse_config(doc, str(tmp_path / "config.toml"), tmp_path)
@@ -387,9 +390,7 @@ def test_a_standby_that_cannot_sleep_is_retried_after_a_backoff(tmp_path: Path) 
         **SLEEP, "args": ["--enable-sleep-mode", "--gpu-memory-utilization", "0.45"]})
     try:
         w.serving()
-        spare = w.spawned()
-        w.feed(HealthResult(spare.generation, True))
-        w.feed(GateProbe(spare.generation, True, None))
+        spare = ready_standby(w)
         w.feed(Slept(spare.generation, "POST /sleep?level=1: HTTP 404", 0.01))
         st = w.sup.status()["standby"]
         assert st["state"] == "retiring" and "could not be put to sleep" in st["reason"]
@@ -423,9 +424,7 @@ def test_a_reload_of_the_engines_arguments_is_an_upgrade_through_the_standby(
     try:
         first = w.serving()
         w.feed(GateProbe(first.generation, True, None))
-        spare = w.spawned()
-        w.feed(HealthResult(spare.generation, True))
-        w.feed(GateProbe(spare.generation, True, None))
+        spare = ready_standby(w)
         doc = {**w.doc, "engine": {**w.doc["engine"], "args": ["--revision", "v2"]}}
         reply: asyncio.Future[dict[str, Any]] = w.loop.create_future()
         w.feed(Reloaded(parse_config(doc, str(tmp_path / "config.toml"), tmp_path),
@@ -459,9 +458,7 @@ def test_a_reload_that_changes_nothing_the_engine_runs_is_no_upgrade(tmp_path: P
     w = World(tmp_path, engine={"standby": "awake"})
     try:
         w.serving()
-        spare = w.spawned()
-        w.feed(HealthResult(spare.generation, True))
-        w.feed(GateProbe(spare.generation, True, None))
+        ready_standby(w)
         doc = {**w.doc, "engine": {**w.doc["engine"], "stop_grace_s": 7.0}}
         reply: asyncio.Future[dict[str, Any]] = w.loop.create_future()
         w.feed(Reloaded(parse_config(doc, str(tmp_path / "config.toml"), tmp_path),
@@ -484,9 +481,7 @@ def test_a_policy_relaunch_with_new_arguments_goes_through_the_standby(
     try:
         first = w.serving()
         w.feed(GateProbe(first.generation, True, None))
-        spare = w.spawned()
-        w.feed(HealthResult(spare.generation, True))
-        w.feed(GateProbe(spare.generation, True, None))
+        spare = ready_standby(w)
         w.sup.watch.tuning.spec_tokens = 2  # (what the rule's decision sets)
         w.sup.remedies.carry_out([Restart("acceptance 0.21 < 0.4: fewer speculative tokens",
                                           rung="fewer_spec_tokens")])

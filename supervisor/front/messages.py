@@ -14,7 +14,6 @@ import asyncio
 import email.utils
 import json
 import time
-from collections.abc import Iterator
 from typing import Any, Protocol
 
 
@@ -58,9 +57,6 @@ class Headers:
 
     def items(self) -> list[tuple[str, str]]:
         return self._items
-
-    def __iter__(self) -> Iterator[str]:
-        return (k for k, _ in self._items)
 
 
 class ResponseHeaders:

@@ -200,8 +200,7 @@ class Connection(asyncio.Protocol):
         req, self._parsing = self._parsing, None
         if req is not None:
             req._complete()
-            if req is not self._current and self._current is None and self.closing \
-                    and self.transport is not None:
+            if self._current is None and self.closing and self.transport is not None:
                 self.transport.close()  # (a refused body, read to its end)
 
     # ---- requests -----------------------------------------------------------------
