@@ -269,6 +269,16 @@ class ProxyConfig:
     kv_breaker_low: float = spec(0.80, lo=0.0, hi=1.0)
     max_body_bytes: int = spec(16 << 20, lo=1024, hi=1 << 31)
     max_header_bytes: int = spec(16 << 10, lo=1024, hi=1 << 20)
+    # the guard rails of a server that faces clients (docs/proxy.md, "Guard rails"):
+    # open client connections at most (above it: 503 and close; also kept under the
+    # descriptor limit, with room for the daemon's own work)
+    max_connections: int = spec(4096, lo=1, hi=1 << 20)
+    header_timeout_s: float = spec(60.0, lo=0.1, hi=3600)  # a request's head, whole
+    body_timeout_s: float = spec(60.0, lo=0.1, hi=3600)  # between two reads of a body
+    send_timeout_s: float = spec(60.0, lo=0.1, hi=3600)  # between two writes that moved
+    idle_timeout_s: float = spec(75.0, lo=0.1, hi=3600)  # a kept-alive connection, idle
+    # request bodies held in memory, all connections together (above it, reading waits)
+    max_buffered_bytes: int = spec(256 << 20, lo=1 << 20, hi=1 << 40)
     retry_after_s: int = spec(5, lo=1, hi=3600)
     # routes forwarded besides the serving API (exact paths, * for one segment; the
     # allow-list in routes.py)

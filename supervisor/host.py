@@ -335,6 +335,12 @@ class Host:
         return ProxySettings(listen_host=host, listen_port=port, upstream=first.base_url,
                              max_body_bytes=p.max_body_bytes,
                              max_header_bytes=p.max_header_bytes,
+                             max_connections=p.max_connections,
+                             header_timeout_s=p.header_timeout_s,
+                             body_timeout_s=p.body_timeout_s,
+                             send_timeout_s=p.send_timeout_s,
+                             idle_timeout_s=p.idle_timeout_s,
+                             max_buffered_bytes=p.max_buffered_bytes,
                              retry_after_s=p.retry_after_s,
                              extra_routes=tuple(p.extra_routes),
                              models=tuple(m for e in self.config.engines.values()

@@ -51,6 +51,12 @@ WHEN: tuple[tuple[str, str], ...] = (
     ("proxy.listen", DAEMON_RESTART),
     ("proxy.max_body_bytes", DAEMON_RESTART),
     ("proxy.max_header_bytes", DAEMON_RESTART),
+    ("proxy.max_connections", DAEMON_RESTART),
+    ("proxy.header_timeout_s", DAEMON_RESTART),
+    ("proxy.body_timeout_s", DAEMON_RESTART),
+    ("proxy.send_timeout_s", DAEMON_RESTART),
+    ("proxy.idle_timeout_s", DAEMON_RESTART),
+    ("proxy.max_buffered_bytes", DAEMON_RESTART),
     ("proxy.", NOW),  # admission limits, routes, Retry-After, continuation settings
     ("exporter.", DAEMON_RESTART),
     ("control.", DAEMON_RESTART),

@@ -40,6 +40,13 @@ class ProxySettings:
     upstream: str  # http://127.0.0.1:8100
     max_body_bytes: int = 16 << 20
     max_header_bytes: int = 16 << 10
+    # the server's guard rails ([proxy] in config.py says each one)
+    max_connections: int = 4096
+    header_timeout_s: float = 60.0
+    body_timeout_s: float = 60.0
+    send_timeout_s: float = 60.0
+    idle_timeout_s: float = 75.0
+    max_buffered_bytes: int = 256 << 20
     retry_after_s: int = 5
     extra_routes: tuple[str, ...] = ()
     connect_timeout_s: float = 5.0
