@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import aiohttp
 
@@ -25,10 +26,15 @@ Handler = Callable[[Request], Awaitable[StreamResponse]]
 
 @asynccontextmanager
 async def serving(handler: Handler, refused: list[int] | None = None,
-                  keepalive_s: float = 75.0, max_body: int = 1000) -> AsyncIterator[Server]:
-    server = Server(handler, Limits(max_line=200, max_field=300, max_body=max_body),
-                    refused=(refused.append if refused is not None else lambda s: None),
-                    keepalive_s=keepalive_s)
+                  reasons: list[str] | None = None, **limits: Any) -> AsyncIterator[Server]:
+    def count(status: int | None, reason: str) -> None:
+        if refused is not None and status is not None:
+            refused.append(status)
+        if reasons is not None:
+            reasons.append(reason)
+
+    limits = {"max_line": 200, "max_field": 300, "max_body": 1000, **limits}
+    server = Server(handler, Limits(**limits), refused=count)
     await server.listen("127.0.0.1", 0)
     try:
         yield server
@@ -66,8 +72,9 @@ def test_keep_alive_and_pipelined_requests_are_answered_in_order() -> None:
                         assert r.headers["Date"] and r.headers["Content-Length"]
                 assert len(server.connections) == 1
             # two requests in one write, the second closing: both answered, in order
-            raw = await exchange(server.port, b"POST /1 HTTP/1.1\r\nContent-Length: 2\r\n\r\nab"
-                                 b"GET /2 HTTP/1.1\r\nConnection: close\r\n\r\n")
+            raw = await exchange(server.port, b"POST /1 HTTP/1.1\r\nHost: t\r\n"
+                                 b"Content-Length: 2\r\n\r\nab"
+                                 b"GET /2 HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
             first, second = raw.split(b"HTTP/1.1 200 OK")[1:]
             assert first.endswith(b"POST /1 ab") and second.endswith(b"GET /2 ")
             assert b"Connection: close" in second and b"Connection: close" not in first
@@ -92,14 +99,15 @@ def test_http_1_0_closes_unless_asked_and_a_stream_to_it_is_not_chunked() -> Non
                                  b"\r\n\r\n", until_closed=False)
             assert b"Connection: keep-alive" in raw and raw.endswith(b"GET /x ")
         async with serving(stream) as server:
-            raw = await exchange(server.port, b"GET /s HTTP/1.1\r\nConnection: close\r\n\r\n")
+            raw = await exchange(server.port, b"GET /s HTTP/1.1\r\nHost: t\r\n"
+                                 b"Connection: close\r\n\r\n")
             assert b"Transfer-Encoding: chunked" in raw
             assert raw.endswith(b"\r\n9\r\ndata: 2\n\n\r\n0\r\n\r\n")
             raw = await exchange(server.port, b"GET /s HTTP/1.0\r\nConnection: keep-alive"
                                  b"\r\n\r\n")  # (closed at its end: nothing else frames it)
             assert b"chunked" not in raw and b"Connection: close" in raw
             assert raw.endswith(b"\r\n\r\ndata: 0\n\ndata: 1\n\ndata: 2\n\n")
-            raw = await exchange(server.port, b"HEAD /s HTTP/1.1\r\nConnection: close"
+            raw = await exchange(server.port, b"HEAD /s HTTP/1.1\r\nHost: t\r\nConnection: close"
                                  b"\r\n\r\n")
             assert raw.endswith(b"\r\n\r\n") and b"data:" not in raw
 
@@ -118,12 +126,13 @@ def test_over_a_limit_or_malformed_is_refused_with_its_status_and_counted() -> N
 
     async def main() -> None:
         async with serving(handler, refused) as server:
-            raw = await exchange(server.port, b"GET /" + b"a" * 300 + b" HTTP/1.1\r\n\r\n")
+            raw = await exchange(server.port,
+                                 b"GET /" + b"a" * 300 + b" HTTP/1.1\r\nHost: t\r\n\r\n")
             assert raw.startswith(b"HTTP/1.1 414 ") and b"request target too long" in raw
-            raw = await exchange(server.port, b"GET / HTTP/1.1\r\nX-Big: " + b"b" * 400
+            raw = await exchange(server.port, b"GET / HTTP/1.1\r\nHost: t\r\nX-Big: " + b"b" * 400
                                  + b"\r\n\r\n")
             assert raw.startswith(b"HTTP/1.1 431 ")
-            raw = await exchange(server.port, b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 500)
+            raw = await exchange(server.port, b"GET / HTTP/1.1\r\nHost: t\r\n" + b"X: y\r\n" * 500)
             assert raw.startswith(b"HTTP/1.1 431 ")  # (a head that never ends)
             raw = await exchange(server.port, b"NONSENSE\r\n\r\n")
             assert raw.startswith(b"HTTP/1.1 400 ") and b"malformed request" in raw
@@ -163,10 +172,10 @@ def test_a_client_that_goes_away_cancels_its_handler_and_a_failing_handler_is_a_
             return Response(text="late")
 
         async with serving(slow) as server:
-            raw = await exchange(server.port, b"GET /fail HTTP/1.1\r\n\r\n")
+            raw = await exchange(server.port, b"GET /fail HTTP/1.1\r\nHost: t\r\n\r\n")
             assert raw.startswith(b"HTTP/1.1 500 ") and b"internal error" in raw
             _, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(b"GET /slow HTTP/1.1\r\n\r\n")
+            writer.write(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n")
             await asyncio.wait_for(started.wait(), 5)
             writer.close()
             await asyncio.wait_for(gone.wait(), 5)
@@ -191,7 +200,7 @@ def test_a_slow_reader_holds_its_writer_with_a_bounded_buffer() -> None:
 
         async with serving(big) as server:
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(b"GET / HTTP/1.1\r\n\r\n")
+            writer.write(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
             await asyncio.sleep(0.5)  # nothing read: the writer must be waiting
             (conn,) = server.connections
             assert conn.transport is not None
@@ -218,18 +227,19 @@ def test_idle_connections_close_and_close_gives_busy_handlers_their_time() -> No
                 finished.append("slow")
             return Response(text="ok")
 
-        server = Server(handler, Limits(200, 300, 1000), keepalive_s=0.2)
+        server = Server(handler, Limits(200, 300, 1000, idle_timeout_s=0.2,
+                                        header_timeout_s=0.2))
         await server.listen("127.0.0.1", 0)
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"GET / HTTP/1.1\r\n\r\n")
+        writer.write(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
         assert (await reader.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
         assert await asyncio.wait_for(reader.read(), 2) == b""  # idle: closed
-        # a half-sent head is closed by the same clock
+        # a half-sent head: 408 at the head's deadline, and closed
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"GET / HTTP/1.1\r\nHost:")
-        assert await asyncio.wait_for(reader.read(), 2) == b""
+        writer.write(b"GET / HTTP/1.1\r\nHost: t\r\nX-Y:")
+        assert (await asyncio.wait_for(reader.read(), 2)).startswith(b"HTTP/1.1 408 ")
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"GET /slow HTTP/1.1\r\n\r\n")
+        writer.write(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n")
         await asyncio.sleep(0.05)
         await server.close(shutdown_s=5.0)
         assert finished == ["slow"]

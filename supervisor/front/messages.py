@@ -31,9 +31,11 @@ class Connection(Protocol):
 
 _NO_BODY_STATUS = frozenset((204, 304))
 REASONS = {200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
-            413: "Payload Too Large", 414: "URI Too Long", 417: "Expectation Failed",
-            431: "Request Header Fields Too Large", 499: "Client Closed Request",
-            500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable"}
+            408: "Request Timeout", 413: "Payload Too Large", 414: "URI Too Long",
+            417: "Expectation Failed", 431: "Request Header Fields Too Large",
+            499: "Client Closed Request", 500: "Internal Server Error",
+            501: "Not Implemented", 502: "Bad Gateway", 503: "Service Unavailable",
+            505: "HTTP Version Not Supported"}
 
 
 class BodyTooLarge(Exception):
@@ -84,7 +86,7 @@ class ResponseHeaders:
 class Request:
     """One request: its line and headers at once, its body when the handler reads it."""
 
-    __slots__ = ("_body", "_conn", "_done", "_expect_continue", "_size", "_waiter",
+    __slots__ = ("_body", "_conn", "_done", "_expect_continue", "_held", "_size", "_waiter",
                  "headers", "keep_alive", "method", "raw_path", "too_large", "version")
 
     def __init__(self, conn: Connection, method: str, raw_path: str,
@@ -97,7 +99,8 @@ class Request:
         self.headers = Headers(headers)
         self.keep_alive = keep_alive
         self._body: list[bytes] = []
-        self._size = 0
+        self._size = 0  # body bytes that came
+        self._held = 0  # of those, kept in memory (the server's budget counts them)
         self._done = False
         self._waiter: asyncio.Future[None] | None = None
         self.too_large = False
@@ -124,24 +127,36 @@ class Request:
                 self._waiter = None
         if self.too_large:
             raise BodyTooLarge()
-        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        self._body = [body]
-        return body
+        if len(self._body) != 1:
+            self._body = [b"".join(self._body)]
+        return self._body[0]
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def _add_body(self, data: bytes, limit: int) -> None:
+    def _add_body(self, data: bytes, limit: int) -> int:
+        """Body bytes as they come; how many more are held in memory (fewer, once the
+        body is over `limit`: what it had is dropped)."""
         self._size += len(data)
         if self.too_large:
-            return
+            return 0
         if self._size > limit:
             self.too_large = True
             self._body.clear()
+            dropped, self._held = self._held, 0
             self._wake()
-            return
+            return -dropped
         self._body.append(data)
+        self._held += len(data)
+        return len(data)
+
+    def _drop_body(self) -> int:
+        """The request is over (or its client gone): its body leaves the server's count
+        (and memory, if nobody else holds it). How many bytes it held."""
+        self._body = []
+        held, self._held = self._held, 0
+        return held
 
     def _complete(self) -> None:
         self._done = True

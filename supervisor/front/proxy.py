@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import json
 import re
+import resource
 import time
 from collections.abc import Callable
 
@@ -55,7 +56,7 @@ from supervisor.front.messages import (
     json_response,
 )
 from supervisor.front.routes import LOCAL, PathRefused, Routes, Target, read_target
-from supervisor.front.server import Limits, Server
+from supervisor.front.server import Limits, Server, connection_cap
 from supervisor.front.streams import (
     HOP_BY_HOP,
     Broken,
@@ -134,9 +135,18 @@ class FrontProxy:
     async def start(self) -> None:
         """Listen; raises ProxyError naming the address when it cannot."""
         # every request to the one handler, which reads the target itself
-        limits = Limits(max_line=self.s.max_header_bytes, max_field=self.s.max_header_bytes,
-                        max_body=self.s.max_body_bytes)
-        server = Server(self._handle, limits, refused=self._bad_http)
+        s = self.s
+        limits = Limits(max_line=s.max_header_bytes, max_field=s.max_header_bytes,
+                        max_body=s.max_body_bytes, header_timeout_s=s.header_timeout_s,
+                        body_timeout_s=s.body_timeout_s, send_timeout_s=s.send_timeout_s,
+                        idle_timeout_s=s.idle_timeout_s,
+                        max_connections=connection_cap(s.max_connections),
+                        max_buffered=s.max_buffered_bytes, retry_after_s=s.retry_after_s)
+        if limits.max_connections < s.max_connections:
+            log.warning("proxy connections capped under the descriptor limit",
+                        max_connections=s.max_connections, cap=limits.max_connections,
+                        descriptors=resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        server = Server(self._handle, limits, refused=self._refused)
         try:
             await server.listen(self.s.listen_host, self.s.listen_port)
         except OSError as exc:
@@ -193,10 +203,12 @@ class FrontProxy:
 
     # ---- requests -------------------------------------------------------------------
 
-    def _bad_http(self, status: int) -> None:
-        """The server refused what it could not parse, or what was over a limit."""
-        self.stats.count(status)
-        self.stats.reject("bad_http")
+    def _refused(self, status: int | None, reason: str) -> None:
+        """The server refused what it could not parse, what broke a limit or a deadline,
+        or a connection above its cap."""
+        if status is not None:
+            self.stats.count(status)
+        self.stats.reject(reason)
 
     def _error(self, status: int, message: str, reason: str | None = None) -> Response:
         headers = {"Retry-After": str(self.s.retry_after_s)} if status == 503 else {}
@@ -240,7 +252,10 @@ class FrontProxy:
                                "body_too_large")
         if target.path == "/v1/models" and request.method == "GET" and len(self.backends) > 1:
             return await self._list_models()
-        facts = read_request(body)
+        try:
+            facts = read_request(body)
+        except RecursionError:  # (json's parser, on arrays nested thousands deep)
+            return self._error(400, "request body nested too deeply", "bad_json")
         ex.model, ex.tokens = facts.model, facts.tokens
         try:
             choices = dispatch.choices(self.backends, facts, body)

@@ -10,21 +10,42 @@ our own. Here a request is one parse, one wake-up of its connection's task and o
 
 What it does, as an operator would expect of a front door:
 - keep-alive (HTTP/1.1 by default, HTTP/1.0 when asked for), pipelined requests answered
-  in order, an idle connection closed after `keepalive_s`;
+  in order; a request that says `Connection: close` is answered and what follows it
+  ignored (RFC 9112 9.6);
 - `Expect: 100-continue` answered when the handler reads the body (`Request.read`), so
   a body is never asked for before the request was checked;
 - limits: a request line over `max_line` bytes is refused with 414, a header field over
-  `max_field` or a header section over 8 times that with 431, a body over `max_body`
-  raises `BodyTooLarge` in `read` (the proxy answers 413); the rest of a refused body is
-  read and dropped (at most `LINGER_S`) before the connection closes, so that the client
-  reads the answer instead of a reset;
-- a malformed request: 400 and the connection closed;
+  `max_field` with 431, a head over 8 times that with 431 (counted as it arrives, the
+  read that completes it included), its chunk framing and trailers past that bound
+  with 400 (trailers are read and dropped: never merged into the header section, RFC
+  9110 6.5.1), a body over `max_body` raises `BodyTooLarge` in `read` (the proxy
+  answers 413); the rest of a refused body is read and dropped (at most `LINGER_S`)
+  before the connection closes, so that the client reads the answer instead of a reset;
+- the head's rules its parser does not check (`supervisor/front/conformance.py`: the
+  version, Host, Transfer-Encoding codings; fields named by Connection dropped);
+- a malformed request: 400 and the connection closed; one that comes pipelined behind a
+  request being answered waits for that answer's end (never a status line inside
+  another answer);
+- deadlines, nginx's: a request's head within `header_timeout_s` of its first byte (of
+  the connection's opening, for its first request), 408; a body read within
+  `body_timeout_s` of the last, 408; a client that takes nothing of its answer for
+  `send_timeout_s` is cut (its handler cancelled, so its upstream request, so its
+  admission slot); a kept-alive connection idle for `idle_timeout_s` closed;
+- memory: reading pauses while a pipelined request's body waits for its turn beyond
+  `HIGH_WATER`, and on every connection receiving a body while the bodies held by all
+  of them pass `max_buffered`; a gone client's bodies are dropped at once;
+- connections: above `max_connections` open ones a new connection is answered 503 with
+  `Retry-After` and closed (the proxy keeps the cap under the descriptor limit);
 - a client that goes away: its handler's task is cancelled (the proxy's upstream request
   with it, and vLLM aborts it), and a write to it raises `ConnectionResetError`;
 - a handler that fails: 500 if nothing was sent yet, else the connection cut;
 - a writer faster than its client waits in `write` (64 KiB buffered at most);
 - `close`: the socket stops listening, idle connections close, and handlers still
   running get `shutdown_s` before they are cancelled.
+
+Every refusal is logged (with its peer, never a byte of a body) and counted by the
+`refused(status, reason)` callback: `bad_http`, `header_timeout`, `body_timeout`,
+`send_timeout`, `connections`.
 """
 
 from __future__ import annotations
@@ -32,7 +53,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
+import enum
 import json
+import resource
 import time
 from collections.abc import Awaitable, Callable
 from typing import cast
@@ -40,6 +64,7 @@ from typing import cast
 import httptools
 import structlog
 
+from supervisor.front import conformance
 from supervisor.front.messages import (
     REASONS,
     Request,
@@ -50,18 +75,64 @@ from supervisor.front.messages import (
 
 log = structlog.get_logger("supervisor.proxy")
 
-KEEPALIVE_S = 75.0  # an idle client connection is closed after this (aiohttp's default)
 LINGER_S = 2.0  # the rest of a refused body is read and dropped for at most this long
-HIGH_WATER = 64 << 10  # bytes buffered for a client before `write` waits
+HIGH_WATER = 64 << 10  # bytes buffered for a client before `write` waits; and of a
+# pipelined request's body read ahead of its turn before the socket's reading pauses
 _PIPELINED = 16  # requests parsed ahead of their turn before the socket's reading pauses
+_LOG_EVERY_S = 10.0  # connections refused above the cap: one line per this long at most
 Handler = Callable[[Request], Awaitable[StreamResponse]]
+Refused = Callable[[int | None, str], None]  # (status sent or None, reason)
 
 
+@dataclasses.dataclass(frozen=True)
 class Limits:
-    __slots__ = ("max_body", "max_field", "max_line")
+    """The server's bounds: sizes in bytes, times in seconds (config.py's [proxy] keys)."""
 
-    def __init__(self, max_line: int, max_field: int, max_body: int) -> None:
-        self.max_line, self.max_field, self.max_body = max_line, max_field, max_body
+    max_line: int
+    max_field: int
+    max_body: int
+    header_timeout_s: float = 60.0
+    body_timeout_s: float = 60.0
+    send_timeout_s: float = 60.0
+    idle_timeout_s: float = 75.0
+    max_connections: int = 4096
+    max_buffered: int = 256 << 20
+    retry_after_s: int = 5  # told to a connection refused above the cap
+
+    @property
+    def max_head(self) -> int:
+        """A head, with its chunk framing and trailers, at most this many bytes."""
+        return 8 * self.max_field
+
+
+def connection_cap(wanted: int, soft_limit: int | None = None) -> int:
+    """The open client connections served at most: `wanted`, or fewer where the
+    descriptor limit (the daemon's soft RLIMIT_NOFILE) would not hold them. Each client
+    connection may hold two descriptors (its own and one to its engine), and a reserve
+    (a quarter of the limit, 256 at most) stays for the daemon's own work: the control
+    socket, the engines' probes and pipes, /proc reads, the audit trail."""
+    if soft_limit is None:
+        soft_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft_limit == resource.RLIM_INFINITY:
+        return wanted
+    reserve = min(256, soft_limit // 4)
+    return max(1, min(wanted, (soft_limit - reserve) // 2))
+
+
+class Phase(enum.Enum):
+    """Where the parser is in the connection's bytes."""
+
+    IDLE = "idle"  # between requests
+    HEAD = "head"  # a request's line and header fields
+    BODY = "body"  # its body (with its chunk framing and trailers)
+
+
+class Wait(enum.Enum):
+    """The one deadline a connection's reading is under, if any."""
+
+    IDLE = "idle"  # kept alive, waiting for a request: closed without a word
+    HEADER = "header"  # a head under way (or the first one awaited): 408
+    BODY = "body"  # a body under way: 408
 
 
 class Connection(asyncio.Protocol):
@@ -70,6 +141,7 @@ class Connection(asyncio.Protocol):
 
     def __init__(self, server: Server) -> None:
         self.server = server
+        self.limits = server.limits
         self.loop = server.loop
         self.transport: asyncio.Transport | None = None
         self.peer: str | None = None
@@ -78,20 +150,32 @@ class Connection(asyncio.Protocol):
         self.closing = False
         self._paused = False  # writing: the client's buffer is full
         self._drain: asyncio.Future[None] | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
         self._reading_paused = False
-        # the request being parsed: its target and headers so far
+        self._stopped = False  # reading for good: what comes next is not served
+        # the request being parsed: its target and headers so far, and its bytes
+        self._phase = Phase.IDLE
+        self._messages = 0  # requests begun on this connection
         self._url = b""
         self._fields: list[tuple[str, str]] = []
         self._expect = False  # an `Expect: 100-continue`
         self._length = 0  # its Content-Length
-        self._head_bytes = 0
-        self._in_head = False
+        self._hosts = 0
+        self._codings: list[str] = []  # its Transfer-Encoding values
+        self._named: list[str] = []  # its Connection values
+        self._head_bytes = 0  # of its head and trailers, as parsed
+        self._raw_bytes = 0  # of its head, or of its body's framing, as read
+        self._body_in = 0  # body bytes parsed on this connection
         self._parsing: Request | None = None
         self._queue: collections.deque[Request] = collections.deque()
         self._current: Request | None = None
+        self._answered = False  # a byte of the current request's answer was written
+        self._refusal: tuple[int, str] | None = None  # sent once the current answer ends
         self._task: asyncio.Task[None] | None = None  # serves the requests in turn
         self._wakeup: asyncio.Future[None] | None = None  # its wait for the next
-        self._idle: asyncio.TimerHandle | None = None
+        self._wait: Wait | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._last_read = 0.0
         self._linger: asyncio.TimerHandle | None = None
 
     # ---- the socket ---------------------------------------------------------------
@@ -102,114 +186,187 @@ class Connection(asyncio.Protocol):
         transport.set_write_buffer_limits(high=HIGH_WATER)
         peer = transport.get_extra_info("peername")
         self.peer = peer[0] if isinstance(peer, tuple) else None
-        self.server.connections.add(self)
-        self._arm_idle()
+        if not self.server.admit(self):
+            return
+        self._arm(Wait.HEADER, self.limits.header_timeout_s)  # (nginx: from the accept)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.lost = True
         self.server.connections.discard(self)
-        for handle in (self._idle, self._linger):
+        for handle in (self._timer, self._linger, self._send_timer):
             if handle is not None:
                 handle.cancel()
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(ConnectionResetError("the client went away"))
         if self._task is not None and not self._task.done():
             self._task.cancel()  # the handler stops; its upstream request with it
+        # the bodies it held go now, not when a collection finds the cancelled task
+        for req in (self._current, self._parsing, *self._queue):
+            if req is not None:
+                self.server.release(req._drop_body())
         self._queue.clear()
+        self.server.starved.discard(self)
 
     def pause_writing(self) -> None:
         self._paused = True
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.limits.send_timeout_s,
+                                                    self._send_timed_out)
 
     def resume_writing(self) -> None:
         self._paused = False
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
 
     def data_received(self, data: bytes) -> None:
+        if self._stopped:
+            return  # (after a refusal, or after a request that closes the connection)
+        phase, messages, body_in = self._phase, self._messages, self._body_in
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._refuse(400, "protocol upgrades are not served here")
+            return
         except httptools.HttpParserError as exc:
             # (an exception in a callback comes out as the parser's, the cause inside)
             if isinstance(why := exc.__context__, _Refused):
                 self._refuse(why.status, why.message)
+            elif self._stopped:
+                pass  # bytes after `Connection: close`: ignored (RFC 9112 9.6)
             else:
                 self._refuse(400, f"malformed request: {exc}")
-        else:
-            if self._in_head:  # (a head not yet whole: what it has taken so far)
-                self._head_bytes += len(data)
-                if self._head_bytes > 8 * self.server.limits.max_field:
+            return
+        # A read wholly inside one request's head, or one body's framing and trailers,
+        # counts whole (what the parser holds but has not handed over yet: a field
+        # still coming); one across a boundary is counted by the parser's callbacks.
+        if self._phase is phase and self._messages == messages:
+            if phase is Phase.HEAD:
+                self._raw_bytes += len(data)
+                if self._raw_bytes > self.limits.max_head:
                     self._refuse(431, "request header section too large")
+            elif phase is Phase.BODY:
+                self._last_read = self.loop.time()
+                self._raw_bytes += len(data) - (self._body_in - body_in)
+                if self._raw_bytes > self.limits.max_head + (self._body_in >> 2):
+                    self._refuse(400, "chunk framing or trailers too large")
+        elif self._phase is Phase.BODY:
+            self._last_read = self.loop.time()
 
     # ---- the parser's callbacks ---------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self._phase = Phase.HEAD
+        self._messages += 1
         self._url = b""
         self._fields = []
         self._expect = False
         self._length = 0
-        self._in_head = True
+        self._hosts = 0
+        self._codings = []
+        self._named = []
         self._head_bytes = 0
+        self._raw_bytes = 0
+        if self._wait is Wait.IDLE:  # (a kept-alive connection: its next head is timed)
+            self._arm(Wait.HEADER, self.limits.header_timeout_s)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        if len(self._url) > self.server.limits.max_line:
+        self._head_bytes += len(url)
+        if len(self._url) > self.limits.max_line:
             raise _Refused(414, "request target too long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) + len(value) > self.server.limits.max_field:
+        if len(name) + len(value) > self.limits.max_field:
             raise _Refused(431, "request header field too large")
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > self.limits.max_head:
+            raise _Refused(431, "request header section too large")
+        if self._phase is not Phase.HEAD:
+            return  # a trailer field: counted, and dropped (RFC 9110 6.5.1)
         # (as aiohttp decoded them, and as the upstream client encodes them: the bytes
         # sent on are the bytes that came)
         self._fields.append((name.decode("utf-8", "surrogateescape"),
                              value.decode("utf-8", "surrogateescape")))
-        if len(name) in (6, 14):  # (the two the server reads itself, found cheaply)
+        if len(name) in _READ_HERE:  # (the few the server reads itself, found cheaply)
             low = name.lower()
             if low == b"expect":
                 self._expect = value.strip().lower() == b"100-continue"
             elif low == b"content-length" and value.strip().isdigit():
                 self._length = int(value)
+            elif low == b"host":
+                self._hosts += 1
+            elif low == b"transfer-encoding":
+                self._codings.append(value.decode("latin-1"))
+            elif low == b"connection":
+                self._named.append(value.decode("latin-1"))
 
     def on_headers_complete(self) -> None:
-        self._in_head = False
         p = self.parser
-        version = (1, 1) if p.get_http_version() == "1.1" else (1, 0)
+        v = p.get_http_version()
+        if (problem := conformance.head_problem(v, self._hosts, self._codings)) is not None:
+            raise _Refused(*problem)
+        self._phase = Phase.BODY
+        self._raw_bytes = 0
+        fields = self._fields
+        if self._named and (named := conformance.connection_named(self._named)):
+            fields = conformance.without(fields, named)
+        version = (1, 1) if v == "1.1" else (1, 0)
         req = Request(self, p.get_method().decode("latin-1"),
-                      self._url.decode("utf-8", "surrogateescape"), version, self._fields,
+                      self._url.decode("utf-8", "surrogateescape"), version, fields,
                       p.should_keep_alive())
         req._expect_continue = self._expect and version == (1, 1)
-        if self._length > self.server.limits.max_body:
+        if self._length > self.limits.max_body:
             req.too_large = True  # (known now: the handler need not wait for it)
         self._parsing = req
+        if self._wait is Wait.HEADER:
+            self._disarm()
+        if self._length or self._codings:  # (a body to come: its reads are timed)
+            self._last_read = self.loop.time()
+            self._arm(Wait.BODY, self.limits.body_timeout_s)
         if self.closing:
             return  # (a request after one that closes the connection: not served)
         if self._current is None:
             self._start(req)
         else:
             self._queue.append(req)
-            if len(self._queue) >= _PIPELINED and self.transport is not None:
-                self.transport.pause_reading()
-                self._reading_paused = True
+            if len(self._queue) >= _PIPELINED:
+                self._update_reading()
 
     def on_body(self, body: bytes) -> None:
-        if self._parsing is not None:
-            self._parsing._add_body(body, self.server.limits.max_body)
+        self._body_in += len(body)
+        req = self._parsing
+        if req is None:
+            return
+        server = self.server
+        server.buffered += req._add_body(body, self.limits.max_body)
+        if req is not self._current or server.buffered > self.limits.max_buffered:
+            self._update_reading()
 
     def on_message_complete(self) -> None:
+        self._phase = Phase.IDLE
+        if self._wait is Wait.BODY:
+            self._disarm()
         req, self._parsing = self._parsing, None
-        if req is not None:
-            req._complete()
-            if self._current is None and self.closing and self.transport is not None:
-                self.transport.close()  # (a refused body, read to its end)
+        if req is None:
+            return
+        req._complete()
+        if req is not self._current and req not in self._queue:  # (answered already)
+            self.server.release(req._drop_body())
+        if not req.keep_alive:
+            self._stop_reading()  # what follows is not served (RFC 9112 9.6)
+        if self._current is None and self.closing and self.transport is not None:
+            self.transport.close()  # (a refused body, read to its end)
 
     # ---- requests -----------------------------------------------------------------
 
     def _start(self, req: Request) -> None:
-        if self._idle is not None:  # (armed while the connection waits for a request,
-            self._idle.cancel()     # its head included: a stalled head is closed too)
-            self._idle = None
+        if self._wait is Wait.IDLE:
+            self._disarm()
         self._current = req
+        self._answered = False
         if self._task is None or self._task.done():
             self._task = self.loop.create_task(self._serve_all())
         elif self._wakeup is not None and not self._wakeup.done():
@@ -263,7 +420,12 @@ class Connection(asyncio.Protocol):
 
     def _finished(self, req: Request) -> None:
         self._current = None
+        if req is not self._parsing:  # (else its body is still coming, and counted)
+            self.server.release(req._drop_body())
         if self.lost:
+            return
+        if self._refusal is not None:  # a request behind this one was refused
+            self._send_refusal(*self._refusal)
             return
         if not req.keep_alive or self.closing:
             self.closing = True
@@ -273,12 +435,12 @@ class Connection(asyncio.Protocol):
                 self._linger_then_close()
             return
         if self._queue:
-            if self._reading_paused and self.transport is not None:
-                self._reading_paused = False
-                self.transport.resume_reading()
             self._start(self._queue.popleft())
-        else:
-            self._arm_idle()
+            self._update_reading()
+        elif self._phase is Phase.IDLE:
+            self._arm(Wait.IDLE, self.limits.idle_timeout_s)
+        elif self._phase is Phase.HEAD:
+            self._arm(Wait.HEADER, self.limits.header_timeout_s)
 
     def _linger_then_close(self) -> None:
         """The answer is out but the client may still be sending the body it was refused:
@@ -286,34 +448,109 @@ class Connection(asyncio.Protocol):
         if self._linger is None and not self.lost:
             self._linger = self.loop.call_later(LINGER_S, self._close)
 
-    def _arm_idle(self) -> None:
-        if self._idle is None and not self.lost:
-            self._idle = self.loop.call_later(self.server.keepalive_s, self._close)
-
-    def _refuse(self, status: int, message: str) -> None:
-        """A request that cannot be parsed or is over a limit: answered here, and the
-        connection closed."""
-        log.warning("request refused", reason="bad_http", status=status, peer=self.peer,
+    def _refuse(self, status: int, message: str, reason: str = "bad_http") -> None:
+        """A request that cannot be parsed, breaks a rule or a limit: answered here (after
+        the answer being written, if it is another request's), and the connection
+        closed."""
+        log.warning("request refused", reason=reason, status=status, peer=self.peer,
                     why=message[:300])
-        self.server.refused(status)
-        if self._current is not None and self._task is not None:
-            self._task.cancel()  # (its answer could not be told from the refusal's)
-        self._current = None
-        self._queue.clear()
+        self.server.refused(status, reason)
+        self._stop_reading()
         self.closing = True
+        for req in self._queue:
+            self.server.release(req._drop_body())
+        self._queue.clear()
+        current = self._current
+        if current is not None and current is not self._parsing:
+            self._refusal = (status, message)  # sent when the current answer ends
+            return
+        if current is not None and self._task is not None:
+            self._task.cancel()  # (its answer could not be told from the refusal's)
+            self._current = None
+            self.server.release(current._drop_body())
+            if self._answered:
+                self._close()  # (an answer begun: cut, never a status line inside it)
+                return
+        self._send_refusal(status, message)
+
+    def _send_refusal(self, status: int, message: str) -> None:
         body = json.dumps({"error": {"message": message, "type": "bad_http",
                                      "code": status}}).encode()
         head = (f"HTTP/1.1 {status} {REASONS.get(status, '')}\r\nContent-Type: "
                 f"application/json\r\nContent-Length: {len(body)}\r\n{date_header()}\r\n"
                 "Connection: close\r\n\r\n").encode("latin-1")
-        self.write(head + body)
+        with contextlib.suppress(ConnectionError):
+            self.write(head + body)
         self._close()
+
+    # ---- reading and its deadlines ------------------------------------------------
+
+    def _update_reading(self) -> None:
+        """Reading pauses while requests wait for their turn (too many, or their bodies
+        past HIGH_WATER), while the server's bodies are over budget and this connection
+        is receiving one, and for good once stopped."""
+        server = self.server
+        starved = self._phase is Phase.BODY and server.buffered > self.limits.max_buffered
+        if starved:
+            server.starved.add(self)
+        else:
+            server.starved.discard(self)
+        pause = self._stopped or starved or len(self._queue) >= _PIPELINED \
+            or sum(r._held for r in self._queue) > HIGH_WATER
+        if self.transport is None or pause is self._reading_paused or self.lost:
+            return
+        self._reading_paused = pause
+        if pause:
+            self.transport.pause_reading()
+        else:
+            self._last_read = self.loop.time()  # (the body's clock starts again)
+            self.transport.resume_reading()
+
+    def _stop_reading(self) -> None:
+        self._stopped = True
+        if self._wait is not Wait.IDLE:
+            self._disarm()
+        self._update_reading()
+
+    def _arm(self, wait: Wait, after_s: float) -> None:
+        if self.lost:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._wait = wait
+        self._timer = self.loop.call_later(after_s, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._wait = None, None
+
+    def _timed_out(self) -> None:
+        wait, self._timer, self._wait = self._wait, None, None
+        if wait is Wait.IDLE:
+            self._close()
+        elif wait is Wait.HEADER:
+            if self._phase is Phase.HEAD:
+                self._refuse(408, f"request head not received within "
+                             f"{self.limits.header_timeout_s:g} s", "header_timeout")
+            else:  # (a connection opened that never sent a byte)
+                self.server.refused(None, "header_timeout")
+                self._close()
+        elif wait is Wait.BODY:
+            left = self._last_read + self.limits.body_timeout_s - self.loop.time()
+            if self._reading_paused or left > 0:  # (read since, or paused by us)
+                self._arm(Wait.BODY, max(left, 0.05) if not self._reading_paused
+                          else self.limits.body_timeout_s)
+            else:
+                self._refuse(408, f"nothing of the request body for "
+                             f"{self.limits.body_timeout_s:g} s", "body_timeout")
 
     # ---- writing ------------------------------------------------------------------
 
     def write(self, data: bytes) -> None:
         if self.lost or self.transport is None or self.transport.is_closing():
             raise ConnectionResetError("the client went away")
+        self._answered = True
         self.transport.write(data)
 
     async def send(self, data: bytes) -> None:
@@ -323,6 +560,17 @@ class Connection(asyncio.Protocol):
             if self._drain is None or self._drain.done():
                 self._drain = self.loop.create_future()
             await self._drain
+
+    def _send_timed_out(self) -> None:
+        """The client took nothing of its answer for `send_timeout_s`: cut, so that its
+        handler ends (its upstream request, its admission slot with it)."""
+        self._send_timer = None
+        if self.lost or not self._paused:
+            return
+        log.warning("client cut", reason="send_timeout", peer=self.peer,
+                    why=f"it read nothing for {self.limits.send_timeout_s:g} s")
+        self.server.refused(None, "send_timeout")
+        self.abort()
 
     def _close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -342,6 +590,11 @@ class Connection(asyncio.Protocol):
             self.transport.abort()
 
 
+# the lengths of the header names the server reads itself (Host, Expect, Connection,
+# Content-Length, Transfer-Encoding)
+_READ_HERE = frozenset((4, 6, 10, 14, 17))
+
+
 class _Refused(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -352,16 +605,51 @@ class Server:
     """The listening socket and its connections."""
 
     def __init__(self, handler: Handler, limits: Limits,
-                 refused: Callable[[int], None] = lambda status: None,
-                 keepalive_s: float = KEEPALIVE_S) -> None:
+                 refused: Refused = lambda status, reason: None) -> None:
         self.handler = handler
         self.limits = limits
         self.refused = refused
-        self.keepalive_s = keepalive_s
         self.loop = asyncio.get_running_loop()
         self.connections: set[Connection] = set()
+        self.buffered = 0  # request body bytes held, all connections together
+        self.starved: set[Connection] = set()  # paused until `buffered` falls
+        self._over_cap = 0  # connections refused above the cap, not yet logged
+        self._over_cap_logged = -_LOG_EVERY_S
         self._server: asyncio.Server | None = None
         self._port: int | None = None
+
+    def admit(self, conn: Connection) -> bool:
+        """A new connection is served, or (above the cap) answered 503 and closed."""
+        if len(self.connections) < self.limits.max_connections:
+            self.connections.add(conn)
+            return True
+        self.refused(503, "connections")
+        self._over_cap += 1
+        now = self.loop.time()
+        if now - self._over_cap_logged >= _LOG_EVERY_S:
+            log.warning("connections refused", reason="connections",
+                        refused=self._over_cap, open=len(self.connections),
+                        max_connections=self.limits.max_connections)
+            self._over_cap, self._over_cap_logged = 0, now
+        conn._stopped = True
+        conn.closing = True
+        body = json.dumps({"error": {"message": "too many connections", "type":
+                                     "connections", "code": 503}}).encode()
+        assert conn.transport is not None
+        conn.transport.write(
+            (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+             f"Content-Length: {len(body)}\r\nRetry-After: {self.limits.retry_after_s}\r\n"
+             f"{date_header()}\r\nConnection: close\r\n\r\n").encode("latin-1") + body)
+        conn.transport.close()
+        return False
+
+    def release(self, held: int) -> None:
+        """Body bytes no longer held; connections paused for the budget read again once
+        it has room."""
+        self.buffered -= held
+        if self.starved and self.buffered <= self.limits.max_buffered:
+            for conn in list(self.starved):
+                conn._update_reading()
 
     async def listen(self, host: str, port: int) -> None:
         """Raises OSError when it cannot."""
