@@ -481,7 +481,15 @@ class Connection(asyncio.Protocol):
                 "Connection: close\r\n\r\n").encode("latin-1")
         with contextlib.suppress(ConnectionError):
             self.write(head + body)
-        self._close()
+        # The client may still be sending what was refused: our side ends here, what it
+        # sends is read and dropped (at most LINGER_S), so that it reads the answer
+        # instead of a reset.
+        transport = self.transport
+        if transport is not None and not transport.is_closing() and transport.can_write_eof():
+            transport.write_eof()
+            self._linger_then_close()
+        else:
+            self._close()
 
     # ---- reading and its deadlines ------------------------------------------------
 

@@ -1,0 +1,375 @@
+"""The front door's guard rails (issue 33), over real sockets on loopback: each finding
+of the hostile-client review, tried as it was found, against the server in this
+process (`supervisor/front/server.py`). Sizes and deadlines are shrunk so that each
+takes a fraction of a second; no test asserts a duration."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from supervisor.front.messages import BodyTooLarge, Request, Response, StreamResponse
+from supervisor.front.server import Limits, Server, connection_cap
+
+
+class Seen:
+    """What the server refused (status or None, reason), and what the handler saw."""
+
+    def __init__(self) -> None:
+        self.refused: list[tuple[int | None, str]] = []
+        self.requests: list[tuple[str, list[tuple[str, str]], bytes]] = []
+
+    def reasons(self) -> list[str]:
+        return [r for _, r in self.refused]
+
+
+@asynccontextmanager
+async def serving(handler: Any = None, **limits: Any) -> AsyncIterator[tuple[Server, Seen]]:
+    seen = Seen()
+
+    async def echo(request: Request) -> StreamResponse:
+        try:
+            body = await request.read()
+        except BodyTooLarge:
+            return Response(status=413, text="too large")
+        seen.requests.append((request.raw_path, list(request.headers.items()), body))
+        return Response(body=json.dumps({"path": request.raw_path,
+                                         "size": len(body)}).encode(),
+                        content_type="application/json")
+
+    bounds = {"max_line": 200, "max_field": 300, "max_body": 1 << 20, **limits}
+    server = Server(handler or echo, Limits(**bounds),
+                    refused=lambda status, reason: seen.refused.append((status, reason)))
+    await server.listen("127.0.0.1", 0)
+    try:
+        yield server, seen
+    finally:
+        await server.close(shutdown_s=1.0)
+
+
+async def talk(port: int, data: bytes, wait_s: float = 5.0) -> bytes:
+    """Send, then read until the server closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), wait_s)
+    finally:
+        writer.close()
+
+
+async def until(condition: Any, wait_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + wait_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def status(raw: bytes) -> int:
+    return int(raw.split(b" ", 2)[1])
+
+
+CHUNKED_HEAD = b"POST /c HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+CHUNKED = CHUNKED_HEAD + b"3\r\nabc\r\n0\r\n"  # (its trailers, and their end, to come)
+
+
+# ---- H1: connections ------------------------------------------------------------------
+
+def test_above_the_connection_cap_a_new_connection_gets_503_and_is_closed() -> None:
+    async def main() -> None:
+        async with serving(max_connections=3, retry_after_s=7) as (server, seen):
+            idle = [await asyncio.open_connection("127.0.0.1", server.port)
+                    for _ in range(3)]
+            await until(lambda: len(server.connections) == 3)
+            raw = await talk(server.port, b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert status(raw) == 503 and b"Retry-After: 7" in raw
+            assert b"Connection: close" in raw
+            assert seen.refused == [(503, "connections")] and len(server.connections) == 3
+            idle[0][1].close()  # one goes: a new one is served
+            await until(lambda: len(server.connections) == 2)
+            raw = await talk(server.port, b"GET /x HTTP/1.1\r\nHost: t\r\n"
+                             b"Connection: close\r\n\r\n")
+            assert status(raw) == 200
+            for _, w in idle[1:]:
+                w.close()
+
+    asyncio.run(main())
+
+
+def test_the_connection_cap_stays_under_the_descriptor_limit() -> None:
+    assert connection_cap(4096, soft_limit=65536) == 4096
+    assert connection_cap(4096, soft_limit=1024) == 384  # (1024 - 256) / 2: two each
+    assert connection_cap(4096, soft_limit=256) == 96  # a quarter kept in reserve
+    assert connection_cap(10, soft_limit=1024) == 10
+
+
+def test_a_connection_that_never_sends_a_head_is_closed_at_the_head_deadline() -> None:
+    async def main() -> None:
+        async with serving(header_timeout_s=0.2) as (server, seen):
+            assert await talk(server.port, b"") == b""  # closed, nothing said
+            raw = await talk(server.port, b"GET / HTTP/1.1\r\nHost: t\r\nX-Slow: a")
+            assert status(raw) == 408
+            assert seen.refused == [(None, "header_timeout"), (408, "header_timeout")]
+            await until(lambda: not server.connections)
+
+    asyncio.run(main())
+
+
+# ---- H2, M3: trailers -----------------------------------------------------------------
+
+def test_trailers_count_against_the_head_bound_and_never_reach_the_handler() -> None:
+    async def main() -> None:
+        async with serving() as (server, seen):
+            raw = await talk(server.port, CHUNKED + b"Authorization: secret\r\nX-T: 1\r\n\r\n"
+                             + b"GET /next HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+            assert raw.count(b"HTTP/1.1 200") == 2
+            (_, fields, body), (path, _, _) = seen.requests
+            assert body == b"abc" and path == "/next"
+            assert [k for k, _ in fields] == ["Host", "Transfer-Encoding"]  # (not merged)
+            # many small trailer fields: refused at the head's bound (8 x 300 bytes),
+            # long before the 2 MiB that follow
+            many = CHUNKED + b"X-T: 1\r\n" * (2 << 17)
+            raw = await talk(server.port, many)
+            assert status(raw) == 431 and b"header section too large" in raw
+            # one trailer value that never ends: refused as it grows
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(CHUNKED + b"X-T: ")
+            for _ in range(40):
+                if reader.at_eof():
+                    break
+                writer.write(b"v" * 1000)
+                await asyncio.sleep(0.01)
+            raw = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            assert status(raw) == 400 and b"trailers too large" in raw
+            assert server.buffered == 0
+
+    asyncio.run(main())
+
+
+def test_chunk_extensions_are_bounded() -> None:
+    async def main() -> None:
+        async with serving() as (server, seen):
+            # a megabyte of extensions, as it comes: refused as it grows (one read's
+            # worth, as the parser skips them, is not counted)
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(CHUNKED_HEAD + b"3;")
+            for _ in range(256):
+                if reader.at_eof() or writer.is_closing():
+                    break
+                writer.write(b"e" * 4096)
+                await asyncio.sleep(0.002)
+            raw = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            assert status(raw) == 400 and b"chunk framing" in raw
+            assert not seen.requests
+            # a body sent in small chunks with short extensions is served
+            body = b"".join(b"2;e=1\r\nab\r\n" for _ in range(500)) + b"0\r\n\r\n"
+            raw = await talk(server.port, CHUNKED_HEAD + body +
+                             b"GET /x HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+            assert raw.count(b"HTTP/1.1 200") == 2 and b'"size": 1000' in raw
+
+    asyncio.run(main())
+
+
+# ---- M2: the head, counted as it arrives ----------------------------------------------
+
+def test_a_head_over_the_bound_in_one_read_never_reaches_the_handler() -> None:
+    async def main() -> None:
+        async with serving() as (server, seen):
+            head = b"GET / HTTP/1.1\r\nHost: t\r\n" + b"".join(
+                b"X-%d: %s\r\n" % (i, b"v" * 250) for i in range(40)) + b"\r\n"
+            assert len(head) > 8 * 300
+            raw = await talk(server.port, head)
+            assert status(raw) == 431 and not seen.requests
+
+    asyncio.run(main())
+
+
+# ---- H3, M1: deadlines ----------------------------------------------------------------
+
+def test_a_client_that_stops_reading_is_cut_and_its_handler_ends() -> None:
+    async def main() -> None:
+        ended = asyncio.Event()
+
+        async def endless(request: Request) -> StreamResponse:
+            resp = StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            try:
+                while True:
+                    await resp.write(b"data: " + b"x" * 4000 + b"\n\n")
+            finally:
+                ended.set()
+
+        async with serving(endless, send_timeout_s=0.3) as (server, seen):
+            _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.transport.set_write_buffer_limits(0)
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            writer.write(b"GET /s HTTP/1.1\r\nHost: t\r\n\r\n")
+            await asyncio.wait_for(ended.wait(), 10)  # nothing read: cut
+            assert seen.reasons() == ["send_timeout"]
+            await until(lambda: not server.connections)
+            writer.close()
+
+    asyncio.run(main())
+
+
+def test_a_body_that_stalls_is_refused_with_408_and_one_that_trickles_is_served() -> None:
+    async def main() -> None:
+        async with serving(body_timeout_s=0.3) as (server, seen):
+            raw = await talk(server.port, b"POST / HTTP/1.1\r\nHost: t\r\n"
+                             b"Content-Length: 100\r\n\r\n0123456789")
+            assert status(raw) == 408 and seen.reasons() == ["body_timeout"]
+            assert not seen.requests and server.buffered == 0
+            # a byte every 0.1 s, for longer than the deadline in all: each read resets it
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 8\r\n"
+                         b"Connection: close\r\n\r\n")
+            for b in b"abcdefgh":
+                await asyncio.sleep(0.1)
+                writer.write(bytes([b]))
+            raw = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            assert status(raw) == 200 and b'"size": 8' in raw
+
+    asyncio.run(main())
+
+
+# ---- M4: memory ----------------------------------------------------------------------
+
+def test_pipelined_bodies_are_not_read_ahead_of_their_turn() -> None:
+    async def main() -> None:
+        gate = asyncio.Event()
+        peak = [0]
+
+        async def handler(request: Request) -> StreamResponse:
+            body = await request.read()
+            if request.raw_path == "/first":
+                await gate.wait()
+            return Response(text=str(len(body)))
+
+        async with serving(handler) as (server, _):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"GET /first HTTP/1.1\r\nHost: t\r\n\r\n")
+            body = b"b" * 200_000
+            sent = b"".join(b"POST /%d HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s"
+                            % (i, len(body), body) for i in range(15))
+            writer.write(sent)  # 3 MB behind a request that waits
+            for _ in range(30):
+                await asyncio.sleep(0.02)
+                peak[0] = max(peak[0], server.buffered)
+            assert peak[0] <= 64 * 1024 + 256 * 1024  # (the mark, and one read past it)
+            gate.set()
+            got = b""
+            while got.count(b"200000") < 15:
+                got += await asyncio.wait_for(reader.read(1 << 20), 5)
+            writer.close()
+            await until(lambda: server.buffered == 0)
+
+    asyncio.run(main())
+
+
+def test_a_gone_clients_partial_body_is_dropped_at_once() -> None:
+    async def main() -> None:
+        async with serving() as (server, _):
+            _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 900000\r\n\r\n"
+                         + b"p" * 500_000)
+            await until(lambda: server.buffered >= 400_000)
+            writer.close()
+            await until(lambda: not server.connections)
+            assert server.buffered == 0  # (no collection needed to give it back)
+
+    asyncio.run(main())
+
+
+def test_bodies_past_the_total_budget_wait_for_room_then_are_served() -> None:
+    async def main() -> None:
+        gate = asyncio.Event()
+
+        async def handler(request: Request) -> StreamResponse:
+            body = await request.read()
+            if request.raw_path == "/a":
+                await gate.wait()
+            return Response(text=str(len(body)))
+
+        async with serving(handler, max_buffered=1 << 20) as (server, _):
+            body = b"q" * 900_000
+            head = b"POST /%s HTTP/1.1\r\nHost: t\r\nContent-Length: 900000\r\n" \
+                   b"Connection: close\r\n\r\n"
+            a = asyncio.create_task(talk(server.port, head % b"a" + body))
+            await until(lambda: server.buffered == 900_000)
+            b = asyncio.create_task(talk(server.port, head % b"b" + body))
+            await until(lambda: bool(server.starved))  # over budget: b waits
+            assert server.buffered <= (1 << 20) + 256 * 1024
+            gate.set()  # a answers: its body goes, b reads on
+            assert status(await a) == 200 and (await b).endswith(b"900000")
+            assert server.buffered == 0
+
+    asyncio.run(main())
+
+
+# ---- the Low list: conformance --------------------------------------------------------
+
+def test_heads_the_parser_lets_through_are_refused_by_the_rules() -> None:
+    cases = [
+        (b"GET / HTTP/1.1\r\n\r\n", 400, b"without a Host"),
+        (b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400, b"more than one Host"),
+        (b"GET / HTTP/2.0\r\nHost: a\r\n\r\n", 505, b"HTTP/2.0"),
+        (b"GET /\r\n\r\n", 400, b"without an HTTP version"),
+        (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+         b"3\r\nabc\r\n0\r\n\r\n", 501, b"gzip"),
+        (b"POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+         400, b"HTTP/1.0"),
+    ]
+
+    async def main() -> None:
+        async with serving() as (server, seen):
+            for data, code, why in cases:
+                raw = await talk(server.port, data)
+                assert status(raw) == code and why in raw, (data, raw)
+                assert b"Connection: close" in raw
+            assert not seen.requests
+            raw = await talk(server.port, b"GET /old HTTP/1.0\r\n\r\n")  # (1.0: no Host)
+            assert status(raw) == 200
+
+    asyncio.run(main())
+
+
+def test_fields_named_by_connection_are_dropped_and_bytes_after_close_ignored() -> None:
+    async def main() -> None:
+        async with serving() as (server, seen):
+            raw = await talk(server.port, b"GET /a HTTP/1.1\r\nHost: t\r\nX-Secret: s\r\n"
+                             b"Connection: close, X-Secret\r\n\r\nGARBAGE\r\n\r\n")
+            assert status(raw) == 200 and raw.count(b"HTTP/1.1") == 1
+            ((_, fields, _),) = seen.requests
+            assert "X-Secret" not in [k for k, _ in fields]
+            assert seen.refused == []
+
+    asyncio.run(main())
+
+
+def test_a_bad_request_behind_a_streamed_answer_is_refused_after_its_end() -> None:
+    async def main() -> None:
+        async def stream(request: Request) -> StreamResponse:
+            resp = StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(5):
+                await resp.write(b"data: %d\n\n" % i)
+                await asyncio.sleep(0.02)
+            await resp.write_eof()
+            return resp
+
+        async with serving(stream) as (server, seen):
+            raw = await talk(server.port, b"GET /s HTTP/1.1\r\nHost: t\r\n\r\nNONSENSE\r\n\r\n")
+            first, second = raw.split(b"0\r\n\r\n", 1)
+            assert first.count(b"HTTP/1.1 ") == 1 and b"data: 4" in first  # whole
+            assert second.startswith(b"HTTP/1.1 400 ")
+            assert seen.reasons() == ["bad_http"]
+
+    asyncio.run(main())
