@@ -127,6 +127,18 @@ def metrics(cfg: dict[str, Any]) -> dict[tuple[str, tuple[tuple[str, str], ...]]
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+CONTINUED = ("vllm_supervisor_proxy_continuations_total", (("outcome", "continued"),))
+
+
+def metrics_once(cfg: dict[str, Any], key: tuple[str, tuple[tuple[str, str], ...]],
+                 value: float) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The metrics once `key` reads `value`. A stream is counted as continued after its
+    end was written, which its client may read (and scrape the metrics) before the
+    proxy's handler runs on: the count is waited for, never read at once."""
+    return wait_for(lambda: (m := metrics(cfg)).get(key) == value and m, 10,
+                    f"{key[0]}{dict(key[1])} to read {value:g}")
+
+
 @pytest.fixture
 def fronted(daemon_factory, tmp_path):
     def make(*fake: str, **proxy: Any):
@@ -159,8 +171,7 @@ def test_a_stream_broken_mid_answer_goes_on_token_exact(fronted, tmp_path, fault
     assert not comp_plain.ids and not chat_s.ids  # the proxy's token ids stay its own
     assert len(comp_ids.ids) == TOKENS  # the client's own, every one, once
     assert all(c["object"] == "chat.completion.chunk" for c in chat_s.chunks)
-    m = metrics(cfg)
-    assert m[("vllm_supervisor_proxy_continuations_total", (("outcome", "continued"),))] == 3
+    m = metrics_once(cfg, CONTINUED, 3)
     assert m[("vllm_supervisor_client_continuation_gap_seconds_count",
               (("model", "fake"),))] == 3
     assert d.status()["restarts"] == 0  # the same engine took the continuations
@@ -185,8 +196,7 @@ def test_a_dying_engine_streams_wait_with_keepalives_and_go_on_after_its_restart
     assert not refused.done and refused.error is not None
     assert "stop_strings" in refused.error and refused.usage is None
     assert d.status()["restarts"] == 1
-    m = metrics(cfg)
-    assert m[("vllm_supervisor_proxy_continuations_total", (("outcome", "continued"),))] == 2
+    m = metrics_once(cfg, CONTINUED, 2)
     assert m[("vllm_supervisor_proxy_continuations_total", (("outcome", "refused"),))] == 1
     assert m[("vllm_supervisor_proxy_continuation_refusals_total",
               (("reason", "stop_strings"),))] == 1
@@ -241,8 +251,8 @@ def test_a_drained_restart_pauses_streams_and_goes_on_with_them(daemon_factory, 
     for s in results:
         assert s.complete and "".join(s.texts) == want and s.usage is not None
         assert s.usage["completion_tokens"] == tokens
-    m = metrics(cfg)
-    continued = m[("vllm_supervisor_proxy_continuations_total", (("outcome", "continued"),))]
+    m = metrics_once(cfg, CONTINUED, 3) if drain == "continue" else metrics(cfg)
+    continued = m.get(CONTINUED, 0.0)
     print(f"drain={drain}: restart {restart_s:.1f} s, continued {continued:g}")
     if drain == "continue":
         assert continued == 3 and restart_s < 5  # not the streams' remaining ~5.5 s
