@@ -39,6 +39,24 @@ def test_the_console_drops_empty_fields_and_json_keeps_them(capsys) -> None:
 
 
 @pytest.mark.usefixtures("restore_logging")
+@pytest.mark.parametrize("fmt", ["json", "console"])
+def test_a_logged_traceback_names_the_error_and_never_a_frames_locals(capsys, fmt) -> None:
+    def parse(body: bytes) -> object:
+        prompt = body.decode()  # (a client's words: never in a log)
+        return json.loads(prompt)
+
+    configure_logging("info", fmt)
+    try:
+        secret = "-".join(("PROMPT", "SECRET"))  # (not on any line a traceback shows)
+        parse(b'{"prompt": "%s", "x": [' % secret.encode() + b"[" * 100_000)
+    except RecursionError:
+        structlog.get_logger("t").exception("proxy handler failed")
+    out = capsys.readouterr().out
+    assert "RecursionError" in out and "proxy handler failed" in out
+    assert "PROMPT-SECRET" not in out
+
+
+@pytest.mark.usefixtures("restore_logging")
 def test_the_access_line_is_the_line_structlog_writes_and_follows_the_level(capsys) -> None:
     """The proxy's access line skips the standard library's record and formatter: the
     same bytes, the same level, and a test's capture_logs still sees it."""

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 import structlog
+import structlog.tracebacks
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
@@ -37,8 +38,11 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
         structlog.stdlib.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    renderer: Any = (structlog.dev.ConsoleRenderer() if console
-                     else structlog.processors.JSONRenderer())
+    # Tracebacks without their frames' locals (structlog shows them by default): a
+    # local may hold a client's request body, its prompt or its credentials.
+    renderer: Any = (structlog.dev.ConsoleRenderer(
+        exception_formatter=structlog.dev.plain_traceback) if console
+        else structlog.processors.JSONRenderer())
     _processors = [*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter]
     structlog.configure(
         processors=_processors,
@@ -50,7 +54,7 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
         foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder()],
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-            structlog.processors.dict_tracebacks if not console else _drop_empty,
+            _TRACEBACKS if not console else _drop_empty,
             renderer,
         ],
     )
@@ -65,6 +69,10 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     # httpx logs every request at INFO; the health probe would flood the journal.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("httpcore").setLevel(logging.WARNING)
+
+
+_TRACEBACKS = structlog.processors.ExceptionRenderer(
+    structlog.tracebacks.ExceptionDictTransformer(show_locals=False))
 
 
 def set_level(level: str) -> None:
