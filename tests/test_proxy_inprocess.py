@@ -252,3 +252,42 @@ def test_expect_100_continue_is_answered_before_the_body_and_an_unknown_expect_r
 
     proxy: Any = None
     asyncio.run(main())
+
+
+def test_a_kept_connection_the_engine_closed_is_not_a_death_nor_a_resend() -> None:
+    """An engine that closes its kept connections: the first after reading the next
+    request on it without a byte back (its keep-alive timer firing as that request
+    arrived), the others right after answering. Every client gets its answer; nothing is
+    charged as the engine's failure (no death in the quarantine, no failure seen at a
+    healthy engine start), nothing goes back through the gate: the upstream client sent
+    the one request again on a fresh connection, itself."""
+    seen: list[int] = []  # the connection each request arrived on
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        me = len(connections) + 1
+        connections.append(me)
+        await _read_body(reader, await reader.readuntil(b"\r\n\r\n"))
+        seen.append(me)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(COMPLETION) + COMPLETION)
+        await writer.drain()
+        if me == 1:  # kept: the next request on it is read, then the connection closed
+            await _read_body(reader, await reader.readuntil(b"\r\n\r\n"))
+            seen.append(me)
+        writer.transport.abort()
+
+    connections: list[int] = []
+
+    async def main() -> None:
+        async with _behind_raw_engine(engine) as proxy, aiohttp.ClientSession() as s:
+            for _ in range(4):
+                async with s.post(f"http://127.0.0.1:{proxy.port}/v1/completions",
+                                  data=_post({"model": "m", "prompt": "x"})) as r:
+                    assert r.status == 200 and await r.read() == COMPLETION
+            backend = proxy.backends["default"]
+            assert backend.failure_seen == {} and proxy.stats.retried_connects == 0
+            assert proxy.stats.responses == {"200": 4}
+            assert proxy._upstream is not None and proxy._upstream.resent_fresh == 1
+            assert seen[:3] == [1, 1, 2]  # the second request again, on a new connection
+
+    asyncio.run(main())

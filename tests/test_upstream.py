@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Literal
 
 import pytest
 
@@ -18,21 +21,26 @@ from supervisor.front.upstream import (
     Upstream,
     address,
 )
+from supervisor.loop import run
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 
 
 class Engine:
-    """A raw server; `connections` counts the connections it accepted."""
+    """A raw server; `connections` counts the connections it accepted, `writers` holds
+    each one's writer."""
 
     def __init__(self, script: Script) -> None:
         self.script = script
         self.connections = 0
+        self.writers: list[asyncio.StreamWriter] = []
         self.url = ""
+        self.server: asyncio.Server | None = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self.writers.append(writer)
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
             await self.script(reader, writer)
 
@@ -40,7 +48,7 @@ class Engine:
 @contextlib.asynccontextmanager
 async def engine(script: Script) -> AsyncIterator[Engine]:
     e = Engine(script)
-    server = await asyncio.start_server(e._serve, "127.0.0.1", 0)
+    server = e.server = await asyncio.start_server(e._serve, "127.0.0.1", 0)
     e.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     try:
         yield e
@@ -277,3 +285,115 @@ def test_an_address_is_read_once_and_a_bad_one_refused() -> None:
     assert address("http://[::1]:8100") == ("::1", 8100, b"[::1]:8100")
     with pytest.raises(ValueError, match="not an http"):
         address("https://127.0.0.1:8100")
+
+
+# ---- kept connections the engine closed ------------------------------------------------
+
+
+async def answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while True:
+        await read_request(reader)
+        writer.write(OK)
+
+
+def _readable(fd: int, deadline_s: float) -> bool:
+    """Whether `fd` has something to read (here: the peer's end) within `deadline_s`,
+    waited for without running the event loop."""
+    return bool(select.select([fd], [], [], deadline_s)[0])
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_kept_connection_the_engine_closed_while_idle_is_not_reused(
+        loop: Literal["asyncio", "uvloop"]) -> None:
+    """The engine closes a kept connection and the loop has not run since, so the
+    connection does not know it yet: it is checked before reuse, dropped, and the
+    request goes on a new one, never sent into the closed one."""
+
+    async def main() -> None:
+        async with engine(answer_each) as e:
+            u = Upstream(1.0, 5.0)
+            assert (await u.get(e.url, "/", 2.0)) == (200, b"{}")
+            (kept,) = u._idle[("127.0.0.1", int(e.url.rsplit(":", 1)[1]))]
+            assert kept.transport is not None
+            mine = kept.transport.get_extra_info("socket").fileno()
+            # the engine's end goes now (its FIN sent at once), without the loop running
+            theirs = e.writers[0].get_extra_info("socket")
+            with socket.fromfd(theirs.fileno(), socket.AF_INET, socket.SOCK_STREAM) as dup:
+                dup.shutdown(socket.SHUT_RDWR)
+            e.writers[0].transport.abort()
+            assert _readable(mine, 5.0), "the engine's close never arrived"
+            assert not kept.closed  # (the loop has not seen it)
+            assert (await u.get(e.url, "/", 2.0)) == (200, b"{}")
+            assert e.connections == 2 and u.resent_fresh == 0
+            await u.close()
+
+    run(main(), loop)
+
+
+def test_a_reused_connection_gone_before_any_answer_byte_is_sent_again_on_a_fresh_one(
+        ) -> None:
+    """The engine reads the next request on a kept connection and closes it without a
+    byte, as uvicorn's keep-alive timer does when it fires as a request arrives: the
+    request was not reached, so it goes once more on a new connection, and the caller
+    sees its answer, never `Disconnected`."""
+
+    async def close_the_kept_one(reader: asyncio.StreamReader,
+                                 writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(OK)
+        if e.connections == 1:
+            await read_request(reader)
+            writer.transport.abort()
+            return
+        await answer_each(reader, writer)
+
+    async def main() -> None:
+        nonlocal e
+        async with engine(close_the_kept_one) as e:
+            u = Upstream(1.0, 5.0)
+            for _ in range(2):
+                async with u.request("POST", e.url, "/v1/completions", [], b"{}") as a:
+                    assert a.status == 200 and await a.read() == b"{}"
+            assert e.connections == 2 and u.resent_fresh == 1
+            await u.close()
+
+    e: Any = None
+    asyncio.run(main())
+
+
+def test_a_reused_connection_gone_after_answer_bytes_or_with_no_engine_left_is_disconnected(
+        ) -> None:
+    """Not sent again: a kept connection the engine closed inside its answer's head (it
+    had the request), or one closed without a byte when no new connection can be made
+    (the engine is gone: it may have died of this request, which must be counted)."""
+
+    async def cut_the_head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(OK)
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-")
+        await writer.drain()
+        writer.transport.abort()
+
+    async def die(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(OK)
+        await read_request(reader)
+        assert e.server is not None
+        e.server.close()  # nothing listens any more
+        writer.transport.abort()
+
+    async def main() -> None:
+        nonlocal e
+        for script, why in ((cut_the_head, "before answering"), (die, "fresh connection")):
+            async with engine(script) as e:
+                u = Upstream(1.0, 5.0)
+                assert (await u.get(e.url, "/", 2.0)) == (200, b"{}")
+                with pytest.raises(Disconnected, match=why):
+                    async with u.request("POST", e.url, "/", [], b"{}"):
+                        pass
+                assert e.connections == 1
+                await u.close()
+
+    e: Any = None
+    asyncio.run(main())

@@ -17,15 +17,33 @@ All but the timeout are `UpstreamError`s; none is a `ConnectionError`, which the
 keeps for its own client going away.
 
 Connections are kept for the next request once an answer was read to its end, and
-dropped after `keepalive_s` idle (below uvicorn's own 5 s, so that the engine never
+dropped after `keepalive_s` idle (below uvicorn's own 5 s, so that the engine seldom
 closes one under a request being sent), or when the answer asked for it. A reader slower
 than its engine pauses the socket's reading (64 KiB buffered at most), as aiohttp did.
+
+A kept connection may still have been closed by the engine while it was idle, the close
+not yet seen by the loop (a timer of the engine's own, a restart). Before one is reused
+it is checked (`_Connection.usable`, as httpcore does): its transport not closing, and
+its socket not readable, since an idle connection can only have an end or stray bytes to
+read. And a request on a reused connection that fails before any byte of its answer
+arrived is sent once more on a fresh connection, as not reached, never `Disconnected`
+(which the proxy takes as "the engine had it": a death charged in the quarantine, a
+failure seen at a healthy engine start). Why that is safe for a request that is not
+idempotent (a completion): an HTTP/1.1 server (uvicorn, under vLLM) closes a keep-alive
+connection only between requests, and bytes that meet a connection it is closing are
+never read as a request (the kernel drops them and resets the connection); a server that
+had read the request answers something, even dying (vLLM's API server answers 500 once
+its core is gone), and any byte of an answer means the request was there: never sent
+again from here. The one case left, a server process that died with the request read and
+no byte sent, finds the fresh connection refused: that is reported as `Disconnected`, so
+a request that kills its engine is charged for the death on a reused connection too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import select
 import time
 from collections.abc import Iterable
 from types import TracebackType
@@ -53,6 +71,11 @@ class Disconnected(UpstreamError):
 
 class BodyCut(UpstreamError):
     """The connection went inside the answer's body."""
+
+
+class _NotReached(UpstreamError):
+    """A reused connection went before any byte of the answer: the engine had closed it
+    while it was idle (sent again on a fresh one, never shown to a caller)."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -159,6 +182,8 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0
+        self.reused = False  # the request now on it is not the connection's first
+        self.answered = False  # a byte arrived for the request now on it
         self.head_only = False  # a HEAD request's answer: no body follows its head
         self._reason = ""
         self._headers: list[tuple[str, str]] = []
@@ -174,6 +199,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self._headers = []
         self.answer = None
+        self.answered = False
         self.head_only = head_only
         self._head = self.loop.create_future()
         if len(body) > _BIG_BODY:
@@ -182,6 +208,21 @@ class _Connection(asyncio.Protocol):
         else:
             self.transport.write(head + body)
         return self._head
+
+    def usable(self) -> bool:
+        """An idle connection that can take a request: open, and nothing to read on it
+        (an idle connection has only the engine's close, or stray bytes, to read)."""
+        if self.closed or self.transport is None or self.transport.is_closing():
+            return False
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return True
+        try:
+            poll = select.poll()
+            poll.register(sock.fileno(), select.POLLIN)
+            return not poll.poll(0)
+        except (OSError, ValueError):
+            return False
 
     def resume(self) -> None:
         if self._paused and self.transport is not None and not self.closed:
@@ -200,6 +241,10 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # (uvloop's is not a subclass)
 
     def data_received(self, data: bytes) -> None:
+        if self.answer is not None and self.answer.complete and self._head is not None:
+            self.close()  # bytes after an answer's end, asked for by no request: unusable
+            return
+        self.answered = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -227,6 +272,8 @@ class _Connection(asyncio.Protocol):
 
     def _lost(self, error: UpstreamError | None, why: str = "") -> None:
         if self._head is not None and not self._head.done():
+            if error is None and self.reused and not self.answered:
+                error = _NotReached(f"the engine closed an idle connection{why}")
             self._head.set_exception(error or Disconnected(
                 f"the engine closed the connection before answering{why}"))
         elif self.answer is not None:
@@ -278,6 +325,8 @@ class Upstream:
         self.keepalive_s = keepalive_s
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._closed = False
+        # requests sent again on a fresh connection, their reused one gone unanswered
+        self.resent_fresh = 0
 
     def request(self, method: str, upstream: str, target: str,
                 headers: Iterable[tuple[str, str]], body: bytes = b"") -> Call:
@@ -299,14 +348,16 @@ class Upstream:
                 c.close()
         self._idle.clear()
 
-    async def _connection(self, host: str, port: int) -> _Connection:
+    async def _connection(self, host: str, port: int, fresh: bool = False) -> _Connection:
+        """A kept connection that is still usable, or a new one (`fresh`: always new)."""
         if self._closed:
             raise ConnectFailed("the proxy's upstream client is closed")
-        idle = self._idle.get((host, port))
+        idle = None if fresh else self._idle.get((host, port))
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if not conn.closed and now - conn.idle_since < self.keepalive_s:
+            if now - conn.idle_since < self.keepalive_s and conn.usable():
+                conn.reused = True
                 return conn
             conn.close()
         loop = asyncio.get_running_loop()
@@ -355,8 +406,28 @@ class Call:
         for name, value in headers:
             lines.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
         lines.append(b"\r\n")
-        conn = self._conn = await self._client._connection(self._host, self._port)
-        head = conn.send(b"".join(lines), body, method == "HEAD")
+        request = b"".join(lines)
+        client = self._client
+        try:
+            return await self._send(await client._connection(self._host, self._port),
+                                    request, body, method == "HEAD")
+        except _NotReached as stale:
+            # the engine had closed the kept connection: not reached (module docstring);
+            # once more on a fresh one, whose refusal says the engine is gone
+            client.resent_fresh += 1
+            try:
+                conn = await client._connection(self._host, self._port, fresh=True)
+            except ConnectFailed as exc:
+                raise Disconnected(f"{stale}; a fresh connection failed too: {exc}"
+                                   ) from exc
+            return await self._send(conn, request, body, method == "HEAD")
+
+    async def _send(self, conn: _Connection, request: bytes, body: bytes,
+                    head_only: bool) -> Answer:
+        """The request on `conn`, its answer's head awaited; the connection dropped if
+        no head comes."""
+        self._conn = conn
+        head = conn.send(request, body, head_only)
         timer = conn.loop.call_later(
             conn.read_timeout_s, _expire, head,
             f"no answer from the engine within {conn.read_timeout_s:g} s")
