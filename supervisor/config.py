@@ -277,7 +277,7 @@ class ProxyConfig:
     body_timeout_s: float = spec(60.0, lo=0.1, hi=3600)  # between two reads of a body
     send_timeout_s: float = spec(60.0, lo=0.1, hi=3600)  # between two writes that moved
     idle_timeout_s: float = spec(75.0, lo=0.1, hi=3600)  # a kept-alive connection, idle
-    # request bodies held in memory, all connections together (above it, reading waits)
+    # request bodies held in memory, all connections together (a body past it: 503)
     max_buffered_bytes: int = spec(256 << 20, lo=1 << 20, hi=1 << 40)
     retry_after_s: int = spec(5, lo=1, hi=3600)
     # routes forwarded besides the serving API (exact paths, * for one segment; the

@@ -288,7 +288,7 @@ def test_a_gone_clients_partial_body_is_dropped_at_once() -> None:
     asyncio.run(main())
 
 
-def test_bodies_past_the_total_budget_wait_for_room_then_are_served() -> None:
+def test_a_body_past_the_total_budget_is_refused_503_and_the_others_served() -> None:
     async def main() -> None:
         gate = asyncio.Event()
 
@@ -298,17 +298,23 @@ def test_bodies_past_the_total_budget_wait_for_room_then_are_served() -> None:
                 await gate.wait()
             return Response(text=str(len(body)))
 
-        async with serving(handler, max_buffered=1 << 20) as (server, _):
-            body = b"q" * 900_000
-            head = b"POST /%s HTTP/1.1\r\nHost: t\r\nContent-Length: 900000\r\n" \
+        async with serving(handler, max_buffered=1 << 20) as (server, seen):
+            head = b"POST /%s HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n" \
                    b"Connection: close\r\n\r\n"
-            a = asyncio.create_task(talk(server.port, head % b"a" + body))
+            a = asyncio.create_task(talk(server.port, head % (b"a", 900_000) + b"q" * 900_000))
             await until(lambda: server.buffered == 900_000)
-            b = asyncio.create_task(talk(server.port, head % b"b" + body))
-            await until(lambda: bool(server.starved))  # over budget: b waits
-            assert server.buffered <= (1 << 20) + 256 * 1024
-            gate.set()  # a answers: its body goes, b reads on
-            assert status(await a) == 200 and (await b).endswith(b"900000")
+            # its length known: refused at its head; unknown: once it passes the budget
+            raw = await talk(server.port, head % (b"b", 900_000) + b"q" * 900_000)
+            assert status(raw) == 503 and b"Retry-After: 5" in raw
+            raw = await talk(server.port, CHUNKED_HEAD + b"".join(
+                b"10000\r\n" + b"c" * 0x10000 + b"\r\n" for _ in range(8)) + b"0\r\n\r\n")
+            assert status(raw) == 503 and b"max_buffered_bytes" in raw
+            assert seen.reasons() == ["body_budget", "body_budget"]
+            assert server.buffered == 900_000  # (what was refused is not held)
+            raw = await talk(server.port, head % (b"c", 10) + b"q" * 10)  # fits: served
+            assert raw.endswith(b"10")
+            gate.set()
+            assert status(await a) == 200
             assert server.buffered == 0
 
     asyncio.run(main())

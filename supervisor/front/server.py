@@ -32,8 +32,10 @@ What it does, as an operator would expect of a front door:
   `send_timeout_s` is cut (its handler cancelled, so its upstream request, so its
   admission slot); a kept-alive connection idle for `idle_timeout_s` closed;
 - memory: reading pauses while a pipelined request's body waits for its turn beyond
-  `HIGH_WATER`, and on every connection receiving a body while the bodies held by all
-  of them pass `max_buffered`; a gone client's bodies are dropped at once;
+  `HIGH_WATER`; a body that would take the bodies held by every connection together
+  past `max_buffered` is refused, 503 with `Retry-After` (never a wait on other
+  clients, which could all be waiting on each other); a gone client's bodies are
+  dropped at once;
 - connections: above `max_connections` open ones a new connection is answered 503 with
   `Retry-After` and closed (the proxy keeps the cap under the descriptor limit);
 - a client that goes away: its handler's task is cancelled (the proxy's upstream request
@@ -45,7 +47,7 @@ What it does, as an operator would expect of a front door:
 
 Every refusal is logged (with its peer, never a byte of a body) and counted by the
 `refused(status, reason)` callback: `bad_http`, `header_timeout`, `body_timeout`,
-`send_timeout`, `connections`.
+`send_timeout`, `connections`, `body_budget`.
 """
 
 from __future__ import annotations
@@ -205,7 +207,6 @@ class Connection(asyncio.Protocol):
             if req is not None:
                 self.server.release(req._drop_body())
         self._queue.clear()
-        self.server.starved.discard(self)
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -233,7 +234,7 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             # (an exception in a callback comes out as the parser's, the cause inside)
             if isinstance(why := exc.__context__, _Refused):
-                self._refuse(why.status, why.message)
+                self._refuse(why.status, why.message, why.reason)
             elif self._stopped:
                 pass  # bytes after `Connection: close`: ignored (RFC 9112 9.6)
             else:
@@ -320,6 +321,8 @@ class Connection(asyncio.Protocol):
         req._expect_continue = self._expect and version == (1, 1)
         if self._length > self.limits.max_body:
             req.too_large = True  # (known now: the handler need not wait for it)
+        elif self._length and self.server.buffered + self._length > self.limits.max_buffered:
+            raise _Refused(503, _OVER_BUDGET, "body_budget")
         self._parsing = req
         if self._wait is Wait.HEADER:
             self._disarm()
@@ -342,7 +345,9 @@ class Connection(asyncio.Protocol):
             return
         server = self.server
         server.buffered += req._add_body(body, self.limits.max_body)
-        if req is not self._current or server.buffered > self.limits.max_buffered:
+        if server.buffered > self.limits.max_buffered:
+            raise _Refused(503, _OVER_BUDGET, "body_budget")
+        if req is not self._current:
             self._update_reading()
 
     def on_message_complete(self) -> None:
@@ -476,9 +481,10 @@ class Connection(asyncio.Protocol):
     def _send_refusal(self, status: int, message: str) -> None:
         body = json.dumps({"error": {"message": message, "type": "bad_http",
                                      "code": status}}).encode()
+        retry = f"Retry-After: {self.limits.retry_after_s}\r\n" if status == 503 else ""
         head = (f"HTTP/1.1 {status} {REASONS.get(status, '')}\r\nContent-Type: "
                 f"application/json\r\nContent-Length: {len(body)}\r\n{date_header()}\r\n"
-                "Connection: close\r\n\r\n").encode("latin-1")
+                f"{retry}Connection: close\r\n\r\n").encode("latin-1")
         with contextlib.suppress(ConnectionError):
             self.write(head + body)
         # The client may still be sending what was refused: our side ends here, what it
@@ -495,15 +501,9 @@ class Connection(asyncio.Protocol):
 
     def _update_reading(self) -> None:
         """Reading pauses while requests wait for their turn (too many, or their bodies
-        past HIGH_WATER), while the server's bodies are over budget and this connection
-        is receiving one, and for good once stopped."""
-        server = self.server
-        starved = self._phase is Phase.BODY and server.buffered > self.limits.max_buffered
-        if starved:
-            server.starved.add(self)
-        else:
-            server.starved.discard(self)
-        pause = self._stopped or starved or len(self._queue) >= _PIPELINED \
+        past HIGH_WATER), and for good once stopped. (Only this connection's own turn
+        resumes it: no wait on another client.)"""
+        pause = self._stopped or len(self._queue) >= _PIPELINED \
             or sum(r._held for r in self._queue) > HIGH_WATER
         if self.transport is None or pause is self._reading_paused or self.lost:
             return
@@ -603,10 +603,13 @@ class Connection(asyncio.Protocol):
 _READ_HERE = frozenset((4, 6, 10, 14, 17))
 
 
+_OVER_BUDGET = "request bodies held here are over proxy.max_buffered_bytes; try again"
+
+
 class _Refused(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, reason: str = "bad_http") -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.reason = status, message, reason
 
 
 class Server:
@@ -620,7 +623,6 @@ class Server:
         self.loop = asyncio.get_running_loop()
         self.connections: set[Connection] = set()
         self.buffered = 0  # request body bytes held, all connections together
-        self.starved: set[Connection] = set()  # paused until `buffered` falls
         self._over_cap = 0  # connections refused above the cap, not yet logged
         self._over_cap_logged = -_LOG_EVERY_S
         self._server: asyncio.Server | None = None
@@ -652,12 +654,8 @@ class Server:
         return False
 
     def release(self, held: int) -> None:
-        """Body bytes no longer held; connections paused for the budget read again once
-        it has room."""
+        """Body bytes no longer held."""
         self.buffered -= held
-        if self.starved and self.buffered <= self.limits.max_buffered:
-            for conn in list(self.starved):
-                conn._update_reading()
 
     async def listen(self, host: str, port: int) -> None:
         """Raises OSError when it cannot."""
