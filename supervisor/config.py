@@ -489,6 +489,9 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
         if proxy.kv_breaker_low >= proxy.kv_breaker_high:
             problems.append(f"proxy.kv_breaker_low: expected less than proxy.kv_breaker_high "
                             f"({proxy.kv_breaker_high:g}), got {proxy.kv_breaker_low:g}")
+        if proxy.max_buffered_bytes < proxy.max_body_bytes:
+            problems.append(f"proxy.max_buffered_bytes: expected at least proxy.max_body_bytes "
+                            f"({proxy.max_body_bytes}), got {proxy.max_buffered_bytes}")
         for route in proxy.extra_routes:
             why = route_problem(route)
             if why is not None:
