@@ -168,6 +168,7 @@ class Connection(asyncio.Protocol):
         self._head_bytes = 0  # of its head and trailers, as parsed
         self._raw_bytes = 0  # of its head, or of its body's framing, as read
         self._body_in = 0  # body bytes parsed on this connection
+        self._body_from = 0  # where the body being parsed began in that count
         self._parsing: Request | None = None
         self._queue: collections.deque[Request] = collections.deque()
         self._current: Request | None = None
@@ -251,7 +252,9 @@ class Connection(asyncio.Protocol):
             elif phase is Phase.BODY:
                 self._last_read = self.loop.time()
                 self._raw_bytes += len(data) - (self._body_in - body_in)
-                if self._raw_bytes > self.limits.max_head + (self._body_in >> 2):
+                # (chunk sizes and their line ends: a quarter of the body is ample)
+                allowed = self.limits.max_head + ((self._body_in - self._body_from) >> 2)
+                if self._raw_bytes > allowed:
                     self._refuse(400, "chunk framing or trailers too large")
         elif self._phase is Phase.BODY:
             self._last_read = self.loop.time()
@@ -311,6 +314,7 @@ class Connection(asyncio.Protocol):
             raise _Refused(*problem)
         self._phase = Phase.BODY
         self._raw_bytes = 0
+        self._body_from = self._body_in
         fields = self._fields
         if self._named and (named := conformance.connection_named(self._named)):
             fields = conformance.without(fields, named)
@@ -326,11 +330,11 @@ class Connection(asyncio.Protocol):
         self._parsing = req
         if self._wait is Wait.HEADER:
             self._disarm()
+        if self.closing:
+            return  # (a request after one that closes the connection: not served)
         if self._length or self._codings:  # (a body to come: its reads are timed)
             self._last_read = self.loop.time()
             self._arm(Wait.BODY, self.limits.body_timeout_s)
-        if self.closing:
-            return  # (a request after one that closes the connection: not served)
         if self._current is None:
             self._start(req)
         else:
@@ -434,6 +438,7 @@ class Connection(asyncio.Protocol):
             return
         if not req.keep_alive or self.closing:
             self.closing = True
+            self._disarm()  # (its answer said close: nothing more is said on it)
             if req._done or self.transport is None:
                 self._close()
             else:
