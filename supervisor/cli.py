@@ -20,6 +20,7 @@ from supervisor.config import EX_CONFIG, Config, ConfigError, EngineConfig, load
 from supervisor.control.server import ControlSocketError
 from supervisor.front.proxy import ProxyError
 from supervisor.host import Host
+from supervisor.ops import descriptors
 from supervisor.ops.exporter import ExporterError
 from supervisor.ops.logs import configure_logging
 from supervisor.ops.sdnotify import Notifier
@@ -87,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     configure_logging(cfg.log.level, cfg.log.format)
     log = structlog.get_logger("supervisor")
+    # Each client of the front proxy holds a descriptor: the soft limit (1024 by default)
+    # is far below what the unit's LimitNOFILE allows as the hard one.
+    soft_before, soft, hard = descriptors.raise_soft_limit()
+    log.info("file descriptor limit", soft=soft, hard=hard, soft_before=soft_before,
+             open=descriptors.open_count())
     problem = runtime_paths_ok(cfg)
     if problem is not None:
         log.error("cannot start", error=problem)
