@@ -46,11 +46,16 @@ from supervisor.engine.events import (
 )
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock, Jobs, http_client
+from supervisor.ops.descriptors import OutOfDescriptors, Shortage, exhausted
 from supervisor.watchdog import canary, evidence, remedy
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
 from supervisor.watchdog.poller import scrape
 
 log = structlog.get_logger("supervisor")
+
+
+# how long a start short of descriptors (nothing spawned yet) is tried again
+SHORTAGE_RETRY_S = 10.0
 
 
 async def _acquire(lock: asyncio.Lock, timeout_s: float) -> bool:
@@ -193,27 +198,51 @@ class JobEffects:
                      bay: int) -> None:
         leftovers: list[str] = []
         state_file = self.bays[bay][0]
+        shortage = Shortage("spawn")
+        until = self.clock.monotonic() + SHORTAGE_RETRY_S
+        while True:
+            try:
+                engine = await self._check_and_spawn(generation, spec, cfg, bay, leftovers)
+                break
+            except Exception as exc:  # any failure here is a failed start, never a stuck one
+                if exhausted(exc) and self.clock.monotonic() < until:
+                    # the daemon's own shortage, with nothing of the engine's running yet:
+                    # not a failed start; tried again, bounded
+                    shortage.failed(exc)
+                    await asyncio.sleep(0.5)
+                    continue
+                error = str(exc) if isinstance(exc, OSError | RuntimeError) else repr(exc)
+                self.queue.put_nowait(Spawned(generation, None, error, tuple(leftovers),
+                                              gpu_busy=isinstance(exc, eng.GpuBusy)))
+                return
+        shortage.ok()
+        # The engine runs: nothing from here fails its start (that would leave it running
+        # unwatched). A state file not written now is written at the watch's first look.
         try:
-            leftovers, own = await eng.clean_leftovers(state_file, cfg.reap_timeout_s)
-            # (a sibling engine's processes on a shared GPU are expected, not foreign; so
-            # are those of this unit's engine in its other bay)
-            beside = {p.pid for b, e in self._in_bay.items() if b != bay for p in e.known}
-            await eng.check_gpus_free(self.gpu, own, cfg.gpu_foreign_allowance_mib << 20,
-                                      cfg.gpu_release_timeout_s,
-                                      frozenset(self.siblings()) | beside)
-            held = await asyncio.to_thread(proctree.port_holder, spec.host, spec.port)
-            if held is not None:
-                raise RuntimeError(f"engine port refused: {held}")
-            engine = await eng.spawn_engine(spec, generation, self.clock.monotonic(), cfg,
-                                            self.config().evidence.log_lines)
-            engine.bay = bay
             await asyncio.to_thread(state_file.write, engine.pgid, engine.known)
-        except Exception as exc:  # any failure here is a failed start, never a stuck one
-            error = str(exc) if isinstance(exc, OSError | RuntimeError) else repr(exc)
-            self.queue.put_nowait(Spawned(generation, None, error, tuple(leftovers),
-                                          gpu_busy=isinstance(exc, eng.GpuBusy)))
-            return
+        except OSError as exc:
+            log.warning("cannot write the state file yet", error=str(exc), pid=engine.pid)
         self.queue.put_nowait(Spawned(generation, engine, None, tuple(leftovers)))
+
+    async def _check_and_spawn(self, generation: int, spec: eng.SpawnSpec, cfg: EngineConfig,
+                               bay: int, leftovers: list[str]) -> eng.EngineProcess:
+        """The checks before a start (leftovers of an earlier run killed, the GPUs and
+        the port free), then the spawn. Raises for a start refused or failed."""
+        found, own = await eng.clean_leftovers(self.bays[bay][0], cfg.reap_timeout_s)
+        leftovers.extend(found)
+        # (a sibling engine's processes on a shared GPU are expected, not foreign; so
+        # are those of this unit's engine in its other bay)
+        beside = {p.pid for b, e in self._in_bay.items() if b != bay for p in e.known}
+        await eng.check_gpus_free(self.gpu, own, cfg.gpu_foreign_allowance_mib << 20,
+                                  cfg.gpu_release_timeout_s,
+                                  frozenset(self.siblings()) | beside)
+        held = await asyncio.to_thread(proctree.port_holder, spec.host, spec.port)
+        if held is not None:
+            raise RuntimeError(f"engine port refused: {held}")
+        engine = await eng.spawn_engine(spec, generation, self.clock.monotonic(), cfg,
+                                        self.config().evidence.log_lines)
+        engine.bay = bay
+        return engine
 
     async def _watch(self, engine: eng.EngineProcess) -> None:
         """Report the exit at once (asyncio wakes on SIGCHLD), the first health, and the
@@ -230,41 +259,67 @@ class JobEffects:
         health.add_done_callback(
             lambda f: None if f.cancelled() else self.queue.put_nowait(
                 HealthResult(gen, f.exception() is None and f.result())))
-        recorded = list(engine.known)  # what the state file holds (written at spawn)
+        # what the state file holds: nothing known, so that the first look writes it
+        # (the spawn's write may have failed)
+        recorded: list[proctree.ProcInfo] = []
         # the core's death is a crash the moment it happens, not when its API server exits
         cores = CoreWatch(lambda pid: None if exited.done()
                           else self.queue.put_nowait(CoreExited(gen, pid)))
+        shortage = Shortage("watch engine", pid=engine.pid)
         try:
             while not exited.done():
-                procs = await asyncio.to_thread(proctree.snapshot_tree, engine.pid)
-                if procs:
-                    cores.add(procs)
-                    rss, cpu = await asyncio.to_thread(proctree.tree_usage, procs)
-                    self.queue.put_nowait(TreeSeen(gen, tuple(procs), self.clock.monotonic(),
-                                                   rss, cpu))
-                    merged = proctree.merge_known(recorded, procs)
-                    if len(merged) > len(recorded):  # rewrite only when the tree grew
-                        try:
-                            await asyncio.to_thread(self.bays[engine.bay][0].write,
-                                                    engine.pgid, merged)
-                            recorded = merged
-                        except OSError as exc:
-                            log.warning("cannot write the state file", error=str(exc))
+                try:
+                    recorded = await self._look_at_tree(engine, cores, recorded)
+                except OSError as exc:
+                    if not exhausted(exc):
+                        raise
+                    # /proc unreadable for want of a descriptor: no look this time, and
+                    # the engine is none the worse for it
+                    shortage.failed(exc)
+                    await asyncio.wait({exited}, timeout=0.5)
+                    continue
+                shortage.ok()
                 await asyncio.wait({exited}, timeout=2.0 if engine.healthy_at is None else 10.0)
         finally:
             cores.close()
             health.cancel()
 
+    async def _look_at_tree(self, engine: eng.EngineProcess, cores: CoreWatch,
+                            recorded: list[proctree.ProcInfo]) -> list[proctree.ProcInfo]:
+        """One look at the engine's tree: reported, its cores watched, the state file
+        rewritten when the tree grew. Returns what the state file now holds."""
+        procs = await asyncio.to_thread(proctree.snapshot_tree, engine.pid)
+        if not procs:
+            return recorded
+        cores.add(procs)
+        rss, cpu = await asyncio.to_thread(proctree.tree_usage, procs)
+        self.queue.put_nowait(TreeSeen(engine.generation, tuple(procs),
+                                       self.clock.monotonic(), rss, cpu))
+        merged = proctree.merge_known(recorded or engine.known, procs)
+        if len(merged) > len(recorded):  # rewrite only when the tree grew
+            try:
+                await asyncio.to_thread(self.bays[engine.bay][0].write, engine.pgid, merged)
+                return merged
+            except OSError as exc:
+                log.warning("cannot write the state file", error=str(exc))
+        return recorded
+
     async def _poll(self, engine: eng.EngineProcess, cfg: MetricsConfig) -> None:
         """Scrape the engine's /metrics every period for as long as this engine lives."""
         ecfg = engine.config
         url = ecfg.base_url + cfg.path
+        shortage = Shortage("metrics scrape", pid=engine.pid)
         async with http_client() as client:
             while engine.proc.returncode is None:
-                snap, error = await scrape(client, url, cfg.timeout_s)
-                if engine.proc.returncode is not None:
-                    return  # a failed scrape of an engine that is gone says nothing new
-                self.queue.put_nowait(MetricsSampled(engine.generation, snap, error))
+                try:
+                    snap, error = await scrape(client, url, cfg.timeout_s)
+                except OutOfDescriptors as exc:
+                    shortage.failed(exc)  # no scrape: no sample, not a failed one
+                else:
+                    shortage.ok()
+                    if engine.proc.returncode is not None:
+                        return  # a failed scrape of an engine that is gone says nothing new
+                    self.queue.put_nowait(MetricsSampled(engine.generation, snap, error))
                 await asyncio.sleep(cfg.period_s)
 
     async def _evidence(self, engine: eng.EngineProcess,
@@ -274,7 +329,10 @@ class JobEffects:
         cfg = self.config().evidence
         # the tree as it is now, beside every pid seen in it: a child forked since the
         # last look at the tree is read too
-        live = await asyncio.to_thread(proctree.snapshot_tree, engine.pid)
+        try:
+            live = await asyncio.to_thread(proctree.snapshot_tree, engine.pid)
+        except OSError:  # (out of descriptors: the pids already known are read)
+            live = []
         req = dataclasses.replace(req, pids=list(dict.fromkeys(
             [*req.pids, *(p.pid for p in live)])))
         try:
@@ -284,6 +342,9 @@ class JobEffects:
         except TimeoutError:
             bundle = evidence.Bundle(str(Path(cfg.dir) / req.name), cfg.timeout_s + 1.0, 0,
                                      {}, "the capture ran past its bound")
+        except Exception as exc:  # evidence is best effort: the take-down goes on
+            bundle = evidence.Bundle(str(Path(cfg.dir) / req.name), 0.0, 0, {},
+                                     f"the capture failed: {type(exc).__name__}: {exc}")
         self.queue.put_nowait(EvidenceCaptured(engine.generation, req, bundle))
 
     async def _take_down(self, engine: eng.EngineProcess, graceful: bool,
@@ -311,11 +372,15 @@ class JobEffects:
         error: str | None = None
         async with http_client() as client:
             for _ in range(3):
-                _, _, outcome = await self._probe(client, engine, None)
-                if outcome.ok:
-                    self.queue.put_nowait(GateProbe(engine.generation, True, None))
-                    return
-                error = outcome.error
+                try:
+                    _, _, outcome = await self._probe(client, engine, None)
+                except OutOfDescriptors as exc:  # (the gate opens all the same, bounded)
+                    error = str(exc)
+                else:
+                    if outcome.ok:
+                        self.queue.put_nowait(GateProbe(engine.generation, True, None))
+                        return
+                    error = outcome.error
                 await asyncio.sleep(0.5)
         self.queue.put_nowait(GateProbe(engine.generation, False, error))
 
@@ -416,13 +481,21 @@ class JobEffects:
 
     async def _canary(self, engine: eng.EngineProcess) -> None:
         """A tiny generation every period, for as long as this engine lives."""
+        shortage = Shortage("canary", pid=engine.pid)
         async with http_client() as client:
             model: str | None = None
             while engine.proc.returncode is None:
                 await asyncio.sleep(self.config().canary.period_s)
                 # (a reloaded canary.model applies at the next probe)
-                model, t0, outcome = await self._probe(
-                    client, engine, self.config().canary.model or model)
+                try:
+                    model, t0, outcome = await self._probe(
+                        client, engine, self.config().canary.model or model)
+                except OutOfDescriptors as exc:
+                    # the daemon could not send it: no outcome, never a failure of the
+                    # engine's (the hang rule counts failures)
+                    shortage.failed(exc)
+                    continue
+                shortage.ok()
                 if engine.proc.returncode is not None:
                     return
                 self.queue.put_nowait(CanaryDone(engine.generation, outcome, t0,

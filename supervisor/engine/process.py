@@ -28,6 +28,7 @@ from supervisor.config import EngineConfig
 from supervisor.engine import proctree
 from supervisor.engine.enginelog import parse_engine_line, phase_of, route_of
 from supervisor.loop import http_client
+from supervisor.ops.descriptors import Shortage, exhausted
 from supervisor.watchdog.gpu import GpuProcessLister
 
 log = structlog.get_logger("supervisor.engine")
@@ -154,7 +155,10 @@ async def spawn_engine(spec: SpawnSpec, generation: int, now: float,
         start_new_session=True, preexec_fn=_child_setup, limit=_LINE_LIMIT)
     engine = EngineProcess(generation=generation, proc=proc, pid=proc.pid, started_at=now,
                            spec=spec, config=cfg, recent_lines=deque(maxlen=keep_lines))
-    engine.known = [i for i in await asyncio.to_thread(proctree.snapshot_tree, proc.pid)]
+    try:
+        engine.known = await asyncio.to_thread(proctree.snapshot_tree, proc.pid)
+    except OSError as exc:  # (it runs: never lose it; the watch's first look fills this)
+        log.warning("cannot read the new engine's tree yet", error=str(exc), pid=proc.pid)
     return engine
 
 
@@ -208,16 +212,21 @@ def _note_phase(engine: EngineProcess, phase: str | None) -> None:
 async def wait_healthy(url: str, interval_s: float, timeout_s: float,
                        exited: asyncio.Future[int]) -> bool:
     """Poll `url` until it answers 200 (True), or the time is up or the engine exits
-    (False). The port refuses connections until vLLM is ready, so errors are expected."""
+    (False). The port refuses connections until vLLM is ready, so errors are expected;
+    a probe the daemon could not send (out of descriptors) is no answer either, logged
+    once as the daemon's own."""
     deadline = time.monotonic() + timeout_s
+    shortage = Shortage("health check", url=url)
     async with http_client(timeout=httpx.Timeout(min(5.0, max(interval_s, 1.0)))) as client:
         while not exited.done():
             try:
                 r = await client.get(url)
+                shortage.ok()
                 if r.status_code == 200:
                     return True
-            except httpx.HTTPError:
-                pass
+            except (httpx.HTTPError, OSError) as exc:  # (httpx lets a bare OSError through)
+                if exhausted(exc):
+                    shortage.failed(exc)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
@@ -238,13 +247,14 @@ class TakeDown:
 
 
 async def poll_until_clear(check: Callable[[], T], timeout_s: float,
-                           interval_s: float = 0.1) -> T:
-    """Call `check` in a worker thread until it returns a falsy value or time runs out;
-    return the last value."""
+                           interval_s: float = 0.1,
+                           settled: Callable[[T], bool] = lambda value: not value) -> T:
+    """Call `check` in a worker thread until its value is `settled` (by default: falsy)
+    or time runs out; return the last value."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = await asyncio.to_thread(check)
-        if not value or time.monotonic() >= deadline:
+        if settled(value) or time.monotonic() >= deadline:
             return value
         await asyncio.sleep(interval_s)
 
@@ -330,8 +340,19 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(wait_exit(proc), timeout=within(cfg.reap_timeout_s, 1.0))
     # Kill again each time round: a process forked during the first kill joins the group.
+    # Out of descriptors, /proc cannot be read: the proof falls back to signal 0 and
+    # getpgid (stricter), and /proc is tried again at the next round.
+    shortage = Shortage("take-down", pid=engine.pid)
+
     def still_there() -> list[proctree.ProcInfo]:
-        left = proctree.survivors(known, engine.pgid)
+        try:
+            left = proctree.survivors(known, engine.pgid)
+            shortage.ok()
+        except OSError as exc:
+            if not exhausted(exc):
+                raise
+            shortage.failed(exc)
+            left = proctree.survivors_by_signal(known, engine.pgid)
         if left:
             proctree.kill_group(engine.pgid, left)
         return left
@@ -345,13 +366,38 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
 
     gpu_holders = await poll_until_clear(gpu_held, within(cfg.gpu_release_timeout_s),
                                          interval_s=0.25)
+    # (a port the daemon has no descriptor to check is unknown: reported, not waited for)
     port_problem = await poll_until_clear(
-        lambda: proctree.port_busy(cfg.host, cfg.port), within(cfg.reap_timeout_s))
-    if port_problem is not None:  # (who holds it: asked once, it is costly)
-        port_problem = await asyncio.to_thread(proctree.port_holder, cfg.host, cfg.port)
+        lambda: _port_busy(cfg.host, cfg.port), within(cfg.reap_timeout_s),
+        settled=lambda why: why is None or why.startswith(_UNCHECKED))
+    if port_problem is not None and port_problem.endswith("is in use"):
+        # (who holds it: asked once, it is costly)
+        port_problem = await asyncio.to_thread(_port_holder, cfg.host, cfg.port)
     return TakeDown(exit_code=proc.returncode, survivors=survivors, gpu_holders=gpu_holders,
                     port_problem=port_problem, duration_s=time.monotonic() - t0,
                     sigkilled=sigkilled)
+
+
+_UNCHECKED = "cannot check"
+
+
+def _port_busy(host: str, port: int) -> str | None:
+    """`proctree.port_busy`, saying so when the daemon has no descriptor to check with."""
+    try:
+        return proctree.port_busy(host, port)
+    except OSError as exc:
+        if not exhausted(exc):
+            raise
+        return f"{_UNCHECKED} {host}:{port}: the daemon is out of file descriptors"
+
+
+def _port_holder(host: str, port: int) -> str | None:
+    try:
+        return proctree.port_holder(host, port)
+    except OSError as exc:
+        if not exhausted(exc):
+            raise
+        return f"{host}:{port} is in use (holder not read: the daemon is out of file descriptors)"
 
 
 async def clean_leftovers(state: proctree.StateFile,

@@ -7,6 +7,11 @@ never mistaken for ours. Never by a name pattern.
 
 Every function here blocks on /proc or on the kernel (psutil, bind); the daemon calls
 them through `asyncio.to_thread`, never on the event loop.
+
+Reading /proc takes a file descriptor, and a daemon whose clients took them all (EMFILE)
+must still take its engine down: killing needs none (`os.killpg`), a process is never
+signalled by a pid whose identity could not be checked, and `survivors_by_signal`
+proves a tree gone with signal 0 and getpgid alone.
 """
 
 from __future__ import annotations
@@ -18,12 +23,17 @@ import os
 import signal
 import socket
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
+import structlog
 
+from supervisor.ops.descriptors import exhausted
+
+log = structlog.get_logger("supervisor.engine")
 
 @dataclass(frozen=True)
 class ProcInfo:
@@ -99,12 +109,46 @@ def is_alive(info: ProcInfo) -> bool:
 
 
 def survivors(known: list[ProcInfo], pgid: int | None) -> list[ProcInfo]:
-    """Processes of the tree still alive: the known ones plus any member of its group."""
+    """Processes of the tree still alive: the known ones plus any member of its group.
+    Raises OSError (EMFILE) when /proc cannot be read: see `survivors_by_signal`."""
     alive = {i.pid: i for i in known if is_alive(i)}
     if pgid is not None:
         for i in group_members(pgid):
             alive.setdefault(i.pid, i)
     return sorted(alive.values(), key=lambda i: i.pid)
+
+
+def survivors_by_signal(known: list[ProcInfo], pgid: int | None) -> list[ProcInfo]:
+    """`survivors` without a file descriptor (no /proc): signal 0 and getpgid only.
+
+    Stricter, never looser: a known pid that still answers signal 0 counts as alive (a
+    zombie not reaped yet, or the pid of another process since, cannot be told apart
+    here), and a group that answers with no known member in it counts as one process
+    under the group's number. An empty list is a proof: no known pid and no process of
+    the group exists."""
+    left = [i for i in known if _answers(os.kill, i.pid)]
+    if (pgid is not None and _answers(os.killpg, pgid)
+            and not any(_pgid_of(i.pid) == pgid for i in left)):
+        left.append(ProcInfo(pgid, 0.0, f"a process of group {pgid} (/proc unreadable)"))
+    return sorted(left, key=lambda i: i.pid)
+
+
+def _answers(kill: Callable[[int, int], None], target: int) -> bool:
+    """Whether signal 0 finds a process (or a group) there."""
+    try:
+        kill(target, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (it exists, as someone else's)
+        return True
+    return True
+
+
+def _pgid_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 def signal_pid(pid: int, sig: int) -> bool:
@@ -116,11 +160,19 @@ def signal_pid(pid: int, sig: int) -> bool:
 
 
 def kill_group(pgid: int, known: list[ProcInfo]) -> None:
-    """SIGKILL the group, and each known process of the tree that left the group."""
+    """SIGKILL the group, and each known process of the tree that left the group. The
+    group's kill needs no descriptor; a known pid is signalled only once /proc showed it
+    is still the process that was seen (out of descriptors, it is left for the next try)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
     for info in known:
-        if is_alive(info):
+        try:
+            ours = is_alive(info)
+        except OSError as exc:
+            if not exhausted(exc):
+                raise
+            continue  # (never a pid whose identity is not proven)
+        if ours:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(info.pid, signal.SIGKILL)
 
@@ -129,7 +181,7 @@ def describe(pid: int) -> str:
     try:
         p = psutil.Process(pid)
         cmd = " ".join(p.cmdline()) or p.name()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+    except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):  # (OSError: EMFILE)
         return f"pid {pid}"
     if len(cmd) > 160:
         cmd = cmd[:157] + "..."
@@ -137,7 +189,8 @@ def describe(pid: int) -> str:
 
 
 def port_busy(host: str, port: int) -> str | None:
-    """None if host:port can be bound now, else why not (cheap: one bind)."""
+    """None if host:port can be bound now, else why not (cheap: one bind). Raises
+    OSError when no socket can be made (EMFILE)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -275,7 +328,13 @@ class Guard:
 
     def _send(self, line: str) -> None:
         for attempt in (1, 2):  # a guard that died is started again, once
-            proc = self._ensure()
+            try:
+                proc = self._ensure()
+            except OSError as exc:
+                # (out of descriptors, say): the guard is the net under a SIGKILLed
+                # daemon, not the daemon's own hand; it starts again at the next word
+                log.error("cannot start the guard process", error=str(exc), sent=line)
+                return
             assert proc.stdin is not None
             try:
                 proc.stdin.write(line.encode() + b"\n")

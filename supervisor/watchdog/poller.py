@@ -3,7 +3,8 @@ parsing (`metrics.parse_metrics`), and both are apart from the daemon's state.
 
 `scrape` takes an `httpx.AsyncClient`, so tests can pass `httpx.MockTransport`; it
 never raises for an engine's fault (HTTP error, timeout, garbage): it returns the
-reason. `ScrapeHealth` is pure bookkeeping, fed by the daemon's state-owning task:
+reason. The daemon's own fault (out of file descriptors) is no scrape at all: it raises
+`OutOfDescriptors`. `ScrapeHealth` is pure bookkeeping, fed by the daemon's state-owning task:
 failures counted, reported once per streak, and staleness: a snapshot that stops
 changing while requests are running means the engine (and its metrics) froze, since
 `/health` keeps answering 200 for a stopped EngineCore.
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from supervisor.ops.descriptors import raise_if_exhausted
 from supervisor.watchdog.metrics import MetricsParseError, Snapshot, parse_metrics
 
 
@@ -26,7 +28,8 @@ async def scrape(client: httpx.AsyncClient, url: str,
         r = await client.get(url, timeout=timeout_s)
     except httpx.TimeoutException:
         return None, f"no answer within {timeout_s:g} s"
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, OSError) as exc:  # (httpx lets a bare OSError through)
+        raise_if_exhausted(exc)
         return None, f"{type(exc).__name__}: {exc}"
     if r.status_code != 200:
         return None, f"HTTP {r.status_code}"

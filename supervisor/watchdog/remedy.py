@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from supervisor.ops.descriptors import OutOfDescriptors, exhausted
 from supervisor.watchdog import canary
 
 
@@ -47,8 +48,8 @@ async def is_sleeping(client: httpx.AsyncClient, base_url: str,
     """(asleep, None), or (None, why the answer is unknown)."""
     try:
         r = await client.get(f"{base_url}/is_sleeping", timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        return None, f"GET /is_sleeping: {type(exc).__name__}: {exc}"
+    except (httpx.HTTPError, OSError) as exc:  # (httpx lets a bare OSError through)
+        return None, f"GET /is_sleeping: {_failure(exc)}"
     if r.status_code != 200:
         return None, f"GET /is_sleeping: HTTP {r.status_code}"
     try:
@@ -67,11 +68,17 @@ async def _post(client: httpx.AsyncClient, url: str, timeout_s: float) -> str | 
         r = await client.post(url, timeout=timeout_s)
     except httpx.TimeoutException:
         return f"{what}: no answer within {timeout_s:g} s"
-    except httpx.HTTPError as exc:
-        return f"{what}: {type(exc).__name__}: {exc}"
+    except (httpx.HTTPError, OSError) as exc:  # (httpx lets a bare OSError through)
+        return f"{what}: {_failure(exc)}"
     if r.status_code != 200:
         return f"{what}: HTTP {r.status_code}: {r.text[:200]}"
     return None
+
+
+def _failure(exc: BaseException) -> str:
+    if exhausted(exc):  # (whose fault it was, in the words the operator reads)
+        return f"the daemon is out of file descriptors ({type(exc).__name__}: {exc})"
+    return f"{type(exc).__name__}: {exc}"
 
 
 # a sleep or wake call's bound: the first sleep of an engine pins its weights in host RAM
@@ -121,10 +128,13 @@ async def kv_reset(client: httpx.AsyncClient, base_url: str, model: str | None,
     if asleep is not False:
         return RemedyOutcome(False, steps, why or "the engine still reports it is asleep")
     t = time.monotonic()
-    model = model or await canary.find_model(client, base_url, canary_timeout_s)
-    if model is None:
-        return RemedyOutcome(False, steps, "after waking: /v1/models named no model")
-    outcome = await canary.probe(client, base_url, model, prompt, 1, canary_timeout_s)
+    try:
+        model = model or await canary.find_model(client, base_url, canary_timeout_s)
+        if model is None:
+            return RemedyOutcome(False, steps, "after waking: /v1/models named no model")
+        outcome = await canary.probe(client, base_url, model, prompt, 1, canary_timeout_s)
+    except OutOfDescriptors as exc:
+        return RemedyOutcome(False, steps, f"canary after waking: {exc}")
     steps["canary"] = time.monotonic() - t
     if not outcome.ok:
         return RemedyOutcome(False, steps, f"canary after waking: {outcome.error}")
