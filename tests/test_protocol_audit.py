@@ -73,3 +73,110 @@ def test_audit_tail_skips_damaged_lines_and_reports_write_errors(tmp_path):
     assert [r["event"] for r in trail.tail(10)] == ["a", "b"]
     blocked = AuditTrail(str(tmp_path / "events.jsonl" / "x"), 1 << 20, 1)
     assert blocked.append({"event": "c"}) is not None and blocked.write_errors == 1
+
+
+# ---- garbage on the control socket (issue 33: a parse failure gets the promised reply) ---
+
+def test_json_nested_past_the_parsers_limit_is_a_protocol_error():
+    """Before: RecursionError escaped decode_request and the server dropped the
+    connection without the error reply the protocol promises."""
+    for depth in (5_000, 100_000):
+        with pytest.raises(protocol.ProtocolError, match="nested too deeply"):
+            protocol.decode_request(b"[" * depth + b"]" * depth)
+        deep_args = b'{"v": 1, "cmd": "status", "args": {"a": ' + b"[" * depth \
+            + b"]" * depth + b"}}"
+        with pytest.raises(protocol.ProtocolError, match="nested too deeply"):
+            protocol.decode_request(deep_args)
+
+
+def test_an_error_quotes_at_most_a_bounded_prefix_of_what_the_client_sent():
+    for raw in (b'{"v": 1, "cmd": "' + b"x" * 60_000 + b'"}',
+                b'{"v": 1, "cmd": "status", "' + b"y" * 60_000 + b'": 1}',
+                b'{"v": [' + b"7," * 20_000 + b'7], "cmd": "status"}'):
+        with pytest.raises(protocol.ProtocolError) as info:
+            protocol.decode_request(raw)
+        quoted = max(str(info.value).split(" "), key=len)
+        assert len(str(info.value)) < 200 and len(quoted) <= protocol.QUOTE_CHARS + 2
+
+
+def test_the_control_server_answers_garbage_with_an_error_and_keeps_the_connection(tmp_path):
+    import asyncio
+
+    from structlog.testing import capture_logs
+
+    from supervisor.config import ControlConfig
+    from supervisor.control.server import ControlServer
+
+    async def submit(cmd, args):
+        return {"state": "RUNNING"}
+
+    secret = b"SECRET-BODY-BYTES"
+    # each under the line limit: a parse error, then the connection serves on
+    garbage = [secret + b"[" * 20_000 + b"]" * 20_000,
+               b"[" * 30_000 + secret + b"]" * 30_000,
+               b'{"v": 1, "cmd": "' + secret * 1000 + b'"}',
+               b"\xff\xfe" + secret,
+               b'{"v": 1, "cmd": "status", "args": {"x": ' + b"[" * 20_000 + b"]" * 20_000
+               + b"}}"]
+
+    async def main():
+        server = ControlServer(ControlConfig(socket=str(tmp_path / "c.sock")), submit)
+        await server.start()
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(tmp_path / "c.sock"))
+            for line in garbage:
+                writer.write(line + b"\n")
+                await writer.drain()
+                reply = json.loads(await asyncio.wait_for(reader.readline(), 10))
+                assert reply["ok"] is False and reply["error"].startswith(
+                    ("malformed request", "unknown command")), reply
+                assert len(reply["error"]) < 300
+            writer.write(protocol.encode_request("status"))
+            await writer.drain()
+            reply = json.loads(await asyncio.wait_for(reader.readline(), 10))
+            assert reply == {"v": 1, "ok": True, "result": {"state": "RUNNING"}}
+            writer.close()
+        finally:
+            await server.close()
+
+    with capture_logs() as logs:
+        asyncio.run(main())
+    assert len([r for r in logs if r["event"] == "control request refused"]) == len(garbage)
+    for r in logs:  # at most a bounded prefix of what a client sent, and no traceback
+        assert "exc_info" not in r and "exception" not in r
+        assert str(r).count("SECRET-BODY-BYTES") <= 2
+
+
+def test_the_control_server_replies_when_serving_a_connection_fails(tmp_path, monkeypatch):
+    import asyncio
+
+    from structlog.testing import capture_logs
+
+    from supervisor.config import ControlConfig
+    from supervisor.control import server as server_module
+    from supervisor.control.server import ControlServer
+
+    def broken(line):
+        raise MemoryError  # whatever decode_request should never raise
+
+    monkeypatch.setattr(server_module.protocol, "decode_request", broken)
+
+    async def submit(cmd, args):
+        return {}
+
+    async def main():
+        server = ControlServer(ControlConfig(socket=str(tmp_path / "c.sock")), submit)
+        await server.start()
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(tmp_path / "c.sock"))
+            writer.write(b"anything\n")
+            await writer.drain()
+            reply = json.loads(await asyncio.wait_for(reader.readline(), 10))
+            assert reply["ok"] is False and "MemoryError" in reply["error"]
+            writer.close()
+        finally:
+            await server.close()
+
+    with capture_logs() as logs:
+        asyncio.run(main())
+    assert all("exc_info" not in r for r in logs)

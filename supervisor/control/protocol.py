@@ -20,7 +20,10 @@ Reply:    {"v": 1, "ok": true, "result": {...}}
 
 A malformed, oversized, unknown or unauthorised request gets an error reply (an
 oversized one, or one from an unauthorised peer, also ends the connection); the daemon
-carries on. This module is pure: bytes in, values out.
+carries on. Malformed means anything `decode_request` cannot take, JSON nested past the
+parser's recursion limit included. An error message quotes at most `QUOTE_CHARS`
+characters of what the client sent (it is logged). This module is pure: bytes in, values
+out.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024
 IDLE_TIMEOUT_S = 30.0
+QUOTE_CHARS = 40  # of a client's value, at most, in an error message
 COMMANDS = ("status", "restart", "stop", "reload", "events", "pause-policy", "resume-policy",
             "drain", "resume", "throttle", "unthrottle", "kv-reset", "evidence")
 
@@ -66,27 +70,43 @@ def _encode(doc: dict[str, Any]) -> bytes:
     return data
 
 
+def quote(value: Any) -> str:
+    """`repr(value)`, cut to QUOTE_CHARS characters: what an error may say of a client's
+    value (a value's repr is computed only as far as needed for a long str)."""
+    if isinstance(value, str) and len(value) > QUOTE_CHARS:
+        value = value[:QUOTE_CHARS]
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"<a deeply nested {type(value).__name__}>"
+    return text if len(text) <= QUOTE_CHARS else text[:QUOTE_CHARS - 3] + "..."
+
+
 def decode_request(line: bytes) -> Request:
+    """The request on one line; ProtocolError for anything else, never another error."""
     try:
         doc = json.loads(line)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"malformed request: not JSON ({exc})") from None
+    except RecursionError:
+        raise ProtocolError("malformed request: JSON nested too deeply") from None
     if not isinstance(doc, dict):
         raise ProtocolError("malformed request: expected a JSON object")
     v = doc.get("v")
     if v != VERSION:
-        raise ProtocolError(f"unsupported protocol version {v!r}; this daemon speaks {VERSION}")
+        raise ProtocolError(f"unsupported protocol version {quote(v)}; "
+                            f"this daemon speaks {VERSION}")
     cmd = doc.get("cmd")
     if not isinstance(cmd, str):
         raise ProtocolError("malformed request: 'cmd' must be a string")
     if cmd not in COMMANDS:
-        raise ProtocolError(f"unknown command {cmd!r} (known: {', '.join(COMMANDS)})")
+        raise ProtocolError(f"unknown command {quote(cmd)} (known: {', '.join(COMMANDS)})")
     args = doc.get("args", {})
     if not isinstance(args, dict):
         raise ProtocolError("malformed request: 'args' must be an object")
     unknown = set(doc) - {"v", "cmd", "args"}
     if unknown:
-        raise ProtocolError(f"malformed request: unknown field {sorted(unknown)[0]!r}")
+        raise ProtocolError(f"malformed request: unknown field {quote(sorted(unknown)[0])}")
     return Request(cmd, args)
 
 

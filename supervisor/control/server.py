@@ -3,7 +3,9 @@
 Owns the listening socket and its connections, nothing else. Each well-formed,
 authorised request is handed to `submit` (the supervisor's queue) and its answer sent
 back; the server never touches the daemon's state. A client that sends garbage, too
-much, or nothing at all costs one bounded connection and gets an error reply.
+much, or nothing at all costs one bounded connection and gets an error reply; whatever
+fails while serving a connection is logged as one line naming its type, never with a
+traceback (its frames hold the client's bytes).
 """
 
 from __future__ import annotations
@@ -119,6 +121,12 @@ class ControlServer:
             await self._serve(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
+        except Exception as exc:  # one connection's fault never reaches the loop
+            log.error("control connection failed", error=type(exc).__name__)
+            with contextlib.suppress(Exception):
+                writer.write(protocol.encode_error(
+                    f"internal error serving this connection ({type(exc).__name__})"))
+                await asyncio.wait_for(writer.drain(), 1.0)
         finally:
             self._conns.discard(task)
             writer.close()
@@ -153,6 +161,10 @@ class ControlServer:
                 req = protocol.decode_request(line)
             except protocol.ProtocolError as exc:
                 await self._refuse(writer, str(exc), pid=pid, uid=uid)
+                continue
+            except Exception as exc:  # (decode_request should raise nothing else)
+                await self._refuse(writer, f"malformed request ({type(exc).__name__})",
+                                   pid=pid, uid=uid)
                 continue
             log.info("control request", cmd=req.cmd, peer_pid=pid, peer_uid=uid)
             timeout = REPLY_TIMEOUT_S.get(req.cmd, DEFAULT_REPLY_TIMEOUT_S)
