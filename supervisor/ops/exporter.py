@@ -12,7 +12,8 @@ one connection's error escape into the loop. Bounds (docs/exporter.md):
 - the request head (request line and headers) is at most `MAX_HEAD` bytes (else 431) and
   must arrive within `head_timeout_s` (else the connection is closed without an answer);
 - at most `max_connections` are served at once; more are answered 503, and beyond twice
-  that they are reset without an answer, so that a flood cannot pile up tasks;
+  that they are reset without an answer, so that a flood cannot pile up tasks (a run of
+  refusals is logged once at its start, with why, and once at its end, with counts);
 - the answer is written within `WRITE_TIMEOUT_S`, and the close waits at most `linger_s`
   for the client to finish sending (so that unread input does not reset the answer).
 
@@ -153,6 +154,8 @@ class Exporter:
         self._bad = BadNames()
         self._view_failing = False
         self._closing = False
+        self._refused = 0  # connections answered 503 in the run of refusals under way
+        self._reset = 0  # connections reset without an answer in that run
 
     @property
     def port(self) -> int:
@@ -201,6 +204,8 @@ class Exporter:
         admitted = self._served < self.max_connections
         self._served += admitted
         try:
+            if not self._closing:
+                self._note_admission(admitted, self._open > 2 * self.max_connections)
             if self._closing or (not admitted and self._open > 2 * self.max_connections):
                 writer.transport.abort()  # closing, or a flood: no answer, no task left
                 return
@@ -221,6 +226,22 @@ class Exporter:
             self._served -= admitted
             self._tasks.discard(task)
             await _close(writer)
+
+    def _note_admission(self, admitted: bool, reset: bool) -> None:
+        """A run of refused connections: logged at its start with why, at its end with
+        how many were answered 503 and how many reset."""
+        if not admitted:
+            if not self._refused and not self._reset:
+                log.warning("exporter refusing connections: too many at once",
+                            open=self._open, max_connections=self.max_connections,
+                            answer=f"503 up to {2 * self.max_connections} open, then reset "
+                                   "without an answer")
+            self._reset += reset
+            self._refused += not reset
+        elif self._refused or self._reset:
+            log.info("exporter serving connections again", answered_503=self._refused,
+                     reset=self._reset, open=self._open)
+            self._refused = self._reset = 0
 
     async def _serve(self, reader: asyncio.StreamReader) -> _Answer | None:
         """Read one request and answer it; None: close without an answer."""
