@@ -58,7 +58,6 @@ import contextlib
 import dataclasses
 import enum
 import json
-import resource
 import time
 from collections.abc import Awaitable, Callable
 from typing import cast
@@ -74,6 +73,7 @@ from supervisor.front.messages import (
     date_header,
     json_response,
 )
+from supervisor.ops import descriptors
 
 log = structlog.get_logger("supervisor.proxy")
 
@@ -114,9 +114,7 @@ def connection_cap(wanted: int, soft_limit: int | None = None) -> int:
     (a quarter of the limit, 256 at most) stays for the daemon's own work: the control
     socket, the engines' probes and pipes, /proc reads, the audit trail."""
     if soft_limit is None:
-        soft_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if soft_limit == resource.RLIM_INFINITY:
-        return wanted
+        soft_limit = descriptors.soft_limit()
     reserve = min(256, soft_limit // 4)
     return max(1, min(wanted, (soft_limit - reserve) // 2))
 
