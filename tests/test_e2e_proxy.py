@@ -20,6 +20,7 @@ import json
 import os
 import re
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from supervisor.front.routes import ADMIN, LOCAL, Routes
 from tests.harness import Daemon, alive, free_port, path_tricks, raw_request, wait_for
 from tests.test_e2e_vllm import START_TIMEOUT, tree, vllm_config
+from tests.test_proxy import metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -44,7 +46,7 @@ def fronted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, 
     tmp = tmp_path_factory.mktemp("e2e-proxy")
     cfg: dict[str, Any] = vllm_config(tmp)
     cfg["proxy"] = {"enabled": True, "listen": f"127.0.0.1:{free_port()}",
-                    "hold_timeout_s": 240.0}
+                    "hold_timeout_s": 240.0, "send_timeout_s": 3.0}
     cfg["canary"] = {"period_s": 2.0, "timeout_s": 5.0}
     cfg["engine"]["drain_timeout_s"] = 20.0  # in-flight streams finish during a restart
     cfg["engine"]["env"]["VLLM_SERVER_DEV_MODE"] = "1"  # the routes the proxy must hide
@@ -253,6 +255,42 @@ def test_a_client_disconnect_aborts_the_request_in_vllm(fronted):
                     f"reached their client before vLLM had generated them whole")
     assert median is not None and median < 240  # they stopped well before half of 480
     assert sum(1 for n in per_stream if n < 240) >= len(per_stream) // 2 + 1
+
+
+def test_a_client_that_stops_reading_is_cut_and_vllm_aborts_its_request(fronted):
+    """A stream whose client takes nothing of it (a small receive window, then no read)
+    fills the proxy's buffer for it (16 x 480 tokens with 20 logprobs each: some 7 MB,
+    past what loopback's kernel buffers absorb, up to 4 MiB here); after
+    `proxy.send_timeout_s` the proxy cuts the client, which ends the upstream request
+    and frees its admission slot (before, the handler waited on its client for good, and
+    held the slot). Whether vLLM had already
+    generated it whole by then depends on two busy cores: printed, not judged."""
+    d, cfg = fronted
+    d.wait_state("RUNNING", START_TIMEOUT)
+    wait_for(lambda: d.status()["admission"]["held"] is None, 60, "the gate to open")
+    host, port = cfg["proxy"]["listen"].rsplit(":", 1)
+    body = json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 480, "n": 16,
+                       "logprobs": 20, "ignore_eos": True, "stream": True}).encode()
+    before = engine_metric(cfg, "vllm:generation_tokens_total")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connect: a window)
+    try:
+        sock.connect((host, int(port)))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert sock.recv(64).startswith(b"HTTP/1.1 200")  # then nothing more is read
+        wait_for(lambda: metrics(d).get(
+            ("vllm_supervisor_proxy_rejections_total", (("reason", "send_timeout"),))), 120,
+            "the proxy to cut the client that reads nothing")
+        wait_for(lambda: engine_metric(cfg, "vllm:num_requests_running") == 0
+                 and d.status()["admission"]["in_flight"] == 0, 30,
+                 "vLLM to stop the request and the slot to be free")
+        generated = engine_metric(cfg, "vllm:generation_tokens_total") - before
+    finally:
+        sock.close()
+    cut = [r for r in d.log_records() if r.get("event") == "client cut"]
+    print("stalled reader:", json.dumps({"tokens_generated": generated, "cut": len(cut)}))
+    assert len(cut) == 1 and cut[0]["reason"] == "send_timeout"
 
 
 def test_32_streams_across_a_restart_lose_nothing(fronted):
