@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 from structlog.testing import capture_logs
 from yarl import URL
@@ -50,11 +51,11 @@ RawEngine = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[Non
 
 
 @contextlib.asynccontextmanager
-async def _behind_raw_engine(engine: RawEngine) -> AsyncIterator[FrontProxy]:
+async def _behind_raw_engine(engine: RawEngine, **settings: Any) -> AsyncIterator[FrontProxy]:
     """The proxy in front of a raw socket server (an engine that misbehaves on purpose)."""
     server = await asyncio.start_server(engine, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    proxy = await _proxy(f"http://127.0.0.1:{port}")
+    proxy = await _proxy(f"http://127.0.0.1:{port}", **settings)
     try:
         yield proxy
     finally:
@@ -289,5 +290,60 @@ def test_a_kept_connection_the_engine_closed_is_not_a_death_nor_a_resend() -> No
             assert proxy.stats.responses == {"200": 4}
             assert proxy._upstream is not None and proxy._upstream.resent_fresh == 1
             assert seen[:3] == [1, 1, 2]  # the second request again, on a new connection
+
+    asyncio.run(main())
+
+
+HEALTHY = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["request", "stream"])
+def test_a_request_a_healthy_engine_drops_unanswered_is_sent_again_twice_then_fails(
+        stream: bool) -> None:
+    """An engine that closes the connection of every completion without a byte, its
+    /health saying 200 all the while: no death, and the request is sent again twice,
+    not every 0.2 s until the hold timeout; then a 502 naming why. A stream whose head
+    the engine sent before it cut it (nothing the client can read yet) goes the same
+    way, and ends with an error event."""
+    posts: list[int] = []
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # (no connection kept: one the engine closes unanswered once kept is sent again
+        # by the upstream client itself, as not reached)
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"GET /health"):
+            writer.write(HEALTHY)
+            await writer.drain()
+            writer.close()
+            return
+        await _read_body(reader, head)
+        posts.append(1)
+        if stream and len(posts) == 1:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n")
+            await writer.drain()
+        writer.transport.abort()
+
+    async def main() -> None:
+        async with _behind_raw_engine(engine, continue_timeout_s=5.0) as proxy, \
+                aiohttp.ClientSession() as s, s.post(
+                    f"http://127.0.0.1:{proxy.port}/v1/completions",
+                    data=_post({"model": "m", "prompt": "x", "stream": stream})) as r:
+            body = await r.read()
+            if stream:
+                assert r.status == 200 and b"[DONE]" not in body, body
+                (event,) = [line for line in body.split(b"\n") if line.startswith(b"data:")]
+                message = json.loads(event[5:])["error"]["message"]
+                assert proxy.stats.continuations == {"failed": 1}
+            else:
+                assert r.status == 502, body
+                error = json.loads(body)["error"]
+                assert error["type"] == "engine_dropped"
+                message = error["message"]
+                assert proxy.stats.rejections == {"engine_dropped": 1}
+            assert "without answering, 3 times, while it served" in message, message
+            assert len(posts) == (1 + 3 if stream else 3), posts
+            if not stream:  # no death: a drop is no failure of that engine start
+                assert proxy.backends["default"].failure_seen == {}
 
     asyncio.run(main())

@@ -26,7 +26,10 @@ back (`supervisor/front/continuation.py`, driven by `supervisor/front/streams.py
 blank keep-alive lines keeping the client's connection alive while it waits; one that
 cannot be continued ends with an explicit error event and no `[DONE]`, never as a clean
 but short answer. Any other answer the engine had started fails fast with 502, since it
-cannot be saved. The proxy's own `/healthz` and `/readyz` answer load balancers.
+cannot be saved. A request an engine that still serves drops unanswered (its connection
+closed, its /health 200) is no death of the engine's: it is sent again at most twice,
+then answered 502 (`streams.RESENDS_AFTER_DROP`). The proxy's own `/healthz` and
+`/readyz` answer load balancers.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ import contextlib
 import dataclasses
 import json
 import re
-import resource
 import time
 from collections.abc import Callable
 
@@ -59,10 +61,12 @@ from supervisor.front.routes import LOCAL, PathRefused, Routes, Target, read_tar
 from supervisor.front.server import Limits, Server, connection_cap
 from supervisor.front.streams import (
     HOP_BY_HOP,
+    RESENDS_AFTER_DROP,
     Broken,
     NotDelivered,
     StreamRelay,
     UpstreamFailed,
+    dropped_message,
     upstream_chunks,
     upstream_headers,
 )
@@ -74,6 +78,7 @@ from supervisor.front.upstream import (
     Upstream,
     UpstreamError,
 )
+from supervisor.ops import descriptors
 from supervisor.ops.logs import RequestLog
 
 log = structlog.get_logger("supervisor.proxy")
@@ -145,7 +150,7 @@ class FrontProxy:
         if limits.max_connections < s.max_connections:
             log.warning("proxy connections capped under the descriptor limit",
                         max_connections=s.max_connections, cap=limits.max_connections,
-                        descriptors=resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+                        descriptors=descriptors.soft_limit())
         server = Server(self._handle, limits, refused=self._refused)
         try:
             await server.listen(self.s.listen_host, self.s.listen_port)
@@ -296,6 +301,7 @@ class FrontProxy:
                                  ex: Exchange) -> StreamResponse:
         broken: Broken | None = None
         give_up = time.monotonic() + choices[0].backend.gate.limits.max_wait_s
+        drops = 0  # sends an engine that still serves closed unanswered
         while True:
             # (only a request no engine has died with: one that has must stay here, where
             # its deaths are counted, or a killer would travel the fleet unrefused)
@@ -337,6 +343,9 @@ class FrontProxy:
                     ex.engine_failed()
                 if ex.deaths >= quarantine.REFUSE_AT:
                     return self._refuse_killer(body, ex, exc)
+                if exc.dropped and (drops := drops + 1) > RESENDS_AFTER_DROP:
+                    ex.status, ex.outcome = 502, "engine_dropped"
+                    return self._error(502, dropped_message(drops), "engine_dropped")
                 self.stats.retried_connects += 1
                 if time.monotonic() >= give_up:
                     ex.status, ex.outcome = 503, "hold_timeout"
@@ -479,10 +488,13 @@ class FrontProxy:
                     return resp
                 self.stats.count(up.status)
                 return resp
-        except (ConnectFailed, Disconnected) as exc:
-            # refused, or the engine went while it had the request: no answer has begun,
-            # so the client has seen nothing and the request can go again
-            raise NotDelivered(repr(exc), reached=isinstance(exc, Disconnected)) from exc
+        except ConnectFailed as exc:
+            # refused: the request never reached the engine, and can go again
+            raise NotDelivered(repr(exc)) from exc
+        except Disconnected as exc:
+            # the engine went while it had the request, or dropped it while it serves:
+            # no answer has begun, so the client has seen nothing
+            raise await self.streams.not_delivered(ex.backend, exc) from exc
         except (TimeoutError, UpstreamError, UpstreamFailed) as exc:
             if resp is not None and resp.prepared:
                 return self._cut(target, request, resp, exc, ex)

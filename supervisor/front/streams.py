@@ -38,6 +38,10 @@ log = structlog.get_logger("supervisor.proxy")
 # blank lines and reads `data:` lines drops a comment too, and one blank line alone would
 # shift its next event by a newline.
 KEEPALIVE = b"\n\n"
+# A request a healthy engine dropped (its connection closed before any answer, the engine
+# still serving) is no death of the engine's, and asked again it may be dropped again:
+# sent again at most this many times, then failed with 502 (an error event in a stream).
+RESENDS_AFTER_DROP = 2
 # (and `expect`: the proxy answered a client's 100-continue itself, and has the body)
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
               "trailer", "transfer-encoding", "upgrade", "host", "content-length", "expect"}
@@ -66,6 +70,15 @@ class StreamRelay:
         except (TimeoutError, UpstreamError):
             return False
         return status == 200
+
+    async def not_delivered(self, backend: Backend, exc: Disconnected) -> NotDelivered:
+        """The engine closed the connection before answering: a death the request was
+        at when the engine is going, a drop when it still serves (`dropped`: no death,
+        never a failure seen at that engine start, and re-sent a bounded number of
+        times: RESENDS_AFTER_DROP)."""
+        if await self.engine_healthy(backend):
+            return NotDelivered(f"{exc!r}, the engine still serving", dropped=True)
+        return NotDelivered(repr(exc), reached=True)
 
     async def _write(self, resp: StreamResponse, ex: Exchange, data: bytes) -> None:
         """Bytes of a continuable stream to its client, timed as `_relay` times them."""
@@ -195,6 +208,7 @@ class StreamRelay:
         broke_at = ex.last_data_at or time.monotonic()
         deadline = time.monotonic() + self.s.continue_timeout_s
         errors = 0  # 5xx from an engine whose /health says it serves
+        drops = 0  # connections it closed unanswered, serving all the while
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -235,8 +249,12 @@ class StreamRelay:
                             await self.relay_events(up, resp, ex, t)
                             return
                 except (ConnectFailed, Disconnected, NotDelivered) as exc:
-                    reached = not isinstance(exc, ConnectFailed) and (
-                        not isinstance(exc, NotDelivered) or exc.reached)
+                    failed = await self.not_delivered(backend, exc) \
+                        if isinstance(exc, Disconnected) else exc
+                    if isinstance(failed, NotDelivered) and failed.dropped \
+                            and (drops := drops + 1) > RESENDS_AFTER_DROP:
+                        raise GaveUp(dropped_message(drops)) from exc
+                    reached = isinstance(failed, NotDelivered) and failed.reached
                     # it was at the engine when the engine went: a new fault; one that
                     # met an engine already seen dying waits on for the next, as if
                     # refused
@@ -327,11 +345,18 @@ class GaveUp(Exception):
 
 class NotDelivered(Exception):
     """No answer began: the engine refused the connection (the request never reached
-    it), or it was reached and the engine went (`reached`: a death it was at)."""
+    it), or it was reached and the engine went (`reached`: a death it was at), or an
+    engine that still serves closed the connection without answering (`dropped`)."""
 
-    def __init__(self, message: str, reached: bool = False) -> None:
+    def __init__(self, message: str, reached: bool = False, dropped: bool = False) -> None:
         super().__init__(message)
         self.reached = reached
+        self.dropped = dropped
+
+
+def dropped_message(times: int) -> str:
+    return (f"the engine closed the connection without answering, {times} times, while it "
+            f"served: not sent again")
 
 
 class EngineDied(Exception):
