@@ -31,6 +31,7 @@ from supervisor.engine.events import Down, Drained, Event, GateProbe, Woken
 from supervisor.engine.failures import Failures
 from supervisor.engine.gatekeeper import GateKeeper
 from supervisor.engine.intents import RelaunchLog
+from supervisor.engine.pair_states import HANDING_OVER, PHASE, Phase, Role, check
 from supervisor.engine.slot import EngineSlot
 from supervisor.engine.standby import Standby
 from supervisor.engine.states import State
@@ -43,9 +44,8 @@ log = structlog.get_logger("supervisor")
 class ServingUnit(Protocol):
     """What a handover reads and asks of its engine's unit."""
 
-    slot: EngineSlot  # the serving engine's place (a failover swaps it)
-    serving_starts: int
-    stop_deadline: float | None
+    @property
+    def slot(self) -> EngineSlot: ...  # the serving engine's place (`serve_from` swaps it)
 
     @property
     def config(self) -> Config: ...
@@ -73,6 +73,7 @@ class ServingUnit(Protocol):
     def failures(self) -> Failures: ...
 
     def engine_config(self, bay: int) -> EngineConfig: ...
+    def serve_from(self, slot: EngineSlot) -> None: ...
     def spawn_serving(self) -> None: ...
     def take_down(self, graceful: bool) -> None: ...
     def take_down_in(self, slot: EngineSlot, graceful: bool, deadline: float) -> None: ...
@@ -92,29 +93,40 @@ class Handover:
         self.standby = standby
         self.failovers = 0
         self.last_failover_s: float | None = None  # fault seen to held requests released
-        self.since: float | None = None  # a handover under way since (monotonic)
-        # a cold start waits for its standby to be asleep first (no room beside it else)
-        self.first = False
-        self._waking = False  # the standby that took over is being woken
-        self._wake_when_down = False  # ... once the old engine's memory is released
-        self._proving_woken = False  # ... and proven with a generation
+        # the handover under way (supervisor/engine/pair_states.py), and since when
+        self.phase = Phase.IDLE
+        self.since: float | None = None  # (monotonic; None in IDLE and STANDBY_FIRST)
         # a reload or a policy relaunch changed what the engine runs: a standby with the
-        # new arguments, then a swap to it ((why, the restart's reason label) meanwhile)
+        # new arguments, then a swap to it ((why, the restart's reason label) meanwhile;
+        # not a phase: the engine serves until the swap, which is a failover like any)
         self._upgrade: tuple[str, str] | None = None
 
     @property
     def mode(self) -> str:
         return self.u.config.engine.standby
 
+    @property
+    def first(self) -> bool:
+        """A cold start waits for its standby to be asleep first."""
+        return self.phase is Phase.STANDBY_FIRST
+
+    def _set_phase(self, new: Phase) -> None:
+        check(PHASE, self.phase, new)
+        self.phase = new
+        if new not in HANDING_OVER:
+            self.since = None
+        elif self.since is None:
+            self.since = self.u.clock.monotonic()
+
     def cold_start(self) -> None:
         """A cold start ends any handover, and applies any upgrade."""
-        self.since = None
-        self._waking = self._wake_when_down = self._proving_woken = False
+        self._set_phase(Phase.IDLE)
         self._upgrade = None
 
     def abandon(self, why: str, deadline: float) -> None:
         """No more standby for now: the engine is held down, or the daemon stops."""
-        self.first = False
+        if self.phase is Phase.STANDBY_FIRST:
+            self._set_phase(Phase.IDLE)
         self.standby.retire(why, graceful=True, deadline=deadline)
 
     # ---- arming ---------------------------------------------------------------------
@@ -128,19 +140,19 @@ class Handover:
                 or engine_checks.side_by_side(engine_checks.argv(cfg))):
             return False
         if self.standby.can_start():
-            self.first = True
+            self._set_phase(Phase.STANDBY_FIRST)
             log.info("the standby starts first: the engine starts beside it once it "
                      "sleeps (no room for it to start beside the engine)")
             self.arm(due=True)
-        else:
-            self.first = self.standby.on_its_way
+        elif self.standby.on_its_way:
+            self._set_phase(Phase.STANDBY_FIRST)
         return self.first
 
     def arm(self, due: bool = False) -> None:
         """A standby in its free place, when one is configured and the engine serves (or
         waits for it to sleep first); after a failure, once its backoff is `due`."""
         u, mode = self.u, self.mode
-        if (mode == "none" or not self.standby.can_start() or self.since is not None
+        if (mode == "none" or not self.standby.can_start() or self.phase in HANDING_OVER
                 or (u.state is not State.RUNNING and not self.first)):
             return
         cfg = u.engine_config(self.standby.slot.bay)
@@ -173,9 +185,9 @@ class Handover:
             return
         free = self.standby.handle(ev, u.standby_deadline(),
                                    stopping=u.state is State.STOPPING)
-        if self._wake_when_down and isinstance(ev, Down):
-            self._wake_when_down = False  # the old engine is gone, its memory released
-            if self.standby.state == "failed":
+        if self.phase is Phase.WAKING_WHEN_DOWN and isinstance(ev, Down):
+            self._set_phase(Phase.WAKING)  # the old engine is gone, its memory released
+            if self.standby.state is Role.FAILED:
                 self.takeover_failed(f"the old engine's tree was not proven gone "
                                      f"({self.standby.why}): not waking the standby")
             elif u.engine is not None:
@@ -184,7 +196,7 @@ class Handover:
             u.maybe_finish_stop()
         elif self.first and not self.standby.on_its_way:
             if self.standby.ready or self.standby.idle:
-                self.first = False
+                self._set_phase(Phase.IDLE)
                 if (u.state is State.STARTING and u.engine is None
                         and not u.slot.spawning):
                     u.spawn_serving()  # beside the sleeping standby (or without one)
@@ -225,7 +237,7 @@ class Handover:
                                 deadline=u.standby_deadline())
         self.standby.cancel_timer()
         self.standby.due()  # (a backoff under way is over: the arguments changed)
-        self.standby.failures = 0
+        self.standby.forget_failures()
         self.arm(due=True)  # (now if its place is free; else once it is)
         return True
 
@@ -266,14 +278,14 @@ class Handover:
         engine finish there first, up to its drain timeout, and then it is taken down."""
         u = self.u
         old = u.slot
-        u.slot, asleep = self.standby.take_over(old)
-        engine = u.slot.engine
+        # the old engine's take-down keeps within the restart's deadline (or one from now)
+        take_down = old.engine is not None and not old.taking_down and not drain_behind
+        deadline = u.set_stop_deadline(proxy_drain=False) if take_down else 0.0
+        new, asleep = self.standby.take_over(old)
+        u.serve_from(new)  # (the restart is over: its deadline with it)
+        engine = new.engine
         assert engine is not None
-        u.serving_starts += 1
         self.failovers += 1
-        self.since = u.clock.monotonic()
-        u.watch.engine_starting()
-        u.keeper.admitting = False
         log.warning("failover: the standby serves", reason=reason, pid=engine.pid,
                     port=engine.spec.port, old_pid=old.engine.pid if old.engine else None,
                     asleep=asleep)
@@ -284,21 +296,20 @@ class Handover:
         if u.state is State.DRAINING:
             u.set_state(State.RUNNING, f"the standby took over ({reason})")
         if not asleep:
+            self._set_phase(Phase.PROVING)
             self._serve(engine)
         elif old.engine is not None \
                 and not engine_checks.side_by_side(engine_checks.argv(engine.config)):
-            self._waking = self._wake_when_down = True  # (done in `on_event`)
+            self._set_phase(Phase.WAKING_WHEN_DOWN)  # (woken in `on_event`)
         else:
-            self._waking = True
+            self._set_phase(Phase.WAKING)
             u.act.wake(engine)
-        if old.engine is not None and not old.taking_down:
-            if drain_behind:
-                log.info("swap: the requests at the old engine finish there",
-                         pid=old.engine.pid, generation=old.engine.generation)
-                u.act.drain_behind(old.engine, u.standby_deadline())
-            else:
-                u.take_down_in(old, graceful, u.set_stop_deadline(proxy_drain=False))
-        u.stop_deadline = None  # (the restart is over; the old engine's has its own)
+        if take_down:
+            u.take_down_in(old, graceful, deadline)
+        elif drain_behind and old.engine is not None and not old.taking_down:
+            log.info("swap: the requests at the old engine finish there",
+                     pid=old.engine.pid, generation=old.engine.generation)
+            u.act.drain_behind(old.engine, u.standby_deadline())
         u.relaunch.taken_down()
         u.relaunch.down()
 
@@ -309,10 +320,10 @@ class Handover:
         if u.fronted:
             u.act.follow(engine)
         u.act.serve(engine)
-        if self._proving_woken or (u.fronted and u.config.canary.enabled):
+        if self.phase is Phase.PROVING_WOKEN or (u.fronted and u.config.canary.enabled):
             u.act.gate_probe(engine)
         else:
-            u.keeper.admitting = True
+            u.keeper.admit()
             u.relaunch.finish("ok", None)
             self.done()
 
@@ -333,25 +344,21 @@ class Handover:
     def woken(self, ev: Woken) -> None:
         u = self.u
         engine = u.slot.current(ev.generation)
-        if engine is None or u.slot.taking_down or not self._waking:
+        if engine is None or u.slot.taking_down or self.phase is not Phase.WAKING:
             return
-        self._waking = False
         if ev.error is not None:
             self.takeover_failed(f"the standby did not wake: {ev.error}")
             return
         log.info("standby woken", pid=engine.pid, seconds=round(ev.seconds, 3))
         u.audit("standby_woken", pid=engine.pid, seconds=round(ev.seconds, 3))
-        self._proving_woken = True
+        self._set_phase(Phase.PROVING_WOKEN)
         self._serve(engine)
 
     def proof_failed(self, ev: GateProbe) -> bool:
         """The first generation after a handover answered: whether it was a woken
         standby's that failed (then the handover failed: a cold start)."""
-        if not self._proving_woken:
-            return False
-        self._proving_woken = False
-        if ev.ok:
-            return False
+        if self.phase is not Phase.PROVING_WOKEN or ev.ok:
+            return False  # (a proof that passed: `done` ends the handover)
         self.takeover_failed(f"its first generation after waking failed: {ev.error}")
         return True
 
@@ -360,8 +367,7 @@ class Handover:
         backoff (the woken engine is taken down)."""
         log.error("failover failed: cold start", reason=reason)
         self.u.audit("failover_failed", reason=reason)
-        self.since = None  # (not `cold_start`: an upgrade ends at the next cold start)
-        self._waking = self._wake_when_down = self._proving_woken = False
+        self._set_phase(Phase.IDLE)  # (not `cold_start`: an upgrade ends at the next one)
         engine = self.u.engine
         healthy_for = (self.u.clock.monotonic() - engine.healthy_at
                        if engine is not None and engine.healthy_at is not None else None)
@@ -372,7 +378,7 @@ class Handover:
         may start in the old engine's place once it is free."""
         if self.since is not None:
             self.last_failover_s = round(self.u.clock.monotonic() - self.since, 3)
-            self.since = None
+            self._set_phase(Phase.IDLE)
             log.info("failover done", seconds=self.last_failover_s)
             self.u.audit("failover_done", seconds=self.last_failover_s)
             self.arm()

@@ -1,7 +1,8 @@
 """One engine process of a unit, from its spawn to its tree proven gone.
 
-`EngineSlot` keeps the facts of the engine in it (the process, its generation, whether
-it is being spawned or taken down, what its take-down must capture first) and starts
+`EngineSlot` keeps the facts of the engine in it (the process, its generation, its bay's
+phase: empty, spawning, alive, taking down, checked against
+`supervisor/engine/pair_states.py`; what its take-down must capture first) and starts
 that engine's jobs through the unit's effects. It decides nothing: the unit
 (`supervisor/engine/unit.py`) owns the lifecycle and calls the slot on its own task.
 """
@@ -22,6 +23,7 @@ from supervisor.engine import proctree
 from supervisor.engine.effects import Effects
 from supervisor.engine.events import CoreExited, Down, Exited, Spawned, TreeSeen
 from supervisor.engine.intents import EvidenceFor
+from supervisor.engine.pair_states import BAY, Bay, check
 from supervisor.watchdog import evidence
 
 log = structlog.get_logger("supervisor")
@@ -34,13 +36,24 @@ class EngineSlot:
         self.bay = bay  # its state file and guard (supervisor/engine/jobs.py)
         self.engine: eng.EngineProcess | None = None
         self.generation = 0  # changes with every spawn
-        self.spawning = False
-        self.taking_down = False
+        self.phase = Bay.EMPTY
         self.last_exit: str | None = None  # how the last engine ended, for `status`
         # set by a second stop: the take-down in flight skips to SIGKILL
         self.force = asyncio.Event()
         # the next take-down of this engine first captures evidence for (rule, reason)
         self.evidence_for: EvidenceFor | None = None
+
+    @property
+    def spawning(self) -> bool:
+        return self.phase is Bay.SPAWNING
+
+    @property
+    def taking_down(self) -> bool:
+        return self.phase is Bay.TAKING_DOWN
+
+    def _set_phase(self, new: Bay) -> None:
+        check(BAY, self.phase, new)
+        self.phase = new
 
     def current(self, generation: int) -> eng.EngineProcess | None:
         """The engine in the slot, if it is of `generation` (events of a gone one are
@@ -49,16 +62,16 @@ class EngineSlot:
         return e if e is not None and e.generation == generation else None
 
     def spawn(self, spec: eng.SpawnSpec, cfg: EngineConfig) -> None:
-        assert self.engine is None and not self.spawning
+        assert self.engine is None
+        self._set_phase(Bay.SPAWNING)
         self.generation = self._next()  # unique across the unit's slots
-        self.spawning = True
         self.force = asyncio.Event()
         self.evidence_for = None  # (for the engine that went, if none was taken down)
         self._act.spawn(self.generation, spec, cfg, self.bay)
 
     def spawned(self, ev: Spawned) -> eng.EngineProcess | None:
         """The spawn ended: the engine now in the slot, or None (`ev.error` says why)."""
-        self.spawning = False
+        self._set_phase(Bay.ALIVE if ev.engine is not None else Bay.EMPTY)
         for line in ev.leftovers:
             log.warning("killed a process left by an earlier run", process=line)
             self._audit("leftover_killed", process=line)
@@ -71,6 +84,14 @@ class EngineSlot:
         self._audit("spawn", pid=engine.pid, generation=engine.generation)
         self._act.watch(engine)
         return engine
+
+    def healthy(self, engine: eng.EngineProcess, now: float) -> None:
+        """The engine in the slot answered /health: since `now`."""
+        engine.healthy_at = now
+
+    def capture_at_take_down(self, evidence: EvidenceFor) -> None:
+        """The next take-down of this engine first captures evidence for (rule, reason)."""
+        self.evidence_for = evidence
 
     def tree_seen(self, ev: TreeSeen) -> float | None:
         """The engine's tree as last seen; its CPU percent (None: not yet known)."""
@@ -117,8 +138,8 @@ class EngineSlot:
     def take_down(self, graceful: bool, req: evidence.EvidenceRequest | None,
                   deadline: float) -> None:
         engine = self.engine
-        assert engine is not None and not self.taking_down
-        self.taking_down = True
+        assert engine is not None
+        self._set_phase(Bay.TAKING_DOWN)
         self._audit("take_down", pid=engine.pid, graceful=graceful,
                     evidence_for=req.rule if req is not None else None)
         log.info("taking the engine down", pid=engine.pid, graceful=graceful)
@@ -143,8 +164,8 @@ class EngineSlot:
         proven gone (None: it is, and its state file and guard are dropped)."""
         engine = self.engine
         assert engine is not None
+        self._set_phase(Bay.EMPTY)
         self.engine = None
-        self.taking_down = False
         problem = ev.error
         if ev.result is not None:
             r = ev.result

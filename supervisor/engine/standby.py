@@ -37,19 +37,11 @@ from supervisor.engine.events import (
     StandbyDue,
     TreeSeen,
 )
+from supervisor.engine.pair_states import ON_ITS_WAY, ROLE, Role, check
 from supervisor.engine.slot import EngineSlot
 
 log = structlog.get_logger("supervisor")
 
-# "none": not configured; "waiting": to start after a backoff; "no_room": none can start
-# beside the serving engine (until its next cold start); "starting": spawned, not healthy
-# yet; "proving": healthy, its first generation under way; "sleeping": being put to
-# sleep; "ready": proven (and asleep, with "sleep"), idle; "retiring": an engine (a failed
-# standby, or the old serving one) being taken down; "failed": a tree not proven gone: no
-# new standby in that place until a restart
-STATES = ("none", "waiting", "no_room", "starting", "proving", "sleeping", "ready",
-          "retiring", "failed")
-ON_ITS_WAY = ("starting", "proving", "sleeping")
 
 
 class Standby:
@@ -57,7 +49,7 @@ class Standby:
                  monotonic: Callable[[], float], slot: EngineSlot) -> None:
         self._act, self._audit, self._monotonic = act, audit, monotonic
         self.slot = slot
-        self.state = "none"
+        self.state = Role.NONE  # its role: supervisor/engine/pair_states.py
         self.why: str | None = None
         self.since = monotonic()
         self.failures = 0  # in a row: the backoff before the next start
@@ -71,13 +63,14 @@ class Standby:
         gen = getattr(ev, "generation", None)
         return gen is not None and gen == self.slot.generation and gen > 0
 
-    def _to(self, state: str, why: str | None = None) -> None:
-        if state != self.state:
+    def _to(self, state: Role, why: str | None = None) -> None:
+        if state is not self.state:
+            check(ROLE, self.state, state)
             self.state, self.why, self.since = state, why, self._monotonic()
 
     @property
     def ready(self) -> bool:
-        return self.state == "ready" and self.slot.engine is not None
+        return self.state is Role.READY and self.slot.engine is not None
 
     @property
     def idle(self) -> bool:
@@ -85,7 +78,7 @@ class Standby:
         return self.slot.engine is None and not self.slot.spawning
 
     def can_start(self) -> bool:
-        return self.idle and self.state not in ("failed", "waiting")
+        return self.idle and self.state not in (Role.FAILED, Role.WAITING)
 
     @property
     def on_its_way(self) -> bool:
@@ -93,33 +86,37 @@ class Standby:
         return self.state in ON_ITS_WAY and not self.slot.taking_down
 
     def start(self, spec: eng.SpawnSpec, cfg: EngineConfig, mode: str) -> None:
-        self._to("starting")
+        self._to(Role.STARTING)
         self.mode, self.asleep = mode, False
         log.info("standby starting", port=spec.port, mode=mode)
         self.slot.spawn(spec, cfg)
 
     def no_room(self, why: str) -> None:
         """None can start now (the serving engine took the room a standby needs)."""
-        if self.state != "no_room":
+        if self.state is not Role.NO_ROOM:
             log.info("no standby for now", why=why)
-        self._to("no_room", why)
+        self._to(Role.NO_ROOM, why)
 
     def due_later(self, backoff_initial_s: float, backoff_max_s: float) -> None:
         """Start again after a backoff that grows with each failure in a row."""
         delay = min(backoff_max_s, backoff_initial_s * 2 ** max(0, self.failures - 1))
-        self._to("waiting", self.why)
+        self._to(Role.WAITING, self.why)
         self.cancel_timer()
         self._timer = self._act.after(delay, StandbyDue())
 
     def due(self) -> None:
         self._timer = None
-        if self.state == "waiting":
-            self._to("none", self.why)
+        if self.state is Role.WAITING:
+            self._to(Role.NONE, self.why)
 
     def cancel_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def forget_failures(self) -> None:
+        """What it runs changed (an upgrade): earlier failures say nothing of the next."""
+        self.failures = 0
 
     def fits(self, spec: eng.SpawnSpec) -> bool:
         """The ready standby was started as an engine started now would be (a reload or
@@ -135,7 +132,7 @@ class Standby:
         new, self.slot = self.slot, old
         asleep, self.asleep = self.asleep, False
         self.failures = 0
-        self._to("retiring" if old.engine is not None else "none", "took over")
+        self._to(Role.RETIRING if old.engine is not None else Role.NONE, "took over")
         return new, asleep
 
     def retire(self, why: str, graceful: bool, deadline: float) -> None:
@@ -147,16 +144,16 @@ class Standby:
             # serves: it would cost the whole grace (30 s on the H100) for nothing
             self.slot.take_down(graceful and self.state not in ON_ITS_WAY, None, deadline)
         if self.slot.engine is not None or self.slot.spawning:
-            self._to("retiring", why)
-        elif self.state != "failed":
-            self._to("none", why)
+            self._to(Role.RETIRING, why)
+        elif self.state is not Role.FAILED:
+            self._to(Role.NONE, why)
 
     def _gone_unasked(self, why: str, deadline: float) -> None:
         """The engine in the standby's place died. A standby's death is a failure (a
         backoff before the next); the old serving engine's, while the requests it had
         finish there behind a swap, is not the standby's: its tree is taken down, and a
         new standby starts once it is gone, as after any swap."""
-        if self.state == "retiring":
+        if self.state is Role.RETIRING:
             log.warning("the engine being retired died", why=why, reason=self.why,
                         pid=self.slot.engine.pid if self.slot.engine else None)
             self._audit("retired_engine_died", why=why, reason=self.why)
@@ -178,35 +175,35 @@ class Standby:
             engine = s.spawned(ev)
             if engine is None:
                 self.failures += 1
-                self._to("none", f"could not be started: {ev.error}")
+                self._to(Role.NONE, f"could not be started: {ev.error}")
                 return True
-            if stopping or self.state == "retiring":  # (retired while it spawned)
+            if stopping or self.state is Role.RETIRING:  # (retired while it spawned)
                 s.take_down(True, None, deadline)
-                self._to("retiring", "the daemon is stopping" if stopping else self.why)
+                self._to(Role.RETIRING, "the daemon is stopping" if stopping else self.why)
         elif isinstance(ev, HealthResult):
             e = s.current(ev.generation)
-            if e is None or s.taking_down or self.state != "starting":
+            if e is None or s.taking_down or self.state is not Role.STARTING:
                 return False
             if ev.healthy:
-                e.healthy_at = self._monotonic()
-                self._to("proving")
+                s.healthy(e, self._monotonic())
+                self._to(Role.PROVING)
                 self._act.gate_probe(e)  # a real generation proves it
             elif e.exit_code is None:
                 self._failed(f"not healthy within {e.config.startup_timeout_s:g} s", deadline)
         elif isinstance(ev, GateProbe):
             e = s.current(ev.generation)
-            if e is None or s.taking_down or self.state != "proving":
+            if e is None or s.taking_down or self.state is not Role.PROVING:
                 return False
             if not ev.ok:
                 self._failed(f"its first generation failed: {ev.error}", deadline)
             elif self.mode == "sleep":
-                self._to("sleeping")
+                self._to(Role.SLEEPING)
                 self._act.sleep(e)
             else:
                 self._ready(e)
         elif isinstance(ev, Slept):
             e = s.current(ev.generation)
-            if e is None or s.taking_down or self.state != "sleeping":
+            if e is None or s.taking_down or self.state is not Role.SLEEPING:
                 return False
             if ev.error is None:
                 self.asleep = True
@@ -225,11 +222,11 @@ class Standby:
         elif isinstance(ev, Down):
             _, problem = s.down(ev)
             if problem is not None:
-                self._to("failed", problem)
+                self._to(Role.FAILED, problem)
                 self._audit("standby_failed", why=problem, failures=self.failures)
                 return False
-            if self.state == "retiring":
-                self._to("none", self.why)
+            if self.state is Role.RETIRING:
+                self._to(Role.NONE, self.why)
             return True
         elif isinstance(ev, EvidenceCaptured):
             return False  # (the unit audits evidence; a standby never asks for it)
@@ -237,7 +234,7 @@ class Standby:
         return False
 
     def _ready(self, e: eng.EngineProcess, **fields: Any) -> None:
-        self._to("ready")
+        self._to(Role.READY)
         self.failures = 0  # (a later failure begins a new streak)
         fields = {"pid": e.pid, "port": e.spec.port, "asleep": self.asleep,
                   "start_s": round(self._monotonic() - e.started_at, 3), **fields}
@@ -247,7 +244,7 @@ class Standby:
     def status(self, now: float) -> dict[str, Any]:
         e = self.slot.engine
         alive = e is not None and e.exit_code is None
-        return {"state": self.state, "reason": self.why, "for_s": round(now - self.since, 3),
+        return {"state": self.state.value, "reason": self.why, "for_s": round(now - self.since, 3),
                 "pid": e.pid if alive and e is not None else None,
                 "port": e.spec.port if e is not None else None,
                 "asleep": self.asleep,

@@ -1,0 +1,111 @@
+"""The engine pair's states, written down: each bay's (the place one engine process lives
+in, from its spawn to its tree proven gone), the standby's role in its bay, and the
+handover between the serving engine and its standby; with the transitions allowed
+between them (docs/architecture.md draws them).
+
+Like `supervisor/engine/states.py` (the unit's own lifecycle), this module imports
+nothing of the project: it is the vocabulary, and the one table per machine that says
+which state may follow which. Every change goes through a setter that checks its table
+(`EngineSlot._set_phase`, `Standby._to`, `Handover._set_phase`); a change the table does
+not allow raises `TransitionError`: a bug in the daemon, never an input error.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import TypeVar
+
+from supervisor.engine.states import TransitionError
+
+
+class Bay(enum.Enum):
+    """One engine's place (`EngineSlot`): a process in it, or on its way in or out."""
+
+    EMPTY = "empty"  # no engine
+    SPAWNING = "spawning"  # its spawn under way (a Spawned event ends it)
+    ALIVE = "alive"  # an engine, whatever its health (the role says what it does)
+    TAKING_DOWN = "taking_down"  # its take-down under way (a Down event ends it)
+
+
+BAY: dict[Bay, frozenset[Bay]] = {
+    Bay.EMPTY: frozenset({Bay.SPAWNING}),
+    Bay.SPAWNING: frozenset({Bay.ALIVE, Bay.EMPTY}),  # EMPTY: the spawn failed
+    Bay.ALIVE: frozenset({Bay.TAKING_DOWN}),
+    Bay.TAKING_DOWN: frozenset({Bay.EMPTY}),  # (a tree not proven gone: the role says)
+}
+
+
+class Role(enum.Enum):
+    """The standby's role in its bay (`Standby`): what `status`'s `standby.state` says."""
+
+    NONE = "none"  # none configured, or none yet
+    WAITING = "waiting"  # to start after a backoff (a StandbyDue event ends it)
+    NO_ROOM = "no_room"  # none can start beside the serving engine (until its next cold start)
+    STARTING = "starting"  # spawned, not healthy yet
+    PROVING = "proving"  # healthy, its first generation under way
+    SLEEPING = "sleeping"  # being put to sleep
+    READY = "ready"  # proven (and asleep, with "sleep"), idle: a failover may take it
+    RETIRING = "retiring"  # an engine in its bay (a failed standby, the old serving one)
+    # being taken down
+    FAILED = "failed"  # a tree not proven gone: no new standby in this bay until a restart
+
+
+ON_ITS_WAY = frozenset({Role.STARTING, Role.PROVING, Role.SLEEPING})
+
+ROLE: dict[Role, frozenset[Role]] = {
+    Role.NONE: frozenset({Role.STARTING, Role.WAITING, Role.NO_ROOM}),
+    Role.WAITING: frozenset({Role.NONE}),  # (its backoff over, or cut short)
+    Role.NO_ROOM: frozenset({Role.STARTING, Role.WAITING, Role.NONE}),
+    # -> RETIRING: it failed (or went out of date, or the daemon stops) with an engine in
+    # its bay to take down; -> NONE: the same with nothing there (a failed spawn)
+    Role.STARTING: frozenset({Role.PROVING, Role.RETIRING, Role.NONE}),
+    Role.PROVING: frozenset({Role.SLEEPING, Role.READY, Role.RETIRING, Role.NONE}),
+    Role.SLEEPING: frozenset({Role.READY, Role.RETIRING, Role.NONE}),
+    # READY -> RETIRING: it took over, the old serving engine now in its bay to be taken
+    # down (-> NONE when there was none)
+    Role.READY: frozenset({Role.RETIRING, Role.NONE}),
+    Role.RETIRING: frozenset({Role.NONE, Role.FAILED}),  # FAILED: not proven gone
+    Role.FAILED: frozenset(),  # until the daemon restarts (an operator's call)
+}
+
+
+class Phase(enum.Enum):
+    """The handover under way between the serving engine and its standby (`Handover`).
+    An upgrade waiting for its standby is not a phase: the serving engine serves, and
+    the swap it ends in is a failover like any other."""
+
+    IDLE = "idle"  # no handover
+    STANDBY_FIRST = "standby_first"  # a cold start waits for its standby to be asleep
+    # first (two engines do not fit side by side while both start)
+    WAKING_WHEN_DOWN = "waking_when_down"  # the standby serves, asleep: woken once the
+    # old engine's tree is gone and its memory released
+    WAKING = "waking"  # the standby that took over is being woken
+    PROVING = "proving"  # the standby serves: held requests go once it answers a
+    # generation
+    PROVING_WOKEN = "proving_woken"  # ... a woken one: if it fails, the handover failed
+
+
+HANDING_OVER = frozenset({Phase.WAKING_WHEN_DOWN, Phase.WAKING, Phase.PROVING,
+                          Phase.PROVING_WOKEN})
+
+PHASE: dict[Phase, frozenset[Phase]] = {
+    # IDLE -> IDLE: a failover with nothing to wait for (no canary, awake) is over at once
+    Phase.IDLE: frozenset({Phase.IDLE, Phase.STANDBY_FIRST, Phase.WAKING_WHEN_DOWN,
+                           Phase.WAKING, Phase.PROVING}),
+    Phase.STANDBY_FIRST: frozenset({Phase.IDLE}),
+    Phase.WAKING_WHEN_DOWN: frozenset({Phase.WAKING, Phase.IDLE}),
+    Phase.WAKING: frozenset({Phase.PROVING_WOKEN, Phase.IDLE}),
+    Phase.PROVING: frozenset({Phase.IDLE}),
+    Phase.PROVING_WOKEN: frozenset({Phase.IDLE}),
+}
+
+_NAMES = {Bay: "bay", Role: "standby", Phase: "handover"}
+S = TypeVar("S", Bay, Role, Phase)
+
+
+def check(table: Mapping[S, frozenset[S]], old: S, new: S) -> None:
+    """`old` -> `new` is in `table`, or `TransitionError`."""
+    if new not in table[old]:
+        raise TransitionError(f"{_NAMES[type(old)]} transition {old.value} -> {new.value} "
+                              "is not allowed")
