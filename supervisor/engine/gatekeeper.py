@@ -31,8 +31,21 @@ CLOSED = (State.FATAL, State.STOPPING, State.STOPPED)
 class GateKeeper:
     def __init__(self, gate: Gate, audit: Callable[..., None]) -> None:
         self.gate, self._audit = gate, audit
-        self.admitting = False  # the engine's first canary passed: held requests may go
+        self._admitting = False  # the engine's first canary passed: held requests may go
         self.drained_by_operator = False  # `drain` until `resume`
+
+    @property
+    def admitting(self) -> bool:
+        return self._admitting
+
+    def hold_until_proven(self) -> None:
+        """A new engine serves (a start, a failover): held requests wait for its proof."""
+        self._admitting = False
+
+    def admit(self) -> None:
+        """The engine was proven (or there is nothing to prove it with): held requests go
+        at the next `sync`."""
+        self._admitting = True
 
     def sync(self, state: State, reason: str, remedy_hold: str | None, level: int,
              ended: bool = False, suspect: str | None = None, swap: bool = False) -> None:
@@ -54,7 +67,7 @@ class GateKeeper:
         else:
             want = remedy_hold or (
                 "drain requested by operator" if self.drained_by_operator else None)
-            if want is None and not self.admitting:
+            if want is None and not self._admitting:
                 want = g.held_reason or "the engine's first canary has not passed yet"
         if want is not None:
             if g.held_reason != want or g.closed_reason is not None:

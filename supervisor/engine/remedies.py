@@ -83,11 +83,11 @@ class Remedies:
                     continue  # a relaunch with new arguments: through the standby
                 u.count_restart("policy")
                 if intent.evidence is not None:
-                    u.slot.evidence_for = intent.evidence
+                    u.slot.capture_at_take_down(intent.evidence)
                 u.restart_engine(intent.reason, graceful=intent.graceful)
             elif isinstance(intent, HoldDown):
                 if intent.evidence is not None:
-                    u.slot.evidence_for = intent.evidence
+                    u.slot.capture_at_take_down(intent.evidence)
                 u.failures.give_up(intent.reason)
                 if u.engine is not None and not u.slot.taking_down:
                     u.take_down(graceful=True)

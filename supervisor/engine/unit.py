@@ -300,7 +300,7 @@ class EngineUnit:
 
     def start_engine(self, reason: str) -> None:
         self.watch.engine_starting()
-        self.keeper.admitting = False
+        self.keeper.hold_until_proven()
         self.relaunch.starting()
         self.serving_starts += 1
         self.handover.cold_start()
@@ -383,7 +383,7 @@ class EngineUnit:
             return
         now = self.clock.monotonic()
         if ev.healthy:
-            engine.healthy_at = now
+            self.slot.healthy(engine, now)
             self.last_start_s = round(now - engine.started_at, 1)
             self.set_state(State.RUNNING,
                            f"/health answered 200 after {now - engine.started_at:.1f} s")
@@ -393,7 +393,7 @@ class EngineUnit:
             if self.fronted and self.config.canary.enabled:
                 self.act.gate_probe(engine)  # held requests go once one canary passed
             else:
-                self.keeper.admitting = True  # no canary to wait for: healthy is all we know
+                self.keeper.admit()  # no canary to wait for: healthy is all we know
                 self.relaunch.finish("ok", None)  # serving: nothing more is waited for
         elif engine.exit_code is None:
             self.failures.fail(
@@ -402,6 +402,16 @@ class EngineUnit:
 
     def handle_backoff_elapsed(self, ev: BackoffElapsed) -> None:
         self.failures.backoff_elapsed(ev)
+
+    def serve_from(self, slot: EngineSlot) -> None:
+        """A failover: the standby's slot is the serving one now (the old one went to the
+        standby's place, to be taken down there). The restart that led here is over; the
+        old engine's take-down has its own deadline."""
+        self.slot = slot
+        self.serving_starts += 1
+        self.stop_deadline = None
+        self.watch.engine_starting()
+        self.keeper.hold_until_proven()
 
     def set_stop_deadline(self, proxy_drain: bool) -> float:
         """The one deadline of the restart or stop beginning now (unless one runs):
@@ -604,7 +614,7 @@ class EngineUnit:
             log.warning("the first canary failed; releasing held requests anyway",
                         error=ev.error, waiting=self.gate.waiting)
         self.relaunch.finish("ok", None if ev.ok else f"the first canary failed: {ev.error}")
-        self.keeper.admitting = True  # (`sync_gate` lets the held requests go)
+        self.keeper.admit()  # (`sync_gate` lets the held requests go)
         self.handover.done()
         if self.keeper.drained_by_operator:
             log.info("engine ready; requests stay held until `resume`", waiting=self.gate.waiting)
