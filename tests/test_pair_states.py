@@ -1,0 +1,45 @@
+"""The engine pair's transition tables (supervisor/engine/pair_states.py): every state is
+reached from the start and has a way out (but FAILED, by design), and a change the table
+does not allow raises."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+import pytest
+
+from supervisor.engine.pair_states import BAY, PHASE, ROLE, Bay, Phase, Role, check
+from supervisor.engine.states import TransitionError
+
+
+def reachable(table: Mapping[enum.Enum, frozenset[enum.Enum]], start: enum.Enum) -> set:
+    seen, todo = {start}, [start]
+    while todo:
+        for nxt in table[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+@pytest.mark.parametrize(("table", "start", "terminal"), [
+    (BAY, Bay.EMPTY, set()), (ROLE, Role.NONE, {Role.FAILED}), (PHASE, Phase.IDLE, set()),
+])
+def test_every_state_is_reached_and_every_one_but_the_terminal_has_a_way_back(
+        table, start, terminal) -> None:
+    assert set(table) == set(type(start))  # a row for each state
+    assert reachable(table, start) == set(type(start))
+    for state in type(start):
+        if state not in terminal:
+            assert start in reachable(table, state), state  # back to the start
+
+
+def test_a_change_the_table_does_not_allow_raises_naming_the_machine() -> None:
+    check(BAY, Bay.EMPTY, Bay.SPAWNING)
+    with pytest.raises(TransitionError, match="bay transition alive -> spawning"):
+        check(BAY, Bay.ALIVE, Bay.SPAWNING)  # (never two processes in one bay)
+    with pytest.raises(TransitionError, match="standby transition starting -> ready"):
+        check(ROLE, Role.STARTING, Role.READY)  # (never ready unproven)
+    with pytest.raises(TransitionError, match="handover transition waking -> proving"):
+        check(PHASE, Phase.WAKING, Phase.PROVING)  # (a woken standby is proven as woken)
