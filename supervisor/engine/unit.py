@@ -22,8 +22,10 @@ After every event, `sync_gate` alone opens, holds or closes the proxy's gate for
 engine, from the unit's state.
 
 Invariants:
-- at most one engine exists at a time: a new one is spawned only after the previous
-  one's take-down has proven its tree gone (`handle_down`);
+- at most one engine process in each of its two bays (the serving one's and, with a
+  standby, the standby's: `supervisor/engine/pair_states.py`): a new one is spawned in a
+  bay only after the previous one's take-down there has proven its tree gone
+  (`handle_down`, `Standby.handle`);
 - any exit the daemon did not ask for is a crash, whatever the exit code;
 - every wait is bounded (startup timeout, drain + grace, reap and GPU-release timeouts).
 """
