@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from supervisor.front.admission import Gate, GateLimits, Rejected
+from supervisor.front.dispatch import Backend, Choice, acquire_any, model_len_of
 
 
 def run(coro):  # type: ignore[no-untyped-def]
@@ -79,6 +80,53 @@ def test_token_budget_but_one_large_request_alone_always_fits():
         g.done(await blocked)
 
     run(go())
+
+
+def test_a_request_over_the_whole_token_budget_counts_as_the_budget_not_more():
+    """It runs alone, and holds the whole budget while it runs, not its own estimate:
+    a budget raised meanwhile (a reload) admits others beside it at once."""
+    async def go() -> None:
+        g = gate(concurrency=10, tokens=100)
+        huge = await g.acquire(10**12)
+        assert huge.tokens == 100 and g.tokens_in_flight == 100
+        g.set_limits(GateLimits(concurrency=10, tokens=1000))
+        small = await asyncio.wait_for(g.acquire(10), 5)
+        g.done(huge)
+        g.done(small)
+        assert g.tokens_in_flight == 0 and g.in_flight == 0
+
+    run(go())
+
+
+def test_an_estimate_is_bounded_by_the_engines_max_model_len_once_known():
+    """vLLM answers at once (400) a request whose max_tokens runs past max_model_len:
+    such a request holds no more of the budget than one sequence, and a request that
+    asks 10**12 tokens goes beside the others instead of waiting for a drain, the
+    others behind it with it."""
+    async def go() -> None:
+        b = Backend("e", gate(concurrency=10, tokens=1000), lambda: True,
+                    "http://127.0.0.1:1")
+        choice = Choice(b, b"{}", None)
+        first = await b.gate.acquire(b.budget(100))
+        assert b.budget(10**12) == 10**12  # unknown yet: the estimate as it is
+        b.max_model_len = 512
+        _, huge = await asyncio.wait_for(acquire_any([choice], 10**12), 5)
+        _, behind = await asyncio.wait_for(acquire_any([choice], 50), 5)
+        assert (huge.tokens, behind.tokens, b.gate.tokens_in_flight) == (512, 50, 662)
+        for t in (first, huge, behind):
+            b.gate.done(t)
+
+    run(go())
+
+
+def test_max_model_len_is_read_from_the_engines_model_list():
+    vllm = {"object": "list", "data": [
+        {"id": "base", "object": "model", "max_model_len": 4096},
+        {"id": "lora", "object": "model", "parent": "base", "max_model_len": 4096}]}
+    assert model_len_of(vllm) == 4096
+    assert model_len_of({"data": [{"id": "m"}]}) is None  # an engine that does not say
+    assert model_len_of({"data": [{"max_model_len": True}, {"max_model_len": "9"}]}) is None
+    assert model_len_of([]) is None and model_len_of({"data": 3}) is None
 
 
 def test_kv_breaker_opens_at_high_and_closes_below_low():

@@ -347,3 +347,60 @@ def test_a_request_a_healthy_engine_drops_unanswered_is_sent_again_twice_then_fa
                 assert proxy.backends["default"].failure_seen == {}
 
     asyncio.run(main())
+
+
+def test_a_request_asking_more_tokens_than_the_engine_takes_does_not_hold_the_others(
+        ) -> None:
+    """With a token budget (`max_tokens_in_flight`), a request whose max_tokens is 10**12
+    counts as the engine's max_model_len (its /v1/models says 512), not as 10**12: it
+    goes beside a request already at the engine, and one that arrives after it goes too,
+    instead of all waiting for a full drain behind it."""
+    running: set[str] = set()
+    arrived = asyncio.Condition()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [
+                {"id": "m", "object": "model", "max_model_len": 512}]})
+        doc = await request.json()
+        async with arrived:
+            running.add(doc["prompt"])
+            arrived.notify_all()
+            # each answered once all three are at the engine together
+            await arrived.wait_for(lambda: len(running) == 3)
+        return web.Response(body=COMPLETION, content_type="application/json")
+
+    async def at_engine(*prompts: str) -> None:
+        async with arrived:
+            await arrived.wait_for(lambda: running >= set(prompts))
+
+    async def main() -> None:
+        runner, upstream = await _upstream(handler)
+        gate = Gate(GateLimits(concurrency=100, tokens=1000, max_wait_s=30))
+        gate.release()
+        proxy = FrontProxy(ProxySettings("127.0.0.1", 0, upstream), gate, ready=lambda: True)
+        await proxy.start()
+        url = f"http://127.0.0.1:{proxy.port}/v1/completions"
+        try:
+            async with aiohttp.ClientSession() as s:
+
+                async def post(prompt: str, max_tokens: int) -> int:
+                    async with s.post(url, data=_post({"model": "m", "prompt": prompt,
+                                                       "max_tokens": max_tokens})) as r:
+                        await r.read()
+                        return r.status
+
+                first = asyncio.create_task(post("first", 100))
+                await asyncio.wait_for(at_engine("first"), 10)
+                huge = asyncio.create_task(post("huge", 10**12))
+                await asyncio.wait_for(at_engine("huge"), 10)
+                behind = asyncio.create_task(post("behind", 50))
+                await asyncio.wait_for(at_engine("first", "huge", "behind"), 10)
+                assert await asyncio.gather(first, huge, behind) == [200, 200, 200]
+            assert proxy.backends["default"].max_model_len == 512
+            assert gate.tokens_in_flight == 0
+        finally:
+            await proxy.close()
+            await runner.cleanup()
+
+    asyncio.run(main())

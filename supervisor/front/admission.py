@@ -199,6 +199,11 @@ class Gate:
         t0 = self.clock()
         if self.closed_reason is not None:
             raise Rejected("engine_down", self.closed_reason)
+        # a request over the whole token budget runs alone (`_fits`); it counts as the
+        # whole budget, not more (the proxy first bounds its estimate by the engine's
+        # max_model_len where known: `dispatch.Backend.budget`)
+        if (limit := self.token_limit) and tokens > limit:
+            tokens = limit
         if refusable and self._unhealthy is not None:
             raise _unavailable(self._unhealthy, 0.0, False)
         if not self._waiters and self._fits(tokens):

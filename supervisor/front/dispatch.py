@@ -42,6 +42,20 @@ class Backend:
     # swap to the standby waits for before the old engine is taken down
     at: dict[int, int] = field(default_factory=dict)
 
+    # the longest sequence the engine takes (`max_model_len` in vLLM's /v1/models), once
+    # learned; and the engine start it was last asked of (the proxy asks once a start)
+    max_model_len: int | None = None
+    max_model_len_asked: int | None = None
+
+    def budget(self, tokens: int) -> int:
+        """A request's share of the token budget here: its estimate, but never more than
+        one sequence of this engine can hold. vLLM refuses (400, at once) a request whose
+        max_tokens runs past max_model_len, so no request holds more KV cache than that:
+        a max_tokens of 10**12 counted as such would make every request behind it wait
+        for a full drain, for a request the engine answers at once."""
+        n = self.max_model_len
+        return tokens if n is None else min(tokens, n)
+
     def arrive(self, generation: int) -> None:
         self.at[generation] = self.at.get(generation, 0) + 1
 
@@ -107,6 +121,17 @@ def read_request(body: bytes) -> RequestFacts:
     return RequestFacts(len(text) // 4 + out, doc.get("model"), doc)
 
 
+def model_len_of(doc: object) -> int | None:
+    """The engine's max_model_len from its /v1/models answer (vLLM lists it with each
+    model, LoRA adapters with their base's): the smallest listed; None when none is."""
+    data = doc.get("data") if isinstance(doc, dict) else None
+    lengths = [e["max_model_len"] for e in data if isinstance(e, dict)
+               and isinstance(e.get("max_model_len"), int)
+               and not isinstance(e["max_model_len"], bool) and e["max_model_len"] > 0] \
+        if isinstance(data, list) else []
+    return min(lengths) if lengths else None
+
+
 def choices(backends_by_name: dict[str, Backend], facts: RequestFacts,
             body: bytes) -> list[Choice]:
     """Where this request may go (supervisor/front/routing.py): one engine serving its model
@@ -156,9 +181,10 @@ async def acquire_any(choices: list[Choice], tokens: int,
     its gate). Raises Rejected once every gate has refused it. Every other slot granted
     meanwhile is given back, even when the caller is cancelled (the client went away)."""
     if len(choices) == 1:
-        return choices[0], await choices[0].backend.gate.acquire(tokens, refusable)
+        b = choices[0].backend
+        return choices[0], await b.gate.acquire(b.budget(tokens), refusable)
     tasks: dict[asyncio.Future[Ticket], Choice] = {
-        asyncio.ensure_future(c.backend.gate.acquire(tokens, refusable)): c
+        asyncio.ensure_future(c.backend.gate.acquire(c.backend.budget(tokens), refusable)): c
         for c in choices}
     pending: set[asyncio.Future[Ticket]] = set(tasks)
     refused: list[Rejected] = []

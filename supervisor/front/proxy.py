@@ -310,6 +310,8 @@ class FrontProxy:
                 ex.status, ex.outcome = 503, "engine_unavailable"
                 return self._error(503, f"not served on this host now ({why}): try another",
                                    "engine_unavailable")
+            for c in choices:
+                await self._learn_max_model_len(c.backend)
             try:
                 choice, ticket = await dispatch.acquire_any(
                     choices, ex.tokens,
@@ -358,6 +360,25 @@ class FrontProxy:
                 ex.left()
                 choice.backend.gate.done(ticket)
         return await self.streams.continue_stream(request, broken, ex)
+
+    async def _learn_max_model_len(self, backend: Backend) -> None:
+        """Where a token budget is set: the engine's max_model_len, asked of its
+        /v1/models once per engine start while it serves, bounds each request's estimate
+        (`Backend.budget`)."""
+        start = backend.generation()
+        if not backend.gate.limits.tokens or backend.max_model_len_asked == start \
+                or not backend.serving():
+            return
+        assert self._upstream is not None
+        backend.max_model_len_asked = start
+        try:
+            status, text = await self._upstream.get(backend.upstream, "/v1/models", 2.0)
+        except (TimeoutError, UpstreamError):
+            backend.max_model_len_asked = None  # asked again by the next request
+            return
+        with contextlib.suppress(ValueError):  # (not JSON: not vLLM's answer)
+            if status == 200 and (n := dispatch.model_len_of(json.loads(text))) is not None:
+                backend.max_model_len = n
 
     def _refuse_killer(self, body: bytes, ex: Exchange, exc: BaseException) -> Response:
         """A request the engine died of, each time it was sent: not sent again."""

@@ -271,7 +271,8 @@ class StreamRelay:
     async def _admit_within(self, ex: Exchange, left_s: float) -> Ticket:
         assert ex.backend is not None
         try:
-            ticket = await asyncio.wait_for(ex.backend.gate.acquire(ex.tokens), left_s)
+            ticket = await asyncio.wait_for(
+                ex.backend.gate.acquire(ex.backend.budget(ex.tokens)), left_s)
         except TimeoutError:
             raise GaveUp(f"no engine came back within {self.s.continue_timeout_s:g} s"
                           ) from None
