@@ -404,3 +404,37 @@ def test_a_request_asking_more_tokens_than_the_engine_takes_does_not_hold_the_ot
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_drop_whose_health_check_a_new_engine_start_answers_is_a_death() -> None:
+    """The engine start that had the request went (its connection closed unanswered);
+    the /health asked then is answered by the start that replaced it: that says nothing
+    of the one that had the request, which is counted as a death it was at, not as a
+    drop by an engine that still serves."""
+    start = [1]
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"GET /health"):
+            writer.write(HEALTHY)
+        else:
+            await _read_body(reader, head)
+            if start[0] == 1:
+                start[0] = 2  # the daemon's next start, by the time /health is asked
+                writer.transport.abort()
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(COMPLETION) + COMPLETION)
+        await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        async with _behind_raw_engine(engine) as proxy, aiohttp.ClientSession() as s:
+            backend = proxy.backends["default"]
+            backend.generation = lambda: start[0]
+            async with s.post(f"http://127.0.0.1:{proxy.port}/v1/completions",
+                              data=_post({"model": "m", "prompt": "x"})) as r:
+                assert r.status == 200 and await r.read() == COMPLETION
+            assert set(backend.failure_seen) == {1} and proxy.stats.retried_connects == 1
+
+    asyncio.run(main())

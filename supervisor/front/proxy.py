@@ -515,7 +515,7 @@ class FrontProxy:
         except Disconnected as exc:
             # the engine went while it had the request, or dropped it while it serves:
             # no answer has begun, so the client has seen nothing
-            raise await self.streams.not_delivered(ex.backend, exc) from exc
+            raise await self.streams.not_delivered(ex, exc) from exc
         except (TimeoutError, UpstreamError, UpstreamFailed) as exc:
             if resp is not None and resp.prepared:
                 return self._cut(target, request, resp, exc, ex)

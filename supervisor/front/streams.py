@@ -71,12 +71,15 @@ class StreamRelay:
             return False
         return status == 200
 
-    async def not_delivered(self, backend: Backend, exc: Disconnected) -> NotDelivered:
+    async def not_delivered(self, ex: Exchange, exc: Disconnected) -> NotDelivered:
         """The engine closed the connection before answering: a death the request was
         at when the engine is going, a drop when it still serves (`dropped`: no death,
         never a failure seen at that engine start, and re-sent a bounded number of
-        times: RESENDS_AFTER_DROP)."""
-        if await self.engine_healthy(backend):
+        times: RESENDS_AFTER_DROP). Still serving means the same engine start: a /health
+        answered by the start that replaced it says nothing of the one that had it."""
+        assert ex.sent_to is not None
+        backend, start, _ = ex.sent_to
+        if await self.engine_healthy(backend) and backend.generation() == start:
             return NotDelivered(f"{exc!r}, the engine still serving", dropped=True)
         return NotDelivered(repr(exc), reached=True)
 
@@ -249,7 +252,7 @@ class StreamRelay:
                             await self.relay_events(up, resp, ex, t)
                             return
                 except (ConnectFailed, Disconnected, NotDelivered) as exc:
-                    failed = await self.not_delivered(backend, exc) \
+                    failed = await self.not_delivered(ex, exc) \
                         if isinstance(exc, Disconnected) else exc
                     if isinstance(failed, NotDelivered) and failed.dropped \
                             and (drops := drops + 1) > RESENDS_AFTER_DROP:
