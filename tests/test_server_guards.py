@@ -79,22 +79,31 @@ CHUNKED = CHUNKED_HEAD + b"3\r\nabc\r\n0\r\n"  # (its trailers, and their end, t
 
 # ---- H1: connections ------------------------------------------------------------------
 
-def test_above_the_connection_cap_a_new_connection_gets_503_and_is_closed() -> None:
+def test_at_the_connection_cap_an_idle_one_makes_room_and_else_503_and_close() -> None:
     async def main() -> None:
-        async with serving(max_connections=3, retry_after_s=7) as (server, seen):
+        gate = asyncio.Event()
+
+        async def handler(request: Request) -> StreamResponse:
+            await gate.wait()
+            return Response(text="ok")
+
+        async with serving(handler, max_connections=3, retry_after_s=7) as (server, seen):
+            # a flood of idle connections: each new one takes the oldest idle one's place
             idle = [await asyncio.open_connection("127.0.0.1", server.port)
-                    for _ in range(3)]
-            await until(lambda: len(server.connections) == 3)
+                    for _ in range(5)]
+            await until(lambda: seen.reasons().count("connections_evicted") == 2)
+            assert await asyncio.wait_for(idle[0][0].read(), 5) == b""  # (the oldest)
+            busy = [asyncio.create_task(talk(server.port, b"GET /%d HTTP/1.1\r\nHost: t\r\n"
+                                              b"Connection: close\r\n\r\n" % i))
+                    for i in range(3)]  # a client gets in past the flood...
+            await until(lambda: sum(not c.idle() for c in server.connections) == 3)
+            # ... and with every connection busy, a new one is refused
             raw = await talk(server.port, b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
             assert status(raw) == 503 and b"Retry-After: 7" in raw
-            assert b"Connection: close" in raw
-            assert seen.refused == [(503, "connections")] and len(server.connections) == 3
-            idle[0][1].close()  # one goes: a new one is served
-            await until(lambda: len(server.connections) == 2)
-            raw = await talk(server.port, b"GET /x HTTP/1.1\r\nHost: t\r\n"
-                             b"Connection: close\r\n\r\n")
-            assert status(raw) == 200
-            for _, w in idle[1:]:
+            assert b"Connection: close" in raw and seen.reasons()[-1] == "connections"
+            gate.set()
+            assert [status(await b) for b in busy] == [200, 200, 200]
+            for _, w in idle:
                 w.close()
 
     asyncio.run(main())

@@ -36,8 +36,10 @@ What it does, as an operator would expect of a front door:
   past `max_buffered` is refused, 503 with `Retry-After` (never a wait on other
   clients, which could all be waiting on each other); a gone client's bodies are
   dropped at once;
-- connections: above `max_connections` open ones a new connection is answered 503 with
-  `Retry-After` and closed (the proxy keeps the cap under the descriptor limit);
+- connections: at `max_connections` open ones a new connection takes the place of the
+  oldest idle one (never sent a byte, or kept alive between requests), which is closed;
+  when none is idle it is answered 503 with `Retry-After` and closed (the proxy keeps the
+  cap under the descriptor limit);
 - a client that goes away: its handler's task is cancelled (the proxy's upstream request
   with it, and vLLM aborts it), and a write to it raises `ConnectionResetError`;
 - a handler that fails: 500 if nothing was sent yet, else the connection cut;
@@ -47,7 +49,8 @@ What it does, as an operator would expect of a front door:
 
 Every refusal is logged (with its peer, never a byte of a body) and counted by the
 `refused(status, reason)` callback: `bad_http`, `header_timeout`, `body_timeout`,
-`send_timeout`, `connections`, `body_budget`.
+`send_timeout`, `connections`, `connections_evicted` (an idle one closed at the cap),
+`body_budget`.
 """
 
 from __future__ import annotations
@@ -193,7 +196,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.lost = True
-        self.server.connections.discard(self)
+        self.server.connections.pop(self, None)
         for handle in (self._timer, self._linger, self._send_timer):
             if handle is not None:
                 handle.cancel()
@@ -587,6 +590,11 @@ class Connection(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
+    def idle(self) -> bool:
+        """No request under way, none begun: it may be closed without cutting anyone."""
+        return self._current is None and self._phase is Phase.IDLE and not self._queue \
+            and not self.closing
+
     def close_if_idle(self) -> bool:
         if self._current is None:
             self._close()
@@ -624,7 +632,8 @@ class Server:
         self.limits = limits
         self.refused = refused
         self.loop = asyncio.get_running_loop()
-        self.connections: set[Connection] = set()
+        # (in the order they came: the oldest idle one is the first to go at the cap)
+        self.connections: dict[Connection, None] = {}
         self.buffered = 0  # request body bytes held, all connections together
         self._over_cap = 0  # connections refused above the cap, not yet logged
         self._over_cap_logged = -_LOG_EVERY_S
@@ -632,9 +641,19 @@ class Server:
         self._port: int | None = None
 
     def admit(self, conn: Connection) -> bool:
-        """A new connection is served, or (above the cap) answered 503 and closed."""
+        """A new connection is served; at the cap, in place of the oldest idle one (no
+        request under way: a connection that never sent a byte, or a kept-alive one
+        between requests), which is closed; when every one is busy, the new one is
+        answered 503 and closed. So a flood of idle connections does not keep clients
+        out until the head deadline clears them."""
+        if len(self.connections) >= self.limits.max_connections:
+            idle = next((c for c in self.connections if c.idle()), None)
+            if idle is not None:
+                self.refused(None, "connections_evicted")
+                idle.abort()
+                self.connections.pop(idle, None)
         if len(self.connections) < self.limits.max_connections:
-            self.connections.add(conn)
+            self.connections[conn] = None
             return True
         self.refused(503, "connections")
         self._over_cap += 1
