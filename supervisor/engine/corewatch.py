@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 from collections.abc import Callable
 
@@ -53,13 +54,23 @@ class CoreWatch:
         except ProcessLookupError:
             self._on_exit(info.pid)
             return
-        except (OSError, AttributeError) as exc:  # (an old kernel, a sandbox)
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):  # the daemon's own shortage:
+                self._seen.discard(info.pid)  # the next look at the tree tries again
+                return
+            self.unsupported = f"pidfd_open: {exc}"  # (an old kernel, a sandbox)
+            return
+        except AttributeError as exc:
             self.unsupported = f"pidfd_open: {exc}"
             return
         try:
             same = psutil.Process(info.pid).create_time() == info.create_time
         except psutil.NoSuchProcess:
             same = False
+        except (psutil.Error, OSError):  # (no descriptor to read it with: try again later)
+            os.close(fd)
+            self._seen.discard(info.pid)
+            return
         if not same:  # it died after the look at the tree (its pid may be another's now)
             os.close(fd)
             self._on_exit(info.pid)
