@@ -27,6 +27,7 @@ class Connection(Protocol):
     lost: bool
 
     def write(self, data: bytes) -> None: ...
+    def write_interim(self, data: bytes) -> None: ...
     async def send(self, data: bytes) -> None: ...
 
 _NO_BODY_STATUS = frozenset((204, 304))
@@ -118,7 +119,7 @@ class Request:
         """The whole body; `BodyTooLarge` past the server's limit."""
         if self._expect_continue and not self._done and not self.too_large:
             self._expect_continue = False
-            self._conn.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._conn.write_interim(b"HTTP/1.1 100 Continue\r\n\r\n")
         while not self._done and not self.too_large:
             self._waiter = self._conn.loop.create_future()
             try:

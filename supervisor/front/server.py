@@ -292,7 +292,10 @@ class Connection(asyncio.Protocol):
         if self._phase is not Phase.HEAD:
             return  # a trailer field: counted, and dropped (RFC 9110 6.5.1)
         # (as aiohttp decoded them, and as the upstream client encodes them: the bytes
-        # sent on are the bytes that came)
+        # sent on are the bytes that came, less the whitespace around the value that
+        # llhttp leaves at its end: RFC 9112 5)
+        if value[-1:] in b" \t":
+            value = value.rstrip(b" \t")
         self._fields.append((name.decode("utf-8", "surrogateescape"),
                              value.decode("utf-8", "surrogateescape")))
         if len(name) in _READ_HERE:  # (the few the server reads itself, found cheaply)
@@ -435,7 +438,11 @@ class Connection(asyncio.Protocol):
         if self.lost:
             return
         if self._refusal is not None:  # a request behind this one was refused
-            self._send_refusal(*self._refusal)
+            self.closing = True
+            if req.keep_alive:
+                self._send_refusal(*self._refusal)
+            else:
+                self._close()  # (its answer said close: nothing may follow it)
             return
         if not req.keep_alive or self.closing:
             self.closing = True
@@ -467,14 +474,16 @@ class Connection(asyncio.Protocol):
                     why=message[:300])
         self.server.refused(status, reason)
         self._stop_reading()
-        self.closing = True
         for req in self._queue:
             self.server.release(req._drop_body())
         self._queue.clear()
         current = self._current
         if current is not None and current is not self._parsing:
-            self._refusal = (status, message)  # sent when the current answer ends
+            # sent when the current answer ends (which does not say close: the refusal
+            # after it does)
+            self._refusal = (status, message)
             return
+        self.closing = True
         if current is not None and self._task is not None:
             self._task.cancel()  # (its answer could not be told from the refusal's)
             self._current = None
@@ -565,6 +574,12 @@ class Connection(asyncio.Protocol):
         if self.lost or self.transport is None or self.transport.is_closing():
             raise ConnectionResetError("the client went away")
         self._answered = True
+        self.transport.write(data)
+
+    def write_interim(self, data: bytes) -> None:
+        """A 1xx answer (`100 Continue`): the final one is still to come."""
+        if self.lost or self.transport is None or self.transport.is_closing():
+            raise ConnectionResetError("the client went away")
         self.transport.write(data)
 
     async def send(self, data: bytes) -> None:
