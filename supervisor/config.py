@@ -508,6 +508,7 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
             b >= a for a, b in itertools.pairwise(factors)):
         problems.append(f"throttle.level_factors: expected decreasing factors between 0 and 1 "
                         f"(one per level), got {factors!r}")
+    config_checks.check_listeners(key, engines, proxy, exporter, problems)
     config_checks.check_fleet(sections["fleet"], proxy, problems)
     if problems:
         raise ConfigError(source, problems)

@@ -1,14 +1,17 @@
 """The configuration's rules across keys and sections (`supervisor/config.py` checks
 each key on its own first): the engine arguments the daemon sets itself, an engine's
 pinning and standby (`supervisor/engine_checks.py`), the engines against each other
-(ports, fallbacks, GPUs), and the fleet against the proxy. Each rule appends a problem
-naming the key path and what was expected; none raises.
+(fallbacks, GPUs), the daemon's own listeners against each other (the proxy, the
+exporter, each engine and its standby), and the fleet against the proxy. Each rule
+appends a problem naming the key path and what was expected; none raises, and none
+reads the machine or resolves a name.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from supervisor import engine_checks
 from supervisor.fleet.router import url_problem
@@ -20,7 +23,11 @@ from supervisor.ops.exporter import parse_listen
 
 class EngineConfig(engine_checks.CheckedEngine, Protocol):
     @property
+    def host(self) -> str: ...
+    @property
     def port(self) -> int: ...
+    @property
+    def standby_port(self) -> int: ...
     @property
     def stop_grace_s(self) -> float: ...
     @property
@@ -29,8 +36,6 @@ class EngineConfig(engine_checks.CheckedEngine, Protocol):
     def fallback(self) -> str: ...
     @property
     def share_gpus(self) -> bool: ...
-    @property
-    def base_url(self) -> str: ...
     def second(self) -> EngineConfig: ...
     def served_models(self) -> tuple[str, ...]: ...
 
@@ -46,7 +51,8 @@ class FleetConfig(Protocol):
     def retry_max_s(self) -> float: ...
 
 
-class ProxyConfig(Protocol):
+class ListenerConfig(Protocol):
+    """[proxy] and [exporter]: a socket of the daemon's own, when enabled."""
     @property
     def enabled(self) -> bool: ...
     @property
@@ -65,7 +71,7 @@ def check_engine(key: str, engine: EngineConfig, problems: list[str]) -> None:
     engine_checks.check_standby(key, engine, problems)
 
 
-def check_fleet(fleet: FleetConfig, proxy: ProxyConfig, problems: list[str]) -> None:
+def check_fleet(fleet: FleetConfig, proxy: ListenerConfig, problems: list[str]) -> None:
     """Routers to register with need the proxy, and an address they can reach it at."""
     for i, url in enumerate(fleet.routers):
         if (why := url_problem(url)) is not None:
@@ -95,18 +101,8 @@ def check_fleet(fleet: FleetConfig, proxy: ProxyConfig, problems: list[str]) -> 
 
 def check_engines(key: str, engines: Mapping[str, EngineConfig],
                   problems: list[str]) -> None:
-    """The rules across engines: distinct ports, known fallbacks without cycles, GPUs
-    claimed once unless both engines share them."""
-    by_port: dict[tuple[str, int], str] = {}
-    for name, e in engines.items():
-        places = [(e.port, "port")] + ([(e.second().port, "standby_port")]
-                                       if e.standby != "none" else [])
-        for port, what in places:
-            other = by_port.setdefault((e.base_url.rsplit(":", 1)[0], port), name)
-            if other != name:
-                problems.append(f"{key}.{name}.{what}: {port} is engine {other}'s port too")
-        if e.standby != "none" and e.second().port == e.port:
-            problems.append(f"{key}.{name}.standby_port: {e.port} is the engine's own port")
+    """The rules across engines: known fallbacks without cycles, GPUs claimed once
+    unless both engines share them. (Their ports: `check_listeners`.)"""
     for name, e in engines.items():
         if not e.fallback:
             continue
@@ -133,3 +129,83 @@ def check_engines(key: str, engines: Mapping[str, EngineConfig],
             if shared and not (engines[a].share_gpus and engines[b].share_gpus):
                 problems.append(f"{key}.{b}.gpus: GPU {shared[0]} is engine {a}'s too; set "
                                 f"share_gpus = true on both to allow it")
+
+
+# ---- the daemon's own listeners ----------------------------------------------------------
+
+_WILDCARDS = frozenset({"", "0.0.0.0", "::"})
+
+
+class _Listener(NamedTuple):
+    key: str  # the key that moves it
+    host: str
+    port: int
+    how: str = ""  # how the port was chosen, when no key says it
+
+
+def _host(host: str) -> str:
+    """A listen host as compared: lower case, no brackets, an IP address in its short
+    form (`0:0:0:0:0:0:0:1` is `::1`)."""
+    h = host.strip("[]").lower()
+    try:
+        return str(ipaddress.ip_address(h))
+    except ValueError:
+        return h
+
+
+def hosts_overlap(a: str, b: str) -> bool:
+    """Two listen hosts one port cannot be bound on twice: the same host; a wildcard
+    (`0.0.0.0`, `::`, `""`) beside any host (the families are not told apart: `::` takes
+    IPv4 too on a dual-stack socket, and no config needs one port on both
+    families for two of the daemon's listeners); `localhost` beside `127.0.0.1` or `::1`.
+    Other names are compared as written: a load resolves no names."""
+    a, b = _host(a), _host(b)
+    if a == b or a in _WILDCARDS or b in _WILDCARDS:
+        return True
+    return "localhost" in (a, b) and {a, b} - {"localhost"} <= {"127.0.0.1", "::1"}
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_listeners(key: str, engines: Mapping[str, EngineConfig], proxy: ListenerConfig,
+                    exporter: ListenerConfig, problems: list[str]) -> None:
+    """Every socket the daemon binds, or has an engine bind, on an address of its own:
+    the proxy, the exporter, each engine's port and its standby's. The second of two on
+    one address cannot bind, and a standby that cannot retries for ever, its status
+    naming the daemon's own pid as the port's holder. A listener on port 0 takes a free
+    port and clashes with none; the control socket is a path, not an address."""
+    mine: list[_Listener] = []
+    for section, listener in (("proxy", proxy), ("exporter", exporter)):
+        if not listener.enabled:
+            continue
+        try:
+            host, port = parse_listen(listener.listen)
+        except ValueError:
+            continue  # (its own problem is reported)
+        if port:
+            mine.append(_Listener(f"{section}.listen", host, port))
+    for name, e in engines.items():
+        where = "engine" if key == "engine" else f"{key}.{name}"
+        mine.append(_Listener(f"{where}.port", e.host, e.port))
+        if e.standby == "none":
+            continue
+        how = "" if e.standby_port else f"{where}.port + 1, as standby_port is 0"
+        if e.second().port > 65535:
+            problems.append(f"{where}.standby_port: required when {where}.port is 65535 "
+                            f"(the standby's port is {where}.port + 1 by default)")
+            continue
+        mine.append(_Listener(f"{where}.standby_port", e.host, e.second().port, how))
+    # (the later one is named first: an engine's port before the proxy's or the
+    # exporter's, a standby's before its engine's)
+    for i, this in enumerate(mine):
+        for other in mine[:i]:
+            if this.port == other.port and hosts_overlap(this.host, other.host):
+                problems.append(
+                    f"{this.key}: {_address(this.host, this.port)}"
+                    f"{f' ({this.how})' if this.how else ''} is also {other.key} "
+                    f"({_address(other.host, other.port)}"
+                    f"{f', {other.how}' if other.how else ''}); each of the daemon's "
+                    f"listeners needs an address of its own")
+                break

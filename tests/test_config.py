@@ -160,7 +160,8 @@ def test_one_engine_table_is_the_engine_named_default_with_todays_files():
 
 @pytest.mark.parametrize(("doc", "expected"), [
     ({**MIN, **engines(a={})}, "engines: [engine] and [engines.NAME] cannot both be given"),
-    (engines(a={"port": 8101}, b={"port": 8101}), "engines.b.port: 8101 is engine a's port too"),
+    (engines(a={"port": 8101}, b={"port": 8101}),
+     "engines.b.port: 127.0.0.1:8101 is also engines.a.port (127.0.0.1:8101)"),
     (engines(a={"port": 8101, "fallback": "c"}, b={"port": 8102}),
      "engines.a.fallback: no engine named 'c' (the engines are a, b)"),
     (engines(a={"port": 8101, "fallback": "b"}, b={"port": 8102, "fallback": "a"}),
@@ -279,3 +280,82 @@ def test_a_fleet_member_advertises_its_proxy_address_unless_told_otherwise():
                                          "advertise": "http://gpu7.lan:8000"},
                         "proxy": {"listen": "0.0.0.0:8000"}}, "t.toml", Path("/base"))
     assert cfg.fleet.advertised(cfg.proxy.listen) == "http://gpu7.lan:8000"
+
+
+# ---- the daemon's own listeners: each on an address of its own ---------------------------
+
+LISTENS = "; each of the daemon's listeners needs an address of its own"
+
+
+@pytest.mark.parametrize(("doc", "expected"), [
+    # a new user's first standby: the engine one below the exporter, the standby on port + 1
+    ({**with_engine(port=9401, standby="awake")},
+     "engine.standby_port: 127.0.0.1:9402 (engine.port + 1, as standby_port is 0) is also "
+     "exporter.listen (127.0.0.1:9402)" + LISTENS),
+    ({**MIN, "proxy": {"listen": "127.0.0.1:9402"}},
+     "exporter.listen: 127.0.0.1:9402 is also proxy.listen (127.0.0.1:9402)" + LISTENS),
+    (engines(a={"port": 8101}, b={"port": 8101}),
+     "engines.b.port: 127.0.0.1:8101 is also engines.a.port (127.0.0.1:8101)" + LISTENS),
+    (engines(a={"port": 8101, "standby": "sleep", **SLEEPY, "args": ["--enable-sleep-mode"]},
+             b={"port": 8102}),
+     "engines.b.port: 127.0.0.1:8102 is also engines.a.standby_port (127.0.0.1:8102, "
+     "engines.a.port + 1, as standby_port is 0)" + LISTENS),
+    (engines(a={"port": 8101, "standby": "awake", "standby_port": 8200},
+             b={"port": 8102, "standby": "awake", "standby_port": 8200}),
+     "engines.b.standby_port: 127.0.0.1:8200 is also engines.a.standby_port"),
+    (with_engine(standby="awake", standby_port=8100),
+     "engine.standby_port: 127.0.0.1:8100 is also engine.port (127.0.0.1:8100)"),
+    (with_engine(port=8000), "engine.port: 127.0.0.1:8000 is also proxy.listen"),
+    # a wildcard overlaps every host; localhost a loopback address; IPv6 in any spelling
+    ({**with_engine(host="0.0.0.0", port=8000)},
+     "engine.port: 0.0.0.0:8000 is also proxy.listen (127.0.0.1:8000)"),
+    ({**MIN, "proxy": {"listen": "[::]:9402"}},
+     "exporter.listen: 127.0.0.1:9402 is also proxy.listen ([::]:9402)"),
+    ({**MIN, "proxy": {"listen": "localhost:8100"}},
+     "engine.port: 127.0.0.1:8100 is also proxy.listen (localhost:8100)"),
+    ({**with_engine(host="0:0:0:0:0:0:0:1"), "exporter": {"listen": "[::1]:8100"}},
+     "engine.port: [0:0:0:0:0:0:0:1]:8100 is also exporter.listen ([::1]:8100)"),
+    (with_engine(port=65535, standby="awake"),
+     "engine.standby_port: required when engine.port is 65535"),
+])
+def test_two_of_the_daemons_listeners_on_one_address_are_refused_naming_both(doc, expected):
+    found = problems(doc)
+    assert any(p.startswith(expected) for p in found), found
+
+
+def test_each_listener_is_named_once_for_its_first_clash():
+    found = problems({**with_engine(port=9402), "proxy": {"listen": "127.0.0.1:9402"}})
+    assert [p.split(":", 1)[0] for p in found] == ["exporter.listen", "engine.port"]
+
+
+@pytest.mark.parametrize("doc", [
+    with_engine(port=9401, standby="awake", standby_port=9500),  # moved off the exporter
+    with_engine(port=9401),  # no standby: nothing on 9402 but the exporter
+    {**with_engine(port=8000), "proxy": {"enabled": False, "listen": "127.0.0.1:8000"}},
+    {**with_engine(port=9402), "exporter": {"enabled": False}},
+    {**MIN, "proxy": {"listen": "127.0.0.1:0"}, "exporter": {"listen": "127.0.0.1:0"}},
+    {**with_engine(host="127.0.0.2", port=8000)},  # another loopback address
+    {**with_engine(host="::1", port=9402)},  # the exporter is on 127.0.0.1
+    {**with_engine(host="gpu7.lan", port=8000)},  # a name is not resolved at load
+    engines(a={"port": 8101, "standby": "awake", "standby_port": 8201},
+            b={"port": 8102, "standby": "awake", "standby_port": 8202}),
+])
+def test_listeners_on_addresses_of_their_own_are_valid(doc):
+    parse_config(doc, "t.toml", Path("/base"))
+
+
+@pytest.mark.parametrize("name", ["config.toml", "config.two-engines.toml", "config.gpu.toml",
+                                  "config.8-gpus.toml"])
+def test_every_demo_config_loads(name):
+    cfg = load_config(ROOT / name)
+    assert cfg.engines and cfg.source == str(ROOT / name)
+
+
+def test_check_command_refuses_a_standby_on_the_exporters_port(tmp_path, capsys):
+    from supervisor.cli import main
+    path = tmp_path / "config.toml"
+    path.write_text('[engine]\ncommand = ["vllm", "serve", "m"]\nport = 9401\n'
+                    'standby = "awake"\n')
+    assert main(["check", "--config", str(path)]) == 78
+    err = capsys.readouterr().err
+    assert "engine.standby_port: 127.0.0.1:9402" in err and "exporter.listen" in err
