@@ -73,6 +73,18 @@ class Backend:
             del self.failure_seen[min(self.failure_seen)]
         return first
 
+    def served(self, generation: int, sent_at: float) -> None:
+        """Start `generation` answered a generation sent to it at `sent_at`, to its end:
+        it was alive and serving after then. A failure of it seen before `sent_at` was
+        no death (a connection it dropped, a 5xx while its /health was slow to answer):
+        forgotten, or the requests sent to it since, the one that kills it among them,
+        would never be charged with its real death (quarantine.py: a killer left with a
+        death uncounted kills once more, and an innocent beside it in the suspects' lane
+        is refused). Never the case of a start that is dying: it completes nothing."""
+        first = self.failure_seen.get(generation)
+        if first is not None and sent_at > first:
+            del self.failure_seen[generation]
+
     def serving(self) -> bool:
         return self.ready() and not self.gate.breaker_open
 

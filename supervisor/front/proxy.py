@@ -508,6 +508,10 @@ class FrontProxy:
                     self.stats.reject("client_gone")
                     return resp
                 self.stats.count(up.status)
+                if up.status == 200 and target.path in continuation.CONTINUABLE \
+                        and ex.sent_to is not None:
+                    backend, start, sent_at = ex.sent_to
+                    backend.served(start, sent_at)  # a generation, whole: it serves
                 return resp
         except ConnectFailed as exc:
             # refused: the request never reached the engine, and can go again

@@ -10,6 +10,15 @@ request sent to an engine start after the front door first saw that start fail a
 (it went to an engine already dying: the next suspect in a lane, sent the moment the
 killer before it is answered, would otherwise count the killer's death as its own).
 
+That first sign must be a death's. A request sent after it is not charged, the one that
+kills the engine included: a false sign at a start that still serves would spare the
+killer that death, and the killer, one death short, would kill once more, beside an
+innocent running alone in the lane (an innocent refused after 4 deaths, issue 33). So a
+connection a serving engine closed unanswered is no sign (`streams.NotDelivered.dropped`;
+a kept connection it had closed while idle is sent again by `upstream.py` itself), and a
+failure seen before a generation the start then completed is forgotten
+(`dispatch.Backend.served`: a dying start completes nothing).
+
 - At `SUSPECT_AT` deaths (2) a request is a suspect: from then on it goes to its engine
   only through that engine's suspect lane, one suspect at a time. Other requests flow as
   usual; the suspects wait for each other.

@@ -250,6 +250,8 @@ class StreamRelay:
                                          tokens_before=t.base, cause=str(cause)[:300],
                                          waited_s=round(time.monotonic() - broke_at, 3))
                             await self.relay_events(up, resp, ex, t)
+                            assert ex.sent_to is not None
+                            backend.served(ex.sent_to[1], ex.sent_to[2])
                             return
                 except (ConnectFailed, Disconnected, NotDelivered) as exc:
                     failed = await self.not_delivered(ex, exc) \
