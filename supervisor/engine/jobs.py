@@ -268,6 +268,7 @@ class JobEffects:
         shortage = Shortage("watch engine", pid=engine.pid)
         try:
             while not exited.done():
+                began_healthy = health.done()
                 try:
                     recorded = await self._look_at_tree(engine, cores, recorded)
                 except OSError as exc:
@@ -279,7 +280,13 @@ class JobEffects:
                     await asyncio.wait({exited}, timeout=0.5)
                     continue
                 shortage.ok()
-                await asyncio.wait({exited}, timeout=2.0 if engine.healthy_at is None else 10.0)
+                # Once more the moment it is healthy (during this look, or while waiting
+                # for the next): its core is there by then, and a core not yet watched
+                # would die unseen until its API server exits, 10 s of looks later.
+                if health.done() and not began_healthy:
+                    continue
+                await asyncio.wait({exited} if health.done() else {exited, health},
+                                   timeout=2.0 if engine.healthy_at is None else 10.0)
         finally:
             cores.close()
             health.cancel()
