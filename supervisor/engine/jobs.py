@@ -285,8 +285,10 @@ class JobEffects:
                 # would die unseen until its API server exits, 10 s of looks later.
                 if health.done() and not began_healthy:
                     continue
-                await asyncio.wait({exited} if health.done() else {exited, health},
-                                   timeout=2.0 if engine.healthy_at is None else 10.0)
+                waits: set[asyncio.Future[Any]] = {exited}
+                if not health.done():
+                    waits.add(health)
+                await asyncio.wait(waits, timeout=2.0 if engine.healthy_at is None else 10.0)
         finally:
             cores.close()
             health.cancel()
