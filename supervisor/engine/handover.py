@@ -123,6 +123,15 @@ class Handover:
         self._set_phase(Phase.IDLE)
         self._upgrade = None
 
+    def serving_failed(self) -> None:
+        """The engine that took over failed before the handover ended (it died waiting
+        for its wake, or while proven): the handover is over, and nothing more is done
+        for it (no wake once the old engine is down, no second failure)."""
+        if self.phase in HANDING_OVER:
+            log.warning("failover abandoned: the engine that took over failed",
+                        phase=self.phase.value)
+            self._set_phase(Phase.IDLE)
+
     def abandon(self, why: str, deadline: float) -> None:
         """No more standby for now: the engine is held down, or the daemon stops."""
         if self.phase is Phase.STANDBY_FIRST:
@@ -144,7 +153,9 @@ class Handover:
             log.info("the standby starts first: the engine starts beside it once it "
                      "sleeps (no room for it to start beside the engine)")
             self.arm(due=True)
-        elif self.standby.on_its_way:
+        elif self.standby.on_its_way or not self.standby.idle:
+            # on its way, or an engine in its place still being taken down (its memory
+            # not yet released: two engines do not fit)
             self._set_phase(Phase.STANDBY_FIRST)
         return self.first
 
@@ -152,6 +163,13 @@ class Handover:
         """A standby in its free place, when one is configured and the engine serves (or
         waits for it to sleep first); after a failure, once its backoff is `due`."""
         u, mode = self.u, self.mode
+        if (self.standby.ready and u.state is State.RUNNING and self.phase is Phase.IDLE
+                and not self.fits()):
+            # started before a reload changed the arguments, when no upgrade could begin
+            # (nothing served): replaced, so that the next failover runs what a start would
+            self.standby.retire("its arguments are out of date", graceful=True,
+                                deadline=u.standby_deadline())
+            return
         if (mode == "none" or not self.standby.can_start() or self.phase in HANDING_OVER
                 or (u.state is not State.RUNNING and not self.first)):
             return

@@ -67,6 +67,7 @@ from supervisor.engine.events import (
     RemedyDone,
     SignalReceived,
     SleepModeProbed,
+    Slept,
     Spawned,
     StandbyDue,
     Tick,
@@ -376,6 +377,7 @@ class EngineUnit:
             return
         healthy_for = (self.clock.monotonic() - engine.healthy_at
                        if engine.healthy_at is not None else None)
+        self.handover.serving_failed()  # (a handover to it under way is over)
         self.failures.fail(f"engine {self.slot.last_exit} without being asked",
                            healthy_for=healthy_for)
 
@@ -551,6 +553,11 @@ class EngineUnit:
 
     def handle_woken(self, ev: Woken) -> None:
         self.handover.woken(ev)
+
+    def handle_slept(self, ev: Slept) -> None:
+        """The answer of a sleep asked of a standby no longer in its place (retired, its
+        tree gone, another standby there now): stale, as every event of a gone engine."""
+        log.debug("stale sleep answer ignored", generation=ev.generation)
 
     # ---- counts, processes, the gate's limits ----------------------------------------
 
