@@ -133,9 +133,9 @@ class Handover:
             self._set_phase(Phase.IDLE)
 
     def abandon(self, why: str, deadline: float) -> None:
-        """No more standby for now: the engine is held down, or the daemon stops."""
-        if self.phase is Phase.STANDBY_FIRST:
-            self._set_phase(Phase.IDLE)
+        """No more standby for now: the engine is held down, or the daemon stops (a
+        handover under way ends with it)."""
+        self._set_phase(Phase.IDLE)
         self.standby.retire(why, graceful=True, deadline=deadline)
 
     # ---- arming ---------------------------------------------------------------------
@@ -204,11 +204,16 @@ class Handover:
         free = self.standby.handle(ev, u.standby_deadline(),
                                    stopping=u.state is State.STOPPING)
         if self.phase is Phase.WAKING_WHEN_DOWN and isinstance(ev, Down):
-            self._set_phase(Phase.WAKING)  # the old engine is gone, its memory released
-            if self.standby.state is Role.FAILED:
+            if u.state is not State.RUNNING or u.engine is None or u.slot.taking_down:
+                # a restart or a stop overtook the handover: nothing to wake, and the
+                # engine being taken down is theirs to finish
+                self._set_phase(Phase.IDLE)
+            elif self.standby.state is Role.FAILED:
+                self._set_phase(Phase.WAKING)
                 self.takeover_failed(f"the old engine's tree was not proven gone "
                                      f"({self.standby.why}): not waking the standby")
-            elif u.engine is not None:
+            else:
+                self._set_phase(Phase.WAKING)  # the old engine is gone, its memory released
                 u.act.wake(u.engine)
         if u.state is State.STOPPING:
             u.maybe_finish_stop()
