@@ -62,6 +62,22 @@ async def talk(port: int, data: bytes, wait_s: float = 5.0) -> bytes:
         writer.close()
 
 
+async def trickle(port: int, head: bytes, piece: bytes, pieces: int) -> bytes:
+    """`head`, then `piece` after `piece` as a slow client sends them, until the server
+    answers (or `pieces` went); what it answered."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head)
+    for _ in range(pieces):
+        if reader.at_eof() or writer.is_closing():
+            break
+        writer.write(piece)
+        await asyncio.sleep(0.005)
+    try:
+        return await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
+
+
 async def until(condition: Any, wait_s: float = 5.0) -> None:
     deadline = asyncio.get_running_loop().time() + wait_s
     while not condition():
@@ -145,15 +161,7 @@ def test_trailers_count_against_the_head_bound_and_never_reach_the_handler() -> 
             raw = await talk(server.port, many)
             assert status(raw) == 431 and b"header section too large" in raw
             # one trailer value that never ends: refused as it grows
-            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(CHUNKED + b"X-T: ")
-            for _ in range(40):
-                if reader.at_eof():
-                    break
-                writer.write(b"v" * 1000)
-                await asyncio.sleep(0.01)
-            raw = await asyncio.wait_for(reader.read(), 5)
-            writer.close()
+            raw = await trickle(server.port, CHUNKED + b"X-T: ", b"v" * 1000, 40)
             assert status(raw) == 400 and b"trailers too large" in raw
             assert server.buffered == 0
 
@@ -165,15 +173,7 @@ def test_chunk_extensions_are_bounded() -> None:
         async with serving() as (server, seen):
             # a megabyte of extensions, as it comes: refused as it grows (one read's
             # worth, as the parser skips them, is not counted)
-            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(CHUNKED_HEAD + b"3;")
-            for _ in range(256):
-                if reader.at_eof() or writer.is_closing():
-                    break
-                writer.write(b"e" * 4096)
-                await asyncio.sleep(0.002)
-            raw = await asyncio.wait_for(reader.read(), 5)
-            writer.close()
+            raw = await trickle(server.port, CHUNKED_HEAD + b"3;", b"e" * 4096, 256)
             assert status(raw) == 400 and b"chunk framing" in raw
             assert not seen.requests
             # a body sent in small chunks with short extensions is served

@@ -383,21 +383,24 @@ _UNCHECKED = "cannot check"
 
 def _port_busy(host: str, port: int) -> str | None:
     """`proctree.port_busy`, saying so when the daemon has no descriptor to check with."""
-    try:
-        return proctree.port_busy(host, port)
-    except OSError as exc:
-        if not exhausted(exc):
-            raise
-        return f"{_UNCHECKED} {host}:{port}: the daemon is out of file descriptors"
+    return _unless_exhausted(proctree.port_busy, host, port,
+                             f"{_UNCHECKED} {host}:{port}: the daemon is out of file descriptors")
 
 
 def _port_holder(host: str, port: int) -> str | None:
+    return _unless_exhausted(
+        proctree.port_holder, host, port,
+        f"{host}:{port} is in use (holder not read: the daemon is out of file descriptors)")
+
+
+def _unless_exhausted(check: Callable[[str, int], str | None], host: str, port: int,
+                      instead: str) -> str | None:
     try:
-        return proctree.port_holder(host, port)
+        return check(host, port)
     except OSError as exc:
         if not exhausted(exc):
             raise
-        return f"{host}:{port} is in use (holder not read: the daemon is out of file descriptors)"
+        return instead
 
 
 async def clean_leftovers(state: proctree.StateFile,
