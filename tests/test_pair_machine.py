@@ -91,10 +91,7 @@ DEADLINE_MAX_S = 10_000.0  # far above any stop budget of World's config
 ANSWERS_TO_REST = 300  # answers fed to bring the pair to rest at the end of a run
 # checks that fail on a bug found and kept as an xfail test below: tolerated in the
 # machine, so that it goes on looking for others (the bug's test, beside)
-KNOWN_BUGS: dict[str, str] = {
-    "standby_out_of_date": "test_a_standby_ready_only_after_the_cold_start_that_follows_"
-                           "a_reload_is_replaced",
-}
+KNOWN_BUGS: dict[str, str] = {}  # none open now
 # the unit's exceptions of a bug found and kept as an xfail test below: (type, text in
 # its message, functions its traceback passes through, in order); none open now
 KNOWN_CRASHES: dict[str, tuple[type[Exception], str, tuple[str, ...]]] = {}
@@ -925,10 +922,6 @@ def test_a_standby_started_before_a_reload_during_a_backoff_is_replaced(
         w.loop.close()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a standby that becomes ready only after the cold start that applied a reload's "
-    "arguments keeps the old ones for good (the replacement looks only when the engine "
-    "starts serving): 'ready' in status, every later crash a cold start"))
 def test_a_standby_ready_only_after_the_cold_start_that_follows_a_reload_is_replaced(
         tmp_path: Path) -> None:
     """As above, but the standby started with the old arguments is proven only once the

@@ -163,12 +163,7 @@ class Handover:
         """A standby in its free place, when one is configured and the engine serves (or
         waits for it to sleep first); after a failure, once its backoff is `due`."""
         u, mode = self.u, self.mode
-        if (self.standby.ready and u.state is State.RUNNING and self.phase is Phase.IDLE
-                and not self.fits()):
-            # started before a reload changed the arguments, when no upgrade could begin
-            # (nothing served): replaced, so that the next failover runs what a start would
-            self.standby.retire("its arguments are out of date", graceful=True,
-                                deadline=u.standby_deadline())
+        if self._replaced_if_out_of_date():
             return
         if (mode == "none" or not self.standby.can_start() or self.phase in HANDING_OVER
                 or (u.state is not State.RUNNING and not self.first)):
@@ -188,6 +183,18 @@ class Handover:
             self.standby.due_later(r.backoff_initial_s, r.backoff_max_s)
             return
         self.standby.start(eng.build_spawn_spec(cfg, u.environ), cfg, mode)
+
+    def _replaced_if_out_of_date(self) -> bool:
+        """A ready standby started before a reload changed the arguments, when no upgrade
+        could begin (nothing served), is replaced once the engine serves, so that the
+        next failover runs what a start would. Whether it was."""
+        u = self.u
+        if (self.standby.ready and u.state is State.RUNNING and self.phase is Phase.IDLE
+                and self._upgrade is None and not self.fits()):
+            self.standby.retire("its arguments are out of date", graceful=True,
+                                deadline=u.standby_deadline())
+            return True
+        return False
 
     def due(self) -> None:
         """The standby's backoff is over."""
@@ -225,6 +232,8 @@ class Handover:
                     u.spawn_serving()  # beside the sleeping standby (or without one)
         elif free:
             self.arm()
+        else:
+            self._replaced_if_out_of_date()  # (it may have become ready just now)
         if self._upgrade is not None and u.state is State.RUNNING and self.fits():
             (why, label), self._upgrade = self._upgrade, None
             log.info("upgrade: the standby runs the new arguments; swapping to it", why=why)
