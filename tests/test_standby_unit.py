@@ -21,6 +21,7 @@ from supervisor.engine.events import (
     Reloaded,
     Slept,
     Spawned,
+    TreeSeen,
     Woken,
 )
 from supervisor.engine.process import EngineProcess
@@ -504,5 +505,32 @@ def test_a_policy_relaunch_with_new_arguments_goes_through_the_standby(
         assert rem["rung"] == "fewer_spec_tokens" and rem["outcome"] == "ok"
         assert list(rem["steps_s"]) == ["standby", "drain", "take_down", "start"]
         assert rem["duration_s"] == pytest.approx(sum(rem["steps_s"].values()), abs=0.01)
+    finally:
+        w.loop.close()
+
+
+def test_a_sleeping_standby_without_room_is_taken_down_when_a_reload_outdates_it(
+        tmp_path: Path) -> None:
+    """No room beside: a reload of the arguments begins no upgrade (no standby can start
+    beside the engine), and the sleeping standby runs the old ones: it could never take
+    over (a failover runs what a start would), so it is taken down at its next event,
+    and none starts until the next cold start (`no_room`), instead of a `ready` that
+    cannot serve."""
+    w = World(tmp_path, fronted=True, engine={**SLEEP, "args": ["--enable-sleep-mode"]})
+    try:
+        first, spare = armed_asleep(w, side_by_side=False)
+        spawns = w.fx.names().count("spawn")
+        doc = {**w.doc, "engine": {**w.doc["engine"],
+                                   "args": ["--enable-sleep-mode", "--revision", "v2"]}}
+        reply: asyncio.Future[dict[str, Any]] = w.loop.create_future()
+        w.feed(Reloaded(parse_config(doc, str(tmp_path / "config.toml"), tmp_path),
+                        None, reply))
+        assert w.state == "RUNNING" and w.sup.engine is first  # the engine serves on
+        w.feed(TreeSeen(spare.generation, (), w.now, 0, 0.0))  # its next look
+        assert w.fx.last("take_down") == {"pid": spare.pid, "graceful": True,
+                                          "evidence": None}
+        w.down(spare)
+        assert w.sup.status()["standby"]["state"] == "no_room"
+        assert w.fx.names().count("spawn") == spawns and w.sup.engine is first  # none since
     finally:
         w.loop.close()
