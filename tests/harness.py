@@ -40,12 +40,23 @@ def wait_for(cond: Callable[[], T], timeout: float, what: str, interval: float =
         time.sleep(interval)
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
+    """A free loopback port not handed out before in this run, nor next to one that was:
+    the kernel may give a just-closed port again, and a standby takes its engine's port
+    + 1 by default, so two of one config could otherwise meet (the daemon then refuses
+    the config, rightly)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port < 65535 and not _HANDED_OUT & {port - 1, port, port + 1}:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def toml_value(v: Any) -> str:
@@ -122,7 +133,14 @@ class Daemon:
 
     def call(self, cmd: str, args: dict[str, Any] | None = None,
              timeout: float = 30) -> dict[str, Any]:
-        return call(self.socket, cmd, args, timeout_s=timeout)
+        try:
+            return call(self.socket, cmd, args, timeout_s=timeout)
+        except ControlClientError as exc:
+            code = self.proc.poll()
+            if code is None:
+                raise
+            raise ControlClientError(f"{exc} (the daemon exited {code}; its log ends:\n"
+                                     f"{self.log_tail(15)})") from exc
 
     def status(self) -> dict[str, Any]:
         return self.call("status")

@@ -106,6 +106,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory
         # rates exist once half the window is covered: 5 s after each engine start, so the
         # dashboard's rate panels have series after the crash test's restart too
         "signals": {"rate_window_s": 10},
+        "canary": {"period_s": 3.0},  # (its latency panel: a passing canary soon after a start)
         "policy.rules.thermal": {"for_s": 2, "clear_for_s": 4, "cooldown_s": 5},
     })
     # a router in front, as in a fleet: the daemon registers with it (the fleet panels)
@@ -262,6 +263,10 @@ def test_every_dashboard_query_answers_with_series(observed):
     wait_for(lambda: ttft_count() > before, 30, "Prometheus to scrape that stream")
     wait_for(lambda: prom.get("/api/v1/query", query="vllm_supervisor_preemptions_per_second")
              ["result"], 30, "the restarted engine's rates to be scraped")
+    # (the canary's latency is the last passing canary's, of this engine start: the
+    # module's earlier samples may be older than the range below on a slow machine)
+    wait_for(lambda: prom.get("/api/v1/query", query="vllm_supervisor_canary_latency_seconds")
+             ["result"], 60, "the restarted engine's canary to pass and be scraped")
     end = time.time()
     empty, failed = [], []
     for where, expr in dashboard_queries():

@@ -95,6 +95,7 @@ def through_a_fault(d: Daemon, cfg: dict[str, Any], fault: Any,
               if e.get("event") == "stream continued"]
     out = {"tokens_seen_at_fault": seen_at_fault, "mid_generation": mid,
            "new_request_status": r.status_code,
+           **({"new_request_body": r.text[:300]} if r.status_code != 200 else {}),
            "new_request_answered_s": round(answered_s, 2),
            "complete": sum(a.done and a.error is None for a in answers),
            "identical_to_undisturbed": sum(a.text == b.text for a, b in

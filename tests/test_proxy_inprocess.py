@@ -438,3 +438,41 @@ def test_a_drop_whose_health_check_a_new_engine_start_answers_is_a_death() -> No
             assert set(backend.failure_seen) == {1} and proxy.stats.retried_connects == 1
 
     asyncio.run(main())
+
+
+def test_a_500_whose_health_check_the_engine_that_took_over_answers_goes_there() -> None:
+    """vLLM answers 500 to a new request once its core is dead; a failover to the
+    standby between that request and the proxy's /health question makes the standby
+    answer it (200): the 500 is still the dying start's, and the request goes to the
+    start that serves now, not to the client (a CI run saw it reach the client)."""
+    start = [1]
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"GET /health"):
+            writer.write(HEALTHY)
+        else:
+            await _read_body(reader, head)
+            if start[0] == 1:
+                start[0] = 2  # the failover, by the time /health is asked
+                dead = b'{"error": {"message": "EngineCore encountered an issue"}}'
+                writer.write(b"HTTP/1.1 500 Internal Server Error\r\n"
+                             b"Content-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(dead) + dead)
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(COMPLETION) + COMPLETION)
+        await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        async with _behind_raw_engine(engine) as proxy, aiohttp.ClientSession() as s:
+            backend = proxy.backends["default"]
+            backend.generation = lambda: start[0]
+            async with s.post(f"http://127.0.0.1:{proxy.port}/v1/completions",
+                              data=_post({"model": "m", "prompt": "x"})) as r:
+                assert r.status == 200 and await r.read() == COMPLETION
+            assert set(backend.failure_seen) == {1}
+            assert proxy.stats.responses == {"200": 1}
+
+    asyncio.run(main())

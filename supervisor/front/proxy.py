@@ -458,10 +458,10 @@ class FrontProxy:
             async with self._upstream.request(request.method, ex.backend.upstream,
                                               target.upstream_path_qs,
                                               upstream_headers(request), body) as up:
-                if up.status >= 500 and not await self.streams.engine_healthy(ex.backend):
+                if up.status >= 500 and not await self.streams.still_serving(ex):
                     # nothing has reached the client, and the engine is dying (vLLM answers
-                    # 500 to new requests between its core's death and its own exit): the
-                    # answer goes to the engine that replaces it instead
+                    # 500 to new requests between its core's death and its own exit) or
+                    # was replaced meanwhile: the answer goes to the engine that serves
                     raise NotDelivered(f"HTTP {up.status} from a dying engine",
                                        reached=True)
                 ex.stream = up.content_type == "text/event-stream"
@@ -476,7 +476,7 @@ class FrontProxy:
                     try:
                         data = await up.read()
                     except BodyCut as exc:
-                        if await self.streams.engine_healthy(ex.backend):
+                        if await self.streams.still_serving(ex):
                             # (a healthy engine that cut its answer: asked again, it may
                             # cut it again; the client has seen nothing: an explicit 502)
                             raise UpstreamFailed(

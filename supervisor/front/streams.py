@@ -71,15 +71,23 @@ class StreamRelay:
             return False
         return status == 200
 
+    async def still_serving(self, ex: Exchange) -> bool:
+        """The engine start the request was sent to still serves: its /health says 200
+        and no other start has taken its place. A /health answered by the start that
+        replaced it (a failover between the request and the question) says nothing of
+        the one that had the request."""
+        assert ex.sent_to is not None
+        backend, start, _ = ex.sent_to
+        return (backend.generation() == start and await self.engine_healthy(backend)
+                and backend.generation() == start)
+
     async def not_delivered(self, ex: Exchange, exc: Disconnected) -> NotDelivered:
         """The engine closed the connection before answering: a death the request was
         at when the engine is going, a drop when it still serves (`dropped`: no death,
         never a failure seen at that engine start, and re-sent a bounded number of
         times: RESENDS_AFTER_DROP). Still serving means the same engine start: a /health
         answered by the start that replaced it says nothing of the one that had it."""
-        assert ex.sent_to is not None
-        backend, start, _ = ex.sent_to
-        if await self.engine_healthy(backend) and backend.generation() == start:
+        if await self.still_serving(ex):
             return NotDelivered(f"{exc!r}, the engine still serving", dropped=True)
         return NotDelivered(repr(exc), reached=True)
 
@@ -230,7 +238,7 @@ class StreamRelay:
                                 "POST", backend.upstream, path, upstream_headers(request),
                                 body) as up:
                             if up.status >= 500:
-                                if not await self.engine_healthy(backend):
+                                if not await self.still_serving(ex):
                                     # a dying engine: the continuation waits for the next
                                     # one, and the request was there as it died
                                     raise NotDelivered(
