@@ -43,20 +43,37 @@ def wait_for(cond: Callable[[], T], timeout: float, what: str, interval: float =
 _HANDED_OUT: set[int] = set()
 
 
+def _below_ephemeral() -> range:
+    """Ports no outgoing connection takes: below the kernel's ephemeral range (a port
+    picked from inside it may be taken by any client's connect() before the daemon
+    binds it)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(10000, low) if low > 12000 else range(0)
+
+
 def free_port() -> int:
-    """A free loopback port not handed out before in this run, nor next to one that was:
-    the kernel may give a just-closed port again, and a standby takes its engine's port
-    + 1 by default, so two of one config could otherwise meet (the daemon then refuses
-    the config, rightly)."""
+    """A free loopback port not handed out before in this run, nor next to one that was
+    (a standby takes its engine's port + 1 by default, and the daemon rightly refuses a
+    config whose listeners meet), and outside the ephemeral range where it can."""
+    import random
     import socket
 
-    while True:
+    ports = _below_ephemeral()
+    for _ in range(200):
+        want = random.choice(ports) if ports else 0
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", want))
+            except OSError:
+                continue
             port = int(s.getsockname()[1])
         if port < 65535 and not _HANDED_OUT & {port - 1, port, port + 1}:
             _HANDED_OUT.add(port)
             return port
+    raise AssertionError("no free loopback port found in 200 tries")
 
 
 def toml_value(v: Any) -> str:
