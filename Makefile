@@ -1,6 +1,7 @@
 # Two commands do everything from nothing: `make run` and `make test`.
 .PHONY: setup run test test-fast lint bench bench-lifecycle bench-watchdog bench-proxy soak \
-	bench-restart bench-failover bench-healthy-soak bench-proxy-routing bench-host-cost \
+	bench-restart bench-failover bench-healthy-soak bench-proxy-routing bench-proxy-paced \
+	bench-host-cost \
 	bench-spec-decode clean
 
 setup:
@@ -40,6 +41,13 @@ bench-watchdog: setup
 bench-proxy: setup
 	bash scripts/setup.sh nginx
 	.venv/bin/python bench/proxy_bench.py --out docs/benchmarks.md
+
+# Streams paced as vLLM sends them (one event per stream per engine step: 256 streams at
+# 20 ms, 64 at 5 ms) through direct, the proxy and nginx; CPU per chunk, chunks/s, added
+# gaps (about 3 minutes; BASE=ref adds the proxy at that commit, before and after)
+bench-proxy-paced: setup
+	bash scripts/setup.sh nginx
+	.venv/bin/python bench/proxy_paced.py --out docs/benchmarks.md $(if $(BASE),--baseline $(BASE))
 
 # The proxy with two engines (routing by model) beside one, and before the change (BASE=ref)
 bench-proxy-routing: setup

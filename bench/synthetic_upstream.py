@@ -9,6 +9,11 @@ continuation reads). Nothing is computed per request
 beyond parsing the body, so what a benchmark measures through it is the path, not the
 engine.
 
+Paced, as vLLM sends (`?step_ms=N` on the request, or `--step-ms N` for every stream):
+one engine step every N ms, and at each step every open stream of that step gets one
+event, written by one ticker per step straight to the streams (no task wakes per
+stream), so each event leaves in its own write, as vLLM's do.
+
     .venv/bin/python bench/synthetic_upstream.py --port 0   # prints "LISTENING <port>"
 """
 
@@ -20,6 +25,8 @@ import functools
 import json
 import signal
 import sys
+import time
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -54,6 +61,68 @@ def _with_ids(i: int, n: int) -> bytes:
     return _with_ids_at(i % 1000, i == 0, i == n - 1)
 
 
+@dataclass
+class Paced:
+    """One paced stream: its answer, how many events it has left to get."""
+
+    resp: web.StreamResponse
+    n: int
+    with_ids: bool
+    done: asyncio.Future[None]
+    sent: int = 0
+
+
+@dataclass
+class Ticker:
+    """One engine step of `step_s`: each step, one event to every open stream of it."""
+
+    step_s: float
+    streams: list[Paced] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+
+    async def run(self) -> None:
+        due = time.monotonic()
+        while self.streams:
+            due += self.step_s
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            due = max(due, time.monotonic() - self.step_s)  # (late: no catch-up burst)
+            for s in list(self.streams):
+                try:
+                    await s.resp.write(self.event(s))
+                    s.sent += 1
+                    if s.sent == s.n:
+                        await s.resp.write(DONE)
+                except (ConnectionError, RuntimeError) as exc:  # (the client went)
+                    self.streams.remove(s)
+                    if not s.done.done():
+                        s.done.set_exception(exc)
+                    continue
+                if s.sent == s.n:
+                    self.streams.remove(s)
+                    if not s.done.done():  # (not cancelled: its client still here)
+                        s.done.set_result(None)
+        self.task = None
+
+    @staticmethod
+    def event(s: Paced) -> bytes:
+        if s.with_ids:
+            return _with_ids(s.sent, s.n)
+        return LAST if s.sent == s.n - 1 else CHUNK
+
+
+TICKERS: dict[float, Ticker] = {}
+STEP_MS = web.AppKey("step_ms", float)
+
+
+async def paced(resp: web.StreamResponse, n: int, with_ids: bool, step_s: float) -> None:
+    ticker = TICKERS.setdefault(step_s, Ticker(step_s))
+    stream = Paced(resp, n, with_ids, asyncio.get_running_loop().create_future())
+    ticker.streams.append(stream)
+    if ticker.task is None:
+        ticker.task = asyncio.get_running_loop().create_task(ticker.run())
+    await stream.done
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     doc = json.loads(body) if body else {}
@@ -63,6 +132,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
+    step_ms = float(request.query.get("step_ms", request.app[STEP_MS]))
+    if step_ms > 0:
+        await paced(resp, n, bool(doc.get("return_token_ids")), step_ms / 1000)
+        await resp.write_eof()
+        return resp
     if not doc.get("return_token_ids"):
         for _ in range(n - 1):
             await resp.write(CHUNK)
@@ -75,8 +149,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def serve(host: str, port: int) -> None:
+async def serve(host: str, port: int, step_ms: float = 0) -> None:
     app = web.Application()
+    app[STEP_MS] = step_ms
     app.router.add_post("/v1/completions", completions)
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
@@ -97,8 +172,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--step-ms", type=float, default=0,
+                    help="pace every stream: one event each step (0: back to back)")
+    ap.add_argument("--uvloop", action="store_true", help="on uvloop (the paced bench)")
     args = ap.parse_args()
-    asyncio.run(serve(args.host, args.port))
+    if args.uvloop:
+        import uvloop
+        uvloop.run(serve(args.host, args.port, args.step_ms))
+    else:
+        asyncio.run(serve(args.host, args.port, args.step_ms))
     return 0
 
 
