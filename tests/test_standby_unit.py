@@ -484,7 +484,7 @@ def test_a_policy_relaunch_with_new_arguments_goes_through_the_standby(
         w.feed(GateProbe(first.generation, True, None))
         spare = ready_standby(w)
         w.sup.watch.tuning.spec_tokens = 2  # (what the rule's decision sets)
-        w.sup.remedies.carry_out([Restart("acceptance 0.21 < 0.4: fewer speculative tokens",
+        w.sup.carry_out([Restart("acceptance 0.21 < 0.4: fewer speculative tokens",
                                           rung="fewer_spec_tokens")])
         assert w.state == "RUNNING" and w.sup.engine is first  # no drain yet: it serves
         w.down(spare)  # the old standby, out of date, is gone

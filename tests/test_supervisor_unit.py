@@ -375,7 +375,7 @@ def test_the_gate_follows_the_unit_canary_drain_kv_reset_restart_and_stop(
         assert gate.unhealthy == "drain requested by operator"
         assert w.control("resume").result()["held"] is False and gate.held_reason is None
         assert gate.unhealthy is None
-        w.sup.remedies.begin("kv_reset", "test")
+        w.sup.begin_remedy("kv_reset", "test")
         assert gate.held_reason == "KV reset in progress (test)"
         assert gate.unhealthy is None  # a KV reset holds for a fraction of a second
         w.feed(RemedyDone(engine.generation, "kv_reset",
@@ -430,7 +430,7 @@ def test_a_restart_runs_under_one_deadline_from_its_drain_to_the_tree_gone(
 
 def test_a_failed_in_place_remedy_becomes_a_drained_restart(world: World) -> None:
     engine = world.serving()
-    world.sup.remedies.begin("reset_prefix_cache", "test")
+    world.sup.begin_remedy("reset_prefix_cache", "test")
     assert world.fx.last("remedy") == {"pid": engine.pid, "rung": "reset_prefix_cache"}
     assert world.sup.status()["remedies"]["running"]["rung"] == "reset_prefix_cache"
     world.now += 2
@@ -445,7 +445,7 @@ def test_a_failed_in_place_remedy_becomes_a_drained_restart(world: World) -> Non
 
 def test_a_remedy_that_worked_leaves_the_engine_running(world: World) -> None:
     engine = world.serving()
-    world.sup.remedies.begin("reset_prefix_cache", "test")
+    world.sup.begin_remedy("reset_prefix_cache", "test")
     world.feed(RemedyDone(engine.generation, "reset_prefix_cache",
                           RemedyOutcome(ok=True, steps={"reset": 0.01}), 0.01))
     assert world.state == "RUNNING" and "take_down" not in world.fx.names()

@@ -23,8 +23,7 @@ from supervisor import reload
 from supervisor.config import Config, diff_keys
 from supervisor.engine.events import CommandError, ControlRequest, Reloaded
 from supervisor.engine.gatekeeper import GateKeeper
-from supervisor.engine.handover import Handover
-from supervisor.engine.remedies import Remedies
+from supervisor.engine.steps import Step, Upgrade
 from supervisor.engine.watch import EngineWatch, UnitFacts
 from supervisor.front.admission import Gate
 
@@ -45,10 +44,6 @@ class Commandable(Protocol):
     @property
     def watch(self) -> EngineWatch: ...
     @property
-    def handover(self) -> Handover: ...
-    @property
-    def remedies(self) -> Remedies: ...
-    @property
     def state_value(self) -> str: ...
 
     def status(self) -> dict[str, Any]: ...
@@ -60,6 +55,9 @@ class Commandable(Protocol):
                    reply: asyncio.Future[dict[str, Any]] | None = None) -> None: ...
     def sync_gate(self) -> None: ...
     def reconfigure(self, new: Config) -> None: ...
+    def run_steps(self, steps: list[Step]) -> None: ...
+    def begin_remedy(self, rung: str, reason: str,
+                     reply: asyncio.Future[dict[str, Any]] | None = None) -> None: ...
 
 
 Command = Callable[[Commandable, ControlRequest], None]
@@ -149,7 +147,7 @@ def kv_reset(unit: Commandable, ev: ControlRequest) -> None:
     if why is not None:
         raise CommandError(f"kv-reset refused: {why}")
     unit.audit("control", command="kv-reset")
-    unit.remedies.begin("kv_reset", "requested by operator", ev.reply)  # answered at its end
+    unit.begin_remedy("kv_reset", "requested by operator", ev.reply)  # answered at its end
 
 
 COMMANDS: dict[str, Command] = {
@@ -183,8 +181,10 @@ def reloaded(unit: Commandable, ev: Reloaded) -> None:
     if plan.next_engine_start:
         log.info("engine settings take effect at the next start",
                  keys=list(plan.next_engine_start))
-        unit.handover.begin_upgrade(f"reloaded {', '.join(plan.next_engine_start)}",
-                                    "upgrade")
+        # (through a standby with the new arguments when one can begin, else nothing
+        # more: they apply at the next start)
+        unit.run_steps([Upgrade(f"reloaded {', '.join(plan.next_engine_start)}",
+                                "upgrade", ())])
     if plan.next_daemon_start:
         log.warning("these settings take effect only when the daemon restarts",
                     keys=list(plan.next_daemon_start))

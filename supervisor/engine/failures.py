@@ -4,10 +4,10 @@
 the delays and the boot-failure limit), the backoff under way (its end and its timer), a
 start refused because another program holds the GPUs, an operator's restart waiting for
 the failed engine's tree to be gone, and the reason and last errors of giving up (FATAL).
-The unit (`supervisor/engine/unit.py`) owns the lifecycle and its state; it calls in when
-an engine fails, is refused, is down or the backoff ends, and `Failures` acts on it only
-through `FailingUnit`: the steps of the lifecycle a failure takes (BACKOFF, FATAL, the
-take-down of what is left, the next start). Runs on the unit's task; never blocks.
+A decider: the unit (`supervisor/engine/unit.py`) calls in when an engine fails, is
+refused, is down or the backoff ends, with its state as `PairFacts`, and carries out the
+steps returned (`supervisor/engine/steps.py`: BACKOFF, FATAL, the take-down of what is
+left, the next start, the backoff's timer). Runs on the unit's task; never blocks.
 
 Invariants:
 - a boot failure (never healthy) and a crash (served, then died) are told apart: only
@@ -18,172 +18,121 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import structlog
 
-from supervisor.config import Config, RestartConfig
+from supervisor.config import RestartConfig
 from supervisor.engine import process as eng
-from supervisor.engine.effects import Effects, Timer
+from supervisor.engine import steps as do
 from supervisor.engine.events import BackoffElapsed
-from supervisor.engine.intents import RelaunchLog
 from supervisor.engine.lifecycle import RestartTracker
-from supervisor.engine.notices import SystemdNotices
-from supervisor.engine.slot import EngineSlot
 from supervisor.engine.states import State
-from supervisor.loop import Clock
+from supervisor.engine.steps import PairFacts, Step
 
 log = structlog.get_logger("supervisor")
 
 
-class Standby(Protocol):
-    def abandon(self, why: str, deadline: float) -> None: ...
-
-
-class FailingUnit(Protocol):
-    """What a failure reads and asks of its engine's unit."""
-
-    @property
-    def config(self) -> Config: ...
-    @property
-    def clock(self) -> Clock: ...
-    @property
-    def act(self) -> Effects: ...
-    @property
-    def state(self) -> State: ...
-    @property
-    def engine(self) -> eng.EngineProcess | None: ...
-    @property
-    def generation(self) -> int: ...
-    @property
-    def slot(self) -> EngineSlot: ...
-    @property
-    def notices(self) -> SystemdNotices: ...
-    @property
-    def relaunch(self) -> RelaunchLog: ...
-    @property
-    def handover(self) -> Standby: ...
-    @property
-    def restart_reason(self) -> str: ...
-
-    def set_state(self, new: State, reason: str) -> None: ...
-    def decide(self, action: str, reason: str) -> None: ...
-    def count_restart(self, reason: str) -> None: ...
-    def take_down(self, graceful: bool) -> None: ...
-    def standby_deadline(self) -> float: ...
-    def start_engine(self, reason: str) -> None: ...
-
-
 class Failures:
-    def __init__(self, unit: FailingUnit, cfg: RestartConfig) -> None:
-        self.u = unit
+    def __init__(self, cfg: RestartConfig) -> None:
         self.tracker = RestartTracker(cfg)
         self.backoff_until: float | None = None
         self.start_blocked: str | None = None  # why the last start was refused (GPU busy)
         self.fatal_reason: str | None = None
         self.fatal_errors: list[str] = []
-        self._backoff: Timer | None = None
         self._restart_when_down = False  # an operator's restart, once the tree is gone
 
     def reconfigure(self, cfg: RestartConfig) -> None:
         self.tracker.cfg = cfg
 
-    def fail(self, reason: str, healthy_for: float | None) -> None:
+    def fail(self, f: PairFacts, reason: str, healthy_for: float | None) -> list[Step]:
         """The engine failed (crash, boot failure, startup timeout): back off or give up,
         and take down whatever is left of its tree."""
-        u = self.u
-        verdict = self.tracker.record_failure(u.clock.monotonic(), healthy_for_s=healthy_for,
-                                              what=reason)
-        u.count_restart("crash" if healthy_for is not None else "boot_failure")
+        verdict = self.tracker.record_failure(f.now, healthy_for_s=healthy_for, what=reason)
+        out: list[Step] = [do.CountRestart("crash" if healthy_for is not None
+                                           else "boot_failure")]
         if verdict.fatal:
-            self.give_up(verdict.reason)
+            out += self.give_up(f, verdict.reason)
         else:
-            self.backoff_until = u.clock.monotonic() + verdict.delay_s
-            u.set_state(State.BACKOFF, f"{reason}; retrying in {verdict.delay_s:g} s")
-            u.decide("backoff", reason)
-        if u.engine is not None:
-            u.take_down(graceful=False)
-        elif u.state is State.BACKOFF:
-            self._arm_backoff()
+            self.backoff_until = f.now + verdict.delay_s
+            out += [do.SetState(State.BACKOFF,
+                                f"{reason}; retrying in {verdict.delay_s:g} s"),
+                    do.Decide("backoff", reason)]
+        if f.engine is not None:
+            out.append(do.TakeDown(graceful=False))
+        elif not verdict.fatal:
+            out.append(self._arm_backoff(f))
+        return out
 
-    def start_refused(self, why: str) -> None:
+    def start_refused(self, f: PairFacts, why: str) -> list[Step]:
         """Another program holds the engine's GPUs: not a boot failure (the engine never
         ran), nothing to kill (not ours). Wait in BACKOFF, saying why, and look again
         every backoff_max_s; `restart` looks at once."""
-        u = self.u
         self.start_blocked = why
-        delay = u.config.restart.backoff_max_s
-        self.backoff_until = u.clock.monotonic() + delay
-        u.set_state(State.BACKOFF, f"start refused: {why}; checking again in {delay:g} s")
-        u.decide("backoff", f"start refused: {why}")
-        # systemd's start must not wait on someone else's job: say so, and stay up
-        u.notices.ready_once(f"BACKOFF: start refused: {why}")
-        self._arm_backoff()
+        delay = f.config.restart.backoff_max_s
+        self.backoff_until = f.now + delay
+        return [do.SetState(State.BACKOFF,
+                            f"start refused: {why}; checking again in {delay:g} s"),
+                do.Decide("backoff", f"start refused: {why}"),
+                # systemd's start must not wait on someone else's job: say so, stay up
+                do.NotifyReady(f"BACKOFF: start refused: {why}"),
+                self._arm_backoff(f)]
 
     def started(self) -> None:
         """An engine was spawned: its GPUs were free."""
         self.start_blocked = None
 
-    def give_up(self, reason: str, engine: eng.EngineProcess | None = None) -> None:
+    def give_up(self, f: PairFacts, reason: str,
+                engine: eng.EngineProcess | None = None) -> list[Step]:
         """FATAL, with the last error lines of `engine` (default: the current one)."""
-        u = self.u
-        engine = engine or u.engine
+        engine = engine or f.engine
         errors = list(engine.recent_errors) if engine else []
         self.fatal_reason = reason
-        u.set_state(State.FATAL, reason)
-        # (on the same GPUs and arguments: a standby cannot help an engine held down)
-        u.handover.abandon(reason, u.standby_deadline())
-        u.relaunch.finish("failed", reason)
-        u.decide("give_up", reason)
         log.error("giving up on the engine", reason=reason, last_engine_errors=errors[-10:])
         self.fatal_errors = errors[-10:]
-        # The daemon is up and answering even though the engine is not: tell systemd, so
-        # that `systemctl start` returns and `status` shows FATAL with the reason.
-        u.notices.ready_once(f"FATAL: {reason}")
+        return [do.SetState(State.FATAL, reason),
+                # (on the same GPUs and arguments: a standby cannot help an engine held down)
+                do.Abandon(reason, f.standby_deadline()),
+                do.RelaunchFinish("failed", reason),
+                do.Decide("give_up", reason),
+                # The daemon is up and answering even though the engine is not: tell
+                # systemd, so that `systemctl start` returns and `status` shows FATAL.
+                do.NotifyReady(f"FATAL: {reason}")]
 
-    def restart(self, reason: str) -> None:
+    def restart(self, f: PairFacts, reason: str) -> list[Step]:
         """An operator's restart out of BACKOFF or FATAL: the counts start afresh, and the
         engine starts now, or once the failed one's tree is gone."""
-        u = self.u
         self.tracker.reset()
         self.fatal_reason = None
-        self.cancel_backoff()
-        u.decide("restart", reason)
-        if u.engine is None and not u.slot.spawning:
-            u.start_engine(reason)
+        out: list[Step] = [*self.cancel_backoff(), do.Decide("restart", reason)]
+        if f.engine is None and not f.slot.spawning:
+            out.append(do.StartEngine(reason))
         else:
             self._restart_when_down = True
+        return out
 
-    def down(self, engine: eng.EngineProcess, problem: str | None) -> None:
+    def down(self, f: PairFacts, engine: eng.EngineProcess,
+             problem: str | None) -> list[Step]:
         """The failed engine's tree is gone (in BACKOFF or FATAL): wait out the backoff,
         or start now when the operator restarted meanwhile."""
-        u = self.u
-        if u.state is State.FATAL:
+        if f.state is State.FATAL:
             self.fatal_errors = list(engine.recent_errors)[-10:]  # now complete
             if self._restart_when_down and problem is None:
                 self._restart_when_down = False
-                u.start_engine(u.restart_reason)
-        elif self._restart_when_down:
+                return [do.StartEngine(f.restart_reason)]
+            return []
+        if self._restart_when_down:
             self._restart_when_down = False
-            self.cancel_backoff()
-            u.start_engine(u.restart_reason)
-        else:
-            self._arm_backoff()
+            return [*self.cancel_backoff(), do.StartEngine(f.restart_reason)]
+        return [self._arm_backoff(f)]
 
-    def _arm_backoff(self) -> None:
-        u = self.u
-        delay = max(0.0, (self.backoff_until or 0.0) - u.clock.monotonic())
-        self._backoff = u.act.after(delay, BackoffElapsed(u.generation))
+    def _arm_backoff(self, f: PairFacts) -> Step:
+        return do.ArmBackoff(max(0.0, (self.backoff_until or 0.0) - f.now), f.generation)
 
-    def cancel_backoff(self) -> None:
-        if self._backoff is not None:
-            self._backoff.cancel()
-            self._backoff = None
+    def cancel_backoff(self) -> list[Step]:
         self.backoff_until = None
+        return [do.CancelBackoff()]
 
-    def backoff_elapsed(self, ev: BackoffElapsed) -> None:
-        u = self.u
-        self._backoff = None
-        if (u.state is State.BACKOFF and ev.generation == u.generation
-                and u.engine is None and not u.slot.spawning):
-            u.start_engine("backoff elapsed")
+    def backoff_elapsed(self, f: PairFacts, ev: BackoffElapsed) -> list[Step]:
+        if (f.state is State.BACKOFF and ev.generation == f.generation
+                and f.engine is None and not f.slot.spawning):
+            return [do.StartEngine("backoff elapsed")]
+        return []

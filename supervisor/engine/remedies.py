@@ -1,122 +1,86 @@
-"""Carrying out what the watchdog asks, for one engine unit.
+"""What the watchdog asks, as steps for one engine unit.
 
 `EngineWatch` (`supervisor/engine/watch.py`) decides and returns intents
-(`supervisor/engine/intents.py`); `Remedies` carries them out, in order, on the unit's
-task: a drained restart, a relaunch with new arguments (through the standby when there is
-one), a hold-down (FATAL, the engine taken down), an in-place remedy behind a hold of new
-requests, a live throttle at the gate. It owns the operators' requests for an in-place
-remedy (`kv-reset`) waiting for its end, and answers them then. The unit
-(`supervisor/engine/unit.py`) owns the lifecycle and its state; `Remedies` acts on it
-only through `RemedyingUnit`: the steps a remedy takes. Never blocks; never decides.
+(`supervisor/engine/intents.py`); `Remedies` turns them into the unit's steps
+(`supervisor/engine/steps.py`), in order: a drained restart, a relaunch with new
+arguments (through the standby when there is one), a hold-down (FATAL, the engine taken
+down), an in-place remedy behind a hold of new requests, a live throttle at the gate.
+The unit (`supervisor/engine/unit.py`, the one writer of its state) carries them out.
+It owns the operators' requests for an in-place remedy (`kv-reset`) waiting for its end,
+and answers them then. Never blocks; never decides.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Protocol
+from typing import Any
 
-from supervisor.engine import process as eng
-from supervisor.engine.effects import Effects
-from supervisor.engine.events import DecisionRecord, RemedyDone
-from supervisor.engine.failures import Failures
-from supervisor.engine.handover import Handover
+from supervisor.engine import steps as do
+from supervisor.engine.events import RemedyDone
 from supervisor.engine.intents import (
     BeginRemedy,
     Decided,
     HoldDown,
     Intent,
-    RelaunchLog,
     Restart,
     Throttled,
-    remedy_ended,
 )
-from supervisor.engine.slot import EngineSlot
+from supervisor.engine.steps import Step
 from supervisor.engine.watch import EngineWatch, UnitFacts
-from supervisor.front.admission import Gate
-
-
-class RemedyingUnit(Protocol):
-    """What carrying out an intent reads and asks of the engine's unit."""
-
-    @property
-    def slot(self) -> EngineSlot: ...
-    @property
-    def engine(self) -> eng.EngineProcess | None: ...
-    @property
-    def act(self) -> Effects: ...
-    @property
-    def gate(self) -> Gate: ...
-    @property
-    def watch(self) -> EngineWatch: ...
-    @property
-    def relaunch(self) -> RelaunchLog: ...
-    @property
-    def handover(self) -> Handover: ...
-    @property
-    def failures(self) -> Failures: ...
-
-    def facts(self) -> UnitFacts: ...
-    def decided(self, record: DecisionRecord) -> None: ...
-    def count_restart(self, reason: str) -> None: ...
-    def restart_engine(self, reason: str, graceful: bool = True) -> None: ...
-    def take_down(self, graceful: bool) -> None: ...
-    def sync_gate(self) -> None: ...
-    def audit(self, event: str, **fields: Any) -> None: ...
 
 
 class Remedies:
-    def __init__(self, unit: RemedyingUnit) -> None:
-        self.u = unit
+    def __init__(self) -> None:
         # operators' in-place remedies, answered when the one under way ends
         self._replies: list[asyncio.Future[dict[str, Any]]] = []
 
-    def carry_out(self, intents: list[Intent]) -> None:
-        u = self.u
+    def carry_out(self, intents: list[Intent], facts: UnitFacts) -> list[Step]:
+        """The steps of the watchdog's intents, in order."""
+        out: list[Step] = []
         for intent in intents:
             if isinstance(intent, Decided):
-                u.decided(intent.record)
+                out.append(do.Record(intent.record))
             elif isinstance(intent, Restart):
                 if intent.rung is not None:
-                    u.relaunch.begin(intent.rung, intent.reason)
-                if (intent.graceful and intent.rung is not None and intent.evidence is None
-                        and u.handover.begin_upgrade(intent.reason, "policy")):
-                    continue  # a relaunch with new arguments: through the standby
-                u.count_restart("policy")
+                    out.append(do.RelaunchBegin(intent.rung, intent.reason))
+                cold: list[Step] = [do.CountRestart("policy")]
                 if intent.evidence is not None:
-                    u.slot.capture_at_take_down(intent.evidence)
-                u.restart_engine(intent.reason, graceful=intent.graceful)
+                    cold.append(do.CaptureEvidence(intent.evidence))
+                cold.append(do.RestartEngine(intent.reason, graceful=intent.graceful))
+                if intent.graceful and intent.rung is not None and intent.evidence is None:
+                    # a relaunch with new arguments: through the standby when one can be
+                    out.append(do.Upgrade(intent.reason, "policy", tuple(cold)))
+                else:
+                    out += cold
             elif isinstance(intent, HoldDown):
                 if intent.evidence is not None:
-                    u.slot.capture_at_take_down(intent.evidence)
-                u.failures.give_up(intent.reason)
-                if u.engine is not None and not u.slot.taking_down:
-                    u.take_down(graceful=True)
+                    out.append(do.CaptureEvidence(intent.evidence))
+                out.append(do.GiveUp(intent.reason))
+                if facts.engine is not None and not facts.taking_down:
+                    out.append(do.TakeDown(graceful=True))
             elif isinstance(intent, BeginRemedy):
-                assert u.engine is not None
-                u.sync_gate()  # (a KV reset holds new requests from now on)
-                u.act.remedy(u.engine, intent.rung)
+                assert facts.engine is not None
+                # (a KV reset holds new requests from now on)
+                out += [do.SyncGate(), do.StartRemedy(intent.rung)]
             elif isinstance(intent, Throttled):
-                u.sync_gate()  # live at the proxy: in force at once
-                remedy_ended(u.audit, {"rung": "throttle", "outcome": "ok",
-                                       "duration_s": 0.0, "rule": intent.rule,
-                                       "throttle_level": intent.level,
-                                       "max_concurrency": u.gate.concurrency_limit})
+                out.append(do.Throttle(intent.rule, intent.level))  # live at the proxy
+        return out
 
-    def begin(self, rung: str, reason: str,
-              reply: asyncio.Future[dict[str, Any]] | None = None) -> None:
+    def begin(self, watch: EngineWatch, facts: UnitFacts, rung: str, reason: str,
+              reply: asyncio.Future[dict[str, Any]] | None = None) -> list[Step]:
         """An in-place remedy on the serving engine, as the policy begins one (an
         operator's KV reset is answered by `reply` when it ends)."""
         if reply is not None:
             self._replies.append(reply)
-        self.carry_out([self.u.watch.begin_remedy(rung, reason, self.u.facts())])
+        return self.carry_out([watch.begin_remedy(rung, reason, facts)], facts)
 
-    def done(self, ev: RemedyDone) -> None:
+    def done(self, ev: RemedyDone, watch: EngineWatch, facts: UnitFacts,
+             waiting: int) -> list[Step]:
         """The remedy under way ended (whichever engine it was about): its operators are
-        answered, and what the watchdog asks next is carried out."""
-        u = self.u
-        fields, intents = u.watch.on_remedy_done(ev, u.facts(), u.gate.waiting)
+        answered, and the steps of what the watchdog asks next."""
+        fields, intents = watch.on_remedy_done(ev, facts, waiting)
         for reply in self._replies:
             if not reply.done():
                 reply.set_result(fields)
         self._replies.clear()
-        self.carry_out(intents)
+        return self.carry_out(intents, facts)

@@ -46,7 +46,8 @@ import structlog
 from supervisor.config import DEFAULT_ENGINE, Config, EngineConfig
 from supervisor.engine import commands, views
 from supervisor.engine import process as eng
-from supervisor.engine.effects import Effects, Front
+from supervisor.engine import steps as do
+from supervisor.engine.effects import Effects, Front, Timer
 from supervisor.engine.events import (
     BackoffElapsed,
     CanaryDone,
@@ -79,13 +80,14 @@ from supervisor.engine.events import (
 from supervisor.engine.failures import Failures
 from supervisor.engine.gatekeeper import GateKeeper
 from supervisor.engine.handover import Handover
-from supervisor.engine.intents import RelaunchLog
+from supervisor.engine.intents import Intent, RelaunchLog, remedy_ended
 from supervisor.engine.jobs import JobEffects
 from supervisor.engine.notices import SystemdNotices
 from supervisor.engine.remedies import Remedies
 from supervisor.engine.slot import EngineSlot
 from supervisor.engine.standby import Standby
 from supervisor.engine.states import State, check_transition
+from supervisor.engine.steps import PairFacts, Step
 from supervisor.engine.watch import EngineWatch, UnitFacts
 from supervisor.front.admission import Gate, GateLimits
 from supervisor.loop import Clock
@@ -140,7 +142,7 @@ class EngineUnit:
         # the serving engine's place, from spawn to reap
         self.slot = EngineSlot(self.act, self.audit, lambda: next(generations), bay=0)
         # the standby (its place: bay 1) and every handover to it (engine/handover.py)
-        self.handover = Handover(self, Standby(
+        self.handover = Handover(Standby(
             self.act, self.audit, self.clock.monotonic,
             EngineSlot(self.act, self.audit, lambda: next(generations), bay=1)))
         self.serving_starts = 0  # engines that took the serving place (cold or failover)
@@ -148,7 +150,8 @@ class EngineUnit:
         self.exit_code = 0
         self.restarts_by_reason: dict[str, int] = {}
         # the backoff after a failure, a start refused, giving up (engine/failures.py)
-        self.failures = Failures(self, self.config.restart)
+        self.failures = Failures(self.config.restart)
+        self._backoff: Timer | None = None  # the backoff's timer (its end: `Failures`)
         # a restart or stop under way ends by this (monotonic); None: none under way
         self.stop_deadline: float | None = None
         self.keeper = GateKeeper(self.gate, self.audit)  # opens, holds, closes the gate
@@ -159,7 +162,7 @@ class EngineUnit:
         self.relaunch = RelaunchLog(self.audit, self.clock.monotonic,
                                     lambda: self.gate.waiting if self.fronted else None)
         # what the watchdog asks, carried out (engine/remedies.py)
-        self.remedies = Remedies(self)
+        self.remedies = Remedies()
         self._done = False
 
     # ---- running ----------------------------------------------------------------------
@@ -197,7 +200,7 @@ class EngineUnit:
         # an old engine's remedy must still end, and its operator be answered)
         if self.handover.standby.owns(event) \
                 and not isinstance(event, EvidenceCaptured | RemedyDone):
-            self.handover.on_event(event)
+            self.run_steps(self.handover.on_event(self.pair_facts(), event))
         else:
             handler: Callable[[Any], None] = getattr(self, f"handle_{event.name}")
             handler(event)
@@ -263,7 +266,112 @@ class EngineUnit:
         self.keeper.sync(self.state, self.state_reason, self.watch.holds_requests(),
                          self.watch.tuning.throttle_level if self.fronted else 0, ended,
                          suspect=self.watch.suspect(),
-                         swap=self.state is State.DRAINING and self.handover.fits())
+                         swap=self.state is State.DRAINING
+                         and self.handover.fits(self.pair_facts()))
+
+    def pair_facts(self) -> PairFacts:
+        """The unit's state as its deciders read it, now (`supervisor/engine/steps.py`)."""
+        evidence_s = self.config.evidence.timeout_s + 1.0 \
+            if self.slot.evidence_for is not None and self.config.evidence.enabled else 0.0
+        return PairFacts(self.state, self.slot, self.config, self.environ, self.fronted,
+                         self.clock.monotonic(), self.stop_deadline, self.restart_reason,
+                         self.engine_config, evidence_s)
+
+    def carry_out(self, intents: list[Intent]) -> None:
+        """What the watchdog asks (`supervisor/engine/remedies.py`)."""
+        self.run_steps(self.remedies.carry_out(intents, self.facts()))
+
+    def begin_remedy(self, rung: str, reason: str,
+                     reply: asyncio.Future[dict[str, Any]] | None = None) -> None:
+        """An in-place remedy on the serving engine (an operator's: answered at its end)."""
+        self.run_steps(self.remedies.begin(self.watch, self.facts(), rung, reason, reply))
+
+    def run_steps(self, steps: list[Step]) -> None:
+        """The deciders' steps (`supervisor/engine/steps.py`), carried out in order: the
+        unit's one executor."""
+        for step in steps:
+            self._carry_out(step)
+
+    def _carry_out(self, step: Step) -> None:
+        """One step of a decider's, by the one unit method, effect or decider that owns
+        what it changes; a step that is another decider's (`Fail`, `GiveUp`, `Abandon`,
+        `Upgrade`) asks that decider with the unit's state as it is now."""
+        match step:
+            case do.SetState(state, reason):
+                self.set_state(state, reason)
+            case do.Decide(action, reason):
+                self.decide(action, reason)
+            case do.Record(record):
+                self.decided(record)
+            case do.Audit(event, fields):
+                self.audit(event, **fields)
+            case do.CountRestart(reason):
+                self.count_restart(reason)
+            case do.StartEngine(reason):
+                self.start_engine(reason)
+            case do.SpawnServing():
+                self.spawn_serving()
+            case do.RestartEngine(reason, graceful):
+                self.restart_engine(reason, graceful)
+            case do.StopDeadline(at):
+                if self.stop_deadline is None:
+                    self.stop_deadline = at
+            case do.TakeDown(graceful):
+                self.take_down(graceful)
+            case do.TakeDownIn(slot, graceful, deadline):
+                self.take_down_in(slot, graceful, deadline)
+            case do.CaptureEvidence(evidence):
+                self.slot.capture_at_take_down(evidence)
+            case do.ServeFrom(slot):
+                self.serve_from(slot)
+            case do.MaybeFinishStop():
+                self.maybe_finish_stop()
+            case do.NotifyReady(text):
+                self.notices.ready_once(text)
+            case do.Fail(reason, healthy_for):
+                self.run_steps(self.failures.fail(self.pair_facts(), reason, healthy_for))
+            case do.GiveUp(reason, engine):
+                self.run_steps(self.failures.give_up(self.pair_facts(), reason, engine))
+            case do.Abandon(why, deadline):
+                self.handover.abandon(why, deadline, self.clock.monotonic())
+            case do.Upgrade(why, label, otherwise):
+                began = self.handover.begin_upgrade(self.pair_facts(), why, label)
+                self.run_steps(list(otherwise) if began is None else began)
+            case do.ArmBackoff(delay_s, generation):
+                self.arm_backoff(delay_s, generation)
+            case do.CancelBackoff():
+                self.cancel_backoff()
+            case do.Admit():
+                self.keeper.admit()
+            case do.Follow(engine):
+                self.act.follow(engine)
+            case do.Serve(engine):
+                self.act.serve(engine)
+            case do.ProbeGate(engine):
+                self.act.gate_probe(engine)
+            case do.Wake(engine):
+                self.act.wake(engine)
+            case do.DrainBehind(engine, deadline):
+                self.act.drain_behind(engine, deadline)
+            case do.SyncGate():
+                self.sync_gate()
+            case do.StartRemedy(rung):
+                assert self.engine is not None
+                self.act.remedy(self.engine, rung)
+            case do.Throttle(rule, level):
+                self.sync_gate()  # live at the proxy: in force at once
+                remedy_ended(self.audit, {"rung": "throttle", "outcome": "ok", "duration_s": 0.0,
+                                       "rule": rule, "throttle_level": level,
+                                       "max_concurrency": self.gate.concurrency_limit})
+            case do.RelaunchBegin(rung, reason):
+                self.relaunch.begin(rung, reason)
+            case do.Relaunch(what):
+                {"starting": self.relaunch.starting, "standby_ready": self.relaunch.standby_ready,
+                 "taken_down": self.relaunch.taken_down, "down": self.relaunch.down}[what]()
+            case do.RelaunchFinish(outcome, error):
+                self.relaunch.finish(outcome, error)
+            case _:
+                raise AssertionError(f"no executor for step {step!r}")
 
     def facts(self) -> UnitFacts:
         """The unit's state as its watchdog half reads it."""
@@ -306,10 +414,10 @@ class EngineUnit:
         self.keeper.hold_until_proven()
         self.relaunch.starting()
         self.serving_starts += 1
-        self.handover.cold_start()
         self.set_state(State.STARTING, reason)
+        self.handover.cold_start(f := self.pair_facts())
         self.decide("start", reason)
-        if self.handover.start_first():
+        if self.handover.start_first(f):
             return
         self.spawn_serving()
 
@@ -335,12 +443,14 @@ class EngineUnit:
             if self.state is State.STOPPING:
                 self.maybe_finish_stop()
             elif ev.gpu_busy:
-                self.failures.start_refused(ev.error or "GPU busy")
+                self.run_steps(self.failures.start_refused(self.pair_facts(),
+                                                           ev.error or "GPU busy"))
             elif self.state is State.DRAINING:
                 self.start_engine(self.restart_reason)
             else:
-                self.failures.fail(f"engine could not be started: {ev.error}",
-                                   healthy_for=None)
+                self.run_steps(self.failures.fail(
+                    self.pair_facts(), f"engine could not be started: {ev.error}",
+                    healthy_for=None))
             return
         self.failures.started()
         if self.fronted:
@@ -370,16 +480,15 @@ class EngineUnit:
 
     def _crashed(self, engine: eng.EngineProcess) -> None:
         """The serving engine failed unasked: the standby serves, or a cold start."""
-        if self.state is State.RUNNING and self.handover.fits():
+        f = self.pair_facts()
+        why = f"engine {self.slot.last_exit} without being asked"
+        if self.state is State.RUNNING and self.handover.fits(f):
             self.count_restart("crash")
-            self.handover.fail_over(f"engine {self.slot.last_exit} without being asked",
-                                    graceful=False)
+            self.run_steps(self.handover.fail_over(f, why, graceful=False))
             return
-        healthy_for = (self.clock.monotonic() - engine.healthy_at
-                       if engine.healthy_at is not None else None)
-        self.handover.serving_failed()  # (a handover to it under way is over)
-        self.failures.fail(f"engine {self.slot.last_exit} without being asked",
-                           healthy_for=healthy_for)
+        healthy_for = f.now - engine.healthy_at if engine.healthy_at is not None else None
+        self.handover.serving_failed(f)  # (a handover to it under way is over)
+        self.run_steps(self.failures.fail(f, why, healthy_for=healthy_for))
 
     def handle_health_result(self, ev: HealthResult) -> None:
         engine = self.slot.current(ev.generation)
@@ -393,19 +502,30 @@ class EngineUnit:
                            f"/health answered 200 after {now - engine.started_at:.1f} s")
             self.notices.ready_once(f"RUNNING: engine pid {engine.pid} serving")
             self.act.serve(engine)
-            self.handover.arm()
+            self.handover.arm(self.pair_facts())
             if self.fronted and self.config.canary.enabled:
                 self.act.gate_probe(engine)  # held requests go once one canary passed
             else:
                 self.keeper.admit()  # no canary to wait for: healthy is all we know
                 self.relaunch.finish("ok", None)  # serving: nothing more is waited for
         elif engine.exit_code is None:
-            self.failures.fail(
+            self.run_steps(self.failures.fail(
+                self.pair_facts(),
                 f"engine not healthy within {engine.config.startup_timeout_s:g} s",
-                healthy_for=None)
+                healthy_for=None))
 
     def handle_backoff_elapsed(self, ev: BackoffElapsed) -> None:
-        self.failures.backoff_elapsed(ev)
+        self._backoff = None
+        self.run_steps(self.failures.backoff_elapsed(self.pair_facts(), ev))
+
+    def arm_backoff(self, delay_s: float, generation: int) -> None:
+        self.cancel_backoff()
+        self._backoff = self.act.after(delay_s, BackoffElapsed(generation))
+
+    def cancel_backoff(self) -> None:
+        if self._backoff is not None:
+            self._backoff.cancel()
+            self._backoff = None
 
     def serve_from(self, slot: EngineSlot) -> None:
         """A failover: the standby's slot is the serving one now (the old one went to the
@@ -420,19 +540,8 @@ class EngineUnit:
     def set_stop_deadline(self, proxy_drain: bool) -> float:
         """The one deadline of the restart or stop beginning now (unless one runs):
         every step of it keeps within what is left (`process.stop_budget_s`)."""
-        if self.stop_deadline is None:
-            e = self.engine
-            evidence_s = self.config.evidence.timeout_s + 1.0 \
-                if self.slot.evidence_for is not None and self.config.evidence.enabled else 0.0
-            self.stop_deadline = self.clock.monotonic() + eng.stop_budget_s(
-                (e.config if e is not None else self.config.engine),
-                proxy_drain=proxy_drain, evidence_s=evidence_s)
+        self.stop_deadline = self.pair_facts().restart_deadline(proxy_drain)
         return self.stop_deadline
-
-    def standby_deadline(self) -> float:
-        """The deadline of a take-down in the standby's place, from now (no drain first)."""
-        return self.clock.monotonic() + eng.stop_budget_s(
-            self.config.engine, proxy_drain=False, evidence_s=0.0)
 
     def take_down(self, graceful: bool) -> None:
         deadline = self.set_stop_deadline(proxy_drain=False)
@@ -465,11 +574,11 @@ class EngineUnit:
                 self.exit_code = 1
             self.maybe_finish_stop()
         elif problem is not None and self.state is not State.FATAL:
-            self.failures.give_up(problem, engine)
+            self.run_steps(self.failures.give_up(self.pair_facts(), problem, engine))
         elif self.state is State.DRAINING:
             self.start_engine(self.restart_reason)
         elif self.state in (State.BACKOFF, State.FATAL):
-            self.failures.down(engine, problem)
+            self.run_steps(self.failures.down(self.pair_facts(), engine, problem))
 
     # ---- stop and restart -------------------------------------------------------------
 
@@ -485,12 +594,13 @@ class EngineUnit:
                 self.audit("force_stop", reason=reason)
                 self.slot.force.set()
             return
-        self.failures.cancel_backoff()
+        self.run_steps(self.failures.cancel_backoff())
         self.set_state(State.STOPPING, reason)
         self.relaunch.finish("abandoned", f"the daemon is stopping: {reason}")
         self.decide("stop", reason)
         self.notices.stopping(f"STOPPING: {reason}")
-        self.handover.abandon("the daemon is stopping", self.set_stop_deadline(proxy_drain=False))
+        self.handover.abandon("the daemon is stopping",
+                              self.set_stop_deadline(proxy_drain=False), self.clock.monotonic())
         if self.engine is not None and not self.slot.taking_down:
             self.take_down(graceful=True)
         else:
@@ -525,22 +635,24 @@ class EngineUnit:
                     log.info("restart: streams paused, to go on on the new engine",
                              paused=paused)
                 if graceful and self.fronted and self.gate.in_flight \
-                        and self.handover.swaps_at_once():
+                        and self.handover.swaps_at_once(f := self.pair_facts()):
                     # an awake standby takes the new requests now; the ones at the old
                     # engine finish there before its SIGTERM
-                    self.handover.fail_over(reason, graceful, drain_behind=True)
+                    self.run_steps(self.handover.fail_over(f, reason, graceful,
+                                                           drain_behind=True))
                 elif graceful and self.fronted and self.gate.in_flight:
                     # The gate holds new requests now; let the ones at the engine finish
                     # before SIGTERM (vLLM's own drain aborts streams), bounded.
                     self.act.drain(self.engine, self.set_stop_deadline(proxy_drain=True))
                 else:
-                    self.handover.swap_or_take_down(graceful)
+                    self.run_steps(self.handover.swap_or_take_down(self.pair_facts(),
+                                                                   graceful))
             elif self.engine is None and not self.slot.spawning:
                 self.start_engine(reason)  # (its standby was starting first)
             # a take-down already running (a crash being reaped) ends in handle_down
         elif s in (State.BACKOFF, State.FATAL):
             self.restart_reason = reason
-            self.failures.restart(reason)
+            self.run_steps(self.failures.restart(self.pair_facts(), reason))
         elif s is State.DRAINING:
             raise CommandError("a restart is already in progress")
         else:
@@ -549,10 +661,10 @@ class EngineUnit:
     # ---- the standby's events (the handover's: supervisor/engine/handover.py) ---------
 
     def handle_standby_due(self, _: StandbyDue) -> None:
-        self.handover.due()
+        self.handover.due(self.pair_facts())
 
     def handle_woken(self, ev: Woken) -> None:
-        self.handover.woken(ev)
+        self.run_steps(self.handover.woken(self.pair_facts(), ev))
 
     def handle_slept(self, ev: Slept) -> None:
         """The answer of a sleep asked of a standby no longer in its place (retired, its
@@ -598,7 +710,7 @@ class EngineUnit:
         self.watch.on_sleep_mode_probed(ev, self.facts())
 
     def handle_remedy_done(self, ev: RemedyDone) -> None:
-        self.remedies.done(ev)
+        self.run_steps(self.remedies.done(ev, self.watch, self.facts(), self.gate.waiting))
 
     def handle_drained(self, ev: Drained) -> None:
         engine = self.engine
@@ -609,7 +721,7 @@ class EngineUnit:
                 or self.state not in (State.DRAINING, State.STOPPING)):
             return  # the engine is gone already (a crash being reaped) or a stop took over
         if self.state is State.DRAINING:
-            self.handover.swap_or_take_down(graceful=True)
+            self.run_steps(self.handover.swap_or_take_down(self.pair_facts(), graceful=True))
         else:
             self.take_down(graceful=True)
 
@@ -617,14 +729,16 @@ class EngineUnit:
         if (self.engine is None or self.engine.generation != ev.generation
                 or self.state is not State.RUNNING):
             return
-        if self.handover.proof_failed(ev):
+        failed = self.handover.proof_failed(f := self.pair_facts(), ev)
+        if failed is not None:
+            self.run_steps(failed)
             return
         if not ev.ok:
             log.warning("the first canary failed; releasing held requests anyway",
                         error=ev.error, waiting=self.gate.waiting)
         self.relaunch.finish("ok", None if ev.ok else f"the first canary failed: {ev.error}")
         self.keeper.admit()  # (`sync_gate` lets the held requests go)
-        self.handover.done()
+        self.run_steps(self.handover.done(f))
         if self.keeper.drained_by_operator:
             log.info("engine ready; requests stay held until `resume`", waiting=self.gate.waiting)
 
@@ -642,7 +756,7 @@ class EngineUnit:
     def handle_tick(self, _: Tick) -> None:
         now = self.clock.monotonic()
         self.notices.tick(now, starting=self.state in (State.STARTING, State.BACKOFF))
-        self.remedies.carry_out(self.watch.evaluate(now, self.facts()))
+        self.carry_out(self.watch.evaluate(now, self.facts()))
 
     def handle_reloaded(self, ev: Reloaded) -> None:
         commands.reloaded(self, ev)

@@ -164,7 +164,7 @@ def status(unit: Viewable) -> dict[str, Any]:
         "stop_deadline_in_s": (round(max(0.0, unit.stop_deadline - now), 3)
                                if unit.stop_deadline is not None else None),
         "fatal_reason": unit.failures.fatal_reason if unit.state is State.FATAL else None,
-        "standby": unit.handover.status(now),
+        "standby": unit.handover.status(now, unit.config.engine.standby),
         "start": starting(unit, now),
         "start_blocked": unit.failures.start_blocked if unit.state is State.BACKOFF else None,
         "remedies": {

@@ -1,0 +1,312 @@
+"""What the engine pair's deciders ask their unit to do: steps, as data.
+
+`Handover` (`supervisor/engine/handover.py`: the standby and every handover to it),
+`Failures` (`supervisor/engine/failures.py`: the backoff after a failure, giving up) and
+`Remedies` (`supervisor/engine/remedies.py`: what the watchdog asks) read the unit's
+state as `PairFacts`, a snapshot they cannot change, and return the steps that follow
+from an event. The unit's one executor (`EngineUnit.run_steps`) carries them out in order: it
+alone writes the unit's state (its lifecycle, its serving place, the restart's deadline,
+the gate's admission, the backoff timer). A step that belongs to another decider (a
+failed takeover is a failure; giving up abandons the standby) goes through the executor
+too, so the deciders never call each other. Frozen values; nothing here acts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from supervisor.config import Config, EngineConfig
+from supervisor.engine import process as eng
+from supervisor.engine.events import DecisionRecord
+from supervisor.engine.intents import EvidenceFor
+from supervisor.engine.slot import EngineSlot
+from supervisor.engine.states import State
+
+
+@dataclass(frozen=True)
+class PairFacts:
+    """The unit's state as its deciders read it, at one moment."""
+
+    state: State
+    slot: EngineSlot  # the serving engine's place (read here, written by the unit alone)
+    config: Config
+    environ: Mapping[str, str]
+    fronted: bool  # a front proxy holds this engine's requests
+    now: float  # monotonic
+    stop_deadline: float | None  # the restart or stop under way's, if any
+    restart_reason: str
+    # what an engine started now in a bay runs with (`EngineUnit.engine_config`)
+    engine_config: Callable[[int], EngineConfig]
+    evidence_s: float = 0.0  # the evidence a take-down captures first, its budget
+
+    @property
+    def engine(self) -> eng.EngineProcess | None:
+        return self.slot.engine
+
+    @property
+    def generation(self) -> int:
+        return self.slot.generation
+
+    def restart_deadline(self, proxy_drain: bool) -> float:
+        """The one deadline of the restart or stop under way, or of one beginning now:
+        every step of it keeps within what is left (`process.stop_budget_s`)."""
+        if self.stop_deadline is not None:
+            return self.stop_deadline
+        e = self.engine
+        return self.now + eng.stop_budget_s(e.config if e is not None else self.config.engine,
+                                            proxy_drain=proxy_drain,
+                                            evidence_s=self.evidence_s)
+
+    def standby_deadline(self) -> float:
+        """The deadline of a take-down in the standby's place, from now (no drain)."""
+        return self.now + eng.stop_budget_s(self.config.engine, proxy_drain=False,
+                                            evidence_s=0.0)
+
+    def spawn_spec(self, bay: int) -> eng.SpawnSpec:
+        return eng.build_spawn_spec(self.engine_config(bay), self.environ)
+
+
+# ---- the lifecycle -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SetState:
+    state: State
+    reason: str
+
+
+@dataclass(frozen=True)
+class Decide:
+    """The unit's last decision (for `status`)."""
+
+    action: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Record:
+    """The policy decided, with its evidence: the unit's last decision."""
+
+    record: DecisionRecord
+
+
+@dataclass(frozen=True)
+class Audit:
+    event: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CountRestart:
+    reason: str  # the restart's label (crash, boot_failure, policy, an upgrade's)
+
+
+@dataclass(frozen=True)
+class StartEngine:
+    """A cold start (STARTING; its standby first when two do not fit)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class SpawnServing:
+    """The serving engine's spawn, in the serving place (beside its sleeping standby)."""
+
+
+@dataclass(frozen=True)
+class RestartEngine:
+    reason: str
+    graceful: bool = True
+
+
+@dataclass(frozen=True)
+class StopDeadline:
+    """The restart or stop beginning now ends by `at` (kept if one is under way)."""
+
+    at: float
+
+
+@dataclass(frozen=True)
+class TakeDown:
+    """The serving engine taken down, within the restart's deadline."""
+
+    graceful: bool
+
+
+@dataclass(frozen=True)
+class TakeDownIn:
+    """The engine in `slot` taken down (the standby's place: a failed standby, the old
+    serving engine behind a failover)."""
+
+    slot: EngineSlot
+    graceful: bool
+    deadline: float
+
+
+@dataclass(frozen=True)
+class CaptureEvidence:
+    """The serving engine's next take-down captures evidence for (rule, reason) first."""
+
+    evidence: EvidenceFor
+
+
+@dataclass(frozen=True)
+class ServeFrom:
+    """A failover: `slot` (the standby's) is the serving place now."""
+
+    slot: EngineSlot
+
+
+@dataclass(frozen=True)
+class MaybeFinishStop:
+    """STOPPED once both places are empty."""
+
+
+@dataclass(frozen=True)
+class NotifyReady:
+    """systemd's start returns, its status saying `text` (once per daemon start)."""
+
+    text: str
+
+
+# ---- another decider's --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Fail:
+    """The engine failed (`Failures.fail`): back off or give up."""
+
+    reason: str
+    healthy_for: float | None
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """FATAL (`Failures.give_up`), with the last error lines of `engine` (default: the
+    serving one)."""
+
+    reason: str
+    engine: eng.EngineProcess | None = None
+
+
+@dataclass(frozen=True)
+class Abandon:
+    """No more standby for now (`Handover.abandon`)."""
+
+    why: str
+    deadline: float
+
+
+@dataclass(frozen=True)
+class Upgrade:
+    """What the engine runs changed: through a standby with the new arguments
+    (`Handover.begin_upgrade`) when one can begin, else the steps `otherwise`."""
+
+    why: str
+    label: str
+    otherwise: tuple[Step, ...]
+
+
+# ---- the backoff -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ArmBackoff:
+    """A BackoffElapsed for `generation` in `delay_s` (replacing any timer under way)."""
+
+    delay_s: float
+    generation: int
+
+
+@dataclass(frozen=True)
+class CancelBackoff:
+    pass
+
+
+# ---- the proxy and the engines' jobs ---------------------------------------------------
+
+@dataclass(frozen=True)
+class Admit:
+    """The engine proved itself: held requests may go (`GateKeeper.admit`)."""
+
+
+@dataclass(frozen=True)
+class Follow:
+    """The proxy's route for this engine goes to `engine` now."""
+
+    engine: eng.EngineProcess
+
+
+@dataclass(frozen=True)
+class Serve:
+    """`engine` serves: its watchers start (metrics, canary, progress)."""
+
+    engine: eng.EngineProcess
+
+
+@dataclass(frozen=True)
+class ProbeGate:
+    """A first generation at `engine`: held requests go once it answered."""
+
+    engine: eng.EngineProcess
+
+
+@dataclass(frozen=True)
+class Wake:
+    engine: eng.EngineProcess
+
+
+@dataclass(frozen=True)
+class DrainBehind:
+    """The requests at the old `engine` behind a swap finish there, up to `deadline`."""
+
+    engine: eng.EngineProcess
+    deadline: float
+
+
+@dataclass(frozen=True)
+class SyncGate:
+    """The gate follows the watchdog's hold or throttle now (not only after the event)."""
+
+
+@dataclass(frozen=True)
+class StartRemedy:
+    """An in-place remedy on the serving engine (a KV reset, a prefix-cache reset)."""
+
+    rung: str
+
+
+@dataclass(frozen=True)
+class Throttle:
+    """The throttle level changed: in force at the gate now, audited as a remedy."""
+
+    rule: str
+    level: int
+
+
+@dataclass(frozen=True)
+class RelaunchBegin:
+    """The policy's relaunch begins (audited once when it ends: `RelaunchLog`)."""
+
+    rung: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Relaunch:
+    """A step of the policy's relaunch under way, for its audit (`RelaunchLog`):
+    starting, standby_ready, taken_down, down."""
+
+    step: str
+
+
+@dataclass(frozen=True)
+class RelaunchFinish:
+    outcome: str
+    error: str | None
+
+
+Step = (SetState | Decide | Record | Audit | CountRestart | StartEngine | SpawnServing
+        | RestartEngine | StopDeadline | TakeDown | TakeDownIn | CaptureEvidence | ServeFrom
+        | MaybeFinishStop | NotifyReady | Fail | GiveUp | Abandon | Upgrade | ArmBackoff
+        | CancelBackoff | Admit | Follow | Serve | ProbeGate | Wake | DrainBehind | SyncGate
+        | StartRemedy | Throttle | RelaunchBegin | Relaunch | RelaunchFinish)
