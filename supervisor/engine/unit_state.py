@@ -1,0 +1,481 @@
+"""One engine unit's state, and the one executor of the steps that change it.
+
+`UnitState` holds everything the unit owns (`supervisor/engine/unit.py` is the task that
+feeds it events): the lifecycle (`set_state`, checked by `supervisor/engine/states.py`),
+the serving engine's place (`slot`; a failover's `serve_from` swaps it for the
+standby's), the restart's one deadline, the gate's admission (`keeper`), the backoff's
+timer, the counts. Its deciders (`Handover`, `Failures`, `Remedies`) read it as
+`PairFacts` and return steps (`supervisor/engine/steps.py`); `run_steps` carries them
+out, each by the one method here, effect or decider that owns what it changes. So every
+piece of the unit's state has one writer: this class.
+"""
+
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from supervisor.config import DEFAULT_ENGINE, Config, EngineConfig
+from supervisor.engine import process as eng
+from supervisor.engine import steps as do
+from supervisor.engine import views
+from supervisor.engine.effects import Effects, Front, Timer
+from supervisor.engine.events import (
+    BackoffElapsed,
+    CommandError,
+    DecisionRecord,
+    Event,
+    iso_time,
+)
+from supervisor.engine.failures import Failures
+from supervisor.engine.gatekeeper import GateKeeper
+from supervisor.engine.handover import Handover
+from supervisor.engine.intents import Intent, RelaunchLog, remedy_ended
+from supervisor.engine.jobs import JobEffects
+from supervisor.engine.notices import SystemdNotices
+from supervisor.engine.remedies import Remedies
+from supervisor.engine.slot import EngineSlot
+from supervisor.engine.standby import Standby
+from supervisor.engine.states import State, check_transition
+from supervisor.engine.steps import PairFacts, Step
+from supervisor.engine.watch import EngineWatch, UnitFacts
+from supervisor.front.admission import Gate, GateLimits
+from supervisor.loop import Clock
+from supervisor.ops.audit import AuditTrail
+from supervisor.ops.logs import set_level
+from supervisor.ops.sdnotify import Notifier
+from supervisor.watchdog import relaunch
+from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
+
+log = structlog.get_logger("supervisor")
+
+
+
+
+@dataclass
+class UnitState:
+    config: Config
+    notifier: Notifier
+    gpu: GpuProcessLister
+    sampler: GpuSampler | None = None  # NVML or scripted readings; None: no GPU signals
+    clock: Clock = field(default_factory=Clock)
+    environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    tick_interval_s: float = 1.0
+    effects: Effects | None = None  # None: the daemon's own jobs (JobEffects)
+    name: str = DEFAULT_ENGINE  # the engine's name ([engines.NAME]; "default" for [engine])
+    # the processes of the host's other engines: on a shared GPU, their memory is expected
+    siblings: Callable[[], set[int]] = field(default=lambda: set())
+    # the front proxy, when [proxy] is on: reached only through the effects
+    front: Front | None = None
+    # a front proxy holds this engine's requests (tests with recording effects say so)
+    fronted: bool = False
+
+    def __post_init__(self) -> None:
+        self.fronted = self.fronted or self.front is not None
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.gate = Gate(self._gate_limits())  # this engine's admission, at the proxy
+        # every process, socket and timer this task sets going goes through `act`
+        self.act: Effects = self.effects if self.effects is not None else JobEffects(
+            queue=self.queue, config=lambda: self.config, clock=self.clock,
+            environ=self.environ, gpu=self.gpu, siblings=self.siblings, gate=self.gate,
+            front=self.front, name=self.name)
+        self.state = State.STOPPED
+        self.state_reason = "not started"
+        self.state_since = self.clock.monotonic()
+        self.started_at = self.clock.monotonic()
+        self.not_running_since: float | None = self.started_at  # None while RUNNING
+        self.last_start_s: float | None = None  # the last cold start: spawn to healthy
+        self.audit_trail = AuditTrail(self.config.audit.path, self.config.audit.max_bytes,
+                                      self.config.audit.backups)
+        self.watch = EngineWatch(self.config, self.environ, self.clock.monotonic,
+                                 self.clock.wall, self.audit)
+        generations = itertools.count(1)
+        # the serving engine's place, from spawn to reap
+        self.slot = EngineSlot(self.act, self.audit, lambda: next(generations), bay=0)
+        # the standby (its place: bay 1) and every handover to it (engine/handover.py)
+        self.handover = Handover(Standby(
+            self.act, self.audit, self.clock.monotonic,
+            EngineSlot(self.act, self.audit, lambda: next(generations), bay=1)))
+        self.serving_starts = 0  # engines that took the serving place (cold or failover)
+        self.last_decision: DecisionRecord | None = None  # the latest, lifecycle steps included
+        self.exit_code = 0
+        self.restarts_by_reason: dict[str, int] = {}
+        # the backoff after a failure, a start refused, giving up (engine/failures.py)
+        self.failures = Failures(self.config.restart)
+        self._backoff: Timer | None = None  # the backoff's timer (its end: `Failures`)
+        # a restart or stop under way ends by this (monotonic); None: none under way
+        self.stop_deadline: float | None = None
+        self.keeper = GateKeeper(self.gate, self.audit)  # opens, holds, closes the gate
+        self.restart_reason = ""
+        self.notices = SystemdNotices(self.notifier)
+        self._stop_replies: list[asyncio.Future[dict[str, Any]]] = []
+        # a relaunch the policy chose, audited once when it ends
+        self.relaunch = RelaunchLog(self.audit, self.clock.monotonic,
+                                    lambda: self.gate.waiting if self.fronted else None)
+        # what the watchdog asks, carried out (engine/remedies.py)
+        self.remedies = Remedies()
+        self._done = False
+
+    def set_state(self, new: State, reason: str) -> None:
+        old = self.state
+        check_transition(old, new)
+        self.state = new
+        self.state_reason = reason
+        self.state_since = self.clock.monotonic()
+        if new is State.RUNNING:
+            self.not_running_since = None
+        elif self.not_running_since is None:
+            self.not_running_since = self.state_since
+        pid = self.engine.pid if self.engine else None
+        log.info("state change", **{"from": old.value, "to": new.value}, reason=reason, pid=pid)
+        self.audit("state", **{"from": old.value, "to": new.value}, reason=reason, pid=pid)
+        self.notices.status(f"{new.value}: {reason}")
+
+    def decide(self, action: str, reason: str) -> None:
+        self.decided(DecisionRecord(action, reason, self.clock.wall()))
+
+    def decided(self, record: DecisionRecord) -> None:
+        """The latest decision: a lifecycle step's, or the policy's with its evidence."""
+        self.last_decision = record
+
+    def audit(self, event: str, **fields: Any) -> None:
+        """One entry in the audit trail, naming this engine when there are several."""
+        if self.config.several:
+            fields["engine"] = self.name
+        err = self.audit_trail.append({"time": iso_time(self.clock.wall()), "event": event,
+                                       **fields})
+        if err is not None:
+            log.warning("audit write failed", error=err)
+
+    def sync_gate(self, ended: bool = False) -> None:
+        """The gate follows the state (`supervisor/engine/gatekeeper.py`)."""
+        self.keeper.sync(self.state, self.state_reason, self.watch.holds_requests(),
+                         self.watch.tuning.throttle_level if self.fronted else 0, ended,
+                         suspect=self.watch.suspect(),
+                         swap=self.state is State.DRAINING
+                         and self.handover.fits(self.pair_facts()))
+
+    def pair_facts(self) -> PairFacts:
+        """The unit's state as its deciders read it, now (`supervisor/engine/steps.py`)."""
+        evidence_s = self.config.evidence.timeout_s + 1.0 \
+            if self.slot.evidence_for is not None and self.config.evidence.enabled else 0.0
+        return PairFacts(self.state, self.slot, self.config, self.environ, self.fronted,
+                         self.clock.monotonic(), self.stop_deadline, self.restart_reason,
+                         self.engine_config, evidence_s)
+
+    def carry_out(self, intents: list[Intent]) -> None:
+        """What the watchdog asks (`supervisor/engine/remedies.py`)."""
+        self.run_steps(self.remedies.carry_out(intents, self.facts()))
+
+    def begin_remedy(self, rung: str, reason: str,
+                     reply: asyncio.Future[dict[str, Any]] | None = None) -> None:
+        """An in-place remedy on the serving engine (an operator's: answered at its end)."""
+        self.run_steps(self.remedies.begin(self.watch, self.facts(), rung, reason, reply))
+
+    def run_steps(self, steps: list[Step]) -> None:
+        """The deciders' steps (`supervisor/engine/steps.py`), carried out in order: the
+        unit's one executor."""
+        for step in steps:
+            self._carry_out(step)
+
+    def _carry_out(self, step: Step) -> None:
+        """One step of a decider's, by the one unit method, effect or decider that owns
+        what it changes; a step that is another decider's (`Fail`, `GiveUp`, `Abandon`,
+        `Upgrade`) asks that decider with the unit's state as it is now."""
+        match step:
+            case do.SetState(state, reason):
+                self.set_state(state, reason)
+            case do.Decide(action, reason):
+                self.decide(action, reason)
+            case do.Record(record):
+                self.decided(record)
+            case do.Audit(event, fields):
+                self.audit(event, **fields)
+            case do.CountRestart(reason):
+                self.count_restart(reason)
+            case do.StartEngine(reason):
+                self.start_engine(reason)
+            case do.SpawnServing():
+                self.spawn_serving()
+            case do.RestartEngine(reason, graceful):
+                self.restart_engine(reason, graceful)
+            case do.StopDeadline(at):
+                if self.stop_deadline is None:
+                    self.stop_deadline = at
+            case do.TakeDown(graceful):
+                self.take_down(graceful)
+            case do.TakeDownIn(slot, graceful, deadline):
+                self.take_down_in(slot, graceful, deadline)
+            case do.CaptureEvidence(evidence):
+                self.slot.capture_at_take_down(evidence)
+            case do.ServeFrom(slot):
+                self.serve_from(slot)
+            case do.MaybeFinishStop():
+                self.maybe_finish_stop()
+            case do.NotifyReady(text):
+                self.notices.ready_once(text)
+            case do.Fail(reason, healthy_for):
+                self.run_steps(self.failures.fail(self.pair_facts(), reason, healthy_for))
+            case do.GiveUp(reason, engine):
+                self.run_steps(self.failures.give_up(self.pair_facts(), reason, engine))
+            case do.Abandon(why, deadline):
+                self.handover.abandon(why, deadline, self.clock.monotonic())
+            case do.Upgrade(why, label, otherwise):
+                began = self.handover.begin_upgrade(self.pair_facts(), why, label)
+                self.run_steps(list(otherwise) if began is None else began)
+            case do.ArmBackoff(delay_s, generation):
+                self.arm_backoff(delay_s, generation)
+            case do.CancelBackoff():
+                self.cancel_backoff()
+            case do.Admit():
+                self.keeper.admit()
+            case do.Follow(engine):
+                self.act.follow(engine)
+            case do.Serve(engine):
+                self.act.serve(engine)
+            case do.ProbeGate(engine):
+                self.act.gate_probe(engine)
+            case do.Wake(engine):
+                self.act.wake(engine)
+            case do.DrainBehind(engine, deadline):
+                self.act.drain_behind(engine, deadline)
+            case do.SyncGate():
+                self.sync_gate()
+            case do.StartRemedy(rung):
+                assert self.engine is not None
+                self.act.remedy(self.engine, rung)
+            case do.Throttle(rule, level):
+                self.sync_gate()  # live at the proxy: in force at once
+                remedy_ended(self.audit, {"rung": "throttle", "outcome": "ok", "duration_s": 0.0,
+                                       "rule": rule, "throttle_level": level,
+                                       "max_concurrency": self.gate.concurrency_limit})
+            case do.RelaunchBegin(rung, reason):
+                self.relaunch.begin(rung, reason)
+            case do.Relaunch(what):
+                {"starting": self.relaunch.starting, "standby_ready": self.relaunch.standby_ready,
+                 "taken_down": self.relaunch.taken_down, "down": self.relaunch.down}[what]()
+            case do.RelaunchFinish(outcome, error):
+                self.relaunch.finish(outcome, error)
+            case _:
+                raise AssertionError(f"no executor for step {step!r}")
+
+    def facts(self) -> UnitFacts:
+        """The unit's state as its watchdog half reads it."""
+        return UnitFacts(self.state, self.engine, self.slot.taking_down, self.fronted,
+                         self.gate.in_flight + self.act.probes_in_flight())
+
+    def serving(self) -> bool:
+        """Serving: the engine runs and the gate lets requests through."""
+        return self.state is State.RUNNING and self.gate.held_reason is None \
+            and not self.slot.taking_down
+
+    @property
+    def engine(self) -> eng.EngineProcess | None:
+        return self.slot.engine
+
+    @property
+    def generation(self) -> int:
+        return self.slot.generation
+
+    @property
+    def taking_down(self) -> bool:
+        return self.slot.taking_down
+
+    @property
+    def last_exit(self) -> str | None:
+        return self.slot.last_exit
+
+    @property
+    def drained_by_operator(self) -> bool:
+        return self.keeper.drained_by_operator
+
+    @property
+    def state_value(self) -> str:
+        return self.state.value
+
+    def start_engine(self, reason: str) -> None:
+        self.watch.engine_starting()
+        self.keeper.hold_until_proven()
+        self.relaunch.starting()
+        self.serving_starts += 1
+        self.set_state(State.STARTING, reason)
+        self.handover.cold_start(f := self.pair_facts())
+        self.decide("start", reason)
+        if self.handover.start_first(f):
+            return
+        self.spawn_serving()
+
+    def spawn_serving(self) -> None:
+        cfg = self.engine_config(self.slot.bay)
+        if cfg.args != self.config.engine.args:
+            log.info("engine arguments overridden", overrides=self.watch.overrides(
+                self.fronted), throttle_level=self.watch.tuning.throttle_level)
+        self.slot.spawn(eng.build_spawn_spec(cfg, self.environ), cfg)
+
+    def engine_config(self, bay: int) -> EngineConfig:
+        """What an engine started now in `bay` runs with: the current config, its place's
+        port (bay 1: the standby's), the watchdog's overrides (throttle, batch,
+        speculative tokens)."""
+        cfg = self.config.engine if bay == 0 else self.config.engine.second()
+        overrides = self.watch.overrides(self.fronted)
+        return dataclasses.replace(cfg, args=relaunch.apply(cfg.args, overrides)) \
+            if overrides else cfg
+
+    def arm_backoff(self, delay_s: float, generation: int) -> None:
+        self.cancel_backoff()
+        self._backoff = self.act.after(delay_s, BackoffElapsed(generation))
+
+    def cancel_backoff(self) -> None:
+        if self._backoff is not None:
+            self._backoff.cancel()
+            self._backoff = None
+
+    def serve_from(self, slot: EngineSlot) -> None:
+        """A failover: the standby's slot is the serving one now (the old one went to the
+        standby's place, to be taken down there). The restart that led here is over; the
+        old engine's take-down has its own deadline."""
+        self.slot = slot
+        self.serving_starts += 1
+        self.stop_deadline = None
+        self.watch.engine_starting()
+        self.keeper.hold_until_proven()
+
+    def set_stop_deadline(self, proxy_drain: bool) -> float:
+        """The one deadline of the restart or stop beginning now (unless one runs):
+        every step of it keeps within what is left (`process.stop_budget_s`)."""
+        self.stop_deadline = self.pair_facts().restart_deadline(proxy_drain)
+        return self.stop_deadline
+
+    def take_down(self, graceful: bool) -> None:
+        deadline = self.set_stop_deadline(proxy_drain=False)
+        self.relaunch.taken_down()
+        self.take_down_in(self.slot, graceful, deadline)
+
+    def take_down_in(self, slot: EngineSlot, graceful: bool, deadline: float) -> None:
+        """Take the engine in `slot` down, with the evidence its fault asked for."""
+        req = slot.evidence_request(
+            self.config.evidence.enabled,
+            self.watch.signals(self.clock.monotonic(), slot.engine),
+            self.watch.window.gpu_snapshot(), self.clock.wall())
+        slot.take_down(graceful, req, deadline)
+
+    def begin_stop(self, reason: str,
+                   reply: asyncio.Future[dict[str, Any]] | None = None) -> None:
+        """A stop: the daemon ends once its engines are down (answering `reply` then); a
+        second one skips to the SIGKILL."""
+        if reply is not None:
+            self._stop_replies.append(reply)
+        if self.state is State.STOPPING:
+            if not self.slot.force.is_set():
+                log.warning("second stop request: skipping to SIGKILL", reason=reason)
+                self.audit("force_stop", reason=reason)
+                self.slot.force.set()
+            return
+        self.run_steps(self.failures.cancel_backoff())
+        self.set_state(State.STOPPING, reason)
+        self.relaunch.finish("abandoned", f"the daemon is stopping: {reason}")
+        self.decide("stop", reason)
+        self.notices.stopping(f"STOPPING: {reason}")
+        self.handover.abandon("the daemon is stopping",
+                              self.set_stop_deadline(proxy_drain=False), self.clock.monotonic())
+        if self.engine is not None and not self.slot.taking_down:
+            self.take_down(graceful=True)
+        else:
+            self.maybe_finish_stop()
+        # otherwise: a take-down (ends in handle_down) or a spawn (ends in handle_spawned)
+        # is in flight, and finishes the stop.
+
+    def maybe_finish_stop(self) -> None:
+        """STOPPED once both places are empty (the serving engine's, the standby's)."""
+        if self.engine is None and not self.slot.spawning and self.handover.standby.idle:
+            self._finish_stop()
+
+    def _finish_stop(self) -> None:
+        self.set_state(State.STOPPED, "engine stopped")
+        for reply in self._stop_replies:
+            if not reply.done():
+                reply.set_result({"state": State.STOPPED.value, "exit_code": self.exit_code})
+        self._done = True
+
+    def restart_engine(self, reason: str, graceful: bool = True) -> None:
+        s = self.state
+        if s in (State.STARTING, State.RUNNING):
+            self.restart_reason = reason
+            self.set_state(State.DRAINING, reason)
+            self.decide("restart", reason)
+            if self.engine is not None and not self.slot.taking_down:
+                if self.fronted:
+                    log.info("restart: new requests held", in_flight=self.gate.in_flight,
+                             waiting=self.gate.waiting)
+                if graceful and self.fronted and self.engine.config.drain == "continue":
+                    paused = self.act.pause_streams(self.engine)
+                    log.info("restart: streams paused, to go on on the new engine",
+                             paused=paused)
+                if graceful and self.fronted and self.gate.in_flight \
+                        and self.handover.swaps_at_once(f := self.pair_facts()):
+                    # an awake standby takes the new requests now; the ones at the old
+                    # engine finish there before its SIGTERM
+                    self.run_steps(self.handover.fail_over(f, reason, graceful,
+                                                           drain_behind=True))
+                elif graceful and self.fronted and self.gate.in_flight:
+                    # The gate holds new requests now; let the ones at the engine finish
+                    # before SIGTERM (vLLM's own drain aborts streams), bounded.
+                    self.act.drain(self.engine, self.set_stop_deadline(proxy_drain=True))
+                else:
+                    self.run_steps(self.handover.swap_or_take_down(self.pair_facts(),
+                                                                   graceful))
+            elif self.engine is None and not self.slot.spawning:
+                self.start_engine(reason)  # (its standby was starting first)
+            # a take-down already running (a crash being reaped) ends in handle_down
+        elif s in (State.BACKOFF, State.FATAL):
+            self.restart_reason = reason
+            self.run_steps(self.failures.restart(self.pair_facts(), reason))
+        elif s is State.DRAINING:
+            raise CommandError("a restart is already in progress")
+        else:
+            raise CommandError(f"the daemon is {s.value}")
+
+    @property
+    def restarts(self) -> int:
+        return max(0, self.serving_starts - 1)
+
+    def pids(self) -> set[int]:
+        """Every process of this unit's engines (both places)."""
+        return {p.pid for s in (self.slot, self.handover.standby.slot)
+                if s.engine is not None for p in s.engine.known}
+
+    def count_restart(self, reason: str) -> None:
+        self.restarts_by_reason[reason] = self.restarts_by_reason.get(reason, 0) + 1
+
+    def _gate_limits(self) -> GateLimits:
+        p = self.config.proxy
+        return GateLimits(concurrency=p.max_concurrency, tokens=p.max_tokens_in_flight,
+                          level_factors=tuple(self.config.throttle.level_factors),
+                          queue_max=p.hold_queue_max, max_wait_s=p.hold_timeout_s,
+                          kv_high=p.kv_breaker_high, kv_low=p.kv_breaker_low)
+
+    def reconfigure(self, new: Config) -> None:
+        """A reloaded config in force: every copy of the old one is replaced or
+        reconfigured here (the rest is read from self.config where it is used, the
+        engine's settings at its next start); supervisor/reload.py says which key
+        applies when."""
+        self.config = new
+        self.failures.reconfigure(new.restart)
+        set_level(new.log.level)
+        self.audit_trail = AuditTrail(new.audit.path, new.audit.max_bytes, new.audit.backups)
+        self.watch.reconfigure(new)
+        self.gate.set_limits(self._gate_limits())
+        # (the proxy's shared settings are the host's to reconfigure)
+
+    def status(self) -> dict[str, Any]:
+        """What `vllm-supervisorctl status` shows (supervisor/engine/views.py)."""
+        return views.status(self)
+
