@@ -506,7 +506,19 @@ class Connection(asyncio.Protocol):
 
     async def send(self, data: bytes) -> None:
         """Bytes to the client, waiting while too many are buffered for it."""
+        if not self.send_nowait(data):
+            await self.drain()
+
+    def send_nowait(self, data: bytes) -> bool:
+        """Bytes to the client now; False when too many are buffered for it, and the
+        sender must `drain()` before it sends more (`send` without its coroutine, for a
+        stream's events)."""
         self.write(data)
+        return not self._paused
+
+    async def drain(self) -> None:
+        """Until the client's buffer has room again (at once if it has); the client cut
+        if it takes nothing for `send_timeout_s` (`pause_writing`)."""
         if self._paused:
             if self._drain is None or self._drain.done():
                 self._drain = self.loop.create_future()

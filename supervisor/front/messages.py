@@ -29,6 +29,8 @@ class Connection(Protocol):
     def write(self, data: bytes) -> None: ...
     def write_interim(self, data: bytes) -> None: ...
     async def send(self, data: bytes) -> None: ...
+    def send_nowait(self, data: bytes) -> bool: ...
+    async def drain(self) -> None: ...
 
 _NO_BODY_STATUS = frozenset((204, 304))
 REASONS = {200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
@@ -212,6 +214,13 @@ class StreamResponse:
         await self._conn.send(head)
 
     async def write(self, data: bytes) -> None:
+        if not self.write_nowait(data):
+            await self.drain()
+
+    def write_nowait(self, data: bytes) -> bool:
+        """`write` without waiting (a stream's events, one per engine step): the bytes
+        buffered for the client now; False when its buffer is full, and the writer must
+        `await drain()` before the next."""
         conn = self._conn
         assert conn is not None, "write before prepare"
         if self._ended:
@@ -219,10 +228,14 @@ class StreamResponse:
         if self._bodyless or not data:
             if conn.lost:
                 raise ConnectionResetError("the client went away")
-            return
+            return True
         if self._chunked:
             data = b"%x\r\n%b\r\n" % (len(data), data)
-        await conn.send(data)
+        return conn.send_nowait(data)
+
+    async def drain(self) -> None:
+        assert self._conn is not None, "drain before prepare"
+        await self._conn.drain()
 
     async def write_eof(self) -> None:
         if self._ended:

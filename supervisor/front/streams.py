@@ -94,7 +94,10 @@ class StreamRelay:
     async def _write(self, resp: StreamResponse, ex: Exchange, data: bytes) -> None:
         """Bytes of a continuable stream to its client, timed as `_relay` times them."""
         await resp.write(data)
-        now = time.monotonic()
+        self._timed(ex, data, time.monotonic())
+
+    def _timed(self, ex: Exchange, data: bytes, now: float) -> None:
+        """`data` reached the client's socket at `now`: the stream's times, its events."""
         label = self.latency.label(ex.model)
         if ex.first_chunk_at is None:
             ex.first_chunk_at = now
@@ -115,17 +118,36 @@ class StreamRelay:
         t.paused = False
         assert ex.backend is not None
         self._relays[id(t)] = (t, up, ex.backend.name)
+        # (the path of every event of every stream: one wait per engine read, the write
+        # without a coroutine unless the client's buffer is full, the histogram found once)
+        read, transcribe, write, clock = up.read_some, t.read, resp.write_nowait, \
+            time.monotonic
+        gaps = self.latency.histogram("stream_gap", self.latency.label(ex.model))
         try:
-            async for chunk in upstream_chunks(up):
+            while True:
                 try:
-                    out = t.read(chunk)  # one write per read: the socket coalesced them
+                    chunk = await read()
+                except (TimeoutError, UpstreamError) as exc:
+                    raise UpstreamFailed(exc) from exc
+                if not chunk:
+                    break
+                try:
+                    out = transcribe(chunk)  # one write per read: the socket coalesced them
                 except StreamBroken as exc:
                     # what was recorded as delivered is delivered, even on a break
                     if exc.partial:
                         await self._write(resp, ex, exc.partial)
                     raise
                 if out:
-                    await self._write(resp, ex, out)
+                    if not write(out):
+                        await resp.drain()
+                    now = clock()
+                    if ex.first_chunk_at is None or ex.gap_from is not None:
+                        self._timed(ex, out, now)
+                    else:  # (`_timed`'s common case, inline)
+                        gaps.observe(now - ex.last_data_at)
+                        ex.last_write_at = ex.last_data_at = now
+                        ex.events += out.count(b"data:")
                 if t.done:
                     return
         except (UpstreamFailed, StreamBroken) as exc:

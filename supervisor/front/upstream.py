@@ -95,9 +95,9 @@ class Answer:
     whole (`read`). Owned by the one task that sent the request; `close` may come from
     any other (a stream paused for a drained restart)."""
 
-    __slots__ = ("_body", "_buffered", "_conn", "_error", "_waiter", "chunked", "complete",
-                 "content_length", "content_type", "headers", "keep_alive", "reason",
-                 "status")
+    __slots__ = ("_body", "_buffered", "_conn", "_error", "_since", "_timer", "_waiter",
+                 "chunked", "complete", "content_length", "content_type", "headers",
+                 "keep_alive", "reason", "status")
 
     def __init__(self, conn: _Connection, status: int, reason: str,
                  headers: list[tuple[str, str]]) -> None:
@@ -120,6 +120,11 @@ class Answer:
         self._buffered = 0
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        # the read timeout: one timer for the answer, not one per wait (a stream waits
+        # once per event); it fires `read_timeout_s` after the later of the wait's start
+        # and the last byte, and is moved on when bytes came meanwhile
+        self._since = 0.0
+        self._timer: asyncio.TimerHandle | None = None
         self.complete = False
         self.keep_alive = False
 
@@ -131,7 +136,17 @@ class Answer:
                 raise self._error
             if self.complete:
                 return b""
-            await self._wait()
+            # (the wait inline, not a coroutine of its own: a stream waits once per event)
+            conn = self._conn
+            loop = conn.loop
+            self._waiter = waiter = loop.create_future()
+            self._since = loop.time()
+            if self._timer is None:
+                self._timer = loop.call_at(self._since + conn.read_timeout_s, self._expire)
+            try:
+                await waiter
+            finally:
+                self._waiter = None
         data = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         self._body.clear()
         self._buffered = 0
@@ -151,24 +166,35 @@ class Answer:
         self._conn.close()
         self._fail(BodyCut("closed by the proxy"))
 
-    async def _wait(self) -> None:
-        loop = self._conn.loop
-        self._waiter = waiter = loop.create_future()
-        timer = loop.call_later(self._conn.read_timeout_s, _expire, waiter,
-                                f"no answer bytes for {self._conn.read_timeout_s:g} s")
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            self._waiter = None
+    def _expire(self) -> None:
+        """The read timer: a wait with no byte for `read_timeout_s` fails; one that had
+        bytes since is looked at again when its own time is up."""
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # nobody waits: the next wait arms it again
+        conn = self._conn
+        due = max(self._since, conn.last_byte_at) + conn.read_timeout_s
+        if due > conn.loop.time():
+            self._timer = conn.loop.call_at(due, self._expire)
+            return
+        waiter.set_exception(TimeoutError(f"no answer bytes for {conn.read_timeout_s:g} s"))
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+        if self.complete:
+            self._stop_timer()
 
     def _fail(self, error: BaseException) -> None:
         if self._error is None and not self.complete:
             self._error = error
+        self._stop_timer()
         self._wake()
 
 
@@ -182,6 +208,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0
+        self.last_byte_at = 0.0  # (the loop's clock) the latest read of the answer
         self.reused = False  # the request now on it is not the connection's first
         self.answered = False  # a byte arrived for the request now on it
         self.head_only = False  # a HEAD request's answer: no body follows its head
@@ -230,6 +257,8 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def close(self) -> None:
+        if self.answer is not None:
+            self.answer._stop_timer()
         if not self.closed:
             self.closed = True
             if self.transport is not None:
@@ -245,6 +274,7 @@ class _Connection(asyncio.Protocol):
             self.close()  # bytes after an answer's end, asked for by no request: unusable
             return
         self.answered = True
+        self.last_byte_at = self.loop.time()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
