@@ -419,13 +419,18 @@ def _runs(draw: st.DrawFn) -> tuple[bool, bool, list[bytes]]:
     return chat, client_ids, pieces
 
 
-@pytest.mark.parametrize("run_min", [continuation._RUN_MIN, 0])
+@pytest.mark.parametrize(("run_min", "per_event"), [(continuation._RUN_MIN, False),
+                                                     (0, False),
+                                                     (continuation._RUN_MIN, True)])
 @settings(max_examples=400, deadline=None)
 @given(st.one_of(_stream(), _runs()))
 def test_the_fast_path_reads_every_stream_exactly_as_take_does(
-        run_min: int, stream: tuple[bool, bool, list[bytes]]) -> None:
-    """One event at a time, and (run_min 0: every read) runs of them at once."""
+        run_min: int, per_event: bool, stream: tuple[bool, bool, list[bytes]]) -> None:
+    """One event at a time, (run_min 0: every read) runs of them at once, and (per_event)
+    each read one whole event, as vLLM writes one per engine step."""
     chat, client_ids, pieces = stream
+    if per_event:
+        pieces = [e + b"\n\n" for e in b"".join(pieces).split(b"\n\n")[:-1]]
     raw = chat_body(return_token_ids=client_ids) if chat else body(return_token_ids=client_ids)
     fast, slow = recorded(raw, CHAT if chat else COMP), recorded(raw, CHAT if chat else COMP)
     with mock.patch.object(continuation, "_RUN_MIN", run_min):
@@ -489,3 +494,18 @@ def test_the_fast_path_takes_vllms_own_plain_chunks(name: str, path: str, raw: b
     plain = 1 if path == COMP else 2
     assert len(taken) == stream.count(b"data: ") - plain
     assert (b"token_ids" in _through(recorded(raw, path), [stream], True)[0]) == client_ids
+    # one event per read, as vLLM writes them: each plain token chunk is one match of
+    # its read (`_ONE`), never the event loop of `_events`
+    reads = [e + b"\n\n" for e in stream.split(b"\n\n")[:-1]]
+    one, slow = recorded(raw, path), recorded(raw, path)
+    events = one._events
+    looped: list[int] = []
+
+    def loop(evs: list[bytes], out: list[bytes]) -> None:
+        looped.append(len(evs))
+        events(evs, out)
+
+    one._events = loop  # type: ignore[method-assign]
+    assert _through(one, reads, True) == _through(slow, reads, False)
+    assert one.delivered == slow.delivered and one.events == slow.events
+    assert sum(looped) == stream.count(b"data: ") - plain  # (the decoded ones only)

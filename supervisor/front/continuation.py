@@ -95,7 +95,23 @@ def _run(chat: bool) -> re.Pattern[bytes]:
         rb'(?:,"prompt_token_ids":null)?,"token_ids":\[' + _IDS + rb'\]\}\]\}\n\n)+')
 
 
+def _one(chat: bool) -> re.Pattern[bytes]:
+    """One whole plain token event (`data: ` + `_PLAIN` + a blank line, no newline
+    inside), as a read of vLLM's stream usually is (one event per engine step):
+    Transcript.read takes it with one match of the read, its groups those of `_PLAIN`
+    less the chat one (the token-id fields, the ids)."""
+    s = rb'"[^"\\\n]*(?:\\[^\n][^"\\\n]*)*"'
+    obj, text = ((rb'chat\.completion\.chunk', rb'"delta":\{"content":' + s + rb'\}') if chat
+                 else (rb'text_completion', rb'"text":' + s))
+    return re.compile(
+        rb'data: \{"id":"[^"\\\n]*","object":"' + obj + rb'","created":\d+,'
+        rb'"model":"[^"\\\n]*","choices":\[\{"index":0,' + text +
+        rb',"logprobs":null,"finish_reason":null(?:,"stop_reason":null)?'
+        rb'(,"prompt_token_ids":null)?(,"token_ids":\[(' + _IDS + rb')\])\}\]\}\n\n')
+
+
 _RUNS = {False: _run(False), True: _run(True)}
+_ONE = {False: _one(False), True: _one(True)}
 _RUN_MIN = 1024  # a read of this many bytes or more is looked at for runs (4 events)
 # In a run: each event's token ids (its last field), and the id fields to cut out
 _RUN_IDS = re.compile(rb'"token_ids":\[([0-9,]*)\]\}\]\}\n\n')
@@ -263,6 +279,18 @@ class Transcript:
         other event goes through `take`. Stops at the answer's end (`done`). Raises
         StreamBroken as `take` does; what was taken before is recorded, and
         `StreamBroken.partial` holds its bytes for the client."""
+        if (not self.attempt and self.id is not None and self.prompt_ids is not None
+                and not self._reader.pending_bytes):
+            m = _ONE[self.plan.chat].fullmatch(chunk)
+            if m is not None:  # one plain token event, the read whole: `_events`, inline
+                pnull, _, ids = m.groups()
+                if ids:
+                    self.delivered.extend(map(int, ids.split(b",")))
+                self.events += 1
+                if self._strip:
+                    return chunk[:m.start(1) if pnull is not None else m.start(2)] \
+                        + chunk[m.end(2):]
+                return chunk
         out: list[bytes] = []
         try:
             if len(chunk) >= _RUN_MIN:
@@ -559,6 +587,11 @@ class EventReader:
             if lines:
                 out.append(b"\n".join(lines))
         return out
+
+    @property
+    def pending_bytes(self) -> bool:
+        """Bytes of an unfinished event are held (blank ones included)."""
+        return bool(self._buf)
 
     @property
     def pending(self) -> bool:
