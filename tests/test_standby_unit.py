@@ -350,6 +350,32 @@ def test_a_standby_without_room_beside_starts_first_and_wakes_once_the_old_is_go
         w.loop.close()
 
 
+def test_a_restart_to_a_sleeping_standby_without_room_kills_the_drained_engine(
+        tmp_path: Path) -> None:
+    """A planned swap on a full card: once the old engine is drained (its streams
+    paused for continuation), every client waits for its memory, so it is killed, not
+    waited for through vLLM's graceful exit; the standby wakes once its tree is gone."""
+    w = World(tmp_path, fronted=True, engine={**SLEEP, "args": ["--enable-sleep-mode"],
+                                              "drain": "continue"})
+    try:
+        first, spare = armed_asleep(w, side_by_side=False)
+        ticket = asyncio.run(w.sup.gate.acquire(1))  # a request at the serving engine
+        w.control("restart")
+        assert w.state == "DRAINING" and w.fx.last("drain") == {"pid": first.pid}
+        w.sup.gate.done(ticket)
+        w.feed(Drained(first.generation, True, 0.4))
+        assert w.sup.engine is spare and "wake" not in w.fx.names()
+        assert w.fx.last("take_down") == {"pid": first.pid, "graceful": False,
+                                          "evidence": None}
+        w.down(first)
+        assert w.fx.last("wake") == {"pid": spare.pid}
+        w.feed(Woken(spare.generation, None, 0.5))
+        w.feed(GateProbe(spare.generation, True, None))
+        assert w.state == "RUNNING" and w.sup.gate.held_reason is None
+    finally:
+        w.loop.close()
+
+
 def test_a_standby_that_does_not_wake_is_taken_down_for_a_cold_start(
         tmp_path: Path) -> None:
     w = World(tmp_path, fronted=True, engine={
