@@ -312,3 +312,54 @@ def test_a_request_that_kills_its_engine_is_refused_and_the_innocent_streams_com
     assert "KILLER" not in json.dumps(refused[0]) and refused[0]["deaths"] == 3
     assert httpx.post(url(cfg), json={"model": "fake", "prompt": "fine", "max_tokens": 2},
                       timeout=30).status_code == 200
+
+
+def test_a_kv_reset_pauses_the_streams_and_continues_them_token_exact(daemon_factory,
+                                                                      tmp_path):
+    """`engine.drain = "continue"`: a KV reset does not wait for the longest stream. The
+    streams in flight leave the engine (paused), its cache is dropped and rebuilt
+    (sleep, wake, a canary) behind the hold, and they go on token-exact after it."""
+    cfg = proxy_config(tmp_path, "--token-delay", "0.02", "--enable-sleep-mode")
+    cfg["engine"]["env"]["VLLM_SERVER_DEV_MODE"] = "1"
+    cfg["engine"].update(drain="continue", drain_timeout_s=30.0)
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: d.status()["remedies"]["kv_reset"], 10, "sleep mode to be probed")
+    wait_for(lambda: d.status()["admission"]["held"] is None, 10, "the gate to open")
+    n = 300  # 6 s a stream at the fake engine's pace: a drain would wait for them
+    bodies = [("/v1/completions", comp(max_tokens=n)),
+              ("/v1/chat/completions", chat(max_tokens=n))]
+    results: list[Seen | None] = [None, None]
+    started = [threading.Event(), threading.Event()]
+
+    def one(i: int) -> None:
+        results[i] = run(cfg, bodies[i][1], bodies[i][0], started[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for e in started:
+        assert e.wait(30), "a stream never started"
+    r = d.ctl("kv-reset", timeout=60)
+    for t in threads:
+        t.join(90)
+    assert r.returncode == 0 and "KV reset ok" in r.stdout, (r.stdout, r.stderr)
+    comp_s, chat_s = results
+    assert comp_s is not None and chat_s is not None
+    for s, want in ((comp_s, expected_text(prompt_ids(comp(), False), n)),
+                    (chat_s, expected_text(prompt_ids(chat(), True), n))):
+        assert s.complete and s.finish == "length", s
+        assert "".join(s.texts) == want
+        assert s.usage is not None and s.usage["completion_tokens"] == n
+    paused = [e for e in d.log_records() if e.get("event") == "streams paused, to go on after it"]
+    assert [e["paused"] for e in paused] == [2] and paused[0]["during"] == "the KV reset"
+    continued = [e for e in d.log_records() if e.get("event") == "stream continued"]
+    assert len(continued) == 2  # each went on after the reset, none had to finish first
+    (ev,) = d.remedies()
+    assert ev["rung"] == "kv_reset" and ev["outcome"] == "ok"
+    assert list(ev["steps_s"]) == ["drain", "sleep", "wake_up", "canary"]
+    print("kv reset under 2 streams:", json.dumps({
+        "duration_s": ev["duration_s"], "steps_s": ev["steps_s"],
+        "waited_s": [e["waited_s"] for e in continued],
+        "running_at_sleep": (tmp_path / "sleeps").read_text().split()}))
+    assert d.status()["restarts"] == 0

@@ -59,9 +59,16 @@ class Remedies:
                 if facts.engine is not None and not facts.taking_down:
                     out.append(do.TakeDown(graceful=True))
             elif isinstance(intent, BeginRemedy):
-                assert facts.engine is not None
+                e = facts.engine
+                assert e is not None
                 # (a KV reset holds new requests from now on)
-                out += [do.SyncGate(), do.StartRemedy(intent.rung)]
+                out.append(do.SyncGate())
+                if intent.rung == "kv_reset" and facts.fronted \
+                        and e.config.drain == "continue":
+                    # its drain need not wait for the longest stream: the streams leave
+                    # the engine and go on, token-exact, once the cache is rebuilt
+                    out.append(do.PauseStreams(e, "the KV reset"))
+                out.append(do.StartRemedy(intent.rung))
             elif isinstance(intent, Throttled):
                 out.append(do.Throttle(intent.rule, intent.level))  # live at the proxy
         return out

@@ -269,6 +269,15 @@ class SyncGate:
 
 
 @dataclass(frozen=True)
+class PauseStreams:
+    """Every stream of `engine` the proxy can continue leaves it now, to go on once
+    `why` is over (on the engine that serves then)."""
+
+    engine: eng.EngineProcess
+    why: str
+
+
+@dataclass(frozen=True)
 class StartRemedy:
     """An in-place remedy on the serving engine (a KV reset, a prefix-cache reset)."""
 
@@ -309,4 +318,4 @@ Step = (SetState | Decide | Record | Audit | CountRestart | StartEngine | SpawnS
         | RestartEngine | StopDeadline | TakeDown | TakeDownIn | CaptureEvidence | ServeFrom
         | MaybeFinishStop | NotifyReady | Fail | GiveUp | Abandon | Upgrade | ArmBackoff
         | CancelBackoff | Admit | Follow | Serve | ProbeGate | Wake | DrainBehind | SyncGate
-        | StartRemedy | Throttle | RelaunchBegin | Relaunch | RelaunchFinish)
+        | PauseStreams | StartRemedy | Throttle | RelaunchBegin | Relaunch | RelaunchFinish)

@@ -249,6 +249,9 @@ class UnitState:
                 self.act.drain_behind(engine, deadline)
             case do.SyncGate():
                 self.sync_gate()
+            case do.PauseStreams(engine, why):
+                paused = self.act.pause_streams(engine)
+                log.info("streams paused, to go on after it", during=why, paused=paused)
             case do.StartRemedy(rung):
                 assert self.engine is not None
                 self.act.remedy(self.engine, rung)

@@ -112,7 +112,9 @@ async def reset_prefix_cache(client: httpx.AsyncClient, base_url: str,
 async def kv_reset(client: httpx.AsyncClient, base_url: str, model: str | None,
                    prompt: str, timeout_s: float, canary_timeout_s: float) -> RemedyOutcome:
     """Sleep (level 1: the KV cache dropped), wake, check awake, then one canary. The
-    caller has drained the engine: a request arriving now would meet a sleeping engine."""
+    caller has drained the engine (its streams finished, or paused for continuation:
+    their connections closed, so vLLM aborts them) and holds new requests: a request
+    arriving now would meet a sleeping engine."""
     steps: dict[str, float] = {}
     t = time.monotonic()
     error = await _post(client, f"{base_url}/sleep?level=1", timeout_s)
