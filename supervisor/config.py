@@ -90,6 +90,10 @@ class EngineConfig:
     standby: str = spec("none", choices=("none", "sleep", "awake"))
     # the standby's internal port; 0: this engine's port + 1
     standby_port: int = spec(0, lo=0, hi=65535)
+    # a daily window of the host's local time ("03:00-04:00") in which a standby with
+    # no room beside the serving engine is re-armed by a drained restart (clients held
+    # through the standby's start and the engine's); "": only `vllm-supervisorctl rearm`
+    rearm_window: str = spec("")
 
     @property
     def base_url(self) -> str:

@@ -36,6 +36,8 @@ class EngineConfig(engine_checks.CheckedEngine, Protocol):
     def fallback(self) -> str: ...
     @property
     def share_gpus(self) -> bool: ...
+    @property
+    def rearm_window(self) -> str: ...
     def second(self) -> EngineConfig: ...
     def served_models(self) -> tuple[str, ...]: ...
 
@@ -69,6 +71,14 @@ def check_engine(key: str, engine: EngineConfig, problems: list[str]) -> None:
                         "3600 s in all")
     engine_checks.check_pinning(key, engine, problems)
     engine_checks.check_standby(key, engine, problems)
+    if engine.rearm_window:
+        try:
+            engine_checks.DailyWindow.parse(engine.rearm_window)
+        except ValueError as exc:
+            problems.append(f"{key}.rearm_window: {exc} (a daily window of the host's "
+                            f'local time, e.g. "03:00-04:00")')
+        if engine.standby == "none":
+            problems.append(f'{key}.rearm_window: needs a standby ({key}.standby is "none")')
 
 
 def check_fleet(fleet: FleetConfig, proxy: ListenerConfig, problems: list[str]) -> None:

@@ -15,6 +15,9 @@ the next cold start.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Protocol
 
 from supervisor.watchdog.relaunch import arg_value
@@ -126,3 +129,43 @@ def check_standby(key: str, engine: CheckedEngine, problems: list[str]) -> None:
                         f"{2 * share:g} of the card: an awake standby starts beside the "
                         f"serving engine and vLLM checks at start that its share is free; "
                         f"at most {SIDE_BY_SIDE_MAX / 2:g} each, or standby = \"sleep\"")
+
+
+# ---- a daily window (`engine.rearm_window`) -------------------------------------------
+
+_FORM = re.compile(r"^\s*(\d{1,2}):(\d{2})\s*-\s*(\d{1,2}):(\d{2})\s*$")
+
+
+@dataclass(frozen=True)
+class DailyWindow:
+    """A daily window of the host's local time ("03:00-04:00"; "23:30-00:30" crosses
+    midnight): parsed at load, asked whether a moment is inside it and on which day that
+    window began (so that what is done once per window is done once)."""
+
+    start_min: int  # minutes after local midnight
+    end_min: int
+
+    @classmethod
+    def parse(cls, text: str) -> DailyWindow:
+        """"HH:MM-HH:MM", or ValueError saying what is wrong."""
+        m = _FORM.match(text)
+        if m is None:
+            raise ValueError(f"{text!r} is not HH:MM-HH:MM")
+        h1, m1, h2, m2 = (int(g) for g in m.groups())
+        if h1 > 23 or h2 > 23 or m1 > 59 or m2 > 59:
+            raise ValueError(f"{text!r} is not a time of day (00:00 to 23:59)")
+        if (h1, m1) == (h2, m2):
+            raise ValueError(f"{text!r} is empty (it starts where it ends)")
+        return cls(h1 * 60 + m1, h2 * 60 + m2)
+
+    def occurrence(self, now: datetime) -> str | None:
+        """The date the window around `now` began on (a window crossing midnight began
+        the day before its early hours), or None outside it."""
+        minute = now.hour * 60 + now.minute
+        if self.start_min < self.end_min:
+            inside = self.start_min <= minute < self.end_min
+            began = now
+        else:
+            inside = minute >= self.start_min or minute < self.end_min
+            began = now if minute >= self.start_min else now - timedelta(days=1)
+        return began.date().isoformat() if inside else None

@@ -27,6 +27,7 @@ WHEN: tuple[tuple[str, str], ...] = (
     # upstream and model names follow the engine at each start
     # the proxy's routes follow a reloaded fallback at once (the host re-registers them)
     ("engine.fallback", NOW),
+    ("engine.rearm_window", NOW),  # read at each tick
     ("engine.", NEXT_START),
     # the poller takes its settings when it starts with an engine
     ("metrics.", NEXT_START),

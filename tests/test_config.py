@@ -246,6 +246,36 @@ def test_a_standby_that_cannot_be_kept_is_refused_with_the_numbers(engine, expec
     assert any(p.startswith(expected) for p in found), found
 
 
+@pytest.mark.parametrize(("engine", "expected"), [
+    ({"standby": "awake", "rearm_window": "3am"},
+     "engine.rearm_window: '3am' is not HH:MM-HH:MM"),
+    ({"standby": "awake", "rearm_window": "25:00-26:00"},
+     "engine.rearm_window: '25:00-26:00' is not a time of day"),
+    ({"standby": "awake", "rearm_window": "03:00-03:00"},
+     "engine.rearm_window: '03:00-03:00' is empty"),
+    ({"rearm_window": "03:00-04:00"},
+     'engine.rearm_window: needs a standby (engine.standby is "none")'),
+])
+def test_a_rearm_window_is_refused_naming_what_is_wrong(engine, expected):
+    found = problems(with_engine(**engine))
+    assert any(p.startswith(expected) for p in found), found
+
+
+def test_a_daily_window_knows_its_day_across_midnight():
+    from datetime import datetime
+
+    from supervisor.engine_checks import DailyWindow
+    night = DailyWindow.parse("23:30-00:30")
+    assert night.occurrence(datetime(2026, 11, 26, 23, 45)) == "2026-11-26"
+    assert night.occurrence(datetime(2026, 11, 27, 0, 15)) == "2026-11-26"
+    assert night.occurrence(datetime(2026, 11, 27, 0, 30)) is None
+    day = DailyWindow.parse(" 3:00 - 04:00 ")
+    assert day.occurrence(datetime(2026, 11, 26, 3, 0)) == "2026-11-26"
+    assert day.occurrence(datetime(2026, 11, 26, 4, 0)) is None
+    parse_config(with_engine(standby="awake", rearm_window="03:00-04:00"), "t.toml",
+                 Path("/base"))
+
+
 @pytest.mark.parametrize("engine", [
     {"standby": "awake"},  # (a CPU engine: no share given, nothing to check)
     {"standby": "awake", "args": ["--gpu-memory-utilization", "0.45"]},

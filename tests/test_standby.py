@@ -209,3 +209,37 @@ def test_a_standby_that_does_not_wake_falls_back_to_a_cold_start(daemon_factory,
     assert "did not wake" in failed["reason"]
     st = wait_for(lambda: (s := d.status())["state"] == "RUNNING" and s, 30, "RUNNING")
     assert st["pid"] not in (first["pid"], first["standby"]["pid"])  # a cold start
+
+
+def test_rearm_brings_the_standby_back_after_a_failover_on_a_full_card(daemon_factory,
+                                                                       tmp_path):
+    """Both engines at 0.88 (the standby first, asleep): after a failover none fits
+    beside the engine that took over, and `status` says unprotected; `rearm` brings one
+    back through a drained restart that starts it first, holding (not failing) the
+    requests meanwhile; once armed, `rearm` is refused, saying why."""
+    cfg = proxy_config(tmp_path, "--token-delay", "0.02", "--enable-sleep-mode",
+                       "--gpu-memory-utilization", "0.88", keepalive_s=0.5)
+    cfg["engine"].update(standby="sleep", drain="continue",
+                         env={**cfg["engine"].get("env", {}), "VLLM_SERVER_DEV_MODE": "1"})
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: standby_ready(d), 30, "the standby ready")
+    assert d.status()["standby"]["protected"] is True
+    core = d.engine_pids()[1]
+    os.kill(core, signal.SIGKILL)
+    st = wait_for(lambda: (s := d.status())["standby"]["state"] == "no_room"
+                  and s["admission"]["held"] is None and s, 30, "the failover, then no room")
+    assert st["standby"]["protected"] is False and "0.88" in st["standby"]["reason"]
+    assert "protected  no, for" in d.ctl("status").stdout
+    r = d.ctl("rearm")
+    assert r.returncode == 0 and "re-arming: drained restart" in r.stdout, r.stderr
+    held = httpx.post(url(cfg), json={"model": "fake", "prompt": "hi", "max_tokens": 2},
+                      timeout=60)
+    assert held.status_code == 200  # held through the re-arm, not refused
+    wait_for(lambda: standby_ready(d) and d.status()["state"] == "RUNNING", 60,
+             "the standby ready again")
+    assert d.status()["standby"]["protected"] is True
+    again = d.ctl("rearm")
+    assert again.returncode == 1 and "already protected" in again.stderr
+    rearms = [e for e in d.events() if e["event"] == "rearm"]
+    assert [e["how"] for e in rearms] == ["restart"]

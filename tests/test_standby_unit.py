@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from supervisor.engine.events import (
     Reloaded,
     Slept,
     Spawned,
+    Tick,
     TreeSeen,
     Woken,
 )
@@ -558,5 +560,98 @@ def test_a_sleeping_standby_without_room_is_taken_down_when_a_reload_outdates_it
         w.down(spare)
         assert w.sup.status()["standby"]["state"] == "no_room"
         assert w.fx.names().count("spawn") == spawns and w.sup.engine is first  # none since
+    finally:
+        w.loop.close()
+
+
+def unprotected_after_a_crash(w: World) -> Any:
+    """A full card: the standby first, asleep, the engine beside it; the engine crashes,
+    the woken standby serves, and none fits beside it now. The engine serving."""
+    first, spare = armed_asleep(w, side_by_side=False)
+    assert w.sup.status()["standby"]["protected"] is True
+    w.feed(Exited(first.generation, 0))
+    w.down(first)
+    w.feed(Woken(spare.generation, None, 0.6))
+    w.feed(GateProbe(spare.generation, True, None))
+    st = w.sup.status()["standby"]
+    assert st["state"] == "no_room" and st["protected"] is False
+    assert st["unprotected_for_s"] is not None
+    return spare
+
+
+def test_rearm_is_a_drained_restart_standby_first_when_none_fits_and_refused_when_armed(
+        tmp_path: Path) -> None:
+    w = World(tmp_path, fronted=True, engine={**SLEEP, "args": ["--enable-sleep-mode"]})
+    try:
+        w.now += 5
+        serving = unprotected_after_a_crash(w)
+        assert w.sup.status()["standby"]["unprotected_for_s"] == 0
+        w.now += 30
+        assert w.sup.status()["standby"]["unprotected_for_s"] == 30
+        reply = w.control("rearm")
+        assert reply.result()["rearm"].startswith("drained restart: the standby starts first")
+        assert w.state == "DRAINING"  # (nothing in flight: taken down at once)
+        assert w.fx.last("take_down") == {"pid": serving.pid, "graceful": True,
+                                          "evidence": None}
+        assert w.sup.status()["last_decision"]["reason"] == "re-arm: requested by operator"
+        w.down(serving)
+        assert w.state == "STARTING" and w.fx.last("spawn")["bay"] == 0  # the standby's
+        spare = w.spawned()
+        w.feed(HealthResult(spare.generation, True))
+        w.feed(GateProbe(spare.generation, True, None))
+        w.feed(Slept(spare.generation, None, 0.2))
+        first = w.serving()  # the engine, beside it
+        w.feed(GateProbe(first.generation, True, None))
+        st = w.sup.status()["standby"]
+        assert st["protected"] is True and st["unprotected_for_s"] is None
+        refused = w.control("rearm")
+        assert "rearm refused: already protected" in str(refused.exception())
+        assert w.sup.restarts_by_reason.get("rearm") == 1
+    finally:
+        w.loop.close()
+
+
+def test_rearm_is_refused_without_a_standby(tmp_path: Path) -> None:
+    w = World(tmp_path, fronted=True)
+    try:
+        first = w.serving()
+        w.feed(GateProbe(first.generation, True, None))
+        refused = w.control("rearm")
+        assert "no standby is configured" in str(refused.exception())
+        assert w.state == "RUNNING"
+    finally:
+        w.loop.close()
+
+
+def test_the_quiet_window_rearms_once_a_window(tmp_path: Path) -> None:
+    now = datetime.fromtimestamp(1000.0)  # (the world's clock, in local time)
+    window = f"{(now - timedelta(minutes=5)):%H:%M}-{(now + timedelta(hours=1)):%H:%M}"
+    w = World(tmp_path, fronted=True, engine={**SLEEP, "args": ["--enable-sleep-mode"],
+                                              "rearm_window": window})
+    try:
+        w.feed(Tick())  # (armed: nothing to do)
+        serving = unprotected_after_a_crash(w)
+        w.feed(Tick())
+        assert w.state == "DRAINING"
+        assert w.sup.status()["last_decision"]["reason"] == \
+            f"re-arm: the quiet window {window}"
+        w.down(serving)
+        spare = w.spawned()
+        w.feed(HealthResult(spare.generation, True))
+        w.feed(GateProbe(spare.generation, True, None))
+        w.feed(Slept(spare.generation, None, 0.2))
+        first = w.serving()
+        w.feed(GateProbe(first.generation, True, None))
+        # unprotected again in the same window: not re-armed twice in one window
+        w.feed(Exited(first.generation, 0))
+        w.down(first)
+        w.feed(Woken(spare.generation, None, 0.6))
+        w.feed(GateProbe(spare.generation, True, None))
+        assert w.sup.status()["standby"]["state"] == "no_room"
+        w.feed(Tick())
+        assert w.state == "RUNNING" and w.sup.restarts_by_reason.get("rearm") == 1
+        w.now += 86400  # the next day's window
+        w.feed(Tick())
+        assert w.state == "DRAINING" and w.sup.restarts_by_reason.get("rearm") == 2
     finally:
         w.loop.close()

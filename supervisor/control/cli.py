@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     add("resume-policy", help="the watchdog acts again")
     add("kv-reset", help="drop and rebuild the KV cache in place (sleep mode), new "
                                     "requests held meanwhile; returns when done")
+    add("rearm", help="protection back now: a standby waiting out its backoff starts; "
+                      "one with no room beside the engine comes back by a drained restart, "
+                      "the standby first (requests held through both starts)")
     v = add("evidence", help="the evidence bundles captured before fault kills")
     v.add_argument("--json", action="store_true", help="machine-readable output")
     e = add("events", help="the audit trail's latest entries")
@@ -194,6 +197,9 @@ def format_status(st: dict[str, Any]) -> str:
         rss = f", {sb['rss_bytes'] / 2**30:.1f} GiB host memory" if sb.get("rss_bytes") else ""
         lines.append(f"standby    {sb['state']}{asleep}{where} for {sb.get('for_s', 0):.0f} s"
                      f"{rss}{why}")
+        if sb.get("unprotected_for_s") is not None:
+            lines.append(f"protected  no, for {_duration(sb['unprotected_for_s'])}: the next "
+                         f"crash or restart is a cold start (`rearm` brings a standby back)")
     if st.get("backoff_remaining_s") is not None:
         lines.append(f"backoff    next start in {st['backoff_remaining_s']:.1f} s")
     if st.get("stop_deadline_in_s") is not None:
@@ -311,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     elif ns.command in ("pause-policy", "resume-policy"):
         now = "paused" if result.get("policy_paused") else "acting"
         print(f"policy {now}" + ("" if result.get("changed") else " (already)"))
+    elif ns.command == "rearm":
+        print(f"re-arming: {result.get('rearm')}")
     elif ns.command == "kv-reset":
         steps = ", ".join(f"{k} {v:.3f} s" for k, v in (result.get("steps_s") or {}).items())
         print(f"KV reset {result.get('outcome')} in {result.get('duration_s')} s ({steps})"

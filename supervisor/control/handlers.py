@@ -156,5 +156,5 @@ HANDLERS: dict[str, Handler] = {
     "evidence": list_evidence,
     # acting on one engine: forwarded to its unit
     **dict.fromkeys(("restart", "drain", "resume", "throttle", "unthrottle",
-                     "pause-policy", "resume-policy", "kv-reset"), _forward),
+                     "pause-policy", "resume-policy", "kv-reset", "rearm"), _forward),
 }

@@ -37,7 +37,7 @@ MAX_MESSAGE_BYTES = 64 * 1024
 IDLE_TIMEOUT_S = 30.0
 QUOTE_CHARS = 40  # of a client's value, at most, in an error message
 COMMANDS = ("status", "restart", "stop", "reload", "events", "pause-policy", "resume-policy",
-            "drain", "resume", "throttle", "unthrottle", "kv-reset", "evidence")
+            "drain", "resume", "throttle", "unthrottle", "kv-reset", "evidence", "rearm")
 
 
 class ProtocolError(ValueError):

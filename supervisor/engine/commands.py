@@ -56,6 +56,7 @@ class Commandable(Protocol):
     def sync_gate(self) -> None: ...
     def reconfigure(self, new: Config) -> None: ...
     def run_steps(self, steps: list[Step]) -> None: ...
+    def rearm(self, reason: str) -> str: ...
     def begin_remedy(self, rung: str, reason: str,
                      reply: asyncio.Future[dict[str, Any]] | None = None) -> None: ...
 
@@ -150,6 +151,15 @@ def kv_reset(unit: Commandable, ev: ControlRequest) -> None:
     unit.begin_remedy("kv_reset", "requested by operator", ev.reply)  # answered at its end
 
 
+def rearm(unit: Commandable, ev: ControlRequest) -> None:
+    try:
+        what = unit.rearm("requested by operator")
+    except ValueError as exc:
+        raise CommandError(f"rearm refused: {exc}") from exc
+    unit.audit("control", command="rearm")
+    ev.reply.set_result({"rearm": what, "state": unit.state_value})
+
+
 COMMANDS: dict[str, Command] = {
     "status": status,
     "restart": restart,
@@ -161,6 +171,7 @@ COMMANDS: dict[str, Command] = {
     "pause-policy": policy_pause,
     "resume-policy": policy_pause,
     "kv-reset": kv_reset,
+    "rearm": rearm,
 }
 
 

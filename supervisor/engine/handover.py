@@ -22,6 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+from datetime import datetime
 from typing import Any
 
 import structlog
@@ -50,6 +51,7 @@ class Handover:
         # new arguments, then a swap to it ((why, the restart's reason label) meanwhile;
         # not a phase: the engine serves until the swap, which is a failover like any)
         self._upgrade: tuple[str, str] | None = None
+        self._rearmed_on: str | None = None  # the quiet window used (the day it began)
 
     @property
     def first(self) -> bool:
@@ -187,6 +189,57 @@ class Handover:
             out += [do.Relaunch("standby_ready"), do.CountRestart(label),
                     do.RestartEngine(f"upgrade: {why}")]
         return out
+
+    # ---- re-arming ------------------------------------------------------------------
+
+    def rearm(self, f: PairFacts, reason: str) -> tuple[str, list[Step]]:
+        """Protection back now (an operator's `rearm`, or the quiet window): a standby
+        waiting out its backoff starts at once; one with no room beside the serving
+        engine comes back through a drained restart that starts it first (clients held
+        through both starts: never done unasked outside the window). What is done, and
+        its steps; a refusal raises ValueError, saying why."""
+        st = self.standby
+        if f.config.engine.standby == "none":
+            raise ValueError('no standby is configured (engine.standby = "none")')
+        if f.state is not State.RUNNING or self.phase is not Phase.IDLE:
+            raise ValueError(f"the engine is {f.state.value}"
+                             + (f", a handover under way ({self.phase.value})"
+                                if self.phase is not Phase.IDLE else "")
+                             + ": a standby is armed once it serves")
+        if st.ready:
+            raise ValueError("already protected: the standby is ready")
+        if st.on_its_way:
+            raise ValueError(f"already re-arming: the standby is {st.state.value}")
+        if st.state is Role.FAILED:
+            raise ValueError(f"the standby's place is not free ({st.why}): only a "
+                             f"restart of the daemon clears it")
+        if st.state is Role.RETIRING:
+            raise ValueError("the engine in the standby's place is being taken down: "
+                             "a standby starts there once it is gone")
+        if st.state is Role.NO_ROOM:
+            log.warning("re-arm: a drained restart, the standby first", reason=reason)
+            return ("drained restart: the standby starts first, then the engine beside "
+                    "it (requests held meanwhile)",
+                    [do.Audit("rearm", {"reason": reason, "how": "restart"}),
+                     do.CountRestart("rearm"), do.RestartEngine(f"re-arm: {reason}")])
+        st.cancel_timer()
+        st.due()  # (a backoff under way is cut short)
+        self.arm(f, due=True)
+        return (f"the standby is {st.state.value}",
+                [do.Audit("rearm", {"reason": reason, "how": "start"})])
+
+    def tick(self, f: PairFacts, local: datetime) -> list[Step]:
+        """The quiet window (`engine.rearm_window`): a standby with no room beside the
+        serving engine is re-armed once per window."""
+        text = f.config.engine.rearm_window
+        if not text or self.standby.state is not Role.NO_ROOM:
+            return []
+        day = engine_checks.DailyWindow.parse(text).occurrence(local)
+        if day is None or day == self._rearmed_on or f.state is not State.RUNNING \
+                or self.phase is not Phase.IDLE:
+            return []
+        self._rearmed_on = day
+        return self.rearm(f, f"the quiet window {text}")[1]
 
     # ---- an upgrade -----------------------------------------------------------------
 

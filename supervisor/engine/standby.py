@@ -56,6 +56,9 @@ class Standby:
         self.mode = "awake"  # as it was started: "awake" or "sleep"
         self.asleep = False
         self._timer: Timer | None = None
+        # since when no standby is ready (monotonic; None while one is): the next fault
+        # costs a cold start until one is
+        self.unready_since: float | None = self.since
 
     def owns(self, ev: Event) -> bool:
         """The event is about the engine in the standby's place (generations are unique
@@ -66,6 +69,10 @@ class Standby:
     def _to(self, state: Role, why: str | None = None) -> None:
         if state is not self.state:
             check(ROLE, self.state, state)
+            if self.state is Role.READY:
+                self.unready_since = self._monotonic()
+            elif state is Role.READY:
+                self.unready_since = None
             self.state, self.why, self.since = state, why, self._monotonic()
 
     @property
@@ -244,7 +251,11 @@ class Standby:
     def status(self, now: float) -> dict[str, Any]:
         e = self.slot.engine
         alive = e is not None and e.exit_code is None
+        unready = self.unready_since
         return {"state": self.state.value, "reason": self.why, "for_s": round(now - self.since, 3),
+                # protected: the next crash or restart is a handover, not a cold start
+                "protected": unready is None,
+                "unprotected_for_s": round(now - unready, 3) if unready is not None else None,
                 "pid": e.pid if alive and e is not None else None,
                 "port": e.spec.port if e is not None else None,
                 "asleep": self.asleep,

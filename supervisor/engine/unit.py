@@ -37,6 +37,7 @@ import asyncio
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import structlog
@@ -328,6 +329,8 @@ class EngineUnit(UnitState):
         now = self.clock.monotonic()
         self.notices.tick(now, starting=self.state in (State.STARTING, State.BACKOFF))
         self.carry_out(self.watch.evaluate(now, self.facts()))
+        self.run_steps(self.handover.tick(self.pair_facts(),
+                                          datetime.fromtimestamp(self.clock.wall())))
 
     def handle_reloaded(self, ev: Reloaded) -> None:
         commands.reloaded(self, ev)

@@ -180,6 +180,12 @@ class UnitState:
         """An in-place remedy on the serving engine (an operator's: answered at its end)."""
         self.run_steps(self.remedies.begin(self.watch, self.facts(), rung, reason, reply))
 
+    def rearm(self, reason: str) -> str:
+        """Protection back now (`Handover.rearm`): what is done; ValueError: why not."""
+        what, steps = self.handover.rearm(self.pair_facts(), reason)
+        self.run_steps(steps)
+        return what
+
     def run_steps(self, steps: list[Step]) -> None:
         """The deciders' steps (`supervisor/engine/steps.py`), carried out in order: the
         unit's one executor."""

@@ -118,38 +118,46 @@ class StreamRelay:
         t.paused = False
         assert ex.backend is not None
         self._relays[id(t)] = (t, up, ex.backend.name)
-        # (the path of every event of every stream: one wait per engine read, the write
-        # without a coroutine unless the client's buffer is full, the histogram found once)
-        read, transcribe, write, clock = up.read_some, t.read, resp.write_nowait, \
-            time.monotonic
+        # (the path of every event of every stream: each engine read taken in the
+        # upstream connection's own callback (`Answer.pump`), no task woken per event;
+        # the write without a coroutine; the histogram found once)
+        transcribe, write, clock = t.read, resp.write_nowait, time.monotonic
         gaps = self.latency.histogram("stream_gap", self.latency.label(ex.model))
+        behind: list[bytes] = []  # written past the client's full buffer: timed once drained
+
+        def sink(chunk: bytes) -> bool:
+            out = transcribe(chunk)  # one write per read: the socket coalesced them
+            if out:
+                if not write(out):
+                    behind.append(out)
+                    return False
+                now = clock()
+                if ex.first_chunk_at is None or ex.gap_from is not None:
+                    self._timed(ex, out, now)
+                else:  # (`_timed`'s common case, inline)
+                    gaps.observe(now - ex.last_data_at)
+                    ex.last_write_at = ex.last_data_at = now
+                    ex.events += out.count(b"data:")
+            return not t.done
+
         try:
             while True:
                 try:
-                    chunk = await read()
+                    ended = await up.pump(sink)
                 except (TimeoutError, UpstreamError) as exc:
                     raise UpstreamFailed(exc) from exc
-                if not chunk:
-                    break
-                try:
-                    out = transcribe(chunk)  # one write per read: the socket coalesced them
                 except StreamBroken as exc:
                     # what was recorded as delivered is delivered, even on a break
                     if exc.partial:
                         await self._write(resp, ex, exc.partial)
                     raise
-                if out:
-                    if not write(out):
-                        await resp.drain()
-                    now = clock()
-                    if ex.first_chunk_at is None or ex.gap_from is not None:
-                        self._timed(ex, out, now)
-                    else:  # (`_timed`'s common case, inline)
-                        gaps.observe(now - ex.last_data_at)
-                        ex.last_write_at = ex.last_data_at = now
-                        ex.events += out.count(b"data:")
+                if behind:
+                    await resp.drain()
+                    self._timed(ex, behind.pop(), clock())
                 if t.done:
                     return
+                if ended:
+                    break
         except (UpstreamFailed, StreamBroken) as exc:
             raise Broken(resp, t, Paused() if t.paused else exc) from exc
         finally:

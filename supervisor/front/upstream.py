@@ -45,7 +45,7 @@ import asyncio
 import functools
 import select
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -95,9 +95,9 @@ class Answer:
     whole (`read`). Owned by the one task that sent the request; `close` may come from
     any other (a stream paused for a drained restart)."""
 
-    __slots__ = ("_body", "_buffered", "_conn", "_error", "_since", "_timer", "_waiter",
-                 "chunked", "complete", "content_length", "content_type", "headers",
-                 "keep_alive", "reason", "status")
+    __slots__ = ("_body", "_buffered", "_conn", "_error", "_since", "_sink", "_sink_error",
+                 "_timer", "_waiter", "chunked", "complete", "content_length",
+                 "content_type", "headers", "keep_alive", "reason", "status")
 
     def __init__(self, conn: _Connection, status: int, reason: str,
                  headers: list[tuple[str, str]]) -> None:
@@ -119,12 +119,15 @@ class Answer:
         self._body: list[bytes] = []
         self._buffered = 0
         self._error: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[bool] | None = None  # True: `pump`'s sink stopped
         # the read timeout: one timer for the answer, not one per wait (a stream waits
         # once per event); it fires `read_timeout_s` after the later of the wait's start
         # and the last byte, and is moved on when bytes came meanwhile
         self._since = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        # `pump`'s sink while it waits, and what the sink raised in the protocol's callback
+        self._sink: Callable[[bytes], bool] | None = None
+        self._sink_error: Exception | None = None
         self.complete = False
         self.keep_alive = False
 
@@ -152,6 +155,59 @@ class Answer:
         self._buffered = 0
         self._conn.resume()
         return data
+
+    async def pump(self, sink: Callable[[bytes], bool]) -> bool:
+        """The body handed to `sink` read by read as it arrives, from the connection's
+        own callback: no task wakes per read, as a stream of one event per engine step
+        would cost with `read_some`. Returns True at the body's end; False as soon as
+        `sink` returns False (what the caller waits for before it pumps on: the bytes that
+        arrive meanwhile are kept, up to the high-water mark). Raises what `sink` raises,
+        and the body's failures as `read_some` does, after the bytes read before them."""
+        conn = self._conn
+        loop = conn.loop
+        while True:
+            if self._body:  # bytes that came while no sink was set
+                data = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+                self._body.clear()
+                self._buffered = 0
+                conn.resume()
+                if not sink(data):
+                    return False
+                continue
+            if self._error is not None:
+                raise self._error
+            if self.complete:
+                return True
+            self._waiter = waiter = loop.create_future()
+            self._since = loop.time()
+            if self._timer is None:
+                self._timer = loop.call_at(self._since + conn.read_timeout_s, self._expire)
+            self._sink = sink
+            try:
+                await waiter
+            finally:
+                self._sink = None
+                self._waiter = None
+            if self._sink_error is not None:
+                error, self._sink_error = self._sink_error, None
+                raise error
+            if waiter.result():  # the sink said stop
+                return False
+
+    def _to_sink(self, sink: Callable[[bytes], bool]) -> None:
+        """The bytes just read, to `pump`'s sink (in the protocol's callback); its task
+        woken only when the sink says stop or raises."""
+        data = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self._body.clear()
+        self._buffered = 0
+        try:
+            if sink(data):
+                return
+        except Exception as exc:  # (never into the loop's protocol callback: the task's)
+            self._sink_error = exc
+        self._sink = None
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(True)
 
     async def read(self) -> bytes:
         """The whole body."""
@@ -187,7 +243,7 @@ class Answer:
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+            self._waiter.set_result(False)
         if self.complete:
             self._stop_timer()
 
@@ -283,6 +339,9 @@ class _Connection(asyncio.Protocol):
             return
         answer = self.answer
         if answer is not None and answer._body:
+            if answer._sink is not None:
+                answer._to_sink(answer._sink)
+                return
             if answer._buffered > HIGH_WATER and not self._paused and not answer.complete:
                 self._paused = True
                 assert self.transport is not None
