@@ -512,8 +512,12 @@ class Connection(asyncio.Protocol):
     def send_nowait(self, data: bytes) -> bool:
         """Bytes to the client now; False when too many are buffered for it, and the
         sender must `drain()` before it sends more (`send` without its coroutine, for a
-        stream's events)."""
-        self.write(data)
+        stream's events; `write` inline)."""
+        transport = self.transport
+        if self.lost or transport is None or transport.is_closing():
+            raise ConnectionResetError("the client went away")
+        self._answered = True
+        transport.write(data)
         return not self._paused
 
     async def drain(self) -> None:

@@ -279,19 +279,15 @@ class Transcript:
         other event goes through `take`. Stops at the answer's end (`done`). Raises
         StreamBroken as `take` does; what was taken before is recorded, and
         `StreamBroken.partial` holds its bytes for the client."""
-        if (not self.attempt and self.id is not None and self.prompt_ids is not None
-                and not self._reader.pending_bytes):
-            m = _ONE[self.plan.chat].fullmatch(chunk)
-            if m is not None:  # one plain token event, the read whole: `_events`, inline
-                pnull, _, ids = m.groups()
-                if ids:
-                    self.delivered.extend(map(int, ids.split(b",")))
-                self.events += 1
-                if self._strip:
-                    return chunk[:m.start(1) if pnull is not None else m.start(2)] \
-                        + chunk[m.end(2):]
-                return chunk
         out: list[bytes] = []
+        if (len(chunk) < _RUN_MIN and not self.attempt and self.id is not None
+                and self.prompt_ids is not None and not self._reader.pending_bytes):
+            # an engine's usual read: one whole plain token event, or a few
+            pos = self._take_plain(chunk, out)
+            if pos == len(chunk):
+                return out[0] if len(out) == 1 else b"".join(out)
+            if pos:
+                chunk = chunk[pos:]
         try:
             if len(chunk) >= _RUN_MIN:
                 self._read_runs(chunk, out)
@@ -301,6 +297,27 @@ class Transcript:
             exc.partial = b"".join(out)
             raise
         return b"".join(out)
+
+    def _take_plain(self, chunk: bytes, out: list[bytes]) -> int:
+        """The whole plain token events at the start of a read, one match of the read
+        each (`_ONE`: what `_events` gives them, without the SSE splitter or a slice per
+        event); where the first other bytes begin."""
+        one, strip, delivered = _ONE[self.plan.chat].match, self._strip, self.delivered
+        pos, end = 0, len(chunk)
+        while pos < end and (m := one(chunk, pos)) is not None:
+            pnull, _, ids = m.groups()
+            if ids:
+                delivered.extend(map(int, ids.split(b",")))
+            self.events += 1
+            if strip:  # the two id fields cut out
+                out.append(chunk[pos:m.start(1) if pnull is not None else m.start(2)])
+                out.append(chunk[m.end(2):m.end()])
+            elif pos == 0 and m.end() == end:
+                out.append(chunk)
+            else:
+                out.append(chunk[pos:m.end()])
+            pos = m.end()
+        return pos
 
     def _read_runs(self, chunk: bytes, out: list[bytes]) -> None:
         """A large read (the engine wrote faster than the proxy read): each run of plain
