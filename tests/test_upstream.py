@@ -397,3 +397,112 @@ def test_a_reused_connection_gone_after_answer_bytes_or_with_no_engine_left_is_d
 
     e: Any = None
     asyncio.run(main())
+
+
+def _chunked(*parts: bytes) -> bytes:
+    return b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in parts)
+
+
+SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+
+
+def test_a_pumped_body_goes_to_its_sink_read_by_read_and_stops_when_it_says_so() -> None:
+    go = asyncio.Event()
+
+    async def paced(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD)
+        for part in (b"one", b"two", b"three"):
+            writer.write(_chunked(part))
+            await writer.drain()
+            await asyncio.sleep(0.02)  # (a read each, as an engine's steps)
+        await go.wait()
+        writer.write(_chunked(b"four") + b"0\r\n\r\n")
+        await writer.drain()
+        await read_request(reader)  # the connection is kept for the next request
+        writer.write(OK)
+
+    async def main() -> None:
+        async with engine(paced) as e:
+            u = Upstream(1.0, 5.0)
+            got: list[bytes] = []
+
+            def sink(data: bytes) -> bool:
+                got.append(data)
+                return data != b"two"
+
+            async with u.request("POST", e.url, "/", [], b"{}") as a:
+                assert await a.pump(sink) is False  # stopped after "two"
+                assert b"".join(got) == b"onetwo"
+                go.set()
+                assert await a.pump(sink) is True  # the rest, then the end
+                assert b"".join(got) == b"onetwothreefour"
+            assert (await u.get(e.url, "/", 2.0)) == (200, b"{}")
+            assert e.connections == 1
+            await u.close()
+
+    run(main())
+
+
+def test_what_a_sink_raises_reaches_the_pumping_task_not_the_loop() -> None:
+    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD + _chunked(b"bad"))
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        async with engine(stream) as e:
+            u = Upstream(1.0, 5.0)
+
+            def sink(data: bytes) -> bool:
+                raise ValueError(data.decode())
+
+            with pytest.raises(ValueError, match="bad"):
+                async with u.request("POST", e.url, "/", [], b"{}") as a:
+                    await a.pump(sink)
+            assert not u._idle.get(address(e.url)[:2])  # not kept
+            await u.close()
+
+    run(main())
+
+
+def test_a_pumped_body_cut_or_gone_silent_fails_after_every_byte_it_had() -> None:
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD + _chunked(b"last words"))
+        await writer.drain()
+        writer.close()
+
+    async def slow_then_silent(reader: asyncio.StreamReader,
+                               writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD)
+        for i in range(6):  # a byte every 0.1 s: well inside the 0.5 s read timeout
+            writer.write(_chunked(b"%d" % i))
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        await reader.read()
+
+    async def main() -> None:
+        u = Upstream(1.0, 0.5)
+        got: list[bytes] = []
+
+        def sink(data: bytes) -> bool:
+            got.append(data)
+            return True
+
+        async with engine(cut) as e, u.request("POST", e.url, "/", [], b"{}") as a:
+            with pytest.raises(BodyCut):
+                await a.pump(sink)
+        assert b"".join(got) == b"last words"
+        got.clear()
+        async with engine(slow_then_silent) as e, u.request("POST", e.url, "/", [],
+                                                            b"{}") as a:
+            with pytest.raises(TimeoutError):
+                await a.pump(sink)
+        assert b"".join(got) == b"012345"  # the timer moved on with each byte
+        await u.close()
+
+    run(main())
