@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -474,5 +476,95 @@ def test_a_500_whose_health_check_the_engine_that_took_over_answers_goes_there()
                 assert r.status == 200 and await r.read() == COMPLETION
             assert set(backend.failure_seen) == {1}
             assert proxy.stats.responses == {"200": 1}
+
+    asyncio.run(main())
+
+
+def _token_event(i: int, first: bool = False, last: bool = False) -> bytes:
+    """A completions chunk as vLLM writes it with `return_token_ids`."""
+    choice = {"index": 0, "text": f" t{i}", "logprobs": None,
+              "finish_reason": "length" if last else None, "stop_reason": None,
+              "prompt_token_ids": [1, 2] if first else None, "token_ids": [100 + i]}
+    doc = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
+           "choices": [choice]}
+    data = b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+
+
+def _stream_request(tokens: int) -> bytes:
+    body = _post({"model": "m", "prompt": "hi", "max_tokens": tokens, "stream": True})
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+
+
+def test_a_continuable_stream_to_a_client_that_reads_late_gets_every_token_in_order() -> None:
+    """The engine writes far faster than the client reads: the client's buffer fills,
+    the relay waits for it to drain and goes on, every token once and in order."""
+    n = 30000
+
+    async def fast(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert b"return_token_ids" in await _read_body(reader, head)
+        writer.write(SSE_HEAD)
+        for i in range(n):
+            writer.write(_token_event(i, first=i == 0, last=i == n - 1))
+            if i % 50 == 0:
+                await writer.drain()
+        writer.write(b"%x\r\ndata: [DONE]\n\n\r\n0\r\n\r\n" % len(b"data: [DONE]\n\n"))
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        async with _behind_raw_engine(fast) as proxy:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (fills soon)
+            sock.connect(("127.0.0.1", proxy.port))
+            reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 20)
+            writer.write(_stream_request(n))
+            await writer.drain()
+            await asyncio.sleep(0.5)  # not reading: the proxy's writes back up
+            got = bytearray()
+            while not got.endswith(b"0\r\n\r\n"):
+                part = await asyncio.wait_for(reader.read(1 << 16), 10)
+                assert part, bytes(got[-300:])
+                got += part
+            writer.close()
+            texts = [int(t) for t in re.findall(rb'"text":" t(\d+)"', got)]
+            assert texts == list(range(n))
+            assert b"token_ids" not in got and got.count(b"data: [DONE]") == 1
+
+    asyncio.run(main())
+
+
+def test_a_continuable_stream_to_a_client_that_reads_nothing_is_cut_and_its_engine_freed(
+        ) -> None:
+    """`send_timeout_s` holds on the relay's path too: the client cut, the engine's
+    connection closed (vLLM aborts the request), the cut counted."""
+    freed = asyncio.Event()
+
+    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        await _read_body(reader, head)
+        writer.write(SSE_HEAD)
+        try:
+            for i in range(10**6):
+                writer.write(_token_event(i, first=i == 0))
+                await writer.drain()
+        except ConnectionError:
+            pass
+        freed.set()
+
+    async def main() -> None:
+        async with _behind_raw_engine(endless, send_timeout_s=0.3) as proxy:
+            _reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            writer.write(_stream_request(10**6))
+            await writer.drain()
+            await asyncio.wait_for(freed.wait(), 30)
+            assert proxy.stats.rejections.get("send_timeout") == 1
+            writer.close()
 
     asyncio.run(main())
