@@ -67,7 +67,6 @@ from supervisor.front.streams import (
     StreamRelay,
     UpstreamFailed,
     dropped_message,
-    upstream_chunks,
     upstream_headers,
 )
 from supervisor.front.upstream import (
@@ -529,13 +528,17 @@ class FrontProxy:
 
     async def _relay(self, up: Answer, resp: StreamResponse,
                      ex: Exchange) -> None:
-        """The answer, chunk by chunk as it arrives; the stream's gaps as the client gets
-        them, and the answer's tail (where its usage is) for the access line."""
+        """The answer, chunk by chunk as it arrives (each engine read handed on from the
+        upstream connection's callback, `Answer.pump`); the stream's gaps as the client
+        gets them, and the answer's tail (where its usage is) for the access line."""
         gaps = self.latency.histogram("stream_gap", self.latency.label(ex.model))
+        write, clock = resp.write_nowait, time.monotonic
         last = 0.0
-        async for chunk in upstream_chunks(up):
-            await resp.write(chunk)
-            now = time.monotonic()
+        behind: list[bytes] = []  # written past the client's full buffer: timed once drained
+
+        def timed(chunk: bytes) -> None:
+            nonlocal last
+            now = clock()
             if ex.first_chunk_at is None:
                 ex.first_chunk_at = now
             elif ex.stream:
@@ -545,6 +548,24 @@ class FrontProxy:
                 ex.events += chunk.count(b"data:")
             ex.tail = (chunk[-TAIL_BYTES:] if len(chunk) >= TAIL_BYTES
                        else (ex.tail + chunk)[-TAIL_BYTES:])
+
+        def sink(chunk: bytes) -> bool:
+            if not write(chunk):
+                behind.append(chunk)
+                return False
+            timed(chunk)
+            return True
+
+        while True:
+            try:
+                ended = await up.pump(sink)
+            except (TimeoutError, UpstreamError) as exc:
+                raise UpstreamFailed(exc) from exc
+            if behind:
+                await resp.drain()
+                timed(behind.pop())
+            if ended:
+                return
 
 
 class ProxyError(Exception):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
 
 import structlog
 
@@ -353,16 +352,6 @@ class StreamRelay:
 
 def upstream_headers(request: Request) -> list[tuple[str, str]]:
     return [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
-
-
-async def upstream_chunks(up: Answer) -> AsyncIterator[bytes]:
-    """The upstream body as it arrives, each read whole; an upstream failure is raised
-    as UpstreamFailed, so that it is never mistaken for the client going away."""
-    try:
-        while chunk := await up.read_some():
-            yield chunk
-    except (TimeoutError, UpstreamError) as exc:
-        raise UpstreamFailed(exc) from exc
 
 
 class UpstreamFailed(Exception):
