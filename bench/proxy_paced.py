@@ -159,6 +159,14 @@ class Client:
 
 # ---- the run --------------------------------------------------------------------------
 
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of every core so far, from /proc/stat: the machine's load
+    over a run, ours and everyone else's (the cores are shared)."""
+    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
 def measure(args: argparse.Namespace, tmp: Path) -> tuple[tuple[str, ...], dict[str, Any]]:
     children: list[Child] = []
     client = None
@@ -196,17 +204,20 @@ def measure(args: argparse.Namespace, tmp: Path) -> tuple[tuple[str, ...], dict[
             k = rnd % len(paths)
             for step, conc, tokens, total in CONFIGS:
                 for path in paths[k:] + paths[:k]:
-                    cpu0 = servers[path].cpu_s()
+                    cpu0, busy0 = servers[path].cpu_s(), machine_busy()
                     r = client.run(url=f"http://127.0.0.1:{ports[path]}/v1/completions"
                                        f"?step_ms={step}", concurrency=conc,
                                    tokens=tokens, total=max(conc, int(total * args.scale)))
                     r["server_cpu_s"] = servers[path].cpu_s() - cpu0
+                    busy1 = machine_busy()
+                    r["machine_busy"] = (busy1[0] - busy0[0]) / max(1.0, busy1[1] - busy0[1])
                     results.setdefault(f"{step}-{conc}", {}).setdefault(path, []).append(r)
                     print(f"round {rnd + 1} {step} ms x {conc:>3} {path:<12} "
                           f"{r['events_per_s']:.0f} ev/s cpu/chunk "
                           f"{r['server_cpu_s'] / max(1, r['events']) * 1e6:.1f} us gap p50 "
                           f"{r['gap_p50_ms']:.2f} p99 {r['gap_p99_ms']:.2f} ms "
-                          f"reads {r['reads']} errors {r['errors']} "
+                          f"reads {r['reads']} busy {r['machine_busy']:.0%} "
+                          f"errors {r['errors']} "
                           f"short {r['short_streams']}", flush=True)
         return paths, results
     finally:
@@ -289,7 +300,10 @@ def render(args: argparse.Namespace, paths: tuple[str, ...], res: dict[str, Any]
                                f"({cpu_per_chunk(runs):.1f} µs against "
                                f"{nginx_cpu:.1f}: {ratio:.2f}x)")
         bad = sum(r["errors"] + r["short_streams"] for p in paths for r in data[p])
-        out += ["", f"Failed or short streams over all runs: {bad}.", ""]
+        busy = statistics.median(r["machine_busy"] for p in paths for r in data[p])
+        out += ["", f"Failed or short streams over all runs: {bad}. The machine's cores "
+                f"were {busy:.0%} busy during these runs (median; every process, from "
+                "/proc/stat).", ""]
     out += ["### Target", ""] + [f"- {t}" for t in targets]
     return "\n".join(out) + "\n"
 
