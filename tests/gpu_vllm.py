@@ -18,7 +18,19 @@ its 10-minute calls, the daemon living on between them in its own session:
                                               # their first tokens: every stream whole,
                                               # four raw streams tapped (issues 12, 20)
     python3 tests/gpu_vllm.py throughput 1 8 32 256  # output tokens/s, proxy vs direct
+    python3 tests/gpu_vllm.py kv-reset-streams 256 3000 3  # `vllm bench serve` at 256
+                                        # streams, three KV resets during it, each 3 s after
+                                        # the last ended (issue 35: `drain = "continue"`
+                                        # pauses the streams instead of draining them)
+    python3 tests/gpu_vllm.py rearm     # a cold restart that arms a sleeping standby again
+                                        # (after a swap at 0.88 none fits beside: no_room)
     python3 tests/gpu_vllm.py stop      # stopped; nothing left on the GPU
+
+SHAPE=8b (issue 35's setup): the model is ~/m8b, made from the staged tiny model's files
+with Llama-3.1-8B's dimensions (`--load-format dummy`: real sizes, random weights), both
+engines at `--gpu-memory-utilization 0.88` with torch.compile and CUDA graphs (no
+--enforce-eager), `standby = "sleep"` (the standby starts first and sleeps, the engine
+then starts beside it) and `drain = "continue"`; `start` alone takes 4-5 minutes cold.
 
 Environment: SUP_SITE (the supervisor's --target site), VLLM_SITE (vLLM's, kept apart:
 vLLM's dependencies bring the PyPI package `supervisor`), MODEL (the staged model), OUT
@@ -45,7 +57,9 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = Path(os.environ.get("WORK", "/tmp/vs-gpu"))
 SUP_SITE = os.environ.get("SUP_SITE", "/tmp/sup-site")
 VLLM_SITE = os.environ.get("VLLM_SITE", str(Path.home() / "vllm-site"))
-MODEL = os.environ.get("MODEL", str(Path.home() / "vllm-stage" / "model"))
+SHAPE = os.environ.get("SHAPE", "tiny")  # "8b": Llama-3.1-8B's shape, random weights
+STAGED = Path.home() / "vllm-stage" / "model"  # the tiny model, as staged
+MODEL = os.environ.get("MODEL", str(Path.home() / "m8b" if SHAPE == "8b" else STAGED))
 PROXY = "127.0.0.1:8000"
 EXPORTER = "127.0.0.1:9402"
 # the installed wheel first; the checkout only for tests.harness (every process this
@@ -182,20 +196,54 @@ def result(phase: str, **values: Any) -> None:
         for name in ("results.jsonl", "events.jsonl"):
             if (WORK / name).exists():
                 (Path(out) / name).write_bytes((WORK / name).read_bytes())
+        log_path = WORK / "daemon.log"
+        if log_path.exists():
+            with log_path.open("rb") as f:
+                f.seek(max(0, log_path.stat().st_size - 4 * 2**20))
+                (Path(out) / "daemon-tail.log").write_bytes(f.read())
 
 
-def phase_start(standby: str = "none", share: str = "0.3") -> None:
+def make_m8b(model: Path) -> None:
+    """An 8B-shaped Llama (Llama-3.1-8B's dimensions) from the staged tiny model's files,
+    for `--load-format dummy` (as ../shared/tools/gpu-vllm/standby_probe.py makes it)."""
+    model.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((STAGED / "config.json").read_text())
+    cfg.update(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, num_hidden_layers=32,
+               max_position_embeddings=8192, vocab_size=128256, dtype="bfloat16",
+               rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
+    (model / "config.json").write_text(json.dumps(cfg, indent=1))
+    for f in STAGED.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            (model / f.name).write_bytes(f.read_bytes())
+
+
+def phase_start(standby: str | None = None, share: str | None = None) -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     demo = tomllib.loads((ROOT / "config.gpu.toml").read_text())
+    if SHAPE == "8b":
+        standby, share = standby or "sleep", share or "0.88"
+        if not (Path(MODEL) / "config.json").exists():
+            make_m8b(Path(MODEL))
+        # torch.compile and CUDA graphs on (no --enforce-eager): a cold start of the
+        # standby and then the engine took about 240 s on a fresh H100
+        args = ["--served-model-name", "tiny-llama", "--load-format", "dummy",
+                "--dtype", "bfloat16", "--max-model-len", "2048", "--enable-sleep-mode",
+                "--gpu-memory-utilization", share]
+        extra = {"startup_timeout_s": 600.0, "drain": "continue"}
+    else:
+        standby, share = standby or "none", share or "0.3"
+        args = ["--served-model-name", "tiny-llama", "--enforce-eager",
+                "--gpu-memory-utilization", share, "--max-model-len", "512",
+                "--enable-sleep-mode"]
+        extra = {"startup_timeout_s": 480.0}
     demo["engine"].update({
         # `vllm serve` (the module form is deprecated); the staged site has no `vllm`
         # script on PATH, so its CLI module runs it
         "command": [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", MODEL],
-        "args": ["--served-model-name", "tiny-llama", "--enforce-eager",
-                 "--gpu-memory-utilization", share, "--max-model-len", "512",
-                 "--enable-sleep-mode"],
+        "args": args,
         "env": {"PYTHONPATH": VLLM_SITE, "VLLM_SERVER_DEV_MODE": "1"},
-        "startup_timeout_s": 480.0, "drain_timeout_s": 20.0, "standby": standby})
+        "drain_timeout_s": 20.0, "standby": standby, **extra})
     demo["control"] = {"socket": str(WORK / "control.sock")}
     demo["daemon"] = {"runtime_dir": str(WORK)}
     demo["audit"] = {"path": str(WORK / "events.jsonl")}
@@ -208,7 +256,8 @@ def phase_start(standby: str = "none", share: str = "0.3") -> None:
                      stdout=(WORK / "daemon.log").open("ab"), stderr=subprocess.STDOUT,
                      env={**os.environ, "PYTHONPATH": SUP_SITE}, cwd=str(WORK),
                      start_new_session=True)
-    st = wait(lambda: status()["state"] == "RUNNING" and status(), 540, "RUNNING")
+    st = wait(lambda: status()["state"] == "RUNNING" and status(),
+              580 if SHAPE == "8b" else 540, "RUNNING")
     startup_s = time.monotonic() - t0
     wait(lambda: status()["remedies"]["kv_reset_unavailable"] is None
          and status()["remedies"]["kv_reset"], 60, "sleep mode probed")
@@ -233,7 +282,8 @@ def phase_start(standby: str = "none", share: str = "0.3") -> None:
     metrics = urllib.request.urlopen(f"http://{EXPORTER}/metrics", timeout=10).read().decode()
     exported = {line.split(" ")[0]: line.split(" ")[-1] for line in metrics.splitlines()
                 if line.startswith(("vllm_supervisor_gpu_", "vllm_supervisor_engine_gpu"))}
-    result("start", supervisor_from=supervisor.__file__, startup_s=round(startup_s, 1),
+    result("start", shape=SHAPE, model=MODEL, args=args,
+           supervisor_from=supervisor.__file__, startup_s=round(startup_s, 1),
            standby=st.get("standby"), standby_ready_after_s=standby_s,
            gpu_memory_utilization=share, standby_nvml_mib=spare_gpu,
            reason=st["reason"],
@@ -485,6 +535,41 @@ class Tap:
         path.write_text(json.dumps(doc))
 
 
+HANDOVER_EVENTS = ("core_exit", "failover", "standby_woken", "failover_done",
+                   "failover_failed", "drained", "take_down", "reaped", "remedy")
+
+
+def handover_times(audit: list[dict[str, Any]]) -> dict[str, Any]:
+    """A handover's steps from the audit: the failover, the wake, the held requests
+    released (`failover_done`: seconds from the fault seen), and how the old engine was
+    taken down (graceful or SIGKILLed, how long until its tree was proven gone)."""
+    from datetime import datetime
+
+    def at(e: dict[str, Any]) -> float:
+        return datetime.fromisoformat(e["time"].replace("Z", "+00:00")).timestamp()
+
+    first: dict[str, dict[str, Any]] = {}
+    for e in audit:
+        first.setdefault(e["event"], e)
+    out: dict[str, Any] = {}
+    fo = first.get("failover")
+    if fo is not None:
+        out["failover_at"] = fo["time"]
+        for name in ("standby_woken", "failover_done", "take_down", "reaped"):
+            if name in first:
+                out[f"{name}_after_failover_s"] = round(at(first[name]) - at(fo), 3)
+    if "standby_woken" in first:
+        out["wake_s"] = first["standby_woken"].get("seconds")
+    if "failover_done" in first:
+        out["failover_done_s"] = first["failover_done"].get("seconds")
+    if "take_down" in first:
+        out["old_take_down_graceful"] = first["take_down"].get("graceful")
+    if "reaped" in first:
+        r = first["reaped"]
+        out["old_reaped"] = {k: r.get(k) for k in ("duration_s", "sigkilled", "problem")}
+    return out
+
+
 def phase_continue(fault: str, when: str) -> None:
     """Issue 20's procedure: 3000 streams of 256 tokens through the proxy at 128 at a
     time; once the client says its main run started, the core is SIGKILLed (or
@@ -494,12 +579,13 @@ def phase_continue(fault: str, when: str) -> None:
     0 failed, the tokens generated equal to those asked for, none short."""
     prompts, conc, want = 3000, 128, 256
     tag = f"continue-{fault}-{when}"
-    if (status().get("standby") or {}).get("state", "none") != "none":
+    if (status().get("standby") or {}).get("state", "none") not in ("none", "no_room"):
         wait(lambda: status()["standby"]["state"] == "ready", 400, "the standby ready")
     st = status()
     restarts = st["restarts"]
     core = core_of(st["pid"])
     log_at = (WORK / "daemon.log").stat().st_size
+    events_at = len(events())
     before = exporter_series("vllm_supervisor_proxy_continuations_total")
     fired: dict[str, float] = {}
     taps: list[Tap] = []
@@ -547,7 +633,17 @@ def phase_continue(fault: str, when: str) -> None:
     served = [e for e in logged if e.get("event") == "request"
               and e.get("path") == "/v1/completions"]
     after = exporter_series("vllm_supervisor_proxy_continuations_total")
-    result(tag, prompts=prompts, concurrency=conc,
+    audit = [e for e in events()[events_at:] if e.get("event") in HANDOVER_EVENTS]
+    ttfts = sorted(x for x in doc.get("ttfts") or [] if x is not None)
+    held = sorted(e.get("held_s") or 0.0 for e in served)
+    result(tag, prompts=prompts, concurrency=conc, standby_at_fault=st.get("standby"),
+           # what the new requests waited (issue 35: held at the swap until the standby
+           # served), as the client saw it (its TTFTs, in s) and as the proxy held them
+           held={"max_ttft_s": round(ttfts[-1], 3) if ttfts else None,
+                 "ttft_over_1s": len([x for x in ttfts if x > 1.0]),
+                 "proxy_held": len([x for x in held if x > 0]),
+                 "proxy_max_held_s": round(held[-1], 3) if held else None,
+                 **handover_times(audit)},
            running_at_fault=fired.get("running"),
            fault_after_main_s=round(fired["t"] - fired["main"], 1) if "t" in fired else None,
            completed=doc.get("completed"), failed=doc.get("failed"),
@@ -568,10 +664,7 @@ def phase_continue(fault: str, when: str) -> None:
            running_again_after_kill_s=round(time.monotonic() - fired["t"], 1)
            if "t" in fired else None,
            taps=tapped, state_reason=back["reason"], standby_after=back.get("standby"),
-           handover=[e for e in (json.loads(x) for x in (WORK / "events.jsonl").read_text()
-                                 .splitlines() if x.strip())
-                     if e.get("event") in ("core_exit", "failover", "standby_woken",
-                                           "failover_done", "failover_failed", "drained")])
+           handover=audit)
     assert doc.get("completed") == prompts and not errors
     assert doc.get("total_output_tokens") == prompts * want
     assert not [n for n in lens if n < want]
@@ -595,6 +688,106 @@ def phase_throughput(concurrencies: list[int]) -> None:
         result("throughput", **rows[-1])
 
 
+def phase_kv_reset_streams(conc: int = 256, prompts: int = 3000, resets: int = 3) -> None:
+    """Issue 35, point 3: `vllm bench serve` through the proxy at `conc` streams of 256
+    tokens, and `vllm-supervisorctl kv-reset` `resets` times during it (the first 4 s
+    after the engine runs most of them, each next 3 s after the last ended). With
+    `drain = "continue"` the streams in flight are paused for continuation, not drained:
+    per reset the remedy's duration, steps and held requests, the streams paused; over
+    the run every stream whole, the longest gap a client saw."""
+    want = 256
+    tag = f"kv-reset-streams-{conc}"
+    st = status()
+    restarts = st["restarts"]
+    log_at = (WORK / "daemon.log").stat().st_size
+    events_at = len(events())
+    before = exporter_series("vllm_supervisor_proxy_continuations_total")
+    runs: list[dict[str, Any]] = []
+    marks: dict[str, float] = {}
+
+    def resets_during() -> None:
+        log_path = WORK / f"{tag}.log"
+        wait(lambda: log_path.exists()
+             and b"Starting main benchmark run" in log_path.read_bytes(), 300,
+             "the client's main run")
+        marks["main"] = time.monotonic()
+        wait(lambda: engine_running() >= min(conc, 256) * 3 // 4, 120,
+             "most streams running at the engine")
+        time.sleep(4.0)
+        for i in range(resets):
+            running = engine_running()
+            t0 = time.monotonic()
+            r = ctl("kv-reset")
+            wall = time.monotonic() - t0
+            ev = [e for e in events()[events_at:] if e["event"] == "remedy"]
+            row: dict[str, Any] = {"rc": r.returncode, "running_before": running,
+                                   "at_s": round(t0 - marks["main"], 1),
+                                   "ctl_wall_s": round(wall, 3)}
+            if r.returncode != 0:
+                row["out"] = (r.stdout + r.stderr)[-500:]
+            if len(ev) > i:
+                row.update({k: ev[i].get(k) for k in ("outcome", "duration_s", "steps_s",
+                                                      "held", "error")})
+            runs.append(row)
+            time.sleep(3.0)
+        marks["done"] = time.monotonic()
+
+    watcher = threading.Thread(target=resets_during, daemon=True)
+    watcher.start()
+    doc = bench(PROXY, conc, prompts, tag, detailed=True)
+    watcher.join(120)
+    lines = (WORK / "daemon.log").read_bytes()[log_at:].decode(errors="replace").splitlines()
+    logged = [json.loads(x) for x in lines if x.startswith("{")]
+    paused = [e.get("paused") for e in logged
+              if e.get("event") == "streams paused, to go on after it"]
+    for row, n in zip(runs, paused, strict=False):
+        row["streams_paused"] = n
+    continued = [e for e in logged if e.get("event") == "stream continued"]
+    served = [e for e in logged if e.get("event") == "request"
+              and e.get("path") == "/v1/completions"]
+    after = exporter_series("vllm_supervisor_proxy_continuations_total")
+    lens = doc.get("output_lens") or []
+    errors = [e for e in doc.get("errors") or [] if e]
+    ttfts = sorted(x for x in doc.get("ttfts") or [] if x is not None)
+    st2 = status()
+    result(tag, prompts=prompts, concurrency=conc, resets=runs,
+           resets_within_run=bool(marks.get("done")) and len(runs) == resets,
+           completed=doc.get("completed"), failed=doc.get("failed"),
+           errors=sorted(set(errors))[:5], total_output_tokens=doc.get("total_output_tokens"),
+           tokens_asked=prompts * want, short_streams=len([n for n in lens if n < want]),
+           proxy_requests=len(served),
+           proxy_short=len([e for e in served if (e.get("tokens") or 0) < want]),
+           proxy_not_ok=len([e for e in served if e.get("outcome")]),
+           p99_ttft_ms=doc.get("p99_ttft_ms"), p99_itl_ms=doc.get("p99_itl_ms"),
+           max_ttft_s=round(ttfts[-1], 3) if ttfts else None,
+           max_itl_s=max((max(x) for x in doc.get("itls") or [] if x), default=None),
+           duration_s=doc.get("duration"),
+           continuations={k: v - before.get(k, 0.0) for k, v in after.items()
+                          if v - before.get(k, 0.0)},
+           continued_logged=len(continued),
+           max_gap_s=max((e.get("waited_s", 0) for e in continued), default=None),
+           restarts=st2["restarts"] - restarts, state=st2["state"])
+    assert doc.get("completed") == prompts and not errors
+    assert doc.get("total_output_tokens") == prompts * want
+    assert len(runs) == resets and all(r["rc"] == 0 for r in runs)
+    assert st2["restarts"] == restarts
+
+
+def phase_rearm() -> None:
+    """A cold restart: with a sleeping standby at a share where none fits beside the
+    engine that took over (`no_room` after a swap), the next cold start arms one first."""
+    st = status()
+    restarts = st["restarts"]
+    t0 = time.monotonic()
+    r = ctl("restart", "--reason", "re-arm the standby")
+    back = wait(lambda: status()["state"] == "RUNNING" and status()["restarts"] > restarts
+                and (status().get("standby") or {}).get("state") == "ready" and status(),
+                560, "RUNNING with the standby ready")
+    result("rearm", rc=r.returncode, out=(r.stdout + r.stderr)[-300:],
+           standby_before=st.get("standby"), seconds=round(time.monotonic() - t0, 1),
+           standby=back.get("standby"), reason=back["reason"])
+
+
 def phase_stop() -> None:
     st = status()
     pids = [p.pid for p in engine_tree(st["pid"])]
@@ -612,6 +805,8 @@ if __name__ == "__main__":
         phase_throughput([int(x) for x in sys.argv[2:]])
     elif sys.argv[1] == "start":
         phase_start(*sys.argv[2:4])
+    elif sys.argv[1] == "kv-reset-streams":
+        phase_kv_reset_streams(*(int(x) for x in sys.argv[2:5]))
     else:
-        {"kv-reset": phase_kv_reset, "crash": phase_crash,
-         "hang": phase_hang, "stop": phase_stop}[sys.argv[1]]()
+        {"kv-reset": phase_kv_reset, "crash": phase_crash, "hang": phase_hang,
+         "rearm": phase_rearm, "stop": phase_stop}[sys.argv[1]]()
