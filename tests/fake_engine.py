@@ -15,6 +15,8 @@ script a fault:
   --hang-file PATH      while PATH exists, completions hang (a frozen engine: /health
                         and /metrics still answer, as vLLM's do with EngineCore stopped)
   --token-delay S       seconds between streamed tokens (default 0.01)
+  --answer-delay S      seconds before a stream's answer begins, its headers included (vLLM's
+                        API server answering late under load; default 0)
   --first-token-delay S seconds before a stream's first token (its prefill; default 0):
                         a fault meets a stream that has sent nothing yet
   --enable-sleep-mode   with VLLM_SERVER_DEV_MODE=1, as vLLM: POST /sleep?level=1,
@@ -96,6 +98,7 @@ def main() -> None:
     p.add_argument("--hang-file", default=None)
     p.add_argument("--token-delay", type=float, default=0.01)
     p.add_argument("--first-token-delay", type=float, default=0)
+    p.add_argument("--answer-delay", type=float, default=0)
     p.add_argument("--enable-sleep-mode", action="store_true")
     p.add_argument("--wake-fails", action="store_true")
     p.add_argument("--fault-file", default=None)
@@ -295,6 +298,7 @@ def main() -> None:
             head: dict[str, Any] = {"id": f"{'chatcmpl' if chat else 'cmpl'}-fake{me % 100000}",
                     "object": "chat.completion.chunk" if chat else "text_completion",
                     "created": int(time.time()), "model": a.served_model_name}
+            time.sleep(a.answer_delay)
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("X-Fake-Engine", "1")

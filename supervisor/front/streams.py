@@ -61,6 +61,9 @@ class StreamRelay:
         # continuable streams being relayed: id(transcript) -> (it, its engine answer,
         # the engine's name)
         self._relays: dict[int, tuple[Transcript, Answer, str]] = {}
+        # engines whose streams were paused while their gate holds new requests: a stream
+        # admitted before the hold whose answer begins only now is paused too
+        self._pausing: set[str] = set()
 
     async def engine_healthy(self, backend: Backend) -> bool:
         assert self.upstream is not None
@@ -117,6 +120,15 @@ class StreamRelay:
         t.paused = False
         assert ex.backend is not None
         self._relays[id(t)] = (t, up, ex.backend.name)
+        if ex.backend.name in self._pausing:
+            if ex.backend.gate.held_reason is None:
+                self._pausing.discard(ex.backend.name)  # (the hold is over)
+            elif t.refusal() is None:
+                # sent before the hold, its answer only beginning now (vLLM under load
+                # answers late): it leaves the engine too, rather than run to its end
+                # while everything else waits (18 of 256 did on the H100)
+                t.paused = True
+                up.close()
         # (the path of every event of every stream: each engine read taken in the
         # upstream connection's own callback (`Answer.pump`), no task woken per event;
         # the write without a coroutine; the histogram found once)
@@ -165,9 +177,12 @@ class StreamRelay:
             "the engine's stream ended before the answer's end"))
 
     def pause(self, engine: str) -> int:
-        """A drained restart with `engine.drain = "continue"`: every stream that can be
-        continued leaves that engine now (its upstream connection closed, so vLLM aborts
-        it) and goes on on its new engine; the others finish as usual. How many."""
+        """A drained restart or a KV reset with `engine.drain = "continue"`: every stream
+        that can be continued leaves that engine now (its upstream connection closed, so
+        vLLM aborts it) and goes on once it serves again; the others finish as usual. So
+        does each one whose answer begins while the engine's gate still holds. How many
+        now."""
+        self._pausing.add(engine)
         paused = 0
         for t, up, name in list(self._relays.values()):
             if name == engine and t.refusal() is None and not t.done:
@@ -369,7 +384,7 @@ class Broken(Exception):
 
 class Paused(Exception):
     def __init__(self) -> None:
-        super().__init__("paused for the engine's restart")
+        super().__init__("paused by the daemon for its engine's restart or KV reset")
 
 
 class GaveUp(Exception):
