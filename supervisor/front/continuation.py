@@ -281,9 +281,23 @@ class Transcript:
         `StreamBroken.partial` holds its bytes for the client."""
         out: list[bytes] = []
         if (len(chunk) < _RUN_MIN and not self.attempt and self.id is not None
-                and self.prompt_ids is not None and not self._reader.pending_bytes):
-            # an engine's usual read: one whole plain token event, or a few
-            pos = self._take_plain(chunk, out)
+                and self.prompt_ids is not None and not self._reader._buf):
+            m = _ONE[self.plan.chat].match(chunk)
+            if m is not None and m.end() == len(chunk):
+                # an engine's usual read, one whole plain token event: `_take_plain`'s
+                # first turn inline (every event of every stream)
+                ids = m[3]
+                if b"," in ids:
+                    self.delivered.extend(map(int, ids.split(b",")))
+                elif ids:
+                    self.delivered.append(int(ids))
+                self.events += 1
+                if not self._strip:
+                    return chunk
+                cut = m.start(1)
+                return chunk[:cut if cut >= 0 else m.start(2)] + chunk[m.end(2):]
+            # a few whole events, or one and the start of the next
+            pos = self._take_plain(chunk, out) if m is not None else 0
             if pos == len(chunk):
                 return out[0] if len(out) == 1 else b"".join(out)
             if pos:
@@ -301,22 +315,28 @@ class Transcript:
     def _take_plain(self, chunk: bytes, out: list[bytes]) -> int:
         """The whole plain token events at the start of a read, one match of the read
         each (`_ONE`: what `_events` gives them, without the SSE splitter or a slice per
-        event); where the first other bytes begin."""
-        one, strip, delivered = _ONE[self.plan.chat].match, self._strip, self.delivered
-        pos, end = 0, len(chunk)
-        while pos < end and (m := one(chunk, pos)) is not None:
-            pnull, _, ids = m.groups()
-            if ids:
+        event); where the first other bytes begin. (Every event of every stream: no
+        tuple of groups, one id without a split.)"""
+        match, strip, delivered = _ONE[self.plan.chat].match, self._strip, self.delivered
+        pos, end, n = 0, len(chunk), 0
+        while pos < end:
+            m = match(chunk, pos)
+            if m is None:
+                break
+            ids = m[3]
+            if b"," in ids:
                 delivered.extend(map(int, ids.split(b",")))
-            self.events += 1
-            if strip:  # the two id fields cut out
-                out.append(chunk[pos:m.start(1) if pnull is not None else m.start(2)])
-                out.append(chunk[m.end(2):m.end()])
-            elif pos == 0 and m.end() == end:
-                out.append(chunk)
+            elif ids:
+                delivered.append(int(ids))
+            n += 1
+            stop = m.end()
+            if strip:  # the two id fields cut out (group 1: `,"prompt_token_ids":null`)
+                cut = m.start(1)
+                out.append(chunk[pos:cut if cut >= 0 else m.start(2)] + chunk[m.end(2):stop])
             else:
-                out.append(chunk[pos:m.end()])
-            pos = m.end()
+                out.append(chunk if pos == 0 and stop == end else chunk[pos:stop])
+            pos = stop
+        self.events += n
         return pos
 
     def _read_runs(self, chunk: bytes, out: list[bytes]) -> None:
@@ -604,11 +624,6 @@ class EventReader:
             if lines:
                 out.append(b"\n".join(lines))
         return out
-
-    @property
-    def pending_bytes(self) -> bool:
-        """Bytes of an unfinished event are held (blank ones included)."""
-        return bool(self._buf)
 
     @property
     def pending(self) -> bool:

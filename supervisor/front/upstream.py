@@ -5,7 +5,11 @@ Why not aiohttp's client: on the proxy's hot path it cost 65-80 µs a request (i
 connector, its request writer task, a Python callback per HTTP chunk of an answer) and
 1.5 µs a streamed chunk (docs/proxy.md, "Cost per request and per chunk"). Here a request
 is one write, an answer's head one wake-up, and each read of a streamed answer is handed
-to the proxy whole, however many HTTP chunks it holds.
+to the proxy whole, however many HTTP chunks it holds: to a task that waits for it
+(`Answer.read_some`), or, for a stream, straight from the protocol's callback to the
+proxy's sink (`Answer.pump`: vLLM writes one event per engine step, so a stream's reads
+are nearly all one event, and a task woken per event was most of the proxy's cost per
+event; issue 38).
 
 What a caller sees (`Upstream.request`, used as `async with ... as answer`):
 - `ConnectFailed`: no connection (refused, unreachable, or none within the connect
@@ -194,17 +198,9 @@ class Answer:
             if waiter.result():  # the sink said stop
                 return False
 
-    def _to_sink(self, sink: Callable[[bytes], bool]) -> None:
-        """The bytes just read, to `pump`'s sink (in the protocol's callback); its task
-        woken only when the sink says stop or raises."""
-        data = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        self._body.clear()
-        self._buffered = 0
-        try:
-            if sink(data):
-                return
-        except Exception as exc:  # (never into the loop's protocol callback: the task's)
-            self._sink_error = exc
+    def _stop_sink(self) -> None:
+        """The sink said stop, or raised (`_Connection.data_received` called it): no more
+        for it, and its task woken."""
         self._sink = None
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(True)
@@ -339,8 +335,18 @@ class _Connection(asyncio.Protocol):
             return
         answer = self.answer
         if answer is not None and answer._body:
-            if answer._sink is not None:
-                answer._to_sink(answer._sink)
+            sink = answer._sink
+            if sink is not None:  # `pump` waits: the bytes to its sink now (`_to_sink`)
+                body = answer._body
+                data = body[0] if len(body) == 1 else b"".join(body)
+                body.clear()
+                answer._buffered = 0
+                try:
+                    if sink(data):
+                        return
+                except Exception as exc:  # (never into the loop: to the pumping task)
+                    answer._sink_error = exc
+                answer._stop_sink()
                 return
             if answer._buffered > HIGH_WATER and not self._paused and not answer.complete:
                 self._paused = True
