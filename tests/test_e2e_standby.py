@@ -116,7 +116,7 @@ def through_a_fault(d: Daemon, cfg: dict[str, Any], fault: Any,
     return out
 
 
-def test_the_standby_takes_over_a_core_sigkill_and_a_restart(tmp_path):
+def test_the_standby_takes_over_three_core_sigkills_in_a_row_and_a_restart(tmp_path):
     cfg: dict[str, Any] = vllm_config(tmp_path)
     # two engines on two cores: no pinning, one compute thread each (config.two-engines)
     cfg["engine"]["env"].update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
@@ -136,13 +136,23 @@ def test_the_standby_takes_over_a_core_sigkill_and_a_restart(tmp_path):
         assert all(a.done and a.finish == "length" for a in reference), reference
 
         st = d.status()
-        spare = st["standby"]["pid"]
-        seen += [p.pid for pid in (st["pid"], spare) for p in tree(pid)]
-        through_a_fault(d, cfg, lambda core: core.send_signal(signal.SIGKILL), reference)
-        st = d.status()
-        assert st["state"] == "RUNNING" and st["pid"] == spare and st["restarts"] == 1
-        wait_for(lambda: (s := d.status()["standby"])["state"] == "ready"
-                 and s["pid"] != spare, START_TIMEOUT, "a new standby proven")
+        seen += [p.pid for p in tree(st["pid"])]
+        # every fault, not only the first: three core SIGKILLs in a row, each once the
+        # daemon says it is protected again (a new standby proven in the old one's place)
+        gaps = []
+        for n in (1, 2, 3):
+            spare = d.status()["standby"]["pid"]
+            seen += [p.pid for p in tree(spare)]
+            out = through_a_fault(d, cfg, lambda core: core.send_signal(signal.SIGKILL),
+                                  reference)
+            gaps.append(out["longest_gap_after_fault_s"])
+            st = d.status()
+            assert st["state"] == "RUNNING" and st["pid"] == spare and st["restarts"] == n
+            assert st["standby"]["protected"] is False  # (until a new one is proven)
+            wait_for(lambda s0=spare: (s := d.status()["standby"])["state"] == "ready"
+                     and s["pid"] != s0 and s["protected"], START_TIMEOUT,
+                     "protected again: a new standby proven")
+        print("three core SIGKILLs in a row, longest client gap each (s):", gaps)
 
         st = d.status()
         spare = st["standby"]["pid"]
@@ -151,7 +161,7 @@ def test_the_standby_takes_over_a_core_sigkill_and_a_restart(tmp_path):
         through_a_fault(d, cfg, lambda _core: d.ctl("restart").check_returncode(),
                         reference)
         st = wait_for(lambda: (s := d.status())["state"] == "RUNNING" and s, 60, "RUNNING")
-        assert st["pid"] == spare and st["restarts"] == 2
+        assert st["pid"] == spare and st["restarts"] == 4
         r = d.ctl("stop", timeout=180)
         assert r.returncode == 0 and d.wait_exit(120) == 0
         assert alive(seen) == []
