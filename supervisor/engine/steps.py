@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from supervisor.config import Config, EngineConfig
 from supervisor.engine import process as eng
@@ -302,10 +302,9 @@ class RelaunchBegin:
 
 @dataclass(frozen=True)
 class Relaunch:
-    """A step of the policy's relaunch under way, for its audit (`RelaunchLog`):
-    starting, standby_ready, taken_down, down."""
+    """A step of the policy's relaunch under way, for its audit (`RelaunchLog`)."""
 
-    step: str
+    step: Literal["standby_ready", "taken_down", "down"]
 
 
 @dataclass(frozen=True)

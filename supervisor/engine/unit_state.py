@@ -263,14 +263,17 @@ class UnitState:
                 self.act.remedy(self.engine, rung)
             case do.Throttle(rule, level):
                 self.sync_gate()  # live at the proxy: in force at once
-                remedy_ended(self.audit, {"rung": "throttle", "outcome": "ok", "duration_s": 0.0,
-                                       "rule": rule, "throttle_level": level,
-                                       "max_concurrency": self.gate.concurrency_limit})
+                remedy_ended(self.audit, {
+                    "rung": "throttle", "outcome": "ok", "duration_s": 0.0, "rule": rule,
+                    "throttle_level": level, "max_concurrency": self.gate.concurrency_limit})
             case do.RelaunchBegin(rung, reason):
                 self.relaunch.begin(rung, reason)
-            case do.Relaunch(what):
-                {"starting": self.relaunch.starting, "standby_ready": self.relaunch.standby_ready,
-                 "taken_down": self.relaunch.taken_down, "down": self.relaunch.down}[what]()
+            case do.Relaunch("standby_ready"):
+                self.relaunch.standby_ready()
+            case do.Relaunch("taken_down"):
+                self.relaunch.taken_down()
+            case do.Relaunch("down"):
+                self.relaunch.down()
             case do.RelaunchFinish(outcome, error):
                 self.relaunch.finish(outcome, error)
             case _:
