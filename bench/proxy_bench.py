@@ -308,8 +308,10 @@ def client_main() -> None:
 
 
 class Client:
-    def __init__(self) -> None:
-        self.p = subprocess.Popen([PY, __file__, "_client"], stdin=subprocess.PIPE,
+    """A client process (`script _client`): one JSON command a line in, its result out."""
+
+    def __init__(self, script: str = __file__) -> None:
+        self.p = subprocess.Popen([PY, script, "_client"], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, cwd=ROOT,
                                   start_new_session=True)
 

@@ -32,7 +32,6 @@ import gc
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,7 @@ from bench.proxy_bench import (  # noqa: E402
     NGINX,
     PY,
     Child,
+    Client,
     _output,
     completion,
     free_port,
@@ -132,31 +132,6 @@ def client_main() -> None:
     asyncio.run(loop())
 
 
-class Client:
-    def __init__(self) -> None:
-        self.p = subprocess.Popen([PY, __file__, "_client"], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                                  start_new_session=True)
-
-    def run(self, **cmd: Any) -> dict[str, Any]:
-        assert self.p.stdin is not None and self.p.stdout is not None
-        self.p.stdin.write(json.dumps(cmd) + "\n")
-        self.p.stdin.flush()
-        line = self.p.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the client exited {self.p.wait()}")
-        return dict(json.loads(line))
-
-    def close(self) -> None:
-        if self.p.stdin is not None:
-            self.p.stdin.close()
-        try:
-            self.p.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.p.pid, signal.SIGKILL)
-            self.p.wait(5)
-
-
 # ---- the run --------------------------------------------------------------------------
 
 def machine_busy() -> tuple[float, float]:
@@ -198,7 +173,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> tuple[tuple[str, ...], dict[
             ng.wait_port(ports["nginx"])
             servers["nginx"] = ng
         paths = tuple(servers)
-        client = Client()
+        client = Client(__file__)
         results: dict[str, Any] = {}
         for rnd in range(args.rounds):
             k = rnd % len(paths)
