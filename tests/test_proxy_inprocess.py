@@ -408,11 +408,11 @@ def test_a_request_asking_more_tokens_than_the_engine_takes_does_not_hold_the_ot
     asyncio.run(main())
 
 
-def test_a_drop_whose_health_check_a_new_engine_start_answers_is_a_death() -> None:
-    """The engine start that had the request went (its connection closed unanswered);
-    the /health asked then is answered by the start that replaced it: that says nothing
-    of the one that had the request, which is counted as a death it was at, not as a
-    drop by an engine that still serves."""
+def _replaced_after_its_first_answer(first: Callable[[asyncio.StreamWriter], None]
+                                     ) -> tuple[RawEngine, list[int]]:
+    """An engine whose first completion is answered by `first` (a drop, a 500) as its
+    start is replaced (the start number, by the time /health is asked, is the next
+    one's, and the next start answers /health 200); every later completion whole."""
     start = [1]
 
     async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -422,21 +422,41 @@ def test_a_drop_whose_health_check_a_new_engine_start_answers_is_a_death() -> No
         else:
             await _read_body(reader, head)
             if start[0] == 1:
-                start[0] = 2  # the daemon's next start, by the time /health is asked
-                writer.transport.abort()
-                return
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n" % len(COMPLETION) + COMPLETION)
+                start[0] = 2
+                first(writer)
+                if writer.transport.is_closing():
+                    return
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(COMPLETION) + COMPLETION)
         await writer.drain()
         writer.close()
 
+    return engine, start
+
+
+async def _completion_through(proxy: FrontProxy, start: list[int]) -> Any:
+    """One completion through the proxy, the backend's start number read from `start`;
+    the backend."""
+    backend = proxy.backends["default"]
+    backend.generation = lambda: start[0]
+    async with aiohttp.ClientSession() as s, s.post(
+            f"http://127.0.0.1:{proxy.port}/v1/completions",
+            data=_post({"model": "m", "prompt": "x"})) as r:
+        assert r.status == 200 and await r.read() == COMPLETION
+    return backend
+
+
+def test_a_drop_whose_health_check_a_new_engine_start_answers_is_a_death() -> None:
+    """The engine start that had the request went (its connection closed unanswered);
+    the /health asked then is answered by the start that replaced it: that says nothing
+    of the one that had the request, which is counted as a death it was at, not as a
+    drop by an engine that still serves."""
+    engine, start = _replaced_after_its_first_answer(lambda w: w.transport.abort())
+
     async def main() -> None:
-        async with _behind_raw_engine(engine) as proxy, aiohttp.ClientSession() as s:
-            backend = proxy.backends["default"]
-            backend.generation = lambda: start[0]
-            async with s.post(f"http://127.0.0.1:{proxy.port}/v1/completions",
-                              data=_post({"model": "m", "prompt": "x"})) as r:
-                assert r.status == 200 and await r.read() == COMPLETION
+        async with _behind_raw_engine(engine) as proxy:
+            backend = await _completion_through(proxy, start)
             assert set(backend.failure_seen) == {1} and proxy.stats.retried_connects == 1
 
     asyncio.run(main())
@@ -447,33 +467,14 @@ def test_a_500_whose_health_check_the_engine_that_took_over_answers_goes_there()
     standby between that request and the proxy's /health question makes the standby
     answer it (200): the 500 is still the dying start's, and the request goes to the
     start that serves now, not to the client (a CI run saw it reach the client)."""
-    start = [1]
-
-    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        if head.startswith(b"GET /health"):
-            writer.write(HEALTHY)
-        else:
-            await _read_body(reader, head)
-            if start[0] == 1:
-                start[0] = 2  # the failover, by the time /health is asked
-                dead = b'{"error": {"message": "EngineCore encountered an issue"}}'
-                writer.write(b"HTTP/1.1 500 Internal Server Error\r\n"
-                             b"Content-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n" % len(dead) + dead)
-            else:
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n" % len(COMPLETION) + COMPLETION)
-        await writer.drain()
-        writer.close()
+    dead = b'{"error": {"message": "EngineCore encountered an issue"}}'
+    engine, start = _replaced_after_its_first_answer(lambda w: w.write(
+        b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(dead) + dead))
 
     async def main() -> None:
-        async with _behind_raw_engine(engine) as proxy, aiohttp.ClientSession() as s:
-            backend = proxy.backends["default"]
-            backend.generation = lambda: start[0]
-            async with s.post(f"http://127.0.0.1:{proxy.port}/v1/completions",
-                              data=_post({"model": "m", "prompt": "x"})) as r:
-                assert r.status == 200 and await r.read() == COMPLETION
+        async with _behind_raw_engine(engine) as proxy:
+            backend = await _completion_through(proxy, start)
             assert set(backend.failure_seen) == {1}
             assert proxy.stats.responses == {"200": 1}
 
