@@ -14,15 +14,13 @@ from hypothesis import strategies as st
 
 from supervisor.front import continuation
 from supervisor.front.continuation import (
-    DONE,
     REFUSALS,
-    EventReader,
     StreamBroken,
     Transcript,
-    error_event,
     plan,
     refusal,
 )
+from supervisor.front.sse import DONE, EventReader, error_event
 
 COMP = "/v1/completions"
 CHAT = "/v1/chat/completions"

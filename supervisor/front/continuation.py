@@ -30,6 +30,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from supervisor.front.sse import DONE, EventReader
+from supervisor.front.sse import event as _event
+
 CONTINUABLE = ("/v1/completions", "/v1/chat/completions")
 # How a broken stream ended (the exporter's label; every one born at 0): continued on an
 # engine; resent whole (the client had seen nothing); closed (only its end was lost);
@@ -42,7 +45,6 @@ REFUSALS = ("several_choices", "beam_search", "echo", "logprobs", "structured_ou
             "prompt_form", "several_prompts", "no_model", "parser_output", "no_token_ids",
             "too_many_faults", "kills_engine")
 CONTINUATION_PATH = "/v1/completions"
-DONE = b"data: [DONE]\n\n"
 
 # Chat keys a continuation (a completions request) keeps: sampling and output shaping.
 # Everything else of a chat request is either the prompt (now token ids) or refused.
@@ -80,38 +82,28 @@ _PLAIN = re.compile(
     rb'(,"prompt_token_ids":null)?(,"token_ids":\[(' + _IDS + rb')\])\}\]\}', re.S)
 
 
-def _run(chat: bool) -> re.Pattern[bytes]:
-    """A run of whole plain token events (`data: ` + `_PLAIN` + a blank line), of one
-    kind, with no newline inside one (JSON escapes its newlines; an event with a raw one
-    goes the long way): Transcript.read takes such a run with three scans of its bytes,
-    not a Python loop over its events."""
+def _plain_event(chat: bool, groups: bool) -> bytes:
+    """One whole plain token event (`data: ` + `_PLAIN` + a blank line) of one kind, with
+    no newline inside it (JSON escapes its newlines; an event with a raw one goes the
+    long way). `groups`: those of `_PLAIN` less the chat one (the token-id fields, the
+    ids)."""
     s = rb'"[^"\\\n]*(?:\\[^\n][^"\\\n]*)*"'
     obj, text = ((rb'chat\.completion\.chunk', rb'"delta":\{"content":' + s + rb'\}') if chat
                  else (rb'text_completion', rb'"text":' + s))
-    return re.compile(
-        rb'(?:data: \{"id":"[^"\\\n]*","object":"' + obj + rb'","created":\d+,'
-        rb'"model":"[^"\\\n]*","choices":\[\{"index":0,' + text +
-        rb',"logprobs":null,"finish_reason":null(?:,"stop_reason":null)?'
-        rb'(?:,"prompt_token_ids":null)?,"token_ids":\[' + _IDS + rb'\]\}\]\}\n\n)+')
+    ids = (rb'(,"prompt_token_ids":null)?(,"token_ids":\[(' + _IDS + rb')\])' if groups
+           else rb'(?:,"prompt_token_ids":null)?,"token_ids":\[' + _IDS + rb'\]')
+    return (rb'data: \{"id":"[^"\\\n]*","object":"' + obj + rb'","created":\d+,'
+            rb'"model":"[^"\\\n]*","choices":\[\{"index":0,' + text +
+            rb',"logprobs":null,"finish_reason":null(?:,"stop_reason":null)?' + ids +
+            rb'\}\]\}\n\n')
 
 
-def _one(chat: bool) -> re.Pattern[bytes]:
-    """One whole plain token event (`data: ` + `_PLAIN` + a blank line, no newline
-    inside), as a read of vLLM's stream usually is (one event per engine step):
-    Transcript.read takes it with one match of the read, its groups those of `_PLAIN`
-    less the chat one (the token-id fields, the ids)."""
-    s = rb'"[^"\\\n]*(?:\\[^\n][^"\\\n]*)*"'
-    obj, text = ((rb'chat\.completion\.chunk', rb'"delta":\{"content":' + s + rb'\}') if chat
-                 else (rb'text_completion', rb'"text":' + s))
-    return re.compile(
-        rb'data: \{"id":"[^"\\\n]*","object":"' + obj + rb'","created":\d+,'
-        rb'"model":"[^"\\\n]*","choices":\[\{"index":0,' + text +
-        rb',"logprobs":null,"finish_reason":null(?:,"stop_reason":null)?'
-        rb'(,"prompt_token_ids":null)?(,"token_ids":\[(' + _IDS + rb')\])\}\]\}\n\n')
-
-
-_RUNS = {False: _run(False), True: _run(True)}
-_ONE = {False: _one(False), True: _one(True)}
+# A run of whole plain token events: Transcript.read takes such a run with three scans of
+# its bytes, not a Python loop over its events. One such event, as a read of vLLM's
+# stream usually is (one event per engine step): taken with one match of the read.
+_RUNS = {chat: re.compile(rb"(?:" + _plain_event(chat, False) + rb")+")
+         for chat in (False, True)}
+_ONE = {chat: re.compile(_plain_event(chat, True)) for chat in (False, True)}
 _RUN_MIN = 1024  # a read of this many bytes or more is looked at for runs (4 events)
 # In a run: each event's token ids (its last field), and the id fields to cut out
 _RUN_IDS = re.compile(rb'"token_ids":\[([0-9,]*)\]\}\]\}\n\n')
@@ -581,51 +573,3 @@ class Transcript:
             out = _event(self._frame([], {"prompt_tokens": prompt, "total_tokens":
                                           prompt + done, "completion_tokens": done}))
         return out + DONE
-
-
-def _event(doc: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
-
-
-def error_event(message: str, code: int = 502) -> bytes:
-    """The explicit end of a stream that cannot be finished: an error event, no [DONE]."""
-    return _event({"error": {"message": message, "type": "engine_failed", "code": code}})
-
-
-class EventReader:
-    """SSE framing: bytes as they arrive -> each complete event's data (comments and
-    other fields dropped; several data lines joined with a newline, as the SSE rules say)."""
-
-    def __init__(self) -> None:
-        self._buf = b""
-
-    def pending_and(self, chunk: bytes) -> bytes:
-        """The bytes of an unfinished event, taken out, and `chunk` after them; `keep`
-        gives back what is left unread (Transcript.read frames events itself)."""
-        buf, self._buf = (self._buf + chunk if self._buf else chunk), b""
-        return buf
-
-    def keep(self, rest: bytes) -> None:
-        self._buf = rest
-
-    def feed(self, chunk: bytes) -> list[bytes]:
-        buf = self._buf + chunk if self._buf else chunk
-        if b"\r" in buf:
-            buf = buf.replace(b"\r\n", b"\n")
-        *events, self._buf = buf.split(b"\n\n")
-        out = []
-        for ev in events:
-            if ev.startswith(b"data: ") and b"\n" not in ev and ev[6:7] != b" ":  # usual
-                out.append(ev[6:])
-                continue
-            data = [line[5:].lstrip(b" ") if line.startswith(b"data:") else None
-                    for line in ev.split(b"\n")]
-            lines = [d for d in data if d is not None]
-            if lines:
-                out.append(b"\n".join(lines))
-        return out
-
-    @property
-    def pending(self) -> bool:
-        """Bytes of an unfinished event are waiting (a stream that ends here was cut)."""
-        return bool(self._buf.strip())

@@ -18,7 +18,7 @@ import time
 
 import structlog
 
-from supervisor.front import continuation, quarantine
+from supervisor.front import continuation, quarantine, sse
 from supervisor.front.admission import Rejected, Ticket
 from supervisor.front.continuation import StreamBroken, Transcript
 from supervisor.front.dispatch import Backend
@@ -360,7 +360,7 @@ class StreamRelay:
         self.stats.count(502)
         log.warning("stream failed", id=ex.transcript.id if ex.transcript else None,
                     why=message[:500], deaths=ex.deaths, **({"body": killer} if killer else {}))
-        await resp.write(continuation.error_event(message))
+        await resp.write(sse.error_event(message))
         await resp.write_eof()
         return resp
 
