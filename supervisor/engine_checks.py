@@ -10,7 +10,9 @@ holds only its CUDA context and graphs once asleep (1.8 GiB for an 8B model on t
 4.75 GiB in a 72B case): when the two fit side by side it is started beside the serving
 engine like an awake one; when they do not, it is started first, put to sleep, and the
 serving engine beside it, which leaves no room to arm a new one after a failover until
-the next cold start.
+the next cold start. An asymmetric pair (`standby_args`: a thinner standby) fits both
+awake on the card: after a failover the full-size engine starts beside the thin one that
+serves, and takes over again.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Protocol
 
-from supervisor.watchdog.relaunch import arg_value
+from supervisor.watchdog.relaunch import apply, arg_value
 
 # vLLM's parallel sizes: the GPUs an engine needs is their product
 _PARALLEL = (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp"),
@@ -46,11 +48,55 @@ class CheckedEngine(Protocol):
     def gpus(self) -> list[int]: ...
     @property
     def standby(self) -> str: ...
+    @property
+    def standby_args(self) -> list[str]: ...
 
 
 def argv(engine: CheckedEngine) -> list[str]:
     """The engine's command line as the daemon starts it (flags may sit in either)."""
     return [*engine.command, *engine.args]
+
+
+def standby_overrides(standby_args: list[str]) -> dict[str, str | None]:
+    """`standby_args` as flags and their values (`--flag value` or `--flag=value`);
+    ValueError naming the item that is neither."""
+    out: dict[str, str | None] = {}
+    i = 0
+    while i < len(standby_args):
+        a = standby_args[i]
+        if not a.startswith("--") or a == "--":
+            raise ValueError(f"{a!r} is not a flag (--flag value pairs)")
+        if "=" in a:
+            flag, value = a.split("=", 1)
+            i += 1
+        elif i + 1 < len(standby_args) and not standby_args[i + 1].startswith("--"):
+            flag, value = a, standby_args[i + 1]
+            i += 2
+        else:
+            raise ValueError(f"{a!r} has no value (--flag value pairs: a flag alone "
+                             f"cannot replace the engine's)")
+        out[flag] = value
+    return out
+
+
+def thinned(args: list[str], standby_args: list[str]) -> list[str]:
+    """The engine's `args` as its standby runs them: each flag of `standby_args` in
+    place of the engine's own (checked at load: `check_standby`)."""
+    return apply(args, standby_overrides(standby_args)) if standby_args else list(args)
+
+
+def standby_argv(engine: CheckedEngine) -> list[str]:
+    """The standby's command line (`argv` with `standby_args` applied)."""
+    return [*engine.command, *thinned(engine.args, engine.standby_args)]
+
+
+def shares(engine: CheckedEngine) -> tuple[float, float]:
+    """The serving engine's and its standby's `--gpu-memory-utilization` (vLLM's
+    default where not given)."""
+    def share(args: list[str]) -> float:
+        got = gpu_share(args)
+        return got if got is not None else DEFAULT_GPU_SHARE
+    return share(argv(engine)), share(standby_argv(engine))
 
 
 def gpu_share(args: list[str]) -> float | None:
@@ -63,11 +109,12 @@ def gpu_share(args: list[str]) -> float | None:
         return None
 
 
-def side_by_side(args: list[str]) -> bool:
-    """Two engines of these arguments can start on one card together (the standby beside
-    the serving engine; a new standby beside the one that took over)."""
-    share = gpu_share(args)
-    return 2 * (share if share is not None else DEFAULT_GPU_SHARE) <= SIDE_BY_SIDE_MAX
+def side_by_side(engine: CheckedEngine) -> bool:
+    """The engine and its standby can start on one card together (the standby beside
+    the serving engine; a new one beside the engine that took over; with a thinner
+    standby, the full-size engine beside the thin one that serves)."""
+    serving, standby = shares(engine)
+    return serving + standby <= SIDE_BY_SIDE_MAX
 
 
 def check_pinning(key: str, engine: CheckedEngine, problems: list[str]) -> None:
@@ -102,21 +149,27 @@ def check_standby(key: str, engine: CheckedEngine, problems: list[str]) -> None:
     """A standby the engine's arguments cannot keep: a sleeping one without vLLM's sleep
     mode, or one that does not fit on the card beside the serving engine."""
     if engine.standby == "none":
+        if engine.standby_args:
+            problems.append(f'{key}.standby_args: needs a standby ({key}.standby is "none")')
+        return
+    try:
+        standby_overrides(engine.standby_args)
+    except ValueError as e:
+        problems.append(f"{key}.standby_args: {e}")
         return
     args = argv(engine)
     share = gpu_share(args)
-    raw = arg_value(args, "--gpu-memory-utilization")
-    if raw is not None and share is None:
-        problems.append(f"{key}.args: --gpu-memory-utilization {raw!r} is not a number")
+    for where, line in ((f"{key}.args", args),
+                        (f"{key}.standby_args", standby_argv(engine))):
+        raw = arg_value(line, "--gpu-memory-utilization")
+        if raw is not None and gpu_share(line) is None:
+            problems.append(f"{where}: --gpu-memory-utilization {raw!r} is not a number")
+            return
+    if engine.standby_args:
+        _check_thin(key, engine, problems)
         return
     if engine.standby == "sleep":
-        if not any(a == "--enable-sleep-mode" or a.startswith("--enable-sleep-mode=")
-                   for a in args):
-            problems.append(f'{key}.args: standby = "sleep" needs --enable-sleep-mode '
-                            "(vLLM's sleep mode keeps the standby asleep)")
-        if engine.env.get("VLLM_SERVER_DEV_MODE") != "1":
-            problems.append(f'{key}.env.VLLM_SERVER_DEV_MODE: standby = "sleep" needs "1" '
-                            "(vLLM serves /sleep and /wake_up only then)")
+        _check_sleep_mode(key, engine, problems)
         used = share if share is not None else DEFAULT_GPU_SHARE
         if used > BESIDE_SLEEPING_MAX:
             problems.append(f"{key}.args: --gpu-memory-utilization {used:g}"
@@ -129,6 +182,33 @@ def check_standby(key: str, engine: CheckedEngine, problems: list[str]) -> None:
                         f"{2 * share:g} of the card: an awake standby starts beside the "
                         f"serving engine and vLLM checks at start that its share is free; "
                         f"at most {SIDE_BY_SIDE_MAX / 2:g} each, or standby = \"sleep\"")
+
+
+def _check_thin(key: str, engine: CheckedEngine, problems: list[str]) -> None:
+    """An asymmetric pair: the full-size engine starts beside the thin standby that
+    serves after a fault (both awake), so the two shares must fit on the card together,
+    whatever the standby's mode."""
+    serving, standby = shares(engine)
+    named = gpu_share(argv(engine)) is not None or gpu_share(standby_argv(engine)) is not None
+    if named and serving + standby > SIDE_BY_SIDE_MAX:  # (on CPU no share is given)
+        problems.append(f"{key}.standby_args: the engine's --gpu-memory-utilization "
+                        f"{serving:g} and the standby's {standby:g} make {serving + standby:g} "
+                        f"of the card: after a failover the full-size engine starts beside "
+                        f"the thin one that serves, and vLLM checks at start that its share "
+                        f"is free; together at most {SIDE_BY_SIDE_MAX:g}")
+    if engine.standby == "sleep":
+        _check_sleep_mode(key, engine, problems)
+
+
+def _check_sleep_mode(key: str, engine: CheckedEngine, problems: list[str]) -> None:
+    args = argv(engine)
+    if not any(a == "--enable-sleep-mode" or a.startswith("--enable-sleep-mode=")
+               for a in args):
+        problems.append(f'{key}.args: standby = "sleep" needs --enable-sleep-mode '
+                        "(vLLM's sleep mode keeps the standby asleep)")
+    if engine.env.get("VLLM_SERVER_DEV_MODE") != "1":
+        problems.append(f'{key}.env.VLLM_SERVER_DEV_MODE: standby = "sleep" needs "1" '
+                        "(vLLM serves /sleep and /wake_up only then)")
 
 
 # ---- a daily window (`engine.rearm_window`) -------------------------------------------

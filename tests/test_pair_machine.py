@@ -84,8 +84,21 @@ MODES: dict[str, dict[str, Any]] = {
     "sleep_beside": {"standby": "sleep", "env": SLEEP_ENV,
                      "args": ["--enable-sleep-mode", "--gpu-memory-utilization", "0.45"]},
     "sleep_first": {"standby": "sleep", "env": SLEEP_ENV, "args": ["--enable-sleep-mode"]},
+    # an asymmetric pair: a full-size engine (0.62) and a thin standby (0.30) fit awake
+    # side by side, two full-size ones do not
+    "thin": {"standby": "sleep", "env": SLEEP_ENV,
+             "args": ["--enable-sleep-mode", "--gpu-memory-utilization", "0.62"],
+             "standby_args": ["--gpu-memory-utilization", "0.30"]},
 }
-ROOM_BESIDE = {"awake": True, "sleep_beside": True, "sleep_first": False}
+ROOM_BESIDE = {"awake": True, "sleep_beside": True, "sleep_first": False, "thin": True}
+CARD = 0.94  # what engines awake on one card may add up to (engine_checks.SIDE_BY_SIDE_MAX)
+
+
+def share_of(argv: list[str] | tuple[str, ...]) -> float:
+    """An engine's --gpu-memory-utilization (the last one given)."""
+    args = list(argv)
+    at = len(args) - 1 - args[::-1].index("--gpu-memory-utilization")
+    return float(args[at + 1])
 BACKOFF_MAX_S = 8.0  # World's restart.backoff_max_s
 DEADLINE_MAX_S = 10_000.0  # far above any stop budget of World's config
 ANSWERS_TO_REST = 300  # answers fed to bring the pair to rest at the end of a run
@@ -207,6 +220,13 @@ class PairMachine(RuleBasedStateMachine):
     @property
     def running(self) -> bool:
         return self._w is not None and self.w.state != "STOPPED" and not self.crashed
+
+    def awake_share(self) -> float:
+        """The card's share that engines hold now: each live one not asleep (or being
+        woken), and each spawn under way."""
+        held = [share_of(p.engine.spec.argv) for p in self.live
+                if not p.asleep or ("wake", p.gen) in self.pending]
+        return sum(held) + sum(share_of(d["spec"].argv) for d in self.spawns.values())
 
     def pending_of(self, *kinds: str) -> list[int]:
         return sorted({g for k, g in self.pending if k in kinds})
@@ -345,6 +365,11 @@ class PairMachine(RuleBasedStateMachine):
         self.expect(bay not in taken, "two_in_a_bay", lambda: (
             f"a spawn in bay {bay}, which holds an engine or a spawn: {self.describe()}"))
         self.expect(len(taken) < 2, "a_third_engine", self.describe)
+        if self.mode == "thin":
+            self.expect(self.awake_share() + share_of(d["spec"].argv) <= CARD,
+                        "spawn_past_the_card", lambda: (
+                            f"a spawn at {share_of(d['spec'].argv)} beside "
+                            f"{self.awake_share():g} awake: {self.describe()}"))
         if not ROOM_BESIDE[self.mode]:
             self.expect(not self.spawns and all(
                 p.asleep and ("wake", p.gen) not in self.pending for p in self.live),
@@ -381,6 +406,9 @@ class PairMachine(RuleBasedStateMachine):
             overtaken = isinstance(ev, Down) and ev.generation != p.gen
             self.expect(False, "wake_when_down_of_unready" if overtaken else "wake_of_unready",
                         lambda: f"wake asked of {p} (on {ev}): {self.describe()}")
+        if self.mode == "thin" and p.alive:
+            self.expect(self.awake_share() + share_of(p.engine.spec.argv) <= CARD,
+                        "wake_past_the_card", lambda: f"wake of {p}: {self.describe()}")
         if not ROOM_BESIDE[self.mode] and p.alive:
             self.expect(self.live == [p] and not self.spawns, "wake_beside_no_room", lambda: (
                 f"a wake beside another engine, with no room for both: {self.describe()}"))
@@ -696,9 +724,17 @@ class PairMachine(RuleBasedStateMachine):
                             self.describe)
                 # (with no room beside, a reload's new arguments apply at the next start,
                 # docs/standby.md: the sleeping standby keeps the old ones meanwhile)
-                self.expect(not ROOM_BESIDE[self.mode] or spare is None
+                thin = self.mode == "thin"
+                self.expect(not ROOM_BESIDE[self.mode] or spare is None or thin
                             or spare.engine.config.args == self.config_doc()["engine"]["args"],
                             "standby_out_of_date", self.describe)
+                # an asymmetric pair at rest: the full-size engine serves, the thin one
+                # is the standby (the re-arm ended)
+                self.expect(not thin or (
+                    spare is not None and self.following is not None
+                    and share_of(spare.engine.spec.argv) == 0.30
+                    and share_of(self.following.engine.spec.argv) == 0.62),
+                    "thin_pair_not_rearmed", self.describe)
         if state == "FATAL":
             self.expect(not self.live, "fatal_with_engines", self.describe)
 

@@ -333,7 +333,7 @@ def test_every_reloaded_engine_key_is_what_the_next_start_uses(tmp_path: Path) -
             "drain": "continue", "stop_grace_s": 3.0, "reap_timeout_s": 4.0, "gpus": [0],
             "gpu_release_timeout_s": 5.0, "gpu_foreign_allowance_mib": 10,
             "access_log": True, "models": ["m2"], "share_gpus": True, "standby": "awake",
-            "standby_port": 18300}
+            "standby_port": 18300, "standby_args": ["--max-num-seqs", "2"]}
         only_with_several = {"fallback"}  # ([engines.NAME] only)
         applied_now = {"rearm_window"}  # (read at each tick, not at a start)
         assert set(changed) | only_with_several | applied_now == {

@@ -52,6 +52,9 @@ class Handover:
         # not a phase: the engine serves until the swap, which is a failover like any)
         self._upgrade: tuple[str, str] | None = None
         self._rearmed_on: str | None = None  # the quiet window used (the day it began)
+        # an asymmetric pair (`engine.standby_args`): the thin standby serves (it took
+        # over); a full-size engine starts beside it and takes over again (an upgrade)
+        self.thin_serves = False
 
     @property
     def first(self) -> bool:
@@ -67,9 +70,16 @@ class Handover:
             self.since = now
 
     def cold_start(self, f: PairFacts) -> None:
-        """A cold start ends any handover, and applies any upgrade."""
+        """A cold start ends any handover, and applies any upgrade. A full-size engine in
+        the standby's place of an asymmetric pair (the re-arm beside a thin one that
+        served) is taken down: the engine starting now is full-size."""
         self._set_phase(Phase.IDLE, f.now)
         self._upgrade = None
+        self.thin_serves = False
+        st = self.standby
+        if f.thin_pair and not st.thin and not st.idle and not st.slot.taking_down:
+            st.retire("a cold start: the standby's place is for a thin one",
+                      graceful=False, deadline=f.standby_deadline())
 
     def serving_failed(self, f: PairFacts) -> None:
         """The engine that took over failed before the handover ended (it died waiting
@@ -93,8 +103,12 @@ class Handover:
         it: proven, put to sleep, then the engine starts beside it (docs/standby.md).
         Whether the engine's spawn waits for that."""
         cfg = f.engine_config(self.standby.slot.bay)
+        if f.thin_pair and not self.standby.thin and not self.standby.idle:
+            # a full-size engine there still (being taken down): two do not fit
+            self._set_phase(Phase.STANDBY_FIRST, f.now)
+            return True
         if (cfg.standby != "sleep" or self.standby.ready
-                or engine_checks.side_by_side(engine_checks.argv(cfg))):
+                or engine_checks.side_by_side(cfg)):
             return False
         if self.standby.can_start():
             self._set_phase(Phase.STANDBY_FIRST, f.now)
@@ -111,15 +125,21 @@ class Handover:
         """A standby in its free place, when one is configured and the engine serves (or
         waits for it to sleep first); after a failure, once its backoff is `due`."""
         mode = f.config.engine.standby
+        if self.thin_serves and self._upgrade is None and mode != "none":
+            # the re-arm of an asymmetric pair: the full-size engine beside the thin one
+            self._upgrade = ("re-arm: a full-size engine takes over from the thin standby "
+                             "that serves", "rearm")
         if self._replaced_if_out_of_date(f):
             return
         if (mode == "none" or not self.standby.can_start() or self.phase in HANDING_OVER
                 or (f.state is not State.RUNNING and not self.first)):
             return
-        cfg = f.engine_config(self.standby.slot.bay)
+        full = self.thin_serves  # (else the standby's own arguments, thin or not)
+        bay = self.standby.slot.bay
+        cfg = f.engine_config(bay) if full else f.standby_config(bay)
         # (an awake standby's share was checked at load; on CPU no share is given)
         if mode == "sleep" and not self.first \
-                and not engine_checks.side_by_side(engine_checks.argv(cfg)):
+                and not engine_checks.side_by_side(f.config.engine):
             share = engine_checks.gpu_share(engine_checks.argv(cfg)) \
                 or engine_checks.DEFAULT_GPU_SHARE
             self.standby.no_room(
@@ -130,7 +150,12 @@ class Handover:
             r = f.config.restart
             self.standby.due_later(r.backoff_initial_s, r.backoff_max_s)
             return
-        self.standby.start(eng.build_spawn_spec(cfg, f.environ), cfg, mode)
+        if full:
+            log.info("re-arm: a full-size engine starts beside the thin one that serves, "
+                     "to take over from it")
+        # (the full-size one awake: it serves as soon as it is proven)
+        self.standby.start(eng.build_spawn_spec(cfg, f.environ), cfg,
+                           "awake" if full else mode, thin=f.thin_pair and not full)
 
     def _replaced_if_out_of_date(self, f: PairFacts) -> bool:
         """A ready standby started before a reload changed the arguments, when no upgrade
@@ -216,6 +241,9 @@ class Handover:
         if st.state is Role.RETIRING:
             raise ValueError("the engine in the standby's place is being taken down: "
                              "a standby starts there once it is gone")
+        if st.state is Role.RETURNING:
+            raise ValueError("already re-arming: the thin engine is the standby again "
+                             "once its requests end")
         if st.state is Role.NO_ROOM:
             log.warning("re-arm: a drained restart, the standby first", reason=reason)
             return ("drained restart: the standby starts first, then the engine beside "
@@ -254,10 +282,11 @@ class Handover:
         if f.config.engine.standby == "none" or f.state is not State.RUNNING or e is None:
             return None
         cfg = f.engine_config(f.slot.bay)
-        spec = eng.build_spawn_spec(cfg, f.environ)
+        # (a thin standby serving runs the standby's arguments: a re-arm is under way)
+        spec = f.standby_spec(f.slot.bay) if self.thin_serves else f.spawn_spec(f.slot.bay)
         if (spec.argv, spec.env, spec.cwd) == (e.spec.argv, e.spec.env, e.spec.cwd):
             return None  # (nothing the engine runs changed: a timeout, a grace...)
-        if cfg.standby == "sleep" and not engine_checks.side_by_side(engine_checks.argv(cfg)):
+        if cfg.standby == "sleep" and not engine_checks.side_by_side(cfg):
             log.info("no room for a standby beside the engine: no upgrade through one",
                      why=why)
             return None
@@ -275,8 +304,11 @@ class Handover:
     # ---- the failover ---------------------------------------------------------------
 
     def fits(self, f: PairFacts) -> bool:
-        """A ready standby that runs what a start now would run."""
-        return self.standby.fits(f.spawn_spec(self.standby.slot.bay))
+        """A ready standby that runs what a start now would run: a standby's arguments,
+        or, while the thin standby of an asymmetric pair serves, the engine's."""
+        bay = self.standby.slot.bay
+        return self.standby.fits(f.spawn_spec(bay) if self.thin_serves
+                                 else f.standby_spec(bay))
 
     def swaps_at_once(self, f: PairFacts) -> bool:
         """A drained restart need not hold new requests while the engine's finish: the
@@ -292,7 +324,8 @@ class Handover:
         if self.fits(f):
             return self.fail_over(f, f.restart_reason, graceful)
         out: list[Step] = []
-        if self.standby.ready:
+        if self.standby.ready or (self.thin_serves and self.standby.on_its_way):
+            # (a full-size engine starting beside the thin one: two would not fit)
             deadline = f.restart_deadline(proxy_drain=False)
             out.append(do.StopDeadline(deadline))
             self.standby.retire("its arguments are out of date", graceful=True,
@@ -310,16 +343,23 @@ class Handover:
         `drain_behind` (a drained restart to an awake standby): the requests at the old
         engine finish there first, up to its drain timeout, and then it is taken down."""
         old = f.slot
+        # a thin engine handing back to a full-size one (an asymmetric pair's re-arm) is
+        # kept, to be the standby again once its requests ended
+        keep = (self.thin_serves and graceful and old.engine is not None
+                and old.engine.exit_code is None and not old.taking_down
+                and old.engine.spec.argv == f.standby_spec(old.bay).argv)
         # the old engine's take-down keeps within the restart's deadline (or one from now)
-        take_down = old.engine is not None and not old.taking_down and not drain_behind
+        take_down = (old.engine is not None and not old.taking_down and not drain_behind
+                     and not keep)
         deadline = f.restart_deadline(proxy_drain=False) if take_down else 0.0
-        new, asleep = self.standby.take_over(old)
+        new, asleep, self.thin_serves = self.standby.take_over(old, keep=keep)
         engine = new.engine
         assert engine is not None
         self.failovers += 1
         old_pid = old.engine.pid if old.engine else None
         log.warning("failover: the standby serves", reason=reason, pid=engine.pid,
-                    port=engine.spec.port, old_pid=old_pid, asleep=asleep)
+                    port=engine.spec.port, old_pid=old_pid, asleep=asleep,
+                    **({"thin": self.thin_serves, "old_kept": keep} if f.thin_pair else {}))
         out: list[Step] = [
             do.ServeFrom(new),  # (the restart is over: its deadline with it)
             do.Audit("failover", {"reason": reason, "pid": engine.pid,
@@ -334,8 +374,7 @@ class Handover:
         if not asleep:
             self._set_phase(Phase.PROVING, f.now)
             out += self._serve(f, engine)
-        elif old.engine is not None \
-                and not engine_checks.side_by_side(engine_checks.argv(engine.config)):
+        elif old.engine is not None and not engine_checks.side_by_side(f.config.engine):
             self._set_phase(Phase.WAKING_WHEN_DOWN, f.now)  # (woken in `on_event`)
             # every client waits for the old engine's memory now: its requests are done,
             # paused for continuation or past the drain's timeout (vLLM's own SIGTERM
@@ -347,7 +386,7 @@ class Handover:
             out.append(do.Wake(engine))
         if take_down:
             out.append(do.TakeDownIn(old, graceful, deadline))
-        elif drain_behind and old.engine is not None and not old.taking_down:
+        elif (drain_behind or keep) and old.engine is not None and not old.taking_down:
             log.info("swap: the requests at the old engine finish there",
                      pid=old.engine.pid, generation=old.engine.generation)
             out.append(do.DrainBehind(old.engine, f.standby_deadline()))
@@ -373,9 +412,17 @@ class Handover:
         log.info("swap: the old engine drained" if ev.idle else
                  "swap: drain timeout, requests still at the old engine",
                  pid=old.engine.pid, waited_s=round(ev.waited_s, 3))
-        return [do.Audit("drained", {"idle": ev.idle, "waited_s": round(ev.waited_s, 3),
-                                     "pid": old.engine.pid, "behind_swap": True}),
-                do.TakeDownIn(old, True, f.standby_deadline())]
+        out: list[Step] = [do.Audit("drained", {
+            "idle": ev.idle, "waited_s": round(ev.waited_s, 3), "pid": old.engine.pid,
+            "behind_swap": True})]
+        if self.standby.state is Role.RETURNING:
+            if ev.idle and f.state is not State.STOPPING:
+                self.standby.keep(f.config.engine.standby)  # (the thin one: the standby)
+                return out
+            self.standby.retire("its requests did not end within the drain's timeout",
+                                graceful=True, deadline=f.standby_deadline())
+            return out
+        return [*out, do.TakeDownIn(old, True, f.standby_deadline())]
 
     def woken(self, f: PairFacts, ev: Woken) -> list[Step]:
         engine = f.slot.current(ev.generation)
@@ -423,4 +470,4 @@ class Handover:
         """`status`'s `standby`: `"ready"` when armed (awake or asleep, and proven)."""
         if mode == "none" and self.standby.idle:
             return {"state": "none"}
-        return {"mode": mode, **self.standby.status(now)}
+        return {"mode": mode, **self.standby.status(now), "thin_serves": self.thin_serves}

@@ -48,6 +48,8 @@ class Role(enum.Enum):
     READY = "ready"  # proven (and asleep, with "sleep"), idle: a failover may take it
     RETIRING = "retiring"  # an engine in its bay (a failed standby, the old serving one)
     # being taken down
+    RETURNING = "returning"  # the thinner engine that served until a full-size one took
+    # over again (an asymmetric pair): its requests finishing, then asleep, the standby
     FAILED = "failed"  # a tree not proven gone: no new standby in this bay until a restart
 
 
@@ -64,8 +66,11 @@ ROLE: dict[Role, frozenset[Role]] = {
     Role.SLEEPING: frozenset({Role.READY, Role.RETIRING, Role.NONE}),
     # READY -> RETIRING: it took over, the old serving engine now in its bay to be taken
     # down (-> NONE when there was none)
-    Role.READY: frozenset({Role.RETIRING, Role.NONE}),
+    Role.READY: frozenset({Role.RETIRING, Role.NONE, Role.RETURNING}),
     Role.RETIRING: frozenset({Role.NONE, Role.FAILED}),  # FAILED: not proven gone
+    # RETURNING -> SLEEPING (or READY, awake): its requests ended; -> RETIRING: they did
+    # not within the drain's timeout, or it died, or the daemon stops
+    Role.RETURNING: frozenset({Role.SLEEPING, Role.READY, Role.RETIRING}),
     Role.FAILED: frozenset(),  # until the daemon restarts (an operator's call)
 }
 

@@ -55,6 +55,8 @@ class Standby:
         self.failures = 0  # in a row: the backoff before the next start
         self.mode = "awake"  # as it was started: "awake" or "sleep"
         self.asleep = False
+        # the engine in its place runs the thinner standby's arguments (`standby_args`)
+        self.thin = False
         self._timer: Timer | None = None
         # since when no standby is ready (monotonic; None while one is): the next fault
         # costs a cold start until one is
@@ -92,10 +94,12 @@ class Standby:
         """Started, not ready yet."""
         return self.state in ON_ITS_WAY and not self.slot.taking_down
 
-    def start(self, spec: eng.SpawnSpec, cfg: EngineConfig, mode: str) -> None:
+    def start(self, spec: eng.SpawnSpec, cfg: EngineConfig, mode: str,
+              thin: bool = False) -> None:
         self._to(Role.STARTING)
-        self.mode, self.asleep = mode, False
-        log.info("standby starting", port=spec.port, mode=mode)
+        self.mode, self.asleep, self.thin = mode, False, thin
+        log.info("standby starting", port=spec.port, mode=mode,
+                 **({"thin": thin} if cfg.standby_args else {}))
         self.slot.spawn(spec, cfg)
 
     def no_room(self, why: str) -> None:
@@ -132,15 +136,34 @@ class Standby:
         return self.ready and e is not None and e.spec.argv == spec.argv \
             and e.spec.env == spec.env and e.spec.cwd == spec.cwd
 
-    def take_over(self, old: EngineSlot) -> tuple[EngineSlot, bool]:
-        """The ready standby's slot, to serve, and whether its engine is asleep (to be
-        woken before anything reaches it); `old` (the serving one) takes its place, to be
-        taken down by the caller."""
+    def take_over(self, old: EngineSlot, keep: bool = False) -> tuple[EngineSlot, bool, bool]:
+        """The ready standby's slot, to serve, whether its engine is asleep (to be woken
+        before anything reaches it) and thin; `old` (the serving one) takes its place, to
+        be taken down by the caller, or with `keep` (a thin one, handing back to a
+        full-size engine) to finish its requests and be the standby again (`keep`)."""
         new, self.slot = self.slot, old
         asleep, self.asleep = self.asleep, False
+        thin, self.thin = self.thin, keep
         self.failures = 0
-        self._to(Role.RETIRING if old.engine is not None else Role.NONE, "took over")
-        return new, asleep
+        if keep:
+            self._to(Role.RETURNING, "a full-size engine took over")
+        else:
+            self._to(Role.RETIRING if old.engine is not None else Role.NONE, "took over")
+        return new, asleep, thin
+
+    def keep(self, mode: str) -> None:
+        """The thin engine back in the standby's place has no request left: put to
+        sleep (with `standby = "sleep"`) and ready, as a standby started there would be."""
+        e = self.slot.engine
+        if self.state is not Role.RETURNING or e is None or self.slot.taking_down:
+            return
+        self.mode = mode
+        log.info("the thin engine is the standby again", pid=e.pid, mode=mode)
+        if mode == "sleep":
+            self._to(Role.SLEEPING)
+            self._act.sleep(e)
+        else:
+            self._ready(e)
 
     def retire(self, why: str, graceful: bool, deadline: float) -> None:
         """Take the engine in the standby's place down (a failed standby, one out of
@@ -160,7 +183,7 @@ class Standby:
         backoff before the next); the old serving engine's, while the requests it had
         finish there behind a swap, is not the standby's: its tree is taken down, and a
         new standby starts once it is gone, as after any swap."""
-        if self.state is Role.RETIRING:
+        if self.state in (Role.RETIRING, Role.RETURNING):
             log.warning("the engine being retired died", why=why, reason=self.why,
                         pid=self.slot.engine.pid if self.slot.engine else None)
             self._audit("retired_engine_died", why=why, reason=self.why)
@@ -258,6 +281,6 @@ class Standby:
                 "unprotected_for_s": round(now - unready, 3) if unready is not None else None,
                 "pid": e.pid if alive and e is not None else None,
                 "port": e.spec.port if e is not None else None,
-                "asleep": self.asleep,
+                "asleep": self.asleep, "thin": self.thin,
                 # the tree's host memory as last seen (asleep at level 1: its weights)
                 "rss_bytes": e.rss_bytes if alive and e is not None else None}

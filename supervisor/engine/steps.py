@@ -39,6 +39,8 @@ class PairFacts:
     restart_reason: str
     # what an engine started now in a bay runs with (`EngineUnit.engine_config`)
     engine_config: Callable[[int], EngineConfig]
+    # ... and a standby started now there (`standby_args` applied: a thinner one)
+    standby_config: Callable[[int], EngineConfig]
     evidence_s: float = 0.0  # the evidence a take-down captures first, its budget
 
     @property
@@ -66,6 +68,14 @@ class PairFacts:
 
     def spawn_spec(self, bay: int) -> eng.SpawnSpec:
         return eng.build_spawn_spec(self.engine_config(bay), self.environ)
+
+    def standby_spec(self, bay: int) -> eng.SpawnSpec:
+        return eng.build_spawn_spec(self.standby_config(bay), self.environ)
+
+    @property
+    def thin_pair(self) -> bool:
+        """The standby is thinner than the engine (`engine.standby_args`)."""
+        return bool(self.config.engine.standby_args) and self.config.engine.standby != "none"
 
 
 # ---- the lifecycle -----------------------------------------------------------------

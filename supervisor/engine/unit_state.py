@@ -23,6 +23,7 @@ from typing import Any
 
 import structlog
 
+from supervisor import engine_checks
 from supervisor.config import DEFAULT_ENGINE, Config, EngineConfig
 from supervisor.engine import process as eng
 from supervisor.engine import steps as do
@@ -169,7 +170,7 @@ class UnitState:
             if self.slot.evidence_for is not None and self.config.evidence.enabled else 0.0
         return PairFacts(self.state, self.slot, self.config, self.environ, self.fronted,
                          self.clock.monotonic(), self.stop_deadline, self.restart_reason,
-                         self.engine_config, evidence_s)
+                         self.engine_config, self.standby_config, evidence_s)
 
     def carry_out(self, intents: list[Intent]) -> None:
         """What the watchdog asks (`supervisor/engine/remedies.py`)."""
@@ -340,6 +341,14 @@ class UnitState:
         overrides = self.watch.overrides(self.fronted)
         return dataclasses.replace(cfg, args=relaunch.apply(cfg.args, overrides)) \
             if overrides else cfg
+
+    def standby_config(self, bay: int) -> EngineConfig:
+        """What a standby started now in `bay` runs with: `engine_config` with the
+        standby's own flags (`engine.standby_args`) in place of the engine's."""
+        cfg = self.engine_config(bay)
+        if not cfg.standby_args:
+            return cfg
+        return dataclasses.replace(cfg, args=engine_checks.thinned(cfg.args, cfg.standby_args))
 
     def arm_backoff(self, delay_s: float, generation: int) -> None:
         self.cancel_backoff()
