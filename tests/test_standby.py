@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from tests.fake_engine import prompt_ids
 from tests.harness import wait_for
@@ -243,3 +244,44 @@ def test_rearm_brings_the_standby_back_after_a_failover_on_a_full_card(daemon_fa
     assert again.returncode == 1 and "already protected" in again.stderr
     rearms = [e for e in d.events() if e["event"] == "rearm"]
     assert [e["how"] for e in rearms] == ["restart"]
+
+
+def test_an_asymmetric_pair_is_protected_again_after_each_of_three_core_kills(
+        daemon_factory, tmp_path):
+    """`standby_args` (a thin standby at 0.30 beside an engine at 0.62): three SIGKILLs
+    of the serving core, each once protected again. Each time the thin one is woken and
+    carries the streams (token-exact, a new request answered), a full-size engine starts
+    beside it and takes over again (a swap: streams paused and continued), and the thin
+    one sleeps again: no cold start held anyone, and no `rearm` was needed."""
+    cfg = proxy_config(tmp_path, "--token-delay", "0.02", "--enable-sleep-mode",
+                       "--gpu-memory-utilization", "0.62", keepalive_s=0.5)
+    cfg["engine"].update(standby="sleep", drain="continue",
+                         standby_args=["--gpu-memory-utilization", "0.30"],
+                         env={**cfg["engine"].get("env", {}), "VLLM_SERVER_DEV_MODE": "1"})
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+
+    def protected() -> dict[str, Any] | None:
+        st = d.status()
+        sb = st["standby"]
+        return st if (st["state"] == "RUNNING" and sb["protected"] and sb["thin"]
+                      and not sb["thin_serves"] and st["admission"]["held"] is None) else None
+
+    st = wait_for(protected, 30, "the thin standby ready")
+    thin = st["standby"]["pid"]
+    for kill in range(3):
+        full = st["pid"]
+        core = psutil.Process(full).children()[0].pid  # (--child: its core)
+        answered_s = streams_under(cfg, lambda core=core: os.kill(core, signal.SIGKILL))
+        st = wait_for(lambda full=full: (s := protected()) and s["pid"] != full and s, 60,
+                      f"protected again after kill {kill + 1}")
+        print(f"kill {kill + 1}: a new request answered in {answered_s:.2f} s")
+        assert st["standby"]["pid"] == thin  # the same thin engine, asleep again
+        assert st["standby"]["asleep"] is True
+    names = [e["event"] for e in d.events()]
+    assert names.count("failover") == 6  # each kill: to the thin one, and back
+    assert "rearm" not in names and "standby_failed" not in names
+    ready = [e for e in d.events() if e["event"] == "standby_ready"]
+    # the thin one started once, ready again after each return; each full-size engine
+    # of a re-arm ready once before it took over
+    assert sum(e["pid"] == thin for e in ready) == 4 and len(ready) == 7
