@@ -203,6 +203,14 @@ class CanaryConfig:
     prompt: str = spec("Hello", nonempty=True)
     # the model name to ask for; empty: the first one the engine's /v1/models lists
     model: str = spec("")
+    # the golden check (docs/watchdog.md): every proof of an engine (after a start, a
+    # wake, a swap) asks this greedy prompt with log-probabilities, on the completions
+    # and the chat route, and must reproduce what the first proven start of the same
+    # arguments answered: the same token ids, each log-probability within the tolerance
+    golden: bool = spec(True)
+    golden_prompt: str = spec("The capital of France is", nonempty=True)
+    golden_tokens: int = spec(8, lo=1, hi=64)
+    golden_tolerance: float = spec(0.1, lo=0.0, hi=10.0)
 
 
 @dataclasses.dataclass(frozen=True)

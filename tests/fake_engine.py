@@ -24,6 +24,8 @@ script a fault:
                         requests running at that moment to <pidfile dir>/sleeps, and
                         completions answer 503 while asleep
   --wake-fails          POST /wake_up answers 500 (and the engine stays asleep)
+  --logprobs            a non-streamed answer carries vLLM-shaped logprobs when asked
+  --wrong-after-wake    ... of other tokens once it was woken (a wake that broke it)
   --die-on-prompt TEXT  a completion whose prompt holds TEXT (as text or as its token ids,
                         as a continuation sends it) gets no answer: the engine
                         exits 1 0.3 s after it arrives (a request that kills vLLM)
@@ -101,6 +103,8 @@ def main() -> None:
     p.add_argument("--answer-delay", type=float, default=0)
     p.add_argument("--enable-sleep-mode", action="store_true")
     p.add_argument("--wake-fails", action="store_true")
+    p.add_argument("--logprobs", action="store_true")  # answers them (a greedy golden)
+    p.add_argument("--wrong-after-wake", action="store_true")  # other tokens once woken
     p.add_argument("--fault-file", default=None)
     p.add_argument("--die-on-prompt", default=None)
     p.add_argument("--die-answering", action="store_true")
@@ -146,6 +150,7 @@ def main() -> None:
     stopping = threading.Event()
     sleep_mode = a.enable_sleep_mode and os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
     asleep = threading.Event()
+    woken = threading.Event()  # (woken once at least)
     lock = threading.Lock()
     running = [0, 0]  # now, most ever
     streams: set[int] = set()  # the streams in flight (their threads' ids)
@@ -261,8 +266,14 @@ def main() -> None:
                     with lock:
                         running[0] -= 1
                 n = int(req.get("max_tokens") or 16)
+                choice: dict[str, Any] = {"index": 0, "text": "x"}
+                if a.logprobs and req.get("logprobs"):
+                    choice["logprobs"] = logprobs_of(
+                        prompt_ids(req, self.path == "/v1/chat/completions"), n,
+                        self.path == "/v1/chat/completions",
+                        shift=1 if a.wrong_after_wake and woken.is_set() else 0)
                 body = json.dumps({"object": "text_completion", "model": a.served_model_name,
-                                   "choices": [{"index": 0, "text": "x"}],
+                                   "choices": [choice],
                                    "usage": {"prompt_tokens": 1, "completion_tokens": n,
                                              "total_tokens": n + 1}}).encode()
                 code = 200
@@ -275,6 +286,7 @@ def main() -> None:
             elif self.path == "/wake_up" and sleep_mode:
                 if not a.wake_fails:
                     asleep.clear()
+                    woken.set()
                 body, code = (b'{"error": "fake wake failure"}', 500) if a.wake_fails \
                     else (b"", 200)
             elif self.path == "/reset_prefix_cache" and pidfile:
@@ -410,6 +422,24 @@ def kills(req: dict[str, Any], path: str, text: str) -> bool:
     ids = prompt_ids(req, path == "/v1/chat/completions")
     want = [ord(c) % 1000 for c in text]
     return any(ids[i:i + len(want)] == want for i in range(len(ids) - len(want) + 1))
+
+
+def logprobs_of(prompt: list[int], n: int, chat: bool, shift: int = 0) -> dict[str, Any]:
+    """vLLM's logprobs of a greedy answer (`return_tokens_as_token_ids`), each chosen
+    token 1.0 above its runner-up; `shift` answers other tokens (a broken engine)."""
+    seq, rows = list(prompt), []
+    for _ in range(n):
+        tid = next_token(seq) + shift
+        seq.append(tid)
+        lp = -(0.1 + (tid % 7) * 0.3)
+        rows.append((f"token_id:{tid}", lp, f"token_id:{tid + 1}", lp - 1.0))
+    if chat:
+        return {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": [
+            {"token": t, "logprob": lp, "bytes": None},
+            {"token": t2, "logprob": lp2, "bytes": None}]} for t, lp, t2, lp2 in rows]}
+    return {"tokens": [r[0] for r in rows], "token_logprobs": [r[1] for r in rows],
+            "top_logprobs": [{t: lp, t2: lp2} for t, lp, t2, lp2 in rows],
+            "text_offset": list(range(n))}
 
 
 def next_token(seq: list[int]) -> int:

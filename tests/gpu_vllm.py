@@ -24,6 +24,21 @@ its 10-minute calls, the daemon living on between them in its own session:
                                         # pauses the streams instead of draining them)
     python3 tests/gpu_vllm.py rearm     # a cold restart that arms a sleeping standby again
                                         # (after a swap at 0.88 none fits beside: no_room)
+    python3 tests/gpu_vllm.py start thin [0.62 [0.30]]  # an asymmetric pair (issue 35):
+                                        # the engine at 0.62, `standby_args` a thin standby
+                                        # at 0.30, `standby = "sleep"`, `drain = "continue"`
+    python3 tests/gpu_vllm.py protected  # wait until protected again (the pair: RUNNING,
+                                        # the thin standby ready and not serving, nothing
+                                        # held); its status and the KV caches
+    python3 tests/gpu_vllm.py kills 3   # `continue kill late` three times, each as soon as
+                                        # protected again; each kill's time to protected
+                                        # again (KILLS_BUDGET_S: no kill begun that would not
+                                        # end within it, by the last one's length)
+    python3 tests/gpu_vllm.py kill-twice 10  # the same load; a second SIGKILL (of the core
+                                        # that serves then, the thin one) 10 s after the
+                                        # first, while the full-size engine starts
+    python3 tests/gpu_vllm.py kv-info   # each engine's KV cache: vLLM's own start lines
+                                        # (from the daemon's log) and `vllm:cache_config_info`
     python3 tests/gpu_vllm.py stop      # stopped; nothing left on the GPU
 
 SHAPE=8b (issue 35's setup): the model is ~/m8b, made from the staged tiny model's files
@@ -31,6 +46,9 @@ with Llama-3.1-8B's dimensions (`--load-format dummy`: real sizes, random weight
 engines at `--gpu-memory-utilization 0.88` with torch.compile and CUDA graphs (no
 --enforce-eager), `standby = "sleep"` (the standby starts first and sleeps, the engine
 then starts beside it) and `drain = "continue"`; `start` alone takes 4-5 minutes cold.
+`start thin`: the asymmetric pair (`engine.standby_args`), the engine at 0.62 and the thin
+standby at 0.30 (both fit awake: the engine starts first, the standby beside it, asleep);
+with it `continue` waits for "protected again" before the fault and times the fault to it.
 
 Environment: SUP_SITE (the supervisor's --target site), VLLM_SITE (vLLM's, kept apart:
 vLLM's dependencies bring the PyPI package `supervisor`), MODEL (the staged model), OUT
@@ -218,9 +236,16 @@ def make_m8b(model: Path) -> None:
             (model / f.name).write_bytes(f.read_bytes())
 
 
-def phase_start(standby: str | None = None, share: str | None = None) -> None:
+def phase_start(standby: str | None = None, share: str | None = None,
+                thin_share: str | None = None) -> None:
+    """`standby` "thin": the asymmetric pair, the engine at `share` (0.62) and its sleeping
+    standby at `thin_share` (0.30) through `engine.standby_args`."""
     WORK.mkdir(parents=True, exist_ok=True)
     demo = tomllib.loads((ROOT / "config.gpu.toml").read_text())
+    thin: list[str] = []
+    if standby == "thin":
+        standby, share = "sleep", share or "0.62"
+        thin = ["--gpu-memory-utilization", thin_share or "0.30"]
     if SHAPE == "8b":
         standby, share = standby or "sleep", share or "0.88"
         if not (Path(MODEL) / "config.json").exists():
@@ -243,7 +268,8 @@ def phase_start(standby: str | None = None, share: str | None = None) -> None:
         "command": [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", MODEL],
         "args": args,
         "env": {"PYTHONPATH": VLLM_SITE, "VLLM_SERVER_DEV_MODE": "1"},
-        "drain_timeout_s": 20.0, "standby": standby, **extra})
+        "drain_timeout_s": 20.0, "standby": standby, **extra,
+        **({"standby_args": thin, "drain": "continue"} if thin else {})})
     demo["control"] = {"socket": str(WORK / "control.sock")}
     demo["daemon"] = {"runtime_dir": str(WORK)}
     demo["audit"] = {"path": str(WORK / "events.jsonl")}
@@ -265,7 +291,10 @@ def phase_start(standby: str | None = None, share: str | None = None) -> None:
     standby_s = None
     if standby != "none":
         t1 = time.monotonic()
-        wait(lambda: status()["standby"]["state"] == "ready", 540, "the standby ready")
+        if thin:  # (ready and asleep)
+            wait(lambda: protected_again(status()), 540, "the thin standby ready")
+        else:
+            wait(lambda: status()["standby"]["state"] == "ready", 540, "the standby ready")
         standby_s = round(time.monotonic() - t1, 1)
         time.sleep(2.0)  # (NVML's view of the standby once asleep)
     st = status()
@@ -290,7 +319,135 @@ def phase_start(standby: str | None = None, share: str | None = None) -> None:
            signals={k: v for k, v in sig.items() if k.startswith(("gpu_", "engine_gpu"))},
            nvml_processes_mib={str(p): round(b / 2**20) for p, b in procs.items()},
            engine_tree=tree, engine_cuda_env=pinning, exporter=exported,
-           remedies=st["remedies"])
+           remedies=st["remedies"], standby_args=thin or None,
+           kv_cache=kv_info() if thin else None)
+
+
+def protected_again(st: dict[str, Any]) -> bool:
+    """An asymmetric pair armed (issue 35): RUNNING, its thin standby ready (proven) and
+    not the one serving, no re-arm under way, nothing held at the proxy."""
+    sb = st.get("standby") or {}
+    return bool(st["state"] == "RUNNING" and sb.get("state") == "ready"
+                and sb.get("protected") and sb.get("thin") and not sb.get("thin_serves")
+                and (st.get("admission") or {}).get("held") is None)
+
+
+def is_pair(st: dict[str, Any]) -> bool:
+    return "thin" in (st.get("standby") or {})
+
+
+class Timeline:
+    """`status` polled every 0.2 s from a moment (a fault): each change of the engine's
+    state, its pid, the standby's state, thinness, sleep, and whether the proxy holds
+    requests, with its time; and when the pair was first protected again with another
+    engine serving than `old_pid` (the one the fault hit)."""
+
+    def __init__(self, t0: float, old_pid: int) -> None:
+        self.t0, self.old_pid = t0, old_pid
+        self.changes: list[dict[str, Any]] = []
+        self.protected_at: float | None = None
+        self.last: dict[str, Any] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        seen = None
+        while not self.stop.is_set():
+            try:
+                st = status()
+            except Exception:  # the daemon may be between states
+                time.sleep(0.2)
+                continue
+            self.last = st
+            sb = st.get("standby") or {}
+            key = (st["state"], st.get("pid"), sb.get("state"), sb.get("pid"), sb.get("thin"),
+                   sb.get("thin_serves"), sb.get("asleep"), sb.get("protected"),
+                   (st.get("admission") or {}).get("held"))
+            now = time.monotonic()
+            if key != seen:
+                seen = key
+                self.changes.append({"t": round(now - self.t0, 2), "state": key[0],
+                                     "pid": key[1], "standby": key[2], "standby_pid": key[3],
+                                     "thin": key[4], "thin_serves": key[5], "asleep": key[6],
+                                     "protected": key[7], "held": key[8]})
+            if protected_again(st) and st.get("pid") != self.old_pid:
+                self.protected_at = now
+                return
+            time.sleep(0.2)
+
+    def wait(self, timeout: float) -> float | None:
+        """Seconds from the moment to protected again (None: not within `timeout`)."""
+        self.thread.join(timeout)
+        self.stop.set()
+        return round(self.protected_at - self.t0, 2) if self.protected_at else None
+
+
+def kv_info() -> dict[str, Any]:
+    """Each engine's KV cache (issue 35, (e)): vLLM's own start lines about it from the
+    daemon's log (by generation; a line names its process's pid), each spawn's pid, and
+    `vllm:cache_config_info` from the serving engine's /metrics and the standby's."""
+    cfg = json.loads((Path(MODEL) / "config.json").read_text())
+    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * heads * head_dim * 2  # K and V, bf16
+    keys = ("KV cache", "gpu_memory_utilization", "Model loading took", "CUDA graph",
+            "Memory profiling", "Maximum concurrency", "num_gpu_blocks", "GPU blocks")
+    lines: list[dict[str, Any]] = []
+    for raw in (WORK / "daemon.log").read_bytes().decode(errors="replace").splitlines():
+        if not raw.startswith("{") or not any(k in raw for k in keys):
+            continue
+        try:
+            e = json.loads(raw)
+        except ValueError:
+            continue
+        if e.get("source") == "engine":
+            lines.append({k: e.get(k) for k in ("timestamp", "generation", "proc_pid")}
+                         | {"line": str(e.get("event"))[:400]})
+    spawns = [{k: e.get(k) for k in ("time", "pid", "generation")}
+              for e in events() if e["event"] == "spawn"]
+    st = status()
+    host = st["engine"]["host"]
+    served: dict[str, Any] = {}
+    for who, port in (("serving", st["engine"]["port"]),
+                      ("standby", (st.get("standby") or {}).get("port"))):
+        if port is None:
+            continue
+        try:
+            text = urllib.request.urlopen(f"http://{host}:{port}/metrics",
+                                          timeout=5).read().decode()
+        except Exception as exc:
+            served[who] = {"port": port, "error": repr(exc)}
+            continue
+        info = next((x for x in text.splitlines()
+                     if x.startswith("vllm:cache_config_info{")), None)
+        labels: dict[str, str] = {}
+        if info:
+            for part in info[info.index("{") + 1:info.rindex("}")].split('",'):
+                k, _, v = part.partition("=")
+                labels[k.strip()] = v.strip().strip('"')
+        row: dict[str, Any] = {"port": port, **{k: labels.get(k) for k in (
+            "num_gpu_blocks", "block_size", "gpu_memory_utilization", "cache_dtype")}}
+        if labels.get("num_gpu_blocks", "").isdigit() and labels.get("block_size", "").isdigit():
+            tokens = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+            row.update(tokens=tokens, gib=round(tokens * per_token / 2**30, 2))
+        served[who] = row
+    return {"bytes_per_token": per_token, "engines": served, "spawns": spawns,
+            "log_lines": lines[-60:], "serving_pid": st.get("pid"),
+            "standby": st.get("standby")}
+
+
+def phase_kv_info() -> None:
+    result("kv-info", **kv_info())
+
+
+def phase_protected(timeout: float = 540) -> None:
+    """Wait until the pair is protected again (after a call ran out in the middle)."""
+    t0 = time.monotonic()
+    st = wait(lambda: protected_again(s := status()) and s, timeout, "protected again")
+    result("protected", waited_s=round(time.monotonic() - t0, 1), state=st["state"],
+           pid=st.get("pid"), standby=st.get("standby"), admission=st.get("admission"),
+           kv_cache=kv_info())
 
 
 def phase_kv_reset() -> None:
@@ -570,16 +727,26 @@ def handover_times(audit: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def phase_continue(fault: str, when: str) -> None:
+def phase_continue(fault: str, when: str, tag: str | None = None, prompts: int = 3000,
+                   second_after: float | None = None,
+                   protected_timeout: float = 420) -> dict[str, Any]:
     """Issue 20's procedure: 3000 streams of 256 tokens through the proxy at 128 at a
     time; once the client says its main run started, the core is SIGKILLed (or
     SIGSTOPped) `late` (5 s after the engine runs >= 64) or `early` (as soon as it runs
     all 128, in their first tokens). Four raw streams ride along (two started a second
     before the fault, two just before it, in their prefill). Every stream must end whole:
-    0 failed, the tokens generated equal to those asked for, none short."""
-    prompts, conc, want = 3000, 128, 256
-    tag = f"continue-{fault}-{when}"
-    if (status().get("standby") or {}).get("state", "none") not in ("none", "no_room"):
+    0 failed, the tokens generated equal to those asked for, none short.
+
+    With an asymmetric pair (`start thin`) the fault waits until the pair is protected
+    again, and the time from the fault to protected again is measured (`Timeline`);
+    `second_after`: the core that serves then (the thin one) is SIGKILLed too, that many
+    seconds after the first kill (no assertion on the streams: it is a cold start)."""
+    conc, want = 128, 256
+    tag = tag or f"continue-{fault}-{when}"
+    pair = is_pair(status())
+    if pair:
+        wait(lambda: protected_again(status()), 540, "protected again")
+    elif (status().get("standby") or {}).get("state", "none") not in ("none", "no_room"):
         wait(lambda: status()["standby"]["state"] == "ready", 400, "the standby ready")
     st = status()
     restarts = st["restarts"]
@@ -588,7 +755,9 @@ def phase_continue(fault: str, when: str) -> None:
     events_at = len(events())
     before = exporter_series("vllm_supervisor_proxy_continuations_total")
     fired: dict[str, float] = {}
+    second: dict[str, Any] = {}
     taps: list[Tap] = []
+    timeline: list[Timeline] = []
 
     def fault_once() -> None:
         log_path = WORK / f"{tag}.log"
@@ -609,11 +778,21 @@ def phase_continue(fault: str, when: str) -> None:
             time.sleep(0.05)
         fired["running"] = engine_running()
         fired["t"] = time.monotonic()
+        if pair:
+            timeline.append(Timeline(fired["t"], st["pid"]))
         if fault == "restart":  # an operator's restart (a swap with a standby)
             threading.Thread(target=ctl, args=("restart", "--reason", "gpu test"),
                              daemon=True).start()
         else:
             core.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        if second_after is not None:
+            time.sleep(second_after)
+            now = status()
+            second.update(at_s=round(time.monotonic() - fired["t"], 2), pid=now.get("pid"),
+                          state=now["state"], standby=now.get("standby"),
+                          running=engine_running())
+            core_of(now["pid"]).send_signal(signal.SIGKILL)
+            second["core_pid"] = "killed"
 
     watcher = threading.Thread(target=fault_once, daemon=True)
     watcher.start()
@@ -621,6 +800,10 @@ def phase_continue(fault: str, when: str) -> None:
     watcher.join(5)
     back = wait(lambda: status()["state"] == "RUNNING" and status()["restarts"] > restarts
                 and status(), 300, "RUNNING again")
+    bench_done = time.monotonic()
+    protected_s = timeline[0].wait(protected_timeout) if timeline else None
+    if timeline:
+        back = timeline[0].last or status()
     tapped = [t.summary() for t in taps]
     for t in taps:
         t.save(tag)
@@ -636,7 +819,12 @@ def phase_continue(fault: str, when: str) -> None:
     audit = [e for e in events()[events_at:] if e.get("event") in HANDOVER_EVENTS]
     ttfts = sorted(x for x in doc.get("ttfts") or [] if x is not None)
     held = sorted(e.get("held_s") or 0.0 for e in served)
-    result(tag, prompts=prompts, concurrency=conc, standby_at_fault=st.get("standby"),
+    # the daemon's own complaints meanwhile (not the engines' lines)
+    bad = [e for e in logged if e.get("level") in ("error", "critical")
+           and e.get("source") != "engine"]
+    engine_bad = [e for e in logged if e.get("level") in ("error", "critical")
+                  and e.get("source") == "engine"]
+    out = dict(prompts=prompts, concurrency=conc, standby_at_fault=st.get("standby"),
            # what the new requests waited (issue 35: held at the swap until the standby
            # served), as the client saw it (its TTFTs, in s) and as the proxy held them
            held={"max_ttft_s": round(ttfts[-1], 3) if ttfts else None,
@@ -665,11 +853,78 @@ def phase_continue(fault: str, when: str) -> None:
            if "t" in fired else None,
            taps=tapped, state_reason=back["reason"], standby_after=back.get("standby"),
            handover=audit)
+    if pair:
+        out.update(
+            protected_again_after_s=protected_s,
+            bench_ended_after_fault_s=round(bench_done - fired["t"], 1) if "t" in fired
+            else None,
+            pid_at_fault=st["pid"], pid_after=back.get("pid"),
+            admission_after=back.get("admission"),
+            timeline=timeline[0].changes if timeline else None,
+            # the longest the proxy held a request that came after the fault, and p99
+            # TTFT in s (the brief's columns)
+            p99_ttft_s=round(doc["p99_ttft_ms"] / 1000, 3) if doc.get("p99_ttft_ms")
+            else None)
+    if second_after is not None:
+        out["second_kill"] = second
+    out.update(daemon_errors=[{k: e.get(k) for k in ("timestamp", "level", "event", "error",
+                                                      "reason")} for e in bad][:10],
+               daemon_error_count=len(bad), engine_error_lines=len(engine_bad),
+               engine_error_first=[str(e.get("event"))[:300] for e in engine_bad][:5])
+    result(tag, **out)
+    if second_after is not None:
+        return out
     assert doc.get("completed") == prompts and not errors
     assert doc.get("total_output_tokens") == prompts * want
     assert not [n for n in lens if n < want]
     assert all(t["usage_completion_tokens"] == want and t["token_events"] and t["done"]
                and not t["errors"] for t in tapped)
+    assert not pair or protected_s is not None, "not protected again"
+    return out
+
+
+def phase_kills(n: int = 3) -> None:
+    """Issue 35's H100 criterion (a): `continue kill late` `n` times in a row on an
+    asymmetric pair, each as soon as the pair is protected again; each kill's longest
+    client gap and the time from the kill to protected again. KILLS_BUDGET_S (default
+    560): a kill is begun only if, by the last one's length, it ends within it (the
+    machine's calls last 10 minutes; the daemon lives on, so the rest go in the next)."""
+    budget = float(os.environ.get("KILLS_BUDGET_S", "560"))
+    first = int(os.environ.get("KILLS_FIRST", "1"))  # (the tag's number, across calls)
+    t0 = time.monotonic()
+    rows: list[dict[str, Any]] = []
+    last = 0.0
+    for i in range(first, first + n):
+        if rows and time.monotonic() - t0 + last * 1.1 > budget:
+            break
+        t1 = time.monotonic()
+        out = phase_continue("kill", "late", tag=f"continue-kill-late-{i}")
+        last = time.monotonic() - t1
+        held = out["held"]
+        rows.append({"kill": i, "failed": out["failed"], "completed": out["completed"],
+                     "tokens": out["total_output_tokens"], "asked": out["tokens_asked"],
+                     "short": out["short_streams"], "running": out["running_at_fault"],
+                     "max_gap_s": out["max_gap_s"], "max_itl_s": out["max_itl_s"],
+                     "p99_ttft_s": out.get("p99_ttft_s"), "max_ttft_s": held["max_ttft_s"],
+                     "proxy_max_held_s": held["proxy_max_held_s"],
+                     "failover_done_s": held.get("failover_done_s"),
+                     "protected_again_after_s": out["protected_again_after_s"],
+                     "daemon_errors": out["daemon_error_count"],
+                     "phase_s": round(last, 1)})
+    result("kills", done=len(rows), asked=n, rows=rows)
+
+
+def phase_kill_twice(delay: float = 10.0) -> None:
+    """Issue 35's (b): under the same load a second SIGKILL `delay` s after the first, of
+    the core that serves then (the thin one, while the full-size engine starts beside
+    it): no standby is ready, so a cold start, clients held. Reported as it happens."""
+    out = phase_continue("kill", "late", tag="kill-twice", prompts=1500, second_after=delay)
+    result("kill-twice-summary", failed=out["failed"], completed=out["completed"],
+           tokens=out["total_output_tokens"], asked=out["tokens_asked"],
+           short=out["short_streams"], held=out["held"], max_gap_s=out["max_gap_s"],
+           max_itl_s=out["max_itl_s"], p99_ttft_s=out.get("p99_ttft_s"),
+           protected_again_after_s=out.get("protected_again_after_s"),
+           second_kill=out.get("second_kill"), errors=out["errors"])
 
 
 def phase_throughput(concurrencies: list[int]) -> None:
@@ -804,9 +1059,14 @@ if __name__ == "__main__":
     elif sys.argv[1] == "throughput":
         phase_throughput([int(x) for x in sys.argv[2:]])
     elif sys.argv[1] == "start":
-        phase_start(*sys.argv[2:4])
+        phase_start(*sys.argv[2:5])
+    elif sys.argv[1] == "kills":
+        phase_kills(int(sys.argv[2]) if len(sys.argv) > 2 else 3)
+    elif sys.argv[1] == "kill-twice":
+        phase_kill_twice(float(sys.argv[2]) if len(sys.argv) > 2 else 10.0)
     elif sys.argv[1] == "kv-reset-streams":
         phase_kv_reset_streams(*(int(x) for x in sys.argv[2:5]))
     else:
         {"kv-reset": phase_kv_reset, "crash": phase_crash, "hang": phase_hang,
-         "rearm": phase_rearm, "stop": phase_stop}[sys.argv[1]]()
+         "rearm": phase_rearm, "stop": phase_stop, "kv-info": phase_kv_info,
+         "protected": phase_protected}[sys.argv[1]]()

@@ -285,3 +285,31 @@ def test_an_asymmetric_pair_is_protected_again_after_each_of_three_core_kills(
     # the thin one started once, ready again after each return; each full-size engine
     # of a re-arm ready once before it took over
     assert sum(e["pid"] == thin for e in ready) == 4 and len(ready) == 7
+
+
+def test_a_standby_that_wakes_answering_otherwise_is_refused_by_the_golden_check(
+        daemon_factory, tmp_path):
+    """The golden check through the real daemon and fake engines that give vLLM-shaped
+    log-probabilities: the serving engine's first proof records the baseline, the
+    standby's matches it before it sleeps; once woken after a core SIGKILL it answers
+    other tokens (`--wrong-after-wake`), so nothing is sent to it: a cold start serves
+    instead, every stream whole, and the audit holds the evidence."""
+    cfg = sleep_config(tmp_path, "--logprobs", "--wrong-after-wake")
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: standby_ready(d), 30, "the standby ready")
+    st = d.status()
+    assert st["golden"]["baselines"] == 1 and st["golden"]["passed"] == 1, st["golden"]
+    spare = st["standby"]["pid"]
+    core = psutil.Process(st["pid"]).children()[0].pid
+    streams_under(cfg, lambda: os.kill(core, signal.SIGKILL))
+    back = wait_for(lambda: (s := d.status())["state"] == "RUNNING"
+                    and s["admission"]["held"] is None and s, 60, "served again")
+    assert back["pid"] != spare  # not the woken standby: a cold start
+    events = d.events()
+    mismatch = next(e for e in events if e["event"] == "golden_mismatch")
+    assert mismatch["pid"] == spare and "token 0" in mismatch["why"]
+    assert mismatch["expected"]["completion"]["ids"] != mismatch["got"]["completion"]["ids"]
+    failed = next(e for e in events if e["event"] == "failover_failed")
+    assert "golden check failed" in failed["reason"]
+    assert d.status()["golden"]["mismatches"] == 1

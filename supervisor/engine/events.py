@@ -19,6 +19,7 @@ from supervisor.engine import process as eng
 from supervisor.engine import proctree
 from supervisor.ops.exposition import ExporterView
 from supervisor.watchdog import canary, evidence, remedy
+from supervisor.watchdog.golden import Golden
 from supervisor.watchdog.gpu import GpuReading
 from supervisor.watchdog.metrics import Snapshot
 
@@ -209,6 +210,10 @@ class GateProbe(Event):
     generation: int
     ok: bool
     error: str | None
+    # its answers to the golden prompt (`supervisor/watchdog/golden.py`), or why there
+    # are none; None when the check is off or the canary failed
+    golden: Golden | str | None = None
+    golden_mismatch: bool = False  # (set by the unit's GoldenCheck)
 
 
 @dataclass(frozen=True)

@@ -439,6 +439,8 @@ class Handover:
     def proof_failed(self, f: PairFacts, ev: GateProbe) -> list[Step] | None:
         """The first generation after a handover answered: the steps when it was a woken
         standby's that failed (then the handover failed: a cold start), else None."""
+        if ev.golden_mismatch and self.phase in (Phase.PROVING, Phase.PROVING_WOKEN):
+            return self.takeover_failed(f, f"the engine that took over: {ev.error}")
         if self.phase is not Phase.PROVING_WOKEN or ev.ok:
             return None  # (a proof that passed: `done` ends the handover)
         return self.takeover_failed(f, f"its first generation after waking failed: "

@@ -47,7 +47,7 @@ from supervisor.engine.events import (
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock, Jobs, http_client
 from supervisor.ops.descriptors import OutOfDescriptors, Shortage, exhausted
-from supervisor.watchdog import canary, evidence, remedy
+from supervisor.watchdog import canary, evidence, golden, remedy
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
 from supervisor.watchdog.poller import scrape
 
@@ -382,16 +382,31 @@ class JobEffects:
         async with http_client() as client:
             for _ in range(3):
                 try:
-                    _, _, outcome = await self._probe(client, engine, None)
+                    model, _, outcome = await self._probe(client, engine, None)
+                    answers = await self._golden(client, engine, model) \
+                        if outcome.ok and model is not None else None
                 except OutOfDescriptors as exc:  # (the gate opens all the same, bounded)
                     error = str(exc)
                 else:
                     if outcome.ok:
-                        self.queue.put_nowait(GateProbe(engine.generation, True, None))
+                        self.queue.put_nowait(GateProbe(engine.generation, True, None,
+                                                        golden=answers))
                         return
                     error = outcome.error
                 await asyncio.sleep(0.5)
         self.queue.put_nowait(GateProbe(engine.generation, False, error))
+
+    async def _golden(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
+                      model: str) -> golden.Golden | str | None:
+        """The engine's answers to the golden prompt (the unit judges them), when the
+        check is on; never beside a KV reset of its engine."""
+        cfg = self.config().canary
+        if not cfg.golden:
+            return None
+        async with self._lock(engine):
+            return await golden.fetch(client, engine.config.base_url, model,
+                                      cfg.golden_prompt, cfg.golden_tokens,
+                                      max(cfg.timeout_s, 5.0))
 
     async def _drain(self, engine: eng.EngineProcess, deadline: float) -> None:
         t0 = self.clock.monotonic()

@@ -44,6 +44,7 @@ import structlog
 
 from supervisor.engine import commands, views
 from supervisor.engine import process as eng
+from supervisor.engine import steps as do
 from supervisor.engine.events import (
     BackoffElapsed,
     CanaryDone,
@@ -112,6 +113,10 @@ class EngineUnit(UnitState):
     def handle(self, event: Event) -> None:
         """One event, by its `handle_<name>` method (the standby's engine's, by the
         standby); then the gate follows the state."""
+        if isinstance(event, GateProbe):  # (a proof: right, not just alive)
+            standby = self.handover.standby.slot
+            engine = standby.current(event.generation) or self.slot.current(event.generation)
+            event = self.golden.judge(event, engine, self.config.canary.golden_tolerance)
         # (evidence and a remedy's end are the unit's whichever engine they were about:
         # an old engine's remedy must still end, and its operator be answered)
         if self.handover.standby.owns(event) \
@@ -305,6 +310,17 @@ class EngineUnit(UnitState):
         if failed is not None:
             self.run_steps(failed)
             return
+        if ev.golden_mismatch:
+            # started, but not answering as it did: restarted once more, then held down
+            self.golden_failures += 1
+            why = ev.error or "golden check failed"
+            if self.golden_failures >= 2:
+                self.run_steps([do.GiveUp(f"{why} (twice in a row: held down)")])
+            else:
+                self.run_steps([do.Fail(why, None)])
+            return
+        if ev.ok and ev.golden is not None:
+            self.golden_failures = 0
         if not ev.ok:
             log.warning("the first canary failed; releasing held requests anyway",
                         error=ev.error, waiting=self.gate.waiting)

@@ -38,6 +38,7 @@ from supervisor.engine.events import (
 )
 from supervisor.engine.failures import Failures
 from supervisor.engine.gatekeeper import GateKeeper
+from supervisor.engine.golden_check import GoldenCheck
 from supervisor.engine.handover import Handover
 from supervisor.engine.intents import Intent, RelaunchLog, remedy_ended
 from supervisor.engine.jobs import JobEffects
@@ -105,6 +106,9 @@ class UnitState:
         self.handover = Handover(Standby(
             self.act, self.audit, self.clock.monotonic,
             EngineSlot(self.act, self.audit, lambda: next(generations), bay=1)))
+        # the golden check's baselines and verdicts (engine/golden_check.py)
+        self.golden = GoldenCheck(self.audit)
+        self.golden_failures = 0  # the serving engine's proofs in a row that failed it
         self.serving_starts = 0  # engines that took the serving place (cold or failover)
         self.last_decision: DecisionRecord | None = None  # the latest, lifecycle steps included
         self.exit_code = 0

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from supervisor.config import Config
 from supervisor.engine.events import DecisionRecord
 from supervisor.engine.failures import Failures
+from supervisor.engine.golden_check import GoldenCheck
 from supervisor.engine.handover import Handover
 from supervisor.engine.process import EngineProcess
 from supervisor.engine.states import State
@@ -72,6 +73,8 @@ class Viewable(Protocol):
     def restarts(self) -> int: ...
     @property
     def handover(self) -> Handover: ...
+    @property
+    def golden(self) -> GoldenCheck: ...
 
     def serving(self) -> bool: ...
 
@@ -165,6 +168,7 @@ def status(unit: Viewable) -> dict[str, Any]:
                                if unit.stop_deadline is not None else None),
         "fatal_reason": unit.failures.fatal_reason if unit.state is State.FATAL else None,
         "standby": unit.handover.status(now, unit.config.engine.standby),
+        "golden": unit.golden.status(),
         "start": starting(unit, now),
         "start_blocked": unit.failures.start_blocked if unit.state is State.BACKOFF else None,
         "remedies": {

@@ -1,0 +1,77 @@
+"""The golden check's baselines and verdicts, for one engine unit (docs/watchdog.md).
+
+Every proof of an engine (`GateProbe`: after its start, a restart, a wake, a swap, and a
+standby's before it sleeps) carries its answers to the golden prompt
+(`supervisor/watchdog/golden.py`). `GoldenCheck` owns the unit's baselines, one per set
+of arguments that change what an engine answers: the first proven answer records it
+(audit `golden_recorded`; an upgrade's new arguments take a new one, said in the log),
+and every later one is compared. A mismatch turns the proof into a failed one, with the
+evidence (expected against got) in the audit (`golden_mismatch`): a standby that fails
+it is not swapped in, a woken one is a failed takeover, and the unit restarts a serving
+engine once and then holds it down (`EngineUnit.handle_gate_probe`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from supervisor.engine import process as eng
+from supervisor.engine.events import GateProbe
+from supervisor.watchdog import golden
+
+log = structlog.get_logger("supervisor")
+
+
+class GoldenCheck:
+    def __init__(self, audit: Callable[..., None]) -> None:
+        self._audit = audit
+        self.baselines: dict[tuple[str, ...], golden.Golden] = {}
+        self.passed = 0
+        self.mismatches = 0
+        self.last: dict[str, Any] | None = None  # the last verdict, for `status`
+
+    def judge(self, ev: GateProbe, engine: eng.EngineProcess | None,
+              tolerance: float) -> GateProbe:
+        """The proof as it stands after the golden check: unchanged, or failed with
+        why (and `golden_mismatch` set)."""
+        got = ev.golden
+        if not ev.ok or engine is None or got is None:
+            return ev
+        if isinstance(got, str):  # (no verdict: the canary passed)
+            self._note("unavailable", engine, why=got)
+            return ev
+        key = golden.baseline_key(engine.spec.argv)
+        want = self.baselines.get(key)
+        if want is None:
+            self.baselines[key] = got
+            if len(self.baselines) > 1:
+                log.info("golden check: a new baseline for new engine arguments",
+                         pid=engine.pid)
+            self._audit("golden_recorded", pid=engine.pid, **got.doc())
+            self._note("recorded", engine)
+            return ev
+        why = golden.compare(want, got, tolerance)
+        diff = round(golden.largest_difference(want, got), 6)
+        if why is None:
+            self.passed += 1
+            self._note("ok", engine, largest_logprob_difference=diff)
+            return ev
+        self.mismatches += 1
+        log.error("golden check failed: the engine answers, but not as it did",
+                  pid=engine.pid, why=why)
+        self._audit("golden_mismatch", pid=engine.pid, why=why, tolerance=tolerance,
+                    expected=want.doc(), got=got.doc())
+        self._note("mismatch", engine, why=why, largest_logprob_difference=diff)
+        return dataclasses.replace(ev, ok=False, error=f"golden check failed: {why}",
+                                   golden_mismatch=True)
+
+    def _note(self, verdict: str, engine: eng.EngineProcess, **fields: Any) -> None:
+        self.last = {"verdict": verdict, "pid": engine.pid, **fields}
+
+    def status(self) -> dict[str, Any]:
+        return {"baselines": len(self.baselines), "passed": self.passed,
+                "mismatches": self.mismatches, "last": self.last}

@@ -1,0 +1,188 @@
+"""The golden check: right, not just alive (docs/watchdog.md).
+
+An engine that answers after a wake, a restart or a swap may still answer wrongly (vLLM
+zeroed EAGLE3 draft weights after a level-2 wake, vllm#52487; wrong output after a wake,
+vllm#16234): a canary that only checks that tokens come back passes it. So, as vLLM's
+own snapshot restore does, a fixed greedy prompt is asked of every engine the daemon
+proves, through the completions and the chat route, with the token ids and their
+log-probabilities; the first proven start of an engine's arguments records them as the
+baseline, and every later proof of the same arguments must reproduce them: the same
+token ids, each log-probability within a tolerance.
+
+A near-tie is no fault: where the baseline's best two tokens were within twice the
+tolerance, another choice there (and whatever follows it) is accepted. An answer
+without log-probabilities (an engine that does not give them) is no verdict.
+
+Fetching and comparing only: the unit owns the baselines and decides what a mismatch
+means (`supervisor/engine/golden_check.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from supervisor.ops.descriptors import raise_if_exhausted
+from supervisor.watchdog.relaunch import apply
+
+# flags that change how much an engine holds or where it listens, not what it answers:
+# a thin standby or a throttled batch keeps its engine's baseline
+_CAPACITY = ("--host", "--port", "--shutdown-timeout", "--gpu-memory-utilization",
+             "--max-num-seqs", "--max-num-batched-tokens")
+_CAPACITY_SWITCHES = ("--enable-sleep-mode", "--disable-uvicorn-access-log")
+TOP = 2  # log-probabilities asked per position: the chosen token's and its runner-up's
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One route's greedy answer: token ids, their log-probabilities, and the margin
+    by which each was chosen (its log-probability less the runner-up's; inf alone)."""
+
+    ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    margins: tuple[float, ...]
+
+    def doc(self) -> dict[str, Any]:
+        return {"ids": list(self.ids), "logprobs": [round(x, 5) for x in self.logprobs]}
+
+
+@dataclass(frozen=True)
+class Golden:
+    """An engine's answers to the golden prompt: the completions route's and the chat
+    route's (None where the route gave no log-probabilities)."""
+
+    completion: Answer | None
+    chat: Answer | None
+
+    def doc(self) -> dict[str, Any]:
+        return {"completion": self.completion.doc() if self.completion else None,
+                "chat": self.chat.doc() if self.chat else None}
+
+
+def baseline_key(argv: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """What an engine's baseline is recorded under: its command line less the flags of
+    capacity and place (a new model, revision, dtype or speculative config: a new one)."""
+    kept = [a for a in argv if a.split("=", 1)[0] not in _CAPACITY_SWITCHES]
+    return tuple(apply(kept, dict.fromkeys(_CAPACITY)))
+
+
+def _token_id(token: object) -> int | None:
+    """vLLM's `token_id:123` (with `return_tokens_as_token_ids`)."""
+    if isinstance(token, str) and token.startswith("token_id:"):
+        try:
+            return int(token[len("token_id:"):])
+        except ValueError:
+            return None
+    return None
+
+
+def _answer(chosen: list[tuple[object, object]], tops: list[list[object]]) -> Answer | None:
+    ids: list[int] = []
+    lps: list[float] = []
+    margins: list[float] = []
+    for (token, lp), top in zip(chosen, tops, strict=True):
+        tid = _token_id(token)
+        if tid is None or not isinstance(lp, int | float) or isinstance(lp, bool):
+            return None
+        others = sorted((float(x) for x in top if isinstance(x, int | float)), reverse=True)
+        runner_up = others[1] if len(others) > 1 else -math.inf
+        ids.append(tid)
+        lps.append(float(lp))
+        margins.append(float(lp) - runner_up)
+    return Answer(tuple(ids), tuple(lps), tuple(margins)) if ids else None
+
+
+def parse_completion(doc: Any) -> Answer | None:
+    """A /v1/completions answer's logprobs (tokens, token_logprobs, top_logprobs)."""
+    try:
+        lp = doc["choices"][0]["logprobs"]
+        tokens, values, tops = lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]
+        return _answer(list(zip(tokens, values, strict=True)),
+                       [list((t or {}).values()) for t in tops])
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def parse_chat(doc: Any) -> Answer | None:
+    """A /v1/chat/completions answer's logprobs.content."""
+    try:
+        content = doc["choices"][0]["logprobs"]["content"]
+        return _answer([(c["token"], c["logprob"]) for c in content],
+                       [[t["logprob"] for t in c["top_logprobs"]] for c in content])
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+        return None
+
+
+async def fetch(client: httpx.AsyncClient, base_url: str, model: str, prompt: str,
+                max_tokens: int, timeout_s: float) -> Golden | str:
+    """The engine's greedy answers to `prompt` on both routes, or why there are none
+    (an error, or no log-probabilities). Raises OutOfDescriptors when the daemon could
+    not ask."""
+    common = {"model": model, "max_tokens": max_tokens, "temperature": 0,
+              "return_tokens_as_token_ids": True}
+    asks = (("/v1/completions", {**common, "prompt": prompt, "logprobs": TOP},
+             parse_completion),
+            ("/v1/chat/completions", {**common, "logprobs": True, "top_logprobs": TOP,
+                                      "messages": [{"role": "user", "content": prompt}]},
+             parse_chat))
+    got: list[Answer | None] = []
+    for path, body, parse in asks:
+        try:
+            r = await client.post(f"{base_url}{path}", json=body, timeout=timeout_s)
+        except httpx.TimeoutException:
+            return f"{path}: no answer within {timeout_s:g} s"
+        except (httpx.HTTPError, OSError) as exc:
+            raise_if_exhausted(exc)
+            return f"{path}: {type(exc).__name__}: {exc}"
+        if r.status_code != 200:
+            # (a model without a chat template answers 400 there: that route is skipped)
+            got.append(None)
+            continue
+        try:
+            got.append(parse(r.json()))
+        except ValueError:
+            got.append(None)
+    if all(a is None for a in got):
+        return "no log-probabilities in either answer"
+    return Golden(got[0], got[1])
+
+
+def compare_answer(want: Answer, got: Answer, tolerance: float) -> str | None:
+    """Why `got` is not `want`, or None. Position by position: the same token within the
+    tolerance; another token only where the baseline's choice was a near-tie (its margin
+    within twice the tolerance), and nothing compared after it."""
+    for i, (w, g) in enumerate(zip(want.ids, got.ids, strict=False)):
+        if w != g:
+            if want.margins[i] <= 2 * tolerance:
+                return None  # (a near-tie: either choice is right)
+            return (f"token {i}: id {g} where the baseline chose {w} by a margin of "
+                    f"{want.margins[i]:.4g}")
+        diff = abs(want.logprobs[i] - got.logprobs[i])
+        if diff > tolerance:
+            return (f"token {i} (id {w}): log-probability {got.logprobs[i]:.5g}, the "
+                    f"baseline {want.logprobs[i]:.5g} (off by {diff:.4g} > {tolerance:g})")
+    if len(want.ids) != len(got.ids):
+        return f"{len(got.ids)} tokens, the baseline {len(want.ids)}"
+    return None
+
+
+def compare(want: Golden, got: Golden, tolerance: float) -> str | None:
+    """Why `got` does not reproduce the baseline `want`, or None (a route either side
+    did not answer with log-probabilities is not compared)."""
+    for route, w, g in (("completion", want.completion, got.completion),
+                        ("chat", want.chat, got.chat)):
+        if w is not None and g is not None and (why := compare_answer(w, g, tolerance)):
+            return f"{route}: {why}"
+    return None
+
+
+def largest_difference(want: Golden, got: Golden) -> float:
+    """The largest log-probability difference over the positions both chose alike."""
+    diffs = [abs(a - b) for w, g in ((want.completion, got.completion),
+                                     (want.chat, got.chat)) if w is not None and g is not None
+             for x, y, a, b in zip(w.ids, g.ids, w.logprobs, g.logprobs, strict=False)
+             if x == y]
+    return max(diffs, default=0.0)

@@ -1,0 +1,150 @@
+"""The golden check's pure parts (supervisor/watchdog/golden.py) and its verdicts in one
+engine unit (supervisor/engine/golden_check.py), with recorded effects: a baseline
+recorded at the first proof, reproduced or not at the next; a near-tie is no fault; a
+standby that fails it is not swapped in, a woken one is a failed takeover, a serving
+engine is restarted once and then held down."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from supervisor.engine.events import Exited, GateProbe, HealthResult, Slept, Woken
+from supervisor.watchdog import golden
+from tests.fake_engine import logprobs_of
+from tests.test_standby_unit import SLEEP
+from tests.test_supervisor_unit import World
+
+PROMPT = [ord(c) for c in "The capital of France is"]
+
+
+def answer(shift: int = 0, n: int = 8) -> golden.Golden:
+    comp = golden.parse_completion({"choices": [{"logprobs": logprobs_of(PROMPT, n, False,
+                                                                          shift)}]})
+    chat = golden.parse_chat({"choices": [{"logprobs": logprobs_of(PROMPT, n, True, shift)}]})
+    assert comp is not None and chat is not None
+    return golden.Golden(comp, chat)
+
+
+def test_vllms_two_logprob_shapes_parse_to_ids_logprobs_and_margins() -> None:
+    g = answer()
+    assert g.completion == g.chat
+    assert g.completion is not None and len(g.completion.ids) == 8
+    assert all(abs(m - 1.0) < 1e-9 for m in g.completion.margins)
+    # without `return_tokens_as_token_ids` (tokens as text) there is no verdict
+    assert golden.parse_completion({"choices": [{"logprobs": {
+        "tokens": ["Paris"], "token_logprobs": [-0.1], "top_logprobs": [{"Paris": -0.1}]}}]}) \
+        is None
+    assert golden.parse_chat({"choices": [{"logprobs": None}]}) is None
+
+
+def test_the_same_answer_passes_and_another_token_or_a_drifted_logprob_does_not() -> None:
+    want = answer()
+    assert golden.compare(want, answer(), 0.1) is None
+    why = golden.compare(want, answer(shift=1), 0.1)
+    assert why is not None and why.startswith("completion: token 0: id")
+    assert want.completion is not None
+    drift = golden.Answer(want.completion.ids,
+                          (want.completion.logprobs[0] - 0.5, *want.completion.logprobs[1:]),
+                          want.completion.margins)
+    why = golden.compare(want, golden.Golden(drift, None), 0.1)
+    assert why is not None and "off by 0.5 > 0.1" in why
+    assert golden.compare(want, golden.Golden(drift, None), 0.6) is None
+    assert golden.largest_difference(want, golden.Golden(drift, None)) == 0.5
+
+
+def test_a_near_tie_in_the_baseline_may_go_either_way() -> None:
+    tie = golden.Answer((5, 6, 7), (-0.7, -0.1, -0.1), (0.05, 2.0, 2.0))
+    other = golden.Answer((9, 1, 1), (-0.7, -0.3, -0.3), (0.05, 2.0, 2.0))
+    assert golden.compare_answer(tie, other, 0.1) is None  # chosen by 0.05 <= 0.2
+    assert golden.compare_answer(tie, other, 0.01) is not None
+
+
+def test_capacity_flags_share_a_baseline_and_the_model_does_not() -> None:
+    base = ["vllm", "serve", "m", "--port", "8100", "--gpu-memory-utilization", "0.62",
+            "--enable-sleep-mode", "--max-num-seqs", "64"]
+    thin = ["vllm", "serve", "m", "--port", "8101", "--enable-sleep-mode",
+            "--gpu-memory-utilization=0.30", "--max-num-seqs", "8"]
+    assert golden.baseline_key(base) == golden.baseline_key(thin) == ("vllm", "serve", "m")
+    assert golden.baseline_key([*base, "--revision", "v2"]) != golden.baseline_key(base)
+
+
+def events(tmp: Path) -> list[dict[str, object]]:
+    return [json.loads(x) for x in (tmp / "events.jsonl").read_text().splitlines()]
+
+
+def test_a_woken_standby_that_answers_otherwise_is_not_served_from(tmp_path: Path) -> None:
+    """The baseline is the serving engine's first proof; the standby's own proof matches
+    it; after a crash the woken standby answers other tokens: a failed takeover (a cold
+    start), the evidence in the audit."""
+    w = World(tmp_path, fronted=True, engine={
+        **SLEEP, "args": ["--enable-sleep-mode", "--gpu-memory-utilization", "0.45"]})
+    try:
+        first = w.serving()
+        w.feed(GateProbe(first.generation, True, None, golden=answer()))
+        spare = w.spawned()
+        w.feed(HealthResult(spare.generation, True))
+        w.feed(GateProbe(spare.generation, True, None, golden=answer()))
+        assert w.sup.status()["golden"]["passed"] == 1
+        w.feed(Slept(spare.generation, None, 0.2))
+        w.feed(Exited(first.generation, 0))
+        w.feed(Woken(spare.generation, None, 0.5))
+        w.feed(GateProbe(spare.generation, True, None, golden=answer(shift=1)))
+        assert w.state == "BACKOFF" and "golden check failed" in w.sup.state_reason
+        assert w.sup.gate.held_reason is not None  # nothing went to it
+        mismatch = next(e for e in events(tmp_path) if e["event"] == "golden_mismatch")
+        assert mismatch["pid"] == spare.pid and "expected" in mismatch and "got" in mismatch
+        st = w.sup.status()["golden"]
+        assert st["mismatches"] == 1 and st["last"]["verdict"] == "mismatch"
+    finally:
+        w.loop.close()
+
+
+def test_a_standby_that_answers_otherwise_is_failed_before_it_sleeps(tmp_path: Path) -> None:
+    w = World(tmp_path, fronted=True, engine={"standby": "awake"})
+    try:
+        first = w.serving()
+        w.feed(GateProbe(first.generation, True, None, golden=answer()))
+        spare = w.spawned()
+        w.feed(HealthResult(spare.generation, True))
+        w.feed(GateProbe(spare.generation, True, None, golden=answer(shift=1)))
+        st = w.sup.status()["standby"]
+        assert st["state"] == "retiring" and "golden check failed" in st["reason"]
+    finally:
+        w.loop.close()
+
+
+def test_a_restarted_engine_that_answers_otherwise_is_restarted_once_then_held_down(
+        tmp_path: Path) -> None:
+    w = World(tmp_path, fronted=True)
+    try:
+        first = w.serving()
+        w.feed(GateProbe(first.generation, True, None, golden=answer()))
+        w.control("restart")
+        w.down(first)
+        second = w.serving()
+        w.feed(GateProbe(second.generation, True, None, golden=answer(shift=1)))
+        assert w.state == "BACKOFF" and "golden check failed" in w.sup.state_reason
+        assert w.sup.gate.held_reason is not None  # nothing went to it
+        w.down(second)
+        timer = w.fx.timers[-1]
+        w.now += timer.delay_s
+        w.feed(timer.event)
+        third = w.serving()
+        w.feed(GateProbe(third.generation, True, None, golden=answer(shift=1)))
+        assert w.state == "FATAL" and "twice in a row" in w.sup.state_reason
+        assert w.sup.status()["golden"]["mismatches"] == 2
+    finally:
+        w.loop.close()
+
+
+def test_an_answer_without_logprobs_is_no_verdict(tmp_path: Path) -> None:
+    w = World(tmp_path, fronted=True)
+    try:
+        first = w.serving()
+        w.feed(GateProbe(first.generation, True, None,
+                         golden="no log-probabilities in either answer"))
+        assert w.state == "RUNNING" and w.sup.gate.held_reason is None
+        assert w.sup.status()["golden"]["last"]["verdict"] == "unavailable"
+    finally:
+        w.loop.close()
