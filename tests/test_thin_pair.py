@@ -1,0 +1,185 @@
+"""The asymmetric pair in one engine unit (`engine.standby_args`: a thin standby), with
+recorded effects and a driven clock: after each crash the thin standby serves while a
+full-size engine starts beside it, which takes over again; the thin one returns to
+sleep; a planned restart goes the same way; a thin engine that dies during the re-arm
+is a cold start of one full-size engine; standby_args that cannot work are refused at
+load, naming the numbers. (Through the daemon: tests/test_standby.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.config import parse_config
+from supervisor.engine.events import (
+    Drained,
+    Exited,
+    GateProbe,
+    HealthResult,
+    Slept,
+    Woken,
+)
+from supervisor.engine.process import EngineProcess
+from tests.test_standby_unit import SLEEP, armed_asleep
+from tests.test_supervisor_unit import World
+
+# an asymmetric pair: an engine at 0.62 of the card, its standby at 0.30 (both awake fit)
+THIN = {**SLEEP, "args": ["--enable-sleep-mode", "--gpu-memory-utilization", "0.62"],
+        "standby_args": ["--gpu-memory-utilization", "0.30"], "drain": "continue"}
+
+
+def share(engine: EngineProcess) -> str:
+    argv = list(engine.spec.argv)
+    return argv[len(argv) - 1 - argv[::-1].index("--gpu-memory-utilization") + 1]
+
+
+def crash_to_thin_and_back(w: World, full: EngineProcess, thin: EngineProcess) -> Any:
+    """The full-size engine crashes: the thin standby wakes at once and serves; the
+    re-arm starts a full-size engine beside it, awake, which takes over again once
+    proven; the thin one finishes its requests and sleeps: the standby again. The new
+    full-size engine."""
+    downs = w.fx.names().count("take_down")
+    w.now += 5
+    w.feed(Exited(full.generation, 0))
+    assert w.sup.engine is thin and w.fx.last("wake") == {"pid": thin.pid}
+    w.feed(Woken(thin.generation, None, 0.5))
+    w.feed(GateProbe(thin.generation, True, None))
+    assert w.state == "RUNNING" and w.sup.gate.held_reason is None
+    st = w.sup.status()["standby"]
+    assert st["thin_serves"] is True and st["protected"] is False
+    w.down(full)  # the crashed tree gone: a full-size engine beside the thin one
+    new = w.spawned()
+    assert share(new) == "0.62" and w.sup.status()["standby"]["state"] == "starting"
+    bays = {d["generation"]: d["bay"] for n, d in w.fx.calls if n == "spawn"}
+    assert bays[new.generation] == bays[full.generation] != bays[thin.generation]
+    ticket = asyncio.run(w.sup.gate.acquire(1))  # a stream at the thin engine meanwhile
+    w.feed(HealthResult(new.generation, True))
+    w.feed(GateProbe(new.generation, True, None))  # proven, awake: it takes over
+    assert w.sup.engine is new and "sleep" not in [
+        n for n, d in w.fx.calls[-6:] if d.get("pid") == new.pid]
+    assert w.fx.last("pause_streams") == {"pid": thin.pid}  # (drain = "continue")
+    assert w.fx.last("drain_behind") == {"pid": thin.pid}
+    st = w.sup.status()["standby"]
+    assert st["state"] == "returning" and st["thin"] is True and st["thin_serves"] is False
+    w.feed(GateProbe(new.generation, True, None))  # the takeover's proof
+    assert w.sup.gate.held_reason is None
+    w.sup.gate.done(ticket)
+    w.feed(Drained(thin.generation, True, 0.2))  # its requests ended: to sleep
+    assert w.fx.last("sleep") == {"pid": thin.pid}
+    w.feed(Slept(thin.generation, None, 0.3))
+    st = w.sup.status()["standby"]
+    assert st["state"] == "ready" and st["protected"] is True and st["asleep"] is True
+    assert st["pid"] == thin.pid and st["thin"] is True
+    # the thin one was never taken down, and the crashed one only
+    assert w.fx.names().count("take_down") == downs + 1
+    return new
+
+
+def test_an_asymmetric_pair_is_protected_again_after_each_crash_without_holding_clients(
+        tmp_path: Path) -> None:
+    """`standby_args` makes the standby thinner (0.30 beside 0.62): after a crash it
+    serves alone while a full-size engine starts beside it (no cold start held anyone),
+    the full-size one takes over again once proven, and the thin one goes back to sleep:
+    protected again, every time (three crashes here), never `no_room`."""
+    w = World(tmp_path, fronted=True, engine=THIN)
+    try:
+        full, thin = armed_asleep(w, side_by_side=True)
+        assert share(full) == "0.62" and share(thin) == "0.30"
+        assert w.sup.status()["standby"]["thin"] is True
+        for _ in range(3):
+            full = crash_to_thin_and_back(w, full, thin)
+            assert w.sup.status()["standby"]["state"] != "no_room"
+        events = [json.loads(x)["event"] for x in
+                  (tmp_path / "events.jsonl").read_text().splitlines()]
+        assert events.count("failover") == 6 and events.count("upgrade") == 0
+        assert w.state == "RUNNING" and w.sup.engine is full
+    finally:
+        w.loop.close()
+
+
+def test_an_asymmetric_pairs_planned_restart_goes_to_the_thin_one_and_back(
+        tmp_path: Path) -> None:
+    """An operator's restart of the full-size engine: the thin standby takes the
+    traffic (woken beside it: both fit), the old one is drained and taken down, and the
+    re-arm brings a new full-size engine as after a crash."""
+    w = World(tmp_path, fronted=True, engine=THIN)
+    try:
+        full, thin = armed_asleep(w, side_by_side=True)
+        w.control("restart")
+        assert w.sup.engine is thin and w.fx.last("wake") == {"pid": thin.pid}
+        assert w.fx.last("take_down") == {"pid": full.pid, "graceful": True,
+                                          "evidence": None}
+        w.feed(Woken(thin.generation, None, 0.5))
+        w.feed(GateProbe(thin.generation, True, None))
+        assert w.sup.status()["standby"]["thin_serves"] is True
+        w.down(full)
+        new = w.spawned()
+        assert share(new) == "0.62"
+        w.feed(HealthResult(new.generation, True))
+        w.feed(GateProbe(new.generation, True, None))
+        assert w.sup.engine is new
+        w.feed(GateProbe(new.generation, True, None))
+        w.feed(Drained(thin.generation, True, 0.0))
+        w.feed(Slept(thin.generation, None, 0.3))
+        assert w.sup.status()["standby"]["protected"] is True
+    finally:
+        w.loop.close()
+
+
+def test_a_thin_engine_that_dies_while_the_full_size_one_starts_is_a_cold_start_of_one(
+        tmp_path: Path) -> None:
+    """The thin engine serving dies before the full-size one beside it is ready: a cold
+    start, and the full-size engine still starting is taken down first (two full-size
+    engines do not fit); the cold start spawns once its tree is gone, and a thin standby
+    follows beside the new engine."""
+    w = World(tmp_path, fronted=True, engine=THIN)
+    try:
+        full, thin = armed_asleep(w, side_by_side=True)
+        w.feed(Exited(full.generation, 0))
+        w.feed(Woken(thin.generation, None, 0.5))
+        w.feed(GateProbe(thin.generation, True, None))
+        w.down(full)
+        rearm = w.spawned()
+        assert share(rearm) == "0.62"
+        w.feed(Exited(thin.generation, 0))  # the thin one dies meanwhile
+        assert w.state == "BACKOFF"
+        w.down(thin)
+        timer = w.fx.timers[-1]
+        w.now += timer.delay_s
+        spawns = w.fx.names().count("spawn")
+        w.feed(timer.event)
+        assert w.state == "STARTING"
+        assert w.fx.last("take_down") == {"pid": rearm.pid, "graceful": False,
+                                          "evidence": None}
+        assert w.fx.names().count("spawn") == spawns  # not before it is gone
+        w.down(rearm)
+        assert w.fx.names().count("spawn") == spawns + 1
+        engine = w.serving()
+        assert share(engine) == "0.62"
+        w.feed(GateProbe(engine.generation, True, None))
+        standby = w.spawned()
+        assert share(standby) == "0.30" and w.sup.status()["standby"]["thin"] is True
+    finally:
+        w.loop.close()
+
+
+@pytest.mark.parametrize(("engine", "says"), [
+    ({**THIN, "standby_args": ["--gpu-memory-utilization", "0.40"]},
+     "engine.standby_args: the engine's --gpu-memory-utilization 0.62 and the standby's "
+     "0.4 make 1.02 of the card"),
+    ({**THIN, "standby": "none"}, 'engine.standby_args: needs a standby'),
+    ({**THIN, "standby_args": ["--enforce-eager"]}, "'--enforce-eager' has no value"),
+    ({**THIN, "standby_args": ["0.3"]}, "'0.3' is not a flag"),
+    ({**THIN, "standby_args": ["--gpu-memory-utilization", "a third"]},
+     "engine.standby_args: --gpu-memory-utilization 'a third' is not a number"),
+])
+def test_a_standby_args_that_cannot_work_is_refused_naming_the_numbers(
+        tmp_path: Path, engine: dict[str, Any], says: str) -> None:
+    doc = {"engine": {"command": ["vllm", "serve", "m"], **engine}}
+    with pytest.raises(Exception) as got:
+        parse_config(doc, str(tmp_path / "config.toml"), tmp_path)
+    assert says in str(got.value)
