@@ -39,6 +39,9 @@ its 10-minute calls, the daemon living on between them in its own session:
                                         # first, while the full-size engine starts
     python3 tests/gpu_vllm.py kv-info   # each engine's KV cache: vLLM's own start lines
                                         # (from the daemon's log) and `vllm:cache_config_info`
+    python3 tests/gpu_vllm.py plan kill kill kill restart kv-info kv-reset-streams \
+        kill-twice stop                 # those steps in order, across calls: the same
+                                        # command again goes on where the last call stopped
     python3 tests/gpu_vllm.py stop      # stopped; nothing left on the GPU
 
 SHAPE=8b (issue 35's setup): the model is ~/m8b, made from the staged tiny model's files
@@ -145,7 +148,7 @@ def running(pid: int) -> bool:
     import psutil
 
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return False
 
@@ -693,7 +696,11 @@ class Tap:
 
 
 HANDOVER_EVENTS = ("core_exit", "failover", "standby_woken", "failover_done",
-                   "failover_failed", "drained", "take_down", "reaped", "remedy")
+                   "failover_failed", "drained", "take_down", "reaped", "remedy",
+                   # an asymmetric pair's re-arm: a full-size engine spawned, ready, the
+                   # swap back to it (an upgrade), the thin one asleep again
+                   "spawn", "standby_ready", "upgrade", "rearm", "standby_failed",
+                   "retired_engine_died", "exit")
 
 
 def handover_times(audit: list[dict[str, Any]]) -> dict[str, Any]:
@@ -825,34 +832,34 @@ def phase_continue(fault: str, when: str, tag: str | None = None, prompts: int =
     engine_bad = [e for e in logged if e.get("level") in ("error", "critical")
                   and e.get("source") == "engine"]
     out = dict(prompts=prompts, concurrency=conc, standby_at_fault=st.get("standby"),
-           # what the new requests waited (issue 35: held at the swap until the standby
-           # served), as the client saw it (its TTFTs, in s) and as the proxy held them
-           held={"max_ttft_s": round(ttfts[-1], 3) if ttfts else None,
-                 "ttft_over_1s": len([x for x in ttfts if x > 1.0]),
-                 "proxy_held": len([x for x in held if x > 0]),
-                 "proxy_max_held_s": round(held[-1], 3) if held else None,
-                 **handover_times(audit)},
-           running_at_fault=fired.get("running"),
-           fault_after_main_s=round(fired["t"] - fired["main"], 1) if "t" in fired else None,
-           completed=doc.get("completed"), failed=doc.get("failed"),
-           errors=sorted(set(errors))[:5], total_output_tokens=doc.get("total_output_tokens"),
-           tokens_asked=prompts * want, short_streams=len([n for n in lens if n < want]),
-           empty_texts=len([x for x in texts if not x]),
-           proxy_requests=len(served),
-           proxy_short=len([e for e in served if (e.get("tokens") or 0) < want]),
-           proxy_not_ok=len([e for e in served if e.get("outcome")]),
-           p99_ttft_ms=doc.get("p99_ttft_ms"), p99_itl_ms=doc.get("p99_itl_ms"),
-           # the saved per-request gaps are in seconds (the percentiles in ms)
-           max_itl_s=max((max(x) for x in doc.get("itls") or [] if x), default=None),
-           duration_s=doc.get("duration"),
-           continuations={k: v - before.get(k, 0.0) for k, v in after.items()
-                          if v - before.get(k, 0.0)},
-           continued_logged=len(continued),
-           max_gap_s=max((e.get("waited_s", 0) for e in continued), default=None),
-           running_again_after_kill_s=round(time.monotonic() - fired["t"], 1)
-           if "t" in fired else None,
-           taps=tapped, state_reason=back["reason"], standby_after=back.get("standby"),
-           handover=audit)
+               # what the new requests waited (issue 35: held at the swap until the standby
+               # served), as the client saw it (its TTFTs, in s) and as the proxy held them
+               held={"max_ttft_s": round(ttfts[-1], 3) if ttfts else None,
+                     "ttft_over_1s": len([x for x in ttfts if x > 1.0]),
+                     "proxy_held": len([x for x in held if x > 0]),
+                     "proxy_max_held_s": round(held[-1], 3) if held else None,
+                     **handover_times(audit)},
+               running_at_fault=fired.get("running"),
+               fault_after_main_s=round(fired["t"] - fired["main"], 1) if "t" in fired else None,
+               completed=doc.get("completed"), failed=doc.get("failed"),
+               errors=sorted(set(errors))[:5], total_output_tokens=doc.get("total_output_tokens"),
+               tokens_asked=prompts * want, short_streams=len([n for n in lens if n < want]),
+               empty_texts=len([x for x in texts if not x]),
+               proxy_requests=len(served),
+               proxy_short=len([e for e in served if (e.get("tokens") or 0) < want]),
+               proxy_not_ok=len([e for e in served if e.get("outcome")]),
+               p99_ttft_ms=doc.get("p99_ttft_ms"), p99_itl_ms=doc.get("p99_itl_ms"),
+               # the saved per-request gaps are in seconds (the percentiles in ms)
+               max_itl_s=max((max(x) for x in doc.get("itls") or [] if x), default=None),
+               duration_s=doc.get("duration"),
+               continuations={k: v - before.get(k, 0.0) for k, v in after.items()
+                              if v - before.get(k, 0.0)},
+               continued_logged=len(continued),
+               max_gap_s=max((e.get("waited_s", 0) for e in continued), default=None),
+               running_again_after_kill_s=round(time.monotonic() - fired["t"], 1)
+               if "t" in fired else None,
+               taps=tapped, state_reason=back["reason"], standby_after=back.get("standby"),
+               handover=audit)
     if pair:
         out.update(
             protected_again_after_s=protected_s,
@@ -914,11 +921,86 @@ def phase_kills(n: int = 3) -> None:
     result("kills", done=len(rows), asked=n, rows=rows)
 
 
+# a step's length as first guessed (s); once run, its last length
+PLAN_GUESS_S = {"kill": 200.0, "restart": 200.0, "kv-reset-streams": 200.0,
+                "kill-twice": 480.0, "kv-info": 10.0, "stop": 60.0}
+
+
+def phase_plan(steps: list[str]) -> None:
+    """Steps run in order across calls (the machine's calls last 10 minutes, and it is
+    given back 30 s after one ends: no time to choose the next between calls). The same
+    command again goes on where the last stopped: WORK/plan.json keeps the steps done and
+    each step's last length; a step begins only if, by that length, it ends within
+    CALL_BUDGET_S (default 560) of the call's start. With an asymmetric pair each step
+    begins once it is protected again. A step that fails is recorded; the plan goes on
+    only if the pair is protected again within 3 minutes, else it stops for good with the
+    daemon's status and log tail (`plan-stopped`)."""
+    budget = float(os.environ.get("CALL_BUDGET_S", "560"))
+    t0 = time.monotonic()
+    path = WORK / "plan.json"
+    plan: dict[str, Any] = (json.loads(path.read_text()) if path.exists()
+                            else {"done": [], "seconds": {}, "failed": {}})
+    kills = 0
+    for i, step in enumerate(steps):
+        key = f"{i}:{step}"
+        kills += step == "kill"
+        if key in plan["done"]:
+            continue
+        if plan.get("stopped"):
+            result("plan", stopped=plan["stopped"], next=key)
+            return
+        # (a restart's re-arm is a kill's: its guess the last kill's length until run)
+        guess = plan["seconds"].get(step) or (step == "restart" and plan["seconds"].get("kill")
+                                              ) or PLAN_GUESS_S.get(step, 300.0)
+        left = budget - (time.monotonic() - t0)
+        if guess * 1.05 + 15 > left:
+            result("plan", next=key, left_s=round(left), guess_s=guess, done=plan["done"])
+            return
+        if step != "stop" and is_pair(status()):
+            wait(lambda: protected_again(status()), max(30.0, left - guess), "protected again")
+        t1 = time.monotonic()
+        error = None
+        try:
+            if step == "kill":
+                phase_continue("kill", "late", tag=f"continue-kill-late-{kills}")
+            elif step == "restart":
+                phase_continue("restart", "late")
+            elif step == "kill-twice":
+                phase_kill_twice(10.0)
+            elif step == "kv-reset-streams":
+                phase_kv_reset_streams(256, 3000, 3)
+            elif step == "kv-info":
+                phase_kv_info()
+            elif step == "stop":
+                phase_stop()
+            else:
+                raise ValueError(f"no step {step!r}")
+        except Exception as exc:  # recorded; the plan goes on only if the pair is armed
+            error = f"{type(exc).__name__}: {exc}"[:1000]
+            plan["failed"][key] = error
+        plan["seconds"][step] = round(time.monotonic() - t1, 1)
+        plan["done"].append(key)
+        path.write_text(json.dumps(plan))
+        result("plan-step", step=key, seconds=plan["seconds"][step], error=error)
+        if error and step not in ("kill-twice", "stop"):
+            try:
+                wait(lambda: protected_again(status()), 180, "protected again")
+            except Exception as exc:
+                plan["stopped"] = f"{key}: {error}; then {exc}"
+                path.write_text(json.dumps(plan))
+                st = status()
+                result("plan-stopped", why=plan["stopped"], status=st)
+                return
+    result("plan", finished=True, done=plan["done"], failed=plan["failed"],
+           seconds=plan["seconds"])
+
+
 def phase_kill_twice(delay: float = 10.0) -> None:
     """Issue 35's (b): under the same load a second SIGKILL `delay` s after the first, of
     the core that serves then (the thin one, while the full-size engine starts beside
     it): no standby is ready, so a cold start, clients held. Reported as it happens."""
-    out = phase_continue("kill", "late", tag="kill-twice", prompts=1500, second_after=delay)
+    out = phase_continue("kill", "late", tag="kill-twice", prompts=1500, second_after=delay,
+                         protected_timeout=float(os.environ.get("PROTECTED_TIMEOUT_S", "240")))
     result("kill-twice-summary", failed=out["failed"], completed=out["completed"],
            tokens=out["total_output_tokens"], asked=out["tokens_asked"],
            short=out["short_streams"], held=out["held"], max_gap_s=out["max_gap_s"],
@@ -1060,6 +1142,8 @@ if __name__ == "__main__":
         phase_throughput([int(x) for x in sys.argv[2:]])
     elif sys.argv[1] == "start":
         phase_start(*sys.argv[2:5])
+    elif sys.argv[1] == "plan":
+        phase_plan(sys.argv[2:])
     elif sys.argv[1] == "kills":
         phase_kills(int(sys.argv[2]) if len(sys.argv) > 2 else 3)
     elif sys.argv[1] == "kill-twice":
