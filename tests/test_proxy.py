@@ -96,7 +96,9 @@ def test_admin_routes_are_refused_and_health_endpoints_answer(daemon_factory, tm
     assert all(r["peer"] == "127.0.0.1" for r in recs)
 
 
-ENGINE_PROBES = {"GET /health", "GET /metrics", "GET /v1/models", "POST /v1/completions"}
+# what the daemon itself asks of an engine (its health, scrape, canary, golden check)
+ENGINE_PROBES = {"GET /health", "GET /metrics", "GET /v1/models", "POST /v1/completions",
+                 "POST /v1/chat/completions"}
 
 
 def test_path_tricks_never_reach_the_engine_and_the_path_checked_is_the_path_sent(
