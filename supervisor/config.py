@@ -305,6 +305,13 @@ class ProxyConfig:
     continue_streams: bool = spec(True)
     continue_timeout_s: float = spec(300.0, lo=1, hi=3600)  # waiting for an engine
     max_continuations: int = spec(3, lo=1, hi=100)  # faults one request survives
+    # deadlines (0: none). A continuable stream with no token for stall_timeout_s is the
+    # engine's fault for that request: aborted there and continued (a fault counted
+    # against max_continuations, never a death). A request past request_timeout_s from
+    # its arrival ends: a stream with an error event `request_timeout` and no [DONE],
+    # any other with 504
+    stall_timeout_s: float = spec(0.0, lo=0.0, hi=3600)
+    request_timeout_s: float = spec(0.0, lo=0.0, hi=86400)
     keepalive_s: float = spec(10.0, lo=0.5, hi=300)  # blank keep-alive lines while it waits
 
 

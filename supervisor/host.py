@@ -348,6 +348,8 @@ class Host:
                              continuation=p.continue_streams,
                              continue_timeout_s=p.continue_timeout_s,
                              max_continuations=p.max_continuations,
+                             stall_timeout_s=p.stall_timeout_s,
+                             request_timeout_s=p.request_timeout_s,
                              keepalive_s=p.keepalive_s,
                              refuse_when_unhealthy=bool(self.config.fleet.routers))
 

@@ -35,7 +35,8 @@ script a fault:
                         connection closed mid-answer), "error" (vLLM's error event, then
                         [DONE]), "die" (the error event; then /health answers 503 and
                         completions 500 for 0.5 s, then the engine exits 1), "exit" (the
-                        engine exits 1 at once)
+                        engine exits 1 at once), "stall" (no more tokens, the engine
+                        healthy, until the client goes)
 Completions and chat completions honour "max_tokens" and "stream" (SSE, vLLM-shaped
 chunks, one per token, finish_reason "length" on the last, then [DONE]), and
 "return_token_ids", "stream_options" (include_usage, continuous_usage_stats). Tokens are
@@ -60,6 +61,7 @@ import argparse
 import http.server
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -169,6 +171,15 @@ def main() -> None:
                 if kind == "die":
                     threading.Thread(target=die_soon, daemon=True).start()
             return faulted.pop(me, None)
+
+    def stall_until_gone(conn: socket.socket, limit_s: float = 120.0) -> None:
+        """Nothing more sent until the client closes the connection (or the engine
+        stops, or `limit_s`)."""
+        until = time.monotonic() + limit_s
+        while time.monotonic() < until and not stopping.is_set():
+            readable, _, _ = select.select([conn], [], [], 0.1)
+            if readable and not conn.recv(1, socket.MSG_PEEK):
+                return
 
     def die_soon() -> None:
         dying.set()
@@ -345,6 +356,9 @@ def main() -> None:
                         return
                     if fault == "exit":
                         exit_now()
+                    if fault == "stall":  # alive, healthy, and no more tokens: until its
+                        stall_until_gone(self.connection)  # client goes (vLLM aborts)
+                        raise ConnectionResetError("the client went during a stall")
                     tok = next_token(seq)
                     seq.append(tok)
                     last = i == tokens - 1

@@ -57,6 +57,8 @@ class ProxySettings:
     continuation: bool = True  # continue streams the engine fails mid-answer
     continue_timeout_s: float = 300.0  # the longest a broken stream waits for an engine
     max_continuations: int = 3  # per request
+    stall_timeout_s: float = 0.0  # a continuable stream's, between tokens (0: none)
+    request_timeout_s: float = 0.0  # from a request's arrival to its end (0: none)
     keepalive_s: float = 10.0  # keep-alive lines to a waiting stream, this often
     # in a fleet ([fleet] routers): a new request whose engines will not serve within a
     # short wait (a cold start, a backoff, a drain, FATAL: their /health says 503) is
@@ -72,6 +74,7 @@ class Exchange:
 
     arrived: float
     model: object = None
+    resp: object = None  # the client's answer, once begun (a deadline ends it)
     status: int | None = None  # None: no answer (cut, or the client went away early)
     held_s: float = 0.0
     queued_s: float = 0.0

@@ -44,7 +44,7 @@ from collections.abc import Callable
 
 import structlog
 
-from supervisor.front import continuation, dispatch, quarantine, routing
+from supervisor.front import continuation, dispatch, quarantine, routing, sse
 from supervisor.front.admission import Gate, Rejected
 from supervisor.front.continuation import Transcript
 from supervisor.front.dispatch import Backend, Choice, RequestFacts, read_request
@@ -269,9 +269,47 @@ class FrontProxy:
             self._finish(request, target, ex)
             return self._error(404, str(exc), "unknown_model")
         try:
+            if self.s.request_timeout_s > 0:
+                return await self._within_deadline(request, target, facts, body, choices,
+                                                   ex)
             return await self._admit_and_forward(request, target, facts, body, choices, ex)
         finally:
             self._finish(request, target, ex)
+
+    async def _within_deadline(self, request: Request, target: Target,
+                               facts: RequestFacts, body: bytes, choices: list[Choice],
+                               ex: Exchange) -> StreamResponse:
+        """`proxy.request_timeout_s` from the request's arrival, whatever it waits for
+        (the hold, the engine, a continuation): past it, its engine request is cancelled
+        (vLLM aborts it) and the client told: an error event `request_timeout` ending a
+        stream (no [DONE]), a 504 before any answer, a cut of any other begun answer."""
+        limit = self.s.request_timeout_s
+        loop = asyncio.get_running_loop()
+        when = loop.time() + (ex.arrived + limit - time.monotonic())
+        try:
+            async with asyncio.timeout_at(when) as cm:
+                return await self._admit_and_forward(request, target, facts, body,
+                                                     choices, ex)
+        except TimeoutError:
+            if not cm.expired():
+                raise
+        message = (f"request_timeout: the request ran past proxy.request_timeout_s "
+                   f"({limit:g} s)")
+        log.warning("request timed out", path=target.path, limit_s=limit,
+                    events=ex.events, stream=ex.stream)
+        resp = ex.resp
+        ex.outcome = "request_timeout"
+        if isinstance(resp, StreamResponse) and resp.prepared:
+            self.stats.reject("request_timeout")  # (`_error` counts the 504's)
+            if ex.stream and not isinstance(resp, Response):
+                with contextlib.suppress(ConnectionError):
+                    await resp.write(sse.error_event(message, 504, "request_timeout"))
+                    await resp.write_eof()
+            elif request.transport is not None:
+                request.transport.close()  # (a begun answer of another kind: cut)
+            return resp
+        ex.status = 504
+        return self._error(504, message, "request_timeout")
 
     async def _list_models(self) -> Response:
         """GET /v1/models with several engines: every model served here, each once, as
@@ -493,6 +531,7 @@ class FrontProxy:
                 ex.status = up.status
                 try:
                     await resp.prepare(request)
+                    ex.resp = resp
                     if plan is not None and ex.stream:
                         ex.transcript = Transcript(plan)
                         await self.streams.relay_events(up, resp, ex, ex.transcript)

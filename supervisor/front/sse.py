@@ -14,9 +14,9 @@ def event(doc: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
 
 
-def error_event(message: str, code: int = 502) -> bytes:
+def error_event(message: str, code: int = 502, kind: str = "engine_failed") -> bytes:
     """The explicit end of a stream that cannot be finished: an error event, no [DONE]."""
-    return event({"error": {"message": message, "type": "engine_failed", "code": code}})
+    return event({"error": {"message": message, "type": kind, "code": code}})
 
 
 class EventReader:

@@ -133,6 +133,8 @@ class StreamRelay:
         # upstream connection's own callback (`Answer.pump`), no task woken per event;
         # the write without a coroutine; the histogram found once)
         transcribe, write, clock = t.read, resp.write_nowait, time.monotonic
+        if (stall := self.s.stall_timeout_s) > 0:  # (no token that long: the engine's fault)
+            up.set_read_timeout(min(stall, self.s.idle_read_timeout_s))
         gaps = self.latency.histogram("stream_gap", self.latency.label(ex.model))
         behind: list[bytes] = []  # written past the client's full buffer: timed once drained
 
@@ -155,7 +157,12 @@ class StreamRelay:
             while True:
                 try:
                     ended = await up.pump(sink)
-                except (TimeoutError, UpstreamError) as exc:
+                except TimeoutError as exc:
+                    if stall > 0:
+                        up.close()  # (so vLLM aborts it: it goes on elsewhere)
+                        raise Stalled(stall, t.events) from exc
+                    raise UpstreamFailed(exc) from exc
+                except UpstreamError as exc:
                     raise UpstreamFailed(exc) from exc
                 except StreamBroken as exc:
                     # what was recorded as delivered is delivered, even on a break
@@ -202,8 +209,7 @@ class StreamRelay:
         resp, t, cause = broken.resp, broken.transcript, broken.cause
         ka = asyncio.create_task(self._keepalive(resp, ex))
         faults = 0 if isinstance(cause, Paused) else 1
-        if faults:
-            ex.engine_failed()
+        self._fault(ex, t, cause)
         try:
             while True:
                 if t.finish_reason is not None and t.plan.refused is None:
@@ -228,7 +234,7 @@ class StreamRelay:
                     cause = again.cause
                     if not isinstance(cause, Paused):
                         faults += 1
-                        ex.engine_failed()
+                        self._fault(ex, t, cause)
                     continue
                 except EngineDied as died:
                     cause = died
@@ -245,6 +251,17 @@ class StreamRelay:
             return resp
         finally:
             ka.cancel()
+
+    def _fault(self, ex: Exchange, t: Transcript, cause: BaseException) -> None:
+        """What broke a stream, counted: an engine's death it was at (the quarantine's),
+        or a stall, which is no death (the engine lives: it is the request's fault there
+        only, bounded by `max_continuations`)."""
+        if isinstance(cause, Stalled):
+            self.stats.reject("stalled")
+            log.warning("stream stalled: continued elsewhere", id=t.id, after_s=cause.after_s,
+                        events=cause.events)
+        elif not isinstance(cause, Paused):
+            ex.engine_failed()
 
     def _continued(self, resp: StreamResponse, ex: Exchange,
                    outcome: str) -> StreamResponse:
@@ -380,6 +397,14 @@ class Broken(Exception):
                  cause: BaseException) -> None:
         super().__init__(str(cause))
         self.resp, self.transcript, self.cause = resp, transcript, cause
+
+
+class Stalled(UpstreamFailed):
+    """A continuable stream with no token for `proxy.stall_timeout_s` from a live engine."""
+
+    def __init__(self, after_s: float, events: int) -> None:
+        super().__init__(f"no token for {after_s:g} s (proxy.stall_timeout_s)")
+        self.after_s, self.events = after_s, events
 
 
 class Paused(Exception):

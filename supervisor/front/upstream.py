@@ -100,7 +100,7 @@ class Answer:
     any other (a stream paused for a drained restart)."""
 
     __slots__ = ("_body", "_buffered", "_conn", "_error", "_since", "_sink", "_sink_error",
-                 "_timer", "_waiter", "chunked", "complete", "content_length",
+                 "_timeout", "_timer", "_waiter", "chunked", "complete", "content_length",
                  "content_type", "headers", "keep_alive", "reason", "status")
 
     def __init__(self, conn: _Connection, status: int, reason: str,
@@ -129,11 +129,21 @@ class Answer:
         # and the last byte, and is moved on when bytes came meanwhile
         self._since = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        self._timeout = conn.read_timeout_s  # (this answer's: `set_read_timeout`)
         # `pump`'s sink while it waits, and what the sink raised in the protocol's callback
         self._sink: Callable[[bytes], bool] | None = None
         self._sink_error: Exception | None = None
         self.complete = False
         self.keep_alive = False
+
+    def set_read_timeout(self, seconds: float) -> None:
+        """This answer's read timeout from now on (a stream's stall deadline), in place
+        of its connection's."""
+        self._timeout = seconds
+        if self._timer is not None:  # (looked at again at its time: moved on from there)
+            self._timer.cancel()
+            self._timer = self._conn.loop.call_at(
+                max(self._since, self._conn.last_byte_at) + seconds, self._expire)
 
     async def read_some(self) -> bytes:
         """What arrived of the body since the last call, waiting for some if none did;
@@ -149,7 +159,7 @@ class Answer:
             self._waiter = waiter = loop.create_future()
             self._since = loop.time()
             if self._timer is None:
-                self._timer = loop.call_at(self._since + conn.read_timeout_s, self._expire)
+                self._timer = loop.call_at(self._since + self._timeout, self._expire)
             try:
                 await waiter
             finally:
@@ -185,7 +195,7 @@ class Answer:
             self._waiter = waiter = loop.create_future()
             self._since = loop.time()
             if self._timer is None:
-                self._timer = loop.call_at(self._since + conn.read_timeout_s, self._expire)
+                self._timer = loop.call_at(self._since + self._timeout, self._expire)
             self._sink = sink
             try:
                 await waiter
@@ -226,11 +236,11 @@ class Answer:
         if waiter is None or waiter.done():
             return  # nobody waits: the next wait arms it again
         conn = self._conn
-        due = max(self._since, conn.last_byte_at) + conn.read_timeout_s
+        due = max(self._since, conn.last_byte_at) + self._timeout
         if due > conn.loop.time():
             self._timer = conn.loop.call_at(due, self._expire)
             return
-        waiter.set_exception(TimeoutError(f"no answer bytes for {conn.read_timeout_s:g} s"))
+        waiter.set_exception(TimeoutError(f"no answer bytes for {self._timeout:g} s"))
 
     def _stop_timer(self) -> None:
         if self._timer is not None:
