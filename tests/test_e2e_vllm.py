@@ -115,7 +115,15 @@ def test_sigkill_of_engine_core_is_detected_and_the_engine_serves_again(served):
     core = next(p for p in old if p.name().startswith("VLLM::EngineCor"))
     killed_at = time.time()
     core.send_signal(signal.SIGKILL)
+    # the start's expected length, learned from the first one, as status says it
+    expected = wait_for(lambda: (d.status()["start"] or {}).get("expected_s"),
+                        START_TIMEOUT, "the restart's expected length in status")
     st = d.wait_state("RUNNING", START_TIMEOUT, extra=lambda s: s["restarts"] == 1)
+    real = [r for r in d.log_records() if r.get("to") == "RUNNING"][-1]
+    took = float(real["reason"].split(" after ")[1].split(" s")[0])
+    print(f"start ETA: expected {expected} s, the second start took {took} s "
+          f"({abs(expected - took) / took:.0%} off)")
+    assert abs(expected - took) <= 0.5 * took  # (the 30 % on a quiet host)
     gone = [p.pid for p in old]
     assert alive(gone) == [], "a process of the old tree survived"
     assert isinstance(complete(cfg["engine"]["port"]), str)

@@ -166,6 +166,11 @@ def format_status(st: dict[str, Any]) -> str:
                  if start.get("phase") else "launching")
         last = (f"; the last start took {_duration(start['last_start_s'])}"
                 if start.get("last_start_s") is not None else "")
+        if start.get("eta_s") is not None:  # (learned from the past starts)
+            last += (f"; about {_duration(start['eta_s'])} left of the usual "
+                     f"{_duration(start.get('expected_s'))}"
+                     + (", but a cold start: another vLLM version" if start.get("cold")
+                        else ""))
         lines.append(f"starting   {phase} ({_duration(start.get('for_s'))} so far{last})")
     lines.append(f"restarts   {st.get('restarts')}")
     adm = st.get("admission")

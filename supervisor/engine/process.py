@@ -14,6 +14,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import re
 import signal
 import time
 from collections import deque
@@ -123,6 +124,8 @@ class EngineProcess:
     # while it starts: the phase its last lines announced (enginelog.PHASES), since when
     phase: str | None = None
     phase_since: float | None = None
+    phases: list[tuple[str, float]] = field(default_factory=list)  # (phase, s after spawn)
+    vllm_version: str | None = None  # as its API server's first lines say
     recent_errors: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     recent_lines: deque[str] = field(default_factory=lambda: deque(maxlen=200))  # evidence
     relays: list[asyncio.Task[None]] = field(default_factory=list)  # stdout, stderr readers
@@ -198,6 +201,12 @@ async def relay_output(engine: EngineProcess, stream: asyncio.StreamReader, name
                 generation=engine.generation, **fields)
         if engine.healthy_at is None:
             _note_phase(engine, phase_of(line.message))
+            if engine.vllm_version is None and (m := _VERSION.search(line.message)):
+                engine.vllm_version = m["version"]
+
+
+# vLLM's API server says its version first ("vLLM API server version 0.26.0")
+_VERSION = re.compile(r"vLLM API server version (?P<version>\S+)")
 
 
 def _note_phase(engine: EngineProcess, phase: str | None) -> None:
@@ -207,6 +216,7 @@ def _note_phase(engine: EngineProcess, phase: str | None) -> None:
     log.info("engine start phase", phase=phase, after_s=round(now - engine.started_at, 1),
              pid=engine.pid)
     engine.phase, engine.phase_since = phase, now
+    engine.phases.append((phase, now - engine.started_at))
 
 
 async def wait_healthy(url: str, interval_s: float, timeout_s: float,

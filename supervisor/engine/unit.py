@@ -212,6 +212,12 @@ class EngineUnit(UnitState):
         if ev.healthy:
             self.slot.healthy(engine, now)
             self.last_start_s = round(now - engine.started_at, 1)
+            if self.start_times.cold(engine.spec.argv, engine.vllm_version):
+                log.info("a cold start: the engine runs another vLLM version than at its "
+                         "last start", version=engine.vllm_version,
+                         start_s=self.last_start_s)
+            self.start_times.record(engine.spec.argv, engine.vllm_version,
+                                    now - engine.started_at, engine.phases)
             self.set_state(State.RUNNING,
                            f"/health answered 200 after {now - engine.started_at:.1f} s")
             self.notices.ready_once(f"RUNNING: engine pid {engine.pid} serving")

@@ -19,6 +19,7 @@ import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -46,6 +47,7 @@ from supervisor.engine.notices import SystemdNotices
 from supervisor.engine.remedies import Remedies
 from supervisor.engine.slot import EngineSlot
 from supervisor.engine.standby import Standby
+from supervisor.engine.start_times import Expected, StartTimes
 from supervisor.engine.states import State, check_transition
 from supervisor.engine.steps import PairFacts, Step
 from supervisor.engine.watch import EngineWatch, UnitFacts
@@ -95,6 +97,10 @@ class UnitState:
         self.started_at = self.clock.monotonic()
         self.not_running_since: float | None = self.started_at  # None while RUNNING
         self.last_start_s: float | None = None  # the last cold start: spawn to healthy
+        # past starts' lengths, kept beside the audit trail (engine/start_times.py)
+        self.start_times = StartTimes(Path(self.config.audit.path).parent / (
+            "start-times.json" if self.name == DEFAULT_ENGINE
+            else f"start-times-{self.name}.json"))
         self.audit_trail = AuditTrail(self.config.audit.path, self.config.audit.max_bytes,
                                       self.config.audit.backups)
         self.watch = EngineWatch(self.config, self.environ, self.clock.monotonic,
@@ -160,8 +166,22 @@ class UnitState:
         if err is not None:
             log.warning("audit write failed", error=err)
 
+    def expected_start(self) -> Expected | None:
+        """While the serving engine starts: what its past starts say of this one."""
+        e = self.engine
+        if self.state is not State.STARTING or e is None or e.healthy_at is not None:
+            return None
+        now = self.clock.monotonic()
+        return self.start_times.expect(
+            e.spec.argv, e.vllm_version, now - e.started_at, e.phase,
+            now - e.phase_since if e.phase_since is not None else None)
+
     def sync_gate(self, ended: bool = False) -> None:
-        """The gate follows the state (`supervisor/engine/gatekeeper.py`)."""
+        """The gate follows the state (`supervisor/engine/gatekeeper.py`); while the
+        engine starts, the gate knows when it is expected (a refusal's Retry-After)."""
+        expected = self.expected_start()
+        self.gate.ready_at = (self.clock.monotonic() + expected.left_s
+                              if expected is not None else None)
         self.keeper.sync(self.state, self.state_reason, self.watch.holds_requests(),
                          self.watch.tuning.throttle_level if self.fronted else 0, ended,
                          suspect=self.watch.suspect(),

@@ -14,6 +14,7 @@ from supervisor.engine.failures import Failures
 from supervisor.engine.golden_check import GoldenCheck
 from supervisor.engine.handover import Handover
 from supervisor.engine.process import EngineProcess
+from supervisor.engine.start_times import Expected
 from supervisor.engine.states import State
 from supervisor.engine.watch import EngineWatch, UnitFacts
 from supervisor.front.admission import Gate
@@ -75,6 +76,7 @@ class Viewable(Protocol):
     def handover(self) -> Handover: ...
     @property
     def golden(self) -> GoldenCheck: ...
+    def expected_start(self) -> Expected | None: ...
 
     def serving(self) -> bool: ...
 
@@ -124,11 +126,17 @@ def starting(unit: Viewable, now: float) -> dict[str, Any] | None:
     e = unit.engine
     if unit.state is not State.STARTING or e is None or e.healthy_at is not None:
         return None
+    expected = unit.expected_start()
     return {"phase": e.phase,
             "phase_for_s": round(now - e.phase_since, 1) if e.phase_since is not None
             else None,
             "for_s": round(now - e.started_at, 1),
-            "last_start_s": unit.last_start_s}
+            "last_start_s": unit.last_start_s,
+            "vllm_version": e.vllm_version,
+            # learned from the past starts of this command line (engine/start_times.py)
+            "expected_s": expected.total_s if expected is not None else None,
+            "eta_s": expected.left_s if expected is not None else None,
+            "cold": expected.cold if expected is not None else None}
 
 
 def status(unit: Viewable) -> dict[str, Any]:

@@ -73,6 +73,9 @@ class Gate:
         # why a router should send this engine's requests elsewhere (`unhealthy`)
         self._unhealthy: str | None = "engine not started"
         self.breaker_open = False
+        # while its engine starts: when it is expected to serve (monotonic; its unit
+        # learns it from the past starts), for a refusal's Retry-After; None: unknown
+        self.ready_at: float | None = None
         self.in_flight = 0
         self.tokens_in_flight = 0
         self._waiters: deque[_Waiter] = deque()

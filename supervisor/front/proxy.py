@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import re
 import time
 from collections.abc import Callable
@@ -214,13 +215,24 @@ class FrontProxy:
             self.stats.count(status)
         self.stats.reject(reason)
 
-    def _error(self, status: int, message: str, reason: str | None = None) -> Response:
-        headers = {"Retry-After": str(self.s.retry_after_s)} if status == 503 else {}
+    def _error(self, status: int, message: str, reason: str | None = None,
+               choices: list[Choice] | None = None) -> Response:
+        headers = {"Retry-After": str(self._retry_after(choices))} if status == 503 else {}
         if reason is not None:
             self.stats.reject(reason)
         self.stats.count(status)
         body = {"error": {"message": message, "type": reason or "proxy_error", "code": status}}
         return json_response(body, status=status, headers=headers)
+
+    def _retry_after(self, choices: list[Choice] | None) -> int:
+        """A refusal's Retry-After: when the soonest of these engines is expected to serve
+        (learned from its past starts), else `proxy.retry_after_s`."""
+        now = time.monotonic()
+        soon = [c.backend.gate.ready_at - now for c in choices or ()
+                if c.backend.gate.ready_at is not None]
+        if not soon:
+            return self.s.retry_after_s
+        return max(1, min(3600, math.ceil(min(soon))))
 
     def _cut(self, target: Target, request: Request, resp: StreamResponse,
              exc: BaseException, ex: Exchange) -> StreamResponse:
@@ -346,7 +358,7 @@ class FrontProxy:
                     and (why := _all_unhealthy(choices)):
                 ex.status, ex.outcome = 503, "engine_unavailable"
                 return self._error(503, f"not served on this host now ({why}): try another",
-                                   "engine_unavailable")
+                                   "engine_unavailable", choices)
             for c in choices:
                 await self._learn_max_model_len(c.backend)
             try:
@@ -359,7 +371,7 @@ class FrontProxy:
                     ex.held_s += exc.waited_s
                 else:
                     ex.queued_s += exc.waited_s
-                return self._error(503, str(exc), exc.reason)
+                return self._error(503, str(exc), exc.reason, choices)
             if ticket.held:
                 ex.held_s += ticket.waited_s
             else:
