@@ -393,6 +393,19 @@ def test_power_budget_is_off_by_default_and_throttles_when_enabled():
     assert [d.action for d in r.over(seconds(401, 600), {"gpu_power_w": 500.0})] == ["lift"]
 
 
+def test_host_thermal_is_off_by_default_and_throttles_a_hot_soc_with_hysteresis():
+    """A unified-memory host's SoC (vllm#51950): off unless enabled; then a throttle at
+    95 C, held until it is back under 85 C for clear_for_s."""
+    hot = {"host_temperature_c": 96.0}
+    assert Run(config(**{n: {"enabled": False} for n in DEFAULT_RULES
+                         if n != "host_thermal"})).over(seconds(0, 300), hot) == []
+    r = Run(config(**only("host_thermal")))
+    assert [d.action for d in r.over(seconds(0, 30), hot)] == ["throttle"]
+    assert r.over(seconds(31, 300), {"host_temperature_c": 90.0}) == []  # hysteresis
+    assert [d.action for d in r.over(seconds(301, 500), {"host_temperature_c": 80.0})] \
+        == ["lift"]
+
+
 def test_power_budget_almost():
     r = Run(config(**only("power_budget")))
     assert r.over(seconds(0, 59), {"gpu_power_w": 650.0}) == []
@@ -549,6 +562,8 @@ TRIPS: dict[str, tuple[EngineFacts, Signals, str, dict[str, float | None]]] = {
     "thermal": (EngineFacts(), gpu(4.25), "throttle",
                 {"gpu_slowdown_margin_c": 4.25, "gpu_thermal_throttled": 0}),
     "power_budget": (EngineFacts(), {"gpu_power_w": 650.0}, "throttle", {"gpu_power_w": 650.0}),
+    "host_thermal": (EngineFacts(), {"host_temperature_c": 96.0}, "throttle",
+                     {"host_temperature_c": 96.0}),
     "spec_decode_low": (EngineFacts(spec_tokens=3, spec_tokens_max=4),
                         {"spec_decode_acceptance_rate": 0.3}, "fewer_spec_tokens",
                         {"spec_decode_acceptance_rate": 0.3}),
@@ -578,6 +593,7 @@ NEAR: dict[str, list[Signals]] = {
     "hang": [{"canary_failures": 2, "metrics_staleness_s": 29.9}],
     "thermal": [gpu(5.01), gpu(20, 0.0)],
     "power_budget": [{"gpu_power_w": 600.0}],
+    "host_thermal": [{"host_temperature_c": 94.9}, {"host_temperature_c": None}],
     "spec_decode_low": [{"spec_decode_acceptance_rate": 0.4}],
     "spec_decode_high": [{"spec_decode_acceptance_rate": 0.75}],
     "max_uptime": [{"engine_uptime_s": 21599, "requests_running": 0, "requests_waiting": 0},

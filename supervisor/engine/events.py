@@ -79,6 +79,7 @@ class TreeSeen(Event):
     at: float  # monotonic
     rss_bytes: int
     cpu_s: float  # CPU seconds used so far by the live processes
+    host_temperature_c: float | None = None  # the hottest CPU/SoC sensor (hostheat.py)
 
 
 @dataclass(frozen=True)

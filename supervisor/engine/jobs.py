@@ -47,7 +47,7 @@ from supervisor.engine.events import (
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock, Jobs, http_client
 from supervisor.ops.descriptors import OutOfDescriptors, Shortage, exhausted
-from supervisor.watchdog import canary, evidence, golden, remedy
+from supervisor.watchdog import canary, evidence, golden, hostheat, remedy
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
 from supervisor.watchdog.poller import scrape
 
@@ -302,8 +302,9 @@ class JobEffects:
             return recorded
         cores.add(procs)
         rss, cpu = await asyncio.to_thread(proctree.tree_usage, procs)
+        heat, _ = await asyncio.to_thread(hostheat.hottest)
         self.queue.put_nowait(TreeSeen(engine.generation, tuple(procs),
-                                       self.clock.monotonic(), rss, cpu))
+                                       self.clock.monotonic(), rss, cpu, heat))
         merged = proctree.merge_known(recorded or engine.known, procs)
         if len(merged) > len(recorded):  # rewrite only when the tree grew
             try:

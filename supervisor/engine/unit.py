@@ -175,7 +175,7 @@ class EngineUnit(UnitState):
     def handle_tree_seen(self, ev: TreeSeen) -> None:
         cpu = self.slot.tree_seen(ev)
         if self.slot.current(ev.generation) is not None:
-            self.watch.window.add_tree(ev.at, ev.rss_bytes, cpu)
+            self.watch.window.add_tree(ev.at, ev.rss_bytes, cpu, ev.host_temperature_c)
 
     def handle_exited(self, ev: Exited) -> None:
         asked = self.slot.taking_down or self.state not in (State.STARTING, State.RUNNING)

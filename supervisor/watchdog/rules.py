@@ -78,6 +78,12 @@ DEFAULT_RULES: dict[str, RuleConfig] = {
         clear_when="gpu_slowdown_margin_c >= 8",
         clear_for_s=120, action="throttle", cooldown_s=60,
         escalate_after_s=600, escalate_action="reduce_batch"),
+    # the host's CPU/SoC (unified-memory machines: vllm#51950), off unless enabled; the
+    # threshold is the host's own (a GB10's SoC throttles near 100 C)
+    "host_thermal": RuleConfig(
+        enabled=False, when="host_temperature_c >= 95", for_s=30, for_fraction=0.8,
+        clear_when="host_temperature_c <= 85", clear_for_s=120, action="throttle",
+        cooldown_s=60),
     "power_budget": RuleConfig(
         enabled=False, when="gpu_power_w > 600", for_s=60, for_fraction=0.8,
         clear_when="gpu_power_w < 560", clear_for_s=120, action="throttle", cooldown_s=120),

@@ -77,6 +77,8 @@ SIGNALS: tuple[SignalSpec, ...] = (
     _s("engine_cpu_percent", "engine_cpu_percent", "CPU of the engine tree (100 = one core)"),
     _s("engine_uptime_s", "engine_serving_seconds", "seconds since the engine became healthy"),
     _s("gpu_temperature_c", "gpu_temperature_celsius", "hottest engine GPU"),
+    _s("host_temperature_c", "host_temperature_celsius",
+       "hottest CPU/SoC sensor of the host (psutil; unknown where it exposes none)"),
     _s("gpu_slowdown_temperature_c", "gpu_slowdown_temperature_celsius",
        "the card's own slowdown threshold (NVML), or the configured fallback"),
     _s("gpu_slowdown_margin_c", "gpu_slowdown_margin_celsius",
@@ -208,6 +210,7 @@ class SignalWindow:
         self._rss = _Growth(self.cfg.rss_growth_window_s)
         self._gpu_mem = _Growth(self.cfg.gpu_memory_growth_window_s)
         self._cpu_percent: float | None = None
+        self._host_temperature_c: float | None = None
         self._gpu: _Gpu | None = None
         self.canary_failures = 0
         self.canary_latency_s: float | None = None
@@ -254,9 +257,11 @@ class SignalWindow:
             self._demand_since = None
             self._stalled_s = 0.0
 
-    def add_tree(self, now: float, rss_bytes: int, cpu_percent: float | None) -> None:
+    def add_tree(self, now: float, rss_bytes: int, cpu_percent: float | None,
+                 host_temperature_c: float | None = None) -> None:
         self._rss.add(now, rss_bytes)
         self._cpu_percent = cpu_percent
+        self._host_temperature_c = host_temperature_c
 
     def add_canary(self, ok: bool, latency_s: float | None, counted: bool) -> None:
         """A canary result. A failure is `counted` only when the engine made no progress
@@ -393,6 +398,7 @@ class SignalWindow:
         out["engine_rss_growth_bytes_per_h"] = self._rss.per_hour()
         out["engine_cpu_percent"] = self._cpu_percent
         out["engine_uptime_s"] = engine_uptime_s
+        out["host_temperature_c"] = self._host_temperature_c
         self._gpu_signals(now, out)
         out["gpu_xid_restart_errors"] = float(self._xid_restart)
         out["gpu_xid_reset_errors"] = float(self._xid_reset)
