@@ -148,3 +148,20 @@ def test_an_answer_without_logprobs_is_no_verdict(tmp_path: Path) -> None:
         assert w.sup.status()["golden"]["last"]["verdict"] == "unavailable"
     finally:
         w.loop.close()
+
+
+def test_the_golden_check_is_asked_where_an_engine_may_have_changed(tmp_path: Path) -> None:
+    """At a start and of a standby before it is ready, yes; an awake standby taking over
+    (checked when it became ready, unchanged since) is proven by a canary alone: every
+    held request waits for that proof."""
+    w = World(tmp_path, fronted=True, engine={"standby": "awake"})
+    try:
+        first = w.serving()
+        w.feed(GateProbe(first.generation, True, None, golden=answer()))
+        spare = w.spawned()
+        w.feed(HealthResult(spare.generation, True))
+        w.feed(GateProbe(spare.generation, True, None, golden=answer()))
+        w.feed(Exited(first.generation, 0))  # the awake standby takes over
+        assert w.fx.golden_asked == [True, True, False]
+    finally:
+        w.loop.close()

@@ -57,6 +57,7 @@ class RecordingEffects:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.golden_asked: list[bool] = []  # each gate probe's: with the golden check?
         self.timers: list[FakeTimer] = []
         self.deadlines: list[float] = []  # of each drain and take-down, in order
 
@@ -76,8 +77,9 @@ class RecordingEffects:
     def serve(self, engine: EngineProcess) -> None:
         self.calls.append(("serve", {"pid": engine.pid}))
 
-    def gate_probe(self, engine: EngineProcess) -> None:
+    def gate_probe(self, engine: EngineProcess, golden: bool = True) -> None:
         self.calls.append(("gate_probe", {"pid": engine.pid}))
+        self.golden_asked.append(golden)
 
     def sleep(self, engine: EngineProcess) -> None:
         self.calls.append(("sleep", {"pid": engine.pid}))

@@ -59,8 +59,9 @@ class Effects(Protocol):
         """It serves: scrape its metrics, run the canary, probe its sleep mode, as the
         current config says: `MetricsSampled`, `CanaryDone`, `SleepModeProbed`."""
 
-    def gate_probe(self, engine: EngineProcess) -> None:
-        """One canary before held requests are let through: `GateProbe`."""
+    def gate_probe(self, engine: EngineProcess, golden: bool = True) -> None:
+        """One canary before held requests are let through: `GateProbe`; with `golden`,
+        the golden check's answers too (`supervisor/watchdog/golden.py`)."""
 
     def sleep(self, engine: EngineProcess) -> None:
         """Put a proven standby to sleep (vLLM's sleep mode, level 1): `Slept`."""

@@ -398,7 +398,7 @@ class Handover:
         out: list[Step] = [do.Follow(engine)] if f.fronted else []
         out.append(do.Serve(engine))
         if self.phase is Phase.PROVING_WOKEN or (f.fronted and f.config.canary.enabled):
-            return [*out, do.ProbeGate(engine)]
+            return [*out, do.ProbeGate(engine, golden=self.phase is Phase.PROVING_WOKEN)]
         return [*out, do.Admit(), do.RelaunchFinish("ok", None), *self.done(f)]
 
     def drained_behind(self, f: PairFacts, ev: Drained) -> list[Step]:

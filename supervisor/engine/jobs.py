@@ -134,8 +134,8 @@ class JobEffects:
             self._launch(self._canary(engine), "canary")
         self._launch(self._probe_sleep_mode(engine), "probe sleep mode")
 
-    def gate_probe(self, engine: eng.EngineProcess) -> None:
-        self._launch(self._gate_probe(engine), "gate probe")
+    def gate_probe(self, engine: eng.EngineProcess, golden: bool = True) -> None:
+        self._launch(self._gate_probe(engine, golden), "gate probe")
 
     def sleep(self, engine: eng.EngineProcess) -> None:
         self._launch(self._sleep_or_wake(engine, asleep=True), "sleep")
@@ -376,7 +376,7 @@ class JobEffects:
             raise
         self.queue.put_nowait(Down(engine.generation, result))
 
-    async def _gate_probe(self, engine: eng.EngineProcess) -> None:
+    async def _gate_probe(self, engine: eng.EngineProcess, golden: bool) -> None:
         """Healthy is not enough to release held requests: one canary must pass first
         (bounded: a few tries, then the gate opens anyway and the hang rule judges)."""
         error: str | None = None
@@ -385,7 +385,7 @@ class JobEffects:
                 try:
                     model, _, outcome = await self._probe(client, engine, None)
                     answers = await self._golden(client, engine, model) \
-                        if outcome.ok and model is not None else None
+                        if golden and outcome.ok and model is not None else None
                 except OutOfDescriptors as exc:  # (the gate opens all the same, bounded)
                     error = str(exc)
                 else:

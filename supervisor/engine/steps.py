@@ -255,9 +255,12 @@ class Serve:
 
 @dataclass(frozen=True)
 class ProbeGate:
-    """A first generation at `engine`: held requests go once it answered."""
+    """A first generation at `engine`: held requests go once it answered. `golden`: and
+    the golden check (not for an awake standby taking over: it passed it when it became
+    ready, and has not changed since; every held request waits for this proof)."""
 
     engine: eng.EngineProcess
+    golden: bool = True
 
 
 @dataclass(frozen=True)

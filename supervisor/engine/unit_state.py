@@ -272,8 +272,8 @@ class UnitState:
                 self.act.follow(engine)
             case do.Serve(engine):
                 self.act.serve(engine)
-            case do.ProbeGate(engine):
-                self.act.gate_probe(engine)
+            case do.ProbeGate(engine, golden):
+                self.act.gate_probe(engine, golden)
             case do.Wake(engine):
                 self.act.wake(engine)
             case do.DrainBehind(engine, deadline):
