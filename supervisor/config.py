@@ -91,8 +91,8 @@ class EngineConfig:
     # the standby's internal port; 0: this engine's port + 1
     standby_port: int = spec(0, lo=0, hi=65535)
     # flags that replace the engine's own in its standby (`--flag value` pairs): a
-    # thinner standby, e.g. ["--gpu-memory-utilization", "0.30"] beside an engine at
-    # 0.62. It serves alone after a fault while a full-size engine starts beside it, then
+    # thinner standby, e.g. ["--gpu-memory-utilization", "0.28"] beside an engine at
+    # 0.60. It serves alone after a fault while a full-size engine starts beside it, then
     # hands back and is the standby again (docs/standby.md: the asymmetric pair)
     standby_args: list[str] = spec([])
     # a daily window of the host's local time ("03:00-04:00") in which a standby with

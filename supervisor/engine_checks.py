@@ -32,6 +32,11 @@ DEFAULT_GPU_SHARE = 0.9
 # what two engines' --gpu-memory-utilization may add up to when both run on one card:
 # the rest is for the driver and each process's CUDA context outside vLLM's budget
 SIDE_BY_SIDE_MAX = 0.94
+# what an asymmetric pair's two shares may add up to: both run awake, each holding
+# 2.5-3.2 GiB beyond its share (CUDA context, graphs, warm-up) on an 80 GiB H100; 0.62 +
+# 0.30 ran the thin one out of memory in its warm-up, 0.60 + 0.28 left 3 GiB free
+# (docs/gpu-validation.md, 2026-11-26)
+THIN_PAIR_MAX = 0.88
 # the most a serving engine beside a sleeping standby may take (the standby keeps its
 # CUDA context and graphs: 1.8 GiB of 80 for an 8B model, more for larger ones)
 BESIDE_SLEEPING_MAX = 0.92
@@ -190,12 +195,13 @@ def _check_thin(key: str, engine: CheckedEngine, problems: list[str]) -> None:
     whatever the standby's mode."""
     serving, standby = shares(engine)
     named = gpu_share(argv(engine)) is not None or gpu_share(standby_argv(engine)) is not None
-    if named and serving + standby > SIDE_BY_SIDE_MAX:  # (on CPU no share is given)
+    if named and serving + standby > THIN_PAIR_MAX + 1e-9:  # (on CPU no share is given)
         problems.append(f"{key}.standby_args: the engine's --gpu-memory-utilization "
-                        f"{serving:g} and the standby's {standby:g} make {serving + standby:g} "
-                        f"of the card: after a failover the full-size engine starts beside "
-                        f"the thin one that serves, and vLLM checks at start that its share "
-                        f"is free; together at most {SIDE_BY_SIDE_MAX:g}")
+                        f"{serving:g} and the standby's {standby:g} make "
+                        f"{serving + standby:.2f} of the card: after a failover the "
+                        f"full-size engine starts beside the thin one that serves, both "
+                        f"awake, each holding 2.5-3.2 GiB beyond its share; together at "
+                        f"most {THIN_PAIR_MAX:g} (0.62 + 0.30 ran out of memory on an H100)")
     if engine.standby == "sleep":
         _check_sleep_mode(key, engine, problems)
 

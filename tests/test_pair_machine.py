@@ -72,6 +72,7 @@ from supervisor.engine.events import (
     Woken,
 )
 from supervisor.engine.process import EngineProcess, TakeDown
+from supervisor.engine_checks import THIN_PAIR_MAX
 from supervisor.front.admission import Gate, Ticket
 from tests.test_supervisor_unit import FakeTimer, World
 
@@ -84,14 +85,14 @@ MODES: dict[str, dict[str, Any]] = {
     "sleep_beside": {"standby": "sleep", "env": SLEEP_ENV,
                      "args": ["--enable-sleep-mode", "--gpu-memory-utilization", "0.45"]},
     "sleep_first": {"standby": "sleep", "env": SLEEP_ENV, "args": ["--enable-sleep-mode"]},
-    # an asymmetric pair: a full-size engine (0.62) and a thin standby (0.30) fit awake
+    # an asymmetric pair: a full-size engine (0.60) and a thin standby (0.28) fit awake
     # side by side, two full-size ones do not
     "thin": {"standby": "sleep", "env": SLEEP_ENV,
-             "args": ["--enable-sleep-mode", "--gpu-memory-utilization", "0.62"],
-             "standby_args": ["--gpu-memory-utilization", "0.30"]},
+             "args": ["--enable-sleep-mode", "--gpu-memory-utilization", "0.60"],
+             "standby_args": ["--gpu-memory-utilization", "0.28"]},
 }
 ROOM_BESIDE = {"awake": True, "sleep_beside": True, "sleep_first": False, "thin": True}
-CARD = 0.94  # what engines awake on one card may add up to (engine_checks.SIDE_BY_SIDE_MAX)
+CARD = THIN_PAIR_MAX  # what an asymmetric pair's engines awake on one card may add up to
 
 
 def share_of(argv: list[str] | tuple[str, ...]) -> float:
@@ -732,8 +733,8 @@ class PairMachine(RuleBasedStateMachine):
                 # is the standby (the re-arm ended)
                 self.expect(not thin or (
                     spare is not None and self.following is not None
-                    and share_of(spare.engine.spec.argv) == 0.30
-                    and share_of(self.following.engine.spec.argv) == 0.62),
+                    and share_of(spare.engine.spec.argv) == 0.28
+                    and share_of(self.following.engine.spec.argv) == 0.60),
                     "thin_pair_not_rearmed", self.describe)
         if state == "FATAL":
             self.expect(not self.live, "fatal_with_engines", self.describe)

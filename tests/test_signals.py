@@ -401,6 +401,23 @@ def test_a_frozen_page_with_requests_running_and_waiting_is_a_stall_from_its_fir
     assert stalled(w, 10.0) == 0.0
 
 
+def test_the_daemons_own_remedy_is_no_stall_of_the_engine():
+    """A KV reset's sleep and wake (an engine's first sleep took 12.8 s on the H100):
+    the counters stand still through it; once it ended, progress is measured afresh, so
+    the no_progress rule does not restart the engine the remedy just fixed."""
+    w = SignalWindow(WindowConfig())
+    w.add_metrics(0.0, with_counters("kv-saturated.txt", 1000, 800))
+    for t in (2.0, 6.0, 10.0, 14.0):  # asleep, then waking: nothing moves
+        w.add_metrics(t, with_counters("kv-saturated.txt", 1000, 800))
+    assert stalled(w, 14.0) == 14.0
+    w.restart_progress_clock()
+    assert stalled(w, 14.5) is None
+    w.add_metrics(16.0, with_counters("kv-saturated.txt", 1000, 800))
+    assert stalled(w, 16.0) == 0.0
+    w.add_metrics(18.0, with_counters("kv-saturated.txt", 1000, 800))
+    assert stalled(w, 18.0) == 2.0  # a real stall after it is still seen
+
+
 def test_waiting_alone_counts_as_demand():
     w = SignalWindow(WindowConfig())
     wedged = dataclasses.replace(scrape("kv-saturated.txt"), requests_running=0.0)

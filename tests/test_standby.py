@@ -248,15 +248,15 @@ def test_rearm_brings_the_standby_back_after_a_failover_on_a_full_card(daemon_fa
 
 def test_an_asymmetric_pair_is_protected_again_after_each_of_three_core_kills(
         daemon_factory, tmp_path):
-    """`standby_args` (a thin standby at 0.30 beside an engine at 0.62): three SIGKILLs
+    """`standby_args` (a thin standby at 0.28 beside an engine at 0.60): three SIGKILLs
     of the serving core, each once protected again. Each time the thin one is woken and
     carries the streams (token-exact, a new request answered), a full-size engine starts
     beside it and takes over again (a swap: streams paused and continued), and the thin
     one sleeps again: no cold start held anyone, and no `rearm` was needed."""
     cfg = proxy_config(tmp_path, "--token-delay", "0.02", "--enable-sleep-mode",
-                       "--gpu-memory-utilization", "0.62", keepalive_s=0.5)
+                       "--gpu-memory-utilization", "0.60", keepalive_s=0.5)
     cfg["engine"].update(standby="sleep", drain="continue",
-                         standby_args=["--gpu-memory-utilization", "0.30"],
+                         standby_args=["--gpu-memory-utilization", "0.28"],
                          env={**cfg["engine"].get("env", {}), "VLLM_SERVER_DEV_MODE": "1"})
     d = daemon_factory(cfg)
     d.wait_state("RUNNING")

@@ -352,6 +352,7 @@ class EngineWatch:
         """The remedy's audit fields (the operator's answer), and what follows."""
         self.remedy = None
         self._remedy_ended_at = self._monotonic()
+        self.window.restart_progress_clock()  # (the remedy's own pause is no stall)
         o = ev.outcome
         outcome = "ok" if o.ok else ("not attempted" if not o.attempted else "failed")
         fields: dict[str, Any] = {

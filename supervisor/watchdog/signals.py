@@ -242,6 +242,12 @@ class SignalWindow:
             while self._prefix and self._prefix[0][0] < now - keep:
                 self._prefix.popleft()
 
+    def restart_progress_clock(self) -> None:
+        """An in-place remedy of the daemon's own ended (a KV reset's sleep and wake: an
+        engine's first sleep took 9.6-15.1 s on the H100): its pause is not the engine's
+        stall. Progress is measured afresh from the next scrape."""
+        self._moved_at = self._demand_since = self._stalled_s = None
+
     def _track_progress(self, now: float, snap: Snapshot, prev: Snapshot | None,
                         at_engine: int) -> None:
         moved = _progress(snap)
