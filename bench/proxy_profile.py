@@ -84,7 +84,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
       "(aiohttp/web_protocol.py", "Connection.", "Server.", "(supervisor/front/server.py")),
     ("handler: our own code (proxy.py, streams.py)",
      ("FrontProxy._handle ", "FrontProxy._admit_and_forward", "FrontProxy._forward",
-      "FrontProxy._relay", "StreamRelay.relay_events", "StreamRelay._write")),
+      "StreamRelay.relay", "StreamRelay.relay_events", "StreamRelay._write")),
     ("handler: target and allow-list (routes.py)", ("read_target ", "Routes.")),
     ("handler: body JSON and plan (read_request, continuation.plan)",
      ("read_request ", "plan (", "choices (")),

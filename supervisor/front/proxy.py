@@ -63,6 +63,7 @@ from supervisor.front.server import Limits, Server, connection_cap
 from supervisor.front.streams import (
     HOP_BY_HOP,
     RESENDS_AFTER_DROP,
+    TAIL_BYTES,
     Broken,
     NotDelivered,
     StreamRelay,
@@ -71,7 +72,6 @@ from supervisor.front.streams import (
     upstream_headers,
 )
 from supervisor.front.upstream import (
-    Answer,
     BodyCut,
     ConnectFailed,
     Disconnected,
@@ -86,7 +86,6 @@ access = RequestLog("supervisor.proxy")  # the access line: once per request
 
 ENGINE_HEADER = "X-Supervisor-Engine"  # names the engine that answered
 USAGE_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
-TAIL_BYTES = 1024  # of an answer, kept to read its usage from
 # A non-streamed answer of at most this many bytes (its Content-Length) is read whole and
 # sent in one write; a larger one, or one of unknown length, is relayed as it arrives.
 WHOLE_MAX = 1 << 20
@@ -548,7 +547,7 @@ class FrontProxy:
                         ex.transcript = Transcript(plan)
                         await self.streams.relay_events(up, resp, ex, ex.transcript)
                     elif not whole:
-                        await self._relay(up, resp, ex)
+                        await self.streams.relay(up, resp, ex)
                     await resp.write_eof()  # (a whole answer: its one write)
                 except ConnectionError:
                     # the client went away: leaving this block closes the upstream
@@ -576,48 +575,6 @@ class FrontProxy:
             ex.status, ex.outcome = 502, "engine_failed"
             return self._error(502, f"the engine failed during the request: "
                                     f"{type(exc).__name__}: {exc}", "engine_failed")
-
-    async def _relay(self, up: Answer, resp: StreamResponse,
-                     ex: Exchange) -> None:
-        """The answer, chunk by chunk as it arrives (each engine read handed on from the
-        upstream connection's callback, `Answer.pump`); the stream's gaps as the client
-        gets them, and the answer's tail (where its usage is) for the access line."""
-        gaps = self.latency.histogram("stream_gap", self.latency.label(ex.model))
-        write, clock = resp.write_nowait, time.monotonic
-        last = 0.0
-        behind: list[bytes] = []  # written past the client's full buffer: timed once drained
-
-        def timed(chunk: bytes) -> None:
-            nonlocal last
-            now = clock()
-            if ex.first_chunk_at is None:
-                ex.first_chunk_at = now
-            elif ex.stream:
-                gaps.observe(now - last)
-            last = now
-            if ex.stream:
-                ex.events += chunk.count(b"data:")
-            ex.tail = (chunk[-TAIL_BYTES:] if len(chunk) >= TAIL_BYTES
-                       else (ex.tail + chunk)[-TAIL_BYTES:])
-
-        def sink(chunk: bytes) -> bool:
-            if not write(chunk):
-                behind.append(chunk)
-                return False
-            timed(chunk)
-            return True
-
-        while True:
-            try:
-                ended = await up.pump(sink)
-            except (TimeoutError, UpstreamError) as exc:
-                raise UpstreamFailed(exc) from exc
-            if behind:
-                await resp.drain()
-                timed(behind.pop())
-            if ended:
-                return
-
 
 class ProxyError(Exception):
     pass

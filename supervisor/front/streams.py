@@ -37,6 +37,7 @@ log = structlog.get_logger("supervisor.proxy")
 # blank lines and reads `data:` lines drops a comment too, and one blank line alone would
 # shift its next event by a newline.
 KEEPALIVE = b"\n\n"
+TAIL_BYTES = 1024  # of an answer, kept to read its usage from
 # A request a healthy engine dropped (its connection closed before any answer, the engine
 # still serving) is no death of the engine's, and asked again it may be dropped again:
 # sent again at most this many times, then failed with 502 (an error event in a stream).
@@ -94,7 +95,7 @@ class StreamRelay:
         return NotDelivered(repr(exc), reached=True)
 
     async def _write(self, resp: StreamResponse, ex: Exchange, data: bytes) -> None:
-        """Bytes of a continuable stream to its client, timed as `_relay` times them."""
+        """Bytes of a continuable stream to its client, timed as `relay` times them."""
         await resp.write(data)
         self._timed(ex, data, time.monotonic())
 
@@ -182,6 +183,47 @@ class StreamRelay:
             self._relays.pop(id(t), None)
         raise Broken(resp, t, Paused() if t.paused else StreamBroken(
             "the engine's stream ended before the answer's end"))
+
+    async def relay(self, up: Answer, resp: StreamResponse, ex: Exchange) -> None:
+        """An answer that is not continued (a sized one's body, or a stream the proxy
+        cannot continue), chunk by chunk as it arrives (each engine read handed on from the
+        upstream connection's callback, `Answer.pump`); the stream's gaps as the client
+        gets them, and the answer's tail (where its usage is) for the access line."""
+        gaps = self.latency.histogram("stream_gap", self.latency.label(ex.model))
+        write, clock = resp.write_nowait, time.monotonic
+        last = 0.0
+        behind: list[bytes] = []  # written past the client's full buffer: timed once drained
+
+        def timed(chunk: bytes) -> None:
+            nonlocal last
+            now = clock()
+            if ex.first_chunk_at is None:
+                ex.first_chunk_at = now
+            elif ex.stream:
+                gaps.observe(now - last)
+            last = now
+            if ex.stream:
+                ex.events += chunk.count(b"data:")
+            ex.tail = (chunk[-TAIL_BYTES:] if len(chunk) >= TAIL_BYTES
+                       else (ex.tail + chunk)[-TAIL_BYTES:])
+
+        def sink(chunk: bytes) -> bool:
+            if not write(chunk):
+                behind.append(chunk)
+                return False
+            timed(chunk)
+            return True
+
+        while True:
+            try:
+                ended = await up.pump(sink)
+            except (TimeoutError, UpstreamError) as exc:
+                raise UpstreamFailed(exc) from exc
+            if behind:
+                await resp.drain()
+                timed(behind.pop())
+            if ended:
+                return
 
     def pause(self, engine: str) -> int:
         """A drained restart or a KV reset with `engine.drain = "continue"`: every stream
