@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from supervisor.engine.events import Exited, GateProbe, HealthResult, Slept, Woken
+from supervisor.engine.process import EngineProcess
 from supervisor.watchdog import golden
 from tests.fake_engine import logprobs_of
 from tests.test_standby_unit import SLEEP
@@ -69,6 +70,18 @@ def test_capacity_flags_share_a_baseline_and_the_model_does_not() -> None:
     assert golden.baseline_key([*base, "--revision", "v2"]) != golden.baseline_key(base)
 
 
+def proven_with_a_standby(w: World, standby_shift: int = 0) -> tuple[EngineProcess,
+                                                                      EngineProcess]:
+    """The serving engine's first proof records the baseline; its standby, spawned and
+    healthy, answers its own proof (other tokens with `standby_shift`)."""
+    first = w.serving()
+    w.feed(GateProbe(first.generation, True, None, golden=answer()))
+    spare = w.spawned()
+    w.feed(HealthResult(spare.generation, True))
+    w.feed(GateProbe(spare.generation, True, None, golden=answer(shift=standby_shift)))
+    return first, spare
+
+
 def events(tmp: Path) -> list[dict[str, object]]:
     return [json.loads(x) for x in (tmp / "events.jsonl").read_text().splitlines()]
 
@@ -80,11 +93,7 @@ def test_a_woken_standby_that_answers_otherwise_is_not_served_from(tmp_path: Pat
     w = World(tmp_path, fronted=True, engine={
         **SLEEP, "args": ["--enable-sleep-mode", "--gpu-memory-utilization", "0.45"]})
     try:
-        first = w.serving()
-        w.feed(GateProbe(first.generation, True, None, golden=answer()))
-        spare = w.spawned()
-        w.feed(HealthResult(spare.generation, True))
-        w.feed(GateProbe(spare.generation, True, None, golden=answer()))
+        first, spare = proven_with_a_standby(w)
         assert w.sup.status()["golden"]["passed"] == 1
         w.feed(Slept(spare.generation, None, 0.2))
         w.feed(Exited(first.generation, 0))
@@ -103,11 +112,7 @@ def test_a_woken_standby_that_answers_otherwise_is_not_served_from(tmp_path: Pat
 def test_a_standby_that_answers_otherwise_is_failed_before_it_sleeps(tmp_path: Path) -> None:
     w = World(tmp_path, fronted=True, engine={"standby": "awake"})
     try:
-        first = w.serving()
-        w.feed(GateProbe(first.generation, True, None, golden=answer()))
-        spare = w.spawned()
-        w.feed(HealthResult(spare.generation, True))
-        w.feed(GateProbe(spare.generation, True, None, golden=answer(shift=1)))
+        proven_with_a_standby(w, standby_shift=1)
         st = w.sup.status()["standby"]
         assert st["state"] == "retiring" and "golden check failed" in st["reason"]
     finally:
@@ -156,11 +161,7 @@ def test_the_golden_check_is_asked_where_an_engine_may_have_changed(tmp_path: Pa
     held request waits for that proof."""
     w = World(tmp_path, fronted=True, engine={"standby": "awake"})
     try:
-        first = w.serving()
-        w.feed(GateProbe(first.generation, True, None, golden=answer()))
-        spare = w.spawned()
-        w.feed(HealthResult(spare.generation, True))
-        w.feed(GateProbe(spare.generation, True, None, golden=answer()))
+        first, _ = proven_with_a_standby(w)
         w.feed(Exited(first.generation, 0))  # the awake standby takes over
         assert w.fx.golden_asked == [True, True, False]
     finally:
