@@ -699,6 +699,25 @@ class Tap:
         path.write_text(json.dumps(doc))
 
 
+def served_summary(doc: dict[str, Any], served: list[dict[str, Any]],
+                   continued: list[dict[str, Any]], want: int, before: dict[str, float],
+                   after: dict[str, float]) -> dict[str, Any]:
+    """What a bench run's requests saw through the proxy, from the client's saved result
+    (`doc`), the proxy's access lines and its continuation counters."""
+    return {
+        "proxy_requests": len(served),
+        "proxy_short": len([e for e in served if (e.get("tokens") or 0) < want]),
+        "proxy_not_ok": len([e for e in served if e.get("outcome")]),
+        "p99_ttft_ms": doc.get("p99_ttft_ms"), "p99_itl_ms": doc.get("p99_itl_ms"),
+        # the saved per-request gaps are in seconds (the percentiles in ms)
+        "max_itl_s": max((max(x) for x in doc.get("itls") or [] if x), default=None),
+        "duration_s": doc.get("duration"),
+        "continuations": {k: v - before.get(k, 0.0) for k, v in after.items()
+                          if v - before.get(k, 0.0)},
+        "continued_logged": len(continued),
+        "max_gap_s": max((e.get("waited_s", 0) for e in continued), default=None)}
+
+
 HANDOVER_EVENTS = ("core_exit", "failover", "standby_woken", "failover_done",
                    "failover_failed", "drained", "take_down", "reaped", "remedy",
                    # an asymmetric pair's re-arm: a full-size engine spawned, ready, the
@@ -850,17 +869,7 @@ def phase_continue(fault: str, when: str, tag: str | None = None, prompts: int =
                errors=sorted(set(errors))[:5], total_output_tokens=doc.get("total_output_tokens"),
                tokens_asked=prompts * want, short_streams=len([n for n in lens if n < want]),
                empty_texts=len([x for x in texts if not x]),
-               proxy_requests=len(served),
-               proxy_short=len([e for e in served if (e.get("tokens") or 0) < want]),
-               proxy_not_ok=len([e for e in served if e.get("outcome")]),
-               p99_ttft_ms=doc.get("p99_ttft_ms"), p99_itl_ms=doc.get("p99_itl_ms"),
-               # the saved per-request gaps are in seconds (the percentiles in ms)
-               max_itl_s=max((max(x) for x in doc.get("itls") or [] if x), default=None),
-               duration_s=doc.get("duration"),
-               continuations={k: v - before.get(k, 0.0) for k, v in after.items()
-                              if v - before.get(k, 0.0)},
-               continued_logged=len(continued),
-               max_gap_s=max((e.get("waited_s", 0) for e in continued), default=None),
+               **served_summary(doc, served, continued, want, before, after),
                running_again_after_kill_s=round(time.monotonic() - fired["t"], 1)
                if "t" in fired else None,
                taps=tapped, state_reason=back["reason"], standby_after=back.get("standby"),
@@ -1099,17 +1108,8 @@ def phase_kv_reset_streams(conc: int = 256, prompts: int = 3000, resets: int = 3
            completed=doc.get("completed"), failed=doc.get("failed"),
            errors=sorted(set(errors))[:5], total_output_tokens=doc.get("total_output_tokens"),
            tokens_asked=prompts * want, short_streams=len([n for n in lens if n < want]),
-           proxy_requests=len(served),
-           proxy_short=len([e for e in served if (e.get("tokens") or 0) < want]),
-           proxy_not_ok=len([e for e in served if e.get("outcome")]),
-           p99_ttft_ms=doc.get("p99_ttft_ms"), p99_itl_ms=doc.get("p99_itl_ms"),
            max_ttft_s=round(ttfts[-1], 3) if ttfts else None,
-           max_itl_s=max((max(x) for x in doc.get("itls") or [] if x), default=None),
-           duration_s=doc.get("duration"),
-           continuations={k: v - before.get(k, 0.0) for k, v in after.items()
-                          if v - before.get(k, 0.0)},
-           continued_logged=len(continued),
-           max_gap_s=max((e.get("waited_s", 0) for e in continued), default=None),
+           **served_summary(doc, served, continued, want, before, after),
            restarts=st2["restarts"] - restarts, state=st2["state"],
            # what else the daemon did meanwhile (a policy decision: a restart)
            decisions=[e for e in events()[events_at:] if e["event"] == "decision"],
