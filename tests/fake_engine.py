@@ -24,8 +24,12 @@ script a fault:
                         requests running at that moment to <pidfile dir>/sleeps, and
                         completions answer 503 while asleep
   --wake-fails          POST /wake_up answers 500 (and the engine stays asleep)
+  --first-sleep-delay S the first sleep answers after S seconds, later ones at once (vLLM
+                        pins the weights in host RAM at an engine's first sleep)
   --logprobs            a non-streamed answer carries vLLM-shaped logprobs when asked
   --wrong-after-wake    ... of other tokens once it was woken (a wake that broke it)
+  --wake-fault-file PATH  while PATH exists, a wake does what it says: "fail" (as
+                        --wake-fails) or "wrong" (as --wrong-after-wake, from that wake on)
   --die-on-prompt TEXT  a completion whose prompt holds TEXT (as text or as its token ids,
                         as a continuation sends it) gets no answer: the engine
                         exits 1 0.3 s after it arrives (a request that kills vLLM)
@@ -105,8 +109,10 @@ def main() -> None:
     p.add_argument("--answer-delay", type=float, default=0)
     p.add_argument("--enable-sleep-mode", action="store_true")
     p.add_argument("--wake-fails", action="store_true")
+    p.add_argument("--first-sleep-delay", type=float, default=0)
     p.add_argument("--logprobs", action="store_true")  # answers them (a greedy golden)
     p.add_argument("--wrong-after-wake", action="store_true")  # other tokens once woken
+    p.add_argument("--wake-fault-file", default=None)
     p.add_argument("--fault-file", default=None)
     p.add_argument("--die-on-prompt", default=None)
     p.add_argument("--die-answering", action="store_true")
@@ -152,7 +158,8 @@ def main() -> None:
     stopping = threading.Event()
     sleep_mode = a.enable_sleep_mode and os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
     asleep = threading.Event()
-    woken = threading.Event()  # (woken once at least)
+    slept_once = threading.Event()
+    wrong = threading.Event()  # a wake broke it: other tokens from then on
     lock = threading.Lock()
     running = [0, 0]  # now, most ever
     streams: set[int] = set()  # the streams in flight (their threads' ids)
@@ -282,23 +289,32 @@ def main() -> None:
                     choice["logprobs"] = logprobs_of(
                         prompt_ids(req, self.path == "/v1/chat/completions"), n,
                         self.path == "/v1/chat/completions",
-                        shift=1 if a.wrong_after_wake and woken.is_set() else 0)
+                        shift=1 if wrong.is_set() else 0)
                 body = json.dumps({"object": "text_completion", "model": a.served_model_name,
                                    "choices": [choice],
                                    "usage": {"prompt_tokens": 1, "completion_tokens": n,
                                              "total_tokens": n + 1}}).encode()
                 code = 200
             elif self.path == "/sleep?level=1" and sleep_mode:
+                if not slept_once.is_set():
+                    slept_once.set()
+                    time.sleep(a.first_sleep_delay)
                 asleep.set()
                 if pidfile:
                     with open(os.path.join(os.path.dirname(pidfile), "sleeps"), "a") as f:
                         f.write(f"{running[0]}\n")
                 body, code = b"", 200
             elif self.path == "/wake_up" and sleep_mode:
-                if not a.wake_fails:
+                fault = ""
+                if a.wake_fault_file and os.path.exists(a.wake_fault_file):
+                    with open(a.wake_fault_file) as f:
+                        fault = f.read().strip()
+                fails = a.wake_fails or fault == "fail"
+                if not fails:
                     asleep.clear()
-                    woken.set()
-                body, code = (b'{"error": "fake wake failure"}', 500) if a.wake_fails \
+                    if a.wrong_after_wake or fault == "wrong":
+                        wrong.set()
+                body, code = (b'{"error": "fake wake failure"}', 500) if fails \
                     else (b"", 200)
             elif self.path == "/reset_prefix_cache" and pidfile:
                 with open(os.path.join(os.path.dirname(pidfile), "prefix-resets"), "a") as f:

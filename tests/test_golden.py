@@ -9,9 +9,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from supervisor.engine.events import Exited, GateProbe, HealthResult, Slept, Woken
+from supervisor.engine.events import (
+    Exited,
+    GateProbe,
+    HealthResult,
+    SleepModeProbed,
+    Slept,
+    Woken,
+)
 from supervisor.engine.process import EngineProcess
 from supervisor.watchdog import golden
+from supervisor.watchdog.remedy import WarmUp
 from tests.fake_engine import logprobs_of
 from tests.test_standby_unit import SLEEP
 from tests.test_supervisor_unit import World
@@ -164,5 +172,36 @@ def test_the_golden_check_is_asked_where_an_engine_may_have_changed(tmp_path: Pa
         first, _ = proven_with_a_standby(w)
         w.feed(Exited(first.generation, 0))  # the awake standby takes over
         assert w.fx.golden_asked == [True, True, False]
+        # the warm-up sleep (where the engine's flags give it sleep mode) before an
+        # engine serves and before an awake standby is ready; not in a takeover
+        assert w.fx.warm_asked == [True, True, False]
+    finally:
+        w.loop.close()
+
+
+def test_answers_that_change_across_the_warm_up_wake_fail_the_proof_and_stop_sleeping(
+        tmp_path: Path) -> None:
+    """The answers before the warm-up record the baseline; those after its wake differ:
+    the engine is restarted (never served), and no engine of the unit is put to sleep
+    again: the next start asks no warm-up, the KV reset is refused saying why."""
+    w = World(tmp_path, fronted=True)
+    try:
+        first = w.serving()
+        w.feed(GateProbe(first.generation, True, None, golden=answer(),
+                         warm_up=WarmUp({"sleep": 0.4, "wake_up": 0.5}),
+                         golden_woken=answer(shift=1)))
+        assert w.state == "BACKOFF" and "after its wake" in w.sup.state_reason
+        assert w.sup.gate.held_reason is not None  # (nothing was let through)
+        names = [e["event"] for e in events(tmp_path)]
+        assert names.count("golden_recorded") == 1 and "golden_mismatch" in names
+        assert "warmed_up" in names
+        w.down(first)
+        timer = w.fx.timers[-1]
+        w.now += timer.delay_s
+        w.feed(timer.event)
+        second = w.serving()
+        assert w.fx.warm_asked == [True, False]
+        w.feed(SleepModeProbed(second.generation, True, None))
+        assert "a wake broke an engine" in (w.sup.watch.kv_reset_refusal(w.sup.facts()) or "")
     finally:
         w.loop.close()

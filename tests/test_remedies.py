@@ -54,8 +54,9 @@ def test_kv_reset_holds_new_requests_sleeps_a_drained_engine_and_releases_them(
     assert r.returncode == 0, r.stderr
     assert "KV reset ok" in r.stdout
     assert results == [200] * 20  # none failed: held while the engine slept
-    # the engine slept with nothing running: in-flight requests finished first
-    assert (tmp_path / "sleeps").read_text().split() == ["0"]
+    # the engine slept with nothing running (its warm-up, then the reset's): in-flight
+    # requests finished first
+    assert (tmp_path / "sleeps").read_text().split() == ["0", "0"]
     (ev,) = d.remedies()
     assert ev["rung"] == "kv_reset" and ev["outcome"] == "ok" and ev["error"] is None
     assert list(ev["steps_s"]) == ["drain", "sleep", "wake_up", "canary"]
@@ -73,33 +74,111 @@ def test_kv_reset_waits_for_the_daemons_own_canary_before_the_engine_sleeps(
     d = daemon_factory(cfg)
     d.wait_state("RUNNING")
     wait_for(lambda: d.status()["remedies"]["kv_reset"], 10, "sleep mode to be probed")
+    wait_for(lambda: any(e["event"] == "warmed_up" for e in d.events()), 30, "warmed up")
     for _ in range(2):
         r = d.ctl("kv-reset", timeout=60)
         assert r.returncode == 0 and "KV reset ok" in r.stdout, (r.stdout, r.stderr)
-    # the engine slept with nothing running, the canary included, both times
-    assert (tmp_path / "sleeps").read_text().split() == ["0", "0"]
+    # the engine slept with nothing running, the canary included, each time (its
+    # warm-up before it served, then the two resets)
+    assert (tmp_path / "sleeps").read_text().split() == ["0", "0", "0"]
     assert [e["outcome"] for e in d.remedies()] == ["ok", "ok"]
 
 
+@pytest.mark.parametrize("fault", ["fail", "wrong"])
 def test_a_failed_wake_is_audited_and_becomes_a_restart_that_loses_nothing(daemon_factory,
-                                                                           tmp_path):
-    d = daemon_factory(sleepy_config(tmp_path, "--wake-fails"))
+                                                                           tmp_path, fault):
+    """The KV reset's wake fails, or the engine answers the golden prompt otherwise
+    after it: the remedy failed, the engine is restarted, nothing lost."""
+    wake_fault = tmp_path / "wake-fault"
+    d = daemon_factory(sleepy_config(tmp_path, "--wake-fault-file", str(wake_fault),
+                                     "--logprobs"))
     d.wait_state("RUNNING")
     wait_for(lambda: d.status()["remedies"]["kv_reset"], 10, "sleep mode to be probed")
+    wait_for(lambda: any(e["event"] == "warmed_up" for e in d.events()), 10, "warmed up")
+    wake_fault.write_text(fault)  # (its warm-up wake before it served went well)
     r = d.ctl("kv-reset", timeout=60)
     assert r.returncode == 1 and "KV reset failed" in r.stdout
-    assert "POST /wake_up: HTTP 500" in r.stdout
+    said = "POST /wake_up: HTTP 500" if fault == "fail" else \
+        "golden check failed: completion: token 0"
+    assert said in r.stdout, r.stdout
     # a request sent now is held through the restart and served by the new engine
     assert complete(d.sections, tokens=2).status_code == 200
     st = d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] == 1)
-    assert "wake_up" in st["last_decision"]["reason"]
+    assert "kv_reset failed" in st["last_decision"]["reason"]
     ev, fallback = d.remedies()
-    assert ev["outcome"] == "failed" and list(ev["steps_s"]) == ["drain", "sleep", "wake_up"]
+    steps = ["drain", "sleep", "wake_up"] + (["canary"] if fault == "wrong" else [])
+    assert ev["outcome"] == "failed" and list(ev["steps_s"]) == steps
     # the restart that replaced it is the next rung's own entry
     assert fallback["rung"] == "restart" and fallback["outcome"] == "ok"
-    assert "wake_up" in fallback["reason"]
+    assert "kv_reset failed" in fallback["reason"]
     (evidence,) = [e for e in d.events() if e["event"] == "evidence"]  # before the kill
     assert evidence["rule"] == "kv_reset_failed" and evidence["error"] is None
+    # a wake broke this engine: its successor is not put to sleep, by a warm-up or a
+    # KV reset, and says why
+    why = wait_for(lambda: d.status()["remedies"]["kv_reset_unavailable"], 10,
+                   "the new engine's sleep mode probed")
+    assert "a wake broke an engine" in why and ("wake_up" in why or "golden" in why), why
+    assert [e["event"] for e in d.events()].count("warmed_up") == 1
+    assert (tmp_path / "sleeps").read_text().split() == ["0", "0"]
+
+
+def test_an_engine_sleeps_and_wakes_once_before_it_serves_and_its_first_kv_reset_is_warm(
+        daemon_factory, tmp_path):
+    """vLLM's first sleep of an engine pins its weights in host RAM (12.8 s for an 8B
+    model on the H100, later ones 0.4 s): the daemon pays it before the engine serves,
+    while the requests that came meanwhile are held, so that a KV reset holds clients
+    for sleep and wake alone. The engine is proven again after that wake."""
+    cfg = sleepy_config(tmp_path, "--first-sleep-delay", "1.5", "--logprobs")
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    answer = complete(cfg, tokens=3)  # held through the warm-up, then served
+    assert answer.status_code == 200
+    audit = d.events()
+    names = [e["event"] for e in audit]
+    (warmed,) = [e for e in audit if e["event"] == "warmed_up"]
+    assert warmed["ok"] is True and warmed["error"] is None
+    assert list(warmed["steps_s"]) == ["sleep", "wake_up"]
+    assert warmed["steps_s"]["sleep"] >= 1.5  # (the fake's first sleep)
+    assert names.index("golden_recorded") < names.index("warmed_up")
+    # its answers after the wake matched those before it
+    assert d.status()["golden"] == {**d.status()["golden"], "passed": 1, "mismatches": 0}
+    # the warm-up slept with nothing running, and the requests came after it
+    assert (tmp_path / "sleeps").read_text().split() == ["0"]
+    r = d.ctl("kv-reset", timeout=60)
+    assert r.returncode == 0 and "KV reset ok" in r.stdout, (r.stdout, r.stderr)
+    (ev,) = d.remedies()
+    assert ev["outcome"] == "ok" and ev["steps_s"]["sleep"] < warmed["steps_s"]["sleep"]
+    assert (tmp_path / "sleeps").read_text().split() == ["0", "0"]
+    assert d.status()["restarts"] == 0
+
+
+@pytest.mark.parametrize("fault", ["--wake-fails", "--wrong-after-wake"])
+def test_an_engine_a_wake_breaks_before_it_serves_is_restarted_and_not_put_to_sleep_again(
+        daemon_factory, tmp_path, fault):
+    """Its warm-up wake fails (the engine may be wedged), or it answers otherwise after
+    it (the golden check): no request reaches it; it is restarted, and its successor
+    serves without a warm-up and refuses a KV reset, saying why."""
+    cfg = sleepy_config(tmp_path, fault, "--logprobs", "--startup-delay", "1")
+    d = daemon_factory(cfg)
+    wait_for(lambda: any(e.get("event") == "proxy listening" for e in d.log_records()), 10,
+             "the proxy listening")
+    answer = complete(cfg, tokens=3)  # sent during the start: held, then served
+    assert answer.status_code == 200
+    st = d.wait_state("RUNNING", 30, extra=lambda s: s["admission"]["held"] is None)
+    assert st["restarts"] == 1
+    (down,) = [e for e in d.events() if e["event"] == "state" and e["to"] == "BACKOFF"]
+    assert "after its warm-up sleep and wake" in down["reason"]
+    why = wait_for(lambda: d.status()["remedies"]["kv_reset_unavailable"], 10,
+                   "the new engine's sleep mode probed")
+    assert "a wake broke an engine" in why, why
+    r = d.ctl("kv-reset")
+    assert r.returncode == 1 and "a wake broke an engine" in r.stderr
+    assert [e["event"] for e in d.events()].count("warmed_up") == 1
+    assert (tmp_path / "sleeps").read_text().split() == ["0"]
+    if fault == "--wrong-after-wake":
+        mismatch = next(e for e in d.events() if e["event"] == "golden_mismatch")
+        assert mismatch["why"].endswith("after its wake")
+        assert d.status()["golden"]["baselines"] == 1
 
 
 def test_kv_reset_is_refused_with_the_reason_when_the_engine_cannot(daemon_factory,

@@ -58,6 +58,7 @@ class RecordingEffects:
     def __init__(self) -> None:
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.golden_asked: list[bool] = []  # each gate probe's: with the golden check?
+        self.warm_asked: list[bool] = []  # each gate probe's: after a warm-up sleep?
         self.timers: list[FakeTimer] = []
         self.deadlines: list[float] = []  # of each drain and take-down, in order
 
@@ -77,9 +78,11 @@ class RecordingEffects:
     def serve(self, engine: EngineProcess) -> None:
         self.calls.append(("serve", {"pid": engine.pid}))
 
-    def gate_probe(self, engine: EngineProcess, golden: bool = True) -> None:
+    def gate_probe(self, engine: EngineProcess, golden: bool = True,
+                   warm: bool = False) -> None:
         self.calls.append(("gate_probe", {"pid": engine.pid}))
         self.golden_asked.append(golden)
+        self.warm_asked.append(warm)
 
     def sleep(self, engine: EngineProcess) -> None:
         self.calls.append(("sleep", {"pid": engine.pid}))

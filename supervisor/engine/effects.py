@@ -59,9 +59,12 @@ class Effects(Protocol):
         """It serves: scrape its metrics, run the canary, probe its sleep mode, as the
         current config says: `MetricsSampled`, `CanaryDone`, `SleepModeProbed`."""
 
-    def gate_probe(self, engine: EngineProcess, golden: bool = True) -> None:
+    def gate_probe(self, engine: EngineProcess, golden: bool = True,
+                   warm: bool = False) -> None:
         """One canary before held requests are let through: `GateProbe`; with `golden`,
-        the golden check's answers too (`supervisor/watchdog/golden.py`)."""
+        the golden check's answers too (`supervisor/watchdog/golden.py`); with `warm`,
+        after one sleep and wake of an engine that has sleep mode (the first sleep's
+        cost paid before it serves)."""
 
     def sleep(self, engine: EngineProcess) -> None:
         """Put a proven standby to sleep (vLLM's sleep mode, level 1): `Slept`."""

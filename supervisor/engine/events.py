@@ -163,6 +163,8 @@ class RemedyDone(Event):
     rung: str
     outcome: remedy.RemedyOutcome
     duration_s: float  # the whole remedy, the wait for in-flight requests included
+    # a KV reset's answers to the golden prompt after its wake (the unit judges them)
+    golden: Golden | str | None = None
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,13 @@ class GateProbe(Event):
     # are none; None when the check is off or the canary failed
     golden: Golden | str | None = None
     golden_mismatch: bool = False  # (set by the unit's GoldenCheck)
+    # the engine failed after its warm-up wake: the wake failed, a canary after it did,
+    # or its golden answers changed (set by the job, or by the unit's GoldenCheck)
+    broken_by_wake: bool = False
+    # the warm-up sleep and wake after the canary (`remedy.warm_up`), when one was asked,
+    # and the golden answers after its wake
+    warm_up: remedy.WarmUp | None = None
+    golden_woken: Golden | str | None = None
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 Every proof of an engine (`GateProbe`: after its start, a restart, a wake, a swap, and a
 standby's before it sleeps) carries its answers to the golden prompt
-(`supervisor/watchdog/golden.py`). `GoldenCheck` owns the unit's baselines, one per set
+(`supervisor/watchdog/golden.py`), and after an engine's warm-up sleep and wake its
+answers once woken too; a KV reset's (`RemedyDone`) its answers after its wake.
+`GoldenCheck` owns the unit's baselines, one per set
 of arguments that change what an engine answers: the first proven answer records it
 (audit `golden_recorded`; an upgrade's new arguments take a new one, said in the log),
 and every later one is compared. A mismatch turns the proof into a failed one, with the
@@ -20,7 +22,7 @@ from typing import Any
 import structlog
 
 from supervisor.engine import process as eng
-from supervisor.engine.events import GateProbe
+from supervisor.engine.events import GateProbe, RemedyDone
 from supervisor.watchdog import golden
 
 log = structlog.get_logger("supervisor")
@@ -38,12 +40,39 @@ class GoldenCheck:
               tolerance: float) -> GateProbe:
         """The proof as it stands after the golden check: unchanged, or failed with
         why (and `golden_mismatch` set)."""
-        got = ev.golden
-        if not ev.ok or engine is None or got is None:
+        if not ev.ok or engine is None:
             return ev
+        for got, when in ((ev.golden, ""), (ev.golden_woken, " after its wake")):
+            # (after the warm-up's sleep and wake: the first answers are its baseline)
+            why = self.verdict(got, engine, tolerance, when)
+            if why is not None:
+                return dataclasses.replace(ev, ok=False, error=f"golden check failed: {why}",
+                                           golden_mismatch=True,
+                                           broken_by_wake=ev.broken_by_wake or bool(when))
+        return ev
+
+    def judge_remedy(self, ev: RemedyDone, engine: eng.EngineProcess | None,
+                     tolerance: float) -> RemedyDone:
+        """A KV reset's answers after its wake, against the engine's baseline: a
+        mismatch fails the remedy (the unit restarts the engine)."""
+        o = ev.outcome
+        if not o.ok or engine is None:
+            return ev
+        why = self.verdict(ev.golden, engine, tolerance, " after the KV reset's wake")
+        if why is None:
+            return ev
+        return dataclasses.replace(ev, outcome=dataclasses.replace(
+            o, ok=False, error=f"golden check failed: {why}"))
+
+    def verdict(self, got: golden.Golden | str | None, engine: eng.EngineProcess,
+                tolerance: float, when: str) -> str | None:
+        """Why these answers do not match the engine's baseline (said in the log and the
+        audit), or None: they match, are the first (recorded), or give no verdict."""
+        if got is None:
+            return None
         if isinstance(got, str):  # (no verdict: the canary passed)
             self._note("unavailable", engine, why=got)
-            return ev
+            return None
         key = golden.baseline_key(engine.spec.argv)
         want = self.baselines.get(key)
         if want is None:
@@ -53,21 +82,21 @@ class GoldenCheck:
                          pid=engine.pid)
             self._audit("golden_recorded", pid=engine.pid, **got.doc())
             self._note("recorded", engine)
-            return ev
+            return None
         why = golden.compare(want, got, tolerance)
         diff = round(golden.largest_difference(want, got), 6)
         if why is None:
             self.passed += 1
             self._note("ok", engine, largest_logprob_difference=diff)
-            return ev
+            return None
         self.mismatches += 1
+        why += when
         log.error("golden check failed: the engine answers, but not as it did",
                   pid=engine.pid, why=why)
         self._audit("golden_mismatch", pid=engine.pid, why=why, tolerance=tolerance,
                     expected=want.doc(), got=got.doc())
         self._note("mismatch", engine, why=why, largest_logprob_difference=diff)
-        return dataclasses.replace(ev, ok=False, error=f"golden check failed: {why}",
-                                   golden_mismatch=True)
+        return why
 
     def _note(self, verdict: str, engine: eng.EngineProcess, **fields: Any) -> None:
         self.last = {"verdict": verdict, "pid": engine.pid, **fields}

@@ -50,6 +50,7 @@ from supervisor.ops.descriptors import OutOfDescriptors, Shortage, exhausted
 from supervisor.watchdog import canary, evidence, golden, hostheat, remedy
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
 from supervisor.watchdog.poller import scrape
+from supervisor.watchdog.remedy import WarmUp
 
 log = structlog.get_logger("supervisor")
 
@@ -134,8 +135,9 @@ class JobEffects:
             self._launch(self._canary(engine), "canary")
         self._launch(self._probe_sleep_mode(engine), "probe sleep mode")
 
-    def gate_probe(self, engine: eng.EngineProcess, golden: bool = True) -> None:
-        self._launch(self._gate_probe(engine, golden), "gate probe")
+    def gate_probe(self, engine: eng.EngineProcess, golden: bool = True,
+                   warm: bool = False) -> None:
+        self._launch(self._gate_probe(engine, golden, warm), "gate probe")
 
     def sleep(self, engine: eng.EngineProcess) -> None:
         self._launch(self._sleep_or_wake(engine, asleep=True), "sleep")
@@ -376,9 +378,13 @@ class JobEffects:
             raise
         self.queue.put_nowait(Down(engine.generation, result))
 
-    async def _gate_probe(self, engine: eng.EngineProcess, golden: bool) -> None:
+    async def _gate_probe(self, engine: eng.EngineProcess, golden: bool,
+                          warm: bool) -> None:
         """Healthy is not enough to release held requests: one canary must pass first
-        (bounded: a few tries, then the gate opens anyway and the hang rule judges)."""
+        (bounded: a few tries, then the gate opens anyway and the hang rule judges).
+        With `warm`, an engine that can sleep then sleeps and wakes once
+        (`remedy.warm_up`: its first KV reset then costs sleep and wake alone), and is
+        proven again after the wake, its golden answers taken again."""
         error: str | None = None
         async with http_client() as client:
             for _ in range(3):
@@ -390,24 +396,62 @@ class JobEffects:
                     error = str(exc)
                 else:
                     if outcome.ok:
-                        self.queue.put_nowait(GateProbe(engine.generation, True, None,
-                                                        golden=answers))
+                        warmed, woken = await self._warm_up(client, engine, model, golden) \
+                            if warm else (None, None)
+                        broken = warmed is not None and warmed.broken
+                        self.queue.put_nowait(GateProbe(
+                            engine.generation, not broken,
+                            warmed.error if warmed is not None and broken else None,
+                            golden=answers, warm_up=warmed, golden_woken=woken,
+                            broken_by_wake=broken))
                         return
                     error = outcome.error
                 await asyncio.sleep(0.5)
         self.queue.put_nowait(GateProbe(engine.generation, False, error))
 
+    async def _warm_up(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
+                       model: str | None, with_golden: bool,
+                       ) -> tuple[WarmUp | None, golden.Golden | str | None]:
+        """The warm-up sleep and wake of an engine whose flags give it sleep mode (None:
+        they do not), no canary of the daemon's beside it; then a canary and, with
+        `with_golden`, the golden answers again: a wake can leave an engine broken or
+        wrong."""
+        env = eng.build_spawn_spec(engine.config, self.environ).env
+        if self.front is None or remedy.sleep_mode_flags(engine.spec.argv, env) is not None:
+            return None, None
+        async with self._lock(engine):
+            warmed = await remedy.warm_up(client, engine.config.base_url,
+                                          remedy.SLEEP_TIMEOUT_S)
+        if warmed.broken or warmed.skipped is not None or model is None:
+            return warmed, None
+        _, _, outcome = await self._probe(client, engine, model)
+        if not outcome.ok:
+            return dataclasses.replace(warmed, broken=True,
+                                       error=f"a canary after its wake: {outcome.error}"), None
+        return warmed, await self._golden(client, engine, model) if with_golden else None
+
     async def _golden(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
                       model: str) -> golden.Golden | str | None:
         """The engine's answers to the golden prompt (the unit judges them), when the
         check is on; never beside a KV reset of its engine."""
-        cfg = self.config().canary
-        if not cfg.golden:
+        if not self.config().canary.golden:
             return None
         async with self._lock(engine):
-            return await golden.fetch(client, engine.config.base_url, model,
-                                      cfg.golden_prompt, cfg.golden_tokens,
-                                      max(cfg.timeout_s, 5.0))
+            return await self._golden_unlocked(client, engine, model)
+
+    async def _golden_unlocked(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
+                               model: str | None = None) -> golden.Golden | str | None:
+        """(the caller holds the engine's probe lock)"""
+        cfg = self.config().canary
+        base = engine.config.base_url
+        try:
+            model = model or cfg.model or await canary.find_model(client, base, cfg.timeout_s)
+            if model is None:
+                return "no golden check: /v1/models named no model"
+            return await golden.fetch(client, base, model, cfg.golden_prompt,
+                                      cfg.golden_tokens, max(cfg.timeout_s, 5.0))
+        except OutOfDescriptors as exc:  # (no verdict: the daemon could not ask)
+            return f"no golden check: {exc}"
 
     async def _drain(self, engine: eng.EngineProcess, deadline: float) -> None:
         t0 = self.clock.monotonic()
@@ -436,7 +480,8 @@ class JobEffects:
             why = "no front proxy to hold requests while the engine sleeps ([proxy] is off)"
         if why is None:
             base = engine.config.base_url
-            async with http_client() as client:
+            # (not in the middle of the engine's warm-up sleep: it would read as asleep)
+            async with http_client() as client, self._lock(engine):
                 asleep, why = await remedy.is_sleeping(client, base, 10.0)
             if asleep:
                 why = "the engine reports it is asleep"
@@ -456,6 +501,7 @@ class JobEffects:
         cfg = engine.config
         base = cfg.base_url
         t0 = self.clock.monotonic()
+        answers: golden.Golden | str | None = None
         async with http_client() as client:
             if rung == "reset_prefix_cache":
                 outcome = await remedy.reset_prefix_cache(client, base, 30.0)
@@ -476,12 +522,14 @@ class JobEffects:
                     try:
                         outcome = await remedy.kv_reset(client, base, c.model or None,
                                                         c.prompt, 60.0, max(c.timeout_s, 10.0))
+                        if outcome.ok and c.golden:  # (right after its wake, not just alive)
+                            answers = await self._golden_unlocked(client, engine)
                     finally:
                         self._lock(engine).release()
                     outcome = dataclasses.replace(outcome, steps={"drain": waited,
                                                                   **outcome.steps})
         self.queue.put_nowait(RemedyDone(engine.generation, rung, outcome,
-                                         self.clock.monotonic() - t0))
+                                         self.clock.monotonic() - t0, answers))
 
     async def _probe(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
                      model: str | None) -> tuple[str | None, float, canary.CanaryOutcome]:

@@ -217,7 +217,9 @@ class Standby:
             if ev.healthy:
                 s.healthy(e, self._monotonic())
                 self._to(Role.PROVING)
-                self._act.gate_probe(e)  # a real generation proves it
+                # a real generation proves it; one to be kept awake sleeps and wakes
+                # once before (its first KV reset after a takeover costs no first sleep)
+                self._act.gate_probe(e, warm=self.mode != "sleep")
             elif e.exit_code is None:
                 self._failed(f"not healthy within {e.config.startup_timeout_s:g} s", deadline)
         elif isinstance(ev, GateProbe):

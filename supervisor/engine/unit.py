@@ -74,6 +74,7 @@ from supervisor.engine.events import (
 from supervisor.engine.states import State
 from supervisor.engine.unit_state import UnitState
 from supervisor.ops.exposition import ExporterView
+from supervisor.watchdog import remedy
 
 log = structlog.get_logger("supervisor")
 
@@ -117,6 +118,8 @@ class EngineUnit(UnitState):
             standby = self.handover.standby.slot
             engine = standby.current(event.generation) or self.slot.current(event.generation)
             event = self.golden.judge(event, engine, self.config.canary.golden_tolerance)
+            if event.warm_up is not None and engine is not None:
+                self._warmed_up(engine, event.warm_up)
         # (evidence and a remedy's end are the unit's whichever engine they were about:
         # an old engine's remedy must still end, and its operator be answered)
         if self.handover.standby.owns(event) \
@@ -126,6 +129,20 @@ class EngineUnit(UnitState):
             handler: Callable[[Any], None] = getattr(self, f"handle_{event.name}")
             handler(event)
         self.sync_gate()
+
+    def _warmed_up(self, engine: eng.EngineProcess, w: remedy.WarmUp) -> None:
+        fields = {"pid": engine.pid, "steps_s": {k: round(v, 3) for k, v in w.steps.items()}}
+        if w.skipped is not None:
+            log.info("no warm-up sleep: its sleep mode did not answer", why=w.skipped,
+                     **fields)
+        elif w.error is not None:
+            log.warning("the warm-up sleep failed", error=w.error, broken=w.broken,
+                        **fields)
+        else:
+            log.info("sleep path warmed: the engine slept and woke before it serves",
+                     **fields)
+        self.audit("warmed_up", ok=w.error is None and w.skipped is None,
+                   error=w.error or w.skipped, **fields)
 
     def start(self, reason: str) -> None:
         """The first start (tests start the unit's engine here too)."""
@@ -224,7 +241,9 @@ class EngineUnit(UnitState):
             self.act.serve(engine)
             self.handover.arm(self.pair_facts())
             if self.fronted and self.config.canary.enabled:
-                self.act.gate_probe(engine)  # held requests go once one canary passed
+                # held requests go once one canary passed, after one sleep and wake of
+                # an engine with sleep mode (its first KV reset then pays no first sleep)
+                self.act.gate_probe(engine, warm=self.watch.wake_broken is None)
             else:
                 self.keeper.admit()  # no canary to wait for: healthy is all we know
                 self.relaunch.finish("ok", None)  # serving: nothing more is waited for
@@ -293,6 +312,8 @@ class EngineUnit(UnitState):
         self.watch.on_sleep_mode_probed(ev, self.facts())
 
     def handle_remedy_done(self, ev: RemedyDone) -> None:
+        ev = self.golden.judge_remedy(ev, self.slot.current(ev.generation),
+                                      self.config.canary.golden_tolerance)
         self.run_steps(self.remedies.done(ev, self.watch, self.facts(), self.gate.waiting))
 
     def handle_drained(self, ev: Drained) -> None:
@@ -315,6 +336,16 @@ class EngineUnit(UnitState):
         failed = self.handover.proof_failed(f := self.pair_facts(), ev)
         if failed is not None:
             self.run_steps(failed)
+            return
+        if ev.broken_by_wake:
+            # (no request may reach it) restarted; its successors neither warm up nor
+            # reset their KV cache: a wake breaks this engine
+            why = f"after its warm-up sleep and wake: {ev.error}"
+            self.watch.wake_broken = (f"a wake broke an engine of this unit ({why}): no "
+                                      "sleep until the daemon restarts")
+            log.error("a wake broke the engine: restarted, and no engine of this unit "
+                      "sleeps again until the daemon restarts", why=why)
+            self.run_steps([do.Fail(why, None)])
             return
         if ev.golden_mismatch:
             # started, but not answering as it did: restarted once more, then held down

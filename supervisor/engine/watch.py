@@ -97,6 +97,9 @@ class EngineWatch:
         # in-place remedies: what this engine supports, the one in progress
         self.sleep_mode = False  # probed once the engine serves
         self.sleep_mode_why: str | None = "the engine has not started"
+        # why this unit's engines no longer sleep: a wake broke one (its warm-up wake
+        # failed, or its answers changed after it), until the daemon restarts
+        self.wake_broken: str | None = None
         self.remedy: Remedy | None = None
         self._remedy_ended_at = -1.0
         self._gpu_errors_logged = False
@@ -316,6 +319,8 @@ class EngineWatch:
         if unit.engine is None or unit.engine.generation != ev.generation:
             return
         self.sleep_mode, self.sleep_mode_why = ev.available, ev.why
+        if ev.available and self.wake_broken is not None:
+            self.sleep_mode, self.sleep_mode_why = False, self.wake_broken
         if ev.available:
             log.info("the engine can drop its KV cache in place (sleep and wake)")
         else:
@@ -366,6 +371,9 @@ class EngineWatch:
         # The engine refused or failed its remedy (it may even be asleep): a drained
         # restart instead; new requests stay held through it.
         why = f"{ev.rung} failed ({o.error}): restarting instead"
+        if ev.rung == "kv_reset" and "wake_up" in o.steps:  # (slept: its wake failed)
+            self.wake_broken = (f"a wake broke an engine of this unit (a KV reset: "
+                                f"{o.error}): no sleep until the daemon restarts")
         return fields, [Restart(why, rung="restart", evidence=(f"{ev.rung}_failed", why))]
 
 

@@ -102,6 +102,42 @@ async def set_asleep(client: httpx.AsyncClient, base_url: str, asleep: bool,
     return None
 
 
+@dataclass(frozen=True)
+class WarmUp:
+    """One sleep and wake of an engine before it first serves (`warm_up`)."""
+
+    steps: dict[str, float] = field(default_factory=dict)  # step -> seconds, in order
+    skipped: str | None = None  # why none was tried (the engine's sleep mode unanswered)
+    error: str | None = None  # a sleep or a wake that failed
+    # a wake failed (the engine may be asleep or wedged) or the engine failed a canary
+    # after it: unusable
+    broken: bool = False
+
+
+async def warm_up(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> WarmUp:
+    """Sleep and wake an engine that never slept. vLLM's first sleep of an engine pins
+    its weights in host RAM (12.8 s for an 8B model on the H100, later ones 0.4 s): paid
+    here, before the engine serves and where nobody waits for it, the first KV reset
+    holds clients for sleep and wake alone. The caller keeps every request off the
+    engine meanwhile (a request that meets a sleeping vLLM can crash or hang it)."""
+    now, why = await is_sleeping(client, base_url, min(timeout_s, 10.0))
+    if now is None:
+        return WarmUp(skipped=why)
+    steps: dict[str, float] = {}
+    if not now:
+        t = time.monotonic()
+        error = await set_asleep(client, base_url, True, timeout_s)
+        steps["sleep"] = time.monotonic() - t
+        if error is not None:
+            now, _ = await is_sleeping(client, base_url, min(timeout_s, 10.0))
+            if now is False:  # (still awake: it serves, its first KV reset pays the sleep)
+                return WarmUp(steps, error=error)
+    t = time.monotonic()
+    error = await set_asleep(client, base_url, False, timeout_s)
+    steps["wake_up"] = time.monotonic() - t
+    return WarmUp(steps, error=error, broken=error is not None)
+
+
 async def reset_prefix_cache(client: httpx.AsyncClient, base_url: str,
                              timeout_s: float) -> RemedyOutcome:
     t0 = time.monotonic()
