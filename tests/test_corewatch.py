@@ -13,7 +13,7 @@ import sys
 import psutil
 import pytest
 
-from supervisor.engine.corewatch import CORE_TITLE, CoreWatch
+from supervisor.engine.corewatch import CORE_TITLE, DYING_POLL_S, CoreWatch, exiting
 from supervisor.engine.proctree import ProcInfo
 
 
@@ -49,3 +49,49 @@ def test_a_pidfd_refused_for_want_of_descriptors_is_tried_again(
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_core_the_kernel_is_shutting_down_has_ended_before_its_exit() -> None:
+    """A killed core stops generating at the signal but may take seconds to end (the
+    kernel frees its memory first: 3-4.6 s for an 8B engine that slept, on the H100).
+    Here a real process whose leader thread has exited while another thread holds the
+    process alive: the kernel marks the leader exiting, the pidfd does not fire (the
+    process lives on), and the watch reports the core ended while it still exists."""
+    script = ("import ctypes, sys, threading, time\n"
+              "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
+              "sys.stdin.read()\n"
+              "ctypes.CDLL(None).pthread_exit(None)\n")
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE)
+    info = ProcInfo(child.pid, psutil.Process(child.pid).create_time(), CORE_TITLE + "e")
+
+    async def main() -> tuple[list[int], bool]:
+        ended: list[int] = []
+        watch = CoreWatch(ended.append)
+        watch.add([info])
+        await asyncio.sleep(3 * DYING_POLL_S)
+        assert ended == [] and exiting(child.pid) is False  # (alive and well)
+        assert child.stdin is not None
+        child.stdin.close()  # its leader thread exits; the process lives on
+        for _ in range(1000):
+            if ended:
+                break
+            await asyncio.sleep(0.01)
+        alive = psutil.pid_exists(child.pid) and child.poll() is None
+        watch.close()
+        return ended, alive
+
+    try:
+        ended, alive = asyncio.run(main())
+        assert ended == [child.pid]
+        assert alive  # reported while the process was still there
+        assert exiting(child.pid) is True
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_live_process_is_not_exiting_and_one_gone_is() -> None:
+    assert exiting(os.getpid()) is False
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert exiting(child.pid) is True  # (reaped: no /proc entry)
