@@ -323,4 +323,10 @@ def test_a_standby_that_wakes_answering_otherwise_is_refused_by_the_golden_check
     assert "golden check failed" in failed["reason"]
     # (the cold-started engine meets the same fault at its warm-up wake, before it
     # serves: restarted once more, and then not put to sleep)
-    assert d.status()["golden"]["mismatches"] in (1, 2)
+    golden = d.status()["golden"]
+    assert golden["mismatches"] in (1, 2)
+    m = metrics(cfg)  # on the exporter, for the alert (VLLMGoldenMismatch)
+    assert m[("vllm_supervisor_golden_checks_total", (("verdict", "mismatch"),))] \
+        == golden["mismatches"]
+    assert m[("vllm_supervisor_golden_checks_total", (("verdict", "passed"),))] \
+        == golden["passed"] >= 2

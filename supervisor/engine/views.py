@@ -224,6 +224,7 @@ def exporter_view(unit: Viewable) -> ExporterView:
         standby_ready=(None if unit.config.engine.standby == "none"
                        else float(unit.handover.standby.ready)),
         failovers=unit.handover.failovers, last_failover_s=unit.handover.last_failover_s,
+        golden_checks={"passed": unit.golden.passed, "mismatch": unit.golden.mismatches},
         gauges=[(spec.metric, spec.help, signals[spec.name]) for spec in SIGNALS],
         gpus=[(int(g["index"]), g) for g in w.window.gpu_devices(now, _pids(e))],
         proxy=gate_view(unit))

@@ -67,6 +67,8 @@ class ExporterView:
     # each GPU of the engine (NVML's index) -> its readings (SignalWindow.gpu_devices'
     # keys), shown with a `gpu` label beside the engine-wide gpu_* series (their summary)
     gpus: Sequence[tuple[int, Mapping[str, Any]]] = ()
+    # the golden check's comparisons by verdict ("passed", "mismatch"): docs/watchdog.md
+    golden_checks: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,10 @@ class _ViewCollector(Collector):
                 ("policy_trips", "policy rule trips, by rule (dry-run included)", "rule",
                  lambda e: e.trips_by_rule),
                 ("policy_actions", "policy actions carried out, by action", "action",
-                 lambda e: e.actions_by_kind)]
+                 lambda e: e.actions_by_kind),
+                ("golden_checks", "an engine's answers to the golden prompt compared with "
+                 "its baseline, by verdict (a mismatch is never served)", "verdict",
+                 lambda e: e.golden_checks)]
         for fname, helptext, label, get_counts in counts:
             counter = _counter(fname, helptext, views, [label])
             for name, e in views:
@@ -223,7 +228,8 @@ class _ViewCollector(Collector):
                   *(k.metric for k in KINDS)):
             taken |= {PREFIX + n, PREFIX + n + "_total", PREFIX + n + "_created",
                       PREFIX + n + "_bucket", PREFIX + n + "_count", PREFIX + n + "_sum"}
-        for n in ("engine_restarts", "policy_trips", "policy_actions", "failovers"):
+        for n in ("engine_restarts", "policy_trips", "policy_actions", "failovers",
+                  "golden_checks"):
             taken |= {PREFIX + n, PREFIX + n + "_total", PREFIX + n + "_created"}
         families: dict[str, GaugeMetricFamily] = {}
         for engine, view in views:
