@@ -314,7 +314,15 @@ def test_readyz_200_when_ready_and_503_with_the_state_when_not() -> None:
             alive = await get(e, "/healthz")
         assert (ready.status_code, ready.text) == (200, "ready\n")
         assert (draining.status_code, draining.text) == (503, "not ready: DRAINING\n")
+        assert "retry-after" not in draining.headers
         assert alive.status_code == 200  # draining is not dead
+        async with serving(fixed(dataclasses.replace(VIEW, state="STARTING",
+                                                     eta_s=41.2))) as e:
+            starting = await get(e, "/readyz")
+        # a starting engine: when its past starts say it will serve
+        assert (starting.status_code, starting.text) == (
+            503, "not ready: STARTING, ready in about 42 s\n")
+        assert starting.headers["retry-after"] == "42"
 
     run(main())
 

@@ -70,5 +70,10 @@ def test_a_restart_shows_its_expected_length_and_a_refusal_says_when_to_come_bac
     assert r.status_code == 503  # held past the hold timeout while it starts
     retry = int(r.headers["Retry-After"])
     assert 1 <= retry <= 5, retry  # when it is expected, not the configured 30
+    # the exporter's readiness probe says it too (a load balancer's next look)
+    ready = httpx.get(d.exporter_url + "/readyz", timeout=10)
+    if ready.status_code == 503:  # (unless the engine came up meanwhile)
+        assert ready.text.startswith("not ready: STARTING, ready in about "), ready.text
+        assert 1 <= int(ready.headers["Retry-After"]) <= 5
     d.wait_state("RUNNING", 30)
     assert d.status()["pid"] != first["pid"]

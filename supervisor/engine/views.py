@@ -225,6 +225,7 @@ def exporter_view(unit: Viewable) -> ExporterView:
                        else float(unit.handover.standby.ready)),
         failovers=unit.handover.failovers, last_failover_s=unit.handover.last_failover_s,
         golden_checks={"passed": unit.golden.passed, "mismatch": unit.golden.mismatches},
+        eta_s=expected.left_s if (expected := unit.expected_start()) is not None else None,
         gauges=[(spec.metric, spec.help, signals[spec.name]) for spec in SIGNALS],
         gpus=[(int(g["index"]), g) for g in w.window.gpu_devices(now, _pids(e))],
         proxy=gate_view(unit))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import math
 import re
 import socket
 from collections.abc import Awaitable, Callable, Sequence
@@ -106,6 +107,7 @@ class _Answer:
     content_type: str = "text/plain; charset=utf-8"
     head_only: bool = False
     allow: bool = False  # send `Allow: GET, HEAD`
+    retry_after: int | None = None  # send `Retry-After` (seconds)
 
     def encode(self) -> bytes:
         headers = [f"HTTP/1.1 {self.status} {_REASONS[self.status]}",
@@ -114,6 +116,8 @@ class _Answer:
                    "Connection: close"]
         if self.allow:
             headers.append("Allow: GET, HEAD")
+        if self.retry_after is not None:
+            headers.append(f"Retry-After: {self.retry_after}")
         head = ("\r\n".join(headers) + "\r\n\r\n").encode("ascii")
         return head if self.head_only else head + self.body
 
@@ -272,7 +276,12 @@ class Exporter:
         if path == "/readyz":
             if view.ready:
                 return _text(200, "ready\n", head_only=head_only)
-            return _text(503, f"not ready: {view.state}\n", head_only=head_only)
+            if view.eta_s is None:
+                return _text(503, f"not ready: {view.state}\n", head_only=head_only)
+            # (a starting engine: when its past starts say it will serve)
+            eta = max(1, math.ceil(view.eta_s))
+            return _Answer(503, f"not ready: {view.state}, ready in about {eta} s\n".encode(),
+                           head_only=head_only, retry_after=eta)
         try:
             body = render_metrics(view, self._bad)
         except Exception as exc:

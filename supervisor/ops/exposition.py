@@ -69,6 +69,9 @@ class ExporterView:
     gpus: Sequence[tuple[int, Mapping[str, Any]]] = ()
     # the golden check's comparisons by verdict ("passed", "mismatch"): docs/watchdog.md
     golden_checks: Mapping[str, int] = field(default_factory=dict)
+    # while the engine starts: the seconds its past starts say are left (`status`'s
+    # start.eta_s); None when not starting or nothing is known
+    eta_s: float | None = None
 
 
 @dataclass(frozen=True)
