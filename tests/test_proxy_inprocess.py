@@ -569,3 +569,60 @@ def test_a_continuable_stream_to_a_client_that_reads_nothing_is_cut_and_its_engi
             writer.close()
 
     asyncio.run(main())
+
+
+def test_a_stream_unanswered_when_its_engine_pauses_is_cut_and_sent_again_never_dropped(
+        ) -> None:
+    """A pause of the engine's streams (a KV reset, a drained restart with continue)
+    cuts the continuable requests it has not begun to answer too, rather than wait for
+    their answers (vLLM under load answers some seconds late): each goes again, as often
+    as it is cut: no death of the engine start, no drop counted (a drop is sent again
+    twice at most), and the client gets the whole stream once."""
+    posts: list[int] = []
+    waiting = asyncio.Event()
+    n = 5
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"GET /health"):
+            writer.write(HEALTHY)
+            await writer.drain()
+            writer.close()
+            return
+        await _read_body(reader, head)
+        posts.append(1)
+        if len(posts) <= 3:  # unanswered until the proxy closes the connection
+            waiting.set()
+            await reader.read()
+            writer.close()
+            return
+        writer.write(SSE_HEAD)
+        for i in range(n):
+            writer.write(_token_event(i, first=i == 0, last=i == n - 1))
+        writer.write(b"%x\r\ndata: [DONE]\n\n\r\n0\r\n\r\n" % len(b"data: [DONE]\n\n"))
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        async with _behind_raw_engine(engine) as proxy:
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            writer.write(_stream_request(n))
+            await writer.drain()
+            cut = []
+            for _ in range(3):
+                await asyncio.wait_for(waiting.wait(), 10)
+                waiting.clear()
+                cut.append(proxy.pause_streams("default"))
+            got = bytearray()
+            while not got.endswith(b"0\r\n\r\n"):
+                part = await asyncio.wait_for(reader.read(1 << 16), 10)
+                assert part, bytes(got[-300:])
+                got += part
+            writer.close()
+            assert [int(t) for t in re.findall(rb'"text":" t(\d+)"', got)] == list(range(n))
+            assert got.count(b"data: [DONE]") == 1
+            assert cut == [1, 1, 1] and len(posts) == 4
+            assert proxy.backends["default"].failure_seen == {}  # no death
+            assert proxy.stats.rejections == {}  # never engine_dropped
+
+    asyncio.run(main())

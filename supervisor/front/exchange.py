@@ -94,6 +94,9 @@ class Exchange:
     # the engine starts that failed it while they had it (supervisor/front/quarantine.py)
     died_at: set[tuple[str, int]] = field(default_factory=set)
     at_engine: bool = False  # sent, and not yet answered or failed there
+    # its engine's streams were paused (a KV reset, a drained restart with continue)
+    # before its answer began: its request was cut there, to go again once it serves
+    cut_by_pause: bool = False
 
     def sent(self, backend: Backend) -> None:
         self.left()

@@ -503,9 +503,17 @@ class FrontProxy:
         resp: StreamResponse | None = None
         try:
             # the target as it came: the path checked is the path sent, not normalised
-            async with self._upstream.request(request.method, ex.backend.upstream,
-                                              target.upstream_path_qs,
-                                              upstream_headers(request), body) as up:
+            call = self._upstream.request(request.method, ex.backend.upstream,
+                                          target.upstream_path_qs, upstream_headers(request),
+                                          body)
+            if plan is not None:  # (a pause of its engine cuts it until it is answered)
+                self.streams.unanswered(ex, call, ex.backend.name)
+            try:
+                await call.send()
+            finally:
+                self.streams.answered(ex)
+            ex.cut_by_pause = False  # (answered as it was cut: its relay breaks instead)
+            async with call as up:
                 if up.status >= 500 and not await self.streams.still_serving(ex):
                     # nothing has reached the client, and the engine is dying (vLLM answers
                     # 500 to new requests between its core's death and its own exit) or

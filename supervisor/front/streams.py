@@ -25,7 +25,14 @@ from supervisor.front.dispatch import Backend
 from supervisor.front.exchange import Exchange, ProxySettings, ProxyStats
 from supervisor.front.latency import ClientLatency
 from supervisor.front.messages import Request, StreamResponse
-from supervisor.front.upstream import Answer, ConnectFailed, Disconnected, Upstream, UpstreamError
+from supervisor.front.upstream import (
+    Answer,
+    Call,
+    ConnectFailed,
+    Disconnected,
+    Upstream,
+    UpstreamError,
+)
 
 log = structlog.get_logger("supervisor.proxy")
 
@@ -65,6 +72,9 @@ class StreamRelay:
         # engines whose streams were paused while their gate holds new requests: a stream
         # admitted before the hold whose answer begins only now is paused too
         self._pausing: set[str] = set()
+        # continuable requests sent and not yet answered: id(exchange) -> (it, its call,
+        # the engine's name); a pause cuts them, to go again (nothing reached the client)
+        self._unanswered: dict[int, tuple[Exchange, Call, str]] = {}
 
     async def engine_healthy(self, backend: Backend) -> bool:
         assert self.upstream is not None
@@ -84,12 +94,24 @@ class StreamRelay:
         return (backend.generation() == start and await self.engine_healthy(backend)
                 and backend.generation() == start)
 
+    def unanswered(self, ex: Exchange, call: Call, engine: str) -> None:
+        """A continuable request sent to `engine`, its answer not begun (until
+        `answered`)."""
+        self._unanswered[id(ex)] = (ex, call, engine)
+
+    def answered(self, ex: Exchange) -> None:
+        self._unanswered.pop(id(ex), None)
+
     async def not_delivered(self, ex: Exchange, exc: Disconnected) -> NotDelivered:
         """The engine closed the connection before answering: a death the request was
         at when the engine is going, a drop when it still serves (`dropped`: no death,
         never a failure seen at that engine start, and re-sent a bounded number of
         times: RESENDS_AFTER_DROP). Still serving means the same engine start: a /health
-        answered by the start that replaced it says nothing of the one that had it."""
+        answered by the start that replaced it says nothing of the one that had it.
+        Cut by a pause (`pause`): neither, it goes again once the engine serves."""
+        if ex.cut_by_pause:
+            ex.cut_by_pause = False
+            return NotDelivered(f"paused before its answer began ({exc!r})")
         if await self.still_serving(ex):
             return NotDelivered(f"{exc!r}, the engine still serving", dropped=True)
         return NotDelivered(repr(exc), reached=True)
@@ -237,6 +259,14 @@ class StreamRelay:
             if name == engine and t.refusal() is None and not t.done:
                 t.paused = True
                 up.close()
+                paused += 1
+        # those whose answer has not begun (vLLM under load answers some late: waiting
+        # for them held a KV reset 2.3 s on the H100): cut, and sent again after it
+        for ex, call, name in list(self._unanswered.values()):
+            if name == engine:
+                del self._unanswered[id(ex)]
+                ex.cut_by_pause = True
+                call.abort()
                 paused += 1
         return paused
 

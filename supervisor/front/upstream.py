@@ -499,10 +499,19 @@ class Call:
         self._client = client
         self._args = (method, upstream, target, headers, body)
         self._conn: _Connection | None = None
+        self._answer: Answer | None = None
         self._host = ""
         self._port = 0
 
+    async def send(self) -> Answer:
+        """Send the request and read its answer's head, as entering does: `async with`
+        the call afterwards hands that answer (and keeps or drops its connection)."""
+        self._answer = await self.__aenter__()
+        return self._answer
+
     async def __aenter__(self) -> Answer:
+        if self._answer is not None:  # (sent already, by `send`)
+            return self._answer
         method, upstream, target, headers, body = self._args
         self._host, self._port, host_header = address(upstream)
         lines = [f"{method} {target} HTTP/1.1\r\nHost: ".encode(), host_header, b"\r\n"]
@@ -526,6 +535,14 @@ class Call:
                 raise Disconnected(f"{stale}; a fresh connection failed too: {exc}"
                                    ) from exc
             return await self._send(conn, request, body, method == "HEAD")
+
+    def abort(self) -> None:
+        """Close the request's connection now: an answer awaited fails (Disconnected),
+        one under way is cut; the engine aborts the request. Nothing when not sent."""
+        conn = self._conn
+        if conn is not None:
+            conn.reused = False  # (ours: never taken for a kept connection gone stale)
+            conn.close()
 
     async def _send(self, conn: _Connection, request: bytes, body: bytes,
                     head_only: bool) -> Answer:
