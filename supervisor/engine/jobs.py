@@ -424,7 +424,10 @@ class JobEffects:
                                           remedy.SLEEP_TIMEOUT_S)
         if warmed.broken or warmed.skipped is not None or model is None:
             return warmed, None
-        _, _, outcome = await self._probe(client, engine, model)
+        try:
+            _, _, outcome = await self._probe(client, engine, model)
+        except OutOfDescriptors:  # (the daemon could not ask: no verdict, as at the gate)
+            return warmed, None
         if not outcome.ok:
             return dataclasses.replace(warmed, broken=True,
                                        error=f"a canary after its wake: {outcome.error}"), None
