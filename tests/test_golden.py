@@ -205,3 +205,25 @@ def test_answers_that_change_across_the_warm_up_wake_fail_the_proof_and_stop_sle
         assert "a wake broke an engine" in (w.sup.watch.kv_reset_refusal(w.sup.facts()) or "")
     finally:
         w.loop.close()
+
+
+def test_an_awake_standby_a_wake_broke_is_failed_and_the_next_one_not_put_to_sleep(
+        tmp_path: Path) -> None:
+    """The awake standby's answers change across its warm-up wake: it is failed (never
+    ready), and neither the next standby nor the unit's engines sleep again."""
+    w = World(tmp_path, fronted=True, engine={"standby": "awake"})
+    try:
+        first = w.serving()
+        w.feed(GateProbe(first.generation, True, None, golden=answer()))
+        spare = w.spawned()
+        w.feed(HealthResult(spare.generation, True))
+        w.feed(GateProbe(spare.generation, True, None, golden=answer(),
+                         warm_up=WarmUp({"sleep": 0.4, "wake_up": 0.5}),
+                         golden_woken=answer(shift=1)))
+        st = w.sup.status()["standby"]
+        assert st["state"] in ("retiring", "none", "failed") and "after its wake" in st["reason"]
+        assert w.sup.watch.wake_broken is not None
+        assert w.sup.handover.standby.warm_up is False
+        assert w.fx.warm_asked == [True, True]  # (the engine's and this standby's proofs)
+    finally:
+        w.loop.close()

@@ -55,6 +55,9 @@ class Standby:
         self.failures = 0  # in a row: the backoff before the next start
         self.mode = "awake"  # as it was started: "awake" or "sleep"
         self.asleep = False
+        # an awake one sleeps and wakes once before it is ready; off for good once a
+        # wake broke an engine of the unit (set by `EngineUnit.handle`)
+        self.warm_up = True
         # the engine in its place runs the thinner standby's arguments (`standby_args`)
         self.thin = False
         self._timer: Timer | None = None
@@ -219,7 +222,7 @@ class Standby:
                 self._to(Role.PROVING)
                 # a real generation proves it; one to be kept awake sleeps and wakes
                 # once before (its first KV reset after a takeover costs no first sleep)
-                self._act.gate_probe(e, warm=self.mode != "sleep")
+                self._act.gate_probe(e, warm=self.warm_up and self.mode != "sleep")
             elif e.exit_code is None:
                 self._failed(f"not healthy within {e.config.startup_timeout_s:g} s", deadline)
         elif isinstance(ev, GateProbe):

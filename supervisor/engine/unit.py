@@ -120,6 +120,11 @@ class EngineUnit(UnitState):
             event = self.golden.judge(event, engine, self.config.canary.golden_tolerance)
             if event.warm_up is not None and engine is not None:
                 self._warmed_up(engine, event.warm_up)
+            if event.broken_by_wake:  # (the serving engine's or a standby's)
+                self.handover.standby.warm_up = False
+                self.watch.wake_broken = (
+                    f"a wake broke an engine of this unit ({event.error}): no sleep "
+                    "until the daemon restarts")
         # (evidence and a remedy's end are the unit's whichever engine they were about:
         # an old engine's remedy must still end, and its operator be answered)
         if self.handover.standby.owns(event) \
@@ -341,8 +346,6 @@ class EngineUnit(UnitState):
             # (no request may reach it) restarted; its successors neither warm up nor
             # reset their KV cache: a wake breaks this engine
             why = f"after its warm-up sleep and wake: {ev.error}"
-            self.watch.wake_broken = (f"a wake broke an engine of this unit ({why}): no "
-                                      "sleep until the daemon restarts")
             log.error("a wake broke the engine: restarted, and no engine of this unit "
                       "sleeps again until the daemon restarts", why=why)
             self.run_steps([do.Fail(why, None)])
