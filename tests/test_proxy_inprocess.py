@@ -73,6 +73,22 @@ async def _read_body(reader: asyncio.StreamReader, head: bytes) -> bytes:
     return await reader.readexactly(length)
 
 
+HEALTHY = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+async def _answer_health_or_read_body(reader: asyncio.StreamReader,
+                                     writer: asyncio.StreamWriter) -> bytes | None:
+    """A raw engine's next request: a /health check answered 200 and closed (None), or
+    the body of any other request."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    if head.startswith(b"GET /health"):
+        writer.write(HEALTHY)
+        await writer.drain()
+        writer.close()
+        return None
+    return await _read_body(reader, head)
+
+
 def _post(body: dict[str, Any]) -> bytes:
     return json.dumps(body).encode()
 
@@ -296,7 +312,6 @@ def test_a_kept_connection_the_engine_closed_is_not_a_death_nor_a_resend() -> No
     asyncio.run(main())
 
 
-HEALTHY = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["request", "stream"])
@@ -312,13 +327,8 @@ def test_a_request_a_healthy_engine_drops_unanswered_is_sent_again_twice_then_fa
     async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # (no connection kept: one the engine closes unanswered once kept is sent again
         # by the upstream client itself, as not reached)
-        head = await reader.readuntil(b"\r\n\r\n")
-        if head.startswith(b"GET /health"):
-            writer.write(HEALTHY)
-            await writer.drain()
-            writer.close()
+        if await _answer_health_or_read_body(reader, writer) is None:
             return
-        await _read_body(reader, head)
         posts.append(1)
         if stream and len(posts) == 1:
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
@@ -583,13 +593,8 @@ def test_a_stream_unanswered_when_its_engine_pauses_is_cut_and_sent_again_never_
     n = 5
 
     async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        if head.startswith(b"GET /health"):
-            writer.write(HEALTHY)
-            await writer.drain()
-            writer.close()
+        if await _answer_health_or_read_body(reader, writer) is None:
             return
-        await _read_body(reader, head)
         posts.append(1)
         if len(posts) <= 3:  # unanswered until the proxy closes the connection
             waiting.set()
