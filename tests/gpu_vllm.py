@@ -39,6 +39,8 @@ its 10-minute calls, the daemon living on between them in its own session:
     python3 tests/gpu_vllm.py kill-twice 10  # the same load; a second SIGKILL (of the core
                                         # that serves then, the thin one) 10 s after the
                                         # first, while the full-size engine starts
+    python3 tests/gpu_vllm.py plan kill-swapback  # a kill under 8000 prompts: the swap
+                                        # back to the full-size engine under load too
     python3 tests/gpu_vllm.py kv-info   # each engine's KV cache: vLLM's own start lines
                                         # (from the daemon's log) and `vllm:cache_config_info`
     python3 tests/gpu_vllm.py plan kill kill kill restart kv-info kv-reset-streams \
@@ -937,6 +939,7 @@ def phase_kills(n: int = 3) -> None:
 
 # a step's length as first guessed (s); once run, its last length
 PLAN_GUESS_S = {"kill": 200.0, "restart": 200.0, "kv-reset-streams": 200.0,
+                "kill-swapback": 300.0,
                 "kill-twice": 480.0, "kv-info": 10.0, "stop": 60.0}
 
 
@@ -979,6 +982,8 @@ def phase_plan(steps: list[str]) -> None:
                 phase_continue("kill", "late", tag=f"continue-kill-late-{kills}")
             elif step == "restart":
                 phase_continue("restart", "late")
+            elif step == "kill-swapback":
+                phase_kill_swapback()
             elif step == "kill-twice":
                 phase_kill_twice(10.0)
             elif step == "kv-reset-streams":
@@ -1007,6 +1012,20 @@ def phase_plan(steps: list[str]) -> None:
                 return
     result("plan", finished=True, done=plan["done"], failed=plan["failed"],
            seconds=plan["seconds"])
+
+
+def phase_kill_swapback(prompts: int = 8000) -> None:
+    """Issue 35 with an asymmetric pair: `continue kill late` with a load long enough
+    that the full-size engine is proven and takes over again (the swap back) while the
+    thin one still serves streams: every stream whole across both handovers, and the
+    longest client gap is the larger of the two."""
+    out = phase_continue("kill", "late", tag="continue-kill-swapback", prompts=prompts)
+    ended, armed = out.get("bench_ended_after_fault_s"), out.get("protected_again_after_s")
+    result("kill-swapback", swap_back_under_load=bool(ended and armed and armed < ended),
+           protected_again_after_s=armed, bench_ended_after_fault_s=ended,
+           max_itl_s=out["max_itl_s"], max_gap_s=out["max_gap_s"], failed=out["failed"],
+           short=out["short_streams"], upgrades=[e for e in out["handover"]
+                                                 if e.get("event") == "upgrade"])
 
 
 def phase_kill_twice(delay: float = 10.0) -> None:
