@@ -39,7 +39,7 @@ def vllm_config(tmp: Path) -> dict[str, dict[str, object]]:
             # as the demo (config.toml) starts it
             "command": [str(ENGINE_VLLM), "serve", str(MODEL)],
             "args": ["--served-model-name", "tiny-llama",
-                     "--max-model-len", "512", "--dtype", "float32"],
+                     "--max-model-len", "512", "--dtype", "float32", "--enforce-eager"],
             "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
             "port": free_port(), "startup_timeout_s": START_TIMEOUT,
             "drain_timeout_s": 5.0, "stop_grace_s": 15.0, "reap_timeout_s": 15.0,
