@@ -50,6 +50,9 @@ class EngineConfig:
     env: dict[str, str] = spec({})
     # pass the daemon's own environment (less systemd's NOTIFY_SOCKET, WATCHDOG_*, LISTEN_*)
     inherit_env: bool = spec(True)
+    # a compile cache of its own under the state directory, one folder per vLLM version
+    # (VLLM_CACHE_ROOT; engine/compile_cache.py); false: vLLM's default (~/.cache/vllm)
+    compile_cache: bool = spec(True)
     cwd: str = spec("")
     host: str = spec("127.0.0.1", nonempty=True)
     port: int = spec(8100, lo=1, hi=65535)

@@ -55,7 +55,8 @@ Serves GET /health, /metrics, /v1/models, POST /v1/completions (one token) and
 Every request's method and raw target, as received, is appended to <pidfile dir>/requests.
 Writes vLLM-shaped log lines, its pid (and the child's) to $FAKE_ENGINE_PIDFILE, its
 environment, as JSON, to $FAKE_ENGINE_ENVFILE, and appends its argv as a JSON line to
-$FAKE_ENGINE_ARGVFILE.
+$FAKE_ENGINE_ARGVFILE. With VLLM_CACHE_ROOT, each start appends a line to
+$VLLM_CACHE_ROOT/torch_compile_cache/fake/starts.log (what vLLM compiled, kept there).
 Stdlib only: it runs under any interpreter.
 """
 
@@ -71,6 +72,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -208,6 +210,12 @@ def main() -> None:
     time.sleep(a.startup_delay)
     log("INFO", "init engine (profile, create kv cache, warmup model) took "
         f"{a.startup_delay:.2f} s", tag="EngineCore_DP0")
+    cache_root = os.environ.get("VLLM_CACHE_ROOT")
+    if cache_root:  # as vLLM keeps what it compiled: one line a start, kept across starts
+        compiled = Path(cache_root) / "torch_compile_cache" / "fake" / "starts.log"
+        compiled.parent.mkdir(parents=True, exist_ok=True)
+        with compiled.open("a") as f:
+            f.write(f"{os.getpid()} compiled for {a.served_model_name}\n")
     log("INFO", "Available routes are:")
     for route, methods in (("/health", "GET"), ("/metrics", "GET"), ("/v1/models", "GET"),
                            ("/v1/completions", "POST"), ("/v1/chat/completions", "POST")):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -40,7 +41,11 @@ def vllm_config(tmp: Path) -> dict[str, dict[str, object]]:
             "command": [str(ENGINE_VLLM), "serve", str(MODEL)],
             "args": ["--served-model-name", "tiny-llama",
                      "--max-model-len", "512", "--dtype", "float32", "--enforce-eager"],
-            "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+            # vLLM's own cache root, shared by the tests' engines (what a start learns of
+            # the model is not learned again by each daemon's fresh state directory); the
+            # `served` daemon below keeps its engine's cache itself
+            "env": {"VLLM_CPU_KVCACHE_SPACE": "1",
+                    "VLLM_CACHE_ROOT": str(Path.home() / ".cache" / "vllm")},
             "port": free_port(), "startup_timeout_s": START_TIMEOUT,
             "drain_timeout_s": 5.0, "stop_grace_s": 15.0, "reap_timeout_s": 15.0,
             "health_interval_s": 0.25,
@@ -74,6 +79,7 @@ def ts(record: dict[str, object]) -> float:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, dict]]:
     tmp = tmp_path_factory.mktemp("e2e")
     cfg = vllm_config(tmp)
+    del cfg["engine"]["env"]["VLLM_CACHE_ROOT"]  # the daemon's own (engine.compile_cache)
     d = Daemon(tmp, cfg)
     try:
         yield d, cfg
@@ -106,6 +112,17 @@ def test_daemon_starts_the_engine_and_a_completion_is_served(served):
     assert any(r.get("source") == "engine" and r.get("proc") == "APIServer" for r in recs)
     assert any(r.get("source") == "engine" and str(r.get("proc", "")).startswith("EngineCore")
                for r in recs)
+    # its compile cache is the daemon's, under the state directory, in a folder of the
+    # vLLM version installed in the engine's venv, and what vLLM keeps there is measured
+    version = subprocess.run(
+        [str(ENGINE_PY), "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
+        capture_output=True, text=True, timeout=60).stdout.strip()
+    cache = wait_for(lambda: (c := d.status()["compile_cache"]) and c["bytes"] and c, 30,
+                     "the engine's compile cache measured")
+    assert cache["vllm_version"] == version and version.startswith("0.")
+    assert cache["dir"] == str(Path(cfg["audit"]["path"]).parent / "vllm-cache" / "default"
+                               / version)
+    print("compile cache:", json.dumps(cache))
 
 
 def test_sigkill_of_engine_core_is_detected_and_the_engine_serves_again(served):

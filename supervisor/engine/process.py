@@ -27,6 +27,7 @@ import structlog
 
 from supervisor.config import EngineConfig
 from supervisor.engine import proctree
+from supervisor.engine.compile_cache import CacheInfo
 from supervisor.engine.enginelog import parse_engine_line, phase_of, route_of
 from supervisor.loop import http_client
 from supervisor.ops.descriptors import Shortage, exhausted
@@ -125,7 +126,8 @@ class EngineProcess:
     phase: str | None = None
     phase_since: float | None = None
     phases: list[tuple[str, float]] = field(default_factory=list)  # (phase, s after spawn)
-    vllm_version: str | None = None  # as its API server's first lines say
+    vllm_version: str | None = None  # as its first lines say
+    cache: CacheInfo | None = None  # its compile cache (VLLM_CACHE_ROOT), if the daemon's
     recent_errors: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     recent_lines: deque[str] = field(default_factory=lambda: deque(maxlen=200))  # evidence
     relays: list[asyncio.Task[None]] = field(default_factory=list)  # stdout, stderr readers
@@ -201,12 +203,20 @@ async def relay_output(engine: EngineProcess, stream: asyncio.StreamReader, name
                 generation=engine.generation, **fields)
         if engine.healthy_at is None:
             _note_phase(engine, phase_of(line.message))
-            if engine.vllm_version is None and (m := _VERSION.search(line.message)):
-                engine.vllm_version = m["version"]
+            if engine.vllm_version is None:
+                engine.vllm_version = version_of(line.message)
 
 
-# vLLM's API server says its version first ("vLLM API server version 0.26.0")
-_VERSION = re.compile(r"vLLM API server version (?P<version>\S+)")
+# vLLM's API server says its version first ("vLLM API server version 0.26.0"; 0.32 prints
+# a banner instead), its core when it starts ("Initializing a V1 LLM engine (v0.32.0)")
+_VERSION = re.compile(r"vLLM API server version (?P<version>\S+)"
+                      r"|Initializing a V1 LLM engine \(v(?P<core>[^)\s]+)\)")
+
+
+def version_of(message: str) -> str | None:
+    """The vLLM version a start line of the engine's says, if it says one."""
+    m = _VERSION.search(message)
+    return (m["version"] or m["core"]) if m else None
 
 
 def _note_phase(engine: EngineProcess, phase: str | None) -> None:

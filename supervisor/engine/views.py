@@ -178,6 +178,8 @@ def status(unit: Viewable) -> dict[str, Any]:
         "standby": unit.handover.status(now, unit.config.engine.standby),
         "golden": unit.golden.status(),
         "start": starting(unit, now),
+        # the serving engine's compile cache (engine/compile_cache.py)
+        "compile_cache": e.cache.view(now) if e is not None and e.cache is not None else None,
         "start_blocked": unit.failures.start_blocked if unit.state is State.BACKOFF else None,
         "remedies": {
             "allowed": list(unit.config.policy.remedies),
