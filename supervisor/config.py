@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import config_checks
+from supervisor.front.deadlines import Deadline
+from supervisor.front.deadlines import build as build_deadlines
 from supervisor.front.routes import route_problem
 from supervisor.ops.exporter import parse_listen
 from supervisor.schema import ConfigError as ConfigError  # raised by load_config
@@ -315,6 +317,10 @@ class ProxyConfig:
     # any other with 504
     stall_timeout_s: float = spec(0.0, lo=0.0, hi=3600)
     request_timeout_s: float = spec(0.0, lo=0.0, hi=86400)
+    # [proxy.deadlines.NAME]: those two for one model (as clients name it) or one engine,
+    # the model's first (supervisor/front/deadlines.py)
+    deadlines: dict[str, Deadline] = dataclasses.field(
+        default_factory=dict, metadata={"table": build_deadlines})
     keepalive_s: float = spec(10.0, lo=0.5, hi=300)  # blank keep-alive lines while it waits
 
 
@@ -536,6 +542,7 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
         problems.append(f"throttle.level_factors: expected decreasing factors between 0 and 1 "
                         f"(one per level), got {factors!r}")
     config_checks.check_listeners(key, engines, proxy, exporter, problems)
+    config_checks.check_deadlines(proxy.deadlines, engines, problems)
     config_checks.check_fleet(sections["fleet"], proxy, problems)
     if problems:
         raise ConfigError(source, problems)

@@ -40,6 +40,8 @@ class EngineConfig(engine_checks.CheckedEngine, Protocol):
     def rearm_window(self) -> str: ...
     def second(self) -> EngineConfig: ...
     def served_models(self) -> tuple[str, ...]: ...
+    @property
+    def models_open(self) -> bool: ...
 
 
 class FleetConfig(Protocol):
@@ -177,6 +179,20 @@ def hosts_overlap(a: str, b: str) -> bool:
 
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_deadlines(named: Mapping[str, object], engines: Mapping[str, EngineConfig],
+                    problems: list[str]) -> None:
+    """Each `[proxy.deadlines.NAME]` names an engine or a model one of them serves (any
+    name may be a model where an engine's names are open: LoRA, or none listed)."""
+    models = {m for e in engines.values() for m in e.served_models()}
+    if any(e.models_open or not e.served_models() for e in engines.values()):
+        return
+    for name in named:
+        if name not in engines and name not in models:
+            problems.append(f"proxy.deadlines.{name}: no engine or model of that name "
+                            f"(engines: {', '.join(engines)}; models: "
+                            f"{', '.join(sorted(models))})")
 
 
 def check_listeners(key: str, engines: Mapping[str, EngineConfig], proxy: ListenerConfig,

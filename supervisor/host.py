@@ -350,6 +350,7 @@ class Host:
                              max_continuations=p.max_continuations,
                              stall_timeout_s=p.stall_timeout_s,
                              request_timeout_s=p.request_timeout_s,
+                             deadlines=p.deadlines,
                              keepalive_s=p.keepalive_s,
                              refuse_when_unhealthy=bool(self.config.fleet.routers))
 

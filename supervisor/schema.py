@@ -116,9 +116,10 @@ def build_section(name: str, cls: type[Any], table: Any, problems: list[str]) ->
     kwargs: dict[str, Any] = {}
     nested = [fname for fname, f in fields.items() if f.metadata.get("table")]
     for fname in nested:  # nested tables, built by their own rules
-        del fields[fname]
+        builder = fields.pop(fname).metadata["table"]
         if fname in table:
-            kwargs[fname] = build_rules(f"{name}.{fname}", table[fname], problems)
+            kwargs[fname] = (build_rules if builder is True else builder)(
+                f"{name}.{fname}", table[fname], problems)
     for key in table:
         if key not in fields and key not in nested:
             known = ", ".join(sorted(fields))

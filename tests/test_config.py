@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.config import ConfigError, diff_keys, load_config, parse_config
+from supervisor.front import deadlines
+from supervisor.front.deadlines import Deadline
 from tests.harness import ROOT
 
 MIN = {"engine": {"command": ["python", "-m", "vllm.entrypoints.openai.api_server"]}}
@@ -389,3 +391,46 @@ def test_check_command_refuses_a_standby_on_the_exporters_port(tmp_path, capsys)
     assert main(["check", "--config", str(path)]) == 78
     err = capsys.readouterr().err
     assert "engine.standby_port: 127.0.0.1:9402" in err and "exporter.listen" in err
+
+
+def test_deadlines_per_model_and_engine_are_checked_key_by_key():
+    served = {"command": ["vllm", "serve", "m"], "args": ["--served-model-name", "small"]}
+    ok = parse_config({"engine": served, "proxy": {"request_timeout_s": 60, "deadlines": {
+        "small": {"request_timeout_s": 5}, "default": {"stall_timeout_s": 2.5}}}},
+        "t.toml", Path("/base"))
+    assert ok.proxy.deadlines["small"].request_timeout_s == 5.0
+    assert ok.proxy.deadlines["small"].stall_timeout_s is None  # (the engine's, then 0)
+    assert ok.proxy.deadlines["default"].stall_timeout_s == 2.5
+    bad = problems({"engine": served, "proxy": {"deadlines": {
+        "small": {"request_timeout_s": -1, "stall_s": 3},
+        "empty": {}, "big": {"stall_timeout_s": True}, "flat": 3}}})
+    assert bad == [
+        "proxy.deadlines.small.request_timeout_s: expected a number of seconds from 0 to "
+        "86400 (0: none), got -1",
+        "proxy.deadlines.small.stall_s: unknown key (known keys: request_timeout_s, "
+        "stall_timeout_s)",
+        "proxy.deadlines.empty: expected at least one of request_timeout_s, stall_timeout_s",
+        "proxy.deadlines.big.stall_timeout_s: expected a number of seconds from 0 to 3600 "
+        "(0: none), got True",
+        "proxy.deadlines.flat: expected a table, got 3"]
+    unknown = problems({"engine": served, "proxy": {"deadlines": {
+        "large": {"request_timeout_s": 5}}}})
+    assert unknown == ["proxy.deadlines.large: no engine or model of that name (engines: "
+                       "default; models: small)"]
+    # LoRA: adapters' names are not known in advance, any name may be a model's
+    lora = {**served, "args": [*served["args"], "--enable-lora"]}
+    assert parse_config({"engine": lora, "proxy": {"deadlines": {
+        "adapter-1": {"request_timeout_s": 5}}}}, "t.toml", Path("/base"))
+
+
+def test_a_requests_deadlines_are_its_models_then_its_engines_then_the_proxys():
+    named = {"small": Deadline(request_timeout_s=5.0),
+             "gpu0": Deadline(request_timeout_s=50.0, stall_timeout_s=2.0)}
+    assert deadlines.for_request(named, "small", "gpu0", 600.0, 0.0) == (5.0, 2.0)
+    assert deadlines.for_request(named, "other", "gpu0", 600.0, 0.0) == (50.0, 2.0)
+    assert deadlines.for_request(named, "small", "gpu1", 600.0, 9.0) == (5.0, 9.0)
+    assert deadlines.for_request(named, None, None, 600.0, 9.0) == (600.0, 9.0)
+    assert deadlines.for_request(named, ["not", "a", "name"], "gpu1", 0.0, 0.0) == (0.0, 0.0)
+    # 0 in a model's table is no deadline for that model, whatever its engine says
+    zero = {"small": Deadline(request_timeout_s=0.0), "gpu0": Deadline(request_timeout_s=9)}
+    assert deadlines.for_request(zero, "small", "gpu0", 600.0, 0.0) == (0.0, 0.0)

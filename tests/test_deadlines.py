@@ -10,7 +10,7 @@ import httpx
 
 from tests import test_continuation_proxy
 from tests.fake_engine import prompt_ids
-from tests.harness import wait_for
+from tests.harness import wait_for, write_config
 from tests.test_continuation_proxy import (
     TOKENS,
     chat,
@@ -66,3 +66,24 @@ def test_a_request_past_its_total_deadline_ends_explicitly(fronted, tmp_path):
     assert m.get(STALLED) is None
     lines = [r for r in d.log_records() if r.get("event") == "request timed out"]
     assert len(lines) == 2
+
+
+def test_a_models_deadline_wins_over_its_engines_and_the_proxys_and_reloads_at_once(
+        fronted, tmp_path):
+    d, cfg = fronted(request_timeout_s=60, deadlines={
+        "default": {"request_timeout_s": 30, "stall_timeout_s": 20},  # the engine's
+        "fake": {"request_timeout_s": 1.5}})  # the model's
+    s = run(cfg, comp(max_tokens=200))  # 4 s: past the model's 1.5 s
+    assert s.error is not None and s.error.startswith("request_timeout"), s
+    assert "(1.5 s)" in s.error and not s.done
+    # the operator lifts the model's deadline: the engine's 30 s holds, applied at once
+    cfg["proxy"]["deadlines"] = {"default": {"request_timeout_s": 30}}
+    write_config(d.config, cfg)
+    assert d.ctl("reload").returncode == 0
+    s = run(cfg, comp(max_tokens=200))
+    assert s.complete and s.done and s.error is None and len(s.texts) == 200, s
+    # a name that is neither an engine nor a model it serves is refused, named
+    cfg["proxy"]["deadlines"] = {"fake-70b": {"request_timeout_s": 1}}
+    write_config(d.config, cfg)
+    r = d.ctl("reload")
+    assert r.returncode != 0 and "proxy.deadlines.fake-70b: no engine or model" in r.stderr

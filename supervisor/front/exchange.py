@@ -5,9 +5,11 @@ the streams it continues (`supervisor/front/streams.py`)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from supervisor.front.continuation import Transcript
+from supervisor.front.deadlines import Deadline
 from supervisor.front.dispatch import Backend
 
 
@@ -59,6 +61,8 @@ class ProxySettings:
     max_continuations: int = 3  # per request
     stall_timeout_s: float = 0.0  # a continuable stream's, between tokens (0: none)
     request_timeout_s: float = 0.0  # from a request's arrival to its end (0: none)
+    # those two for a model or an engine, the model's first (front/deadlines.py)
+    deadlines: Mapping[str, Deadline] = field(default_factory=dict)
     keepalive_s: float = 10.0  # keep-alive lines to a waiting stream, this often
     # in a fleet ([fleet] routers): a new request whose engines will not serve within a
     # short wait (a cold start, a backoff, a drain, FATAL: their /health says 503) is
@@ -94,6 +98,9 @@ class Exchange:
     # the engine starts that failed it while they had it (supervisor/front/quarantine.py)
     died_at: set[tuple[str, int]] = field(default_factory=set)
     at_engine: bool = False  # sent, and not yet answered or failed there
+    # its deadlines, the model's or its engine's or the proxy's (0: none)
+    request_timeout_s: float = 0.0
+    stall_timeout_s: float = 0.0
     # its engine's streams were paused (a KV reset, a drained restart with continue)
     # before its answer began: its request was cut there, to go again once it serves
     cut_by_pause: bool = False

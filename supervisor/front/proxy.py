@@ -45,7 +45,7 @@ from collections.abc import Callable
 
 import structlog
 
-from supervisor.front import continuation, dispatch, quarantine, routing, sse
+from supervisor.front import continuation, deadlines, dispatch, quarantine, routing, sse
 from supervisor.front.admission import Gate, Rejected
 from supervisor.front.continuation import Transcript
 from supervisor.front.dispatch import Backend, Choice, RequestFacts, read_request
@@ -279,8 +279,11 @@ class FrontProxy:
             ex.status, ex.outcome = 404, "unknown_model"
             self._finish(request, target, ex)
             return self._error(404, str(exc), "unknown_model")
+        ex.request_timeout_s, ex.stall_timeout_s = deadlines.for_request(
+            self.s.deadlines, facts.model, choices[0].backend.name if choices else None,
+            self.s.request_timeout_s, self.s.stall_timeout_s)
         try:
-            if self.s.request_timeout_s > 0:
+            if ex.request_timeout_s > 0:
                 return await self._within_deadline(request, target, facts, body, choices,
                                                    ex)
             return await self._admit_and_forward(request, target, facts, body, choices, ex)
@@ -290,11 +293,12 @@ class FrontProxy:
     async def _within_deadline(self, request: Request, target: Target,
                                facts: RequestFacts, body: bytes, choices: list[Choice],
                                ex: Exchange) -> StreamResponse:
-        """`proxy.request_timeout_s` from the request's arrival, whatever it waits for
-        (the hold, the engine, a continuation): past it, its engine request is cancelled
-        (vLLM aborts it) and the client told: an error event `request_timeout` ending a
-        stream (no [DONE]), a 504 before any answer, a cut of any other begun answer."""
-        limit = self.s.request_timeout_s
+        """`request_timeout_s` (the proxy's, its engine's or its model's) from the
+        request's arrival, whatever it waits for (the hold, the engine, a continuation):
+        past it, its engine request is cancelled (vLLM aborts it) and the client told: an
+        error event `request_timeout` ending a stream (no [DONE]), a 504 before any
+        answer, a cut of any other begun answer."""
+        limit = ex.request_timeout_s
         loop = asyncio.get_running_loop()
         when = loop.time() + (ex.arrived + limit - time.monotonic())
         try:
@@ -304,8 +308,7 @@ class FrontProxy:
         except TimeoutError:
             if not cm.expired():
                 raise
-        message = (f"request_timeout: the request ran past proxy.request_timeout_s "
-                   f"({limit:g} s)")
+        message = f"request_timeout: the request ran past its deadline ({limit:g} s)"
         log.warning("request timed out", path=target.path, limit_s=limit,
                     events=ex.events, stream=ex.stream)
         resp = ex.resp

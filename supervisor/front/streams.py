@@ -156,7 +156,7 @@ class StreamRelay:
         # upstream connection's own callback (`Answer.pump`), no task woken per event;
         # the write without a coroutine; the histogram found once)
         transcribe, write, clock = t.read, resp.write_nowait, time.monotonic
-        if (stall := self.s.stall_timeout_s) > 0:  # (no token that long: the engine's fault)
+        if (stall := ex.stall_timeout_s) > 0:  # (no token that long: the engine's fault)
             up.set_read_timeout(min(stall, self.s.idle_read_timeout_s))
         gaps = self.latency.histogram("stream_gap", self.latency.label(ex.model))
         behind: list[bytes] = []  # written past the client's full buffer: timed once drained
@@ -472,10 +472,10 @@ class Broken(Exception):
 
 
 class Stalled(UpstreamFailed):
-    """A continuable stream with no token for `proxy.stall_timeout_s` from a live engine."""
+    """A continuable stream with no token for its `stall_timeout_s` from a live engine."""
 
     def __init__(self, after_s: float, events: int) -> None:
-        super().__init__(f"no token for {after_s:g} s (proxy.stall_timeout_s)")
+        super().__init__(f"no token for {after_s:g} s (its stall_timeout_s)")
         self.after_s, self.events = after_s, events
 
 
