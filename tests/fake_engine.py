@@ -28,6 +28,9 @@ script a fault:
                         pins the weights in host RAM at an engine's first sleep)
   --logprobs            a non-streamed answer carries vLLM-shaped logprobs when asked
   --wrong-after-wake    ... of other tokens once it was woken (a wake that broke it)
+  --spec-acceptance R   speculative decoding's counters on /metrics (2 draft tokens a
+                        token generated, a share R accepted); --drafts-broken-after-wake
+                        (or the wake fault file's "drafts"): none accepted once woken
   --wake-fault-file PATH  while PATH exists, a wake does what it says: "fail" (as
                         --wake-fails) or "wrong" (as --wrong-after-wake, from that wake on)
   --die-on-prompt TEXT  a completion whose prompt holds TEXT (as text or as its token ids,
@@ -115,6 +118,11 @@ def main() -> None:
     p.add_argument("--logprobs", action="store_true")  # answers them (a greedy golden)
     p.add_argument("--wrong-after-wake", action="store_true")  # other tokens once woken
     p.add_argument("--wake-fault-file", default=None)
+    # speculative decoding's counters on /metrics: this share of draft tokens accepted;
+    # none once a wake broke the drafts (--drafts-broken-after-wake, or the wake fault
+    # file's "drafts")
+    p.add_argument("--spec-acceptance", type=float, default=None)
+    p.add_argument("--drafts-broken-after-wake", action="store_true")
     p.add_argument("--fault-file", default=None)
     p.add_argument("--die-on-prompt", default=None)
     p.add_argument("--die-answering", action="store_true")
@@ -162,6 +170,15 @@ def main() -> None:
     asleep = threading.Event()
     slept_once = threading.Event()
     wrong = threading.Event()  # a wake broke it: other tokens from then on
+    drafts_broken = threading.Event()  # a wake zeroed its draft model: nothing accepted
+    spec = [0.0, 0.0]  # speculative decoding's draft tokens, and those accepted
+
+    def drafted(n: int) -> None:
+        """n tokens generated: 2 drafted for each, a share --spec-acceptance accepted."""
+        if a.spec_acceptance is not None:
+            with lock:
+                spec[0] += 2 * n
+                spec[1] += 0 if drafts_broken.is_set() else 2 * n * a.spec_acceptance
     lock = threading.Lock()
     running = [0, 0]  # now, most ever
     streams: set[int] = set()  # the streams in flight (their threads' ids)
@@ -240,6 +257,11 @@ def main() -> None:
                 body = json.dumps({"is_sleeping": asleep.is_set()}).encode()
             if self.path == "/metrics":
                 body = b"# fake engine: no metrics\n"
+                if a.spec_acceptance is not None:
+                    with lock:
+                        body = ("vllm:spec_decode_num_draft_tokens_total{engine=\"0\"} "
+                                f"{spec[0]}\nvllm:spec_decode_num_accepted_tokens_total"
+                                f"{{engine=\"0\"}} {spec[1]}\n").encode()
                 if a.metrics_file:
                     with open(a.metrics_file, "rb") as f:
                         body = f.read()
@@ -292,6 +314,7 @@ def main() -> None:
                     with lock:
                         running[0] -= 1
                 n = int(req.get("max_tokens") or 16)
+                drafted(n)
                 choice: dict[str, Any] = {"index": 0, "text": "x"}
                 if a.logprobs and req.get("logprobs"):
                     choice["logprobs"] = logprobs_of(
@@ -322,6 +345,8 @@ def main() -> None:
                     asleep.clear()
                     if a.wrong_after_wake or fault == "wrong":
                         wrong.set()
+                    if a.drafts_broken_after_wake or fault == "drafts":
+                        drafts_broken.set()
                 body, code = (b'{"error": "fake wake failure"}', 500) if fails \
                     else (b"", 200)
             elif self.path == "/reset_prefix_cache" and pidfile:
@@ -385,6 +410,7 @@ def main() -> None:
                         raise ConnectionResetError("the client went during a stall")
                     tok = next_token(seq)
                     seq.append(tok)
+                    drafted(1)
                     last = i == tokens - 1
                     choice: dict[str, Any] = {"index": 0, "logprobs": None,
                                     "finish_reason": "length" if last else None}

@@ -62,6 +62,21 @@ def test_the_same_answer_passes_and_another_token_or_a_drifted_logprob_does_not(
     assert golden.largest_difference(want, golden.Golden(drift, None)) == 0.5
 
 
+def test_speculative_acceptance_may_dip_but_not_fall_to_nothing() -> None:
+    """vllm#52487: after a level-2 wake the EAGLE3 draft weights were zeroed, the tokens
+    right and 0 of 4,560 drafts accepted: only the acceptance tells."""
+    want = golden.Golden(answer().completion, answer().chat, acceptance=0.69)
+    same = answer()
+    assert golden.compare(want, golden.Golden(same.completion, same.chat, 0.5), 0.1) is None
+    why = golden.compare(want, golden.Golden(same.completion, same.chat, 0.0), 0.1)
+    assert why == ("speculative decoding accepted 0.0% of its draft tokens, the baseline "
+                   "69.0% (more than 50% less)")
+    # no drafts on either side (no speculative decoding, or no page): not compared
+    assert golden.compare(want, same, 0.1) is None
+    assert golden.compare(same, golden.Golden(same.completion, same.chat, 0.0), 0.1) is None
+    assert want.doc()["acceptance"] == 0.69 and "acceptance" not in same.doc()
+
+
 def test_a_near_tie_in_the_baseline_may_go_either_way() -> None:
     tie = golden.Answer((5, 6, 7), (-0.7, -0.1, -0.1), (0.05, 2.0, 2.0))
     other = golden.Answer((9, 1, 1), (-0.7, -0.3, -0.3), (0.05, 2.0, 2.0))

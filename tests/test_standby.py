@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import psutil
+import pytest
 
 from tests.fake_engine import prompt_ids
 from tests.harness import wait_for
@@ -292,15 +293,19 @@ def test_an_asymmetric_pair_is_protected_again_after_each_of_three_core_kills(
     assert sum(e["pid"] == thin for e in ready) == 4 and len(ready) == 7
 
 
+@pytest.mark.parametrize("broken", ["wrong", "drafts"])
 def test_a_standby_that_wakes_answering_otherwise_is_refused_by_the_golden_check(
-        daemon_factory, tmp_path):
+        daemon_factory, tmp_path, broken):
     """The golden check through the real daemon and fake engines that give vLLM-shaped
     log-probabilities: the serving engine's first proof records the baseline, the
     standby's matches it before it sleeps; once woken after a core SIGKILL it answers
-    other tokens (`--wrong-after-wake`), so nothing is sent to it: a cold start serves
-    instead, every stream whole, and the audit holds the evidence."""
+    other tokens (`wrong`), or the same tokens with its speculative decoding's drafts
+    never accepted any more (`drafts`: vllm#52487's zeroed draft weights), so nothing is
+    sent to it: a cold start serves instead, every stream whole, and the audit holds the
+    evidence."""
     fault = tmp_path / "wake-fault"
-    cfg = sleep_config(tmp_path, "--logprobs", "--wake-fault-file", str(fault))
+    cfg = sleep_config(tmp_path, "--logprobs", "--wake-fault-file", str(fault),
+                       "--spec-acceptance", "0.6")
     d = daemon_factory(cfg)
     d.wait_state("RUNNING")
     wait_for(lambda: standby_ready(d), 30, "the standby ready")
@@ -308,7 +313,8 @@ def test_a_standby_that_wakes_answering_otherwise_is_refused_by_the_golden_check
     st = wait_for(lambda: (s := d.status())["golden"]["passed"] == 2 and s, 30,
                   "both proofs")
     assert st["golden"]["baselines"] == 1 and st["golden"]["mismatches"] == 0
-    fault.write_text("wrong")  # (the engine's warm-up wake went well)
+    assert st["golden"]["last"]["acceptance"] == 0.6  # (the baseline's too)
+    fault.write_text(broken)  # (the engine's warm-up wake went well)
     spare = st["standby"]["pid"]
     core = psutil.Process(st["pid"]).children()[0].pid
     streams_under(cfg, lambda: os.kill(core, signal.SIGKILL))
@@ -317,8 +323,17 @@ def test_a_standby_that_wakes_answering_otherwise_is_refused_by_the_golden_check
     assert back["pid"] != spare  # not the woken standby: a cold start
     events = d.events()
     mismatch = next(e for e in events if e["event"] == "golden_mismatch")
-    assert mismatch["pid"] == spare and "token 0" in mismatch["why"]
-    assert mismatch["expected"]["completion"]["ids"] != mismatch["got"]["completion"]["ids"]
+    assert mismatch["pid"] == spare
+    if broken == "wrong":
+        assert "token 0" in mismatch["why"]
+        assert mismatch["expected"]["completion"]["ids"] \
+            != mismatch["got"]["completion"]["ids"]
+    else:
+        assert mismatch["why"].startswith("speculative decoding accepted 0.0% of its "
+                                          "draft tokens, the baseline 60.0%"), mismatch
+        assert mismatch["expected"]["acceptance"] == 0.6
+        assert mismatch["got"]["acceptance"] == 0.0
+        assert mismatch["expected"]["completion"] == mismatch["got"]["completion"]
     failed = next(e for e in events if e["event"] == "failover_failed")
     assert "golden check failed" in failed["reason"]
     # (the cold-started engine meets the same fault at its warm-up wake, before it

@@ -87,7 +87,11 @@ class GoldenCheck:
         diff = round(golden.largest_difference(want, got), 6)
         if why is None:
             self.passed += 1
-            self._note("ok", engine, largest_logprob_difference=diff)
+            self._note("ok", engine, largest_logprob_difference=diff,
+                       **({"acceptance": round(got.acceptance, 4),
+                           "baseline_acceptance": round(want.acceptance, 4)}
+                          if got.acceptance is not None and want.acceptance is not None
+                          else {}))
             return None
         self.mismatches += 1
         why += when

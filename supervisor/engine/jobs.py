@@ -204,7 +204,7 @@ class JobEffects:
                      bay: int) -> None:
         leftovers: list[str] = []
         state_file = self.bays[bay][0]
-        cache = await self._compile_cache(spec, cfg)
+        asked, cache = spec, await self._compile_cache(spec, cfg)
         if cache is not None:
             spec = dataclasses.replace(spec, env={**spec.env, CACHE_ENV: cache.dir})
         shortage = Shortage("spawn")
@@ -225,7 +225,9 @@ class JobEffects:
                                               gpu_busy=isinstance(exc, eng.GpuBusy)))
                 return
         shortage.ok()
-        engine.cache = cache
+        # (its spec stays the one asked for, which the unit compares with its config's;
+        # the cache's folder is this job's addition)
+        engine.spec, engine.cache = asked, cache
         # The engine runs: nothing from here fails its start (that would leave it running
         # unwatched). A state file not written now is written at the watch's first look.
         try:

@@ -9,6 +9,10 @@ log-probabilities; the first proven start of an engine's arguments records them 
 baseline, and every later proof of the same arguments must reproduce them: the same
 token ids, each log-probability within a tolerance.
 
+With speculative decoding, the share of draft tokens the engine accepted while it
+answered is kept beside them and must not fall by more than half (a wake that zeroed
+the draft weights changes no token, only that share).
+
 A near-tie is no fault: where the baseline's best two tokens were within twice the
 tolerance, another choice there (and whatever follows it) is accepted. An answer
 without log-probabilities (an engine that does not give them) is no verdict.
@@ -26,6 +30,7 @@ from typing import Any
 import httpx
 
 from supervisor.ops.descriptors import raise_if_exhausted
+from supervisor.watchdog.metrics import MetricsParseError, parse_metrics
 from supervisor.watchdog.relaunch import apply
 
 # flags that change how much an engine holds or where it listens, not what it answers:
@@ -34,6 +39,9 @@ _CAPACITY = ("--host", "--port", "--shutdown-timeout", "--gpu-memory-utilization
              "--max-num-seqs", "--max-num-batched-tokens")
 _CAPACITY_SWITCHES = ("--enable-sleep-mode", "--disable-uvicorn-access-log")
 TOP = 2  # log-probabilities asked per position: the chosen token's and its runner-up's
+# the share of its baseline's speculative acceptance an engine may lose: greedy answers
+# of one request draft alike, but a bf16 kernel's tie can change a draft or two of ~16
+ACCEPTANCE_DROP = 0.5
 
 
 @dataclass(frozen=True)
@@ -52,14 +60,18 @@ class Answer:
 @dataclass(frozen=True)
 class Golden:
     """An engine's answers to the golden prompt: the completions route's and the chat
-    route's (None where the route gave no log-probabilities)."""
+    route's (None where the route gave no log-probabilities), and with speculative
+    decoding the share of draft tokens accepted while it answered them (None without)."""
 
     completion: Answer | None
     chat: Answer | None
+    acceptance: float | None = None
 
     def doc(self) -> dict[str, Any]:
         return {"completion": self.completion.doc() if self.completion else None,
-                "chat": self.chat.doc() if self.chat else None}
+                "chat": self.chat.doc() if self.chat else None,
+                **({"acceptance": round(self.acceptance, 4)}
+                   if self.acceptance is not None else {})}
 
 
 def baseline_key(argv: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -129,6 +141,7 @@ async def fetch(client: httpx.AsyncClient, base_url: str, model: str, prompt: st
                                       "messages": [{"role": "user", "content": prompt}]},
              parse_chat))
     got: list[Answer | None] = []
+    before = await _drafts(client, base_url, timeout_s)
     for path, body, parse in asks:
         try:
             r = await client.post(f"{base_url}{path}", json=body, timeout=timeout_s)
@@ -147,7 +160,28 @@ async def fetch(client: httpx.AsyncClient, base_url: str, model: str, prompt: st
             got.append(None)
     if all(a is None for a in got):
         return "no log-probabilities in either answer"
-    return Golden(got[0], got[1])
+    after = await _drafts(client, base_url, timeout_s)
+    acceptance = None
+    if before is not None and after is not None and after[0] > before[0]:
+        # (the engine answered nothing else meanwhile: a proof runs before it serves)
+        acceptance = (after[1] - before[1]) / (after[0] - before[0])
+    return Golden(got[0], got[1], acceptance)
+
+
+async def _drafts(client: httpx.AsyncClient, base_url: str,
+                  timeout_s: float) -> tuple[float, float] | None:
+    """Speculative decoding's counters now (draft tokens, accepted), or None (none, or
+    no page)."""
+    try:
+        r = await client.get(f"{base_url}/metrics", timeout=timeout_s)
+        snap = parse_metrics(r.text) if r.status_code == 200 else None
+    except (httpx.HTTPError, OSError, MetricsParseError) as exc:
+        raise_if_exhausted(exc)
+        return None
+    if snap is None or snap.spec_decode_draft_tokens_total is None \
+            or snap.spec_decode_accepted_tokens_total is None:
+        return None
+    return snap.spec_decode_draft_tokens_total, snap.spec_decode_accepted_tokens_total
 
 
 def compare_answer(want: Answer, got: Answer, tolerance: float) -> str | None:
@@ -169,13 +203,21 @@ def compare_answer(want: Answer, got: Answer, tolerance: float) -> str | None:
     return None
 
 
-def compare(want: Golden, got: Golden, tolerance: float) -> str | None:
+def compare(want: Golden, got: Golden, tolerance: float,
+            acceptance_drop: float = ACCEPTANCE_DROP) -> str | None:
     """Why `got` does not reproduce the baseline `want`, or None (a route either side
-    did not answer with log-probabilities is not compared)."""
+    did not answer with log-probabilities is not compared; nor acceptance where either
+    has none). Speculative decoding's acceptance may fall by `acceptance_drop` of the
+    baseline's: a wake that zeroed the draft weights falls to 0 (vllm#52487)."""
     for route, w, g in (("completion", want.completion, got.completion),
                         ("chat", want.chat, got.chat)):
         if w is not None and g is not None and (why := compare_answer(w, g, tolerance)):
             return f"{route}: {why}"
+    if want.acceptance is not None and got.acceptance is not None \
+            and got.acceptance < want.acceptance * (1 - acceptance_drop):
+        return (f"speculative decoding accepted {got.acceptance:.1%} of its draft tokens, "
+                f"the baseline {want.acceptance:.1%} (more than {acceptance_drop:.0%} "
+                f"less)")
     return None
 
 
