@@ -16,7 +16,7 @@ run: setup
 test: setup
 	.venv/bin/ruff check supervisor tests bench
 	.venv/bin/mypy
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q --durations=25
 
 # Everything but the real engine: seconds, for every edit.
 test-fast:

@@ -207,6 +207,16 @@ def main() -> None:
             if readable and not conn.recv(1, socket.MSG_PEEK):
                 return
 
+    def gone_within(conn: socket.socket, seconds: float) -> bool:
+        """Waits `seconds`, or less if the client closes the connection first (as vLLM
+        cancels a request whose client went away, its answer not begun): whether it did."""
+        until = time.monotonic() + seconds
+        while (left := until - time.monotonic()) > 0:
+            readable, _, _ = select.select([conn], [], [], min(left, 0.05))
+            if readable and not conn.recv(1, socket.MSG_PEEK):
+                return True
+        return False
+
     def die_soon() -> None:
         dying.set()
         time.sleep(0.5)
@@ -309,7 +319,14 @@ def main() -> None:
                     if req.get("stream"):
                         self._stream(req, chat=self.path == "/v1/chat/completions")
                         return
-                    time.sleep(a.token_delay * int(req.get("max_tokens") or 1))
+                    if gone_within(self.connection,
+                                   a.token_delay * int(req.get("max_tokens") or 1)):
+                        if pidfile:  # (aborted: nothing answered, as vLLM does)
+                            with open(os.path.join(os.path.dirname(pidfile), "aborts"),
+                                      "a") as f:
+                                f.write("1\n")
+                        self.close_connection = True
+                        return
                 finally:
                     with lock:
                         running[0] -= 1

@@ -45,10 +45,11 @@ from supervisor.engine.events import (
     TreeSeen,
     Woken,
 )
+from supervisor.engine.probes import EngineProbes
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock, Jobs, http_client
 from supervisor.ops.descriptors import OutOfDescriptors, Shortage, exhausted
-from supervisor.watchdog import canary, evidence, golden, hostheat, remedy
+from supervisor.watchdog import evidence, golden, hostheat, remedy
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
 from supervisor.watchdog.poller import scrape
 from supervisor.watchdog.remedy import WarmUp
@@ -86,12 +87,10 @@ class JobEffects:
                      for b in (0, 1)]
         self._in_bay: dict[int, eng.EngineProcess] = {}  # watched, not yet forgotten
         self._jobs = Jobs()
-        # each engine's: held by each canary probe, and by a KV reset from its drain to
-        # its end (the daemon's own generations are engine traffic the drain must wait
-        # for too); one per engine, so that a hung engine's canary never delays the
-        # proof of the standby that replaces it
-        self._probe_locks: dict[int, asyncio.Lock] = {}
-        self._probes: dict[int, int] = {}  # the daemon's own generations at each engine
+        # the daemon's own requests to each engine, and the lock that keeps them from a
+        # KV reset; one per engine, so that a hung engine's canary never delays the
+        # proof of the standby that replaces it (engine/probes.py)
+        self.probes = EngineProbes(config, clock)
 
     def _launch(self, coro: Any, what: str) -> asyncio.Task[Any]:
         return self._jobs.launch(coro, what)
@@ -159,8 +158,7 @@ class JobEffects:
         guard.disarm()
         if self._in_bay.get(engine.bay) is engine:
             del self._in_bay[engine.bay]
-        self._probe_locks.pop(engine.generation, None)
-        self._probes.pop(engine.generation, None)
+        self.probes.forget(engine)
 
     def drain(self, engine: eng.EngineProcess, deadline: float) -> None:
         self._launch(self._drain(engine, deadline), "drain")
@@ -186,10 +184,7 @@ class JobEffects:
         proctree.kill_group(engine.pgid, engine.known)
 
     def probes_in_flight(self) -> int:
-        return sum(self._probes.values())
-
-    def _lock(self, engine: eng.EngineProcess) -> asyncio.Lock:
-        return self._probe_locks.setdefault(engine.generation, asyncio.Lock())
+        return self.probes.in_flight()
 
     def after(self, delay_s: float, event: Event) -> Timer:
         queue = self.queue
@@ -408,8 +403,8 @@ class JobEffects:
         async with http_client() as client:
             for _ in range(3):
                 try:
-                    model, _, outcome = await self._probe(client, engine, None)
-                    answers = await self._golden(client, engine, model) \
+                    model, _, outcome = await self.probes.probe(client, engine, None)
+                    answers = await self.probes.answers(client, engine, model) \
                         if golden and outcome.ok and model is not None else None
                 except OutOfDescriptors as exc:  # (the gate opens all the same, bounded)
                     error = str(exc)
@@ -438,42 +433,19 @@ class JobEffects:
         env = eng.build_spawn_spec(engine.config, self.environ).env
         if self.front is None or remedy.sleep_mode_flags(engine.spec.argv, env) is not None:
             return None, None
-        async with self._lock(engine):
+        async with self.probes.lock(engine):
             warmed = await remedy.warm_up(client, engine.config.base_url,
                                           remedy.SLEEP_TIMEOUT_S)
         if warmed.broken or warmed.skipped is not None or model is None:
             return warmed, None
         try:
-            _, _, outcome = await self._probe(client, engine, model)
+            _, _, outcome = await self.probes.probe(client, engine, model)
         except OutOfDescriptors:  # (the daemon could not ask: no verdict, as at the gate)
             return warmed, None
         if not outcome.ok:
             return dataclasses.replace(warmed, broken=True,
                                        error=f"a canary after its wake: {outcome.error}"), None
-        return warmed, await self._golden(client, engine, model) if with_golden else None
-
-    async def _golden(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
-                      model: str) -> golden.Golden | str | None:
-        """The engine's answers to the golden prompt (the unit judges them), when the
-        check is on; never beside a KV reset of its engine."""
-        if not self.config().canary.golden:
-            return None
-        async with self._lock(engine):
-            return await self._golden_unlocked(client, engine, model)
-
-    async def _golden_unlocked(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
-                               model: str | None = None) -> golden.Golden | str | None:
-        """(the caller holds the engine's probe lock)"""
-        cfg = self.config().canary
-        base = engine.config.base_url
-        try:
-            model = model or cfg.model or await canary.find_model(client, base, cfg.timeout_s)
-            if model is None:
-                return "no golden check: /v1/models named no model"
-            return await golden.fetch(client, base, model, cfg.golden_prompt,
-                                      cfg.golden_tokens, max(cfg.timeout_s, 5.0))
-        except OutOfDescriptors as exc:  # (no verdict: the daemon could not ask)
-            return f"no golden check: {exc}"
+        return warmed, await self.probes.answers(client, engine, model) if with_golden else None
 
     async def _drain(self, engine: eng.EngineProcess, deadline: float) -> None:
         t0 = self.clock.monotonic()
@@ -503,7 +475,7 @@ class JobEffects:
         if why is None:
             base = engine.config.base_url
             # (not in the middle of the engine's warm-up sleep: it would read as asleep)
-            async with http_client() as client, self._lock(engine):
+            async with http_client() as client, self.probes.lock(engine):
                 asleep, why = await remedy.is_sleeping(client, base, 10.0)
             if asleep:
                 why = "the engine reports it is asleep"
@@ -529,13 +501,17 @@ class JobEffects:
                 outcome = await remedy.reset_prefix_cache(client, base, 30.0)
             else:
                 c = self.config().canary
-                idle = await self.gate.wait_idle(cfg.drain_timeout_s)
-                # a canary in flight ends within its own deadline; none starts meanwhile
-                quiet = idle and await _acquire(self._lock(engine), c.timeout_s + 1.0)
+                # the daemon's own canary in flight is cut, not waited for (it waits
+                # for a place in a full batch); none starts once the lock is taken
+                self.probes.cut_canary(engine)
+                locked = await _acquire(self.probes.lock(engine), c.timeout_s + 1.0)
+                idle = locked and await self.gate.wait_idle(cfg.drain_timeout_s)
                 waited = self.clock.monotonic() - t0
-                if not quiet:
+                if not idle:
+                    if locked:
+                        self.probes.lock(engine).release()
                     busy = (f"{self.gate.in_flight} requests still in flight after "
-                            f"{cfg.drain_timeout_s:g} s" if not idle else
+                            f"{cfg.drain_timeout_s:g} s" if locked else
                             f"a canary still in flight after {c.timeout_s + 1.0:g} s")
                     outcome = remedy.RemedyOutcome(
                         False, {"drain": waited}, f"{busy}: the KV cache was not touched",
@@ -545,34 +521,13 @@ class JobEffects:
                         outcome = await remedy.kv_reset(client, base, c.model or None,
                                                         c.prompt, 60.0, max(c.timeout_s, 10.0))
                         if outcome.ok and c.golden:  # (right after its wake, not just alive)
-                            answers = await self._golden_unlocked(client, engine)
+                            answers = await self.probes.golden_unlocked(client, engine)
                     finally:
-                        self._lock(engine).release()
+                        self.probes.lock(engine).release()
                     outcome = dataclasses.replace(outcome, steps={"drain": waited,
                                                                   **outcome.steps})
         self.queue.put_nowait(RemedyDone(engine.generation, rung, outcome,
                                          self.clock.monotonic() - t0, answers))
-
-    async def _probe(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
-                     model: str | None) -> tuple[str | None, float, canary.CanaryOutcome]:
-        """One canary (the model asked for, when it began, its outcome), never beside a
-        KV reset of its engine: the daemon's own generation is engine traffic that reset
-        must drain."""
-        cfg = self.config().canary
-        base = engine.config.base_url
-        async with self._lock(engine):
-            t0 = self.clock.monotonic()
-            model = model or cfg.model or await canary.find_model(client, base, cfg.timeout_s)
-            if model is None:
-                return None, t0, canary.CanaryOutcome(False, self.clock.monotonic() - t0,
-                                                      "/v1/models named no model")
-            gen = engine.generation
-            self._probes[gen] = self._probes.get(gen, 0) + 1  # (read by the unit's task)
-            try:
-                return model, t0, await canary.probe(client, base, model, cfg.prompt,
-                                                     cfg.max_tokens, cfg.timeout_s)
-            finally:
-                self._probes[gen] = self._probes.get(gen, 1) - 1
 
     async def _canary(self, engine: eng.EngineProcess) -> None:
         """A tiny generation every period, for as long as this engine lives."""
@@ -583,7 +538,7 @@ class JobEffects:
                 await asyncio.sleep(self.config().canary.period_s)
                 # (a reloaded canary.model applies at the next probe)
                 try:
-                    model, t0, outcome = await self._probe(
+                    model, t0, outcome = await self.probes.periodic(
                         client, engine, self.config().canary.model or model)
                 except OutOfDescriptors as exc:
                     # the daemon could not send it: no outcome, never a failure of the
@@ -593,6 +548,8 @@ class JobEffects:
                 shortage.ok()
                 if engine.proc.returncode is not None:
                     return
+                if outcome is None:  # (cut for a KV reset: no outcome)
+                    continue
                 self.queue.put_nowait(CanaryDone(engine.generation, outcome, t0,
                                                  self.clock.monotonic()))
 
