@@ -1024,8 +1024,10 @@ def phase_kill_swapback(prompts: int = 8000) -> None:
     result("kill-swapback", swap_back_under_load=bool(ended and armed and armed < ended),
            protected_again_after_s=armed, bench_ended_after_fault_s=ended,
            max_itl_s=out["max_itl_s"], max_gap_s=out["max_gap_s"], failed=out["failed"],
-           short=out["short_streams"], upgrades=[e for e in out["handover"]
-                                                 if e.get("event") == "upgrade"])
+           # (the swap back is audited as a failover whose reason is the upgrade's)
+           short=out["short_streams"], upgrades=[
+               e for e in out["handover"] if e.get("event") == "upgrade"
+               or str(e.get("reason", "")).startswith("upgrade")])
 
 
 def phase_kill_twice(delay: float = 10.0) -> None:

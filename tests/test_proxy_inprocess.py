@@ -19,7 +19,7 @@ from structlog.testing import capture_logs
 from yarl import URL
 
 from supervisor.front.admission import Gate, GateLimits
-from supervisor.front.exchange import ProxySettings
+from supervisor.front.exchange import Exchange, ProxySettings
 from supervisor.front.proxy import ENGINE_HEADER, FrontProxy
 
 COMPLETION = json.dumps({
@@ -629,5 +629,30 @@ def test_a_stream_unanswered_when_its_engine_pauses_is_cut_and_sent_again_never_
             assert cut == [1, 1, 1] and len(posts) == 4
             assert proxy.backends["default"].failure_seen == {}  # no death
             assert proxy.stats.rejections == {}  # never engine_dropped
+
+    asyncio.run(main())
+
+
+def test_a_stream_admitted_as_its_engine_pauses_is_not_sent_until_it_serves() -> None:
+    """Admitted just before a pause's hold, sent after the pause cut the others: it
+    would wait at the engine for a place in the batch the pause is emptying (a KV
+    reset's drain held 1.1-1.4 s on the H100 with nothing else left), so it is not sent
+    while the hold lasts (it goes back to the held gate); once the hold is over it is."""
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+
+    async def main() -> None:
+        async with _behind_raw_engine(engine) as proxy:
+            backend = proxy.backends["default"]
+            ex = Exchange(arrived=0.0, backend=backend)
+            call = proxy._upstream.request("POST", backend.upstream, "/v1/completions",  # type: ignore[union-attr]
+                                           [], b"{}")
+            backend.gate.hold("a KV reset")
+            proxy.pause_streams("default")
+            assert not proxy.streams.unanswered(ex, call, "default")
+            backend.gate.release()  # (the reset is over: the pause with it)
+            assert proxy.streams.unanswered(ex, call, "default")
+            proxy.streams.answered(ex)
 
     asyncio.run(main())

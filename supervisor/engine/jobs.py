@@ -503,7 +503,9 @@ class JobEffects:
                 c = self.config().canary
                 # the daemon's own canary in flight is cut, not waited for (it waits
                 # for a place in a full batch); none starts once the lock is taken
-                self.probes.cut_canary(engine)
+                if self.probes.cut_canary(engine):
+                    log.info("the daemon's canary in flight cut for the KV reset",
+                             pid=engine.pid)
                 locked = await _acquire(self.probes.lock(engine), c.timeout_s + 1.0)
                 idle = locked and await self.gate.wait_idle(cfg.drain_timeout_s)
                 waited = self.clock.monotonic() - t0

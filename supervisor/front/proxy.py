@@ -509,8 +509,9 @@ class FrontProxy:
             call = self._upstream.request(request.method, ex.backend.upstream,
                                           target.upstream_path_qs, upstream_headers(request),
                                           body)
-            if plan is not None:  # (a pause of its engine cuts it until it is answered)
-                self.streams.unanswered(ex, call, ex.backend.name)
+            # (a pause of its engine cuts it until it is answered; during one, it waits)
+            if plan is not None and not self.streams.unanswered(ex, call, ex.backend.name):
+                raise NotDelivered("paused before it was sent")
             try:
                 await call.send()
             finally:

@@ -94,10 +94,16 @@ class StreamRelay:
         return (backend.generation() == start and await self.engine_healthy(backend)
                 and backend.generation() == start)
 
-    def unanswered(self, ex: Exchange, call: Call, engine: str) -> None:
-        """A continuable request sent to `engine`, its answer not begun (until
-        `answered`)."""
+    def unanswered(self, ex: Exchange, call: Call, engine: str) -> bool:
+        """A continuable request about to be sent to `engine`, its answer not begun
+        (until `answered`); False: not to be sent, its engine pausing now (admitted just
+        before the pause's hold, after the pause cut the others: it would wait for a
+        place in the batch the pause is emptying)."""
+        assert ex.backend is not None
+        if engine in self._pausing and ex.backend.gate.held_reason is not None:
+            return False
         self._unanswered[id(ex)] = (ex, call, engine)
+        return True
 
     def answered(self, ex: Exchange) -> None:
         self._unanswered.pop(id(ex), None)
