@@ -28,6 +28,7 @@ ENGINE_PY = ROOT / ".venv-engine" / "bin" / "python"
 ENGINE_VLLM = ROOT / ".venv-engine" / "bin" / "vllm"
 MODEL = ROOT / "models" / "tiny-llama"
 START_TIMEOUT = 300.0
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'
 
 
 def vllm_config(tmp: Path) -> dict[str, dict[str, object]]:
@@ -80,6 +81,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, d
     tmp = tmp_path_factory.mktemp("e2e")
     cfg = vllm_config(tmp)
     del cfg["engine"]["env"]["VLLM_CACHE_ROOT"]  # the daemon's own (engine.compile_cache)
+    # speculative decoding (n-gram drafts: no draft model to build), so that the golden
+    # check compares the share of drafts accepted across the restart below too
+    cfg["engine"]["args"] += ["--speculative-config", NGRAM]
+    # the proxy on (these tests still talk to the engine's own port): every start is then
+    # proven before it serves, the golden check with it
+    cfg["proxy"] = {"enabled": True, "listen": f"127.0.0.1:{free_port()}"}
     d = Daemon(tmp, cfg)
     try:
         yield d, cfg
@@ -178,6 +185,16 @@ def test_status_and_events_show_what_happened(served):
     # follows, as the daemon takes the tree down)
     crash = [e for e in events if e["event"] == "core_exit"]
     assert len(crash) == 1 and crash[0]["core_pid"] and crash[0]["pid"]
+    # the golden check across the restart: the same tokens, and speculative decoding's
+    # drafts accepted as at the first start (a wake or restart that broke the drafts
+    # would keep the tokens and lose this)
+    recorded = [e for e in d.events(5000) if e["event"] == "golden_recorded"]
+    assert len(recorded) == 1 and recorded[0]["acceptance"] > 0, recorded
+    golden = st["golden"]
+    assert golden["passed"] >= 1 and golden["mismatches"] == 0, golden
+    last = golden["last"]
+    assert last["verdict"] == "ok" and last["acceptance"] > 0.5 * last["baseline_acceptance"]
+    print("golden check across the restart:", json.dumps(last))
 
 
 def test_ctl_stop_leaves_no_process_and_exits_zero(served):

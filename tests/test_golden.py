@@ -75,6 +75,10 @@ def test_speculative_acceptance_may_dip_but_not_fall_to_nothing() -> None:
     assert golden.compare(want, same, 0.1) is None
     assert golden.compare(same, golden.Golden(same.completion, same.chat, 0.0), 0.1) is None
     assert want.doc()["acceptance"] == 0.69 and "acceptance" not in same.doc()
+    # counted only for an engine that drafts
+    assert golden.speculative(["vllm", "serve", "m", "--speculative-config", "{}"])
+    assert golden.speculative(["vllm", "serve", "m", '--speculative_config={"n": 2}'])
+    assert not golden.speculative(["vllm", "serve", "m", "--max-num-seqs", "8"])
 
 
 def test_a_near_tie_in_the_baseline_may_go_either_way() -> None:

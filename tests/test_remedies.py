@@ -68,9 +68,9 @@ def test_kv_reset_holds_new_requests_sleeps_a_drained_engine_and_releases_them(
 
 def test_kv_reset_cuts_the_daemons_own_canary_before_the_engine_sleeps(
         daemon_factory, tmp_path):
-    # each canary generates 16 tokens at 0.2 s: in flight 3.2 s of every 3.7 s (under a
-    # full batch vLLM keeps it waiting for a place as long: 1.4 s on the H100)
-    cfg = sleepy_config(tmp_path, "--token-delay", "0.2",
+    # each canary generates 16 tokens at 0.1 s: in flight 1.6 s (under a full batch vLLM
+    # keeps it waiting for a place about as long: 1.4 s on the H100)
+    cfg = sleepy_config(tmp_path, "--token-delay", "0.1",
                         canary={"period_s": 0.5, "timeout_s": 6.0, "max_tokens": 16})
     d = daemon_factory(cfg)
     d.wait_state("RUNNING")

@@ -22,6 +22,7 @@ from tests.fake_engine import prompt_ids
 from tests.harness import wait_for
 from tests.test_continuation_proxy import Seen, comp, expected_text, metrics, run
 from tests.test_e2e_prometheus import NEEDS_STANDBY
+from tests.test_e2e_vllm import NGRAM
 from tests.test_proxy import proxy_config, url
 
 N = 150  # tokens a stream; 3 s at 0.02 s a token: in flight at the fault
@@ -305,7 +306,7 @@ def test_a_standby_that_wakes_answering_otherwise_is_refused_by_the_golden_check
     evidence."""
     fault = tmp_path / "wake-fault"
     cfg = sleep_config(tmp_path, "--logprobs", "--wake-fault-file", str(fault),
-                       "--spec-acceptance", "0.6")
+                       "--spec-acceptance", "0.6", "--speculative-config", NGRAM)
     d = daemon_factory(cfg)
     d.wait_state("RUNNING")
     wait_for(lambda: standby_ready(d), 30, "the standby ready")

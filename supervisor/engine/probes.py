@@ -125,7 +125,10 @@ class EngineProbes:
             model = model or cfg.model or await canary.find_model(client, base, cfg.timeout_s)
             if model is None:
                 return "no golden check: /v1/models named no model"
+            # (its /metrics read only where there are drafts to count: a KV reset's
+            # held requests wait for this check)
             return await golden.fetch(client, base, model, cfg.golden_prompt,
-                                      cfg.golden_tokens, max(cfg.timeout_s, 5.0))
+                                      cfg.golden_tokens, max(cfg.timeout_s, 5.0),
+                                      drafts=golden.speculative(engine.spec.argv))
         except OutOfDescriptors as exc:  # (no verdict: the daemon could not ask)
             return f"no golden check: {exc}"

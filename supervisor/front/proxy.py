@@ -404,12 +404,14 @@ class FrontProxy:
                     ex.status, ex.outcome = 503, "hold_timeout"
                     return self._error(503, f"the engine did not come back: {exc}",
                                        "hold_timeout")
-                await asyncio.sleep(0.2)
-                with contextlib.suppress(routing.UnknownModel):  # (removed by a reload)
-                    choices = dispatch.choices(self.backends, facts, body)
             finally:
                 ex.left()
                 choice.backend.gate.done(ticket)
+            # (its slot given back first: a drain, a KV reset's, waits for no request that
+            # is only waiting to go again)
+            await asyncio.sleep(0.2)
+            with contextlib.suppress(routing.UnknownModel):  # (removed by a reload)
+                choices = dispatch.choices(self.backends, facts, body)
         return await self.streams.continue_stream(request, broken, ex)
 
     async def _learn_max_model_len(self, backend: Backend) -> None:

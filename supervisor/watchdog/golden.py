@@ -128,20 +128,29 @@ def parse_chat(doc: Any) -> Answer | None:
         return None
 
 
+def speculative(argv: list[str] | tuple[str, ...]) -> bool:
+    """The engine decodes speculatively (its drafts' acceptance is then compared)."""
+    return any(a.split("=", 1)[0] in ("--speculative-config", "--speculative_config")
+               for a in argv)
+
+
 async def fetch(client: httpx.AsyncClient, base_url: str, model: str, prompt: str,
-                max_tokens: int, timeout_s: float) -> Golden | str:
+                max_tokens: int, timeout_s: float, drafts: bool = False) -> Golden | str:
     """The engine's greedy answers to `prompt` on both routes, or why there are none
-    (an error, or no log-probabilities). Raises OutOfDescriptors when the daemon could
-    not ask."""
+    (an error, or no log-probabilities); with `drafts`, the share of draft tokens it
+    accepted meanwhile, from its /metrics before and after. Raises OutOfDescriptors when
+    the daemon could not ask."""
+    # (ignore_eos: always `max_tokens` tokens to compare, and drafts to count, where a
+    # model would stop at once)
     common = {"model": model, "max_tokens": max_tokens, "temperature": 0,
-              "return_tokens_as_token_ids": True}
+              "ignore_eos": True, "return_tokens_as_token_ids": True}
     asks = (("/v1/completions", {**common, "prompt": prompt, "logprobs": TOP},
              parse_completion),
             ("/v1/chat/completions", {**common, "logprobs": True, "top_logprobs": TOP,
                                       "messages": [{"role": "user", "content": prompt}]},
              parse_chat))
     got: list[Answer | None] = []
-    before = await _drafts(client, base_url, timeout_s)
+    before = await _drafts(client, base_url, timeout_s) if drafts else None
     for path, body, parse in asks:
         try:
             r = await client.post(f"{base_url}{path}", json=body, timeout=timeout_s)
@@ -160,7 +169,7 @@ async def fetch(client: httpx.AsyncClient, base_url: str, model: str, prompt: st
             got.append(None)
     if all(a is None for a in got):
         return "no log-probabilities in either answer"
-    after = await _drafts(client, base_url, timeout_s)
+    after = await _drafts(client, base_url, timeout_s) if before is not None else None
     acceptance = None
     if before is not None and after is not None and after[0] > before[0]:
         # (the engine answered nothing else meanwhile: a proof runs before it serves)
