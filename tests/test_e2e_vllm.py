@@ -44,7 +44,7 @@ def vllm_config(tmp: Path) -> dict[str, dict[str, object]]:
                      "--max-model-len", "512", "--dtype", "float32", "--enforce-eager"],
             # vLLM's own cache root, shared by the tests' engines (what a start learns of
             # the model is not learned again by each daemon's fresh state directory); the
-            # `served` daemon below keeps its engine's cache itself
+            # daemon's own is tested by test_sigkill_of_daemon_leaves_no_engine_process
             "env": {"VLLM_CPU_KVCACHE_SPACE": "1",
                     "VLLM_CACHE_ROOT": str(Path.home() / ".cache" / "vllm")},
             "port": free_port(), "startup_timeout_s": START_TIMEOUT,
@@ -80,7 +80,6 @@ def ts(record: dict[str, object]) -> float:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, dict]]:
     tmp = tmp_path_factory.mktemp("e2e")
     cfg = vllm_config(tmp)
-    del cfg["engine"]["env"]["VLLM_CACHE_ROOT"]  # the daemon's own (engine.compile_cache)
     # speculative decoding (n-gram drafts: no draft model to build), so that the golden
     # check compares the share of drafts accepted across the restart below too
     cfg["engine"]["args"] += ["--speculative-config", NGRAM]
@@ -119,17 +118,6 @@ def test_daemon_starts_the_engine_and_a_completion_is_served(served):
     assert any(r.get("source") == "engine" and r.get("proc") == "APIServer" for r in recs)
     assert any(r.get("source") == "engine" and str(r.get("proc", "")).startswith("EngineCore")
                for r in recs)
-    # its compile cache is the daemon's, under the state directory, in a folder of the
-    # vLLM version installed in the engine's venv, and what vLLM keeps there is measured
-    version = subprocess.run(
-        [str(ENGINE_PY), "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
-        capture_output=True, text=True, timeout=60).stdout.strip()
-    cache = wait_for(lambda: (c := d.status()["compile_cache"]) and c["bytes"] and c, 30,
-                     "the engine's compile cache measured")
-    assert cache["vllm_version"] == version and version.startswith("0.")
-    assert cache["dir"] == str(Path(cfg["audit"]["path"]).parent / "vllm-cache" / "default"
-                               / version)
-    print("compile cache:", json.dumps(cache))
 
 
 def test_sigkill_of_engine_core_is_detected_and_the_engine_serves_again(served):
@@ -209,11 +197,25 @@ def test_ctl_stop_leaves_no_process_and_exits_zero(served):
 
 
 def test_sigkill_of_daemon_leaves_no_engine_process(tmp_path):
-    d = Daemon(tmp_path, vllm_config(tmp_path))
+    cfg = vllm_config(tmp_path)
+    del cfg["engine"]["env"]["VLLM_CACHE_ROOT"]  # the daemon's own (engine.compile_cache)
+    d = Daemon(tmp_path, cfg)
     seen: list[int] = []
     try:
         st = d.wait_state("RUNNING", START_TIMEOUT)
         seen = [p.pid for p in tree(st["pid"])]
+        # its compile cache is the daemon's, under the state directory, in a folder of
+        # the vLLM version installed in the engine's venv, and what vLLM keeps there is
+        # measured (the other tests' engines share vLLM's default one: warm starts)
+        version = subprocess.run(
+            [str(ENGINE_PY), "-c",
+             "import importlib.metadata as m; print(m.version('vllm'))"],
+            capture_output=True, text=True, timeout=60).stdout.strip()
+        cache = wait_for(lambda: (c := d.status()["compile_cache"]) and c["bytes"] and c,
+                         30, "the engine's compile cache measured")
+        assert cache["vllm_version"] == version and version.startswith("0.")
+        assert cache["dir"] == str(tmp_path / "vllm-cache" / "default" / version)
+        print("compile cache:", json.dumps(cache))
         os.kill(d.pid, signal.SIGKILL)
         d.proc.wait(5)
         wait_for(lambda: alive(seen) == [], 10, "the engine tree to die with the daemon")

@@ -237,8 +237,12 @@ class JobEffects:
         if not cfg.compile_cache:
             return None
         root = Path(self.config().audit.path).parent / "vllm-cache" / self.name
-        return await compile_cache.prepare(spec.env, spec.argv, spec.cwd, root, self.name,
-                                           self.clock.monotonic)
+        try:
+            return await compile_cache.prepare(spec.env, spec.argv, spec.cwd, root,
+                                               self.name, self.clock.monotonic)
+        except Exception as exc:  # (never a failed or stuck start for the cache's sake)
+            log.warning("no compile cache of the daemon's for this start", error=repr(exc))
+            return None
 
     async def _check_and_spawn(self, generation: int, spec: eng.SpawnSpec, cfg: EngineConfig,
                                bay: int, leftovers: list[str]) -> eng.EngineProcess:
