@@ -74,6 +74,11 @@ def test_the_two_versions_last_started_are_kept(tmp_path: Path) -> None:
     assert asyncio.run(cc.prepare(own, [sys.executable], None, root, "e",
                                   time.monotonic)) is None
     assert sorted(p.name for p in root.iterdir()) == ["0.33.0", "0.34.0"]
+    # a version that cannot be told: the folder last started, not a cold one
+    mute = script(tmp_path / "bin-python3", "#!/bin/sh\nexit 1\n")
+    again = asyncio.run(cc.prepare({"PATH": os.environ["PATH"]}, [str(mute)], None, root,
+                                   "e", time.monotonic))
+    assert again is not None and again.dir == str(root / "0.34.0") and again.version is None
     # a name no folder can have is made safe
     assert cc.folder_for(root, "1.0/../x y").name == "1.0_.._x_y"
     assert cc.folder_for(root, None).name == "unknown"

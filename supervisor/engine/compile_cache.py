@@ -138,6 +138,17 @@ def size_of(folder: str) -> int:
     return total
 
 
+def _last_used(root: Path) -> Path:
+    """Where the version cannot be told (its interpreter slow to answer): the folder last
+    started, rather than a cold start in a new one."""
+    try:
+        used = max((p for p in root.iterdir() if p.is_dir()),
+                   key=lambda p: p.stat().st_mtime, default=None)
+    except OSError:
+        used = None
+    return used or folder_for(root, None)
+
+
 def _make(folder: Path, root: Path) -> tuple[list[str], int]:
     folder.mkdir(parents=True, exist_ok=True)
     os.utime(folder)  # the last start of this version: what prune keeps
@@ -152,7 +163,7 @@ async def prepare(env: Mapping[str, str], argv: Sequence[str], cwd: str | None, 
     if CACHE_ENV in env:
         return None
     version = await installed_version(argv, env, cwd)
-    folder = folder_for(root, version)
+    folder = folder_for(root, version) if version else _last_used(root)
     try:
         dropped, size = await asyncio.to_thread(_make, folder, root)
     except OSError as exc:
