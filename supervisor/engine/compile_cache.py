@@ -13,8 +13,8 @@ serving engine's folder is in `status`. An operator's own VLLM_CACHE_ROOT in
 `engine.env` wins; `engine.compile_cache = false` leaves vLLM's default.
 
 Nothing here fails a start: a version that cannot be read keeps the folder last started
-(else `unknown`), a folder that
-cannot be made leaves the engine on vLLM's default, each said in the log.
+(else `unknown`), a folder that cannot be made leaves the engine on vLLM's default, each
+said in the log.
 """
 
 from __future__ import annotations
