@@ -110,6 +110,10 @@ def test_daemon_starts_the_engine_and_a_completion_is_served(served):
     # the engine's /metrics are scraped into status: the completion's tokens show up
     sig = wait_for(lambda: (s := d.status()["signals"])["kv_blocks_total"] and s,
                    30, "a scrape of the engine's /metrics")
+    # the first start's golden answers recorded (its proof, before it serves the proxy):
+    # the baseline the restart below is compared with
+    wait_for(lambda: d.status()["golden"]["baselines"] == 1, 120,
+             "the golden baseline of the first start")
     assert sig["kv_cache_usage"] is not None and sig["metrics_age_s"] < 10
     assert sig["requests_waiting"] == 0
     assert sig["engine_rss_bytes"] > 200 << 20  # API server, engine core and worker
