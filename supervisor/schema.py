@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from supervisor.watchdog.conditions import parse_condition
@@ -140,19 +140,27 @@ def build_section(name: str, cls: type[Any], table: Any, problems: list[str]) ->
 _RULE_NUMBERS = ("for_s", "clear_for_s", "cooldown_s", "escalate_after_s")
 
 
+def named_tables(prefix: str, table: Any,
+                 problems: list[str]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """Each `[PREFIX.NAME]` table as (NAME, its key path, its table); what is not a table
+    is a problem named by its key, and skipped."""
+    if not isinstance(table, dict):
+        problems.append(f"{prefix}: expected tables [{prefix}.NAME], got {table!r}")
+        return
+    for name, raw in table.items():
+        key = f"{prefix}.{name}"
+        if isinstance(raw, dict):
+            yield name, key, raw
+        else:
+            problems.append(f"{key}: expected a table, got {raw!r}")
+
+
 def build_rules(prefix: str, table: Any, problems: list[str]) -> dict[str, RuleConfig]:
     """[policy.rules.NAME] tables over the defaults: a default rule takes the keys given
     and keeps the others; a new rule needs `when` and `action`."""
     rules = dict(DEFAULT_RULES)
-    if not isinstance(table, dict):
-        problems.append(f"{prefix}: expected tables [{prefix}.NAME], got {table!r}")
-        return rules
     known = [f.name for f in dataclasses.fields(RuleConfig)]
-    for name, raw in table.items():
-        key = f"{prefix}.{name}"
-        if not isinstance(raw, dict):
-            problems.append(f"{key}: expected a table, got {raw!r}")
-            continue
+    for name, key, raw in named_tables(prefix, table, problems):
         values: dict[str, Any] = {}
         base = DEFAULT_RULES.get(name)
         for k, v in raw.items():

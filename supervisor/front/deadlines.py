@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from supervisor.schema import named_tables
+
 KEYS = {"request_timeout_s": 86400.0, "stall_timeout_s": 3600.0}  # each one's upper bound
 
 
@@ -29,14 +31,7 @@ class Deadline:
 def build(prefix: str, table: Any, problems: list[str]) -> dict[str, Deadline]:
     """`[proxy.deadlines.NAME]` tables; every problem one line naming its key."""
     out: dict[str, Deadline] = {}
-    if not isinstance(table, dict):
-        problems.append(f"{prefix}: expected tables [{prefix}.NAME], got {table!r}")
-        return out
-    for name, raw in table.items():
-        key = f"{prefix}.{name}"
-        if not isinstance(raw, dict):
-            problems.append(f"{key}: expected a table, got {raw!r}")
-            continue
+    for name, key, raw in named_tables(prefix, table, problems):
         values: dict[str, float] = {}
         for k, v in raw.items():
             if k not in KEYS:
