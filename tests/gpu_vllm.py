@@ -48,6 +48,7 @@ its 10-minute calls, the daemon living on between them in its own session:
                                         # command again goes on where the last call stopped
     python3 tests/gpu_vllm.py stop      # stopped; nothing left on the GPU
 
+TP=2 (with SHAPE=8b, on nvidia-h100-x2): both engines `--tensor-parallel-size 2`, gpus 0 and 1.
 SHAPE=8b (issue 35's setup): the model is ~/m8b, made from the staged tiny model's files
 with Llama-3.1-8B's dimensions (`--load-format dummy`: real sizes, random weights), both
 engines at `--gpu-memory-utilization 0.88` with torch.compile and CUDA graphs (no
@@ -84,6 +85,7 @@ SUP_SITE = os.environ.get("SUP_SITE", "/tmp/sup-site")
 VLLM_SITE = os.environ.get("VLLM_SITE", str(Path.home() / "vllm-site"))
 SHAPE = os.environ.get("SHAPE", "tiny")  # "8b": Llama-3.1-8B's shape, random weights
 STAGED = Path.home() / "vllm-stage" / "model"  # the tiny model, as staged
+TP = int(os.environ.get("TP", "1"))  # >1: both engines tensor-parallel on GPUs 0..TP-1
 MODEL = os.environ.get("MODEL", str(Path.home() / "m8b" if SHAPE == "8b" else STAGED))
 PROXY = "127.0.0.1:8000"
 EXPORTER = "127.0.0.1:9402"
@@ -264,6 +266,9 @@ def phase_start(standby: str | None = None, share: str | None = None,
         args = ["--served-model-name", "tiny-llama", "--load-format", "dummy",
                 "--dtype", "bfloat16", "--max-model-len", "2048", "--enable-sleep-mode",
                 "--gpu-memory-utilization", share]
+        if TP > 1:  # issue 35's (a) with a TP engine: both engines span the same GPUs
+            args += ["--tensor-parallel-size", str(TP)]
+            demo["engine"]["gpus"] = list(range(TP))
         extra = {"startup_timeout_s": 600.0, "drain": "continue"}
     else:
         standby, share = standby or "none", share or "0.3"
