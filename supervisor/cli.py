@@ -16,7 +16,8 @@ from pathlib import Path
 import structlog
 
 from supervisor import __version__, loop
-from supervisor.config import EX_CONFIG, Config, ConfigError, EngineConfig, load_config
+from supervisor.config import EX_CONFIG, Config, ConfigError, load_config
+from supervisor.config_sections import EngineConfig
 from supervisor.control.server import ControlSocketError
 from supervisor.front.proxy import ProxyError
 from supervisor.host import Host

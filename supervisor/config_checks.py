@@ -17,8 +17,8 @@ from supervisor import engine_checks
 from supervisor.fleet.router import url_problem
 from supervisor.ops.exporter import parse_listen
 
-# What the rules read of the sections (`supervisor/config.py`'s dataclasses, which import
-# this module: so by their shapes here, not by name).
+# What the rules read of the sections (the dataclasses of `supervisor/config_sections.py`):
+# by their shapes here, not by name.
 
 
 class EngineConfig(engine_checks.CheckedEngine, Protocol):

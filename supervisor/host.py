@@ -29,7 +29,8 @@ from typing import Any
 
 import structlog
 
-from supervisor.config import Config, ConfigError, EngineConfig, load_config
+from supervisor.config import Config, ConfigError, load_config
+from supervisor.config_sections import EngineConfig
 from supervisor.control import handlers
 from supervisor.control.server import ControlServer
 from supervisor.engine.events import (

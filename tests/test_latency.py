@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.config import EngineConfig
+from supervisor.config_sections import EngineConfig
 from supervisor.front.latency import KINDS, ClientLatency, Histogram
 from supervisor.ops.exposition import ExporterView, ProxyView, render_metrics
 

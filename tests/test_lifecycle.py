@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor.config import RestartConfig
+from supervisor.config_sections import RestartConfig
 from supervisor.engine.lifecycle import RestartTracker
 from supervisor.engine.states import TRANSITIONS, State, TransitionError, check_transition
 

@@ -104,7 +104,7 @@ def test_the_control_server_answers_garbage_with_an_error_and_keeps_the_connecti
 
     from structlog.testing import capture_logs
 
-    from supervisor.config import ControlConfig
+    from supervisor.config_sections import ControlConfig
     from supervisor.control.server import ControlServer
 
     async def submit(cmd, args):
@@ -152,7 +152,7 @@ def test_the_control_server_replies_when_serving_a_connection_fails(tmp_path, mo
 
     from structlog.testing import capture_logs
 
-    from supervisor.config import ControlConfig
+    from supervisor.config_sections import ControlConfig
     from supervisor.control import server as server_module
     from supervisor.control.server import ControlServer
 

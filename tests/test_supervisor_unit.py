@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from supervisor.config import EngineConfig, parse_config
+from supervisor.config import parse_config
+from supervisor.config_sections import EngineConfig
 from supervisor.engine.events import (
     BackoffElapsed,
     CanaryDone,

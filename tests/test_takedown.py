@@ -6,7 +6,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from supervisor.config import EngineConfig
+from supervisor.config_sections import EngineConfig
 from supervisor.engine import process as eng
 from supervisor.engine import proctree
 from supervisor.watchdog.gpu import NoGpu

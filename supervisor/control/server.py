@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from supervisor.config import ControlConfig
+from supervisor.config_sections import ControlConfig
 from supervisor.control import protocol
 
 log = structlog.get_logger("supervisor.control")

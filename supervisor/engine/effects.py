@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol
 
-from supervisor.config import EngineConfig
+from supervisor.config_sections import EngineConfig
 from supervisor.engine.events import Event
 from supervisor.engine.process import EngineProcess, SpawnSpec
 from supervisor.watchdog import evidence

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import structlog
 
-from supervisor.config import RestartConfig
+from supervisor.config_sections import RestartConfig
 from supervisor.engine import process as eng
 from supervisor.engine import steps as do
 from supervisor.engine.events import BackoffElapsed

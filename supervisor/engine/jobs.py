@@ -19,7 +19,8 @@ from typing import Any
 import httpx
 import structlog
 
-from supervisor.config import Config, EngineConfig, MetricsConfig
+from supervisor.config import Config
+from supervisor.config_sections import EngineConfig, MetricsConfig
 from supervisor.engine import compile_cache, proctree
 from supervisor.engine import process as eng
 from supervisor.engine.compile_cache import CACHE_ENV

@@ -25,7 +25,7 @@ from typing import TypeVar
 import httpx
 import structlog
 
-from supervisor.config import EngineConfig
+from supervisor.config_sections import EngineConfig
 from supervisor.engine import proctree
 from supervisor.engine.compile_cache import CacheInfo
 from supervisor.engine.enginelog import parse_engine_line, phase_of, route_of

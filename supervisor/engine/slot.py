@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from supervisor.config import EngineConfig
+from supervisor.config_sections import EngineConfig
 from supervisor.engine import process as eng
 from supervisor.engine import proctree
 from supervisor.engine.effects import Effects

@@ -21,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from supervisor.config import EngineConfig
+from supervisor.config_sections import EngineConfig
 from supervisor.engine import process as eng
 from supervisor.engine.effects import Effects, Timer
 from supervisor.engine.events import (

@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from supervisor.config import Config, EngineConfig
+from supervisor.config import Config
+from supervisor.config_sections import EngineConfig
 from supervisor.engine import process as eng
 from supervisor.engine.events import DecisionRecord
 from supervisor.engine.intents import EvidenceFor

@@ -25,7 +25,8 @@ from typing import Any
 import structlog
 
 from supervisor import engine_checks
-from supervisor.config import DEFAULT_ENGINE, Config, EngineConfig
+from supervisor.config import DEFAULT_ENGINE, Config
+from supervisor.config_sections import EngineConfig
 from supervisor.engine import process as eng
 from supervisor.engine import steps as do
 from supervisor.engine import views

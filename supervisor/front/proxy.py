@@ -28,8 +28,9 @@ cannot be continued ends with an explicit error event and no `[DONE]`, never as 
 but short answer. Any other answer the engine had started fails fast with 502, since it
 cannot be saved. A request an engine that still serves drops unanswered (its connection
 closed, its /health 200) is no death of the engine's: it is sent again at most twice,
-then answered 502 (`streams.RESENDS_AFTER_DROP`). The proxy's own `/healthz` and
-`/readyz` answer load balancers.
+then answered 502 (`streams.RESENDS_AFTER_DROP`). A request past its total deadline is
+ended by `supervisor/front/request_timeout.py`. The proxy's own `/healthz` and `/readyz`
+answer load balancers (`supervisor/front/readiness.py`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,15 @@ from collections.abc import Callable
 
 import structlog
 
-from supervisor.front import continuation, deadlines, dispatch, quarantine, routing, sse
+from supervisor.front import (
+    continuation,
+    deadlines,
+    dispatch,
+    quarantine,
+    readiness,
+    request_timeout,
+    routing,
+)
 from supervisor.front.admission import Gate, Rejected
 from supervisor.front.continuation import Transcript
 from supervisor.front.dispatch import Backend, Choice, RequestFacts, read_request
@@ -131,10 +140,7 @@ class FrontProxy:
 
     def ready(self) -> bool:
         """Every engine's models can be answered now: by the engine, or its fallback."""
-        if not self.backends:
-            return False
-        serving = {n for n, b in self.backends.items() if b.serving()}
-        return all(n in serving or b.fallback in serving for n, b in self.backends.items())
+        return readiness.ready(self.backends)
 
     async def start(self) -> None:
         """Listen; raises ProxyError naming the address when it cannot."""
@@ -250,7 +256,7 @@ class FrontProxy:
         try:
             target = read_target(request.raw_path)
             if target.path in LOCAL:
-                return self._answer_locally(target.path)
+                return readiness.answer(target.path, self.backends)
             self.routes.check(target.path)
         except PathRefused as exc:
             log.warning("request path refused", reason=exc.reason, status=exc.status,
@@ -284,46 +290,13 @@ class FrontProxy:
             self.s.request_timeout_s, self.s.stall_timeout_s)
         try:
             if ex.request_timeout_s > 0:
-                return await self._within_deadline(request, target, facts, body, choices,
-                                                   ex)
+                return await request_timeout.within(
+                    request, target.path, ex, self.stats, self._error,
+                    lambda: self._admit_and_forward(request, target, facts, body, choices,
+                                                    ex))
             return await self._admit_and_forward(request, target, facts, body, choices, ex)
         finally:
             self._finish(request, target, ex)
-
-    async def _within_deadline(self, request: Request, target: Target,
-                               facts: RequestFacts, body: bytes, choices: list[Choice],
-                               ex: Exchange) -> StreamResponse:
-        """`request_timeout_s` (the proxy's, its engine's or its model's) from the
-        request's arrival, whatever it waits for (the hold, the engine, a continuation):
-        past it, its engine request is cancelled (vLLM aborts it) and the client told: an
-        error event `request_timeout` ending a stream (no [DONE]), a 504 before any
-        answer, a cut of any other begun answer."""
-        limit = ex.request_timeout_s
-        loop = asyncio.get_running_loop()
-        when = loop.time() + (ex.arrived + limit - time.monotonic())
-        try:
-            async with asyncio.timeout_at(when) as cm:
-                return await self._admit_and_forward(request, target, facts, body,
-                                                     choices, ex)
-        except TimeoutError:
-            if not cm.expired():
-                raise
-        message = f"request_timeout: the request ran past its deadline ({limit:g} s)"
-        log.warning("request timed out", path=target.path, limit_s=limit,
-                    events=ex.events, stream=ex.stream)
-        resp = ex.resp
-        ex.outcome = "request_timeout"
-        if isinstance(resp, StreamResponse) and resp.prepared:
-            self.stats.reject("request_timeout")  # (`_error` counts the 504's)
-            if ex.stream and not isinstance(resp, Response):
-                with contextlib.suppress(ConnectionError):
-                    await resp.write(sse.error_event(message, 504, "request_timeout"))
-                    await resp.write_eof()
-            elif request.transport is not None:
-                request.transport.close()  # (a begun answer of another kind: cut)
-            return resp
-        ex.status = 504
-        return self._error(504, message, "request_timeout")
 
     async def _list_models(self) -> Response:
         """GET /v1/models with several engines: every model served here, each once, as
@@ -357,7 +330,7 @@ class FrontProxy:
             # (only a request no engine has died with: one that has must stay here, where
             # its deaths are counted, or a killer would travel the fleet unrefused)
             if self.s.refuse_when_unhealthy and ex.deaths == 0 \
-                    and (why := _all_unhealthy(choices)):
+                    and (why := readiness.all_unhealthy(choices)):
                 ex.status, ex.outcome = 503, "engine_unavailable"
                 return self._error(503, f"not served on this host now ({why}): try another",
                                    "engine_unavailable", choices)
@@ -479,26 +452,7 @@ class FrontProxy:
         """Why a router should not send requests here now, one line per engine whose
         models nothing else here answers; [] when every model is served now or within a
         short wait (docs/fleet.md)."""
-        if not self.backends:
-            return ["no engine"]
-        ok = {n for n, b in self.backends.items() if b.unhealthy() is None}
-        return [f"engine {n}: {b.unhealthy()}" for n, b in self.backends.items()
-                if n not in ok and b.fallback not in ok]
-
-    def _answer_locally(self, path: str) -> Response:
-        """/healthz: the daemon runs. /readyz: every engine's models are served now (its
-        gate open). vLLM's /health and /ping, which routers and clients probe: served now
-        or within a short wait (a handover to the standby, a KV reset), else 503 naming
-        why; never 200 for a frozen engine whose own /health still says 200."""
-        if path == "/healthz":
-            return Response(text="ok\n")
-        if path == "/readyz":
-            return Response(text="ready\n") if self.ready() \
-                else Response(status=503, text="not ready\n")
-        problems = self.unhealthy()
-        if not problems:
-            return Response(text="ready\n")
-        return Response(status=503, text="not ready: " + "; ".join(problems)[:1000] + "\n")
+        return readiness.unhealthy(self.backends)
 
     async def _forward(self, request: Request, target: Target, body: bytes,
                        ex: Exchange, plan: continuation.Plan | None) -> StreamResponse:
@@ -593,11 +547,3 @@ class FrontProxy:
 class ProxyError(Exception):
     pass
 
-
-def _all_unhealthy(choices: list[Choice]) -> str | None:
-    """Why none of these engines will serve within a short wait; None when one will. (An
-    open KV breaker is no such reason: the engine serves, saturated, and a request held
-    here is served as the cache frees, where one sent on may find every host as full.)"""
-    whys = [c.backend.gate.unhealthy for c in choices]
-    return None if any(w is None for w in whys) else "; ".join(
-        f"{c.backend.name}: {w}" for c, w in zip(choices, whys, strict=True))
