@@ -13,10 +13,10 @@ run: setup
 	.venv/bin/vllm-supervisor run --config $(or $(CONFIG),config.toml)
 
 # The whole suite: lint, types, unit, component, systemd and end-to-end (real vLLM).
-# The tests without the real engine run in 3 processes, a test file each (they mostly wait
-# on sockets and timers: 12.6 -> 4.7 min on 2 cores); the end-to-end ones one at a time
-# (two real engines at once on 2 cores stretched a failover's gaps past their bound).
-PARALLEL ?= -n 3 --dist loadfile
+# The tests without the real engine run in 2 processes, a test file each (they mostly wait
+# on sockets and timers); the end-to-end ones one at a time (two real engines at once on
+# 2 cores stretched a failover's gaps past their bound).
+PARALLEL ?= -n 2 --dist loadfile
 test: setup
 	.venv/bin/ruff check supervisor tests bench
 	.venv/bin/mypy
