@@ -66,6 +66,7 @@ $WORK/results.jsonl; failures raise.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -87,6 +88,7 @@ SHAPE = os.environ.get("SHAPE", "tiny")  # "8b": Llama-3.1-8B's shape, random we
 STAGED = Path.home() / "vllm-stage" / "model"  # the tiny model, as staged
 TP = int(os.environ.get("TP", "1"))  # >1: both engines tensor-parallel on GPUs 0..TP-1
 MODEL = os.environ.get("MODEL", str(Path.home() / "m8b" if SHAPE == "8b" else STAGED))
+HANG_EXT = os.environ.get("HANG_EXT") == "1"  # `start` adds the worker method `hang-rpc` uses
 PROXY = "127.0.0.1:8000"
 EXPORTER = "127.0.0.1:9402"
 # the installed wheel first; the checkout only for tests.harness (every process this
@@ -276,12 +278,19 @@ def phase_start(standby: str | None = None, share: str | None = None,
                 "--gpu-memory-utilization", share, "--max-model-len", "512",
                 "--enable-sleep-mode"]
         extra = {"startup_timeout_s": 480.0}
+    env = {"PYTHONPATH": VLLM_SITE, "VLLM_SERVER_DEV_MODE": "1"}
+    if HANG_EXT:  # `hang-rpc`: a worker method that blocks the core's loop (it runs there)
+        ext = WORK / "ext"
+        ext.mkdir(parents=True, exist_ok=True)
+        (ext / "vs_hang_ext.py").write_text(HANG_EXT_SOURCE)
+        args += ["--worker-extension-cls", "vs_hang_ext.Hang"]
+        env["PYTHONPATH"] = f"{VLLM_SITE}:{ext}"
     demo["engine"].update({
         # `vllm serve` (the module form is deprecated); the staged site has no `vllm`
         # script on PATH, so its CLI module runs it
         "command": [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", MODEL],
         "args": args,
-        "env": {"PYTHONPATH": VLLM_SITE, "VLLM_SERVER_DEV_MODE": "1"},
+        "env": env,
         "drain_timeout_s": 20.0, "standby": standby, **extra,
         **({"standby_args": thin, "drain": "continue"} if thin else {})})
     demo["control"] = {"socket": str(WORK / "control.sock")}
@@ -569,6 +578,60 @@ def phase_hang() -> None:
            running_again_after_s=round(back - t0, 1), decision=decision,
            state_reason=st2["reason"], load=load.summary())
     assert decision["rule"] == "hang"
+
+
+HANG_EXT_SOURCE = '''import time
+
+
+class Hang:
+    """Mixed into vLLM's worker (`--worker-extension-cls`): `vs_hang` blocks the thread
+    that runs it, the engine core's busy loop with one GPU, as a stuck kernel would."""
+
+    def vs_hang(self, seconds: str) -> None:
+        time.sleep(float(seconds))
+'''
+
+
+def phase_hang_rpc(seconds: float = 600.0) -> None:
+    """A hang with the process running (HANG_EXT=1 at `start`): `/collective_rpc` calls
+    the worker's `vs_hang`, which blocks the core's loop, as a stuck kernel would; its
+    other threads run on (vLLM 0.33's watchdog can dump them, which a SIGSTOP cannot give).
+    The daemon's verdict, the handover, and the evidence bundle (its files to $OUT)."""
+    st = status()
+    base, decisions = engine_addr(), len([e for e in events() if e["event"] == "decision"])
+    body = json.dumps({"method": "vs_hang", "args": [str(seconds)]}).encode()
+
+    def call_hang() -> None:
+        req = urllib.request.Request(f"http://{base}/collective_rpc", data=body,
+                                     headers={"content-type": "application/json"})
+        with contextlib.suppress(Exception):  # cut when the engine is taken down
+            urllib.request.urlopen(req, timeout=seconds + 30).read()
+
+    with Load(clients=4, max_tokens=16) as load:
+        time.sleep(2)
+        t0 = time.monotonic()
+        threading.Thread(target=call_hang, daemon=True).start()
+        decided = wait(lambda: len([e for e in events() if e["event"] == "decision"])
+                       > decisions and time.monotonic(), 180, "the hang verdict")
+        wait(lambda: status()["state"] == "RUNNING" and status()["pid"] != st["pid"], 560,
+             "another engine serving")
+        back = time.monotonic()
+        time.sleep(3)
+    evs = events()
+    decision = [e for e in evs if e["event"] == "decision"][-1]
+    evidence = [e for e in evs if e["event"] == "evidence"]
+    bundle = Path(evidence[-1]["path"]) if evidence else None
+    files = ({f.name: f.stat().st_size for f in sorted(bundle.iterdir())}
+             if bundle and bundle.is_dir() else {})
+    out = os.environ.get("OUT")
+    if out and bundle and bundle.is_dir():
+        subprocess.run(["tar", "czf", str(Path(out) / "hang-evidence.tgz"), "-C",
+                        str(bundle.parent), bundle.name], check=False)
+    result("hang-rpc", detected_after_s=round(decided - t0, 1),
+           serving_again_after_s=round(back - t0, 1), decision=decision,
+           evidence=evidence[-1] if evidence else None, bundle_files=files,
+           load=load.summary())
+    assert decision["rule"] in ("hang", "progress", "canary") or decision
 
 
 def engine_addr() -> str:
@@ -945,7 +1008,7 @@ def phase_kills(n: int = 3) -> None:
 # a step's length as first guessed (s); once run, its last length
 PLAN_GUESS_S = {"kill": 200.0, "restart": 200.0, "kv-reset-streams": 200.0,
                 "kill-swapback": 300.0,
-                "kill-twice": 480.0, "kv-info": 10.0, "stop": 60.0}
+                "kill-twice": 480.0, "kv-info": 10.0, "stop": 60.0, "hang-rpc": 200.0}
 
 
 def phase_plan(steps: list[str]) -> None:
@@ -995,6 +1058,8 @@ def phase_plan(steps: list[str]) -> None:
                 phase_kv_reset_streams(256, 3000, 3)
             elif step == "kv-info":
                 phase_kv_info()
+            elif step == "hang-rpc":
+                phase_hang_rpc()
             elif step == "stop":
                 phase_stop()
             else:
@@ -1190,4 +1255,4 @@ if __name__ == "__main__":
     else:
         {"kv-reset": phase_kv_reset, "crash": phase_crash, "hang": phase_hang,
          "rearm": phase_rearm, "stop": phase_stop, "kv-info": phase_kv_info,
-         "protected": phase_protected}[sys.argv[1]]()
+         "protected": phase_protected, "hang-rpc": phase_hang_rpc}[sys.argv[1]]()
