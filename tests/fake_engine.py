@@ -14,6 +14,14 @@ script a fault:
                         does; the engine serves only once it is allocated
   --hang-file PATH      while PATH exists, completions hang (a frozen engine: /health
                         and /metrics still answer, as vLLM's do with EngineCore stopped)
+  --watchdog-config J   vLLM 0.33's stack-dump watchdog ({"timeout": T, "check_interval":
+                        C, "dump_dir": D}; T and C whole seconds above 0, else it refuses
+                        to start, as vLLM's config check does): the "engine core" (the
+                        --child, else this process) appends a dump of all its threads'
+                        stacks to D/VLLM_STACK_DUMP_for_engine_0_<its pid>.log in vLLM's
+                        format when the hang file appears (its stall; not T seconds later,
+                        so that a test does not race the daemon's own deadline), and when
+                        SIGTERM reaches it
   --token-delay S       seconds between streamed tokens (default 0.01)
   --answer-delay S      seconds before a stream's answer begins, its headers included (vLLM's
                         API server answering late under load; default 0)
@@ -66,6 +74,7 @@ Stdlib only: it runs under any interpreter.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import http.server
 import json
 import os
@@ -91,6 +100,59 @@ def set_title(title: str) -> None:
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(15, title.encode()[:15], 0, 0, 0)
+
+
+def watchdog_config(raw: str | None) -> dict[str, Any] | None:
+    """vLLM 0.33's WatchdogConfig, checked as its config class does; exits 2 (as vLLM
+    fails to start) on a value it would refuse."""
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    ok = isinstance(doc, dict) and set(doc) <= {"timeout", "check_interval", "dump_dir"} \
+        and all(isinstance(doc.get(k, 1), int) and not isinstance(doc.get(k, 1), bool)
+                and doc.get(k, 1) > 0 for k in ("timeout", "check_interval")) \
+        and isinstance(doc.get("dump_dir", ""), str)
+    if not ok:
+        print(f"error: argument --watchdog-config: invalid WatchdogConfig {raw!r}",
+              file=sys.stderr, flush=True)
+        sys.exit(2)
+    return {"timeout": 300, "check_interval": 10, "dump_dir": "", **doc}
+
+
+class StackDumper:
+    """vLLM's ThreadedWatchDog.dump_stack (vllm/utils/watch_dog.py), for this process:
+    numbered dumps of all threads appended to its file."""
+
+    def __init__(self, config: dict[str, Any], name: str = "engine_0") -> None:
+        self.dir = config["dump_dir"]
+        self.file = os.path.join(self.dir, f"VLLM_STACK_DUMP_for_{name}_{os.getpid()}.log")
+        self.seq = 1
+        faulthandler.enable(all_threads=True)
+        log("INFO", f"[Watchdog]Started thread for {name} (pid={os.getpid()})",
+            tag="EngineCore_DP0")
+
+    def dump(self, reason: str) -> None:
+        os.makedirs(self.dir, exist_ok=True)
+        with open(self.file, "a") as f:
+            f.write(f"\n>>> Call stack dump #{self.seq} at {time.ctime()} due to {reason}\n\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+            f.write("\n" + "=" * 64 + "\n")
+        self.seq += 1
+        log("INFO", f"[Watchdog]Dumped stack to {self.file} due to {reason}",
+            tag="EngineCore_DP0")
+
+    def watch_hang(self, hang_file: str | None, stop: threading.Event) -> None:
+        """One dump each time the hang file appears (a stall, as the feed timeout sees it)."""
+        hung = False
+        while hang_file and not stop.wait(0.05):
+            now = os.path.exists(hang_file)
+            if now and not hung:
+                self.dump("feed timeout")
+            hung = now
 
 
 def main() -> None:
@@ -127,7 +189,15 @@ def main() -> None:
     p.add_argument("--die-on-prompt", default=None)
     p.add_argument("--die-answering", action="store_true")
     p.add_argument("--served-model-name", default="fake")  # the one name it answers to
+    p.add_argument("--watchdog-config", default=None)  # vLLM 0.33's stack dumps
     a, _engine_args = p.parse_known_args()  # the rest: engine flags, e.g. --max-num-seqs
+    watchdog = watchdog_config(a.watchdog_config)
+    if watchdog is not None and watchdog["dump_dir"]:
+        log("INFO", f"[Watchdog]Start with timeout={watchdog['timeout']} check_interval="
+            f"{watchdog['check_interval']} dump_dir={watchdog['dump_dir']}",
+            tag="EngineCore_DP0")
+    else:
+        watchdog = None
 
     log("INFO", f"fake engine starting, args {sys.argv[1:]}")
     if a.fail_boot or (a.fail_boot_file and os.path.exists(a.fail_boot_file)):
@@ -142,6 +212,15 @@ def main() -> None:
         if child_pid == 0:  # the "engine core": holds its memory, sleeps until killed
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             set_title("VLLM::EngineCore")  # (comm keeps 15 bytes, as for vLLM's)
+            if watchdog is not None:  # it dumps its stacks at a stall and at SIGTERM
+                core = StackDumper(watchdog)
+
+                def dumped_and_gone(*_: object) -> None:
+                    core.dump("SIGTERM")
+                    os._exit(0)
+                signal.signal(signal.SIGTERM, dumped_and_gone)
+                threading.Thread(target=core.watch_hang, args=(a.hang_file, threading.Event()),
+                                 daemon=True).start()
             held = []  # referenced until the process dies, so the memory stays allocated
             if a.gpu_mib:
                 import torch
@@ -227,10 +306,19 @@ def main() -> None:
         if child_pid:
             os.kill(child_pid, signal.SIGKILL)
         os._exit(1)
+    core = StackDumper(watchdog) if watchdog is not None and not child_pid else None
+    if core is not None:  # no child: this process is the engine core that dumps
+        threading.Thread(target=core.watch_hang, args=(a.hang_file, stopping),
+                         daemon=True).start()
+
+    def sigterm(*_: object) -> None:
+        if core is not None:
+            core.dump("SIGTERM")
+        stopping.set()
     if a.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:
-        signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+        signal.signal(signal.SIGTERM, sigterm)
 
     # vLLM's start, as it tells it: a phase line, then the wait, then its route table
     log("INFO", "Starting to load model fake...", tag="EngineCore_DP0")

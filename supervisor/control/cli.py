@@ -179,6 +179,11 @@ def format_status(st: dict[str, Any]) -> str:
                 else "size not yet measured")
         lines.append(f"cache      {cache['dir']} (vLLM {cache.get('vllm_version') or 'unknown'}"
                      f", {size})")
+    dumps = st.get("stack_dumps")
+    if dumps:  # (vLLM 0.33+: its own stack dumps of a stalled core and its workers)
+        lines.append(f"dumps      {dumps['dir']} (vLLM's own, after {dumps['timeout_s']} s "
+                     f"stalled; {'the daemon' if dumps['owner'] == 'daemon' else 'yours'})"
+                     if dumps.get("dir") else "dumps      off (your --watchdog-config)")
     adm = st.get("admission")
     if adm:
         lines.append(f"proxy      {adm['listen']}: {adm['in_flight']} in flight "
