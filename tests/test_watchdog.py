@@ -268,6 +268,34 @@ def test_a_hang_of_a_vllm_033_engine_leaves_vllms_own_stack_dump_in_the_evidence
                                                            Path(second).name]
 
 
+def test_the_operators_own_watchdog_config_wins_and_its_folder_is_read(daemon_factory,
+                                                                        tmp_path):
+    from tests.test_compile_cache import fake_vllm
+
+    hang = tmp_path / "hang"
+    theirs = '{"timeout": 2, "dump_dir": "my-dumps"}'
+    cfg = watchdog_config(tmp_path, "--hang-file", str(hang),
+                          engine={"args": ["--watchdog-config", theirs],
+                                  "cwd": str(tmp_path)},
+                          rules={"hang": {"when": "canary_failures >= 2"}})
+    cfg["engine"]["env"]["PYTHONPATH"] = str(fake_vllm(tmp_path / "site", "0.33.0"))
+    d = daemon_factory(cfg)
+    st = d.wait_state("RUNNING")
+    assert st["stack_dumps"] == {"dir": str(tmp_path / "my-dumps"), "owner": "operator",
+                                 "timeout_s": 2, "check_interval_s": 10}
+    argv = d.engine_argvs()[-1]
+    assert argv.count("--watchdog-config") == 1 and flag(argv, "--watchdog-config") == theirs
+    assert not (tmp_path / "stack-dumps").exists()
+    wait_for(lambda: d.status()["signals"]["canary_latency_s"] is not None, 10, "a canary")
+    hang.touch()  # (no --child: the fake's main process is its core, and dumps)
+    ev = wait_for(lambda: [e for e in d.events() if e["event"] == "evidence"], 30,
+                  "the hang's evidence")[0]
+    hang.unlink()
+    (copy,) = ev["vllm_dumps"]
+    assert copy["source"] == str(tmp_path / "my-dumps" /
+                                 f"VLLM_STACK_DUMP_for_engine_0_{ev['pid']}.log")
+
+
 def test_a_restart_remedy_whose_engine_never_boots_again_is_audited_as_failed(
         daemon_factory, tmp_path):
     hang, broken = tmp_path / "hang", tmp_path / "broken"
