@@ -30,7 +30,12 @@ script a fault:
   --enable-sleep-mode   with VLLM_SERVER_DEV_MODE=1, as vLLM: POST /sleep?level=1,
                         POST /wake_up, GET /is_sleeping; each sleep appends the number of
                         requests running at that moment to <pidfile dir>/sleeps, and
-                        completions answer 503 while asleep
+                        completions answer 503 while asleep; from its first sleep or
+                        wake /metrics carries vLLM's (0.32+) sleep-mode series as its API
+                        server prints them (less the `_created` stamps):
+                        vllm:sleep_mode_operation_duration_seconds
+                        {operation} (a histogram of each call's seconds) and
+                        vllm:sleep_mode_operations_in_flight{operation}
   --wake-fails          POST /wake_up answers 500 (and the engine stays asleep)
   --first-sleep-delay S the first sleep answers after S seconds, later ones at once (vLLM
                         pins the weights in host RAM at an engine's first sleep)
@@ -251,6 +256,24 @@ def main() -> None:
     wrong = threading.Event()  # a wake broke it: other tokens from then on
     drafts_broken = threading.Event()  # a wake zeroed its draft model: nothing accepted
     spec = [0.0, 0.0]  # speculative decoding's draft tokens, and those accepted
+    sleep_ops: dict[str, list[float]] = {}  # vLLM's sleep-mode histogram: op -> seconds
+    sleep_in_flight: dict[str, int] = {}
+
+    class Recorded:
+        """vLLM's sleep_mode_operation_metrics().record(op), failures observed too."""
+
+        def __init__(self, op: str) -> None:
+            self.op = op
+
+        def __enter__(self) -> None:
+            with lock:
+                sleep_in_flight[self.op] = sleep_in_flight.get(self.op, 0) + 1
+            self.t0 = time.perf_counter()
+
+        def __exit__(self, *_: object) -> None:
+            with lock:
+                sleep_in_flight[self.op] -= 1
+                sleep_ops.setdefault(self.op, []).append(time.perf_counter() - self.t0)
 
     def drafted(n: int) -> None:
         """n tokens generated: 2 drafted for each, a share --spec-acceptance accepted."""
@@ -363,6 +386,10 @@ def main() -> None:
                 if a.metrics_file:
                     with open(a.metrics_file, "rb") as f:
                         body = f.read()
+                with lock:  # (the API server's own, at the end of its page)
+                    series = sleep_mode_series(sleep_ops, sleep_in_flight).encode()
+                if series:
+                    body += (b"" if body.endswith(b"\n") else b"\n") + series
             self.send_response(code)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -432,9 +459,11 @@ def main() -> None:
                                              "total_tokens": n + 1}}).encode()
                 code = 200
             elif self.path == "/sleep?level=1" and sleep_mode:
-                if not slept_once.is_set():
-                    slept_once.set()
-                    time.sleep(a.first_sleep_delay)
+                with Recorded("sleep"):
+                    if not slept_once.is_set():
+                        slept_once.set()
+                        time.sleep(a.first_sleep_delay)
+                    time.sleep(0.02)  # (vLLM's own sleep takes its time, too)
                 asleep.set()
                 if pidfile:
                     with open(os.path.join(os.path.dirname(pidfile), "sleeps"), "a") as f:
@@ -446,6 +475,8 @@ def main() -> None:
                     with open(a.wake_fault_file) as f:
                         fault = f.read().strip()
                 fails = a.wake_fails or fault == "fail"
+                with Recorded("wake"):
+                    time.sleep(0.01)
                 if not fails:
                     asleep.clear()
                     if a.wrong_after_wake or fault == "wrong":
@@ -568,6 +599,30 @@ def main() -> None:
         os.kill(child_pid, signal.SIGTERM)
         os.waitpid(child_pid, 0)
     sys.exit(0)
+
+
+SLEEP_BUCKETS = (0.01, 0.1, 1, 10, 30, 60, 120, 300, 600)  # vLLM's (dev/sleep/metrics.py)
+
+
+def sleep_mode_series(ops: dict[str, list[float]], in_flight: dict[str, int]) -> str:
+    """vLLM's sleep-mode histogram and gauge as prometheus_client prints them (labels
+    sorted, `le` as a float), for the operations run so far ("" before the first)."""
+    if not ops and not in_flight:
+        return ""
+    name = "vllm:sleep_mode_operation_duration_seconds"
+    out = [f"# HELP {name} Duration of one sleep-mode operation.", f"# TYPE {name} histogram"]
+    for op, seconds in sorted(ops.items()):
+        for le in SLEEP_BUCKETS:
+            n = sum(1 for x in seconds if x <= le)
+            out.append(f'{name}_bucket{{le="{float(le)}",operation="{op}"}} {float(n)}')
+        out.append(f'{name}_bucket{{le="+Inf",operation="{op}"}} {float(len(seconds))}')
+        out.append(f'{name}_count{{operation="{op}"}} {float(len(seconds))}')
+        out.append(f'{name}_sum{{operation="{op}"}} {sum(seconds)}')
+    gauge = "vllm:sleep_mode_operations_in_flight"
+    out += [f"# HELP {gauge} Sleep-mode operations currently awaited.",
+            f"# TYPE {gauge} gauge"]
+    out += [f'{gauge}{{operation="{op}"}} {float(n)}' for op, n in sorted(in_flight.items())]
+    return "\n".join(out) + "\n"
 
 
 def prompt_ids(req: dict[str, Any], chat: bool) -> list[int]:

@@ -337,7 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"re-arming: {result.get('rearm')}")
     elif ns.command == "kv-reset":
         steps = ", ".join(f"{k} {v:.3f} s" for k, v in (result.get("steps_s") or {}).items())
-        print(f"KV reset {result.get('outcome')} in {result.get('duration_s')} s ({steps})"
+        own = ", ".join(f"{k} {v:.3f} s" for k, v in (result.get("vllm_s") or {}).items())
+        print(f"KV reset {result.get('outcome')} in {result.get('duration_s')} s ({steps}"
+              + (f"; vLLM's own: {own}" if own else "") + ")"
               + (f": {result.get('error')}" if result.get("error") else ""))
         if result.get("outcome") != "ok":
             return 1

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import structlog
@@ -51,6 +51,7 @@ from supervisor.loop import Clock, Jobs, http_client
 from supervisor.ops.descriptors import OutOfDescriptors, Shortage, exhausted
 from supervisor.watchdog import evidence, golden, hostheat, remedy, stackdumps
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
+from supervisor.watchdog.metrics import sleep_op_seconds
 from supervisor.watchdog.poller import scrape
 from supervisor.watchdog.remedy import WarmUp
 
@@ -59,6 +60,7 @@ log = structlog.get_logger("supervisor")
 
 # how long a start short of descriptors (nothing spawned yet) is tried again
 SHORTAGE_RETRY_S = 10.0
+T = TypeVar("T")
 
 
 async def _acquire(lock: asyncio.Lock, timeout_s: float) -> bool:
@@ -434,8 +436,9 @@ class JobEffects:
         if self.front is None or remedy.sleep_mode_flags(engine.spec.argv, env) is not None:
             return None, None
         async with self.probes.lock(engine):
-            warmed = await remedy.warm_up(client, engine.config.base_url,
-                                          remedy.SLEEP_TIMEOUT_S)
+            warmed, _, took = await self._vllm_timed(client, engine, remedy.warm_up(
+                client, engine.config.base_url, remedy.SLEEP_TIMEOUT_S))
+            warmed = dataclasses.replace(warmed, vllm_s=took)
         if warmed.broken or warmed.skipped is not None or model is None:
             return warmed, None
         try:
@@ -484,12 +487,29 @@ class JobEffects:
     async def _sleep_or_wake(self, engine: eng.EngineProcess, asleep: bool) -> None:
         """Bounded by `remedy.SLEEP_TIMEOUT_S` a call: the first sleep pins the weights in
         host RAM (11-13 s for an 8B model on the H100)."""
-        t0 = self.clock.monotonic()
         async with http_client() as client:
-            error = await remedy.set_asleep(client, engine.config.base_url, asleep,
-                                            remedy.SLEEP_TIMEOUT_S)
+            error, seconds, took = await self._vllm_timed(client, engine, remedy.set_asleep(
+                client, engine.config.base_url, asleep, remedy.SLEEP_TIMEOUT_S))
         event = Slept if asleep else Woken
-        self.queue.put_nowait(event(engine.generation, error, self.clock.monotonic() - t0))
+        self.queue.put_nowait(event(engine.generation, error, seconds, took))
+
+    async def _vllm_timed(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
+                          call: Awaitable[T]) -> tuple[T, float, dict[str, float] | None]:
+        """`call` (a sleep, a wake, both), how long it took, and what vLLM measured of
+        each of its operations in it: its sleep-mode counts read before (unless read at
+        the end of the last such call, as after a standby's sleep, its wake's) and after
+        (metrics.sleep_op_seconds; None: unknown, or `metrics.enabled` off)."""
+        m = self.config().metrics
+        url, bound = engine.config.base_url + m.path, remedy.SLEEP_METRICS_TIMEOUT_S
+        before = engine.sleep_ops
+        if before is None and m.enabled:
+            before = await remedy.sleep_ops(client, url, bound)
+        t0 = self.clock.monotonic()
+        result = await call
+        seconds = self.clock.monotonic() - t0
+        engine.sleep_ops = await remedy.sleep_ops(client, url, bound) if m.enabled else None
+        took = sleep_op_seconds(before, engine.sleep_ops)
+        return result, seconds, {k: round(v, 3) for k, v in took.items()} or None
 
     async def _remedy(self, engine: eng.EngineProcess, rung: str) -> None:
         cfg = engine.config
@@ -520,8 +540,10 @@ class JobEffects:
                         attempted=False)
                 else:
                     try:
-                        outcome = await remedy.kv_reset(client, base, c.model or None,
-                                                        c.prompt, 60.0, max(c.timeout_s, 10.0))
+                        outcome, _, took = await self._vllm_timed(client, engine, remedy.kv_reset(
+                            client, base, c.model or None, c.prompt, 60.0,
+                            max(c.timeout_s, 10.0)))
+                        outcome = dataclasses.replace(outcome, vllm_s=took)
                         if outcome.ok and c.golden:  # (right after its wake, not just alive)
                             answers = await self.probes.golden_unlocked(client, engine)
                     finally:
