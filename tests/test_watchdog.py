@@ -16,6 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from supervisor.watchdog.stackdumps import MAX_FILE_BYTES
 from tests.harness import fake_engine_config, wait_for, write_config
 
 
@@ -266,6 +267,13 @@ def test_a_hang_of_a_vllm_033_engine_leaves_vllms_own_stack_dump_in_the_evidence
     assert "due to SIGTERM" in dumped.read_text()
     assert sorted(p.name for p in root.iterdir())[:2] == [Path(first["dir"]).name,
                                                            Path(second).name]
+    # a running engine's file past its bound is cut to its newest dumps (at a look at
+    # the tree, every 10 s once it serves)
+    grown = Path(d.status()["stack_dumps"]["dir"]) / "VLLM_STACK_DUMP_for_worker_0_1.log"
+    grown.write_text("".join(f"\n>>> Call stack dump #{n} at now due to feed timeout\n\n"
+                             + "x" * 4000 + "\n" + "=" * 64 + "\n" for n in range(1, 1100)))
+    wait_for(lambda: grown.stat().st_size <= MAX_FILE_BYTES // 2 + 100, 30, "the cut")
+    assert "#1099 at now" in grown.read_text() and "#1 at now" not in grown.read_text()
 
 
 def test_the_operators_own_watchdog_config_wins_and_its_folder_is_read(daemon_factory,
