@@ -496,9 +496,10 @@ class JobEffects:
     async def _vllm_timed(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
                           call: Awaitable[T]) -> tuple[T, float, dict[str, float] | None]:
         """`call` (a sleep, a wake, both), how long it took, and what vLLM measured of
-        each of its operations in it: its sleep-mode counts read before (unless read at
-        the end of the last such call, as after a standby's sleep, its wake's) and after
-        (metrics.sleep_op_seconds; None: unknown, or `metrics.enabled` off)."""
+        each of its operations in it (metrics.sleep_op_seconds; None: unknown, or
+        `metrics.enabled` off): its sleep-mode counts read after, and before unless the
+        last such call's reading stands (a standby's wake, its sleep's: a failover waits
+        on no read before its wake)."""
         m = self.config().metrics
         url, bound = engine.config.base_url + m.path, remedy.SLEEP_METRICS_TIMEOUT_S
         before = engine.sleep_ops
