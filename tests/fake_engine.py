@@ -79,7 +79,6 @@ Stdlib only: it runs under any interpreter.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import http.server
 import json
 import os
@@ -107,60 +106,10 @@ def set_title(title: str) -> None:
         ctypes.CDLL(None).prctl(15, title.encode()[:15], 0, 0, 0)
 
 
-def watchdog_config(raw: str | None) -> dict[str, Any] | None:
-    """vLLM 0.33's WatchdogConfig, checked as its config class does; exits 2 (as vLLM
-    fails to start) on a value it would refuse."""
-    if raw is None:
-        return None
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        doc = None
-    ok = isinstance(doc, dict) and set(doc) <= {"timeout", "check_interval", "dump_dir"} \
-        and all(isinstance(doc.get(k, 1), int) and not isinstance(doc.get(k, 1), bool)
-                and doc.get(k, 1) > 0 for k in ("timeout", "check_interval")) \
-        and isinstance(doc.get("dump_dir", ""), str)
-    if not ok:
-        print(f"error: argument --watchdog-config: invalid WatchdogConfig {raw!r}",
-              file=sys.stderr, flush=True)
-        sys.exit(2)
-    return {"timeout": 300, "check_interval": 10, "dump_dir": "", **doc}
-
-
-class StackDumper:
-    """vLLM's ThreadedWatchDog.dump_stack (vllm/utils/watch_dog.py), for this process:
-    numbered dumps of all threads appended to its file."""
-
-    def __init__(self, config: dict[str, Any], name: str = "engine_0") -> None:
-        self.dir = config["dump_dir"]
-        self.file = os.path.join(self.dir, f"VLLM_STACK_DUMP_for_{name}_{os.getpid()}.log")
-        self.seq = 1
-        faulthandler.enable(all_threads=True)
-        log("INFO", f"[Watchdog]Started thread for {name} (pid={os.getpid()})",
-            tag="EngineCore_DP0")
-
-    def dump(self, reason: str) -> None:
-        os.makedirs(self.dir, exist_ok=True)
-        with open(self.file, "a") as f:
-            f.write(f"\n>>> Call stack dump #{self.seq} at {time.ctime()} due to {reason}\n\n")
-            f.flush()
-            faulthandler.dump_traceback(file=f, all_threads=True)
-            f.write("\n" + "=" * 64 + "\n")
-        self.seq += 1
-        log("INFO", f"[Watchdog]Dumped stack to {self.file} due to {reason}",
-            tag="EngineCore_DP0")
-
-    def watch_hang(self, hang_file: str | None, stop: threading.Event) -> None:
-        """One dump each time the hang file appears (a stall, as the feed timeout sees it)."""
-        hung = False
-        while hang_file and not stop.wait(0.05):
-            now = os.path.exists(hang_file)
-            if now and not hung:
-                self.dump("feed timeout")
-            hung = now
-
-
 def main() -> None:
+    # (run as a script, its own folder is on the path: what vLLM 0.32-0.33 added)
+    from fake_engine_033 import SleepModeMetrics, StackDumper, watchdog_config
+
     p = argparse.ArgumentParser()
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
@@ -218,7 +167,7 @@ def main() -> None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             set_title("VLLM::EngineCore")  # (comm keeps 15 bytes, as for vLLM's)
             if watchdog is not None:  # it dumps its stacks at a stall and at SIGTERM
-                core = StackDumper(watchdog)
+                core = StackDumper(watchdog, log)
 
                 def dumped_and_gone(*_: object) -> None:
                     core.dump("SIGTERM")
@@ -256,24 +205,7 @@ def main() -> None:
     wrong = threading.Event()  # a wake broke it: other tokens from then on
     drafts_broken = threading.Event()  # a wake zeroed its draft model: nothing accepted
     spec = [0.0, 0.0]  # speculative decoding's draft tokens, and those accepted
-    sleep_ops: dict[str, list[float]] = {}  # vLLM's sleep-mode histogram: op -> seconds
-    sleep_in_flight: dict[str, int] = {}
-
-    class Recorded:
-        """vLLM's sleep_mode_operation_metrics().record(op), failures observed too."""
-
-        def __init__(self, op: str) -> None:
-            self.op = op
-
-        def __enter__(self) -> None:
-            with lock:
-                sleep_in_flight[self.op] = sleep_in_flight.get(self.op, 0) + 1
-            self.t0 = time.perf_counter()
-
-        def __exit__(self, *_: object) -> None:
-            with lock:
-                sleep_in_flight[self.op] -= 1
-                sleep_ops.setdefault(self.op, []).append(time.perf_counter() - self.t0)
+    sleep_metrics = SleepModeMetrics()  # vLLM's (0.32+) count of its sleep and wake calls
 
     def drafted(n: int) -> None:
         """n tokens generated: 2 drafted for each, a share --spec-acceptance accepted."""
@@ -329,7 +261,7 @@ def main() -> None:
         if child_pid:
             os.kill(child_pid, signal.SIGKILL)
         os._exit(1)
-    core = StackDumper(watchdog) if watchdog is not None and not child_pid else None
+    core = StackDumper(watchdog, log) if watchdog is not None and not child_pid else None
     if core is not None:  # no child: this process is the engine core that dumps
         threading.Thread(target=core.watch_hang, args=(a.hang_file, stopping),
                          daemon=True).start()
@@ -386,8 +318,7 @@ def main() -> None:
                 if a.metrics_file:
                     with open(a.metrics_file, "rb") as f:
                         body = f.read()
-                with lock:  # (the API server's own, at the end of its page)
-                    series = sleep_mode_series(sleep_ops, sleep_in_flight).encode()
+                series = sleep_metrics.page().encode()  # (the API server's, at the end)
                 if series:
                     body += (b"" if body.endswith(b"\n") else b"\n") + series
             self.send_response(code)
@@ -459,7 +390,7 @@ def main() -> None:
                                              "total_tokens": n + 1}}).encode()
                 code = 200
             elif self.path == "/sleep?level=1" and sleep_mode:
-                with Recorded("sleep"):
+                with sleep_metrics.record("sleep"):
                     if not slept_once.is_set():
                         slept_once.set()
                         time.sleep(a.first_sleep_delay)
@@ -475,7 +406,7 @@ def main() -> None:
                     with open(a.wake_fault_file) as f:
                         fault = f.read().strip()
                 fails = a.wake_fails or fault == "fail"
-                with Recorded("wake"):
+                with sleep_metrics.record("wake"):
                     time.sleep(0.01)
                 if not fails:
                     asleep.clear()
@@ -599,30 +530,6 @@ def main() -> None:
         os.kill(child_pid, signal.SIGTERM)
         os.waitpid(child_pid, 0)
     sys.exit(0)
-
-
-SLEEP_BUCKETS = (0.01, 0.1, 1, 10, 30, 60, 120, 300, 600)  # vLLM's (dev/sleep/metrics.py)
-
-
-def sleep_mode_series(ops: dict[str, list[float]], in_flight: dict[str, int]) -> str:
-    """vLLM's sleep-mode histogram and gauge as prometheus_client prints them (labels
-    sorted, `le` as a float), for the operations run so far ("" before the first)."""
-    if not ops and not in_flight:
-        return ""
-    name = "vllm:sleep_mode_operation_duration_seconds"
-    out = [f"# HELP {name} Duration of one sleep-mode operation.", f"# TYPE {name} histogram"]
-    for op, seconds in sorted(ops.items()):
-        for le in SLEEP_BUCKETS:
-            n = sum(1 for x in seconds if x <= le)
-            out.append(f'{name}_bucket{{le="{float(le)}",operation="{op}"}} {float(n)}')
-        out.append(f'{name}_bucket{{le="+Inf",operation="{op}"}} {float(len(seconds))}')
-        out.append(f'{name}_count{{operation="{op}"}} {float(len(seconds))}')
-        out.append(f'{name}_sum{{operation="{op}"}} {sum(seconds)}')
-    gauge = "vllm:sleep_mode_operations_in_flight"
-    out += [f"# HELP {gauge} Sleep-mode operations currently awaited.",
-            f"# TYPE {gauge} gauge"]
-    out += [f'{gauge}{{operation="{op}"}} {float(n)}' for op, n in sorted(in_flight.items())]
-    return "\n".join(out) + "\n"
 
 
 def prompt_ids(req: dict[str, Any], chat: bool) -> list[int]:
