@@ -14,6 +14,14 @@ script a fault:
                         does; the engine serves only once it is allocated
   --hang-file PATH      while PATH exists, completions hang (a frozen engine: /health
                         and /metrics still answer, as vLLM's do with EngineCore stopped)
+  --watchdog-config J   vLLM 0.33's stack-dump watchdog ({"timeout": T, "check_interval":
+                        C, "dump_dir": D}; T and C whole seconds above 0, else it refuses
+                        to start, as vLLM's config check does): the "engine core" (the
+                        --child, else this process) appends a dump of all its threads'
+                        stacks to D/VLLM_STACK_DUMP_for_engine_0_<its pid>.log in vLLM's
+                        format when the hang file appears (its stall; not T seconds later,
+                        so that a test does not race the daemon's own deadline), and when
+                        SIGTERM reaches it
   --token-delay S       seconds between streamed tokens (default 0.01)
   --answer-delay S      seconds before a stream's answer begins, its headers included (vLLM's
                         API server answering late under load; default 0)
@@ -22,7 +30,12 @@ script a fault:
   --enable-sleep-mode   with VLLM_SERVER_DEV_MODE=1, as vLLM: POST /sleep?level=1,
                         POST /wake_up, GET /is_sleeping; each sleep appends the number of
                         requests running at that moment to <pidfile dir>/sleeps, and
-                        completions answer 503 while asleep
+                        completions answer 503 while asleep; from its first sleep or
+                        wake /metrics carries vLLM's (0.32+) sleep-mode series as its API
+                        server prints them (less the `_created` stamps):
+                        vllm:sleep_mode_operation_duration_seconds
+                        {operation} (a histogram of each call's seconds) and
+                        vllm:sleep_mode_operations_in_flight{operation}
   --wake-fails          POST /wake_up answers 500 (and the engine stays asleep)
   --first-sleep-delay S the first sleep answers after S seconds, later ones at once (vLLM
                         pins the weights in host RAM at an engine's first sleep)
@@ -94,6 +107,9 @@ def set_title(title: str) -> None:
 
 
 def main() -> None:
+    # (run as a script, its own folder is on the path: what vLLM 0.32-0.33 added)
+    from fake_engine_033 import SleepModeMetrics, StackDumper, watchdog_config
+
     p = argparse.ArgumentParser()
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
@@ -127,7 +143,15 @@ def main() -> None:
     p.add_argument("--die-on-prompt", default=None)
     p.add_argument("--die-answering", action="store_true")
     p.add_argument("--served-model-name", default="fake")  # the one name it answers to
+    p.add_argument("--watchdog-config", default=None)  # vLLM 0.33's stack dumps
     a, _engine_args = p.parse_known_args()  # the rest: engine flags, e.g. --max-num-seqs
+    watchdog = watchdog_config(a.watchdog_config)
+    if watchdog is not None and watchdog["dump_dir"]:
+        log("INFO", f"[Watchdog]Start with timeout={watchdog['timeout']} check_interval="
+            f"{watchdog['check_interval']} dump_dir={watchdog['dump_dir']}",
+            tag="EngineCore_DP0")
+    else:
+        watchdog = None
 
     log("INFO", f"fake engine starting, args {sys.argv[1:]}")
     if a.fail_boot or (a.fail_boot_file and os.path.exists(a.fail_boot_file)):
@@ -142,6 +166,15 @@ def main() -> None:
         if child_pid == 0:  # the "engine core": holds its memory, sleeps until killed
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             set_title("VLLM::EngineCore")  # (comm keeps 15 bytes, as for vLLM's)
+            if watchdog is not None:  # it dumps its stacks at a stall and at SIGTERM
+                core = StackDumper(watchdog, log)
+
+                def dumped_and_gone(*_: object) -> None:
+                    core.dump("SIGTERM")
+                    os._exit(0)
+                signal.signal(signal.SIGTERM, dumped_and_gone)
+                threading.Thread(target=core.watch_hang, args=(a.hang_file, threading.Event()),
+                                 daemon=True).start()
             held = []  # referenced until the process dies, so the memory stays allocated
             if a.gpu_mib:
                 import torch
@@ -172,6 +205,7 @@ def main() -> None:
     wrong = threading.Event()  # a wake broke it: other tokens from then on
     drafts_broken = threading.Event()  # a wake zeroed its draft model: nothing accepted
     spec = [0.0, 0.0]  # speculative decoding's draft tokens, and those accepted
+    sleep_metrics = SleepModeMetrics()  # vLLM's (0.32+) count of its sleep and wake calls
 
     def drafted(n: int) -> None:
         """n tokens generated: 2 drafted for each, a share --spec-acceptance accepted."""
@@ -227,10 +261,19 @@ def main() -> None:
         if child_pid:
             os.kill(child_pid, signal.SIGKILL)
         os._exit(1)
+    core = StackDumper(watchdog, log) if watchdog is not None and not child_pid else None
+    if core is not None:  # no child: this process is the engine core that dumps
+        threading.Thread(target=core.watch_hang, args=(a.hang_file, stopping),
+                         daemon=True).start()
+
+    def sigterm(*_: object) -> None:
+        if core is not None:
+            core.dump("SIGTERM")
+        stopping.set()
     if a.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:
-        signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+        signal.signal(signal.SIGTERM, sigterm)
 
     # vLLM's start, as it tells it: a phase line, then the wait, then its route table
     log("INFO", "Starting to load model fake...", tag="EngineCore_DP0")
@@ -275,6 +318,9 @@ def main() -> None:
                 if a.metrics_file:
                     with open(a.metrics_file, "rb") as f:
                         body = f.read()
+                series = sleep_metrics.page().encode()  # (the API server's, at the end)
+                if series:
+                    body += (b"" if body.endswith(b"\n") else b"\n") + series
             self.send_response(code)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -344,9 +390,11 @@ def main() -> None:
                                              "total_tokens": n + 1}}).encode()
                 code = 200
             elif self.path == "/sleep?level=1" and sleep_mode:
-                if not slept_once.is_set():
-                    slept_once.set()
-                    time.sleep(a.first_sleep_delay)
+                with sleep_metrics.record("sleep"):
+                    if not slept_once.is_set():
+                        slept_once.set()
+                        time.sleep(a.first_sleep_delay)
+                    time.sleep(0.02)  # (vLLM's own sleep takes its time, too)
                 asleep.set()
                 if pidfile:
                     with open(os.path.join(os.path.dirname(pidfile), "sleeps"), "a") as f:
@@ -358,6 +406,8 @@ def main() -> None:
                     with open(a.wake_fault_file) as f:
                         fault = f.read().strip()
                 fails = a.wake_fails or fault == "fail"
+                with sleep_metrics.record("wake"):
+                    time.sleep(0.01)
                 if not fails:
                     asleep.clear()
                     if a.wrong_after_wake or fault == "wrong":

@@ -4,6 +4,7 @@ on py-spy, retention, and the listing."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -111,3 +112,39 @@ def test_only_the_newest_bundles_are_kept_and_listed_oldest_first(tmp_path):
     assert listed[-1]["rule"] == "no_progress" and listed[-1]["bytes"] > 0
     assert prune(tmp_path, 1) == [e["name"] for e in listed[:-1]]
     assert list_bundles(tmp_path / "nothing-here") == []
+
+
+def test_vllms_own_dumps_of_the_tree_are_copied_in_and_named(tmp_path, sleeper):
+    """vLLM 0.33's dumps (`--watchdog-config`): from the daemon's folder of the engine's
+    start all of them; from the operator's own folder only the tree's processes'. py-spy
+    reads every process all the same (the API server never dumps; a dump may be old)."""
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    core = dumps / f"VLLM_STACK_DUMP_for_engine_0_{sleeper.pid}.log"
+    core.write_text("\n>>> Call stack dump #1 at Mon Dec  1 10:00:00 2026 due to feed "
+                    "timeout\n\nThread 0x01 (most recent call first):\n  File \"core.py\", "
+                    "line 7 in step\n\n" + "=" * 64 + "\n")
+    other = dumps / "VLLM_STACK_DUMP_for_engine_0_999999999.log"
+    other.write_text(core.read_text())
+    req = dataclasses.replace(request([sleeper.pid]), dump_dir=str(dumps))
+    b = asyncio.run(capture(req, tmp_path / "ev", 5, 10.0, find_py_spy()))
+    assert b.error is None and b.stacks == {sleeper.pid: "ok"}
+    copied = {Path(d["file"]).name for d in b.vllm_dumps}
+    assert copied == {core.name, other.name}  # the daemon's own folder: this start's
+    mine = next(d for d in b.vllm_dumps if d["pid"] == sleeper.pid)
+    assert Path(mine["file"]).read_text() == core.read_text()
+    assert mine["file"].startswith(b.path) and mine["source"] == str(core)
+    assert mine["last"].endswith("due to feed timeout") and mine["dumps"] == 1
+    assert b.as_dict()["vllm_dumps"] == [dict(d) for d in b.vllm_dumps]  # (the audit's)
+    doc = json.loads((Path(b.path) / "bundle.json").read_text())
+    assert {Path(d["file"]).name for d in doc["vllm_dumps"]} == copied
+    assert b.bytes == sum(f.stat().st_size for f in Path(b.path).rglob("*") if f.is_file())
+    (listed,) = list_bundles(tmp_path / "ev")
+    assert sorted(listed["vllm_dumps"]) == sorted(d["file"] for d in b.vllm_dumps)
+    # the operator's folder holds other engines' dumps too: the tree's pids pick
+    theirs = dataclasses.replace(req, dump_dir_owned=False)
+    b = asyncio.run(capture(theirs, tmp_path / "ev", 5, 10.0, None))
+    assert [Path(d["file"]).name for d in b.vllm_dumps] == [core.name]
+    # an engine without them: nothing copied, nothing said
+    b = asyncio.run(capture(request([sleeper.pid]), tmp_path / "ev", 5, 10.0, None))
+    assert b.vllm_dumps == [] and not (Path(b.path) / "vllm-stack-dumps").exists()

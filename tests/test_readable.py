@@ -155,12 +155,27 @@ def test_status_says_where_the_compile_cache_is_and_its_size() -> None:
     assert "cache " not in format_status(base)
 
 
+def test_status_says_where_vllm_writes_its_own_stack_dumps() -> None:
+    base = {"state": "RUNNING", "reason": "healthy", "pid": 10, "restarts": 0,
+            "engine": {"processes": 3, "host": "127.0.0.1", "port": 8100}}
+    text = format_status({**base, "stack_dumps": {
+        "dir": "/var/lib/vllm-supervisor/stack-dumps/default/20261201T100000Z-bay0-gen1",
+        "owner": "daemon", "timeout_s": 4, "check_interval_s": 1}})
+    assert ("dumps      /var/lib/vllm-supervisor/stack-dumps/default/20261201T100000Z-bay0-"
+            "gen1 (vLLM's own, after 4 s stalled; the daemon)") in text
+    theirs = format_status({**base, "stack_dumps": {"dir": None, "owner": "operator",
+                                                    "timeout_s": 300}})
+    assert "dumps      off (your --watchdog-config)" in theirs
+    assert "dumps " not in format_status(base)
+
+
 def test_every_signal_but_a_count_prints_with_its_unit() -> None:
     """A new signal must say its unit in `status` (or be declared a plain count here)."""
     from supervisor.watchdog.signals import SIGNAL_NAMES
 
     counts = {"requests_waiting", "requests_running", "canary_failures",
-              "scrape_failures_total", "gpu_xid_reset_errors", "gpu_xid_restart_errors"}
+              "scrape_failures_total", "gpu_xid_reset_errors", "gpu_xid_restart_errors",
+              "sleep_ops_in_flight"}
     bare = [n for n in SIGNAL_NAMES if format_signal(n, 0.5) == "0.5" and n not in counts]
     assert not bare, bare
 

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from supervisor.watchdog.metrics import parse_metrics
 from tests.harness import fake_engine_config, wait_for
 from tests.test_proxy import complete, proxy_config, url
 
@@ -152,6 +153,11 @@ def test_an_engine_sleeps_and_wakes_once_before_it_serves_and_its_first_kv_reset
     assert warmed["ok"] is True and warmed["error"] is None
     assert list(warmed["steps_s"]) == ["sleep", "wake_up"]
     assert warmed["steps_s"]["sleep"] >= 1.5  # (the fake's first sleep)
+    # what vLLM itself measured (its sleep-mode histogram, read before and after), beside:
+    # within the daemon's own calls, which add HTTP and the /is_sleeping check
+    own = warmed["vllm_s"]
+    assert list(own) == ["sleep", "wake"] and 1.5 <= own["sleep"] <= warmed["steps_s"]["sleep"]
+    assert 0 < own["wake"] <= warmed["steps_s"]["wake_up"]
     assert names.index("golden_recorded") < names.index("warmed_up")
     # its answers after the wake matched those before it
     assert d.status()["golden"] == {**d.status()["golden"], "passed": 1, "mismatches": 0}
@@ -161,6 +167,15 @@ def test_an_engine_sleeps_and_wakes_once_before_it_serves_and_its_first_kv_reset
     assert r.returncode == 0 and "KV reset ok" in r.stdout, (r.stdout, r.stderr)
     (ev,) = d.remedies()
     assert ev["outcome"] == "ok" and ev["steps_s"]["sleep"] < warmed["steps_s"]["sleep"]
+    # this reset's own sleep and wake alone, not the warm-up's: the histogram's increase
+    assert 0 < ev["vllm_s"]["sleep"] <= ev["steps_s"]["sleep"]
+    assert 0 < ev["vllm_s"]["wake"] <= ev["steps_s"]["wake_up"]
+    page = parse_metrics(httpx.get(f"http://127.0.0.1:{cfg['engine']['port']}/metrics",
+                                   timeout=10).text)
+    assert [(op, n) for op, n, _ in page.sleep_ops] == [("sleep", 2.0), ("wake", 2.0)]
+    for op, _, total in page.sleep_ops:
+        assert total == pytest.approx(own[op] + ev["vllm_s"][op], abs=0.002)
+    assert f"vLLM's own: sleep {ev['vllm_s']['sleep']:.3f} s" in r.stdout
     assert (tmp_path / "sleeps").read_text().split() == ["0", "0"]
     assert d.status()["restarts"] == 0
 

@@ -75,6 +75,19 @@ def test_idle_scrape_holds_no_blocks_and_per_request_is_unknown_with_nothing_run
     assert s["kv_blocks_per_running_request"] is None
 
 
+def test_sleep_operations_in_flight_are_unknown_until_the_engine_has_the_series():
+    w = SignalWindow(WindowConfig())
+    w.add_metrics(0.0, scrape("idle.txt"))  # (vLLM registers them at its first call)
+    assert compute(w, 0.0)["sleep_ops_in_flight"] is None
+    page = (FIX.parent / "vllm-0.33-constructed" / "after-kv-reset.txt").read_text()
+    w.add_metrics(1.0, parse_metrics(page))
+    assert compute(w, 1.0)["sleep_ops_in_flight"] == 0.0
+    w.add_metrics(2.0, parse_metrics(page.replace(
+        'vllm:sleep_mode_operations_in_flight{operation="wake"} 0.0',
+        'vllm:sleep_mode_operations_in_flight{operation="wake"} 1.0')))
+    assert compute(w, 2.0)["sleep_ops_in_flight"] == 1.0
+
+
 def test_rates_and_ttft_p99_between_the_idle_and_the_saturated_scrape():
     w = SignalWindow(WindowConfig(rate_window_s=60))
     w.add_metrics(0.0, scrape("idle.txt"))

@@ -195,6 +195,11 @@ def test_a_core_crash_wakes_the_sleeping_standby_and_streams_go_on_there(daemon_
     # nothing but the daemon's own calls reached the standby before its wake
     woke = next(e for e in audit if e["event"] == "standby_woken")
     assert woke["pid"] == spare_pid
+    # beside the daemon's own seconds, what vLLM measured (its sleep-mode histogram): the
+    # standby's sleep in its `standby_ready`, this wake alone in `standby_woken`
+    slept = next(e for e in audit if e["event"] == "standby_ready" and e["pid"] == spare_pid)
+    assert list(slept["vllm_s"]) == ["sleep"] and 0 < slept["vllm_s"]["sleep"] <= slept["sleep_s"]
+    assert list(woke["vllm_s"]) == ["wake"] and 0 < woke["vllm_s"]["wake"] <= woke["seconds"]
     wait_for(lambda: standby_ready(d) and d.status()["standby"]["pid"] != spare_pid, 30,
              "a new standby, asleep, in the old engine's place")
     assert d.status()["standby"]["asleep"] is True

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from supervisor.watchdog.stackdumps import MAX_FILE_BYTES
 from tests.harness import fake_engine_config, wait_for, write_config
 
 
@@ -216,6 +217,91 @@ def test_running_to_restart_when_the_counters_stop_before_the_canary_sees_it(
     print(f"no progress decided {detected_s:.2f} s after the engine froze "
           f"(stalled {dec['evidence']['engine_stalled_s']} s); evidence "
           f"{ev['bytes']} bytes in {ev['duration_s']} s")
+
+
+def test_a_hang_of_a_vllm_033_engine_leaves_vllms_own_stack_dump_in_the_evidence(
+        daemon_factory, tmp_path):
+    """vLLM 0.33's stack-dump watchdog: the daemon gives the engine a dump folder of its
+    own per start and a timeout under its own hang deadline; the core's dump of the stall
+    is in the hang's evidence bundle, which the audit names; a graceful stop makes the
+    core dump again (SIGTERM), into its own start's folder."""
+    from tests.test_compile_cache import fake_vllm
+
+    hang = tmp_path / "hang"
+    cfg = watchdog_config(tmp_path, "--child", "--hang-file", str(hang),
+                          rules={"hang": {"when": "canary_failures >= 2"}})
+    cfg["engine"]["env"]["PYTHONPATH"] = str(fake_vllm(tmp_path / "site", "0.33.0"))
+    cfg["evidence"] = {"dir": str(tmp_path / "evidence")}
+    d = daemon_factory(cfg)
+    st = d.wait_state("RUNNING")
+    root = tmp_path / "stack-dumps" / "default"
+    first = st["stack_dumps"]
+    assert first["owner"] == "daemon" and Path(first["dir"]).parent == root
+    # the hang rule's deadline here: the 2nd canary failure, 1 + (0.5 + 1) s: whole
+    # seconds under it, the least vLLM takes
+    given = json.loads(flag(d.engine_argvs()[-1], "--watchdog-config") or "null")
+    assert given == {"timeout": 1, "check_interval": 1, "dump_dir": first["dir"]}
+    wait_for(lambda: d.status()["signals"]["canary_latency_s"] is not None, 10, "a canary")
+    hang.touch()
+    ev = wait_for(lambda: [e for e in d.events() if e["event"] == "evidence"], 30,
+                  "the hang's evidence")[0]
+    hang.unlink()
+    assert ev["rule"] == "hang" and ev["error"] is None
+    core_pid = int((tmp_path / "engine.pids").read_text().split()[1])
+    (copy,) = ev["vllm_dumps"]  # the audit names the file, in the bundle and where it was
+    assert copy["file"] == str(Path(ev["path"]) / "vllm-stack-dumps" /
+                               f"VLLM_STACK_DUMP_for_engine_0_{core_pid}.log")
+    assert copy["source"] == str(Path(first["dir"]) / Path(copy["file"]).name)
+    assert copy["pid"] == core_pid and copy["last"].endswith("due to feed timeout")
+    text = Path(copy["file"]).read_text()
+    assert text.startswith("\n>>> Call stack dump #1 at ") and "watch_hang" in text
+    assert ev["stacks"][str(core_pid)] == "ok"  # (py-spy as well)
+    st = d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] == 1)
+    second = st["stack_dumps"]["dir"]
+    assert second != first["dir"] and Path(second).parent == root
+    # a graceful restart: the core dumps at SIGTERM, in its own start's folder
+    assert d.ctl("restart").returncode == 0
+    d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] == 2)
+    (dumped,) = Path(second).iterdir()
+    assert dumped.read_text().count(">>> Call stack dump #") == 1
+    assert "due to SIGTERM" in dumped.read_text()
+    assert sorted(p.name for p in root.iterdir())[:2] == [Path(first["dir"]).name,
+                                                           Path(second).name]
+    # a running engine's file past its bound is cut to its newest dumps (at a look at
+    # the tree, every 10 s once it serves)
+    grown = Path(d.status()["stack_dumps"]["dir"]) / "VLLM_STACK_DUMP_for_worker_0_1.log"
+    grown.write_text("".join(f"\n>>> Call stack dump #{n} at now due to feed timeout\n\n"
+                             + "x" * 4000 + "\n" + "=" * 64 + "\n" for n in range(1, 1100)))
+    wait_for(lambda: grown.stat().st_size <= MAX_FILE_BYTES // 2 + 100, 30, "the cut")
+    assert "#1099 at now" in grown.read_text() and "#1 at now" not in grown.read_text()
+
+
+def test_the_operators_own_watchdog_config_wins_and_its_folder_is_read(daemon_factory,
+                                                                        tmp_path):
+    from tests.test_compile_cache import fake_vllm
+
+    hang = tmp_path / "hang"
+    theirs = '{"timeout": 2, "dump_dir": "my-dumps"}'
+    cfg = watchdog_config(tmp_path, "--hang-file", str(hang),
+                          engine={"args": ["--watchdog-config", theirs],
+                                  "cwd": str(tmp_path)},
+                          rules={"hang": {"when": "canary_failures >= 2"}})
+    cfg["engine"]["env"]["PYTHONPATH"] = str(fake_vllm(tmp_path / "site", "0.33.0"))
+    d = daemon_factory(cfg)
+    st = d.wait_state("RUNNING")
+    assert st["stack_dumps"] == {"dir": str(tmp_path / "my-dumps"), "owner": "operator",
+                                 "timeout_s": 2, "check_interval_s": 10}
+    argv = d.engine_argvs()[-1]
+    assert argv.count("--watchdog-config") == 1 and flag(argv, "--watchdog-config") == theirs
+    assert not (tmp_path / "stack-dumps").exists()
+    wait_for(lambda: d.status()["signals"]["canary_latency_s"] is not None, 10, "a canary")
+    hang.touch()  # (no --child: the fake's main process is its core, and dumps)
+    ev = wait_for(lambda: [e for e in d.events() if e["event"] == "evidence"], 30,
+                  "the hang's evidence")[0]
+    hang.unlink()
+    (copy,) = ev["vllm_dumps"]
+    assert copy["source"] == str(tmp_path / "my-dumps" /
+                                 f"VLLM_STACK_DUMP_for_engine_0_{ev['pid']}.log")
 
 
 def test_a_restart_remedy_whose_engine_never_boots_again_is_audited_as_failed(

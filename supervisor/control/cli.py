@@ -179,6 +179,11 @@ def format_status(st: dict[str, Any]) -> str:
                 else "size not yet measured")
         lines.append(f"cache      {cache['dir']} (vLLM {cache.get('vllm_version') or 'unknown'}"
                      f", {size})")
+    dumps = st.get("stack_dumps")
+    if dumps:  # (vLLM 0.33+: its own stack dumps of a stalled core and its workers)
+        lines.append(f"dumps      {dumps['dir']} (vLLM's own, after {dumps['timeout_s']} s "
+                     f"stalled; {'the daemon' if dumps['owner'] == 'daemon' else 'yours'})"
+                     if dumps.get("dir") else "dumps      off (your --watchdog-config)")
     adm = st.get("admission")
     if adm:
         lines.append(f"proxy      {adm['listen']}: {adm['in_flight']} in flight "
@@ -332,7 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"re-arming: {result.get('rearm')}")
     elif ns.command == "kv-reset":
         steps = ", ".join(f"{k} {v:.3f} s" for k, v in (result.get("steps_s") or {}).items())
-        print(f"KV reset {result.get('outcome')} in {result.get('duration_s')} s ({steps})"
+        own = ", ".join(f"{k} {v:.3f} s" for k, v in (result.get("vllm_s") or {}).items())
+        print(f"KV reset {result.get('outcome')} in {result.get('duration_s')} s ({steps}"
+              + (f"; vLLM's own: {own}" if own else "") + ")"
               + (f": {result.get('error')}" if result.get("error") else ""))
         if result.get("outcome") != "ok":
             return 1

@@ -28,6 +28,7 @@ import shutil
 import signal
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import EllipsisType
 
 import structlog
 
@@ -157,13 +158,15 @@ def _make(folder: Path, root: Path) -> tuple[list[str], int]:
 
 
 async def prepare(env: Mapping[str, str], argv: Sequence[str], cwd: str | None, root: Path,
-                  engine: str, now: Callable[[], float]) -> CacheInfo | None:
+                  engine: str, now: Callable[[], float],
+                  version: str | EllipsisType | None = ...) -> CacheInfo | None:
     """The folder under `root` for the vLLM version an engine about to be spawned (its
-    argv, env and cwd) would run, made; None where its env names its own or the folder
-    cannot be made."""
+    argv, env and cwd) would run (`version`, when the caller has asked already), made;
+    None where its env names its own or the folder cannot be made."""
     if CACHE_ENV in env:
         return None
-    version = await installed_version(argv, env, cwd)
+    if isinstance(version, EllipsisType):
+        version = await installed_version(argv, env, cwd)
     folder = folder_for(root, version) if version else _last_used(root)
     try:
         dropped, size = await asyncio.to_thread(_make, folder, root)

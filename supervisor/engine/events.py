@@ -10,6 +10,7 @@ lifecycle code.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, ClassVar
@@ -193,7 +194,9 @@ class Slept(Event):
     name = "slept"
     generation: int
     error: str | None  # None: asleep
-    seconds: float
+    seconds: float  # the daemon's calls
+    # what vLLM itself measured, by its operation (`sleep`); None: unknown
+    vllm_s: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,8 @@ class Woken(Event):
     name = "woken"
     generation: int
     error: str | None  # None: awake
-    seconds: float
+    seconds: float  # the daemon's calls
+    vllm_s: Mapping[str, float] | None = None  # vLLM's own (`wake`); None: unknown
 
 
 @dataclass(frozen=True)

@@ -430,11 +430,11 @@ class Handover:
             return []
         if ev.error is not None:
             return self.takeover_failed(f, f"the standby did not wake: {ev.error}")
-        log.info("standby woken", pid=engine.pid, seconds=round(ev.seconds, 3))
+        # the daemon's calls (POST /wake_up, GET /is_sleeping) and vLLM's own wake
+        woken = {"pid": engine.pid, "seconds": round(ev.seconds, 3), "vllm_s": ev.vllm_s}
+        log.info("standby woken", **woken)
         self._set_phase(Phase.PROVING_WOKEN, f.now)
-        return [do.Audit("standby_woken", {"pid": engine.pid,
-                                           "seconds": round(ev.seconds, 3)}),
-                *self._serve(f, engine)]
+        return [do.Audit("standby_woken", woken), *self._serve(f, engine)]
 
     def proof_failed(self, f: PairFacts, ev: GateProbe) -> list[Step] | None:
         """The first generation after a handover answered: the steps when it was a woken

@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import structlog
 
 from supervisor.config import Config
 from supervisor.config_sections import EngineConfig, MetricsConfig
-from supervisor.engine import compile_cache, proctree
+from supervisor.engine import compile_cache, proctree, start_dirs
 from supervisor.engine import process as eng
-from supervisor.engine.compile_cache import CACHE_ENV
 from supervisor.engine.corewatch import CoreWatch
 from supervisor.engine.effects import Front, Timer
 from supervisor.engine.events import (
@@ -50,8 +49,9 @@ from supervisor.engine.probes import EngineProbes
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock, Jobs, http_client
 from supervisor.ops.descriptors import OutOfDescriptors, Shortage, exhausted
-from supervisor.watchdog import evidence, golden, hostheat, remedy
+from supervisor.watchdog import evidence, golden, hostheat, remedy, stackdumps
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
+from supervisor.watchdog.metrics import sleep_op_seconds
 from supervisor.watchdog.poller import scrape
 from supervisor.watchdog.remedy import WarmUp
 
@@ -60,6 +60,7 @@ log = structlog.get_logger("supervisor")
 
 # how long a start short of descriptors (nothing spawned yet) is tried again
 SHORTAGE_RETRY_S = 10.0
+T = TypeVar("T")
 
 
 async def _acquire(lock: asyncio.Lock, timeout_s: float) -> bool:
@@ -200,9 +201,12 @@ class JobEffects:
                      bay: int) -> None:
         leftovers: list[str] = []
         state_file = self.bays[bay][0]
-        asked, cache = spec, await self._compile_cache(spec, cfg)
-        if cache is not None:
-            spec = dataclasses.replace(spec, env={**spec.env, CACHE_ENV: cache.dir})
+        # its compile cache and vLLM's stack-dump folder (engine/start_dirs.py)
+        dirs = await start_dirs.prepare(
+            spec, cfg, self.config(), self.name, bay, generation,
+            [e.dumps.dir for b, e in self._in_bay.items() if b != bay and e.dumps],
+            self.clock.monotonic)
+        asked, spec = spec, dirs.spec
         shortage = Shortage("spawn")
         until = self.clock.monotonic() + SHORTAGE_RETRY_S
         while True:
@@ -222,8 +226,8 @@ class JobEffects:
                 return
         shortage.ok()
         # (its spec stays the one asked for, which the unit compares with its config's;
-        # the cache's folder is this job's addition)
-        engine.spec, engine.cache = asked, cache
+        # the cache's folder and the dumps' are this job's additions)
+        engine.spec, engine.cache, engine.dumps = asked, dirs.cache, dirs.dumps
         # The engine runs: nothing from here fails its start (that would leave it running
         # unwatched). A state file not written now is written at the watch's first look.
         try:
@@ -231,19 +235,6 @@ class JobEffects:
         except OSError as exc:
             log.warning("cannot write the state file yet", error=str(exc), pid=engine.pid)
         self.queue.put_nowait(Spawned(generation, engine, None, tuple(leftovers)))
-
-    async def _compile_cache(self, spec: eng.SpawnSpec, cfg: EngineConfig
-                             ) -> compile_cache.CacheInfo | None:
-        """The engine's own compile cache folder (engine/compile_cache.py), if it has one."""
-        if not cfg.compile_cache:
-            return None
-        root = Path(self.config().audit.path).parent / "vllm-cache" / self.name
-        try:
-            return await compile_cache.prepare(spec.env, spec.argv, spec.cwd, root,
-                                               self.name, self.clock.monotonic)
-        except Exception as exc:  # (never a failed or stuck start for the cache's sake)
-            log.warning("no compile cache of the daemon's for this start", error=repr(exc))
-            return None
 
     async def _check_and_spawn(self, generation: int, spec: eng.SpawnSpec, cfg: EngineConfig,
                                bay: int, leftovers: list[str]) -> eng.EngineProcess:
@@ -324,6 +315,10 @@ class JobEffects:
         cores.add(procs)
         rss, cpu = await asyncio.to_thread(proctree.tree_usage, procs)
         heat, _ = await asyncio.to_thread(hostheat.hottest)
+        dumps = engine.dumps  # (vLLM only appends to its files: they are bounded here)
+        if dumps is not None and dumps.owned and (
+                cut := await asyncio.to_thread(stackdumps.trim, dumps.dir)):
+            log.info("vLLM's stack dump files cut to their newest dumps", files=cut)
         self.queue.put_nowait(TreeSeen(engine.generation, tuple(procs),
                                        self.clock.monotonic(), rss, cpu, heat))
         merged = proctree.merge_known(recorded or engine.known, procs)
@@ -364,8 +359,10 @@ class JobEffects:
             live = await asyncio.to_thread(proctree.snapshot_tree, engine.pid)
         except OSError:  # (out of descriptors: the pids already known are read)
             live = []
+        dumps = engine.dumps  # (vLLM's own stack dumps, where it writes them)
         req = dataclasses.replace(req, pids=list(dict.fromkeys(
-            [*req.pids, *(p.pid for p in live)])))
+            [*req.pids, *(p.pid for p in live)])), dump_dir=dumps.dir if dumps else None,
+            dump_dir_owned=dumps is None or dumps.owned)
         try:
             bundle = await asyncio.wait_for(
                 evidence.capture(req, Path(cfg.dir), cfg.keep, cfg.timeout_s,
@@ -439,8 +436,9 @@ class JobEffects:
         if self.front is None or remedy.sleep_mode_flags(engine.spec.argv, env) is not None:
             return None, None
         async with self.probes.lock(engine):
-            warmed = await remedy.warm_up(client, engine.config.base_url,
-                                          remedy.SLEEP_TIMEOUT_S)
+            warmed, _, took = await self._vllm_timed(client, engine, remedy.warm_up(
+                client, engine.config.base_url, remedy.SLEEP_TIMEOUT_S))
+            warmed = dataclasses.replace(warmed, vllm_s=took)
         if warmed.broken or warmed.skipped is not None or model is None:
             return warmed, None
         try:
@@ -489,12 +487,30 @@ class JobEffects:
     async def _sleep_or_wake(self, engine: eng.EngineProcess, asleep: bool) -> None:
         """Bounded by `remedy.SLEEP_TIMEOUT_S` a call: the first sleep pins the weights in
         host RAM (11-13 s for an 8B model on the H100)."""
-        t0 = self.clock.monotonic()
         async with http_client() as client:
-            error = await remedy.set_asleep(client, engine.config.base_url, asleep,
-                                            remedy.SLEEP_TIMEOUT_S)
+            error, seconds, took = await self._vllm_timed(client, engine, remedy.set_asleep(
+                client, engine.config.base_url, asleep, remedy.SLEEP_TIMEOUT_S))
         event = Slept if asleep else Woken
-        self.queue.put_nowait(event(engine.generation, error, self.clock.monotonic() - t0))
+        self.queue.put_nowait(event(engine.generation, error, seconds, took))
+
+    async def _vllm_timed(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
+                          call: Awaitable[T]) -> tuple[T, float, dict[str, float] | None]:
+        """`call` (a sleep, a wake, both), how long it took, and what vLLM measured of
+        each of its operations in it (metrics.sleep_op_seconds; None: unknown, or
+        `metrics.enabled` off): its sleep-mode counts read after, and before unless the
+        last such call's reading stands (a standby's wake, its sleep's: a failover waits
+        on no read before its wake)."""
+        m = self.config().metrics
+        url, bound = engine.config.base_url + m.path, remedy.SLEEP_METRICS_TIMEOUT_S
+        before = engine.sleep_ops
+        if before is None and m.enabled:
+            before = await remedy.sleep_ops(client, url, bound)
+        t0 = self.clock.monotonic()
+        result = await call
+        seconds = self.clock.monotonic() - t0
+        engine.sleep_ops = await remedy.sleep_ops(client, url, bound) if m.enabled else None
+        took = sleep_op_seconds(before, engine.sleep_ops)
+        return result, seconds, {k: round(v, 3) for k, v in took.items()} or None
 
     async def _remedy(self, engine: eng.EngineProcess, rung: str) -> None:
         cfg = engine.config
@@ -525,8 +541,10 @@ class JobEffects:
                         attempted=False)
                 else:
                     try:
-                        outcome = await remedy.kv_reset(client, base, c.model or None,
-                                                        c.prompt, 60.0, max(c.timeout_s, 10.0))
+                        outcome, _, took = await self._vllm_timed(client, engine, remedy.kv_reset(
+                            client, base, c.model or None, c.prompt, 60.0,
+                            max(c.timeout_s, 10.0)))
+                        outcome = dataclasses.replace(outcome, vllm_s=took)
                         if outcome.ok and c.golden:  # (right after its wake, not just alive)
                             answers = await self.probes.golden_unlocked(client, engine)
                     finally:

@@ -32,6 +32,8 @@ from supervisor.engine.enginelog import parse_engine_line, phase_of, route_of
 from supervisor.loop import http_client
 from supervisor.ops.descriptors import Shortage, exhausted
 from supervisor.watchdog.gpu import GpuProcessLister
+from supervisor.watchdog.metrics import SleepOps
+from supervisor.watchdog.stackdumps import StackDumps
 
 log = structlog.get_logger("supervisor.engine")
 
@@ -128,6 +130,10 @@ class EngineProcess:
     phases: list[tuple[str, float]] = field(default_factory=list)  # (phase, s after spawn)
     vllm_version: str | None = None  # as its first lines say
     cache: CacheInfo | None = None  # its compile cache (VLLM_CACHE_ROOT), if the daemon's
+    dumps: StackDumps | None = None  # where its vLLM writes its own stack dumps (0.33+)
+    # vLLM's count of its sleep-mode calls as the daemon's last sleep or wake of it left it
+    # (its jobs' alone: the next call's "before")
+    sleep_ops: SleepOps | None = None
     recent_errors: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     recent_lines: deque[str] = field(default_factory=lambda: deque(maxlen=200))  # evidence
     relays: list[asyncio.Task[None]] = field(default_factory=list)  # stdout, stderr readers

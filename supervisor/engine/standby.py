@@ -242,7 +242,8 @@ class Standby:
                 return False
             if ev.error is None:
                 self.asleep = True
-                self._ready(e, sleep_s=round(ev.seconds, 3))
+                # (the daemon's calls, and what vLLM measured of its sleep)
+                self._ready(e, sleep_s=round(ev.seconds, 3), vllm_s=ev.vllm_s)
             else:
                 self._failed(f"it could not be put to sleep: {ev.error}", deadline)
         elif isinstance(ev, Exited):

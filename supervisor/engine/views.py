@@ -180,6 +180,8 @@ def status(unit: Viewable) -> dict[str, Any]:
         "start": starting(unit, now),
         # the serving engine's compile cache (engine/compile_cache.py)
         "compile_cache": e.cache.view(now) if e is not None and e.cache is not None else None,
+        # where its vLLM writes its own stack dumps (watchdog/stackdumps.py; vLLM 0.33+)
+        "stack_dumps": e.dumps.view() if e is not None and e.dumps is not None else None,
         "start_blocked": unit.failures.start_blocked if unit.state is State.BACKOFF else None,
         "remedies": {
             "allowed": list(unit.config.policy.remedies),

@@ -364,6 +364,8 @@ class EngineWatch:
             "rung": ev.rung, "outcome": outcome, "duration_s": round(ev.duration_s, 3),
             "steps_s": {k: round(v, 3) for k, v in o.steps.items()}, "error": o.error,
             "held": held if ev.rung == "kv_reset" else None}
+        if ev.rung == "kv_reset":  # (beside the daemon's steps: vLLM's own sleep and wake)
+            fields["vllm_s"] = o.vllm_s
         remedy_ended(self._audit, fields)
         if not unit.serving_engine(ev.generation) or o.ok or not o.attempted:
             # (the engine went meanwhile: its restart holds and releases requests)

@@ -5,8 +5,12 @@ progress, an XID, a remedy that failed), the reasons die with the processes. Bef
 take-down it captures one bundle: Python stacks of every process of the engine tree
 (py-spy, `--nonblocking`: read from memory without pausing the process, so a stopped or
 wedged process is read too, never waited on), the engine's last log lines, the signals
-the watchdog last computed, and NVML's last reading. One folder per bundle under the
-evidence directory (`<UTC time>-<rule>`), the newest `keep` kept.
+the watchdog last computed, and NVML's last reading; and, from a vLLM that writes its
+own (0.33's `--watchdog-config`, `stackdumps.py`), the newest dumps of the tree's
+processes, copied under `vllm-stack-dumps/` within `stackdumps.COPY_TOTAL_BYTES`. py-spy
+runs all the same: older engines have no such dumps, the API server never writes one,
+and a dump may be from an earlier stall (each copy says when it was written). One folder
+per bundle under the evidence directory (`<UTC time>-<rule>`), the newest `keep` kept.
 
 Owns that directory and nothing else. Bounded: every py-spy runs with a deadline, all
 of them at once, and the caller awaits `capture()` under the same bound, so a kill never
@@ -32,6 +36,8 @@ from typing import Any
 
 import psutil
 
+from supervisor.watchdog import stackdumps
+
 
 @dataclass(frozen=True)
 class EvidenceRequest:
@@ -43,6 +49,11 @@ class EvidenceRequest:
     signals: Mapping[str, float | None]
     gpu: Mapping[str, Any] | None
     wall: float = field(default_factory=time.time)
+    # where the engine's vLLM writes its own stack dumps, and whether only this engine's
+    # are there (the daemon's folder of its start) or the pids must pick them (the
+    # operator's folder)
+    dump_dir: str | None = None
+    dump_dir_owned: bool = True
 
     @property
     def name(self) -> str:
@@ -57,11 +68,13 @@ class Bundle:
     bytes: int
     stacks: Mapping[int, str]  # pid -> "ok", or why it has none
     error: str | None = None  # the bundle could not be written
+    # vLLM's own stack dumps copied in: each file's copy, its source, its last dump
+    vllm_dumps: Sequence[Mapping[str, Any]] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {"path": self.path, "duration_s": round(self.duration_s, 3),
                 "bytes": self.bytes, "stacks": {str(k): v for k, v in self.stacks.items()},
-                "error": self.error}
+                "vllm_dumps": [dict(d) for d in self.vllm_dumps], "error": self.error}
 
 
 def find_py_spy() -> str | None:
@@ -85,12 +98,12 @@ async def capture(req: EvidenceRequest, directory: Path, keep: int, timeout_s: f
            "signals": dict(req.signals), "gpu": req.gpu}
     path = directory / req.name
     try:
-        path, size = await asyncio.to_thread(_write, path, doc, text, req.log_lines,
-                                             directory, keep)
+        path, size, dumps = await asyncio.to_thread(_write, path, doc, text, req,
+                                                    directory, keep)
     except OSError as exc:
         return Bundle(str(path), time.monotonic() - t0, 0, summary,
                       f"could not write the bundle: {exc}")
-    return Bundle(str(path), time.monotonic() - t0, size, summary)
+    return Bundle(str(path), time.monotonic() - t0, size, summary, vllm_dumps=dumps)
 
 
 async def _dump_all(pids: Sequence[int], py_spy: str | None,
@@ -154,8 +167,8 @@ def _describe(pid: int) -> dict[str, Any]:
         return {"pid": pid, "error": type(exc).__name__}
 
 
-def _write(path: Path, doc: dict[str, Any], stacks: str, log_lines: Sequence[str],
-           directory: Path, keep: int) -> tuple[Path, int]:
+def _write(path: Path, doc: dict[str, Any], stacks: str, req: EvidenceRequest,
+           directory: Path, keep: int) -> tuple[Path, int, list[dict[str, Any]]]:
     directory.mkdir(parents=True, exist_ok=True, mode=0o750)
     base, n = path, 1
     while True:  # two bundles in one second keep both
@@ -165,15 +178,20 @@ def _write(path: Path, doc: dict[str, Any], stacks: str, log_lines: Sequence[str
         except FileExistsError:
             n += 1
             path = base.with_name(f"{base.name}-{n}")
+    dumps: list[dict[str, Any]] = []
+    if req.dump_dir:
+        found = stackdumps.find(req.dump_dir, None if req.dump_dir_owned else set(req.pids))
+        dumps = stackdumps.copy(found, path / "vllm-stack-dumps")
+    doc["vllm_dumps"] = dumps
     files = {"bundle.json": json.dumps(doc, indent=2, default=str) + "\n",
-             "stacks.txt": stacks, "engine.log": "\n".join(log_lines) + "\n"}
-    size = 0
+             "stacks.txt": stacks, "engine.log": "\n".join(req.log_lines) + "\n"}
+    size = sum(d.get("bytes", 0) for d in dumps)
     for name, text in files.items():
         data = text.encode("utf-8", "replace")
         (path / name).write_bytes(data)
         size += len(data)
     prune(directory, keep)
-    return path, size
+    return path, size, dumps
 
 
 def list_bundles(directory: Path) -> list[dict[str, Any]]:
@@ -186,10 +204,12 @@ def list_bundles(directory: Path) -> list[dict[str, Any]]:
         try:
             doc = json.loads((d / "bundle.json").read_text())
             entry.update(reason=doc.get("reason"), rule=doc.get("rule"), time=doc.get("time"),
-                         stacks=doc.get("stacks"))
-        except (OSError, ValueError):
+                         stacks=doc.get("stacks"),
+                         vllm_dumps=[v.get("file") for v in doc.get("vllm_dumps") or ()
+                                     if v.get("file")])
+        except (OSError, ValueError, AttributeError):
             entry["error"] = "no readable bundle.json"
-        entry["bytes"] = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+        entry["bytes"] = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
         out.append(entry)
     return out
 

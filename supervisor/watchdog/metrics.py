@@ -7,6 +7,14 @@ prefix-cache counters). A series that is absent is unknown: its field is None, n
 parallel), counts and counters are summed and the KV usage is the worst engine's.
 Garbage raises `MetricsParseError`; the poller counts it and carries on.
 
+vLLM's own timing of its sleep-mode operations (0.32+, `vllm/entrypoints/serve/dev/
+sleep/metrics.py`): the histogram `vllm:sleep_mode_operation_duration_seconds` and the
+gauge `vllm:sleep_mode_operations_in_flight`, both labelled `operation` (`sleep`,
+`wake`, `release_kv_cache_memory`) and nothing else: the API server's own, registered at
+its first sleep-mode call (a page before has neither) and never counted among the
+engines. `sleep_op_seconds` turns two pages of one engine into the duration vLLM
+measured for each operation in between.
+
 The page is read line by line here rather than by prometheus_client's parser: a vLLM page
 is 300-600 lines of which the daemon reads about twenty, and the full parse was 80 % of an
 idle daemon's CPU with six engines (bench-host-cost). Every sample line is still checked
@@ -25,6 +33,9 @@ from dataclasses import dataclass, field
 
 class MetricsParseError(ValueError):
     pass
+
+
+SleepOps = tuple[tuple[str, float, float], ...]
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,10 @@ class Snapshot:
     ttft_buckets: tuple[tuple[float, float], ...] = field(default=())
     ttft_count: float | None = None
     engines: int = 0  # how many distinct `engine` labels carried vllm:* series
+    # vLLM's sleep-mode operations: (operation, how many, their seconds in all), those
+    # the page has; and how many run now (None: no such series)
+    sleep_ops: SleepOps = ()
+    sleep_ops_in_flight: float | None = None
 
     @property
     def has_vllm_series(self) -> bool:
@@ -74,6 +89,8 @@ _MAXED = {
     "prefix_cache_hit_rate_gauge": ("vllm:gpu_prefix_cache_hit_rate",),
 }
 _TTFT = "vllm:time_to_first_token_seconds"
+_SLEEP_OP = "vllm:sleep_mode_operation_duration_seconds"
+_SLEEP_IN_FLIGHT = "vllm:sleep_mode_operations_in_flight"
 
 
 # a sample line of the text format: name, labels, value, optional timestamp
@@ -88,7 +105,8 @@ _UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 
 def _wanted() -> frozenset[str]:
     names = {n for ns in (*_SUMMED.values(), *_MAXED.values()) for n in ns}
-    return frozenset(names | {f"{_TTFT}_bucket", f"{_TTFT}_count", "vllm:cache_config_info"})
+    return frozenset(names | {f"{_TTFT}_bucket", f"{_TTFT}_count", "vllm:cache_config_info",
+                              f"{_SLEEP_OP}_count", f"{_SLEEP_OP}_sum", _SLEEP_IN_FLIGHT})
 
 
 _WANTED = _wanted()
@@ -141,8 +159,17 @@ def parse_metrics(text: str) -> Snapshot:
     engines: set[str] = set()
     blocks: int | None = None
     block_size: int | None = None
+    ops: dict[str, list[float]] = {}  # operation -> [count, sum]
+    in_flight: float | None = None
     for name, labels, value in _samples(text):
         if not name.startswith("vllm:"):
+            continue
+        if name.startswith("vllm:sleep_mode_"):  # (the API server's: no engine label)
+            if name == _SLEEP_IN_FLIGHT and not math.isnan(value):
+                in_flight = (in_flight or 0.0) + value
+            elif name in (f"{_SLEEP_OP}_count", f"{_SLEEP_OP}_sum"):
+                pair = ops.setdefault(labels.get("operation", ""), [0.0, 0.0])
+                pair[1 if name.endswith("_sum") else 0] += value
             continue
         engine = labels.get("engine", "0")
         engines.add(engine)
@@ -169,7 +196,29 @@ def parse_metrics(text: str) -> Snapshot:
         fields[key] = next((max(values[n].values()) for n in names if n in values), None)
     return Snapshot(**fields, num_gpu_blocks=blocks, block_size=block_size,
                     ttft_buckets=tuple(sorted(ttft.items())), ttft_count=ttft_count,
-                    engines=len(engines))
+                    engines=len(engines),
+                    sleep_ops=tuple((op, n, total) for op, (n, total) in sorted(ops.items())),
+                    sleep_ops_in_flight=in_flight)
+
+
+def sleep_op_seconds(before: SleepOps | None, after: SleepOps | None) -> dict[str, float]:
+    """The seconds vLLM measured for each sleep-mode operation between two pages of one
+    engine (its histogram's sum increase over its count's: the mean, if several ran),
+    by operation; {} when it cannot be told (a page unread, no such series after).
+
+    An operation the page before lacks counts from zero there, and only there: vLLM
+    registers the series at its API server's first sleep-mode call, so a page of the same
+    engine read before without it means no such call had run yet; the page after having
+    it proves that this vLLM exports it. A page not read is unknown, never zero."""
+    if before is None or after is None:
+        return {}
+    was = {op: (n, total) for op, n, total in before}
+    out = {}
+    for op, n, total in after:
+        n0, total0 = was.get(op, (0.0, 0.0))
+        if n > n0:
+            out[op] = (total - total0) / (n - n0)
+    return out
 
 
 def _int_label(labels: dict[str, str], key: str) -> int | None:

@@ -22,6 +22,8 @@ import httpx
 
 from supervisor.ops.descriptors import OutOfDescriptors, exhausted
 from supervisor.watchdog import canary
+from supervisor.watchdog.metrics import SleepOps
+from supervisor.watchdog.poller import scrape
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,8 @@ class RemedyOutcome:
     steps: dict[str, float] = field(default_factory=dict)  # step -> seconds, in order
     error: str | None = None
     attempted: bool = True  # False: not started (requests did not drain in time)
+    # what vLLM itself measured of its sleep and wake, by its operation; None: unknown
+    vllm_s: dict[str, float] | None = None
 
 
 def sleep_mode_flags(args: Sequence[str], env: Mapping[str, str]) -> str | None:
@@ -81,6 +85,23 @@ def _failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+# reading vLLM's own count of its sleep-mode calls around the daemon's (its /metrics): a
+# page of an idle local API server comes in milliseconds; bounded apart from the call,
+# and never its failure
+SLEEP_METRICS_TIMEOUT_S = 1.0
+
+
+async def sleep_ops(client: httpx.AsyncClient, metrics_url: str,
+                    timeout_s: float) -> SleepOps | None:
+    """vLLM's sleep-mode counts on its page now (`metrics.sleep_op_seconds` compares two);
+    None when the page cannot be read."""
+    try:
+        snap, _ = await scrape(client, metrics_url, timeout_s)
+    except OutOfDescriptors:
+        return None
+    return snap.sleep_ops if snap is not None else None
+
+
 # a sleep or wake call's bound: the first sleep of an engine pins its weights in host RAM
 # (11-13 s for an 8B model on the H100; later ones 0.4 s; a wake 0.5-0.6 s)
 SLEEP_TIMEOUT_S = 60.0
@@ -112,6 +133,7 @@ class WarmUp:
     # a wake failed (the engine may be asleep or wedged) or the engine failed a canary
     # after it: unusable
     broken: bool = False
+    vllm_s: dict[str, float] | None = None  # vLLM's own timing (RemedyOutcome's)
 
 
 async def warm_up(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> WarmUp:

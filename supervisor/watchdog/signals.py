@@ -109,6 +109,9 @@ SIGNALS: tuple[SignalSpec, ...] = (
        "seconds the engine's step and token counters have not moved while it had requests "
        "running or waiting (0 when they move or it is idle)"),
     _s("scrape_failures_total", "scrape_failures", "failed /metrics scrapes, this daemon"),
+    _s("sleep_ops_in_flight", "sleep_mode_operations_in_flight",
+       "sleep-mode calls (sleep, wake) the engine's API server is in (vLLM 0.32+; unknown "
+       "until its first)"),
 )
 SIGNAL_NAMES: frozenset[str] = frozenset(s.name for s in SIGNALS)
 
@@ -370,6 +373,7 @@ class SignalWindow:
             out["kv_cache_usage"] = snap.kv_cache_usage
             out["requests_running"] = snap.requests_running
             out["requests_waiting"] = snap.requests_waiting
+            out["sleep_ops_in_flight"] = snap.sleep_ops_in_flight
             if snap.num_gpu_blocks is not None:
                 out["kv_blocks_total"] = float(snap.num_gpu_blocks)
                 if snap.kv_cache_usage is not None:
