@@ -31,6 +31,7 @@ from supervisor.engine.compile_cache import CacheInfo
 from supervisor.engine.enginelog import parse_engine_line, phase_of, route_of
 from supervisor.loop import http_client
 from supervisor.ops.descriptors import Shortage, exhausted
+from supervisor.watchdog.devroutes import DevRoutes
 from supervisor.watchdog.gpu import GpuProcessLister
 
 log = structlog.get_logger("supervisor.engine")
@@ -128,6 +129,9 @@ class EngineProcess:
     phases: list[tuple[str, float]] = field(default_factory=list)  # (phase, s after spawn)
     vllm_version: str | None = None  # as its first lines say
     cache: CacheInfo | None = None  # its compile cache (VLLM_CACHE_ROOT), if the daemon's
+    # which of vLLM's development routes it serves, asked once its health check answered
+    # (None: not asked, or not yet healthy)
+    routes: DevRoutes | None = None
     recent_errors: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     recent_lines: deque[str] = field(default_factory=lambda: deque(maxlen=200))  # evidence
     relays: list[asyncio.Task[None]] = field(default_factory=list)  # stdout, stderr readers
