@@ -37,6 +37,13 @@ script a fault:
                         {operation} (a histogram of each call's seconds) and
                         vllm:sleep_mode_operations_in_flight{operation}
   --wake-fails          POST /wake_up answers 500 (and the engine stays asleep)
+  --dev-routes LIST     which of vLLM's development routes it serves with
+                        VLLM_SERVER_DEV_MODE=1 (comma-separated paths; default "all":
+                        /reset_prefix_cache, /sleep, /wake_up, /is_sleeping,
+                        /collective_rpc; "none": a front end without them, as vLLM 0.33's
+                        Rust one may be). Without VLLM_SERVER_DEV_MODE=1 it serves none,
+                        as vLLM. A GET of a POST-only one answers 405, of one not served
+                        404, as vLLM's routers do
   --first-sleep-delay S the first sleep answers after S seconds, later ones at once (vLLM
                         pins the weights in host RAM at an engine's first sleep)
   --logprobs            a non-streamed answer carries vLLM-shaped logprobs when asked
@@ -66,8 +73,9 @@ answer would; a token's text is "t<id> ". A string prompt's token ids are its ch
 On SIGTERM it stops accepting and lets running requests finish for --shutdown-timeout,
 as vLLM does. A client that goes away mid-stream is counted in <pidfile dir>/aborts;
 the most requests ever running at once is written to <pidfile dir>/max-running.
-Serves GET /health, /metrics, /v1/models, POST /v1/completions (one token) and
-/reset_prefix_cache (counted in $FAKE_ENGINE_PIDFILE's directory as prefix-resets).
+Serves GET /health, /metrics, /v1/models, POST /v1/completions (one token) and, with
+VLLM_SERVER_DEV_MODE=1, /reset_prefix_cache (counted in $FAKE_ENGINE_PIDFILE's directory
+as prefix-resets); any other GET answers 200.
 Every request's method and raw target, as received, is appended to <pidfile dir>/requests.
 Writes vLLM-shaped log lines, its pid (and the child's) to $FAKE_ENGINE_PIDFILE, its
 environment, as JSON, to $FAKE_ENGINE_ENVFILE, and appends its argv as a JSON line to
@@ -130,6 +138,7 @@ def main() -> None:
     p.add_argument("--answer-delay", type=float, default=0)
     p.add_argument("--enable-sleep-mode", action="store_true")
     p.add_argument("--wake-fails", action="store_true")
+    p.add_argument("--dev-routes", default="all")
     p.add_argument("--first-sleep-delay", type=float, default=0)
     p.add_argument("--logprobs", action="store_true")  # answers them (a greedy golden)
     p.add_argument("--wrong-after-wake", action="store_true")  # other tokens once woken
@@ -199,7 +208,15 @@ def main() -> None:
             f.write(f"{os.getpid()}\n" + (f"{child_pid}\n" if child_pid else ""))
 
     stopping = threading.Event()
-    sleep_mode = a.enable_sleep_mode and os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
+    # vLLM's development routes: only with VLLM_SERVER_DEV_MODE=1, and those --dev-routes
+    # names; each path and the method it takes
+    dev = {"/reset_prefix_cache": "POST", "/sleep": "POST", "/wake_up": "POST",
+           "/is_sleeping": "GET", "/collective_rpc": "POST"}
+    if os.environ.get("VLLM_SERVER_DEV_MODE") != "1" or a.dev_routes == "none":
+        dev = {}
+    elif a.dev_routes != "all":
+        dev = {r: m for r, m in dev.items() if r in a.dev_routes.split(",")}
+    sleep_mode = a.enable_sleep_mode and "/sleep" in dev
     asleep = threading.Event()
     slept_once = threading.Event()
     wrong = threading.Event()  # a wake broke it: other tokens from then on
@@ -288,7 +305,8 @@ def main() -> None:
             f.write(f"{os.getpid()} compiled for {a.served_model_name}\n")
     log("INFO", "Available routes are:")
     for route, methods in (("/health", "GET"), ("/metrics", "GET"), ("/v1/models", "GET"),
-                           ("/v1/completions", "POST"), ("/v1/chat/completions", "POST")):
+                           ("/v1/completions", "POST"), ("/v1/chat/completions", "POST"),
+                           *dev.items()):
         log("INFO", f"Route: {route}, Methods: {methods}")
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -305,9 +323,12 @@ def main() -> None:
             if self.path == "/v1/models":
                 body = json.dumps({"object": "list", "data": [
                     {"id": a.served_model_name, "object": "model"}]}).encode()
-            if self.path == "/is_sleeping":
-                code = 200 if sleep_mode else 404
-                body = json.dumps({"is_sleeping": asleep.is_set()}).encode()
+            route = self.path.partition("?")[0]
+            if route in ("/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping",
+                         "/collective_rpc"):  # (a development route: as vLLM routes it)
+                code = 404 if route not in dev else 405 if dev[route] == "POST" else 200
+                body = json.dumps({"is_sleeping": asleep.is_set()}).encode() \
+                    if code == 200 else b'{"detail": "refused"}'
             if self.path == "/metrics":
                 body = b"# fake engine: no metrics\n"
                 if a.spec_acceptance is not None:
@@ -389,6 +410,9 @@ def main() -> None:
                                    "usage": {"prompt_tokens": 1, "completion_tokens": n,
                                              "total_tokens": n + 1}}).encode()
                 code = 200
+            elif self.path.startswith("/sleep") and "/sleep" in dev and not sleep_mode:
+                # (vLLM without --enable-sleep-mode: the engine refuses)
+                body, code = b'{"error": "sleep mode is not enabled"}', 500
             elif self.path == "/sleep?level=1" and sleep_mode:
                 with sleep_metrics.record("sleep"):
                     if not slept_once.is_set():
@@ -400,7 +424,7 @@ def main() -> None:
                     with open(os.path.join(os.path.dirname(pidfile), "sleeps"), "a") as f:
                         f.write(f"{running[0]}\n")
                 body, code = b"", 200
-            elif self.path == "/wake_up" and sleep_mode:
+            elif self.path == "/wake_up" and sleep_mode and "/wake_up" in dev:
                 fault = ""
                 if a.wake_fault_file and os.path.exists(a.wake_fault_file):
                     with open(a.wake_fault_file) as f:
@@ -416,7 +440,7 @@ def main() -> None:
                         drafts_broken.set()
                 body, code = (b'{"error": "fake wake failure"}', 500) if fails \
                     else (b"", 200)
-            elif self.path == "/reset_prefix_cache" and pidfile:
+            elif self.path == "/reset_prefix_cache" and pidfile and self.path in dev:
                 with open(os.path.join(os.path.dirname(pidfile), "prefix-resets"), "a") as f:
                     f.write("1\n")
                 body, code = b'{"success": true}', 200

@@ -79,7 +79,8 @@ def test_the_ladder_throttles_resets_the_prefix_cache_then_restarts_losing_nothi
             ("ladder_cache", "restart")]
         why = decisions[2][2]
         assert "after reset_prefix_cache" in why
-        assert "kv_reset: the engine cannot drop its KV cache in place" in why
+        # (the CPU build refuses --enable-sleep-mode: the probe's reason, named)
+        assert "kv_reset: the engine was not started with --enable-sleep-mode" in why
         remedies = d.remedies()
         # each rung tried is one entry: rung, outcome, duration
         assert [(e["rung"], e["outcome"]) for e in remedies[:3]] == [
@@ -92,6 +93,17 @@ def test_the_ladder_throttles_resets_the_prefix_cache_then_restarts_losing_nothi
         assert st["admission"]["max_concurrency"] == 12  # 16 x 0.75
         assert st["remedies"]["kv_reset"] is False
         assert "--enable-sleep-mode" in st["remedies"]["kv_reset_unavailable"]
+        # dev mode on: the real engine serves every development route (a GET of a POST
+        # one refused with 405), so the prefix-cache reset is on; no sleep on CPU
+        assert st["dev_routes"] == dict.fromkeys(
+            ("/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping"), True)
+        assert st["off"] == {"kv_reset": "the engine was not started with "
+                                         "--enable-sleep-mode"}, st["off"]
+        assert st["remedies"]["reset_prefix_cache"] is True
+        probed = [e for e in d.events(1000) if e["event"] == "dev_routes"]
+        assert len(probed) == 2 and all(e["off"] == {"sleep": "the engine was not started "
+                                                             "with --enable-sleep-mode"}
+                                        for e in probed), probed
         assert codes and all(c == 200 for c in codes), sorted(set(codes))
         print("ladder:", {"decisions": [(r, a) for r, a, _ in decisions],
                           "prefix_reset_s": remedies[1]["duration_s"],

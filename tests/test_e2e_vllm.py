@@ -29,6 +29,7 @@ ENGINE_VLLM = ROOT / ".venv-engine" / "bin" / "vllm"
 MODEL = ROOT / "models" / "tiny-llama"
 START_TIMEOUT = 300.0
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'
+DEV_ROUTES = ("/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping")
 
 
 def vllm_config(tmp: Path) -> dict[str, dict[str, object]]:
@@ -115,6 +116,15 @@ def test_daemon_starts_the_engine_and_a_completion_is_served(served):
     wait_for(lambda: d.status()["golden"]["baselines"] == 1, 120,
              "the golden baseline of the first start")
     assert sig["kv_cache_usage"] is not None and sig["metrics_age_s"] < 10
+    # vLLM's development routes, probed at its start: without VLLM_SERVER_DEV_MODE the
+    # real engine serves none (a GET of each answered 404), so both in-place rungs are
+    # off from the start, each saying why (supervisor/watchdog/devroutes.py)
+    st = d.status()
+    assert st["dev_routes"] == dict.fromkeys(DEV_ROUTES, False), st["dev_routes"]
+    assert st["off"] == {
+        "reset_prefix_cache": "the engine does not serve /reset_prefix_cache: "
+                              "VLLM_SERVER_DEV_MODE is not 1",
+        "kv_reset": "the engine was not started with --enable-sleep-mode"}, st["off"]
     assert sig["requests_waiting"] == 0
     assert sig["engine_rss_bytes"] > 200 << 20  # API server, engine core and worker
     # engine lines are relayed as structured events with vLLM's process tag kept
@@ -177,6 +187,10 @@ def test_status_and_events_show_what_happened(served):
     # follows, as the daemon takes the tree down)
     crash = [e for e in events if e["event"] == "core_exit"]
     assert len(crash) == 1 and crash[0]["core_pid"] and crash[0]["pid"]
+    # each start's engine probed anew (a relaunch may change what it serves)
+    probed = [e for e in d.events(5000) if e["event"] == "dev_routes"]
+    assert [e["pid"] for e in probed][-1] == st["pid"] and len(probed) == 2, probed
+    assert all(set(e["off"]) == {"prefix_reset", "sleep"} for e in probed)
     # the golden check across the restart: the same tokens, and speculative decoding's
     # drafts accepted as at the first start (a wake or restart that broke the drafts
     # would keep the tokens and lose this)

@@ -208,7 +208,7 @@ def format_status(st: dict[str, Any]) -> str:
     sb = st.get("standby") or {}
     if sb.get("state", "none") != "none":
         where = f" (pid {sb['pid']}, port {sb['port']})" if sb.get("pid") else ""
-        why = f": {sb['reason']}" if sb.get("reason") and sb["state"] != "ready" else ""
+        why = f": {sb['reason']}" if sb.get("reason") else ""  # (ready: kept awake)
         asleep = ", asleep" if sb.get("asleep") else ""
         rss = f", {sb['rss_bytes'] / 2**30:.1f} GiB host memory" if sb.get("rss_bytes") else ""
         lines.append(f"standby    {sb['state']}{asleep}{where} for {sb.get('for_s', 0):.0f} s"
@@ -216,6 +216,10 @@ def format_status(st: dict[str, Any]) -> str:
         if sb.get("unprotected_for_s") is not None:
             lines.append(f"protected  no, for {_duration(sb['unprotected_for_s'])}: the next "
                          f"crash or restart is a cold start (`rearm` brings a standby back)")
+    off = st.get("off") or {}
+    if off:  # (what the engine cannot do that the daemon would use, and why)
+        lines.append("off        " + "; ".join(f"{k.replace('_', ' ')}: {v}"
+                                               for k, v in off.items()))
     if st.get("backoff_remaining_s") is not None:
         lines.append(f"backoff    next start in {st['backoff_remaining_s']:.1f} s")
     if st.get("stop_deadline_in_s") is not None:

@@ -20,6 +20,7 @@ from supervisor.engine import process as eng
 from supervisor.engine import proctree
 from supervisor.ops.exposition import ExporterView
 from supervisor.watchdog import canary, evidence, remedy
+from supervisor.watchdog.devroutes import DevRoutes
 from supervisor.watchdog.golden import Golden
 from supervisor.watchdog.gpu import GpuReading
 from supervisor.watchdog.metrics import Snapshot
@@ -62,6 +63,9 @@ class HealthResult(Event):
     name = "health_result"
     generation: int
     healthy: bool
+    # healthy: which of vLLM's development routes it serves (`watchdog/devroutes.py`),
+    # asked before this event is sent; None when not asked
+    routes: DevRoutes | None = None
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ phase, `supervisor/engine/pair_states.py`, the upgrade waiting, the counts) and 
 standby's. Runs on the unit's task; never blocks.
 
 Invariants:
-- nothing but the daemon's proof, sleep and wake reaches a standby before it serves;
+- nothing but the daemon's health checks, its probe of the development routes, proof,
+  sleep and wake reaches a standby before it serves;
 - a new standby starts only once the old engine's tree is proven gone and no handover
   is under way (a standby starting while another engine releases the card fails vLLM's
   memory profiling);
@@ -28,6 +29,7 @@ from typing import Any
 import structlog
 
 from supervisor import engine_checks
+from supervisor.config_sections import EngineConfig
 from supervisor.engine import process as eng
 from supervisor.engine import steps as do
 from supervisor.engine.events import Down, Drained, Event, GateProbe, Woken
@@ -110,6 +112,12 @@ class Handover:
         if (cfg.standby != "sleep" or self.standby.ready
                 or engine_checks.side_by_side(cfg)):
             return False
+        why = self.standby.no_sleep(cfg)
+        if why is not None:
+            # (it would be refused once proven: the engine starts alone, and its own
+            # probe says again whether engines so started can sleep)
+            log.info("no standby first: an engine so started cannot sleep", why=why)
+            return False
         if self.standby.can_start():
             self._set_phase(Phase.STANDBY_FIRST, f.now)
             log.info("the standby starts first: the engine starts beside it once it "
@@ -142,9 +150,13 @@ class Handover:
                 and not engine_checks.side_by_side(f.config.engine):
             share = engine_checks.gpu_share(engine_checks.argv(cfg)) \
                 or engine_checks.DEFAULT_GPU_SHARE
+            why = self.standby.no_sleep(cfg)
             self.standby.no_room(
                 f"two engines at --gpu-memory-utilization {share:g} do not fit on the "
-                f"card: a standby starts again before the engine's next cold start")
+                f"card: a standby starts again before the engine's next cold start"
+                if why is None else
+                f"no sleeping standby: the engine cannot sleep ({why}), and two engines "
+                f"at --gpu-memory-utilization {share:g} do not fit on the card awake")
             return
         if self.standby.failures and not due:
             r = f.config.restart
@@ -168,6 +180,11 @@ class Handover:
             return True
         return False
 
+    def engine_probed(self, engine: eng.EngineProcess) -> None:
+        """The serving engine's development routes were probed at its start: whether a
+        standby so started could sleep, as far as it says (`Standby.learned`)."""
+        self.standby.learned(engine)
+
     def due(self, f: PairFacts) -> None:
         """The standby's backoff is over."""
         self.standby.due()
@@ -179,7 +196,8 @@ class Handover:
         if isinstance(ev, Drained):  # (the old engine's, behind a swap)
             return self.drained_behind(f, ev)
         free = self.standby.handle(ev, f.standby_deadline(),
-                                   stopping=f.state is State.STOPPING)
+                                   stopping=f.state is State.STOPPING,
+                                   awake_fits=engine_checks.side_by_side(f.config.engine))
         out: list[Step] = []
         if self.phase is Phase.WAKING_WHEN_DOWN and isinstance(ev, Down):
             if f.state is not State.RUNNING or f.engine is None or f.slot.taking_down:
@@ -244,6 +262,10 @@ class Handover:
         if st.state is Role.RETURNING:
             raise ValueError("already re-arming: the thin engine is the standby again "
                              "once its requests end")
+        no_sleep = st.no_sleep(f.engine_config(st.slot.bay))
+        if st.state is Role.NO_ROOM and no_sleep is not None:
+            raise ValueError(f"the engine cannot sleep ({no_sleep}), and an awake standby "
+                             f"does not fit beside it: no standby until that changes")
         if st.state is Role.NO_ROOM:
             log.warning("re-arm: a drained restart, the standby first", reason=reason)
             return ("drained restart: the standby starts first, then the engine beside "
@@ -467,6 +489,17 @@ class Handover:
         log.info("failover done", seconds=self.last_failover_s)
         self.arm(f)
         return [do.Audit("failover_done", {"seconds": self.last_failover_s})]
+
+    def sleeping_standby_off(self, cfg: EngineConfig) -> str | None:
+        """With `standby = "sleep"` in `cfg` (the engine's): why no standby sleeps (kept
+        awake, or none), as the last probe of an engine of the unit said; None when one
+        can, or nothing says otherwise."""
+        why = self.standby.no_sleep(cfg) if cfg.standby == "sleep" else None
+        if why is None:
+            return None
+        if engine_checks.side_by_side(cfg):
+            return f"{why}: the standby is kept awake"
+        return f"{why}: no standby (an awake one does not fit beside the engine)"
 
     def status(self, now: float, mode: str) -> dict[str, Any]:
         """`status`'s `standby`: `"ready"` when armed (awake or asleep, and proven)."""

@@ -49,7 +49,7 @@ from supervisor.engine.probes import EngineProbes
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock, Jobs, http_client
 from supervisor.ops.descriptors import OutOfDescriptors, Shortage, exhausted
-from supervisor.watchdog import evidence, golden, hostheat, remedy, stackdumps
+from supervisor.watchdog import devroutes, evidence, golden, hostheat, remedy, stackdumps
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
 from supervisor.watchdog.metrics import sleep_op_seconds
 from supervisor.watchdog.poller import scrape
@@ -263,14 +263,11 @@ class JobEffects:
         exited: asyncio.Future[int] = asyncio.ensure_future(eng.wait_exit(engine.proc))
         exited.add_done_callback(
             lambda f: None if f.cancelled() else self.queue.put_nowait(Exited(gen, f.result())))
-        cfg = engine.config
-        url = cfg.base_url + cfg.health_path
-        health = asyncio.ensure_future(
-            eng.wait_healthy(url, cfg.health_interval_s, cfg.startup_timeout_s, exited))
+        health = asyncio.ensure_future(self._health(engine, exited))
         # An error in the probe counts as "not healthy": STARTING must never outlive its bound.
         health.add_done_callback(
             lambda f: None if f.cancelled() else self.queue.put_nowait(
-                HealthResult(gen, f.exception() is None and f.result())))
+                f.result() if f.exception() is None else HealthResult(gen, False)))
         # what the state file holds: nothing known, so that the first look writes it
         # (the spawn's write may have failed)
         recorded: list[proctree.ProcInfo] = []
@@ -304,6 +301,24 @@ class JobEffects:
         finally:
             cores.close()
             health.cancel()
+
+    async def _health(self, engine: eng.EngineProcess,
+                      exited: asyncio.Future[int]) -> HealthResult:
+        """The first health answer, and then, before the engine counts as healthy (and
+        is declared serving, or a standby proven), which of vLLM's development routes
+        it serves (`watchdog/devroutes.py`: four GETs together, bounded, no side
+        effect): what it can do in place is known from its start, not at first use."""
+        cfg = engine.config
+        healthy = await eng.wait_healthy(cfg.base_url + cfg.health_path,
+                                         cfg.health_interval_s, cfg.startup_timeout_s, exited)
+        routes = None
+        if healthy and not exited.done():
+            try:
+                async with http_client() as client:
+                    routes = await devroutes.probe(client, cfg.base_url)
+            except Exception as exc:  # (never a failed start: the configuration decides)
+                log.warning("the development routes were not probed", error=repr(exc))
+        return HealthResult(engine.generation, healthy, routes)
 
     async def _look_at_tree(self, engine: eng.EngineProcess, cores: CoreWatch,
                             recorded: list[proctree.ProcInfo]) -> list[proctree.ProcInfo]:
@@ -433,7 +448,8 @@ class JobEffects:
         `with_golden`, the golden answers again: a wake can leave an engine broken or
         wrong."""
         env = eng.build_spawn_spec(engine.config, self.environ).env
-        if self.front is None or remedy.sleep_mode_flags(engine.spec.argv, env) is not None:
+        if self.front is None or devroutes.sleep_off(engine.routes, engine.spec.argv,
+                                                     env) is not None:
             return None, None
         async with self.probes.lock(engine):
             warmed, _, took = await self._vllm_timed(client, engine, remedy.warm_up(
@@ -469,10 +485,11 @@ class JobEffects:
         self.queue.put_nowait(Drained(engine.generation, idle, self.clock.monotonic() - t0))
 
     async def _probe_sleep_mode(self, engine: eng.EngineProcess) -> None:
-        """Can this engine drop its KV cache in place? Its flags say whether it should;
-        its /is_sleeping endpoint, once it serves, says whether it does."""
+        """Can this engine drop its KV cache in place? Its flags and the development
+        routes it was found serving at its health check say whether it should; its
+        /is_sleeping endpoint, once it serves, says whether it does."""
         env = eng.build_spawn_spec(engine.config, self.environ).env
-        why = remedy.sleep_mode_flags(engine.spec.argv, env)
+        why = devroutes.sleep_off(engine.routes, engine.spec.argv, env)
         if why is None and self.front is None:
             why = "no front proxy to hold requests while the engine sleeps ([proxy] is off)"
         if why is None:

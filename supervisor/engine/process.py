@@ -31,6 +31,7 @@ from supervisor.engine.compile_cache import CacheInfo
 from supervisor.engine.enginelog import parse_engine_line, phase_of, route_of
 from supervisor.loop import http_client
 from supervisor.ops.descriptors import Shortage, exhausted
+from supervisor.watchdog.devroutes import DevRoutes
 from supervisor.watchdog.gpu import GpuProcessLister
 from supervisor.watchdog.metrics import SleepOps
 from supervisor.watchdog.stackdumps import StackDumps
@@ -134,6 +135,9 @@ class EngineProcess:
     # vLLM's count of its sleep-mode calls as the daemon's last sleep or wake of it left it
     # (its jobs' alone: the next call's "before")
     sleep_ops: SleepOps | None = None
+    # which of vLLM's development routes it serves, asked once its health check answered
+    # (None: not asked, or not yet healthy)
+    routes: DevRoutes | None = None
     recent_errors: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     recent_lines: deque[str] = field(default_factory=lambda: deque(maxlen=200))  # evidence
     relays: list[asyncio.Task[None]] = field(default_factory=list)  # stdout, stderr readers

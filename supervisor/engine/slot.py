@@ -24,7 +24,8 @@ from supervisor.engine.effects import Effects
 from supervisor.engine.events import CoreExited, Down, Exited, Spawned, TreeSeen
 from supervisor.engine.intents import EvidenceFor
 from supervisor.engine.pair_states import BAY, Bay, check
-from supervisor.watchdog import evidence
+from supervisor.watchdog import devroutes, evidence
+from supervisor.watchdog.devroutes import DevRoutes
 
 log = structlog.get_logger("supervisor")
 
@@ -85,9 +86,28 @@ class EngineSlot:
         self._act.watch(engine)
         return engine
 
-    def healthy(self, engine: eng.EngineProcess, now: float) -> None:
-        """The engine in the slot answered /health: since `now`."""
+    def healthy(self, engine: eng.EngineProcess, now: float,
+                routes: DevRoutes | None = None) -> None:
+        """The engine in the slot answered /health: since `now`, serving `routes` of
+        vLLM's development routes (None: not asked). One log line and one audit entry
+        (`dev_routes`) say which, and what of the engine's is off for want of them; a
+        warning when its configuration asks for routes it does not serve."""
         engine.healthy_at = now
+        engine.routes = routes
+        if routes is None:
+            return
+        spec = engine.spec
+        fields: dict[str, Any] = {
+            "pid": engine.pid, "port": spec.port, "routes": routes.as_dict(),
+            "off": devroutes.off(routes, spec.argv, spec.env),
+            "unknown": dict(routes.errors) or None}
+        missing = devroutes.missing_asked(routes, spec.argv, spec.env)
+        if missing:
+            log.warning("the engine does not serve development routes its configuration "
+                        "asks for: what needs them is off", missing=missing, **fields)
+        else:
+            log.info("the engine's development routes", **fields)
+        self._audit("dev_routes", **fields)
 
     def capture_at_take_down(self, evidence: EvidenceFor) -> None:
         """The next take-down of this engine first captures evidence for (rule, reason)."""

@@ -10,8 +10,10 @@ so configured, and only then ready; a standby that fails is taken down and start
 after a backoff. On a failover the handover (`supervisor/engine/handover.py`) gives the
 unit the ready standby's slot as its serving one and hands its old slot back here to be
 taken down; once that tree is proven gone a new standby starts in the freed place. Nothing
-but the daemon's proof, its sleep and its wake reach a standby before it serves (a request
-to a sleeping vLLM can crash it: vllm#15483).
+but the daemon's health checks, its probe of the development routes (GETs refused before
+any handler runs, once, before its proof), its proof, its sleep and its wake reach a
+standby before it serves (a request to a sleeping vLLM can crash it: vllm#15483). One
+that cannot sleep (`devroutes.sleep_off`) is kept awake where it fits, else refused.
 """
 
 from __future__ import annotations
@@ -39,9 +41,17 @@ from supervisor.engine.events import (
 )
 from supervisor.engine.pair_states import ON_ITS_WAY, ROLE, Role, check
 from supervisor.engine.slot import EngineSlot
+from supervisor.watchdog import devroutes
 
 log = structlog.get_logger("supervisor")
 
+_Key = tuple[tuple[str, ...], tuple[tuple[str, str], ...]]
+
+
+def _key(cfg: EngineConfig) -> _Key:
+    """What decides whether an engine serves vLLM's development routes: its command and
+    environment (`--enable-sleep-mode` is required of a sleeping standby at load)."""
+    return tuple(cfg.command), tuple(sorted(cfg.env.items()))
 
 
 class Standby:
@@ -60,10 +70,31 @@ class Standby:
         self.warm_up = True
         # the engine in its place runs the thinner standby's arguments (`standby_args`)
         self.thin = False
+        # why an engine of this unit cannot sleep (`devroutes.sleep_off`: a flag, a
+        # development route it does not serve), for the command and environment it was
+        # started with: learned from every engine's probe at its start (the serving
+        # engine's and each standby's), so that a relaunch that changes it is seen
+        self._no_sleep: tuple[_Key, str] | None = None
         self._timer: Timer | None = None
         # since when no standby is ready (monotonic; None while one is): the next fault
         # costs a cold start until one is
         self.unready_since: float | None = self.since
+
+    def learned(self, engine: eng.EngineProcess) -> str | None:
+        """An engine of this unit (either role) was probed at its start: whether engines
+        so started can sleep. Why not (None: they can, or it was not probed)."""
+        if engine.routes is None:
+            return None
+        why = devroutes.sleep_off(engine.routes, engine.spec.argv, engine.spec.env)
+        self._no_sleep = (_key(engine.config), why) if why is not None else None
+        return why
+
+    def no_sleep(self, cfg: EngineConfig) -> str | None:
+        """Why a standby of `cfg` cannot sleep, as the last probe of an engine so started
+        said; None when it can, or nothing is known of it."""
+        if self._no_sleep is None or self._no_sleep[0] != _key(cfg):
+            return None
+        return self._no_sleep[1]
 
     def owns(self, ev: Event) -> bool:
         """The event is about the engine in the standby's place (generations are unique
@@ -162,11 +193,12 @@ class Standby:
             return
         self.mode = mode
         log.info("the thin engine is the standby again", pid=e.pid, mode=mode)
-        if mode == "sleep":
+        why = self.learned(e) if mode == "sleep" else None
+        if mode == "sleep" and why is None:
             self._to(Role.SLEEPING)
             self._act.sleep(e)
-        else:
-            self._ready(e)
+        else:  # (an asymmetric pair fits awake: checked at load)
+            self._ready(e, self._kept_awake(e, why) if why is not None else None)
 
     def retire(self, why: str, graceful: bool, deadline: float) -> None:
         """Take the engine in the standby's place down (a failed standby, one out of
@@ -200,9 +232,12 @@ class Standby:
         self._audit("standby_failed", why=why, failures=self.failures)
         self.retire(why, graceful=False, deadline=deadline)
 
-    def handle(self, ev: Event, deadline: float, stopping: bool) -> bool:
+    def handle(self, ev: Event, deadline: float, stopping: bool,
+               awake_fits: bool = True) -> bool:
         """One event of the standby's engine. True when its place is free again and a
-        new standby may start (the unit decides whether one should)."""
+        new standby may start (the unit decides whether one should). `awake_fits`: an
+        awake standby has room beside the serving engine (one that cannot sleep is then
+        kept awake; else it is refused)."""
         s = self.slot
         if isinstance(ev, Spawned):
             engine = s.spawned(ev)
@@ -218,7 +253,7 @@ class Standby:
             if e is None or s.taking_down or self.state is not Role.STARTING:
                 return False
             if ev.healthy:
-                s.healthy(e, self._monotonic())
+                s.healthy(e, self._monotonic(), ev.routes)
                 self._to(Role.PROVING)
                 # a real generation proves it; one to be kept awake sleeps and wakes
                 # once before (its first KV reset after a takeover costs no first sleep)
@@ -229,13 +264,23 @@ class Standby:
             e = s.current(ev.generation)
             if e is None or s.taking_down or self.state is not Role.PROVING:
                 return False
+            why = self.learned(e) if self.mode == "sleep" else None
             if not ev.ok:
                 self._failed(f"its first generation failed: {ev.error}", deadline)
-            elif self.mode == "sleep":
+            elif self.mode == "sleep" and why is None:
                 self._to(Role.SLEEPING)
                 self._act.sleep(e)
-            else:
+            elif why is None:
                 self._ready(e)
+            elif awake_fits:
+                self._ready(e, self._kept_awake(e, why))
+            else:
+                # no sleep, and no room awake: refused, not failed (no backoff, no retry:
+                # the next engine start's probe says again, docs/standby.md)
+                log.warning("the standby cannot sleep and an awake one does not fit "
+                            "beside the engine: no standby", why=why, pid=e.pid)
+                self._audit("standby_refused", why=why, pid=e.pid)
+                self.retire(f"it cannot sleep: {why}", graceful=False, deadline=deadline)
         elif isinstance(ev, Slept):
             e = s.current(ev.generation)
             if e is None or s.taking_down or self.state is not Role.SLEEPING:
@@ -269,11 +314,19 @@ class Standby:
         # anything else (metrics, canaries, drains) comes from jobs of a retired engine
         return False
 
-    def _ready(self, e: eng.EngineProcess, **fields: Any) -> None:
-        self._to(Role.READY)
+    def _kept_awake(self, e: eng.EngineProcess, why: str) -> str:
+        """A standby configured to sleep that cannot: kept awake (it fits beside)."""
+        self.mode = "awake"
+        log.warning("the standby cannot sleep: kept awake", why=why, pid=e.pid)
+        return f"kept awake: it cannot sleep: {why}"
+
+    def _ready(self, e: eng.EngineProcess, why: str | None = None, **fields: Any) -> None:
+        self._to(Role.READY, why)
         self.failures = 0  # (a later failure begins a new streak)
         fields = {"pid": e.pid, "port": e.spec.port, "asleep": self.asleep,
                   "start_s": round(self._monotonic() - e.started_at, 3), **fields}
+        if why is not None:
+            fields["reason"] = why
         log.info("standby ready", **fields)
         self._audit("standby_ready", **fields)
 

@@ -233,7 +233,8 @@ class EngineUnit(UnitState):
             return
         now = self.clock.monotonic()
         if ev.healthy:
-            self.slot.healthy(engine, now)
+            self.slot.healthy(engine, now, ev.routes)
+            self.handover.engine_probed(engine)  # (before a standby is armed below)
             self.last_start_s = round(now - engine.started_at, 1)
             if self.start_times.cold(engine.spec.argv, engine.vllm_version):
                 log.info("a cold start: the engine runs another vLLM version than at its "

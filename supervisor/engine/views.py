@@ -20,7 +20,7 @@ from supervisor.engine.watch import EngineWatch, UnitFacts
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock
 from supervisor.ops.exposition import ExporterView, ProxyView
-from supervisor.watchdog.policy import PRIORITY
+from supervisor.watchdog.policy import PRIORITY, EngineFacts
 from supervisor.watchdog.signals import SIGNALS
 
 RESTART_REASONS = ("crash", "boot_failure", "policy", "operator")  # the exporter's labels
@@ -139,6 +139,34 @@ def starting(unit: Viewable, now: float) -> dict[str, Any] | None:
             "cold": expected.cold if expected is not None else None}
 
 
+def off(unit: Viewable, facts: EngineFacts) -> dict[str, str]:
+    """What the engine cannot do that the daemon would use, and why: the serving
+    engine's in-place remedies (`reset_prefix_cache`, `kv_reset`: once it is up, its
+    start's probe done) and, with `standby = "sleep"`, `sleeping_standby`; {} when
+    nothing is off."""
+    e = unit.engine
+    out = dict(facts.why_off) if e is not None and e.healthy_at is not None else {}
+    standby = unit.handover.sleeping_standby_off(unit.config.engine)
+    if standby is not None:
+        out["sleeping_standby"] = standby
+    return out
+
+
+def capabilities(unit: Viewable) -> dict[str, bool]:
+    """For the exporter: each of those, on (True) or off, once the serving engine is up
+    (its probe done); {} before: unknown."""
+    e = unit.engine
+    if e is None or e.healthy_at is None:
+        return {}
+    facts = unit.watch.facts(unit.facts())
+    out = {"reset_prefix_cache": facts.can_reset_prefix_cache,
+           "kv_reset": facts.can_kv_reset}
+    if unit.config.engine.standby == "sleep":
+        out["sleeping_standby"] = unit.handover.sleeping_standby_off(
+            unit.config.engine) is None
+    return out
+
+
 def status(unit: Viewable) -> dict[str, Any]:
     """What `vllm-supervisorctl status` shows of this engine."""
     now = unit.clock.monotonic()
@@ -183,6 +211,10 @@ def status(unit: Viewable) -> dict[str, Any]:
         # where its vLLM writes its own stack dumps (watchdog/stackdumps.py; vLLM 0.33+)
         "stack_dumps": e.dumps.view() if e is not None and e.dumps is not None else None,
         "start_blocked": unit.failures.start_blocked if unit.state is State.BACKOFF else None,
+        # which of vLLM's development routes the serving engine was found serving at
+        # its start (null: not known), and what is off for want of them, or of a flag
+        "dev_routes": e.routes.as_dict() if e is not None and e.routes is not None else None,
+        "off": off(unit, facts),
         "remedies": {
             "allowed": list(unit.config.policy.remedies),
             "reset_prefix_cache": facts.can_reset_prefix_cache,
@@ -230,6 +262,7 @@ def exporter_view(unit: Viewable) -> ExporterView:
         failovers=unit.handover.failovers, last_failover_s=unit.handover.last_failover_s,
         golden_checks={"passed": unit.golden.passed, "mismatch": unit.golden.mismatches},
         eta_s=expected.left_s if (expected := unit.expected_start()) is not None else None,
+        capabilities=capabilities(unit),
         gauges=[(spec.metric, spec.help, signals[spec.name]) for spec in SIGNALS],
         gpus=[(int(g["index"]), g) for g in w.window.gpu_devices(now, _pids(e))],
         proxy=gate_view(unit))

@@ -38,7 +38,7 @@ from supervisor.engine.intents import (
     remedy_ended,
 )
 from supervisor.engine.states import State
-from supervisor.watchdog import relaunch, xid
+from supervisor.watchdog import devroutes, relaunch, xid
 from supervisor.watchdog.policy import EngineFacts, PolicyMemory, PolicyState, decide
 from supervisor.watchdog.poller import ScrapeHealth
 from supervisor.watchdog.signals import Signals, SignalWindow
@@ -213,7 +213,9 @@ class EngineWatch:
 
     def facts(self, unit: UnitFacts) -> EngineFacts:
         """What the policy knows of the engine and of the remedies it allows."""
-        env = eng.build_spawn_spec(self.config.engine, self._environ).env
+        prefix_off = self.prefix_reset_off(unit.engine)
+        kv_off = self.sleep_mode_why if not self.sleep_mode else \
+            None if unit.fronted else "no front proxy to hold requests while it sleeps"
         return EngineFacts(
             state=unit.state.value,
             generation=unit.engine.generation if unit.engine is not None else 0,
@@ -222,11 +224,22 @@ class EngineWatch:
             batch_reduced=self.tuning.batch_reduced, spec_tokens=self.spec_tokens(),
             spec_tokens_max=(self.config.policy.spec_tokens_max
                              or relaunch.spec_tokens(self.config.engine.args) or 0),
-            can_reset_prefix_cache=env.get("VLLM_SERVER_DEV_MODE") == "1",
+            can_reset_prefix_cache=prefix_off is None,
             # sleep and wake behind a hold of new requests: the proxy must be there to hold
             can_kv_reset=self.sleep_mode and unit.fronted,
             # with the proxy, throttling is admission control; without it, a relaunch
-            live_throttle=unit.fronted)
+            live_throttle=unit.fronted,
+            why_off={k: v for k, v in (("reset_prefix_cache", prefix_off),
+                                       ("kv_reset", kv_off)) if v is not None})
+
+    def prefix_reset_off(self, engine: eng.EngineProcess | None) -> str | None:
+        """Why the engine has no prefix-cache reset (None: it has one): the development
+        routes it was found serving at its start, its environment; between engines, the
+        configuration's."""
+        if engine is not None:
+            return devroutes.prefix_reset_off(engine.routes, engine.spec.env)
+        env = eng.build_spawn_spec(self.config.engine, self._environ).env
+        return devroutes.prefix_reset_off(None, env)
 
     def evaluate(self, now: float, unit: UnitFacts) -> list[Intent]:
         """One tick of the policy: what it decided, as intents for the unit."""

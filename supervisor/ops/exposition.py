@@ -72,6 +72,10 @@ class ExporterView:
     # while the engine starts: the seconds its past starts say are left (`status`'s
     # start.eta_s); None when not starting or nothing is known
     eta_s: float | None = None
+    # what the serving engine can do that the daemon would use ("reset_prefix_cache",
+    # "kv_reset", "sleeping_standby" with a sleeping standby configured): on or off, as
+    # its start's probe of vLLM's development routes found; {} while unknown
+    capabilities: Mapping[str, bool] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -204,6 +208,14 @@ class _ViewCollector(Collector):
                 ("last_decision_timestamp_seconds", "unix time of the last policy decision",
                  lambda e: e.last_decision_wall)]
         yield from _per_engine_gauges(more, views)
+        if any(e.capabilities for _, e in views):
+            able = _gauge("engine_capability", "1 while the engine can do what the daemon "
+                          "would use (a remedy in place, a sleeping standby), 0 while it "
+                          "is off (status's `off` says why)", views, ["capability"])
+            for name, e in views:
+                for key, on in sorted(e.capabilities.items()):
+                    able.add_metric(lv(name, key), float(on))
+            yield able
         if v.proxy is not None:
             gates: Labelled = ([(n, e) for n, e in v.engines if e.proxy is not None]
                                or [(None, v)])
@@ -226,7 +238,8 @@ class _ViewCollector(Collector):
             "policy_paused", "policy_dry_run", "last_decision_timestamp_seconds",
             "proxy_in_flight", "proxy_held", "proxy_held_limit", "proxy_kv_breaker_open",
             "engine_not_running_seconds", "engine_startup_timeout_seconds", "standby_ready",
-            "last_failover_seconds", *(f[0] for f in GPU_DEVICE_FAMILIES))}
+            "last_failover_seconds", "engine_capability",
+            *(f[0] for f in GPU_DEVICE_FAMILIES))}
         for n in ("proxy_responses", "proxy_rejections", "proxy_connect_retries",
                   *(k.metric for k in KINDS)):
             taken |= {PREFIX + n, PREFIX + n + "_total", PREFIX + n + "_created",

@@ -101,9 +101,12 @@ class EngineFacts:
     batch_reduced: bool = False
     spec_tokens: int | None = None  # num_speculative_tokens in force; None: no spec decode
     spec_tokens_max: int = 0
-    can_reset_prefix_cache: bool = False  # VLLM_SERVER_DEV_MODE=1
+    can_reset_prefix_cache: bool = False  # VLLM_SERVER_DEV_MODE=1 and its route served
     can_kv_reset: bool = False  # sleep mode and its endpoints, requests held at the proxy
     live_throttle: bool = False  # admission control in front: throttling needs no restart
+    # why an in-place rung the engine lacks is off (its probe's word: a route not
+    # served, a flag missing), named when the ladder skips it; else the general reason
+    why_off: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -188,7 +191,7 @@ def _rung(want: str, e: EngineFacts, allowed: tuple[str, ...]) -> tuple[str, str
         if rung not in allowed:
             skipped.append(f"{rung}: not in policy.remedies")
         elif not _supported(rung, e):
-            skipped.append(f"{rung}: {_UNSUPPORTED[rung]}")
+            skipped.append(f"{rung}: {e.why_off.get(rung) or _UNSUPPORTED[rung]}")
         else:
             return rung, "; ".join(skipped)
     return "alert", "; ".join(skipped)

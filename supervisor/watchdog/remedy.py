@@ -1,5 +1,6 @@
 """In-place remedies on a running engine, over its internal port: the prefix-cache reset
-and the KV reset through vLLM's sleep mode, and the check of what the engine supports.
+and the KV reset through vLLM's sleep mode (which of their routes an engine serves is
+`supervisor/watchdog/devroutes.py`'s).
 
 Fetching only, each call bounded by a timeout: the daemon decides when to call them,
 holds new requests at the proxy around a KV reset, and records each outcome. Never
@@ -15,7 +16,6 @@ restores them, in a fraction of a second against a cold start of minutes; `GET
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -34,17 +34,6 @@ class RemedyOutcome:
     attempted: bool = True  # False: not started (requests did not drain in time)
     # what vLLM itself measured of its sleep and wake, by its operation; None: unknown
     vllm_s: dict[str, float] | None = None
-
-
-def sleep_mode_flags(args: Sequence[str], env: Mapping[str, str]) -> str | None:
-    """Why an engine started with these arguments and environment has no KV reset, or
-    None when it should have one (its endpoints are then checked once it serves)."""
-    if not any(a == "--enable-sleep-mode" or a.startswith("--enable-sleep-mode=")
-               for a in args):
-        return "the engine was not started with --enable-sleep-mode"
-    if env.get("VLLM_SERVER_DEV_MODE") != "1":
-        return "VLLM_SERVER_DEV_MODE is not 1 (vLLM serves /sleep and /wake_up only then)"
-    return None
 
 
 async def is_sleeping(client: httpx.AsyncClient, base_url: str,
