@@ -53,6 +53,9 @@ answer would; a token's text is "t<id> ". A string prompt's token ids are its ch
 On SIGTERM it stops accepting and lets running requests finish for --shutdown-timeout,
 as vLLM does. A client that goes away mid-stream is counted in <pidfile dir>/aborts;
 the most requests ever running at once is written to <pidfile dir>/max-running.
+`preload ARGS` runs a stand-in for `vllm preload` instead (tests/fake_preload.py), and
+`--load-format ipc_cache --model-loader-extra-config JSON` maps the weights from it,
+appending "<pid> cache" (or "disk") to <pidfile dir>/loads.
 Serves GET /health, /metrics, /v1/models, POST /v1/completions (one token) and
 /reset_prefix_cache (counted in $FAKE_ENGINE_PIDFILE's directory as prefix-resets).
 Every request's method and raw target, as received, is appended to <pidfile dir>/requests.
@@ -94,6 +97,11 @@ def set_title(title: str) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["preload"]:  # `vllm preload`: the weight cache's stand-in
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from tests import fake_preload
+        fake_preload.main(sys.argv[2:])
+        return
     p = argparse.ArgumentParser()
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
@@ -234,6 +242,13 @@ def main() -> None:
 
     # vLLM's start, as it tells it: a phase line, then the wait, then its route table
     log("INFO", "Starting to load model fake...", tag="EngineCore_DP0")
+    if "--load-format" in sys.argv:  # (a weight cache's: tests/fake_preload.py)
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from tests.fake_preload import map_weights
+        loaded = map_weights(sys.argv[1:], log)
+        if pidfile:
+            with open(os.path.join(os.path.dirname(pidfile), "loads"), "a") as f:
+                f.write(f"{os.getpid()} {loaded}\n")
     time.sleep(a.startup_delay)
     log("INFO", "init engine (profile, create kv cache, warmup model) took "
         f"{a.startup_delay:.2f} s", tag="EngineCore_DP0")
