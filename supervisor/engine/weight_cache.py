@@ -170,8 +170,9 @@ class WeightCache:
 
     def holds_start(self) -> bool:
         """The serving engine's start waits while the cache starts (its weights loaded
-        once, not twice side by side); its end (ready or failed) lets it go."""
-        if self.state is not Cache.STARTING:
+        once, not twice side by side) or is being taken down (its memory released
+        first): its start or its take-down ending (ready, failed, down) lets it go."""
+        if self.state not in (Cache.STARTING, Cache.STOPPING):
             return False
         if not self.holding:
             log.info("the engine's start waits for its weight cache", pid=self.slot.engine.pid
@@ -181,7 +182,7 @@ class WeightCache:
 
     def release_start(self) -> bool:
         """Whether a start held for the cache may go on now (once)."""
-        if self.holding and self.state is not Cache.STARTING:
+        if self.holding and self.state not in (Cache.STARTING, Cache.STOPPING):
             self.holding = False
             return True
         return False
