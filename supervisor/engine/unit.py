@@ -101,11 +101,14 @@ class EngineUnit(UnitState):
             while not self._done:
                 self.handle(await self.queue.get())
         except BaseException:
-            # A bug in a handler: do not leave the engine running without its supervisor.
+            # A bug in a handler: do not leave the engine running without its supervisor
+            # (nor its weight cache: their guards are disarmed as the unit ends).
             if self.engine is not None:
                 log.critical("daemon failing; killing the engine's process group",
                              pid=self.engine.pid, exc_info=True)
                 self.act.kill_now(self.engine)
+            if self.weights.slot.engine is not None:
+                self.act.kill_now(self.weights.slot.engine)
             self.exit_code = 70  # EX_SOFTWARE
             raise
         finally:
