@@ -227,9 +227,45 @@ class CacheMachine(RuleBasedStateMachine):
             assert self.stopped_asked and not self.live and not self.pending
             assert self.w.sup.weights.state in (Cache.OFF, Cache.FAILED)
 
+    def settle(self) -> None:
+        """Every pending effect answered well, every process healthy, every timer fired."""
+        for _ in range(200):
+            if self.pending:
+                self._spawned(sorted(self.pending)[0])
+            elif self.downs:
+                gen = sorted(self.downs)[0]
+                self.downs.discard(gen)
+                self.live.pop(gen)
+                self.feed(Down(gen, TakeDown(exit_code=0, survivors=[], gpu_holders={},
+                                             port_problem=None, duration_s=0.1,
+                                             sigkilled=False)))
+            elif unhealthy := [g for g, p in self.live.items() if p.healthy_at is None]:
+                self.live[unhealthy[0]].healthy_at = self.w.now
+                self.feed(HealthResult(unhealthy[0], True))
+            elif timers := [t for t in self.fx.timers if not t.cancelled]:
+                timers[0].cancelled = True
+                self.w.now += timers[0].delay_s
+                self.feed(timers[0].event)
+            else:
+                return
+
+    def _spawned(self, gen: int) -> None:
+        d = self.pending.pop(gen)
+        self.w.next_pid += 1
+        p = EngineProcess(generation=gen, proc=None,  # type: ignore[arg-type]
+                          pid=self.w.next_pid, started_at=self.w.now, spec=d["spec"],
+                          config=d["cfg"], recent_errors=deque(maxlen=20),
+                          known=[ProcInfo(self.w.next_pid, 1.0)], bay=d["bay"])
+        self.live[gen] = p
+        self.feed(Spawned(gen, p))
+
     def finish(self) -> None:
-        """Every pending effect answered well and every timer fired, then a stop: it
-        ends STOPPED with nothing left."""
+        """Everything answered well: at rest, a cache the engine has (and that was not
+        given up) is ready; then a stop ends STOPPED with nothing left."""
+        self.settle()
+        wc = self.w.sup.weights
+        if not self.stopped_asked and wc.configured:
+            assert wc.state in (Cache.READY, Cache.FAILED), wc.state
         if not self.stopped_asked:
             self.a_stop()
         for _ in range(100):

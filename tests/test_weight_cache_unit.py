@@ -412,3 +412,21 @@ def test_the_preload_runs_the_engines_vllm_with_the_flags_that_shape_its_weights
                     "--weight-cache-socket-dir", "/run/x/wc-default",
                     "--weight-cache-health-host", "127.0.0.1",
                     "--weight-cache-health-port", "4321"]
+
+
+def test_a_cache_turned_off_and_on_again_before_it_was_down_starts_again(
+        tmp_path: Path, short_dir: str) -> None:
+    """(found by tests/test_weight_cache_machine.py)"""
+    w = world(tmp_path, short_dir)
+    try:
+        w.sup.start("daemon started")
+        cache = ready_cache(w)
+        reload(w, tmp_path, weight_cache=False)
+        reload(w, tmp_path, weight_cache=True)
+        assert w.sup.status()["weight_cache"]["state"] == "stopping"
+        cache.exit_code = 0
+        down(w, cache)
+        assert len(spawns(w, CACHE_BAY)) == 2
+        assert w.sup.status()["weight_cache"]["state"] == "starting"
+    finally:
+        w.loop.close()

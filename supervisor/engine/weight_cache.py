@@ -136,6 +136,8 @@ class WeightCache:
             return
         if self.state is Cache.OFF:
             self._start("the engine has a weight cache")
+        elif self.state is Cache.STOPPING and self._then is Cache.OFF and key == self._key:
+            self._then = Cache.STARTING  # (turned off, and on again before it was down)
         elif key != self._key:
             self.tracker.reset()  # (its failures were of another command line)
             log.info("the weight cache's arguments changed: it starts again")
@@ -281,7 +283,7 @@ class WeightCache:
     def _after_down(self) -> None:
         then, self._then = self._then, Cache.OFF
         if then is Cache.STARTING and self.configured:
-            self._start("its arguments changed")
+            self._start("started again after a reload")
         elif then is Cache.BACKOFF:
             self._timer = self._act.after(self._delay_s, CacheDue())
             self._to(Cache.BACKOFF, f"starting again in {self._delay_s:g} s")
