@@ -430,3 +430,23 @@ def test_a_cache_turned_off_and_on_again_before_it_was_down_starts_again(
         assert w.sup.status()["weight_cache"]["state"] == "starting"
     finally:
         w.loop.close()
+
+
+def test_a_cache_whose_tree_was_not_proven_gone_stays_failed_through_reloads(
+        tmp_path: Path, short_dir: str) -> None:
+    """(found by tests/test_weight_cache_machine.py)"""
+    w = world(tmp_path, short_dir)
+    try:
+        w.sup.start("daemon started")
+        cache = started(w, CACHE_BAY)
+        reload(w, tmp_path, weight_cache=False)
+        w.feed(Down(cache.generation, TakeDown(
+            exit_code=None, survivors=[ProcInfo(cache.pid, 1.0)], gpu_holders={},
+            port_problem=None, duration_s=10.0, sigkilled=True)))
+        for on in (False, True):
+            reload(w, tmp_path, weight_cache=on)
+            st = w.sup.status()["weight_cache"]
+            assert st["state"] == "failed" and "survived SIGKILL" in st["reason"]
+        assert len(spawns(w, CACHE_BAY)) == 1  # never a second beside a live one
+    finally:
+        w.loop.close()

@@ -210,13 +210,14 @@ class WeightCache:
         said = engine.weights
         got = "disk" if load.weights == "disk" or (said or "").startswith("disk") \
             else "cache"
+        line = said.split(": ", 1)[1] if said is not None else None  # (vLLM's own words)
         self.last_engine_start = {"pid": engine.pid, "weights": got,
-                                  "why": load.why if load.weights == "disk" else said}
+                                  "why": load.why if load.weights == "disk" else line}
         if load.weights == "cache" and got == "disk":
-            self.last_error = f"engine pid {engine.pid} loaded from disk: {said}"
+            self.last_error = f"engine pid {engine.pid} loaded from disk: {line}"
             log.warning("the engine loaded its weights from disk, not from its weight "
-                        "cache", pid=engine.pid, said=said)
-            self._audit("weight_cache_missed", pid=engine.pid, said=said)
+                        "cache", pid=engine.pid, said=line)
+            self._audit("weight_cache_missed", pid=engine.pid, said=line)
 
     def cancel_timer(self) -> None:
         if self._timer is not None:
@@ -246,6 +247,8 @@ class WeightCache:
         self.slot.spawn(spec, own)
 
     def _off(self, why: str) -> None:
+        if self.unproven is not None:
+            return  # (`failed` it stays, saying why, until the daemon restarts)
         if self.slot.engine is not None or self.slot.spawning:
             self._take_down(why, then=Cache.OFF)
         else:
@@ -322,7 +325,7 @@ class WeightCache:
             if ev.healthy:
                 s.healthy(e, now)
                 fields = {"pid": e.pid, "port": self.port, "start_s": round(now - e.started_at, 3)}
-                self._to(Cache.READY, f"/health answered 200 after {fields['start_s']:g} s")
+                self._to(Cache.READY, f"/health answered 200 after {fields['start_s']:.1f} s")
                 log.info("weight cache ready", **fields)
                 self._audit("weight_cache_ready", **fields)
                 self._act.watch_health(e)
@@ -332,7 +335,7 @@ class WeightCache:
             asked = s.taking_down
             e = s.exited(ev, asked)
             if e is not None and not asked and self.state in (Cache.STARTING, Cache.READY):
-                self._failed(f"it {s.last_exit} without being asked",
+                self._failed(f"{s.last_exit} without being asked",
                              now - e.healthy_at if e.healthy_at is not None else None)
         elif isinstance(ev, HealthLost):
             e = s.current(ev.generation)
