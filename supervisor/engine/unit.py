@@ -297,7 +297,7 @@ class EngineUnit(UnitState):
         elif self.state in (State.BACKOFF, State.FATAL):
             self.run_steps(self.failures.down(self.pair_facts(), engine, problem))
 
-    # ---- the standby's events (the handover's: supervisor/engine/handover.py) ---------
+    # ---- the weight cache's events (its process's go to it: engine/weight_cache.py) --
 
     def handle_cache_due(self, _: CacheDue) -> None:
         self.weights.due()
@@ -305,6 +305,8 @@ class EngineUnit(UnitState):
 
     def handle_health_lost(self, ev: HealthLost) -> None:
         """(a process gone since: the weight cache's are handed to it)"""
+
+    # ---- the standby's events (the handover's: supervisor/engine/handover.py) ---------
 
     def handle_standby_due(self, _: StandbyDue) -> None:
         self.handover.due(self.pair_facts())
