@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from supervisor import config_checks
+from supervisor import config_checks, weight_cache_argv
 from supervisor.config_sections import (
     AuditConfig,
     CanaryConfig,
@@ -46,6 +46,9 @@ from supervisor.schema import build_section, spec
 
 EX_CONFIG = 78  # sysexits.h: configuration error
 DEFAULT_ENGINE = "default"  # the name of the one engine of an [engine] table
+# the place of an engine's weight cache process beside its two engine bays (its state
+# file and guard: supervisor/engine/jobs.py)
+WEIGHT_CACHE_BAY = 2
 ENGINE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}")
 
 
@@ -102,9 +105,17 @@ class Config:
             return Path(self.daemon.runtime_dir) / "engine-tree.json"
         return Path(self.daemon.runtime_dir) / f"engine-tree-{self.engine_name}.json"
 
+    @property
+    def weight_cache_dir(self) -> str:
+        """The folder of this engine's weight cache sockets (`engine.weight_cache`)."""
+        return weight_cache_argv.socket_dir(self.daemon.runtime_dir, self.engine_name)
+
     def state_file_of(self, bay: int) -> Path:
         """The state file of an engine in bay 0 (today's file) or bay 1 (the second
-        engine a standby keeps: `engine-tree.bay1.json`)."""
+        engine a standby keeps: `engine-tree.bay1.json`), or of the weight cache's
+        process tree (`WEIGHT_CACHE_BAY`: `engine-tree.weight-cache.json`)."""
+        if bay == WEIGHT_CACHE_BAY:
+            return self.state_file.with_suffix(".weight-cache.json")
         return self.state_file if bay == 0 else self.state_file.with_suffix(f".bay{bay}.json")
 
 
@@ -133,6 +144,13 @@ def _resolve(base: Path, path: str) -> str:
     # base interpreter, outside the virtualenv.
     p = Path(path).expanduser()
     return os.path.normpath(p if p.is_absolute() else base / p)
+
+
+def _resolve_argv(base: Path, argv: list[str]) -> list[str]:
+    """A command's program resolved against the config's folder when it is a path."""
+    if not argv:
+        return argv
+    return [_resolve(base, argv[0]) if "/" in argv[0] else argv[0], *argv[1:]]
 
 
 def _engine_tables(doc: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
@@ -234,14 +252,19 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
     config_checks.check_listeners(key, engines, proxy, exporter, problems)
     config_checks.check_deadlines(proxy.deadlines, engines, problems)
     config_checks.check_fleet(sections["fleet"], proxy, problems)
+    runtime_dir = _resolve(base, sections["daemon"].runtime_dir or _default_runtime_dir())
+    for name, e in engines.items():
+        if e.weight_cache:
+            weight_cache_argv.check_socket_dir(
+                "engine" if key == "engine" else f"engines.{name}",
+                weight_cache_argv.socket_dir(runtime_dir, name), problems)
     if problems:
         raise ConfigError(source, problems)
 
     resolved = {name: dataclasses.replace(
-        e, command=[_resolve(base, e.command[0]) if "/" in e.command[0] else e.command[0],
-                    *e.command[1:]], cwd=_resolve(base, e.cwd or "."))
+        e, command=_resolve_argv(base, e.command), cwd=_resolve(base, e.cwd or "."),
+        weight_cache_command=_resolve_argv(base, e.weight_cache_command))
         for name, e in engines.items()}
-    runtime_dir = _resolve(base, sections["daemon"].runtime_dir or _default_runtime_dir())
     control: ControlConfig = sections["control"]
     audit: AuditConfig = sections["audit"]
     audit_path = _resolve(base, audit.path or str(Path(_default_state_dir()) / "events.jsonl"))

@@ -13,7 +13,7 @@ import ipaddress
 from collections.abc import Mapping
 from typing import NamedTuple, Protocol
 
-from supervisor import engine_checks
+from supervisor import engine_checks, weight_cache_argv
 from supervisor.fleet.router import url_problem
 from supervisor.ops.exporter import parse_listen
 
@@ -21,7 +21,7 @@ from supervisor.ops.exporter import parse_listen
 # by their shapes here, not by name.
 
 
-class EngineConfig(engine_checks.CheckedEngine, Protocol):
+class EngineConfig(weight_cache_argv.CachedEngine, Protocol):
     @property
     def host(self) -> str: ...
     @property
@@ -73,6 +73,7 @@ def check_engine(key: str, engine: EngineConfig, problems: list[str]) -> None:
                         "3600 s in all")
     engine_checks.check_pinning(key, engine, problems)
     engine_checks.check_standby(key, engine, problems)
+    weight_cache_argv.check(key, engine, problems)
     if engine.rearm_window:
         try:
             engine_checks.DailyWindow.parse(engine.rearm_window)

@@ -83,6 +83,18 @@ class EngineConfig:
     # no room beside the serving engine is re-armed by a drained restart (clients held
     # through the standby's start and the engine's); "": only `vllm-supervisorctl rearm`
     rearm_window: str = spec("")
+    # a `vllm preload` process (vLLM >= 0.31, CUDA) keeps this engine's processed
+    # weights on its GPUs, supervised beside it: started first, taken down last; an
+    # engine start maps them (`--load-format ipc_cache`) while it answers healthy, and
+    # loads from disk otherwise (docs/weight-cache.md)
+    weight_cache: bool = spec(False)
+    # the argv that runs vLLM's command line, to which `preload ...` is added; empty:
+    # read from `command` ([.../vllm, serve, M] gives [.../vllm]; [python, -m,
+    # vllm.entrypoints.openai.api_server] gives [python, -m, vllm.entrypoints.cli.main])
+    weight_cache_command: list[str] = spec([])
+    # more arguments for `vllm preload`, after the flags that shape the weights, which
+    # are copied from the engine's (docs/weight-cache.md lists them)
+    weight_cache_args: list[str] = spec([])
 
     @property
     def base_url(self) -> str:

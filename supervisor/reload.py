@@ -28,6 +28,12 @@ WHEN: tuple[tuple[str, str], ...] = (
     # the proxy's routes follow a reloaded fallback at once (the host re-registers them)
     ("engine.fallback", NOW),
     ("engine.rearm_window", NOW),  # read at each tick
+    # the weight cache is started, restarted or taken down at once (an engine maps it
+    # at its next start); a change of the engine's own keys that shape its weights
+    # restarts the cache too (EngineUnit.reconfigure)
+    ("engine.weight_cache", NOW),
+    ("engine.weight_cache_command", NOW),
+    ("engine.weight_cache_args", NOW),
     ("engine.", NEXT_START),
     # the poller takes its settings when it starts with an engine
     ("metrics.", NEXT_START),

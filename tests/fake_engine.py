@@ -76,6 +76,9 @@ the most requests ever running at once is written to <pidfile dir>/max-running.
 Serves GET /health, /metrics, /v1/models, POST /v1/completions (one token) and, with
 VLLM_SERVER_DEV_MODE=1, /reset_prefix_cache (counted in $FAKE_ENGINE_PIDFILE's directory
 as prefix-resets); any other GET answers 200.
+`preload ARGS` runs a stand-in for `vllm preload` instead (tests/fake_preload.py), and
+`--load-format ipc_cache --model-loader-extra-config JSON` maps the weights from it,
+appending "<pid> cache" (or "disk") to <pidfile dir>/loads.
 Every request's method and raw target, as received, is appended to <pidfile dir>/requests.
 Writes vLLM-shaped log lines, its pid (and the child's) to $FAKE_ENGINE_PIDFILE, its
 environment, as JSON, to $FAKE_ENGINE_ENVFILE, and appends its argv as a JSON line to
@@ -115,6 +118,11 @@ def set_title(title: str) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["preload"]:  # `vllm preload`: the weight cache's stand-in
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from tests import fake_preload
+        fake_preload.main(sys.argv[2:])
+        return
     # (run as a script, its own folder is on the path: what vLLM 0.32-0.33 added)
     from fake_engine_033 import SleepModeMetrics, StackDumper, watchdog_config
 
@@ -294,6 +302,13 @@ def main() -> None:
 
     # vLLM's start, as it tells it: a phase line, then the wait, then its route table
     log("INFO", "Starting to load model fake...", tag="EngineCore_DP0")
+    if "--load-format" in sys.argv:  # (a weight cache's: tests/fake_preload.py)
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from tests.fake_preload import map_weights
+        loaded = map_weights(sys.argv[1:], log)
+        if pidfile:
+            with open(os.path.join(os.path.dirname(pidfile), "loads"), "a") as f:
+                f.write(f"{os.getpid()} {loaded}\n")
     time.sleep(a.startup_delay)
     log("INFO", "init engine (profile, create kv cache, warmup model) took "
         f"{a.startup_delay:.2f} s", tag="EngineCore_DP0")

@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "supervisor"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundations", ("loop", "ops", "front", "watchdog", "fleet", "control.protocol",
                      "control.client", "schema")),
-    ("settings", ("config", "config_sections", "config_checks", "engine_checks", "reload")),
+    ("settings", ("config", "config_sections", "config_checks", "engine_checks",
+                  "weight_cache_argv", "reload")),
     ("engine unit", ("engine",)),
     ("host", ("host", "control.handlers", "control.server", "control.cli")),
     ("command line", ("cli", "__main__", "__init__")),

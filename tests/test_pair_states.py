@@ -9,7 +9,17 @@ from collections.abc import Mapping
 
 import pytest
 
-from supervisor.engine.pair_states import BAY, PHASE, ROLE, Bay, Phase, Role, check
+from supervisor.engine.pair_states import (
+    BAY,
+    CACHE,
+    PHASE,
+    ROLE,
+    Bay,
+    Cache,
+    Phase,
+    Role,
+    check,
+)
 from supervisor.engine.states import TransitionError
 
 
@@ -25,6 +35,7 @@ def reachable(table: Mapping[enum.Enum, frozenset[enum.Enum]], start: enum.Enum)
 
 @pytest.mark.parametrize(("table", "start", "terminal"), [
     (BAY, Bay.EMPTY, set()), (ROLE, Role.NONE, {Role.FAILED}), (PHASE, Phase.IDLE, set()),
+    (CACHE, Cache.OFF, set()),
 ])
 def test_every_state_is_reached_and_every_one_but_the_terminal_has_a_way_back(
         table, start, terminal) -> None:
@@ -43,3 +54,5 @@ def test_a_change_the_table_does_not_allow_raises_naming_the_machine() -> None:
         check(ROLE, Role.STARTING, Role.READY)  # (never ready unproven)
     with pytest.raises(TransitionError, match="handover transition waking -> proving"):
         check(PHASE, Phase.WAKING, Phase.PROVING)  # (a woken standby is proven as woken)
+    with pytest.raises(TransitionError, match="weight cache transition ready -> starting"):
+        check(CACHE, Cache.READY, Cache.STARTING)  # (never two caches: the old one goes)

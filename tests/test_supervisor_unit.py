@@ -79,6 +79,9 @@ class RecordingEffects:
     def serve(self, engine: EngineProcess) -> None:
         self.calls.append(("serve", {"pid": engine.pid}))
 
+    def watch_health(self, engine: EngineProcess) -> None:
+        self.calls.append(("watch_health", {"pid": engine.pid}))
+
     def gate_probe(self, engine: EngineProcess, golden: bool = True,
                    warm: bool = False) -> None:
         self.calls.append(("gate_probe", {"pid": engine.pid}))
@@ -342,7 +345,10 @@ def test_every_reloaded_engine_key_is_what_the_next_start_uses(tmp_path: Path) -
             "access_log": True, "models": ["m2"], "share_gpus": True, "standby": "awake",
             "standby_port": 18300, "standby_args": ["--max-num-seqs", "2"]}
         only_with_several = {"fallback"}  # ([engines.NAME] only)
-        applied_now = {"rearm_window"}  # (read at each tick, not at a start)
+        applied_now = {"rearm_window",  # (read at each tick, not at a start)
+                       # the weight cache is started, restarted or taken down at once,
+                       # and the next start maps it: tests/test_weight_cache_unit.py
+                       "weight_cache", "weight_cache_command", "weight_cache_args"}
         assert set(changed) | only_with_several | applied_now == {
             f.name for f in dataclasses.fields(EngineConfig)}, "a new [engine] key: add it"
         doc = {**w.doc, "engine": {**w.doc["engine"], **changed}}

@@ -220,6 +220,18 @@ def format_status(st: dict[str, Any]) -> str:
     if off:  # (what the engine cannot do that the daemon would use, and why)
         lines.append("off        " + "; ".join(f"{k.replace('_', ' ')}: {v}"
                                                for k, v in off.items()))
+    wc = st.get("weight_cache")
+    if wc:
+        where = f" (pid {wc['pid']}, health port {wc['port']})" if wc.get("pid") else ""
+        lines.append(f"weights    cache {wc['state']}{where} for "
+                     f"{_duration(wc.get('for_s'))}: {wc.get('reason')}")
+        last = wc.get("last_engine_start")
+        if last:
+            lines.append(f"           the engine's last start (pid {last['pid']}) loaded "
+                         f"them from {last['weights']}"
+                         + (f": {last['why']}" if last.get("why") else ""))
+        if wc.get("last_error"):
+            lines.append(f"           last error: {wc['last_error']}")
     if st.get("backoff_remaining_s") is not None:
         lines.append(f"backoff    next start in {st['backoff_remaining_s']:.1f} s")
     if st.get("stop_deadline_in_s") is not None:

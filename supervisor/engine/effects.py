@@ -48,12 +48,16 @@ class Effects(Protocol):
         """`Tick` on the queue every `interval_s`, for as long as the unit runs."""
 
     def spawn(self, generation: int, spec: SpawnSpec, cfg: EngineConfig, bay: int) -> None:
-        """Clean up the leftovers of `bay` (0, or 1: a standby's second place), check the
-        port and GPUs, start the engine there: `Spawned`."""
+        """Clean up the leftovers of `bay` (0, or 1: a standby's second place; 2: the
+        weight cache's), check the port and GPUs, start the process there: `Spawned`."""
 
     def watch(self, engine: EngineProcess) -> None:
         """Guard its group against the daemon's death, relay its output, watch its exit,
         first health and tree: `Exited`, `HealthResult`, `TreeSeen`."""
+
+    def watch_health(self, engine: EngineProcess) -> None:
+        """Keep polling its /health once it answered 200 (the weight cache's): `HealthLost`
+        after a few misses in a row."""
 
     def serve(self, engine: EngineProcess) -> None:
         """It serves: scrape its metrics, run the canary, probe its sleep mode, as the

@@ -90,3 +90,19 @@ def route_of(message: str) -> str | None:
     """The path of one line of vLLM's route table (`Route: /v1/models, Methods: GET`)."""
     m = _ROUTE.match(message)
     return m["path"] if m else None
+
+
+# vLLM's ipc_cache loader (0.31+, model_loader/weight_cache/ipc_loader.py): the weights
+# mapped, or the load from disk it fell back to (and why)
+_MAPPED = re.compile(r"Mapped \d+ tensors from the weight cache daemon")
+_FELL_BACK = re.compile(r"Weight cache (?:unusable|IPC loading failed).*falling back to disk")
+
+
+def weights_of(message: str) -> str | None:
+    """Where an engine started on a weight cache says its weights came from: "cache:
+    ..." or "disk: ..." (the line itself), None when this line does not say."""
+    if _MAPPED.search(message):
+        return f"cache: {message.strip()}"
+    if _FELL_BACK.search(message):
+        return f"disk: {message.strip()}"
+    return None

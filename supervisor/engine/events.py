@@ -111,6 +111,23 @@ class StandbyDue(Event):
 
 
 @dataclass(frozen=True)
+class HealthLost(Event):
+    """A process that answered /health stopped answering 200 (the weight cache's: a
+    rank of it died while its launcher lives on)."""
+
+    name = "health_lost"
+    generation: int
+    why: str
+
+
+@dataclass(frozen=True)
+class CacheDue(Event):
+    """Time to start the weight cache again after it failed."""
+
+    name = "cache_due"
+
+
+@dataclass(frozen=True)
 class BackoffElapsed(Event):
     name = "backoff_elapsed"
     generation: int

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import httpx
 import structlog
 
-from supervisor.config import Config
+from supervisor.config import WEIGHT_CACHE_BAY, Config
 from supervisor.config_sections import EngineConfig, MetricsConfig
 from supervisor.engine import compile_cache, proctree, start_dirs
 from supervisor.engine import process as eng
@@ -35,6 +35,7 @@ from supervisor.engine.events import (
     Exited,
     GateProbe,
     GpuSampled,
+    HealthLost,
     HealthResult,
     MetricsSampled,
     RemedyDone,
@@ -62,6 +63,9 @@ log = structlog.get_logger("supervisor")
 SHORTAGE_RETRY_S = 10.0
 T = TypeVar("T")
 
+# a process watched once healthy (the weight cache) is lost after this many misses
+HEALTH_MISSES = 3
+
 
 async def _acquire(lock: asyncio.Lock, timeout_s: float) -> bool:
     """The lock, or False once `timeout_s` has passed without it."""
@@ -84,9 +88,9 @@ class JobEffects:
         self.queue, self.config, self.clock, self.environ = queue, config, clock, environ
         self.gpu, self.siblings, self.gate, self.front, self.name = (
             gpu, siblings, gate, front, name)
-        # each bay (0; 1 with a standby) its own state file and guard
+        # each bay (0; 1 with a standby; 2: the weight cache) its own state file and guard
         self.bays = [(proctree.StateFile(config().state_file_of(b)), proctree.Guard())
-                     for b in (0, 1)]
+                     for b in (0, 1, WEIGHT_CACHE_BAY)]
         self._in_bay: dict[int, eng.EngineProcess] = {}  # watched, not yet forgotten
         self._jobs = Jobs()
         # the daemon's own requests to each engine, and the lock that keeps them from a
@@ -128,6 +132,9 @@ class JobEffects:
             self._launch(eng.relay_output(engine, engine.proc.stderr, "stderr"),
                          "relay stderr")]
         self._launch(self._watch(engine), "watch engine")
+
+    def watch_health(self, engine: eng.EngineProcess) -> None:
+        self._launch(self._watch_health(engine), "watch health")
 
     def serve(self, engine: eng.EngineProcess) -> None:
         config = self.config()
@@ -254,6 +261,8 @@ class JobEffects:
         engine = await eng.spawn_engine(spec, generation, self.clock.monotonic(), cfg,
                                         self.config().evidence.log_lines)
         engine.bay = bay
+        if bay == WEIGHT_CACHE_BAY:
+            engine.source = "weight_cache"
         return engine
 
     async def _watch(self, engine: eng.EngineProcess) -> None:
@@ -319,6 +328,18 @@ class JobEffects:
             except Exception as exc:  # (never a failed start: the configuration decides)
                 log.warning("the development routes were not probed", error=repr(exc))
         return HealthResult(engine.generation, healthy, routes)
+
+    async def _watch_health(self, engine: eng.EngineProcess) -> None:
+        cfg = engine.config
+        exited = asyncio.ensure_future(eng.wait_exit(engine.proc))
+        try:
+            why = await eng.watch_health(cfg.base_url + cfg.health_path,
+                                         max(cfg.health_interval_s, 1.0), HEALTH_MISSES,
+                                         exited)
+        finally:
+            exited.cancel()
+        if why is not None:
+            self.queue.put_nowait(HealthLost(engine.generation, why))
 
     async def _look_at_tree(self, engine: eng.EngineProcess, cores: CoreWatch,
                             recorded: list[proctree.ProcInfo]) -> list[proctree.ProcInfo]:

@@ -1,13 +1,14 @@
 """The engine pair's states, written down: each bay's (the place one engine process lives
-in, from its spawn to its tree proven gone), the standby's role in its bay, and the
-handover between the serving engine and its standby; with the transitions allowed
-between them (docs/architecture.md draws them).
+in, from its spawn to its tree proven gone), the standby's role in its bay, the
+handover between the serving engine and its standby, and the weight cache beside them;
+with the transitions allowed between them (docs/architecture.md draws them).
 
 Like `supervisor/engine/states.py` (the unit's own lifecycle), this module imports
 nothing of the project: it is the vocabulary, and the one table per machine that says
 which state may follow which. Every change goes through a setter that checks its table
-(`EngineSlot._set_phase`, `Standby._to`, `Handover._set_phase`); a change the table does
-not allow raises `TransitionError`: a bug in the daemon, never an input error.
+(`EngineSlot._set_phase`, `Standby._to`, `Handover._set_phase`, `WeightCache._to`); a
+change the table does not allow raises `TransitionError`: a bug in the daemon, never an
+input error.
 """
 
 from __future__ import annotations
@@ -105,8 +106,34 @@ PHASE: dict[Phase, frozenset[Phase]] = {
     Phase.PROVING_WOKEN: frozenset({Phase.IDLE}),
 }
 
-_NAMES = {Bay: "bay", Role: "standby", Phase: "handover"}
-S = TypeVar("S", Bay, Role, Phase)
+
+class Cache(enum.Enum):
+    """The engine's weight cache (`WeightCache`, `engine.weight_cache`): a `vllm preload`
+    process beside the engine that holds its weights for the engine's starts to map."""
+
+    OFF = "off"  # none configured (or turned off by a reload, or the daemon stopped)
+    STARTING = "starting"  # spawned (or spawning), its /health not 200 yet
+    READY = "ready"  # /health 200: an engine started now maps its weights
+    STOPPING = "stopping"  # being taken down (it failed, went out of date, off, a stop)
+    BACKOFF = "backoff"  # down after a failure; started again after a delay
+    FAILED = "failed"  # given up (boot failures in a row), or its tree not proven gone:
+    # engines load from disk until a reload changes it or the daemon restarts
+
+
+CACHE: dict[Cache, frozenset[Cache]] = {
+    Cache.OFF: frozenset({Cache.STARTING}),
+    # -> BACKOFF | FAILED | OFF: its spawn failed (nothing to take down)
+    Cache.STARTING: frozenset({Cache.READY, Cache.STOPPING, Cache.BACKOFF, Cache.FAILED,
+                               Cache.OFF}),
+    Cache.READY: frozenset({Cache.STOPPING}),
+    # -> STARTING: it went out of date (a reload), and starts again at once
+    Cache.STOPPING: frozenset({Cache.OFF, Cache.BACKOFF, Cache.FAILED, Cache.STARTING}),
+    Cache.BACKOFF: frozenset({Cache.STARTING, Cache.OFF}),
+    Cache.FAILED: frozenset({Cache.STARTING, Cache.OFF}),  # (a reload)
+}
+
+_NAMES = {Bay: "bay", Role: "standby", Phase: "handover", Cache: "weight cache"}
+S = TypeVar("S", Bay, Role, Phase, Cache)
 
 
 def check(table: Mapping[S, frozenset[S]], old: S, new: S) -> None:

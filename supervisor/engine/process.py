@@ -28,7 +28,7 @@ import structlog
 from supervisor.config_sections import EngineConfig
 from supervisor.engine import proctree
 from supervisor.engine.compile_cache import CacheInfo
-from supervisor.engine.enginelog import parse_engine_line, phase_of, route_of
+from supervisor.engine.enginelog import parse_engine_line, phase_of, route_of, weights_of
 from supervisor.loop import http_client
 from supervisor.ops.descriptors import Shortage, exhausted
 from supervisor.watchdog.devroutes import DevRoutes
@@ -56,6 +56,29 @@ class SpawnSpec:
     cwd: str
     host: str
     port: int
+    # how its weights are loaded, added to `argv` when it is spawned: `--load-format
+    # ipc_cache ...` while its weight cache answers (supervisor/engine/weight_cache.py),
+    # () for vLLM's own load. Apart from `argv`, which says what the engine runs (a
+    # standby fits, a golden baseline holds, whichever way its weights came)
+    load: tuple[str, ...] = ()
+
+    @property
+    def command_line(self) -> list[str]:
+        """What is executed."""
+        return [*self.argv, *self.load]
+
+
+@dataclass(frozen=True)
+class Load:
+    """How an engine started now gets its weights, and why: from its weight cache
+    ("cache": `args` map them) or by vLLM's own load ("disk": no `args`)."""
+
+    args: tuple[str, ...]
+    weights: str
+    why: str
+
+    def fields(self) -> dict[str, str]:
+        return {"weights": self.weights, "weights_why": self.why}
 
 
 def build_spawn_spec(cfg: EngineConfig, environ: Mapping[str, str]) -> SpawnSpec:
@@ -141,7 +164,11 @@ class EngineProcess:
     recent_errors: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     recent_lines: deque[str] = field(default_factory=lambda: deque(maxlen=200))  # evidence
     relays: list[asyncio.Task[None]] = field(default_factory=list)  # stdout, stderr readers
-    bay: int = 0  # which of its unit's two places (state file, guard) it occupies
+    bay: int = 0  # which of its unit's places (state file, guard) it occupies
+    source: str = "engine"  # its lines' `source` in the log ("weight_cache": the cache's)
+    # started to map a weight cache's weights: what its own lines said of them (vLLM's
+    # "Mapped N tensors from the weight cache daemon", or its fall back to the disk)
+    weights: str | None = None
 
     @property
     def pgid(self) -> int:
@@ -165,7 +192,7 @@ async def spawn_engine(spec: SpawnSpec, generation: int, now: float,
                        cfg: EngineConfig, keep_lines: int = 200) -> EngineProcess:
     """Start the engine in its own session. Raises OSError if it cannot be executed."""
     proc = await asyncio.create_subprocess_exec(
-        *spec.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        *spec.command_line, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, env=spec.env, cwd=spec.cwd,
         start_new_session=True, preexec_fn=_child_setup, limit=_LINE_LIMIT)
     engine = EngineProcess(generation=generation, proc=proc, pid=proc.pid, started_at=now,
@@ -209,12 +236,14 @@ async def relay_output(engine: EngineProcess, stream: asyncio.StreamReader, name
             log.info("engine routes", count=len(routes), paths=" ".join(routes),
                      generation=engine.generation)
             routes.clear()
-        log.log(level, line.message, source="engine", stream=name,
+        log.log(level, line.message, source=engine.source, stream=name,
                 generation=engine.generation, **fields)
         if engine.healthy_at is None:
             _note_phase(engine, phase_of(line.message))
             if engine.vllm_version is None:
                 engine.vllm_version = version_of(line.message)
+            if engine.spec.load and engine.weights is None:
+                engine.weights = weights_of(line.message)
 
 
 # vLLM's API server says its version first ("vLLM API server version 0.26.0"; 0.32 prints
@@ -262,6 +291,32 @@ async def wait_healthy(url: str, interval_s: float, timeout_s: float,
                 return False
             await asyncio.wait({exited}, timeout=min(interval_s, remaining))
     return False
+
+
+async def watch_health(url: str, interval_s: float, misses: int,
+                       exited: asyncio.Future[int]) -> str | None:
+    """Poll `url` once healthy, until `misses` answers in a row are not 200 (why, the
+    last), or the process exits (None: its exit is reported on its own). Each probe
+    is bounded; one the daemon could not send (out of descriptors) is no answer either
+    way."""
+    shortage = Shortage("health watch", url=url)
+    missed, why = 0, ""
+    async with http_client(timeout=httpx.Timeout(min(5.0, max(interval_s, 1.0)))) as client:
+        while not exited.done():
+            try:
+                r = await client.get(url)
+                shortage.ok()
+                missed, why = (0, "") if r.status_code == 200 else (
+                    missed + 1, f"/health answered {r.status_code}")
+            except (httpx.HTTPError, OSError) as exc:
+                if exhausted(exc):
+                    shortage.failed(exc)
+                else:
+                    missed, why = missed + 1, f"/health did not answer: {exc!r}"
+            if missed >= misses:
+                return f"{why} ({missed} times in a row)"
+            await asyncio.wait({exited}, timeout=interval_s)
+    return None
 
 
 @dataclass(frozen=True)

@@ -203,6 +203,19 @@ def port_busy(host: str, port: int) -> str | None:
             return f"{host}:{port} is in use"
 
 
+def free_port(host: str, avoid: set[int]) -> int:
+    """A port the kernel gives as free on `host` now, none of `avoid` (one bind: cheap).
+    Raises OSError when no socket can be made."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for _ in range(20):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in avoid:
+            return port
+    raise OSError(f"no free port on {host} outside {sorted(avoid)}")
+
+
 def port_holder(host: str, port: int) -> str | None:
     """None if host:port can be bound now; otherwise who holds it, as best we can tell.
     Costly when the port is in use (psutil reads every process's sockets, in Python,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -32,9 +33,19 @@ log = structlog.get_logger("supervisor")
 
 class EngineSlot:
     def __init__(self, act: Effects, audit: Callable[..., None],
-                 next_generation: Callable[[], int], bay: int = 0) -> None:
+                 next_generation: Callable[[], int], bay: int = 0,
+                 load: Callable[[], eng.Load | None] | None = None,
+                 what: str = "engine") -> None:
         self._act, self._audit, self._next = act, audit, next_generation
         self.bay = bay  # its state file and guard (supervisor/engine/jobs.py)
+        # how each engine spawned here gets its weights (its weight cache's, when the
+        # engine has one: `WeightCache.load`), decided at its spawn
+        self._load = load
+        self.load: eng.Load | None = None
+        # what lives here, in the log ("engine", "weight cache"); its audit entries are
+        # prefixed with it when it is not an engine ("weight_cache_spawn")
+        self.what = what
+        self._prefix = "" if what == "engine" else what.replace(" ", "_") + "_"
         self.engine: eng.EngineProcess | None = None
         self.generation = 0  # changes with every spawn
         self.phase = Bay.EMPTY
@@ -68,21 +79,29 @@ class EngineSlot:
         self.generation = self._next()  # unique across the unit's slots
         self.force = asyncio.Event()
         self.evidence_for = None  # (for the engine that went, if none was taken down)
+        self.load = self._load() if self._load is not None else None
+        if self.load is not None:
+            spec = dataclasses.replace(spec, load=self.load.args)
         self._act.spawn(self.generation, spec, cfg, self.bay)
+
+    def _event(self, name: str, **fields: Any) -> None:
+        self._audit(self._prefix + name, **fields)
 
     def spawned(self, ev: Spawned) -> eng.EngineProcess | None:
         """The spawn ended: the engine now in the slot, or None (`ev.error` says why)."""
         self._set_phase(Bay.ALIVE if ev.engine is not None else Bay.EMPTY)
         for line in ev.leftovers:
             log.warning("killed a process left by an earlier run", process=line)
-            self._audit("leftover_killed", process=line)
+            self._event("leftover_killed", process=line)
+        load = self.load.fields() if self.load is not None else {}
         if ev.engine is None:
-            log.error("engine could not be started", error=ev.error)
-            self._audit("spawn_failed", error=ev.error, gpu_busy=ev.gpu_busy)
+            log.error(f"{self.what} could not be started", error=ev.error)
+            self._event("spawn_failed", error=ev.error, gpu_busy=ev.gpu_busy, **load)
             return None
         self.engine = engine = ev.engine
-        log.info("engine spawned", pid=engine.pid, argv=engine.spec.argv)
-        self._audit("spawn", pid=engine.pid, generation=engine.generation)
+        log.info(f"{self.what} spawned", pid=engine.pid, argv=engine.spec.argv,
+                 **({"load": engine.spec.load} if engine.spec.load else {}), **load)
+        self._event("spawn", pid=engine.pid, generation=engine.generation, **load)
         self._act.watch(engine)
         return engine
 
@@ -139,8 +158,8 @@ class EngineSlot:
         if ev.code < 0:
             with contextlib.suppress(ValueError):
                 fields = {"signal": signal.Signals(-ev.code).name}
-        log.info("engine exited", pid=engine.pid, asked=asked, **fields)
-        self._audit("exit", pid=engine.pid, asked=asked, **fields)
+        log.info(f"{self.what} exited", pid=engine.pid, asked=asked, **fields)
+        self._event("exit", pid=engine.pid, asked=asked, **fields)
         return engine
 
     def core_exited(self, ev: CoreExited) -> eng.EngineProcess | None:
@@ -152,7 +171,7 @@ class EngineSlot:
         engine.core_lost = ev.pid
         self.last_exit = engine.describe_exit()
         log.warning("engine core exited", pid=engine.pid, core_pid=ev.pid)
-        self._audit("core_exit", pid=engine.pid, core_pid=ev.pid)
+        self._event("core_exit", pid=engine.pid, core_pid=ev.pid)
         return engine
 
     def take_down(self, graceful: bool, req: evidence.EvidenceRequest | None,
@@ -160,9 +179,9 @@ class EngineSlot:
         engine = self.engine
         assert engine is not None
         self._set_phase(Bay.TAKING_DOWN)
-        self._audit("take_down", pid=engine.pid, graceful=graceful,
+        self._event("take_down", pid=engine.pid, graceful=graceful,
                     evidence_for=req.rule if req is not None else None)
-        log.info("taking the engine down", pid=engine.pid, graceful=graceful)
+        log.info(f"taking the {self.what} down", pid=engine.pid, graceful=graceful)
         self._act.take_down(engine, graceful, self.force, req, deadline)
 
     def evidence_request(self, enabled: bool, signals: Mapping[str, float | None],
@@ -195,20 +214,20 @@ class EngineSlot:
             fields: dict[str, Any] = {"pid": engine.pid, "duration_s": round(r.duration_s, 3),
                                       "sigkilled": r.sigkilled, "exit": engine.describe_exit()}
             if survivors:
-                problem = "processes of the old engine tree survived SIGKILL: " + ", ".join(
-                    survivors)
+                problem = (f"processes of the old {self.what} tree survived SIGKILL: "
+                           + ", ".join(survivors))
                 fields["survivors"] = survivors
             elif held:
-                problem = "GPU memory still held by the old engine tree: " + ", ".join(
+                problem = f"GPU memory still held by the old {self.what} tree: " + ", ".join(
                     f"pid {p} ({mib} MiB)" for p, mib in held.items())
                 fields["gpu_holders_mib"] = held
             if r.port_problem:
                 fields["port"] = r.port_problem
-            log.info("engine tree reaped", **fields, problem=problem)
-            self._audit("reaped", **fields, problem=problem)
+            log.info(f"{self.what} tree reaped", **fields, problem=problem)
+            self._event("reaped", **fields, problem=problem)
         if problem is None:
             self._act.forget(engine)
         else:
-            log.error("engine tree not proven gone", problem=problem)
+            log.error(f"{self.what} tree not proven gone", problem=problem)
         return engine, problem
 

@@ -47,6 +47,7 @@ from supervisor.engine import process as eng
 from supervisor.engine import steps as do
 from supervisor.engine.events import (
     BackoffElapsed,
+    CacheDue,
     CanaryDone,
     ControlRequest,
     CoreExited,
@@ -57,6 +58,7 @@ from supervisor.engine.events import (
     Exited,
     GateProbe,
     GpuSampled,
+    HealthLost,
     HealthResult,
     MetricsSampled,
     Reloaded,
@@ -99,11 +101,14 @@ class EngineUnit(UnitState):
             while not self._done:
                 self.handle(await self.queue.get())
         except BaseException:
-            # A bug in a handler: do not leave the engine running without its supervisor.
+            # A bug in a handler: do not leave the engine running without its supervisor
+            # (nor its weight cache: their guards are disarmed as the unit ends).
             if self.engine is not None:
                 log.critical("daemon failing; killing the engine's process group",
                              pid=self.engine.pid, exc_info=True)
                 self.act.kill_now(self.engine)
+            if self.weights.slot.engine is not None:
+                self.act.kill_now(self.weights.slot.engine)
             self.exit_code = 70  # EX_SOFTWARE
             raise
         finally:
@@ -127,7 +132,10 @@ class EngineUnit(UnitState):
                     "until the daemon restarts")
         # (evidence and a remedy's end are the unit's whichever engine they were about:
         # an old engine's remedy must still end, and its operator be answered)
-        if self.handover.standby.owns(event) \
+        if self.weights.owns(event):
+            self.weights.handle(event, stopping=self.state is State.STOPPING)
+            self.cache_moved()
+        elif self.handover.standby.owns(event) \
                 and not isinstance(event, EvidenceCaptured | RemedyDone):
             self.run_steps(self.handover.on_event(self.pair_facts(), event))
         else:
@@ -151,7 +159,9 @@ class EngineUnit(UnitState):
                    error=w.error or w.skipped, **fields)
 
     def start(self, reason: str) -> None:
-        """The first start (tests start the unit's engine here too)."""
+        """The first start (tests start the unit's engine here too): the weight cache
+        first, when the engine has one (its start waits for it)."""
+        self.weights.want(self.config.engine, self.environ, self.config.weight_cache_dir)
         self.start_engine(reason)
         self.sync_gate()
 
@@ -236,12 +246,13 @@ class EngineUnit(UnitState):
             self.slot.healthy(engine, now, ev.routes)
             self.handover.engine_probed(engine)  # (before a standby is armed below)
             self.last_start_s = round(now - engine.started_at, 1)
-            if self.start_times.cold(engine.spec.argv, engine.vllm_version):
+            if self.start_times.cold(engine.spec.command_line, engine.vllm_version):
                 log.info("a cold start: the engine runs another vLLM version than at its "
                          "last start", version=engine.vllm_version,
                          start_s=self.last_start_s)
-            self.start_times.record(engine.spec.argv, engine.vllm_version,
+            self.start_times.record(engine.spec.command_line, engine.vllm_version,
                                     now - engine.started_at, engine.phases)
+            self.weights.engine_started(engine, self.slot.load)
             self.set_state(State.RUNNING,
                            f"/health answered 200 after {now - engine.started_at:.1f} s")
             self.notices.ready_once(f"RUNNING: engine pid {engine.pid} serving")
@@ -287,6 +298,15 @@ class EngineUnit(UnitState):
             self.start_engine(self.restart_reason)
         elif self.state in (State.BACKOFF, State.FATAL):
             self.run_steps(self.failures.down(self.pair_facts(), engine, problem))
+
+    # ---- the weight cache's events (its process's go to it: engine/weight_cache.py) --
+
+    def handle_cache_due(self, _: CacheDue) -> None:
+        self.weights.due()
+        self.cache_moved()
+
+    def handle_health_lost(self, ev: HealthLost) -> None:
+        """(a process gone since: the weight cache's are handed to it)"""
 
     # ---- the standby's events (the handover's: supervisor/engine/handover.py) ---------
 

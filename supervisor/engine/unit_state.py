@@ -25,7 +25,7 @@ from typing import Any
 import structlog
 
 from supervisor import engine_checks
-from supervisor.config import DEFAULT_ENGINE, Config
+from supervisor.config import DEFAULT_ENGINE, WEIGHT_CACHE_BAY, Config
 from supervisor.config_sections import EngineConfig
 from supervisor.engine import process as eng
 from supervisor.engine import steps as do
@@ -52,6 +52,7 @@ from supervisor.engine.start_times import Expected, StartTimes
 from supervisor.engine.states import State, check_transition
 from supervisor.engine.steps import PairFacts, Step
 from supervisor.engine.watch import EngineWatch, UnitFacts
+from supervisor.engine.weight_cache import WeightCache
 from supervisor.front.admission import Gate, GateLimits
 from supervisor.loop import Clock
 from supervisor.ops.audit import AuditTrail
@@ -107,12 +108,19 @@ class UnitState:
         self.watch = EngineWatch(self.config, self.environ, self.clock.monotonic,
                                  self.clock.wall, self.audit)
         generations = itertools.count(1)
+        # the weight cache beside the engines, when it has one (engine/weight_cache.py),
+        # which says how each engine spawned gets its weights
+        self.weights = WeightCache(self.act, self.audit, self.clock, EngineSlot(
+            self.act, self.audit, lambda: next(generations), bay=WEIGHT_CACHE_BAY,
+            what="weight cache"), self.config.restart)
+        load = self.weights.load
         # the serving engine's place, from spawn to reap
-        self.slot = EngineSlot(self.act, self.audit, lambda: next(generations), bay=0)
+        self.slot = EngineSlot(self.act, self.audit, lambda: next(generations), bay=0,
+                               load=load)
         # the standby (its place: bay 1) and every handover to it (engine/handover.py)
         self.handover = Handover(Standby(
             self.act, self.audit, self.clock.monotonic,
-            EngineSlot(self.act, self.audit, lambda: next(generations), bay=1)))
+            EngineSlot(self.act, self.audit, lambda: next(generations), bay=1, load=load)))
         # the golden check's baselines and verdicts (engine/golden_check.py)
         self.golden = GoldenCheck(self.audit)
         self.golden_failures = 0  # the serving engine's proofs in a row that failed it
@@ -174,7 +182,7 @@ class UnitState:
             return None
         now = self.clock.monotonic()
         return self.start_times.expect(
-            e.spec.argv, e.vllm_version, now - e.started_at, e.phase,
+            e.spec.command_line, e.vllm_version, now - e.started_at, e.phase,
             now - e.phase_since if e.phase_since is not None else None)
 
     def sync_gate(self, ended: bool = False) -> None:
@@ -352,6 +360,8 @@ class UnitState:
         self.spawn_serving()
 
     def spawn_serving(self) -> None:
+        if self.weights.holds_start():
+            return  # (once the weight cache is ready or has failed: `cache_moved`)
         cfg = self.engine_config(self.slot.bay)
         if cfg.args != self.config.engine.args:
             log.info("engine arguments overridden", overrides=self.watch.overrides(
@@ -440,11 +450,24 @@ class UnitState:
         # is in flight, and finishes the stop.
 
     def maybe_finish_stop(self) -> None:
-        """STOPPED once both places are empty (the serving engine's, the standby's)."""
-        if self.engine is None and not self.slot.spawning and self.handover.standby.idle:
+        """STOPPED once both places are empty (the serving engine's, the standby's), and
+        then the weight cache's: it goes last."""
+        if self.engine is None and not self.slot.spawning and self.handover.standby.idle \
+                and self.weights.down_last():
             self._finish_stop()
 
+    def cache_moved(self) -> None:
+        """The weight cache's state may have changed: a stop waiting for it may end, a
+        start held while it started goes on (from disk, if it failed)."""
+        if self.state is State.STOPPING:
+            self.maybe_finish_stop()
+        elif self.weights.release_start() and self.state is State.STARTING \
+                and self.engine is None and not self.slot.spawning:
+            self.spawn_serving()
+
     def _finish_stop(self) -> None:
+        if self.weights.unproven is not None:
+            self.exit_code = 1
         self.set_state(State.STOPPED, "engine stopped")
         for reply in self._stop_replies:
             if not reply.done():
@@ -496,7 +519,7 @@ class UnitState:
     def pids(self) -> set[int]:
         """Every process of this unit's engines (both places)."""
         return {p.pid for s in (self.slot, self.handover.standby.slot)
-                if s.engine is not None for p in s.engine.known}
+                if s.engine is not None for p in s.engine.known} | self.weights.pids()
 
     def count_restart(self, reason: str) -> None:
         self.restarts_by_reason[reason] = self.restarts_by_reason.get(reason, 0) + 1
@@ -519,6 +542,10 @@ class UnitState:
         self.audit_trail = AuditTrail(new.audit.path, new.audit.max_bytes, new.audit.backups)
         self.watch.reconfigure(new)
         self.gate.set_limits(self._gate_limits())
+        self.weights.reconfigure(new.restart)
+        if self.state is not State.STOPPING:  # (started, restarted or taken down now)
+            self.weights.want(new.engine, self.environ, new.weight_cache_dir)
+            self.cache_moved()
         # (the proxy's shared settings are the host's to reconfigure)
 
     def status(self) -> dict[str, Any]:

@@ -13,10 +13,12 @@ from supervisor.engine.events import DecisionRecord
 from supervisor.engine.failures import Failures
 from supervisor.engine.golden_check import GoldenCheck
 from supervisor.engine.handover import Handover
+from supervisor.engine.pair_states import Cache
 from supervisor.engine.process import EngineProcess
 from supervisor.engine.start_times import Expected
 from supervisor.engine.states import State
 from supervisor.engine.watch import EngineWatch, UnitFacts
+from supervisor.engine.weight_cache import WeightCache
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock
 from supervisor.ops.exposition import ExporterView, ProxyView
@@ -76,6 +78,8 @@ class Viewable(Protocol):
     def handover(self) -> Handover: ...
     @property
     def golden(self) -> GoldenCheck: ...
+    @property
+    def weights(self) -> WeightCache: ...
     def expected_start(self) -> Expected | None: ...
 
     def serving(self) -> bool: ...
@@ -204,6 +208,8 @@ def status(unit: Viewable) -> dict[str, Any]:
                                if unit.stop_deadline is not None else None),
         "fatal_reason": unit.failures.fatal_reason if unit.state is State.FATAL else None,
         "standby": unit.handover.status(now, unit.config.engine.standby),
+        # the weight cache beside it (engine/weight_cache.py); None: none configured
+        "weight_cache": unit.weights.status(now),
         "golden": unit.golden.status(),
         "start": starting(unit, now),
         # the serving engine's compile cache (engine/compile_cache.py)
@@ -259,6 +265,8 @@ def exporter_view(unit: Viewable) -> ExporterView:
         engine_startup_timeout_s=unit.config.engine.startup_timeout_s,
         standby_ready=(None if unit.config.engine.standby == "none"
                        else float(unit.handover.standby.ready)),
+        weight_cache_ready=(float(unit.weights.state is Cache.READY)
+                            if unit.weights.configured else None),
         failovers=unit.handover.failovers, last_failover_s=unit.handover.last_failover_s,
         golden_checks={"passed": unit.golden.passed, "mismatch": unit.golden.mismatches},
         eta_s=expected.left_s if (expected := unit.expected_start()) is not None else None,

@@ -56,6 +56,8 @@ class ExporterView:
     engine_startup_timeout_s: float | None = None  # its allowance to become healthy
     # with a standby configured: 1.0 while it is armed, 0.0 while not; None without one
     standby_ready: float | None = None
+    # with a weight cache configured: 1.0 while it answers healthy, 0.0 while not
+    weight_cache_ready: float | None = None
     failovers: int = 0  # handovers to the standby
     last_failover_s: float | None = None  # the last one: fault seen to requests released
     # [fleet]: each router's URL -> whether this daemon is its worker; None: no routers
@@ -172,6 +174,9 @@ class _ViewCollector(Collector):
              lambda e: e.engine_startup_timeout_s),
             ("standby_ready", "with a standby configured: 1 while it is armed (loaded or "
              "asleep, and proven), 0 while it is not", lambda e: e.standby_ready),
+            ("weight_cache_ready", "with a weight cache configured: 1 while it answers "
+             "healthy (engine starts map its weights), 0 while not (they load from disk)",
+             lambda e: e.weight_cache_ready),
             ("last_failover_seconds", "the last handover to the standby: from the fault "
              "seen to the held requests released", lambda e: e.last_failover_s)]
         yield from _per_engine_gauges(simple, views)
@@ -238,7 +243,7 @@ class _ViewCollector(Collector):
             "policy_paused", "policy_dry_run", "last_decision_timestamp_seconds",
             "proxy_in_flight", "proxy_held", "proxy_held_limit", "proxy_kv_breaker_open",
             "engine_not_running_seconds", "engine_startup_timeout_seconds", "standby_ready",
-            "last_failover_seconds", "engine_capability",
+            "weight_cache_ready", "last_failover_seconds", "engine_capability",
             *(f[0] for f in GPU_DEVICE_FAMILIES))}
         for n in ("proxy_responses", "proxy_rejections", "proxy_connect_retries",
                   *(k.metric for k in KINDS)):
