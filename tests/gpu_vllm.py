@@ -88,6 +88,9 @@ SHAPE = os.environ.get("SHAPE", "tiny")  # "8b": Llama-3.1-8B's shape, random we
 STAGED = Path.home() / "vllm-stage" / "model"  # the tiny model, as staged
 TP = int(os.environ.get("TP", "1"))  # >1: both engines tensor-parallel on GPUs 0..TP-1
 MODEL = os.environ.get("MODEL", str(Path.home() / "m8b" if SHAPE == "8b" else STAGED))
+if os.environ.get("WEIGHT_CACHE") == "1" and "MODEL" not in os.environ:
+    MODEL = str(Path.home() / "ckpt8b")  # real bytes to load (tests/gpu_v033.py ckpt)
+WEIGHT_CACHE = os.environ.get("WEIGHT_CACHE") == "1"  # `start`: the engine on a weight cache
 HANG_EXT = os.environ.get("HANG_EXT") == "1"  # `start` adds the worker method `hang-rpc` uses
 PROXY = "127.0.0.1:8000"
 EXPORTER = "127.0.0.1:9402"
@@ -278,6 +281,14 @@ def phase_start(standby: str | None = None, share: str | None = None,
                 "--gpu-memory-utilization", share, "--max-model-len", "512",
                 "--enable-sleep-mode"]
         extra = {"startup_timeout_s": 480.0}
+    if WEIGHT_CACHE:  # issue 36: the engine's weights from `vllm preload`, real bytes
+        # (tests/gpu_v033.py ckpt: ~/ckpt8b), no sleep mode (refused beside the cache), no
+        # standby; `crash` then times a restart that maps the cached weights
+        args = [a for a in args if a != "--enable-sleep-mode"]
+        i = args.index("--load-format")
+        del args[i:i + 2]
+        standby = "none"
+        demo["engine"]["weight_cache"] = True
     env = {"PYTHONPATH": VLLM_SITE, "VLLM_SERVER_DEV_MODE": "1"}
     if HANG_EXT:  # `hang-rpc`: a worker method that blocks the core's loop (it runs there)
         ext = WORK / "ext"
@@ -308,8 +319,9 @@ def phase_start(standby: str | None = None, share: str | None = None,
     st = wait(lambda: status()["state"] == "RUNNING" and status(),
               580 if SHAPE == "8b" else 540, "RUNNING")
     startup_s = time.monotonic() - t0
-    wait(lambda: status()["remedies"]["kv_reset_unavailable"] is None
-         and status()["remedies"]["kv_reset"], 60, "sleep mode probed")
+    if not WEIGHT_CACHE:  # (no sleep mode beside a weight cache)
+        wait(lambda: status()["remedies"]["kv_reset_unavailable"] is None
+             and status()["remedies"]["kv_reset"], 60, "sleep mode probed")
     wait(lambda: status()["signals"].get("engine_gpu_memory_bytes"), 60, "NVML readings")
     standby_s = None
     if standby != "none":
@@ -343,7 +355,9 @@ def phase_start(standby: str | None = None, share: str | None = None,
            nvml_processes_mib={str(p): round(b / 2**20) for p, b in procs.items()},
            engine_tree=tree, engine_cuda_env=pinning, exporter=exported,
            remedies=st["remedies"], standby_args=thin or None,
-           kv_cache=kv_info() if thin else None)
+           kv_cache=kv_info() if thin else None, weight_cache=st.get("weight_cache"),
+           dev_routes=st.get("dev_routes"), off=st.get("off"),
+           stack_dumps=st.get("stack_dumps"))
 
 
 def protected_again(st: dict[str, Any]) -> bool:
