@@ -27,7 +27,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from supervisor.config import Config, parse_config
-from supervisor.engine import jobs, proctree
+from supervisor.engine import http_jobs, jobs, proctree
 from supervisor.engine import process as eng
 from supervisor.engine.events import CanaryDone, Event, MetricsSampled, TreeSeen
 from supervisor.front.admission import Gate
@@ -187,12 +187,12 @@ def test_canaries_the_daemon_could_not_send_report_nothing_then_canaries_resume(
             connect_error_from_emfile(request)
         return httpx.Response(200, json={"choices": [{"text": "x"}]})
 
-    monkeypatch.setattr(jobs, "http_client", lambda **kw: client_of(handler))
+    monkeypatch.setattr(http_jobs, "http_client", lambda **kw: client_of(handler))
 
     async def main() -> None:
         queue: asyncio.Queue[Event] = asyncio.Queue()
         act = effects(cfg, queue)
-        task = asyncio.ensure_future(act._canary(engine_of(cfg, Running())))
+        task = asyncio.ensure_future(act.http.canary(engine_of(cfg, Running())))
         try:
             done = await next_event(queue, CanaryDone)
         finally:
@@ -219,12 +219,12 @@ def test_scrapes_the_daemon_could_not_send_are_no_sample(tmp_path, monkeypatch) 
             bare_emfile(request)
         return httpx.Response(503)
 
-    monkeypatch.setattr(jobs, "http_client", lambda **kw: client_of(handler))
+    monkeypatch.setattr(http_jobs, "http_client", lambda **kw: client_of(handler))
 
     async def main() -> None:
         queue: asyncio.Queue[Event] = asyncio.Queue()
         act = effects(cfg, queue)
-        task = asyncio.ensure_future(act._poll(engine_of(cfg, Running()), cfg.metrics))
+        task = asyncio.ensure_future(act.http.poll(engine_of(cfg, Running()), cfg.metrics))
         try:
             sampled = await next_event(queue, MetricsSampled)
         finally:

@@ -1,6 +1,8 @@
-"""The unit's effects as jobs: spawn, watch, poll, probe, take down, drain, remedy,
-sample, timers (`supervisor/engine/effects.py` is their protocol; tests replace this
-class with a recording fake).
+"""The unit's effects as jobs: spawn, watch, take down, drain, sample, timers here; those
+that talk to a running engine over HTTP (health, poll, canary, probe, sleep and wake,
+remedy) in `supervisor/engine/http_jobs.py`, started from here
+(`supervisor/engine/effects.py` is their protocol; tests replace this class with a
+recording fake).
 
 Each job is a coroutine started on this object's task group. It is given what it needs
 (the unit's queue, its current config, clock, environment, GPU lister, siblings, gate and
@@ -12,68 +14,43 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import httpx
 import structlog
 
 from supervisor.config import WEIGHT_CACHE_BAY, Config
-from supervisor.config_sections import EngineConfig, MetricsConfig
+from supervisor.config_sections import EngineConfig
 from supervisor.engine import compile_cache, proctree, start_dirs
 from supervisor.engine import process as eng
 from supervisor.engine.corewatch import CoreWatch
 from supervisor.engine.effects import Front, Timer
 from supervisor.engine.events import (
-    CanaryDone,
     CoreExited,
     Down,
     Drained,
     Event,
     EvidenceCaptured,
     Exited,
-    GateProbe,
     GpuSampled,
-    HealthLost,
     HealthResult,
-    MetricsSampled,
-    RemedyDone,
-    SleepModeProbed,
-    Slept,
     Spawned,
     Tick,
     TreeSeen,
-    Woken,
 )
-from supervisor.engine.probes import EngineProbes
+from supervisor.engine.http_jobs import HttpJobs
 from supervisor.front.admission import Gate
-from supervisor.loop import Clock, Jobs, http_client
-from supervisor.ops.descriptors import OutOfDescriptors, Shortage, exhausted
-from supervisor.watchdog import devroutes, evidence, golden, hostheat, remedy, stackdumps
+from supervisor.loop import Clock, Jobs
+from supervisor.ops.descriptors import Shortage, exhausted
+from supervisor.watchdog import evidence, hostheat, stackdumps
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
-from supervisor.watchdog.metrics import sleep_op_seconds
-from supervisor.watchdog.poller import scrape
-from supervisor.watchdog.remedy import WarmUp
 
 log = structlog.get_logger("supervisor")
 
 
 # how long a start short of descriptors (nothing spawned yet) is tried again
 SHORTAGE_RETRY_S = 10.0
-T = TypeVar("T")
-
-# a process watched once healthy (the weight cache) is lost after this many misses
-HEALTH_MISSES = 3
-
-
-async def _acquire(lock: asyncio.Lock, timeout_s: float) -> bool:
-    """The lock, or False once `timeout_s` has passed without it."""
-    try:
-        await asyncio.wait_for(lock.acquire(), timeout_s)
-    except TimeoutError:
-        return False
-    return True
 
 
 class JobEffects:
@@ -93,10 +70,10 @@ class JobEffects:
                      for b in (0, 1, WEIGHT_CACHE_BAY)]
         self._in_bay: dict[int, eng.EngineProcess] = {}  # watched, not yet forgotten
         self._jobs = Jobs()
-        # the daemon's own requests to each engine, and the lock that keeps them from a
-        # KV reset; one per engine, so that a hung engine's canary never delays the
-        # proof of the standby that replaces it (engine/probes.py)
-        self.probes = EngineProbes(config, clock)
+        # the jobs that talk to the engine over HTTP, and the daemon's own requests to
+        # each engine (engine/http_jobs.py)
+        self.http = HttpJobs(queue=queue, config=config, clock=clock, environ=environ,
+                             gate=gate, front=front)
 
     def _launch(self, coro: Any, what: str) -> asyncio.Task[Any]:
         return self._jobs.launch(coro, what)
@@ -134,28 +111,28 @@ class JobEffects:
         self._launch(self._watch(engine), "watch engine")
 
     def watch_health(self, engine: eng.EngineProcess) -> None:
-        self._launch(self._watch_health(engine), "watch health")
+        self._launch(self.http.watch_health(engine), "watch health")
 
     def serve(self, engine: eng.EngineProcess) -> None:
         config = self.config()
         if config.metrics.enabled:
-            self._launch(self._poll(engine, config.metrics), "poll metrics")
+            self._launch(self.http.poll(engine, config.metrics), "poll metrics")
         if config.canary.enabled:
-            self._launch(self._canary(engine), "canary")
-        self._launch(self._probe_sleep_mode(engine), "probe sleep mode")
+            self._launch(self.http.canary(engine), "canary")
+        self._launch(self.http.probe_sleep_mode(engine), "probe sleep mode")
         if engine.cache is not None:  # what its start compiled
             self._launch(compile_cache.measure(engine.cache, self.clock.monotonic),
                          "measure the compile cache")
 
     def gate_probe(self, engine: eng.EngineProcess, golden: bool = True,
                    warm: bool = False) -> None:
-        self._launch(self._gate_probe(engine, golden, warm), "gate probe")
+        self._launch(self.http.gate_probe(engine, golden, warm), "gate probe")
 
     def sleep(self, engine: eng.EngineProcess) -> None:
-        self._launch(self._sleep_or_wake(engine, asleep=True), "sleep")
+        self._launch(self.http.sleep_or_wake(engine, asleep=True), "sleep")
 
     def wake(self, engine: eng.EngineProcess) -> None:
-        self._launch(self._sleep_or_wake(engine, asleep=False), "wake up")
+        self._launch(self.http.sleep_or_wake(engine, asleep=False), "wake up")
 
     def take_down(self, engine: eng.EngineProcess, graceful: bool, force: asyncio.Event,
                   req: evidence.EvidenceRequest | None, deadline: float) -> None:
@@ -167,7 +144,7 @@ class JobEffects:
         guard.disarm()
         if self._in_bay.get(engine.bay) is engine:
             del self._in_bay[engine.bay]
-        self.probes.forget(engine)
+        self.http.forget(engine)
 
     def drain(self, engine: eng.EngineProcess, deadline: float) -> None:
         self._launch(self._drain(engine, deadline), "drain")
@@ -176,7 +153,7 @@ class JobEffects:
         self._launch(self._drain_behind(engine, deadline), "drain behind a swap")
 
     def remedy(self, engine: eng.EngineProcess, rung: str) -> None:
-        self._launch(self._remedy(engine, rung), rung)
+        self._launch(self.http.apply_remedy(engine, rung), rung)
 
     def sample_gpu(self, sampler: GpuSampler) -> None:
         self._launch(self._sample_gpu(sampler), "gpu sampler")
@@ -193,7 +170,7 @@ class JobEffects:
         proctree.kill_group(engine.pgid, engine.known)
 
     def probes_in_flight(self) -> int:
-        return self.probes.in_flight()
+        return self.http.in_flight()
 
     def after(self, delay_s: float, event: Event) -> Timer:
         queue = self.queue
@@ -272,7 +249,7 @@ class JobEffects:
         exited: asyncio.Future[int] = asyncio.ensure_future(eng.wait_exit(engine.proc))
         exited.add_done_callback(
             lambda f: None if f.cancelled() else self.queue.put_nowait(Exited(gen, f.result())))
-        health = asyncio.ensure_future(self._health(engine, exited))
+        health = asyncio.ensure_future(self.http.first_health(engine, exited))
         # An error in the probe counts as "not healthy": STARTING must never outlive its bound.
         health.add_done_callback(
             lambda f: None if f.cancelled() else self.queue.put_nowait(
@@ -311,36 +288,6 @@ class JobEffects:
             cores.close()
             health.cancel()
 
-    async def _health(self, engine: eng.EngineProcess,
-                      exited: asyncio.Future[int]) -> HealthResult:
-        """The first health answer, and then, before the engine counts as healthy (and
-        is declared serving, or a standby proven), which of vLLM's development routes
-        it serves (`watchdog/devroutes.py`: four GETs together, bounded, no side
-        effect): what it can do in place is known from its start, not at first use."""
-        cfg = engine.config
-        healthy = await eng.wait_healthy(cfg.base_url + cfg.health_path,
-                                         cfg.health_interval_s, cfg.startup_timeout_s, exited)
-        routes = None
-        if healthy and not exited.done():
-            try:
-                async with http_client() as client:
-                    routes = await devroutes.probe(client, cfg.base_url)
-            except Exception as exc:  # (never a failed start: the configuration decides)
-                log.warning("the development routes were not probed", error=repr(exc))
-        return HealthResult(engine.generation, healthy, routes)
-
-    async def _watch_health(self, engine: eng.EngineProcess) -> None:
-        cfg = engine.config
-        exited = asyncio.ensure_future(eng.wait_exit(engine.proc))
-        try:
-            why = await eng.watch_health(cfg.base_url + cfg.health_path,
-                                         max(cfg.health_interval_s, 1.0), HEALTH_MISSES,
-                                         exited)
-        finally:
-            exited.cancel()
-        if why is not None:
-            self.queue.put_nowait(HealthLost(engine.generation, why))
-
     async def _look_at_tree(self, engine: eng.EngineProcess, cores: CoreWatch,
                             recorded: list[proctree.ProcInfo]) -> list[proctree.ProcInfo]:
         """One look at the engine's tree: reported, its cores watched, the state file
@@ -365,24 +312,6 @@ class JobEffects:
             except OSError as exc:
                 log.warning("cannot write the state file", error=str(exc))
         return recorded
-
-    async def _poll(self, engine: eng.EngineProcess, cfg: MetricsConfig) -> None:
-        """Scrape the engine's /metrics every period for as long as this engine lives."""
-        ecfg = engine.config
-        url = ecfg.base_url + cfg.path
-        shortage = Shortage("metrics scrape", pid=engine.pid)
-        async with http_client() as client:
-            while engine.proc.returncode is None:
-                try:
-                    snap, error = await scrape(client, url, cfg.timeout_s)
-                except OutOfDescriptors as exc:
-                    shortage.failed(exc)  # no scrape: no sample, not a failed one
-                else:
-                    shortage.ok()
-                    if engine.proc.returncode is not None:
-                        return  # a failed scrape of an engine that is gone says nothing new
-                    self.queue.put_nowait(MetricsSampled(engine.generation, snap, error))
-                await asyncio.sleep(cfg.period_s)
 
     async def _evidence(self, engine: eng.EngineProcess,
                             req: evidence.EvidenceRequest) -> None:
@@ -430,63 +359,6 @@ class JobEffects:
             raise
         self.queue.put_nowait(Down(engine.generation, result))
 
-    async def _gate_probe(self, engine: eng.EngineProcess, golden: bool,
-                          warm: bool) -> None:
-        """Healthy is not enough to release held requests: one canary must pass first
-        (bounded: a few tries, then the gate opens anyway and the hang rule judges).
-        With `warm`, an engine that can sleep then sleeps and wakes once
-        (`remedy.warm_up`: its first KV reset then costs sleep and wake alone), and is
-        proven again after the wake, its golden answers taken again."""
-        error: str | None = None
-        async with http_client() as client:
-            for _ in range(3):
-                try:
-                    model, _, outcome = await self.probes.probe(client, engine, None)
-                    answers = await self.probes.answers(client, engine, model) \
-                        if golden and outcome.ok and model is not None else None
-                except OutOfDescriptors as exc:  # (the gate opens all the same, bounded)
-                    error = str(exc)
-                else:
-                    if outcome.ok:
-                        warmed, woken = await self._warm_up(client, engine, model, golden) \
-                            if warm else (None, None)
-                        broken = warmed is not None and warmed.broken
-                        self.queue.put_nowait(GateProbe(
-                            engine.generation, not broken,
-                            warmed.error if warmed is not None and broken else None,
-                            golden=answers, warm_up=warmed, golden_woken=woken,
-                            broken_by_wake=broken))
-                        return
-                    error = outcome.error
-                await asyncio.sleep(0.5)
-        self.queue.put_nowait(GateProbe(engine.generation, False, error))
-
-    async def _warm_up(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
-                       model: str | None, with_golden: bool,
-                       ) -> tuple[WarmUp | None, golden.Golden | str | None]:
-        """The warm-up sleep and wake of an engine whose flags give it sleep mode (None:
-        they do not), no canary of the daemon's beside it; then a canary and, with
-        `with_golden`, the golden answers again: a wake can leave an engine broken or
-        wrong."""
-        env = eng.build_spawn_spec(engine.config, self.environ).env
-        if self.front is None or devroutes.sleep_off(engine.routes, engine.spec.argv,
-                                                     env) is not None:
-            return None, None
-        async with self.probes.lock(engine):
-            warmed, _, took = await self._vllm_timed(client, engine, remedy.warm_up(
-                client, engine.config.base_url, remedy.SLEEP_TIMEOUT_S))
-            warmed = dataclasses.replace(warmed, vllm_s=took)
-        if warmed.broken or warmed.skipped is not None or model is None:
-            return warmed, None
-        try:
-            _, _, outcome = await self.probes.probe(client, engine, model)
-        except OutOfDescriptors:  # (the daemon could not ask: no verdict, as at the gate)
-            return warmed, None
-        if not outcome.ok:
-            return dataclasses.replace(warmed, broken=True,
-                                       error=f"a canary after its wake: {outcome.error}"), None
-        return warmed, await self.probes.answers(client, engine, model) if with_golden else None
-
     async def _drain(self, engine: eng.EngineProcess, deadline: float) -> None:
         t0 = self.clock.monotonic()
         idle = await self.gate.wait_idle(
@@ -505,120 +377,8 @@ class JobEffects:
         idle = front is None or not front.in_flight_at(self.name, engine.generation)
         self.queue.put_nowait(Drained(engine.generation, idle, self.clock.monotonic() - t0))
 
-    async def _probe_sleep_mode(self, engine: eng.EngineProcess) -> None:
-        """Can this engine drop its KV cache in place? Its flags and the development
-        routes it was found serving at its health check say whether it should; its
-        /is_sleeping endpoint, once it serves, says whether it does."""
-        env = eng.build_spawn_spec(engine.config, self.environ).env
-        why = devroutes.sleep_off(engine.routes, engine.spec.argv, env)
-        if why is None and self.front is None:
-            why = "no front proxy to hold requests while the engine sleeps ([proxy] is off)"
-        if why is None:
-            base = engine.config.base_url
-            # (not in the middle of the engine's warm-up sleep: it would read as asleep)
-            async with http_client() as client, self.probes.lock(engine):
-                asleep, why = await remedy.is_sleeping(client, base, 10.0)
-            if asleep:
-                why = "the engine reports it is asleep"
-        self.queue.put_nowait(SleepModeProbed(engine.generation, why is None, why))
-
-    async def _sleep_or_wake(self, engine: eng.EngineProcess, asleep: bool) -> None:
-        """Bounded by `remedy.SLEEP_TIMEOUT_S` a call: the first sleep pins the weights in
-        host RAM (11-13 s for an 8B model on the H100)."""
-        async with http_client() as client:
-            error, seconds, took = await self._vllm_timed(client, engine, remedy.set_asleep(
-                client, engine.config.base_url, asleep, remedy.SLEEP_TIMEOUT_S))
-        event = Slept if asleep else Woken
-        self.queue.put_nowait(event(engine.generation, error, seconds, took))
-
-    async def _vllm_timed(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
-                          call: Awaitable[T]) -> tuple[T, float, dict[str, float] | None]:
-        """`call` (a sleep, a wake, both), how long it took, and what vLLM measured of
-        each of its operations in it (metrics.sleep_op_seconds; None: unknown, or
-        `metrics.enabled` off): its sleep-mode counts read after, and before unless the
-        last such call's reading stands (a standby's wake, its sleep's: a failover waits
-        on no read before its wake)."""
-        m = self.config().metrics
-        url, bound = engine.config.base_url + m.path, remedy.SLEEP_METRICS_TIMEOUT_S
-        before = engine.sleep_ops
-        if before is None and m.enabled:
-            before = await remedy.sleep_ops(client, url, bound)
-        t0 = self.clock.monotonic()
-        result = await call
-        seconds = self.clock.monotonic() - t0
-        engine.sleep_ops = await remedy.sleep_ops(client, url, bound) if m.enabled else None
-        took = sleep_op_seconds(before, engine.sleep_ops)
-        return result, seconds, {k: round(v, 3) for k, v in took.items()} or None
-
-    async def _remedy(self, engine: eng.EngineProcess, rung: str) -> None:
-        cfg = engine.config
-        base = cfg.base_url
-        t0 = self.clock.monotonic()
-        answers: golden.Golden | str | None = None
-        async with http_client() as client:
-            if rung == "reset_prefix_cache":
-                outcome = await remedy.reset_prefix_cache(client, base, 30.0)
-            else:
-                c = self.config().canary
-                # the daemon's own canary in flight is cut, not waited for (it waits
-                # for a place in a full batch); none starts once the lock is taken
-                if self.probes.cut_canary(engine):
-                    log.info("the daemon's canary in flight cut for the KV reset",
-                             pid=engine.pid)
-                locked = await _acquire(self.probes.lock(engine), c.timeout_s + 1.0)
-                idle = locked and await self.gate.wait_idle(cfg.drain_timeout_s)
-                waited = self.clock.monotonic() - t0
-                if not idle:
-                    if locked:
-                        self.probes.lock(engine).release()
-                    busy = (f"{self.gate.in_flight} requests still in flight after "
-                            f"{cfg.drain_timeout_s:g} s" if locked else
-                            f"a canary still in flight after {c.timeout_s + 1.0:g} s")
-                    outcome = remedy.RemedyOutcome(
-                        False, {"drain": waited}, f"{busy}: the KV cache was not touched",
-                        attempted=False)
-                else:
-                    try:
-                        outcome, _, took = await self._vllm_timed(client, engine, remedy.kv_reset(
-                            client, base, c.model or None, c.prompt, 60.0,
-                            max(c.timeout_s, 10.0)))
-                        outcome = dataclasses.replace(outcome, vllm_s=took)
-                        if outcome.ok and c.golden:  # (right after its wake, not just alive)
-                            answers = await self.probes.golden_unlocked(client, engine)
-                    finally:
-                        self.probes.lock(engine).release()
-                    outcome = dataclasses.replace(outcome, steps={"drain": waited,
-                                                                  **outcome.steps})
-        self.queue.put_nowait(RemedyDone(engine.generation, rung, outcome,
-                                         self.clock.monotonic() - t0, answers))
-
-    async def _canary(self, engine: eng.EngineProcess) -> None:
-        """A tiny generation every period, for as long as this engine lives."""
-        shortage = Shortage("canary", pid=engine.pid)
-        async with http_client() as client:
-            model: str | None = None
-            while engine.proc.returncode is None:
-                await asyncio.sleep(self.config().canary.period_s)
-                # (a reloaded canary.model applies at the next probe)
-                try:
-                    model, t0, outcome = await self.probes.periodic(
-                        client, engine, self.config().canary.model or model)
-                except OutOfDescriptors as exc:
-                    # the daemon could not send it: no outcome, never a failure of the
-                    # engine's (the hang rule counts failures)
-                    shortage.failed(exc)
-                    continue
-                shortage.ok()
-                if engine.proc.returncode is not None:
-                    return
-                if outcome is None:  # (cut for a KV reset: no outcome)
-                    continue
-                self.queue.put_nowait(CanaryDone(engine.generation, outcome, t0,
-                                                 self.clock.monotonic()))
-
     async def _sample_gpu(self, sampler: GpuSampler) -> None:
         while True:
             reading = await asyncio.to_thread(sampler.sample)
             self.queue.put_nowait(GpuSampled(reading, self.clock.monotonic()))
             await asyncio.sleep(self.config().gpu.period_s)  # (a reload applies here)
-

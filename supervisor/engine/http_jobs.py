@@ -1,0 +1,298 @@
+"""The jobs that talk to a running engine over HTTP: its first health and the probe of
+vLLM's development routes, the weight cache's health watch, the metrics scrape, the
+canary, the gate's probe and the warm-up, the sleep-mode probe, a sleep or a wake and the
+KV reset, each timed with what vLLM measured of it.
+
+`JobEffects` (`supervisor/engine/jobs.py`) holds one `HttpJobs` and starts these
+coroutines on its task group. As every job, each is given what it needs (the unit's
+queue, its current config, clock, environment, gate and whether a front proxy holds its
+requests), never the unit, and reports only by putting an event on the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import httpx
+import structlog
+
+from supervisor.config import Config
+from supervisor.config_sections import MetricsConfig
+from supervisor.engine import process as eng
+from supervisor.engine.effects import Front
+from supervisor.engine.events import (
+    CanaryDone,
+    Event,
+    GateProbe,
+    HealthLost,
+    HealthResult,
+    MetricsSampled,
+    RemedyDone,
+    SleepModeProbed,
+    Slept,
+    Woken,
+)
+from supervisor.engine.probes import EngineProbes
+from supervisor.front.admission import Gate
+from supervisor.loop import Clock, http_client
+from supervisor.ops.descriptors import OutOfDescriptors, Shortage
+from supervisor.watchdog import devroutes, golden, remedy
+from supervisor.watchdog.metrics import sleep_op_seconds
+from supervisor.watchdog.poller import scrape
+from supervisor.watchdog.remedy import WarmUp
+
+log = structlog.get_logger("supervisor")
+
+T = TypeVar("T")
+
+# a process watched once healthy (the weight cache) is lost after this many misses
+HEALTH_MISSES = 3
+
+
+async def _acquire(lock: asyncio.Lock, timeout_s: float) -> bool:
+    """The lock, or False once `timeout_s` has passed without it."""
+    try:
+        await asyncio.wait_for(lock.acquire(), timeout_s)
+    except TimeoutError:
+        return False
+    return True
+
+
+class HttpJobs:
+    """The unit's jobs that send requests to an engine. They read the unit's current
+    config and its clock; they never change its state. Owns the daemon's own requests to
+    each engine (`EngineProbes`): the lock that keeps them from a KV reset, one per
+    engine, so that a hung engine's canary never delays the proof of the standby that
+    replaces it (engine/probes.py)."""
+
+    def __init__(self, *, queue: asyncio.Queue[Event], config: Callable[[], Config],
+                 clock: Clock, environ: dict[str, str], gate: Gate,
+                 front: Front | None) -> None:
+        self.queue, self.config, self.clock, self.environ = queue, config, clock, environ
+        self.gate, self.front = gate, front
+        self.probes = EngineProbes(config, clock)
+
+    def forget(self, engine: eng.EngineProcess) -> None:
+        self.probes.forget(engine)
+
+    def in_flight(self) -> int:
+        return self.probes.in_flight()
+
+    async def first_health(self, engine: eng.EngineProcess,
+                           exited: asyncio.Future[int]) -> HealthResult:
+        """The first health answer, and then, before the engine counts as healthy (and
+        is declared serving, or a standby proven), which of vLLM's development routes
+        it serves (`watchdog/devroutes.py`: four GETs together, bounded, no side
+        effect): what it can do in place is known from its start, not at first use."""
+        cfg = engine.config
+        healthy = await eng.wait_healthy(cfg.base_url + cfg.health_path,
+                                         cfg.health_interval_s, cfg.startup_timeout_s, exited)
+        routes = None
+        if healthy and not exited.done():
+            try:
+                async with http_client() as client:
+                    routes = await devroutes.probe(client, cfg.base_url)
+            except Exception as exc:  # (never a failed start: the configuration decides)
+                log.warning("the development routes were not probed", error=repr(exc))
+        return HealthResult(engine.generation, healthy, routes)
+
+    async def watch_health(self, engine: eng.EngineProcess) -> None:
+        cfg = engine.config
+        exited = asyncio.ensure_future(eng.wait_exit(engine.proc))
+        try:
+            why = await eng.watch_health(cfg.base_url + cfg.health_path,
+                                         max(cfg.health_interval_s, 1.0), HEALTH_MISSES,
+                                         exited)
+        finally:
+            exited.cancel()
+        if why is not None:
+            self.queue.put_nowait(HealthLost(engine.generation, why))
+
+    async def poll(self, engine: eng.EngineProcess, cfg: MetricsConfig) -> None:
+        """Scrape the engine's /metrics every period for as long as this engine lives."""
+        ecfg = engine.config
+        url = ecfg.base_url + cfg.path
+        shortage = Shortage("metrics scrape", pid=engine.pid)
+        async with http_client() as client:
+            while engine.proc.returncode is None:
+                try:
+                    snap, error = await scrape(client, url, cfg.timeout_s)
+                except OutOfDescriptors as exc:
+                    shortage.failed(exc)  # no scrape: no sample, not a failed one
+                else:
+                    shortage.ok()
+                    if engine.proc.returncode is not None:
+                        return  # a failed scrape of an engine that is gone says nothing new
+                    self.queue.put_nowait(MetricsSampled(engine.generation, snap, error))
+                await asyncio.sleep(cfg.period_s)
+
+    async def canary(self, engine: eng.EngineProcess) -> None:
+        """A tiny generation every period, for as long as this engine lives."""
+        shortage = Shortage("canary", pid=engine.pid)
+        async with http_client() as client:
+            model: str | None = None
+            while engine.proc.returncode is None:
+                await asyncio.sleep(self.config().canary.period_s)
+                # (a reloaded canary.model applies at the next probe)
+                try:
+                    model, t0, outcome = await self.probes.periodic(
+                        client, engine, self.config().canary.model or model)
+                except OutOfDescriptors as exc:
+                    # the daemon could not send it: no outcome, never a failure of the
+                    # engine's (the hang rule counts failures)
+                    shortage.failed(exc)
+                    continue
+                shortage.ok()
+                if engine.proc.returncode is not None:
+                    return
+                if outcome is None:  # (cut for a KV reset: no outcome)
+                    continue
+                self.queue.put_nowait(CanaryDone(engine.generation, outcome, t0,
+                                                 self.clock.monotonic()))
+
+    async def gate_probe(self, engine: eng.EngineProcess, golden: bool,
+                         warm: bool) -> None:
+        """Healthy is not enough to release held requests: one canary must pass first
+        (bounded: a few tries, then the gate opens anyway and the hang rule judges).
+        With `warm`, an engine that can sleep then sleeps and wakes once
+        (`remedy.warm_up`: its first KV reset then costs sleep and wake alone), and is
+        proven again after the wake, its golden answers taken again."""
+        error: str | None = None
+        async with http_client() as client:
+            for _ in range(3):
+                try:
+                    model, _, outcome = await self.probes.probe(client, engine, None)
+                    answers = await self.probes.answers(client, engine, model) \
+                        if golden and outcome.ok and model is not None else None
+                except OutOfDescriptors as exc:  # (the gate opens all the same, bounded)
+                    error = str(exc)
+                else:
+                    if outcome.ok:
+                        warmed, woken = await self._warm_up(client, engine, model, golden) \
+                            if warm else (None, None)
+                        broken = warmed is not None and warmed.broken
+                        self.queue.put_nowait(GateProbe(
+                            engine.generation, not broken,
+                            warmed.error if warmed is not None and broken else None,
+                            golden=answers, warm_up=warmed, golden_woken=woken,
+                            broken_by_wake=broken))
+                        return
+                    error = outcome.error
+                await asyncio.sleep(0.5)
+        self.queue.put_nowait(GateProbe(engine.generation, False, error))
+
+    async def _warm_up(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
+                       model: str | None, with_golden: bool,
+                       ) -> tuple[WarmUp | None, golden.Golden | str | None]:
+        """The warm-up sleep and wake of an engine whose flags give it sleep mode (None:
+        they do not), no canary of the daemon's beside it; then a canary and, with
+        `with_golden`, the golden answers again: a wake can leave an engine broken or
+        wrong."""
+        env = eng.build_spawn_spec(engine.config, self.environ).env
+        if self.front is None or devroutes.sleep_off(engine.routes, engine.spec.argv,
+                                                     env) is not None:
+            return None, None
+        async with self.probes.lock(engine):
+            warmed, _, took = await self._vllm_timed(client, engine, remedy.warm_up(
+                client, engine.config.base_url, remedy.SLEEP_TIMEOUT_S))
+            warmed = dataclasses.replace(warmed, vllm_s=took)
+        if warmed.broken or warmed.skipped is not None or model is None:
+            return warmed, None
+        try:
+            _, _, outcome = await self.probes.probe(client, engine, model)
+        except OutOfDescriptors:  # (the daemon could not ask: no verdict, as at the gate)
+            return warmed, None
+        if not outcome.ok:
+            return dataclasses.replace(warmed, broken=True,
+                                       error=f"a canary after its wake: {outcome.error}"), None
+        return warmed, await self.probes.answers(client, engine, model) if with_golden else None
+
+    async def probe_sleep_mode(self, engine: eng.EngineProcess) -> None:
+        """Can this engine drop its KV cache in place? Its flags and the development
+        routes it was found serving at its health check say whether it should; its
+        /is_sleeping endpoint, once it serves, says whether it does."""
+        env = eng.build_spawn_spec(engine.config, self.environ).env
+        why = devroutes.sleep_off(engine.routes, engine.spec.argv, env)
+        if why is None and self.front is None:
+            why = "no front proxy to hold requests while the engine sleeps ([proxy] is off)"
+        if why is None:
+            base = engine.config.base_url
+            # (not in the middle of the engine's warm-up sleep: it would read as asleep)
+            async with http_client() as client, self.probes.lock(engine):
+                asleep, why = await remedy.is_sleeping(client, base, 10.0)
+            if asleep:
+                why = "the engine reports it is asleep"
+        self.queue.put_nowait(SleepModeProbed(engine.generation, why is None, why))
+
+    async def sleep_or_wake(self, engine: eng.EngineProcess, asleep: bool) -> None:
+        """Bounded by `remedy.SLEEP_TIMEOUT_S` a call: the first sleep pins the weights in
+        host RAM (11-13 s for an 8B model on the H100)."""
+        async with http_client() as client:
+            error, seconds, took = await self._vllm_timed(client, engine, remedy.set_asleep(
+                client, engine.config.base_url, asleep, remedy.SLEEP_TIMEOUT_S))
+        event = Slept if asleep else Woken
+        self.queue.put_nowait(event(engine.generation, error, seconds, took))
+
+    async def _vllm_timed(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
+                          call: Awaitable[T]) -> tuple[T, float, dict[str, float] | None]:
+        """`call` (a sleep, a wake, both), how long it took, and what vLLM measured of
+        each of its operations in it (metrics.sleep_op_seconds; None: unknown, or
+        `metrics.enabled` off): its sleep-mode counts read after, and before unless the
+        last such call's reading stands (a standby's wake, its sleep's: a failover waits
+        on no read before its wake)."""
+        m = self.config().metrics
+        url, bound = engine.config.base_url + m.path, remedy.SLEEP_METRICS_TIMEOUT_S
+        before = engine.sleep_ops
+        if before is None and m.enabled:
+            before = await remedy.sleep_ops(client, url, bound)
+        t0 = self.clock.monotonic()
+        result = await call
+        seconds = self.clock.monotonic() - t0
+        engine.sleep_ops = await remedy.sleep_ops(client, url, bound) if m.enabled else None
+        took = sleep_op_seconds(before, engine.sleep_ops)
+        return result, seconds, {k: round(v, 3) for k, v in took.items()} or None
+
+    async def apply_remedy(self, engine: eng.EngineProcess, rung: str) -> None:
+        cfg = engine.config
+        base = cfg.base_url
+        t0 = self.clock.monotonic()
+        answers: golden.Golden | str | None = None
+        async with http_client() as client:
+            if rung == "reset_prefix_cache":
+                outcome = await remedy.reset_prefix_cache(client, base, 30.0)
+            else:
+                c = self.config().canary
+                # the daemon's own canary in flight is cut, not waited for (it waits
+                # for a place in a full batch); none starts once the lock is taken
+                if self.probes.cut_canary(engine):
+                    log.info("the daemon's canary in flight cut for the KV reset",
+                             pid=engine.pid)
+                locked = await _acquire(self.probes.lock(engine), c.timeout_s + 1.0)
+                idle = locked and await self.gate.wait_idle(cfg.drain_timeout_s)
+                waited = self.clock.monotonic() - t0
+                if not idle:
+                    if locked:
+                        self.probes.lock(engine).release()
+                    busy = (f"{self.gate.in_flight} requests still in flight after "
+                            f"{cfg.drain_timeout_s:g} s" if locked else
+                            f"a canary still in flight after {c.timeout_s + 1.0:g} s")
+                    outcome = remedy.RemedyOutcome(
+                        False, {"drain": waited}, f"{busy}: the KV cache was not touched",
+                        attempted=False)
+                else:
+                    try:
+                        outcome, _, took = await self._vllm_timed(client, engine, remedy.kv_reset(
+                            client, base, c.model or None, c.prompt, 60.0,
+                            max(c.timeout_s, 10.0)))
+                        outcome = dataclasses.replace(outcome, vllm_s=took)
+                        if outcome.ok and c.golden:  # (right after its wake, not just alive)
+                            answers = await self.probes.golden_unlocked(client, engine)
+                    finally:
+                        self.probes.lock(engine).release()
+                    outcome = dataclasses.replace(outcome, steps={"drain": waited,
+                                                                  **outcome.steps})
+        self.queue.put_nowait(RemedyDone(engine.generation, rung, outcome,
+                                         self.clock.monotonic() - t0, answers))
