@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fake_engine import next_token, prompt_ids
+from tests.fake_tokens import next_token, prompt_ids
 from tests.harness import wait_for
 from tests.test_proxy import proxy_config, url
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 
 from tests import test_continuation_proxy
-from tests.fake_engine import prompt_ids
+from tests.fake_tokens import prompt_ids
 from tests.harness import wait_for, write_config
 from tests.test_continuation_proxy import (
     TOKENS,

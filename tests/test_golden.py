@@ -20,7 +20,7 @@ from supervisor.engine.events import (
 from supervisor.engine.process import EngineProcess
 from supervisor.watchdog import golden
 from supervisor.watchdog.remedy import WarmUp
-from tests.fake_engine import logprobs_of
+from tests.fake_tokens import logprobs_of
 from tests.test_standby_unit import SLEEP
 from tests.test_supervisor_unit import World
 

@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.fake_engine import prompt_ids
+from tests.fake_tokens import prompt_ids
 from tests.harness import wait_for
 from tests.test_continuation_proxy import Seen, comp, expected_text, metrics, run
 from tests.test_e2e_prometheus import NEEDS_STANDBY

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fake_engine import prompt_ids
+from tests.fake_tokens import prompt_ids
 from tests.harness import ROOT, wait_for
 from tests.test_continuation_proxy import expected_text, fronted, metrics  # noqa: F401
 from tests.test_proxy import url
