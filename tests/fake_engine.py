@@ -69,7 +69,8 @@ chunks, one per token, finish_reason "length" on the last, then [DONE]), and
 "return_token_ids", "stream_options" (include_usage, continuous_usage_stats). Tokens are
 deterministic: each is a function of the whole sequence before it (prompt included), so
 a continuation (prompt + delivered tokens as the prompt) yields what an uninterrupted
-answer would; a token's text is "t<id> ". A string prompt's token ids are its characters'.
+answer would; a token's text is "t<id> ". A string prompt's token ids are its characters'
+(tests/fake_tokens.py). The routes are tests/fake_engine_http.py's.
 On SIGTERM it stops accepting and lets running requests finish for --shutdown-timeout,
 as vLLM does. A client that goes away mid-stream is counted in <pidfile dir>/aborts;
 the most requests ever running at once is written to <pidfile dir>/max-running.
@@ -90,17 +91,13 @@ Stdlib only: it runs under any interpreter.
 from __future__ import annotations
 
 import argparse
-import http.server
 import json
 import os
-import select
 import signal
-import socket
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 
 def log(level: str, msg: str, tag: str = "APIServer") -> None:
@@ -123,8 +120,10 @@ def main() -> None:
         from tests import fake_preload
         fake_preload.main(sys.argv[2:])
         return
-    # (run as a script, its own folder is on the path: what vLLM 0.32-0.33 added)
-    from fake_engine_033 import SleepModeMetrics, StackDumper, watchdog_config
+    # (run as a script, its own folder is on the path: what vLLM 0.32-0.33 added, and
+    # its API server)
+    from fake_engine_033 import StackDumper, watchdog_config
+    from fake_engine_http import FakeEngine, FakeServer
 
     p = argparse.ArgumentParser()
     p.add_argument("--host", default="127.0.0.1")
@@ -215,77 +214,8 @@ def main() -> None:
         with open(pidfile, "a") as f:
             f.write(f"{os.getpid()}\n" + (f"{child_pid}\n" if child_pid else ""))
 
-    stopping = threading.Event()
-    # vLLM's development routes: only with VLLM_SERVER_DEV_MODE=1, and those --dev-routes
-    # names; each path and the method it takes
-    dev = {"/reset_prefix_cache": "POST", "/sleep": "POST", "/wake_up": "POST",
-           "/is_sleeping": "GET", "/collective_rpc": "POST"}
-    if os.environ.get("VLLM_SERVER_DEV_MODE") != "1" or a.dev_routes == "none":
-        dev = {}
-    elif a.dev_routes != "all":
-        dev = {r: m for r, m in dev.items() if r in a.dev_routes.split(",")}
-    sleep_mode = a.enable_sleep_mode and "/sleep" in dev
-    asleep = threading.Event()
-    slept_once = threading.Event()
-    wrong = threading.Event()  # a wake broke it: other tokens from then on
-    drafts_broken = threading.Event()  # a wake zeroed its draft model: nothing accepted
-    spec = [0.0, 0.0]  # speculative decoding's draft tokens, and those accepted
-    sleep_metrics = SleepModeMetrics()  # vLLM's (0.32+) count of its sleep and wake calls
-
-    def drafted(n: int) -> None:
-        """n tokens generated: 2 drafted for each, a share --spec-acceptance accepted."""
-        if a.spec_acceptance is not None:
-            with lock:
-                spec[0] += 2 * n
-                spec[1] += 0 if drafts_broken.is_set() else 2 * n * a.spec_acceptance
-    lock = threading.Lock()
-    running = [0, 0]  # now, most ever
-    streams: set[int] = set()  # the streams in flight (their threads' ids)
-    faulted: dict[int, str] = {}  # stream -> the fault it is to meet
-    dying = threading.Event()
-
-    def fault_for(me: int) -> str | None:
-        """The fault this stream meets now, if any (the fault file read once)."""
-        with lock:
-            if a.fault_file and os.path.exists(a.fault_file):
-                with open(a.fault_file) as f:
-                    kind = f.read().strip()
-                os.unlink(a.fault_file)
-                for sid in streams:
-                    faulted[sid] = kind
-                if kind == "die":
-                    threading.Thread(target=die_soon, daemon=True).start()
-            return faulted.pop(me, None)
-
-    def stall_until_gone(conn: socket.socket, limit_s: float = 120.0) -> None:
-        """Nothing more sent until the client closes the connection (or the engine
-        stops, or `limit_s`)."""
-        until = time.monotonic() + limit_s
-        while time.monotonic() < until and not stopping.is_set():
-            readable, _, _ = select.select([conn], [], [], 0.1)
-            if readable and not conn.recv(1, socket.MSG_PEEK):
-                return
-
-    def gone_within(conn: socket.socket, seconds: float) -> bool:
-        """Waits `seconds`, or less if the client closes the connection first (as vLLM
-        cancels a request whose client went away, its answer not begun): whether it did."""
-        until = time.monotonic() + seconds
-        while (left := until - time.monotonic()) > 0:
-            readable, _, _ = select.select([conn], [], [], min(left, 0.05))
-            if readable and not conn.recv(1, socket.MSG_PEEK):
-                return True
-        return False
-
-    def die_soon() -> None:
-        dying.set()
-        time.sleep(0.5)
-        exit_now()
-
-    def exit_now() -> None:
-        log("ERROR", "engine core died (fake fault)", tag="EngineCore_DP0")
-        if child_pid:
-            os.kill(child_pid, signal.SIGKILL)
-        os._exit(1)
+    engine = FakeEngine(a, child_pid, pidfile, log)  # what its handlers share
+    stopping = engine.stopping
     core = StackDumper(watchdog, log) if watchdog is not None and not child_pid else None
     if core is not None:  # no child: this process is the engine core that dumps
         threading.Thread(target=core.watch_hang, args=(a.hang_file, stopping),
@@ -321,235 +251,10 @@ def main() -> None:
     log("INFO", "Available routes are:")
     for route, methods in (("/health", "GET"), ("/metrics", "GET"), ("/v1/models", "GET"),
                            ("/v1/completions", "POST"), ("/v1/chat/completions", "POST"),
-                           *dev.items()):
+                           *engine.dev.items()):
         log("INFO", f"Route: {route}, Methods: {methods}")
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def parse_request(self) -> bool:
-            ok = super().parse_request()
-            if ok and pidfile:
-                with open(os.path.join(os.path.dirname(pidfile), "requests"), "a") as f:
-                    f.write(f"{self.command} {self.path}\n")
-            return ok
-
-        def do_GET(self) -> None:
-            code = 503 if a.never_healthy or dying.is_set() else 200
-            body = b"{}" if self.path == "/health" else b'{"fake": true}'
-            if self.path == "/v1/models":
-                body = json.dumps({"object": "list", "data": [
-                    {"id": a.served_model_name, "object": "model"}]}).encode()
-            route = self.path.partition("?")[0]
-            if route in ("/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping",
-                         "/collective_rpc"):  # (a development route: as vLLM routes it)
-                code = 404 if route not in dev else 405 if dev[route] == "POST" else 200
-                body = json.dumps({"is_sleeping": asleep.is_set()}).encode() \
-                    if code == 200 else b'{"detail": "refused"}'
-            if self.path == "/metrics":
-                body = b"# fake engine: no metrics\n"
-                if a.spec_acceptance is not None:
-                    with lock:
-                        body = ("vllm:spec_decode_num_draft_tokens_total{engine=\"0\"} "
-                                f"{spec[0]}\nvllm:spec_decode_num_accepted_tokens_total"
-                                f"{{engine=\"0\"}} {spec[1]}\n").encode()
-                if a.metrics_file:
-                    with open(a.metrics_file, "rb") as f:
-                        body = f.read()
-                series = sleep_metrics.page().encode()  # (the API server's, at the end)
-                if series:
-                    body += (b"" if body.endswith(b"\n") else b"\n") + series
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length)
-            try:
-                req = json.loads(raw or b"{}")
-            except ValueError:
-                req = {}
-            req = req if isinstance(req, dict) else {}
-            generate = self.path in ("/v1/completions", "/v1/chat/completions")
-            if generate and a.die_on_prompt and kills(req, self.path, a.die_on_prompt):
-                print("ERROR EngineCore encountered a fatal error (a request killed it)",
-                      flush=True)
-                if not a.die_answering:
-                    time.sleep(0.3)
-                    os._exit(1)
-                threading.Timer(0.3, os._exit, args=(1,)).start()
-            if generate and dying.is_set():
-                body, code = b'{"error": {"message": "EngineDeadError", "code": 500}}', 500
-            elif generate and asleep.is_set():
-                body, code = b'{"error": "the engine is asleep"}', 503
-            elif generate and req.get("model", a.served_model_name) != a.served_model_name:
-                # as vLLM answers a model it does not serve
-                body, code = json.dumps({"error": {
-                    "message": f"The model `{req['model']}` does not exist.",
-                    "type": "NotFoundError", "code": 404}}).encode(), 404
-            elif generate:
-                with lock:
-                    running[0] += 1
-                    peak = max(running[1], running[0])
-                    running[1] = peak
-                if pidfile:
-                    with open(os.path.join(os.path.dirname(pidfile), "max-running"), "w") as f:
-                        f.write(str(peak))
-                try:
-                    while a.hang_file and os.path.exists(a.hang_file) and not stopping.is_set():
-                        time.sleep(0.05)
-                    if req.get("stream"):
-                        self._stream(req, chat=self.path == "/v1/chat/completions")
-                        return
-                    if gone_within(self.connection,
-                                   a.token_delay * int(req.get("max_tokens") or 1)):
-                        if pidfile:  # (aborted: nothing answered, as vLLM does)
-                            with open(os.path.join(os.path.dirname(pidfile), "aborts"),
-                                      "a") as f:
-                                f.write("1\n")
-                        self.close_connection = True
-                        return
-                finally:
-                    with lock:
-                        running[0] -= 1
-                n = int(req.get("max_tokens") or 16)
-                drafted(n)
-                choice: dict[str, Any] = {"index": 0, "text": "x"}
-                if a.logprobs and req.get("logprobs"):
-                    choice["logprobs"] = logprobs_of(
-                        prompt_ids(req, self.path == "/v1/chat/completions"), n,
-                        self.path == "/v1/chat/completions",
-                        shift=1 if wrong.is_set() else 0)
-                body = json.dumps({"object": "text_completion", "model": a.served_model_name,
-                                   "choices": [choice],
-                                   "usage": {"prompt_tokens": 1, "completion_tokens": n,
-                                             "total_tokens": n + 1}}).encode()
-                code = 200
-            elif self.path.startswith("/sleep") and "/sleep" in dev and not sleep_mode:
-                # (vLLM without --enable-sleep-mode: the engine refuses)
-                body, code = b'{"error": "sleep mode is not enabled"}', 500
-            elif self.path == "/sleep?level=1" and sleep_mode:
-                with sleep_metrics.record("sleep"):
-                    if not slept_once.is_set():
-                        slept_once.set()
-                        time.sleep(a.first_sleep_delay)
-                    time.sleep(0.02)  # (vLLM's own sleep takes its time, too)
-                asleep.set()
-                if pidfile:
-                    with open(os.path.join(os.path.dirname(pidfile), "sleeps"), "a") as f:
-                        f.write(f"{running[0]}\n")
-                body, code = b"", 200
-            elif self.path == "/wake_up" and sleep_mode and "/wake_up" in dev:
-                fault = ""
-                if a.wake_fault_file and os.path.exists(a.wake_fault_file):
-                    with open(a.wake_fault_file) as f:
-                        fault = f.read().strip()
-                fails = a.wake_fails or fault == "fail"
-                with sleep_metrics.record("wake"):
-                    time.sleep(0.01)
-                if not fails:
-                    asleep.clear()
-                    if a.wrong_after_wake or fault == "wrong":
-                        wrong.set()
-                    if a.drafts_broken_after_wake or fault == "drafts":
-                        drafts_broken.set()
-                body, code = (b'{"error": "fake wake failure"}', 500) if fails \
-                    else (b"", 200)
-            elif self.path == "/reset_prefix_cache" and pidfile and self.path in dev:
-                with open(os.path.join(os.path.dirname(pidfile), "prefix-resets"), "a") as f:
-                    f.write("1\n")
-                body, code = b'{"success": true}', 200
-            else:
-                body, code = b'{"error": "not found"}', 404
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def _stream(self, req: dict[str, Any], chat: bool) -> None:
-            """A vLLM-shaped SSE answer, one chunk per token; the fault file honoured."""
-            me = threading.get_ident()
-            prompt = prompt_ids(req, chat)
-            tokens = int(req.get("max_tokens") or req.get("max_completion_tokens") or 16)
-            so = req.get("stream_options") or {}
-            ids = bool(req.get("return_token_ids"))
-            head: dict[str, Any] = {"id": f"{'chatcmpl' if chat else 'cmpl'}-fake{me % 100000}",
-                    "object": "chat.completion.chunk" if chat else "text_completion",
-                    "created": int(time.time()), "model": a.served_model_name}
-            time.sleep(a.answer_delay)
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("X-Fake-Engine", "1")
-            self.end_headers()
-            with lock:
-                streams.add(me)
-
-            def send(doc: dict[str, Any]) -> None:
-                self.wfile.write(f"data: {json.dumps(doc)}\n\n".encode())
-                self.wfile.flush()
-
-            try:
-                seq = list(prompt)
-                if chat:
-                    first: dict[str, Any] = {**head, "choices": [{"index": 0, "delta": {
-                        "role": "assistant", "content": ""}, "logprobs": None,
-                        "finish_reason": None}]}
-                    if ids:
-                        first["prompt_token_ids"] = prompt
-                    send(first)
-                time.sleep(a.first_token_delay)
-                for i in range(tokens):
-                    fault = fault_for(me)
-                    if fault == "cut":
-                        self.connection.shutdown(socket.SHUT_RDWR)
-                        return
-                    if fault in ("error", "die"):
-                        send({"error": {"message": "EngineCore encountered an issue. See "
-                                        "stack trace (above) for the root cause.",
-                                        "type": "InternalServerError", "code": 500}})
-                        self.wfile.write(b"data: [DONE]\n\n")
-                        return
-                    if fault == "exit":
-                        exit_now()
-                    if fault == "stall":  # alive, healthy, and no more tokens: until its
-                        stall_until_gone(self.connection)  # client goes (vLLM aborts)
-                        raise ConnectionResetError("the client went during a stall")
-                    tok = next_token(seq)
-                    seq.append(tok)
-                    drafted(1)
-                    last = i == tokens - 1
-                    choice: dict[str, Any] = {"index": 0, "logprobs": None,
-                                    "finish_reason": "length" if last else None}
-                    if chat:
-                        choice["delta"] = {"content": f"t{tok} "}
-                    else:
-                        choice.update(text=f"t{tok} ", stop_reason=None)
-                        if ids and i == 0:
-                            choice["prompt_token_ids"] = prompt
-                    if ids:
-                        choice["token_ids"] = [tok]
-                    chunk: dict[str, Any] = {**head, "choices": [choice]}
-                    if so.get("continuous_usage_stats"):
-                        chunk["usage"] = usage(len(prompt), i + 1)
-                    send(chunk)
-                    time.sleep(a.token_delay)
-                if so.get("include_usage"):
-                    send({**head, "choices": [], "usage": usage(len(prompt), tokens)})
-                self.wfile.write(b"data: [DONE]\n\n")
-                self.wfile.flush()
-            except (BrokenPipeError, ConnectionResetError):
-                if pidfile:
-                    with open(os.path.join(os.path.dirname(pidfile), "aborts"), "a") as f:
-                        f.write("1\n")
-            finally:
-                with lock:
-                    streams.discard(me)
-                    faulted.pop(me, None)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    srv = http.server.ThreadingHTTPServer((a.host, a.port), Handler)
+    srv = FakeServer(engine)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     log("INFO", f"Uvicorn running on http://{a.host}:{a.port}")
     deadline = time.monotonic() + a.crash_after if a.crash_after is not None else None
@@ -563,65 +268,12 @@ def main() -> None:
     srv.shutdown()
     srv.socket.close()  # new connections are refused from now, as vLLM's are
     drain_until = time.monotonic() + a.shutdown_timeout
-    while running[0] > 0 and time.monotonic() < drain_until:
+    while engine.running[0] > 0 and time.monotonic() < drain_until:
         time.sleep(0.02)
     if child_pid:
         os.kill(child_pid, signal.SIGTERM)
         os.waitpid(child_pid, 0)
     sys.exit(0)
-
-
-def prompt_ids(req: dict[str, Any], chat: bool) -> list[int]:
-    """A prompt's token ids: given as ids, or a string's characters (a chat's messages
-    with role markers, as a template would)."""
-    if chat:
-        text = "".join(f"<{m.get('role')}>{m.get('content')}" for m in req.get("messages") or ())
-        return [ord(c) % 1000 for c in text + "<assistant>"]
-    p = req.get("prompt", "")
-    if isinstance(p, list) and p and isinstance(p[0], list):
-        p = p[0]
-    if isinstance(p, list):
-        return [int(x) for x in p]
-    if not isinstance(p, str):
-        p = str(p)
-    return [ord(c) % 1000 for c in p]
-
-
-def kills(req: dict[str, Any], path: str, text: str) -> bool:
-    """The prompt holds `text`: as a string, or as its token ids (a continuation)."""
-    ids = prompt_ids(req, path == "/v1/chat/completions")
-    want = [ord(c) % 1000 for c in text]
-    return any(ids[i:i + len(want)] == want for i in range(len(ids) - len(want) + 1))
-
-
-def logprobs_of(prompt: list[int], n: int, chat: bool, shift: int = 0) -> dict[str, Any]:
-    """vLLM's logprobs of a greedy answer (`return_tokens_as_token_ids`), each chosen
-    token 1.0 above its runner-up; `shift` answers other tokens (a broken engine)."""
-    seq, rows = list(prompt), []
-    for _ in range(n):
-        tid = next_token(seq) + shift
-        seq.append(tid)
-        lp = -(0.1 + (tid % 7) * 0.3)
-        rows.append((f"token_id:{tid}", lp, f"token_id:{tid + 1}", lp - 1.0))
-    if chat:
-        return {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": [
-            {"token": t, "logprob": lp, "bytes": None},
-            {"token": t2, "logprob": lp2, "bytes": None}]} for t, lp, t2, lp2 in rows]}
-    return {"tokens": [r[0] for r in rows], "token_logprobs": [r[1] for r in rows],
-            "top_logprobs": [{t: lp, t2: lp2} for t, lp, t2, lp2 in rows],
-            "text_offset": list(range(n))}
-
-
-def next_token(seq: list[int]) -> int:
-    """Deterministic in the whole sequence before it."""
-    a = seq[-1] if seq else 0
-    b = seq[-2] if len(seq) > 1 else 0
-    return (31 * a + 7 * b + 13 * len(seq)) % 997 + 3
-
-
-def usage(prompt: int, completion: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,352 @@
+"""The fake engine's API server (tests/fake_engine.py sets it going): its routes, as
+vLLM's answer them, and what they share (`FakeEngine`): the development routes served,
+sleep and wake, speculative decoding's counters, the requests and streams in flight and
+the faults they are to meet. tests/fake_engine.py's docstring tells what each flag does.
+Imported by the fake engine run as a script (its own folder on the path). Stdlib only:
+it runs under any interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import json
+import os
+import select
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+from fake_engine_033 import SleepModeMetrics
+from fake_tokens import kills, logprobs_of, next_token, prompt_ids, usage
+
+
+class FakeEngine:
+    """The state the fake engine's handler threads share, and the faults they meet."""
+
+    def __init__(self, a: argparse.Namespace, child_pid: int | None, pidfile: str | None,
+                 log: Callable[..., None]) -> None:
+        self.a, self.child_pid, self.pidfile, self.log = a, child_pid, pidfile, log
+        self.stopping = threading.Event()
+        # vLLM's development routes: only with VLLM_SERVER_DEV_MODE=1, and those
+        # --dev-routes names; each path and the method it takes
+        dev = {"/reset_prefix_cache": "POST", "/sleep": "POST", "/wake_up": "POST",
+               "/is_sleeping": "GET", "/collective_rpc": "POST"}
+        if os.environ.get("VLLM_SERVER_DEV_MODE") != "1" or a.dev_routes == "none":
+            dev = {}
+        elif a.dev_routes != "all":
+            dev = {r: m for r, m in dev.items() if r in a.dev_routes.split(",")}
+        self.dev = dev
+        self.sleep_mode = a.enable_sleep_mode and "/sleep" in dev
+        self.asleep = threading.Event()
+        self.slept_once = threading.Event()
+        self.wrong = threading.Event()  # a wake broke it: other tokens from then on
+        self.drafts_broken = threading.Event()  # a wake zeroed its draft model
+        self.spec = [0.0, 0.0]  # speculative decoding's draft tokens, and those accepted
+        self.sleep_metrics = SleepModeMetrics()  # vLLM's (0.32+) count of sleeps, wakes
+        self.lock = threading.Lock()
+        self.running = [0, 0]  # now, most ever
+        self.streams: set[int] = set()  # the streams in flight (their threads' ids)
+        self.faulted: dict[int, str] = {}  # stream -> the fault it is to meet
+        self.dying = threading.Event()
+
+    def drafted(self, n: int) -> None:
+        """n tokens generated: 2 drafted for each, a share --spec-acceptance accepted."""
+        a = self.a
+        if a.spec_acceptance is not None:
+            with self.lock:
+                self.spec[0] += 2 * n
+                self.spec[1] += 0 if self.drafts_broken.is_set() else 2 * n * a.spec_acceptance
+
+    def fault_for(self, me: int) -> str | None:
+        """The fault this stream meets now, if any (the fault file read once)."""
+        a = self.a
+        with self.lock:
+            if a.fault_file and os.path.exists(a.fault_file):
+                with open(a.fault_file) as f:
+                    kind = f.read().strip()
+                os.unlink(a.fault_file)
+                for sid in self.streams:
+                    self.faulted[sid] = kind
+                if kind == "die":
+                    threading.Thread(target=self.die_soon, daemon=True).start()
+            return self.faulted.pop(me, None)
+
+    def stall_until_gone(self, conn: socket.socket, limit_s: float = 120.0) -> None:
+        """Nothing more sent until the client closes the connection (or the engine
+        stops, or `limit_s`)."""
+        until = time.monotonic() + limit_s
+        while time.monotonic() < until and not self.stopping.is_set():
+            readable, _, _ = select.select([conn], [], [], 0.1)
+            if readable and not conn.recv(1, socket.MSG_PEEK):
+                return
+
+    @staticmethod
+    def gone_within(conn: socket.socket, seconds: float) -> bool:
+        """Waits `seconds`, or less if the client closes the connection first (as vLLM
+        cancels a request whose client went away, its answer not begun): whether it did."""
+        until = time.monotonic() + seconds
+        while (left := until - time.monotonic()) > 0:
+            readable, _, _ = select.select([conn], [], [], min(left, 0.05))
+            if readable and not conn.recv(1, socket.MSG_PEEK):
+                return True
+        return False
+
+    def die_soon(self) -> None:
+        self.dying.set()
+        time.sleep(0.5)
+        self.exit_now()
+
+    def exit_now(self) -> None:
+        self.log("ERROR", "engine core died (fake fault)", tag="EngineCore_DP0")
+        if self.child_pid:
+            os.kill(self.child_pid, signal.SIGKILL)
+        os._exit(1)
+
+
+class FakeServer(http.server.ThreadingHTTPServer):
+    """The engine's API server on --host/--port: each request a thread of `Handler`,
+    all of them sharing `engine`."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+        super().__init__((engine.a.host, engine.a.port), Handler)
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    """vLLM's routes, as the fake engine answers them."""
+
+    @property
+    def engine(self) -> FakeEngine:
+        return cast(FakeServer, self.server).engine
+
+    def parse_request(self) -> bool:
+        e = self.engine
+        ok = super().parse_request()
+        if ok and e.pidfile:
+            with open(os.path.join(os.path.dirname(e.pidfile), "requests"), "a") as f:
+                f.write(f"{self.command} {self.path}\n")
+        return ok
+
+    def do_GET(self) -> None:
+        e = self.engine
+        code = 503 if e.a.never_healthy or e.dying.is_set() else 200
+        body = b"{}" if self.path == "/health" else b'{"fake": true}'
+        if self.path == "/v1/models":
+            body = json.dumps({"object": "list", "data": [
+                {"id": e.a.served_model_name, "object": "model"}]}).encode()
+        route = self.path.partition("?")[0]
+        if route in ("/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping",
+                     "/collective_rpc"):  # (a development route: as vLLM routes it)
+            code = 404 if route not in e.dev else 405 if e.dev[route] == "POST" else 200
+            body = json.dumps({"is_sleeping": e.asleep.is_set()}).encode() \
+                if code == 200 else b'{"detail": "refused"}'
+        if self.path == "/metrics":
+            body = b"# fake engine: no metrics\n"
+            if e.a.spec_acceptance is not None:
+                with e.lock:
+                    body = ("vllm:spec_decode_num_draft_tokens_total{engine=\"0\"} "
+                            f"{e.spec[0]}\nvllm:spec_decode_num_accepted_tokens_total"
+                            f"{{engine=\"0\"}} {e.spec[1]}\n").encode()
+            if e.a.metrics_file:
+                with open(e.a.metrics_file, "rb") as f:
+                    body = f.read()
+            series = e.sleep_metrics.page().encode()  # (the API server's, at the end)
+            if series:
+                body += (b"" if body.endswith(b"\n") else b"\n") + series
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        e = self.engine
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length)
+        try:
+            req = json.loads(raw or b"{}")
+        except ValueError:
+            req = {}
+        req = req if isinstance(req, dict) else {}
+        generate = self.path in ("/v1/completions", "/v1/chat/completions")
+        if generate and e.a.die_on_prompt and kills(req, self.path, e.a.die_on_prompt):
+            print("ERROR EngineCore encountered a fatal error (a request killed it)",
+                  flush=True)
+            if not e.a.die_answering:
+                time.sleep(0.3)
+                os._exit(1)
+            threading.Timer(0.3, os._exit, args=(1,)).start()
+        if generate and e.dying.is_set():
+            body, code = b'{"error": {"message": "EngineDeadError", "code": 500}}', 500
+        elif generate and e.asleep.is_set():
+            body, code = b'{"error": "the engine is asleep"}', 503
+        elif generate and req.get("model", e.a.served_model_name) != e.a.served_model_name:
+            # as vLLM answers a model it does not serve
+            body, code = json.dumps({"error": {
+                "message": f"The model `{req['model']}` does not exist.",
+                "type": "NotFoundError", "code": 404}}).encode(), 404
+        elif generate:
+            with e.lock:
+                e.running[0] += 1
+                peak = max(e.running[1], e.running[0])
+                e.running[1] = peak
+            if e.pidfile:
+                with open(os.path.join(os.path.dirname(e.pidfile), "max-running"), "w") as f:
+                    f.write(str(peak))
+            try:
+                while e.a.hang_file and os.path.exists(e.a.hang_file) and not e.stopping.is_set():
+                    time.sleep(0.05)
+                if req.get("stream"):
+                    self._stream(req, chat=self.path == "/v1/chat/completions")
+                    return
+                if e.gone_within(self.connection,
+                               e.a.token_delay * int(req.get("max_tokens") or 1)):
+                    if e.pidfile:  # (aborted: nothing answered, as vLLM does)
+                        with open(os.path.join(os.path.dirname(e.pidfile), "aborts"),
+                                  "a") as f:
+                            f.write("1\n")
+                    self.close_connection = True
+                    return
+            finally:
+                with e.lock:
+                    e.running[0] -= 1
+            n = int(req.get("max_tokens") or 16)
+            e.drafted(n)
+            choice: dict[str, Any] = {"index": 0, "text": "x"}
+            if e.a.logprobs and req.get("logprobs"):
+                choice["logprobs"] = logprobs_of(
+                    prompt_ids(req, self.path == "/v1/chat/completions"), n,
+                    self.path == "/v1/chat/completions",
+                    shift=1 if e.wrong.is_set() else 0)
+            body = json.dumps({"object": "text_completion", "model": e.a.served_model_name,
+                               "choices": [choice],
+                               "usage": {"prompt_tokens": 1, "completion_tokens": n,
+                                         "total_tokens": n + 1}}).encode()
+            code = 200
+        elif self.path.startswith("/sleep") and "/sleep" in e.dev and not e.sleep_mode:
+            # (vLLM without --enable-sleep-mode: the engine refuses)
+            body, code = b'{"error": "sleep mode is not enabled"}', 500
+        elif self.path == "/sleep?level=1" and e.sleep_mode:
+            with e.sleep_metrics.record("sleep"):
+                if not e.slept_once.is_set():
+                    e.slept_once.set()
+                    time.sleep(e.a.first_sleep_delay)
+                time.sleep(0.02)  # (vLLM's own sleep takes its time, too)
+            e.asleep.set()
+            if e.pidfile:
+                with open(os.path.join(os.path.dirname(e.pidfile), "sleeps"), "a") as f:
+                    f.write(f"{e.running[0]}\n")
+            body, code = b"", 200
+        elif self.path == "/wake_up" and e.sleep_mode and "/wake_up" in e.dev:
+            fault = ""
+            if e.a.wake_fault_file and os.path.exists(e.a.wake_fault_file):
+                with open(e.a.wake_fault_file) as f:
+                    fault = f.read().strip()
+            fails = e.a.wake_fails or fault == "fail"
+            with e.sleep_metrics.record("wake"):
+                time.sleep(0.01)
+            if not fails:
+                e.asleep.clear()
+                if e.a.wrong_after_wake or fault == "wrong":
+                    e.wrong.set()
+                if e.a.drafts_broken_after_wake or fault == "drafts":
+                    e.drafts_broken.set()
+            body, code = (b'{"error": "fake wake failure"}', 500) if fails \
+                else (b"", 200)
+        elif self.path == "/reset_prefix_cache" and e.pidfile and self.path in e.dev:
+            with open(os.path.join(os.path.dirname(e.pidfile), "prefix-resets"), "a") as f:
+                f.write("1\n")
+            body, code = b'{"success": true}', 200
+        else:
+            body, code = b'{"error": "not found"}', 404
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _stream(self, req: dict[str, Any], chat: bool) -> None:
+        """A vLLM-shaped SSE answer, one chunk per token; the fault file honoured."""
+        e = self.engine
+        me = threading.get_ident()
+        prompt = prompt_ids(req, chat)
+        tokens = int(req.get("max_tokens") or req.get("max_completion_tokens") or 16)
+        so = req.get("stream_options") or {}
+        ids = bool(req.get("return_token_ids"))
+        head: dict[str, Any] = {"id": f"{'chatcmpl' if chat else 'cmpl'}-fake{me % 100000}",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": e.a.served_model_name}
+        time.sleep(e.a.answer_delay)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("X-Fake-Engine", "1")
+        self.end_headers()
+        with e.lock:
+            e.streams.add(me)
+
+        def send(doc: dict[str, Any]) -> None:
+            self.wfile.write(f"data: {json.dumps(doc)}\n\n".encode())
+            self.wfile.flush()
+
+        try:
+            seq = list(prompt)
+            if chat:
+                first: dict[str, Any] = {**head, "choices": [{"index": 0, "delta": {
+                    "role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None}]}
+                if ids:
+                    first["prompt_token_ids"] = prompt
+                send(first)
+            time.sleep(e.a.first_token_delay)
+            for i in range(tokens):
+                fault = e.fault_for(me)
+                if fault == "cut":
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if fault in ("error", "die"):
+                    send({"error": {"message": "EngineCore encountered an issue. See "
+                                    "stack trace (above) for the root cause.",
+                                    "type": "InternalServerError", "code": 500}})
+                    self.wfile.write(b"data: [DONE]\n\n")
+                    return
+                if fault == "exit":
+                    e.exit_now()
+                if fault == "stall":  # alive, healthy, and no more tokens: until its
+                    e.stall_until_gone(self.connection)  # client goes (vLLM aborts)
+                    raise ConnectionResetError("the client went during a stall")
+                tok = next_token(seq)
+                seq.append(tok)
+                e.drafted(1)
+                last = i == tokens - 1
+                choice: dict[str, Any] = {"index": 0, "logprobs": None,
+                                "finish_reason": "length" if last else None}
+                if chat:
+                    choice["delta"] = {"content": f"t{tok} "}
+                else:
+                    choice.update(text=f"t{tok} ", stop_reason=None)
+                    if ids and i == 0:
+                        choice["prompt_token_ids"] = prompt
+                if ids:
+                    choice["token_ids"] = [tok]
+                chunk: dict[str, Any] = {**head, "choices": [choice]}
+                if so.get("continuous_usage_stats"):
+                    chunk["usage"] = usage(len(prompt), i + 1)
+                send(chunk)
+                time.sleep(e.a.token_delay)
+            if so.get("include_usage"):
+                send({**head, "choices": [], "usage": usage(len(prompt), tokens)})
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            if e.pidfile:
+                with open(os.path.join(os.path.dirname(e.pidfile), "aborts"), "a") as f:
+                    f.write("1\n")
+        finally:
+            with e.lock:
+                e.streams.discard(me)
+                e.faulted.pop(me, None)
+
+    def log_message(self, *args: object) -> None:
+        pass
