@@ -120,8 +120,12 @@ def main() -> None:
         from tests import fake_preload
         fake_preload.main(sys.argv[2:])
         return
-    # (run as a script, its own folder is on the path: what vLLM 0.32-0.33 added, and
-    # its API server)
+    # what vLLM 0.32-0.33 added, and its API server, beside this file (on the path when
+    # run as a script; put there too when run otherwise, as bench/host_cost_bench.py's
+    # runpy does)
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
     from fake_engine_033 import StackDumper, watchdog_config
     from fake_engine_http import FakeEngine, FakeServer
 

@@ -189,7 +189,8 @@ vllm:gpu_prefix_cache_hit_rate{engine="0",} 0.25
     "vllm-0.32-cpu-metrics/after-load.txt", "vllm-0.32-cpu-metrics/spec-decode-ngram.txt",
     "vllm-0.32-cpu-metrics/after-sleep-wake.txt",
     "vllm-0.26-h100-metrics/idle.txt", "vllm-0.33-constructed/after-warm-up.txt",
-    "vllm-0.33-constructed/after-kv-reset.txt", "old names"])
+    "vllm-0.33-constructed/after-kv-reset.txt", "vllm-0.33-h100/after-one-request.txt",
+    "vllm-0.33-h100/weight-cache-after-one-request.txt", "old names"])
 def test_the_line_reader_reads_what_prometheus_clients_parser_reads(page, monkeypatch):
     from supervisor.watchdog import metrics
 
