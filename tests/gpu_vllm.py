@@ -91,6 +91,7 @@ MODEL = os.environ.get("MODEL", str(Path.home() / "m8b" if SHAPE == "8b" else ST
 if os.environ.get("WEIGHT_CACHE") == "1" and "MODEL" not in os.environ:
     MODEL = str(Path.home() / "ckpt8b")  # real bytes to load (tests/gpu_v033.py ckpt)
 WEIGHT_CACHE = os.environ.get("WEIGHT_CACHE") == "1"  # `start`: the engine on a weight cache
+# RUST_FE=1: `start` runs the engines with VLLM_USE_RUST_FRONTEND=1 (vLLM 0.33)
 HANG_EXT = os.environ.get("HANG_EXT") == "1"  # `start` adds the worker method `hang-rpc` uses
 PROXY = "127.0.0.1:8000"
 EXPORTER = "127.0.0.1:9402"
@@ -290,6 +291,8 @@ def phase_start(standby: str | None = None, share: str | None = None,
         standby = "none"
         demo["engine"]["weight_cache"] = True
     env = {"PYTHONPATH": VLLM_SITE, "VLLM_SERVER_DEV_MODE": "1"}
+    if os.environ.get("RUST_FE") == "1":  # vLLM 0.33's Rust API server in front (issue 36)
+        env["VLLM_USE_RUST_FRONTEND"] = "1"
     if HANG_EXT:  # `hang-rpc`: a worker method that blocks the core's loop (it runs there)
         ext = WORK / "ext"
         ext.mkdir(parents=True, exist_ok=True)
