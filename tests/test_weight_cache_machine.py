@@ -118,17 +118,11 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(ok=st.booleans(), data=st.data())
     def a_spawn_ends(self, ok: bool, data: st.DataObject) -> None:
         gen = data.draw(st.sampled_from(sorted(self.pending)))
-        d = self.pending.pop(gen)
         if not ok:
+            self.pending.pop(gen)
             self.feed(Spawned(gen, None, "no such file"))
             return
-        self.w.next_pid += 1
-        p = EngineProcess(generation=gen, proc=None,  # type: ignore[arg-type]
-                          pid=self.w.next_pid, started_at=self.w.now, spec=d["spec"],
-                          config=d["cfg"], recent_errors=deque(maxlen=20),
-                          known=[ProcInfo(self.w.next_pid, 1.0)], bay=d["bay"])
-        self.live[gen] = p
-        self.feed(Spawned(gen, p))
+        self._spawned(gen)
 
     @precondition(lambda self: any(p.healthy_at is None and g not in self.downs
                                    for g, p in self.live.items()))
