@@ -15,13 +15,15 @@ The others take POST only, and a GET on them is refused before any handler runs:
 (Method Not Allowed) where the path is routed, 404 where it is not. Both of vLLM's front
 ends answer so: the Python one (Starlette's router: a path matched with another method
 is a 405) and the Rust one (axum's `MethodRouter` answers 405 for a method it lacks on a
-routed path, and the router 404 for an unrouted one). The route table that vLLM's Python
-server logs at start (`Available routes are:`, summarised by `engine/process.py`) was
-the other way: the Rust server prints no such table (the 0.33.0 `vllm-rs` binary has
-neither that text nor `Route:`), and a log says what was registered, not what answers
-on the port. Any answer but those (a timeout, a 5xx, a 401) is no verdict: the route is
-unknown, and the daemon goes by the configuration for it as before (the remedy's first
-use finds out), rather than turning a remedy off for one slow answer.
+routed path, and the router 404 for an unrouted one; seen on an H100 with vLLM 0.33,
+where this probe found all four behind either front end: docs/gpu-validation.md). The
+route table that vLLM's Python server logs at start (`Available routes are:`, summarised
+by `engine/process.py`) was the other way: the Rust server prints no such table (the
+0.33.0 `vllm-rs` binary has neither that text nor `Route:`), and a log says what was
+registered, not what answers on the port. Any answer but those (a timeout, a 5xx, a 401)
+is no verdict: the route is unknown, and the daemon goes by the configuration for it as
+before (the remedy's first use finds out), rather than turning a remedy off for one slow
+answer.
 """
 
 from __future__ import annotations
