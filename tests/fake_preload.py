@@ -40,6 +40,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from supervisor.watchdog.relaunch import arg_value  # (the repo root is on the path: fake_engine.py)
+
 TENSORS = 291  # (Llama-3.1-8B's parameter count, as vLLM would map them)
 
 
@@ -189,18 +191,9 @@ def _serve_health(host: str, port: int, healthy: Callable[[], bool]) -> None:
 
 # ---- the engine's side: `--load-format ipc_cache` --------------------------------------
 
-def _flag(argv: list[str], name: str) -> str | None:
-    value = None
-    for i, x in enumerate(argv):
-        if x == name and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif x.startswith(name + "="):
-            value = x.split("=", 1)[1]
-    return value
-
 
 def model_of(argv: list[str]) -> str:
-    model = _flag(argv, "--model")
+    model = arg_value(argv, "--model")
     if model is None and "serve" in argv and argv.index("serve") + 1 < len(argv):
         model = argv[argv.index("serve") + 1]
     return model or "fake"
@@ -213,9 +206,9 @@ class _Mismatch(Exception):
 def map_weights(argv: list[str], log: Callable[..., None]) -> str:
     """Where the engine's weights come from: "cache" (mapped from the weight cache) or
     "disk"; exits 1 when the cache is asked for without a fallback and does not answer."""
-    if _flag(argv, "--load-format") != "ipc_cache":
+    if arg_value(argv, "--load-format") != "ipc_cache":
         return "disk"
-    extra = json.loads(_flag(argv, "--model-loader-extra-config") or "{}")
+    extra = json.loads(arg_value(argv, "--model-loader-extra-config") or "{}")
     path = os.path.join(extra.get("socket_dir", ""), socket_name(0))
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
