@@ -84,6 +84,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, d
     # speculative decoding (n-gram drafts: no draft model to build), so that the golden
     # check compares the share of drafts accepted across the restart below too
     cfg["engine"]["args"] += ["--speculative-config", NGRAM]
+    # (an answer long enough to draft more than golden.MIN_DRAFT_TOKENS: the tiny model's
+    # greedy answer repeats, and n-gram drafts then land)
+    cfg["canary"] = {"golden_tokens": 32}
     # the proxy on (these tests still talk to the engine's own port): every start is then
     # proven before it serves, the golden check with it
     cfg["proxy"] = {"enabled": True, "listen": f"127.0.0.1:{free_port()}"}

@@ -42,6 +42,10 @@ TOP = 2  # log-probabilities asked per position: the chosen token's and its runn
 # the share of its baseline's speculative acceptance an engine may lose: greedy answers
 # of one request draft alike, but a bf16 kernel's tie can change a draft or two of ~16
 ACCEPTANCE_DROP = 0.5
+# fewer draft tokens than this in one check tell nothing of the drafts' health: a short
+# answer drafts once or twice, and whether those land is chance (the CPU engine's eight
+# tokens drafted 2-4 and accepted none once, where a restart accepted half)
+MIN_DRAFT_TOKENS = 12
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,8 @@ async def fetch(client: httpx.AsyncClient, base_url: str, model: str, prompt: st
                 max_tokens: int, timeout_s: float, drafts: bool = False) -> Golden | str:
     """The engine's greedy answers to `prompt` on both routes, or why there are none
     (an error, or no log-probabilities); with `drafts`, the share of draft tokens it
-    accepted meanwhile, from its /metrics before and after. Raises OutOfDescriptors when
+    accepted meanwhile, from its /metrics before and after (None where it drafted fewer
+    than MIN_DRAFT_TOKENS). Raises OutOfDescriptors when
     the daemon could not ask."""
     # (ignore_eos: always `max_tokens` tokens to compare, and drafts to count, where a
     # model would stop at once)
@@ -171,7 +176,8 @@ async def fetch(client: httpx.AsyncClient, base_url: str, model: str, prompt: st
         return "no log-probabilities in either answer"
     after = await _drafts(client, base_url, timeout_s) if before is not None else None
     acceptance = None
-    if before is not None and after is not None and after[0] > before[0]:
+    if before is not None and after is not None \
+            and after[0] - before[0] >= MIN_DRAFT_TOKENS:
         # (the engine answered nothing else meanwhile: a proof runs before it serves)
         acceptance = (after[1] - before[1]) / (after[0] - before[0])
     return Golden(got[0], got[1], acceptance)
