@@ -313,6 +313,11 @@ class ProxyConfig:
     deadlines: dict[str, Deadline] = dataclasses.field(
         default_factory=dict, metadata={"table": build_deadlines})
     keepalive_s: float = spec(10.0, lo=0.5, hi=300)  # blank keep-alive lines while it waits
+    # processes carrying the client connections (docs/proxy.md, "A data plane over several
+    # processes"); 0: one per four cores, at most 8 (1 on a small host). Each decision
+    # stays the daemon's, so every limit and hold is the host's whatever worker a client
+    # reached; raise it when the daemon's CPU nears a core under load
+    workers: int = spec(0, lo=0, hi=64)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,6 +50,7 @@ from supervisor.ops.audit import AuditTrail
 from supervisor.ops.exporter import Exporter, parse_listen
 from supervisor.ops.exposition import ExporterView, ProxyView
 from supervisor.ops.sdnotify import Notifier
+from supervisor.plane.pool import WorkerPool, cpus, workers_for
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
 
 log = structlog.get_logger("supervisor")
@@ -119,7 +120,7 @@ class Host:
         self.stopping = False
         self.exit_code = 0
         self.started_at = self.clock.monotonic()
-        self.proxy: FrontProxy | None = None
+        self.proxy: FrontProxy | WorkerPool | None = None
         self.registrar: Registrar | None = None  # [fleet] routers, once the sockets listen
         self._settled: dict[str, str] = {}  # engine -> why it counts as settled
         self._statuses: dict[str, str] = {}
@@ -139,7 +140,7 @@ class Host:
             # Handlers only enqueue: no logging, no state, nothing that can block.
             loop.add_signal_handler(sig, self.queue.put_nowait, SignalReceived(sig))
         if self.config.proxy.enabled:  # (built before the units: they reach it; listens below)
-            self.proxy = FrontProxy(self.proxy_settings())
+            self.proxy = self._front_door()
         for name in self.config.engines:
             self._make_unit(name, self.config)
         try:
@@ -192,6 +193,14 @@ class Host:
         self._jobs.launch(coro, what)
 
     # ---- units ------------------------------------------------------------------------
+
+    def _front_door(self) -> FrontProxy | WorkerPool:
+        """The proxy in this process, or over `proxy.workers` processes (docs/proxy.md)."""
+        workers = self.config.proxy.workers or workers_for(cpus())
+        if workers == 1:
+            return FrontProxy(self.proxy_settings())
+        return WorkerPool(self.proxy_settings(), workers, self.config.log.level,
+                          self.config.log.format)
 
     def _make_unit(self, name: str, cfg: Config) -> EngineUnit:
         lister, sampler = self.gpu_for(cfg.engines[name])
@@ -364,6 +373,8 @@ class Host:
         one is stuck); the proxy's shared counters are added here."""
         names = self.live() or list(self.units)[:1]
         views = await asyncio.gather(*(self.units[n].view() for n in names))
+        if isinstance(self.proxy, WorkerPool):
+            await self.proxy.refresh()  # (the workers' counters, as of this scrape)
         shared = self._proxy_counters(views)
         fleet = self.registrar.registered() if self.registrar is not None else None
         if not self.config.several:

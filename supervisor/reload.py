@@ -56,6 +56,7 @@ WHEN: tuple[tuple[str, str], ...] = (
     # the listening sockets, and the limits their HTTP parser was built with
     ("proxy.enabled", DAEMON_RESTART),
     ("proxy.listen", DAEMON_RESTART),
+    ("proxy.workers", DAEMON_RESTART),
     ("proxy.max_body_bytes", DAEMON_RESTART),
     ("proxy.max_header_bytes", DAEMON_RESTART),
     ("proxy.max_connections", DAEMON_RESTART),

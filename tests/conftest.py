@@ -6,11 +6,30 @@ from typing import Any
 
 import pytest
 
-from tests.harness import Daemon
+from tests.harness import PROXY_WORKERS, Daemon
+
+# the modules whose daemons run their front door over one process and over two
+# (`proxy.workers`): every promise of the proxy must hold whichever worker a client reached
+TWO_WORKERS = ("test_proxy", "test_continuation_proxy", "test_fleet")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if metafunc.module.__name__.rsplit(".", 1)[-1] in TWO_WORKERS \
+            and "proxy_workers" in metafunc.fixturenames:
+        metafunc.parametrize("proxy_workers", [1, 2], ids=["1-worker", "2-workers"],
+                             indirect=True)
 
 
 @pytest.fixture
-def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+def proxy_workers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The proxy workers of the daemons this test starts (1 unless parametrized)."""
+    n = int(getattr(request, "param", 1))
+    monkeypatch.setenv(PROXY_WORKERS, str(n))
+    return n
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path, proxy_workers: int) -> Iterator[Callable[..., Daemon]]:
     started: list[Daemon] = []
 
     def start(sections: dict[str, dict[str, Any]], env: dict[str, str] | None = None,

@@ -123,12 +123,22 @@ def fake_engine_config(tmp: Path, *fake_args: str, port: int | None = None,
     return sections
 
 
+# the proxy workers of each daemon a test starts with its proxy on, unless it says (1)
+PROXY_WORKERS = "VS_TEST_PROXY_WORKERS"
+
+
 class Daemon:
     """A running `vllm-supervisor run` with helpers; always cleaned up by pid/group."""
 
     def __init__(self, tmp: Path, sections: dict[str, dict[str, Any]],
                  env: dict[str, str] | None = None) -> None:
         self.tmp = tmp
+        workers = os.environ.get(PROXY_WORKERS, "1")
+        proxy = sections.get("proxy", {})
+        if proxy.get("enabled") and "workers" not in proxy:
+            # the front door over that many processes (tests/conftest.py's
+            # `proxy_workers`); one unless a test asks, whatever cores the machine has
+            sections = {**sections, "proxy": {**proxy, "workers": int(workers)}}
         self.sections = sections
         self.config = write_config(tmp / "config.toml", sections)
         self.socket = str(Path(sections["daemon"]["runtime_dir"]) / "control.sock")

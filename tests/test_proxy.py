@@ -433,6 +433,7 @@ def test_reload_says_when_each_key_applies_and_the_proxy_follows_a_new_engine_po
     # request through the proxy got 503 because the proxy still targeted the old port
     cfg = proxy_config(tmp_path)
     d = daemon_factory(cfg)
+    cfg = d.sections  # (as written: with the proxy workers tests/conftest.py chose)
     d.wait_state("RUNNING")
     wait_for(lambda: d.status()["admission"]["held"] is None, 10, "the gate to open")
     old_port, new_port = cfg["engine"]["port"], free_port()

@@ -33,7 +33,7 @@ class Front(Protocol):
     def follow_engine(self, name: str, upstream: str, models: tuple[str, ...],
                       models_open: bool = False) -> None: ...
 
-    def pause_streams(self, engine: str) -> int: ...
+    def pause_streams(self, engine: str) -> int | None: ...
 
     def in_flight_at(self, engine: str, generation: int) -> int: ...
 
@@ -101,9 +101,9 @@ class Effects(Protocol):
     def follow(self, engine: EngineProcess) -> None:
         """The proxy's route for this engine goes to `engine`'s address and models."""
 
-    def pause_streams(self, engine: EngineProcess) -> int:
+    def pause_streams(self, engine: EngineProcess) -> int | None:
         """A drained restart: the continuable streams at `engine` leave it now, to go on
-        on the next engine. How many."""
+        on the next engine. How many (None: each proxy worker logs its own count)."""
 
     def kill_now(self, engine: EngineProcess) -> None:
         """SIGKILL the engine's group at once (the unit itself is failing)."""

@@ -163,7 +163,7 @@ class JobEffects:
             c = engine.config
             self.front.follow_engine(self.name, c.base_url, c.served_models(), c.models_open)
 
-    def pause_streams(self, engine: eng.EngineProcess) -> int:
+    def pause_streams(self, engine: eng.EngineProcess) -> int | None:
         return self.front.pause_streams(self.name) if self.front is not None else 0
 
     def kill_now(self, engine: eng.EngineProcess) -> None:

@@ -195,23 +195,34 @@ class Gate:
 
     # ---- the proxy's side -----------------------------------------------------------
 
+    def admit_now(self, tokens: int, refusable: bool = False) -> Ticket | None:
+        """`acquire` when it need not wait: a slot now, a Rejected raised, or None (the
+        request would wait)."""
+        if self.closed_reason is not None:
+            raise Rejected("engine_down", self.closed_reason)
+        if refusable and self._unhealthy is not None:
+            raise _unavailable(self._unhealthy, 0.0, False)
+        tokens = self._counted(tokens)
+        if not self._waiters and self._fits(tokens):
+            self._admit(tokens)
+            return Ticket(tokens, 0.0, held=False)
+        return None
+
+    def _counted(self, tokens: int) -> int:
+        # a request over the whole token budget runs alone (`_fits`); it counts as the
+        # whole budget, not more (the proxy first bounds its estimate by the engine's
+        # max_model_len where known: `dispatch.Backend.budget`)
+        limit = self.token_limit
+        return limit if limit and tokens > limit else tokens
+
     async def acquire(self, tokens: int, refusable: bool = False) -> Ticket:
         """Wait (bounded) for a slot; raises Rejected. A `refusable` request (in a fleet,
         one no engine has died with) is refused while the engine is unhealthy, and when it
         turns unhealthy while the request waits, for the router to send it elsewhere."""
         t0 = self.clock()
-        if self.closed_reason is not None:
-            raise Rejected("engine_down", self.closed_reason)
-        # a request over the whole token budget runs alone (`_fits`); it counts as the
-        # whole budget, not more (the proxy first bounds its estimate by the engine's
-        # max_model_len where known: `dispatch.Backend.budget`)
-        if (limit := self.token_limit) and tokens > limit:
-            tokens = limit
-        if refusable and self._unhealthy is not None:
-            raise _unavailable(self._unhealthy, 0.0, False)
-        if not self._waiters and self._fits(tokens):
-            self._admit(tokens)
-            return Ticket(tokens, 0.0, held=False)
+        if (now := self.admit_now(tokens, refusable)) is not None:
+            return now
+        tokens = self._counted(tokens)
         if len(self._waiters) >= self.limits.queue_max:
             raise Rejected("queue_full", f"the hold queue is full ({self.limits.queue_max} "
                                          f"requests waiting)")

@@ -41,6 +41,7 @@ import dataclasses
 import json
 import math
 import re
+import socket
 import time
 from collections.abc import Callable
 
@@ -105,7 +106,8 @@ class FrontProxy:
     with a gate, it has one engine named `name` at `settings.upstream` at once."""
 
     def __init__(self, settings: ProxySettings, gate: Gate | None = None,
-                 ready: Callable[[], bool] | None = None, name: str = "default") -> None:
+                 ready: Callable[[], bool] | None = None, name: str = "default",
+                 lanes: quarantine.Quarantine | None = None) -> None:
         self.s = settings
         self.stats = ProxyStats()
         self.latency = ClientLatency(settings.models)
@@ -118,8 +120,10 @@ class FrontProxy:
         self._server: Server | None = None
         self._upstream: Upstream | None = None
         # the streams it can continue: relayed, paused, continued
-        self.lanes = quarantine.Quarantine()  # requests that kill their engine
+        # requests that kill their engine (a worker's: the daemon's lanes)
+        self.lanes = lanes if lanes is not None else quarantine.Quarantine()
         self.streams = StreamRelay(settings, self.stats, self.latency, self.lanes)
+        self.worker: int | None = None  # its index, as one of several processes
 
     def add_engine(self, backend: Backend) -> None:
         """An engine to route to, after those there are (a reload adds one)."""
@@ -142,8 +146,9 @@ class FrontProxy:
         """Every engine's models can be answered now: by the engine, or its fallback."""
         return readiness.ready(self.backends)
 
-    async def start(self) -> None:
-        """Listen; raises ProxyError naming the address when it cannot."""
+    async def start(self, sock: socket.socket | None = None) -> None:
+        """Listen (on `sock`, a worker's, when given); raises ProxyError naming the
+        address when it cannot."""
         # every request to the one handler, which reads the target itself
         s = self.s
         limits = Limits(max_line=s.max_header_bytes, max_field=s.max_header_bytes,
@@ -158,7 +163,7 @@ class FrontProxy:
                         descriptors=descriptors.soft_limit())
         server = Server(self._handle, limits, refused=self._refused)
         try:
-            await server.listen(self.s.listen_host, self.s.listen_port)
+            await server.listen(self.s.listen_host, self.s.listen_port, sock)
         except OSError as exc:
             raise ProxyError(f"proxy cannot listen on {self.s.listen_host}:"
                              f"{self.s.listen_port}: {exc}") from exc
@@ -446,6 +451,8 @@ class FrontProxy:
             fields["held_s"] = round(ex.held_s, 3)
         if ex.queued_s > 0:
             fields["queued_s"] = round(ex.queued_s, 3)
+        if self.worker is not None:
+            fields["worker"] = self.worker
         access.info("request", **fields)
 
     def unhealthy(self) -> list[str]:

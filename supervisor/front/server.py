@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 
 import structlog
@@ -123,10 +124,16 @@ class Server:
         """Body bytes no longer held."""
         self.buffered -= held
 
-    async def listen(self, host: str, port: int) -> None:
-        """Raises OSError when it cannot."""
-        self._server = await self.loop.create_server(
-            lambda: Connection(self), host or None, port, reuse_address=True, backlog=1024)
+    async def listen(self, host: str, port: int, sock: socket.socket | None = None) -> None:
+        """Raises OSError when it cannot. With `sock`: on that socket, already listening
+        (a proxy worker's, bound by the daemon)."""
+        if sock is not None:
+            self._server = await self.loop.create_server(lambda: Connection(self), sock=sock,
+                                                         backlog=1024)
+        else:
+            self._server = await self.loop.create_server(
+                lambda: Connection(self), host or None, port, reuse_address=True,
+                backlog=1024)
         self._port = int(self._server.sockets[0].getsockname()[1])
 
     @property

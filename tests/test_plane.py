@@ -1,0 +1,111 @@
+"""The front door over two processes (`proxy.workers = 2`), through the real daemon and
+the fake engine: the workers share the public port and one gate, a dead worker is
+started again with its slots given back, and the daemon's death takes the workers with
+it. (The proxy, continuation and fleet tests run with two workers as well as one:
+tests/conftest.py's `proxy_workers`.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import httpx
+import psutil
+
+from tests.harness import wait_for
+from tests.test_proxy import complete, metrics, proxy_config, url
+
+
+def workers_of(d: Any) -> list[psutil.Process]:
+    """The daemon's proxy workers, by their command line (its own children only)."""
+    return [p for p in psutil.Process(d.pid).children()
+            if "supervisor.plane.worker" in " ".join(p.cmdline())]
+
+
+def opened(d: Any) -> None:
+    d.wait_state("RUNNING")
+    wait_for(lambda: d.status()["admission"]["held"] is None, 10, "the gate to open")
+
+
+def test_two_workers_share_the_port_and_one_gate(daemon_factory, tmp_path):
+    cfg = proxy_config(tmp_path, "--token-delay", "0.02", max_concurrency=3, workers=2)
+    d = daemon_factory(cfg)
+    opened(d)
+    assert len(workers_of(d)) == 2
+    (tmp_path / "max-running").unlink(missing_ok=True)
+    out: list[int] = []
+    # one connection each: the kernel spreads them over the two workers' sockets
+    threads = [threading.Thread(target=lambda: out.append(complete(cfg, 20).status_code))
+               for _ in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert out == [200] * 24
+    # the limit is the host's: never more than 3 at the engine, whichever worker
+    # admitted them (the canary may run beside them)
+    assert int((tmp_path / "max-running").read_text()) <= 3 + 1
+    access = [r for r in d.log_records() if r.get("event") == "request"]
+    assert len(access) == 24 and {r["worker"] for r in access} == {0, 1}, access
+    # the exporter adds the workers' counters up, as of the scrape
+    m = metrics(d)
+    assert m[("vllm_supervisor_proxy_responses_total", (("code", "200"),))] == 24
+    assert m[("vllm_supervisor_client_request_duration_seconds_count",
+              (("model", "fake"),))] == 24
+    assert d.status()["admission"]["in_flight"] == 0
+
+
+def test_a_dead_worker_gives_its_slots_back_and_is_started_again(daemon_factory, tmp_path):
+    cfg = proxy_config(tmp_path, "--token-delay", "0.05", max_concurrency=2, workers=2)
+    d = daemon_factory(cfg)
+    opened(d)
+    before = {p.pid for p in workers_of(d)}
+    body = {"model": "fake", "prompt": "hi", "max_tokens": 400, "stream": True}
+    errors: list[BaseException] = []
+
+    def long_stream() -> None:
+        try:
+            with httpx.stream("POST", url(cfg), json=body, timeout=30) as r:
+                for _ in r.iter_lines():
+                    pass
+        except httpx.HTTPError as exc:
+            errors.append(exc)
+
+    streams = [threading.Thread(target=long_stream) for _ in range(2)]
+    for t in streams:
+        t.start()
+    wait_for(lambda: d.status()["admission"]["in_flight"] == 2, 10, "both slots taken")
+    for pid in before:  # (its connections go with it, as the one process's would)
+        os.kill(pid, signal.SIGKILL)
+    for t in streams:
+        t.join(30)
+    assert len(errors) == 2  # cut, not ended as if whole
+    # their slots came back at once, not when the engine finished the streams
+    wait_for(lambda: d.status()["admission"]["in_flight"] == 0, 5, "the slots given back")
+    wait_for(lambda: len(workers_of(d)) == 2 and not before & {p.pid for p in workers_of(d)},
+             20, "both workers started again")
+    wait_for(lambda: complete(cfg).status_code == 200, 20, "a request served again")
+    assert [complete(cfg).status_code for _ in range(6)] == [200] * 6
+    lines = [r for r in d.log_records() if r.get("event") == "proxy worker ended; "
+             "starting it again"]
+    assert len(lines) == 2, lines
+
+
+def test_the_daemons_death_takes_its_workers_with_it(daemon_factory, tmp_path):
+    cfg = proxy_config(tmp_path, workers=2)
+    d = daemon_factory(cfg)
+    opened(d)
+    workers = workers_of(d)
+    assert len(workers) == 2
+    os.kill(d.pid, signal.SIGKILL)
+    # each sees its link to the daemon close, and ends: nothing admits requests any more
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(p.is_running() and
+                                              p.status() != psutil.STATUS_ZOMBIE
+                                              for p in workers):
+        time.sleep(0.1)
+    alive = [p.pid for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, alive
