@@ -75,7 +75,8 @@ async def client_run(cmd: dict[str, Any]) -> dict[str, Any]:
                                      timeout=aiohttp.ClientTimeout(total=300)) as session:
 
         async def batch(total: int, n_tokens: int) -> dict[str, Any]:
-            body = json.dumps(completion(True, n_tokens)).encode()
+            body = json.dumps(completion(True, n_tokens,
+                                         model=cmd.get("model", "synthetic"))).encode()
             gaps: list[float] = []
             counts: list[int] = []
             errors = reads = 0

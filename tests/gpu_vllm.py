@@ -58,6 +58,7 @@ then starts beside it) and `drain = "continue"`; `start` alone takes 4-5 minutes
 standby at 0.28 (both fit awake: the engine starts first, the standby beside it, asleep);
 with it `continue` waits for "protected again" before the fault and times the fault to it.
 
+PROXY_WORKERS=N: `start` runs the proxy over N processes (tests/gpu_plane.py measures it).
 Environment: SUP_SITE (the supervisor's --target site), VLLM_SITE (vLLM's, kept apart:
 vLLM's dependencies bring the PyPI package `supervisor`), MODEL (the staged model), OUT
 (where results go). Each phase prints `RESULT {json}` and appends it to
@@ -313,6 +314,8 @@ def phase_start(standby: str | None = None, share: str | None = None,
     demo["log"] = {"format": "json", "level": "info"}
     demo["canary"] = {"period_s": 2.0, "timeout_s": 5.0}
     demo["proxy"].update({"listen": PROXY})
+    if os.environ.get("PROXY_WORKERS"):  # the front door over N processes (issue 38)
+        demo["proxy"]["workers"] = int(os.environ["PROXY_WORKERS"])
     cfg = write_config(WORK / "config.toml", demo)
     t0 = time.monotonic()
     subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],

@@ -32,6 +32,7 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -314,7 +315,7 @@ class WorkerPool:
                 sys.executable, "-m", "supervisor.plane.worker", "--index", str(w.index),
                 "--link-fd", str(theirs.fileno()), "--listen-fd", str(w.sock.fileno()),
                 "--log-level", self.log_level, "--log-format", self.log_format,
-                pass_fds=(theirs.fileno(), w.sock.fileno()))
+                pass_fds=(theirs.fileno(), w.sock.fileno()), env=worker_env())
         finally:
             theirs.close()
         w.link = await Link.over(mine)
@@ -495,6 +496,14 @@ class WorkerPool:
                 last_counts = time.monotonic()
             for w in self._live():
                 self._push(w, counts)
+
+
+def worker_env() -> dict[str, str]:
+    """The daemon's environment, with the folder its own `supervisor` package came from
+    first on the path: a worker runs the daemon's code, however the daemon found it."""
+    here = str(Path(__file__).resolve().parent.parent.parent)
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": here + (os.pathsep + path if path else "")}
 
 
 def cpus() -> int:
