@@ -1,7 +1,7 @@
 # Two commands do everything from nothing: `make run` and `make test`.
 .PHONY: setup run test test-fast lint bench bench-lifecycle bench-watchdog bench-proxy soak \
 	bench-restart bench-failover bench-healthy-soak bench-proxy-routing bench-proxy-paced \
-	bench-host-cost \
+	bench-host-cost bench-plane \
 	bench-spec-decode clean
 
 setup:
@@ -50,6 +50,12 @@ bench-proxy: setup
 # Streams paced as vLLM sends them (one event per stream per engine step: 256 streams at
 # 20 ms, 64 at 5 ms) through direct, the proxy and nginx; CPU per chunk, chunks/s, added
 # gaps (about 3 minutes; BASE=ref adds the proxy at that commit, before and after)
+# The front door over several processes (issue 38): 8 engines paced at 16 ms x 256 streams
+# (128,000 chunks/s offered) through 1, 2, 4 and 8 proxy workers beside direct; it wants
+# 16 cores or more (about 2 minutes; on fewer, pass ARGS="--engines 2 --streams 64")
+bench-plane: setup
+	.venv/bin/python bench/plane_scale.py --out docs/benchmarks.md $(ARGS)
+
 bench-proxy-paced: setup
 	bash scripts/setup.sh nginx
 	.venv/bin/python bench/proxy_paced.py --out docs/benchmarks.md $(if $(BASE),--baseline $(BASE))

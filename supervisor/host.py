@@ -407,8 +407,10 @@ class Host:
         if self.proxy is None:
             return {}
         b = self.proxy.backends.get(name)
+        workers = {"workers": self.proxy.n, "worker_restarts": self.proxy.restarts} \
+            if isinstance(self.proxy, WorkerPool) else {}
         return {"listen": f"{self.proxy.s.listen_host}:{self.proxy.port}",
-                "upstream": b.upstream if b is not None else None}
+                "upstream": b.upstream if b is not None else None, **workers}
 
     def daemon_uptime_s(self) -> float:
         return self.clock.monotonic() - self.started_at

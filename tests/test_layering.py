@@ -13,8 +13,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "supervisor"
 
 # lowest first; a module may import its own layer's modules and those below
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundations", ("loop", "ops", "front", "watchdog", "fleet", "control.protocol",
-                     "control.client", "schema")),
+    ("foundations", ("loop", "ops", "front", "plane", "watchdog", "fleet",
+                     "control.protocol", "control.client", "schema")),
     ("settings", ("config", "config_sections", "config_checks", "engine_checks",
                   "weight_cache_argv", "reload")),
     ("engine unit", ("engine",)),

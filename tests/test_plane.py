@@ -92,6 +92,9 @@ def test_a_dead_worker_gives_its_slots_back_and_is_started_again(daemon_factory,
     lines = [r for r in d.log_records() if r.get("event") == "proxy worker ended; "
              "starting it again"]
     assert len(lines) == 2, lines
+    adm = d.status()["admission"]
+    assert adm["workers"] == 2 and adm["worker_restarts"] == 2
+    assert "2 worker processes, 2 restarted" in d.ctl("status").stdout
 
 
 def test_the_daemons_death_takes_its_workers_with_it(daemon_factory, tmp_path):

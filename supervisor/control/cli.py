@@ -189,7 +189,11 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(f"proxy      {adm['listen']}: {adm['in_flight']} in flight "
                      f"(max {adm['max_concurrency']}), {adm['waiting']} waiting"
                      + (f", held: {adm['held']}" if adm.get("held") else "")
-                     + (", KV breaker open" if adm.get("kv_breaker_open") else ""))
+                     + (", KV breaker open" if adm.get("kv_breaker_open") else "")
+                     + (f"; {adm['workers']} worker processes"
+                        + (f", {adm['worker_restarts']} restarted"
+                           if adm.get("worker_restarts") else "")
+                        if adm.get("workers") else ""))
     over = st.get("overrides") or {}
     lines.append(f"throttle   {st.get('throttle_level')}" + (
         "; engine args: " + " ".join(f"{k} {v if v is not None else '(removed)'}"

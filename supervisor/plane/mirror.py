@@ -45,24 +45,29 @@ class Daemon:
         self.link = link
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._gates: dict[int, GateMirror] = {}  # the gate each slot is asked of
 
-    async def _ask(self, kind: str, *args: Any) -> tuple[int, Any]:
+    async def _ask(self, kind: str, *args: Any,
+                   gate: GateMirror | None = None) -> tuple[int, Any]:
         i = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[i] = fut
+        if gate is not None:
+            self._gates[i] = gate
         self.link.send((kind, i, *args))
         try:
             return i, await fut
         except asyncio.CancelledError:
             self._waiting.pop(i, None)
+            self._gates.pop(i, None)
             # granted meanwhile: given back; else the daemon stops waiting for it
             granted = fut.done() and not fut.cancelled() and fut.exception() is None
             self.link.send(("cancel", i, granted))
             raise
 
-    async def acquire(self, engine: str, tokens: int, refusable: bool) -> RemoteTicket:
+    async def acquire(self, gate: GateMirror, tokens: int, refusable: bool) -> RemoteTicket:
         i, (tokens, waited_s, held, generation) = await self._ask(
-            "acquire", engine, tokens, refusable)
+            "acquire", gate.engine, tokens, refusable, gate=gate)
         return RemoteTicket(tokens, waited_s, held, id=i, generation=generation)
 
     def done(self, ticket: Ticket) -> None:
@@ -75,10 +80,16 @@ class Daemon:
 
     def answered(self, i: int, result: Any) -> None:
         fut = self._waiting.pop(i, None)
+        if (gate := self._gates.pop(i, None)) is not None:
+            # a slot granted: the gate was open then, whatever the last state said (the
+            # next state, sent after the grant, is read after it): a continued stream
+            # must not read the hold it was let through as still on
+            gate.held_reason = gate.closed_reason = None
         if fut is not None and not fut.done():
             fut.set_result(result)
 
     def refused(self, i: int, reason: str, detail: str, waited_s: float, held: bool) -> None:
+        self._gates.pop(i, None)
         fut = self._waiting.pop(i, None)
         if fut is not None and not fut.done():
             fut.set_exception(Rejected(reason, detail, waited_s=waited_s, held=held))
@@ -107,7 +118,7 @@ class GateMirror:
         self.waiting = 0
 
     async def acquire(self, tokens: int, refusable: bool = False) -> Ticket:
-        return await self.daemon.acquire(self.engine, tokens, refusable)
+        return await self.daemon.acquire(self, tokens, refusable)
 
     def done(self, ticket: Ticket) -> None:
         self.daemon.done(ticket)

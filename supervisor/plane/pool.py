@@ -118,6 +118,7 @@ class WorkerPool:
         self._port: int | None = None
         self._closing = False
         self._ticker: asyncio.Task[None] | None = None
+        self.restarts = 0  # workers started again after they ended (status shows it)
 
     # ---- the engines (the host's and the units' side) --------------------------------
 
@@ -306,6 +307,7 @@ class WorkerPool:
             if not self._closing:
                 log.error("proxy worker ended; starting it again", worker=w.index,
                           code=w.proc.returncode if w.proc else None)
+                self.restarts += 1
                 await asyncio.sleep(RESTART_DELAY_S)
 
     async def _serve(self, w: _Worker) -> None:
@@ -324,7 +326,8 @@ class WorkerPool:
         w.sent = self._state()
         try:
             while True:
-                self._handle(w, await w.link.recv())
+                for m in await w.link.recv_all():
+                    self._handle(w, m)
         finally:
             await w.link.close()
             with contextlib.suppress(TimeoutError):
@@ -433,6 +436,10 @@ class WorkerPool:
         self._at[key] = self._at.get(key, 0) + 1
         w.slots[i] = (b, ticket, generation)
         self._reply(w, ("ok", i, (ticket.tokens, ticket.waited_s, ticket.held, generation)))
+        if w.sent is not None and any(e["name"] == b.name and (e["held_reason"] or
+                                                               e["closed_reason"])
+                                      for e in w.sent):
+            w.sent = None  # (the worker reads the grant as the gate open: told anew)
 
     def _give_back(self, w: _Worker, i: int) -> None:
         slot = w.slots.pop(i, None)
@@ -462,9 +469,9 @@ class WorkerPool:
         t.add_done_callback(lambda _: w.waits.pop(i, None))
 
     def _reply(self, w: _Worker, message: tuple[Any, ...]) -> None:
-        """An answer to worker `w`, after the engines' state where it changed (a grant
-        must not reach a worker before the upstream it is for)."""
-        self._push(w)
+        """An answer to worker `w`. (A grant never reaches a worker before the upstream
+        it is for: `follow_engine` sends the state at once, and the grant names the
+        engine start it was counted at.)"""
         assert w.link is not None
         w.link.send(message)
 
@@ -473,29 +480,26 @@ class WorkerPool:
     def _state(self) -> list[dict[str, Any]]:
         return [engine_state(b, self._cleared.get(b.name, {})) for b in self.backends.values()]
 
-    def _push(self, w: _Worker, counts: bool = False) -> None:
-        if w.link is None or w.link.closed:
-            return
+    def _push_all(self, counts: bool = False) -> None:
+        """The engines' state to every worker whose last differs (in the counts in
+        flight and waiting too, with `counts`)."""
         state = self._state()
-        if _changed(w.sent, state) or (counts and state != w.sent):
-            w.link.send(("state", state))
-            w.sent = state
-
-    def _push_all(self) -> None:
         for w in self._live():
-            self._push(w)
+            if _changed(w.sent, state) or (counts and state != w.sent):
+                assert w.link is not None
+                w.link.send(("state", state))
+                w.sent = state
 
     async def _tick(self) -> None:
         """Changes made by the units (a hold, a level, the breaker, a start) reach the
-        workers within STATE_PERIOD_S; the counts in flight too."""
+        workers within STATE_PERIOD_S; the counts in flight every 0.1 s."""
         last_counts = 0.0
         while True:
             await asyncio.sleep(STATE_PERIOD_S)
             counts = time.monotonic() - last_counts >= 0.1
             if counts:
                 last_counts = time.monotonic()
-            for w in self._live():
-                self._push(w, counts)
+            self._push_all(counts)
 
 
 def worker_env() -> dict[str, str]:

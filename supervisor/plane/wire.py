@@ -16,6 +16,7 @@ from typing import Any
 
 HEADER = struct.Struct("!I")
 MAX_MESSAGE = 64 << 20  # a stats snapshot is the largest: kilobytes
+READ_SIZE = 1 << 18
 
 
 class LinkClosed(Exception):
@@ -29,6 +30,8 @@ class Link:
         self._r, self._w = reader, writer
         self._out: list[bytes] = []
         self._flushing = False
+        self._buf = bytearray()  # what arrived and is not a whole message yet
+        self._inbox: list[tuple[Any, ...]] = []  # (recv's: whole messages not yet taken)
 
     @classmethod
     async def over(cls, sock: Any) -> Link:
@@ -58,16 +61,39 @@ class Link:
 
     async def recv(self) -> tuple[Any, ...]:
         """The next message; raises LinkClosed at the end."""
-        try:
-            (n,) = HEADER.unpack(await self._r.readexactly(HEADER.size))
-            if n > MAX_MESSAGE:
-                raise LinkClosed(f"a message of {n} bytes: not this program's")
-            message = pickle.loads(await self._r.readexactly(n))
-        except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            raise LinkClosed(str(exc) or type(exc).__name__) from None
-        if not isinstance(message, tuple) or not message:
-            raise LinkClosed(f"not a message: {type(message).__name__}")
-        return message
+        while not self._inbox:
+            self._inbox.extend(await self.recv_all())
+        return self._inbox.pop(0)
+
+    async def recv_all(self) -> list[tuple[Any, ...]]:
+        """Every whole message that has arrived (at least one: waits for it); raises
+        LinkClosed at the end. One read for many messages: under load a turn of the loop
+        brings dozens."""
+        buf = self._buf
+        while True:
+            out: list[tuple[Any, ...]] = []
+            at = 0
+            while len(buf) - at >= HEADER.size:
+                (n,) = HEADER.unpack_from(buf, at)
+                if n > MAX_MESSAGE:
+                    raise LinkClosed(f"a message of {n} bytes: not this program's")
+                if len(buf) - at - HEADER.size < n:
+                    break
+                message = pickle.loads(memoryview(buf)[at + HEADER.size:at + HEADER.size + n])
+                if not isinstance(message, tuple) or not message:
+                    raise LinkClosed(f"not a message: {type(message).__name__}")
+                out.append(message)
+                at += HEADER.size + n
+            del buf[:at]
+            if out:
+                return out
+            try:
+                data = await self._r.read(READ_SIZE)
+            except ConnectionError as exc:
+                raise LinkClosed(str(exc) or type(exc).__name__) from None
+            if not data:
+                raise LinkClosed("end of the link")
+            buf += data
 
     async def close(self) -> None:
         self._flush()

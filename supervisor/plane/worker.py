@@ -87,7 +87,8 @@ class Worker:
     async def read(self) -> None:
         try:
             while True:
-                self.handle(await self.link.recv())
+                for m in await self.link.recv_all():
+                    self.handle(m)
         except LinkClosed as exc:
             self.daemon.lost(str(exc))
             self.stop.set()
