@@ -325,9 +325,8 @@ class WorkerPool:
         w.link.send(("init", self._share(self.s), self._state()))
         w.sent = self._state()
         try:
-            while True:
-                for m in await w.link.recv_all():
-                    self._handle(w, m)
+            w.link.handle_with(lambda m: self._handle(w, m))
+            raise LinkClosed(await w.link.wait_closed())
         finally:
             await w.link.close()
             with contextlib.suppress(TimeoutError):

@@ -27,7 +27,7 @@ from supervisor import loop
 from supervisor.front.proxy import FrontProxy
 from supervisor.ops.logs import configure_logging
 from supervisor.plane.mirror import Daemon, RemoteLanes, WorkerBackend, apply, worker_backend
-from supervisor.plane.wire import Link, LinkClosed
+from supervisor.plane.wire import Link
 
 log = structlog.get_logger("supervisor.plane")
 REPORT_S = 0.5
@@ -85,13 +85,12 @@ class Worker:
             self.stop.set()
 
     async def read(self) -> None:
-        try:
-            while True:
-                for m in await self.link.recv_all():
-                    self.handle(m)
-        except LinkClosed as exc:
-            self.daemon.lost(str(exc))
-            self.stop.set()
+        """The daemon's messages as they arrive, until the link closes: then nothing may
+        be admitted any more, and the worker ends."""
+        self.link.handle_with(self.handle)
+        why = await self.link.wait_closed()
+        self.daemon.lost(why)
+        self.stop.set()
 
     async def report(self) -> None:
         last: dict[str, Any] | None = None
