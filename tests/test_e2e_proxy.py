@@ -1,7 +1,7 @@
 """End-to-end: the front proxy in front of the real vLLM CPU engine.
 
-One daemon, with vLLM's unauthenticated development routes on (VLLM_SERVER_DEV_MODE=1),
-in order: (a) path tricks aimed at those routes, sent as raw HTTP through the proxy,
+One daemon, its front door over two worker processes (`proxy.workers = 2`), with vLLM's
+unauthenticated development routes on (VLLM_SERVER_DEV_MODE=1), in order: (a) path tricks aimed at those routes, sent as raw HTTP through the proxy,
 never reach the engine (its own access log is the witness), and completions still work;
 (b) clients that disconnect mid-stream stop vLLM's generation early (its generated-token
 counter), on the first engine (in runs after a restart, its API server handed out whole
@@ -46,8 +46,10 @@ pytestmark = pytest.mark.e2e
 def fronted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, dict]]:
     tmp = tmp_path_factory.mktemp("e2e-proxy")
     cfg: dict[str, Any] = vllm_config(tmp)
+    # the front door over two processes (`proxy.workers`): the real engine's faults meet
+    # the workers' path here (the one-process path meets them in the other e2e modules)
     cfg["proxy"] = {"enabled": True, "listen": f"127.0.0.1:{free_port()}",
-                    "hold_timeout_s": 240.0, "send_timeout_s": 3.0}
+                    "hold_timeout_s": 240.0, "send_timeout_s": 3.0, "workers": 2}
     cfg["canary"] = {"period_s": 2.0, "timeout_s": 5.0}
     cfg["engine"]["drain_timeout_s"] = 20.0  # in-flight streams finish during a restart
     cfg["engine"]["env"]["VLLM_SERVER_DEV_MODE"] = "1"  # the routes the proxy must hide

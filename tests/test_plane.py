@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from typing import Any
@@ -112,3 +113,24 @@ def test_the_daemons_death_takes_its_workers_with_it(daemon_factory, tmp_path):
         time.sleep(0.1)
     alive = [p.pid for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, alive
+
+
+def test_the_connection_cap_holds_for_the_host_not_each_worker(daemon_factory, tmp_path):
+    cfg = proxy_config(tmp_path, max_connections=4, workers=2)
+    d = daemon_factory(cfg)
+    opened(d)
+    port = int(cfg["proxy"]["listen"].rsplit(":", 1)[1])
+    held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(12)]
+    try:
+        time.sleep(1.0)  # (each worker takes what its socket queued, and refuses past its share)
+
+        def open_at_workers() -> int:
+            return sum(1 for p in workers_of(d) for c in p.net_connections(kind="tcp")
+                       if c.laddr and c.laddr.port == port and c.status == "ESTABLISHED")
+
+        assert open_at_workers() <= 4  # two each: the host's 4, whatever the kernel's spread
+        assert complete(cfg).status_code in (200, 503)  # (a new one may evict an idle one)
+    finally:
+        for s in held:
+            s.close()
+    wait_for(lambda: complete(cfg).status_code == 200, 10, "served once the flood is gone")
