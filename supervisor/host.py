@@ -393,13 +393,16 @@ class Host:
         if self.proxy is None:
             return None
         st, gates = self.proxy.stats, [v.proxy for v in views if v.proxy is not None]
+        pool = self.proxy if isinstance(self.proxy, WorkerPool) else None
         return ProxyView(
             responses_by_code=dict(st.responses), rejections_by_reason=dict(st.rejections),
             in_flight=sum(g.in_flight for g in gates), held=sum(g.held for g in gates),
             held_limit=sum(g.held_limit for g in gates),
             kv_breaker_open=any(g.kv_breaker_open for g in gates),
             connect_retries=st.retried_connects, latency=self.proxy.latency.views(),
-            continuations=dict(st.continuations), continuation_refusals=dict(st.refusals))
+            continuations=dict(st.continuations), continuation_refusals=dict(st.refusals),
+            worker_cpu_s=pool.cpu_s() if pool else {},
+            worker_restarts=pool.restarts if pool else None)
 
     def front_address(self, name: str) -> dict[str, Any]:
         """Where the proxy listens (not a reloaded address it takes at the next daemon

@@ -1,17 +1,18 @@
 """End-to-end: the front proxy in front of the real vLLM CPU engine.
 
 One daemon, its front door over two worker processes (`proxy.workers = 2`), with vLLM's
-unauthenticated development routes on (VLLM_SERVER_DEV_MODE=1), in order: (a) path tricks aimed at those routes, sent as raw HTTP through the proxy,
-never reach the engine (its own access log is the witness), and completions still work;
-(b) clients that disconnect mid-stream stop vLLM's generation early (its generated-token
-counter), on the first engine (in runs after a restart, its API server handed out whole
-streams before their first chunk, directly too, up to twelve in a row); (c) 32
-concurrent streaming clients run across `vllm-supervisorctl restart`: no request fails,
-every stream is complete; (d) SIGSTOP of `VLLM::EngineCore` under load is decided by the
-progress rule, with evidence captured before the kill, and its streams continued; (e)
-SIGKILL of `VLLM::EngineCore` once greedy streams (completions and chat) have tokens:
-each is continued token-exact through the restart, one whose continuation would not be
-exact ends with an error event, requests sent after the crash are held and answered.
+unauthenticated development routes on (VLLM_SERVER_DEV_MODE=1), in order: (a) path
+tricks aimed at those routes, sent as raw HTTP through the proxy, never reach the engine
+(its own access log is the witness), and completions still work; (b) clients that
+disconnect mid-stream stop vLLM's generation early (its generated-token counter), on the
+first engine (in runs after a restart, its API server handed out whole streams before
+their first chunk, directly too, up to twelve in a row); (c) 32 concurrent streaming
+clients run across `vllm-supervisorctl restart`: no request fails, every stream is
+complete; (d) SIGSTOP of `VLLM::EngineCore` under load is decided by the progress rule,
+with evidence captured before the kill, and its streams continued; (e) SIGKILL of
+`VLLM::EngineCore` once greedy streams (completions and chat) have tokens: each is
+continued token-exact through the restart, one whose continuation would not be exact
+ends with an error event, requests sent after the crash are held and answered.
 """
 
 from __future__ import annotations

@@ -49,13 +49,21 @@ def test_two_workers_share_the_port_and_one_gate(daemon_factory, tmp_path):
     # the limit is the host's: never more than 3 at the engine, whichever worker
     # admitted them (the canary may run beside them)
     assert int((tmp_path / "max-running").read_text()) <= 3 + 1
-    access = [r for r in d.log_records() if r.get("event") == "request"]
+    # (each worker writes its request's line once it has answered: waited for)
+    access = wait_for(lambda: len(lines := [r for r in d.log_records()
+                                            if r.get("event") == "request"]) >= 24 and lines,
+                      10, "24 access lines")
     assert len(access) == 24 and {r["worker"] for r in access} == {0, 1}, access
-    # the exporter adds the workers' counters up, as of the scrape
-    m = metrics(d)
+    # the exporter adds the workers' counters up, as of the scrape (a request is counted
+    # as its worker finishes it, after its client has the answer: waited for)
+    key = ("vllm_supervisor_client_request_duration_seconds_count", (("model", "fake"),))
+    m = wait_for(lambda: (m := metrics(d)).get(key) == 24 and m, 10, "24 requests counted")
     assert m[("vllm_supervisor_proxy_responses_total", (("code", "200"),))] == 24
     assert m[("vllm_supervisor_client_request_duration_seconds_count",
               (("model", "fake"),))] == 24
+    cpu = [m[("vllm_supervisor_proxy_worker_cpu_seconds_total", (("worker", w),))]
+           for w in ("0", "1")]
+    assert all(c > 0 for c in cpu) and m[("vllm_supervisor_proxy_worker_restarts_total", ())] == 0
     assert d.status()["admission"]["in_flight"] == 0
 
 

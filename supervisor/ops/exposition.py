@@ -92,6 +92,10 @@ class ProxyView:
     latency: Sequence[HistogramView] = ()  # what clients felt, by kind and model
     continuations: Mapping[str, int] = field(default_factory=dict)  # by outcome
     continuation_refusals: Mapping[str, int] = field(default_factory=dict)
+    # with proxy.workers > 1: each worker's CPU seconds (its earlier processes included)
+    # and how many times a worker was started again
+    worker_cpu_s: Mapping[str, float] = field(default_factory=dict)
+    worker_restarts: int | None = None
 
 
 @dataclass
@@ -358,6 +362,16 @@ def _proxy_metrics(p: ProxyView, gates: Labelled) -> Iterator[Metric]:
     for reason in REFUSALS:
         refusals.add_metric([reason], float(p.continuation_refusals.get(reason, 0)))
     yield refusals
+    if p.worker_restarts is not None:  # (the front door over several processes)
+        cpu = CounterMetricFamily(
+            PREFIX + "proxy_worker_cpu_seconds", "CPU time of each proxy worker process "
+            "(user and system; its earlier processes included)", labels=["worker"])
+        for worker, seconds in sorted(p.worker_cpu_s.items(), key=lambda kv: int(kv[0])):
+            cpu.add_metric([worker], seconds)
+        yield cpu
+        yield CounterMetricFamily(PREFIX + "proxy_worker_restarts",
+                                  "proxy workers started again after they ended",
+                                  value=float(p.worker_restarts))
     for kind in KINDS:
         family = HistogramMetricFamily(PREFIX + kind.metric, kind.help, labels=["model"])
         for h in p.latency:

@@ -119,6 +119,7 @@ class WorkerPool:
         self._closing = False
         self._ticker: asyncio.Task[None] | None = None
         self.restarts = 0  # workers started again after they ended (status shows it)
+        self._retired_cpu: dict[int, float] = {}  # CPU s of each worker's ended processes
 
     # ---- the engines (the host's and the units' side) --------------------------------
 
@@ -190,6 +191,12 @@ class WorkerPool:
                     mine[k] = mine.get(k, 0) + v
             out.retried_connects += doc.get("retried_connects", 0)
         return out
+
+    def cpu_s(self) -> dict[str, float]:
+        """Each worker's CPU seconds as it last reported them, its ended processes'
+        added (a counter that never goes back)."""
+        return {str(w.index): self._retired_cpu.get(w.index, 0.0) + w.stats.get("cpu_s", 0.0)
+                for w in self._workers}
 
     @property
     def latency(self) -> ClientLatency:
@@ -355,6 +362,8 @@ class WorkerPool:
         w.lanes.clear()
         if w.stats:
             self._retired.append(w.stats)
+            self._retired_cpu[w.index] = self._retired_cpu.get(w.index, 0.0) \
+                + w.stats.get("cpu_s", 0.0)
             w.stats = {}
 
     # ---- a worker's messages ---------------------------------------------------------

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import resource
 import signal
 import socket
 import sys
@@ -39,6 +40,7 @@ def stats_doc(proxy: FrontProxy) -> dict[str, Any]:
     return {"responses": dict(st.responses), "rejections": dict(st.rejections),
             "continuations": dict(st.continuations), "refusals": dict(st.refusals),
             "retried_connects": st.retried_connects,
+            "cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]),
             "latency": {key: (list(h.counts), h.total, h.n)
                         for key, h in proxy.latency._h.items()}}
 
