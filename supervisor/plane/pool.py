@@ -50,6 +50,7 @@ log = structlog.get_logger("supervisor.plane")
 START_TIMEOUT_S = 60.0  # a worker's import, its socket and its first word
 STOP_GRACE_S = 12.0  # a worker's close: its busy connections get 10 s (server.close)
 RESTART_DELAY_S = 0.5
+RESTART_MAX_S = 30.0
 REPORT_TIMEOUT_S = 1.0  # a scrape waits this long at most for the workers' counters
 STATE_PERIOD_S = 0.02  # the engines' state, when it changed, at most this late
 STATS_KEYS = ("responses", "rejections", "continuations", "refusals")
@@ -297,25 +298,31 @@ class WorkerPool:
         return [w for w in self._workers if w.link is not None and not w.link.closed]
 
     async def _run(self, w: _Worker) -> None:
-        """Worker `w`, started and started again, until the pool closes."""
+        """Worker `w`, started and started again, until the pool closes. A first start
+        that fails fails the pool's start; a later one is tried again, each wait twice
+        the last (from RESTART_DELAY_S, at most RESTART_MAX_S) while it does not serve."""
+        first, delay = True, RESTART_DELAY_S
         while not self._closing:
             if w.ready is None or w.ready.done():
                 w.ready = asyncio.get_running_loop().create_future()
             try:
                 await self._serve(w)
             except Exception as exc:  # (its process or its link failed: started again)
-                if not w.ready.done():
+                if first and not w.ready.done():
                     w.ready.set_exception(ProxyError(f"worker {w.index}: {exc}"))
                     return
                 if not isinstance(exc, LinkClosed):
                     log.error("proxy worker link failed", worker=w.index, error=repr(exc))
             finally:
                 self._forget(w)
+            served, first = w.ready.done(), False
+            delay = RESTART_DELAY_S if served else min(RESTART_MAX_S, delay * 2)
             if not self._closing:
                 log.error("proxy worker ended; starting it again", worker=w.index,
-                          code=w.proc.returncode if w.proc else None)
+                          code=w.proc.returncode if w.proc else None,
+                          after_s=delay, **({} if served else {"served": False}))
                 self.restarts += 1
-                await asyncio.sleep(RESTART_DELAY_S)
+                await asyncio.sleep(delay)
 
     async def _serve(self, w: _Worker) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -325,6 +332,9 @@ class WorkerPool:
                 "--link-fd", str(theirs.fileno()), "--listen-fd", str(w.sock.fileno()),
                 "--log-level", self.log_level, "--log-format", self.log_format,
                 pass_fds=(theirs.fileno(), w.sock.fileno()), env=worker_env())
+        except BaseException:
+            mine.close()
+            raise
         finally:
             theirs.close()
         w.link = await Link.over(mine)
@@ -507,7 +517,10 @@ class WorkerPool:
             counts = time.monotonic() - last_counts >= 0.1
             if counts:
                 last_counts = time.monotonic()
-            self._push_all(counts)
+            try:
+                self._push_all(counts)
+            except Exception:  # (a unit's state that would not read: told next time)
+                log.exception("the engines' state could not be sent to the proxy workers")
 
 
 def worker_env() -> dict[str, str]:
