@@ -97,6 +97,7 @@ class _Worker:
     lanes: dict[int, asyncio.Lock] = dataclasses.field(default_factory=dict)
     stats: dict[str, Any] = dataclasses.field(default_factory=dict)
     reported: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    asked: int = 0  # the last report asked of it (its answer names it)
     task: asyncio.Task[None] | None = None
 
 
@@ -218,8 +219,9 @@ class WorkerPool:
         live = self._live()
         for w in live:
             assert w.link is not None
+            w.asked += 1
             w.reported.clear()
-            w.link.send(("report",))
+            w.link.send(("report", w.asked))
         if live:
             await asyncio.wait([asyncio.ensure_future(w.reported.wait()) for w in live],
                                timeout=timeout_s)
@@ -404,11 +406,15 @@ class WorkerPool:
             if (b := self.backends.get(m[1])) is not None and m[2] in b.failure_seen:
                 b.served(m[2], m[3])
                 if m[2] not in b.failure_seen:
-                    self._cleared.setdefault(m[1], {})[m[2]] = m[3]
+                    cleared = self._cleared.setdefault(m[1], {})
+                    cleared[m[2]] = m[3]
+                    if len(cleared) > 8:  # (only the last starts matter, as in Backend)
+                        del cleared[min(cleared)]
                 self._push_all()
         elif kind == "stats":
             w.stats = m[1]
-            w.reported.set()
+            if len(m) > 2 and m[2] == w.asked:  # (the answer to the last ask, not a
+                w.reported.set()                # report of its own sent before it)
         elif kind == "ready":
             if w.ready is not None and not w.ready.done():
                 w.ready.set_result(None)

@@ -82,7 +82,7 @@ class Worker:
         elif kind == "settings":
             self.proxy.reconfigure(m[1])
         elif kind == "report":
-            self.link.send(("stats", stats_doc(self.proxy)))
+            self.link.send(("stats", stats_doc(self.proxy), m[1]))
         elif kind == "stop":
             self.stop.set()
 
