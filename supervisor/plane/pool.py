@@ -74,6 +74,23 @@ def engine_state(b: Backend, cleared: dict[int, float]) -> dict[str, Any]:
             "in_flight": g.in_flight, "waiting": g.waiting}
 
 
+def added(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two workers' counters and histograms as one (`worker.stats_doc`'s shape)."""
+    out: dict[str, Any] = {key: {k: a.get(key, {}).get(k, 0) + b.get(key, {}).get(k, 0)
+                                 for k in {*a.get(key, {}), *b.get(key, {})}}
+                           for key in STATS_KEYS}
+    out["retried_connects"] = a.get("retried_connects", 0) + b.get("retried_connects", 0)
+    hist: dict[Any, Any] = dict(a.get("latency", {}))
+    for key, (counts, total, n) in b.get("latency", {}).items():
+        if key in hist:
+            c0, t0, n0 = hist[key]
+            hist[key] = ([x + y for x, y in zip(c0, counts, strict=True)], t0 + total, n0 + n)
+        else:
+            hist[key] = (list(counts), total, n)
+    out["latency"] = hist
+    return out
+
+
 def _changed(a: list[dict[str, Any]] | None, b: list[dict[str, Any]]) -> bool:
     """Whether the state changed in what a request's answer may depend on (the counts of
     requests in flight and waiting go with the periodic update)."""
@@ -116,7 +133,7 @@ class WorkerPool:
         self._at: dict[tuple[str, int], int] = {}  # slots per (engine, start)
         self._cleared: dict[str, dict[int, float]] = {}  # failures forgotten: when sent
         self._lanes: dict[str, asyncio.Lock] = {}
-        self._retired: list[dict[str, Any]] = []  # the counters of workers that ended
+        self._retired: dict[str, Any] = {}  # the counters of workers that ended, added up
         self._port: int | None = None
         self._closing = False
         self._ticker: asyncio.Task[None] | None = None
@@ -186,7 +203,7 @@ class WorkerPool:
     def stats(self) -> ProxyStats:
         """Every worker's counters added up (those of workers that ended included)."""
         out = ProxyStats()
-        for doc in [*self._retired, *(w.stats for w in self._workers)]:
+        for doc in [self._retired, *(w.stats for w in self._workers)]:
             for key in STATS_KEYS:
                 mine: dict[str, int] = getattr(out, key)
                 for k, v in doc.get(key, {}).items():
@@ -204,7 +221,7 @@ class WorkerPool:
     def latency(self) -> ClientLatency:
         """What clients felt, every worker's histograms added up."""
         out = ClientLatency(m for b in self.backends.values() for m in b.models)
-        for doc in [*self._retired, *(w.stats for w in self._workers)]:
+        for doc in [self._retired, *(w.stats for w in self._workers)]:
             for (kind, label), (counts, total, n) in doc.get("latency", {}).items():
                 h = out.histogram(kind, label)
                 h.counts = [a + b for a, b in zip(h.counts, counts, strict=True)]
@@ -373,7 +390,7 @@ class WorkerPool:
             lock.release()
         w.lanes.clear()
         if w.stats:
-            self._retired.append(w.stats)
+            self._retired = added(self._retired, w.stats)
             self._retired_cpu[w.index] = self._retired_cpu.get(w.index, 0.0) \
                 + w.stats.get("cpu_s", 0.0)
             w.stats = {}

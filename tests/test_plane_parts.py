@@ -1,6 +1,8 @@
-"""The wire between the daemon and its proxy workers (`supervisor/plane/wire.py`), over a
-real Unix socket pair: order kept, messages split and joined across reads, and bytes that
-are not this program's close the link with a reason instead of being read."""
+"""The proxy workers' parts, without the processes: the wire between the daemon and a
+worker (`supervisor/plane/wire.py`), over a real Unix socket pair (order kept, messages
+split and joined across reads, bytes that are not this program's closing the link with a
+reason instead of being read), and the counters of ended workers added up
+(`supervisor/plane/pool.py`)."""
 
 from __future__ import annotations
 
@@ -81,3 +83,19 @@ def test_bytes_not_this_programs_close_the_link_with_a_reason() -> None:
             a.close()
 
     asyncio.run(main())
+
+
+def test_the_counters_of_ended_workers_add_up_into_one() -> None:
+    from supervisor.plane.pool import added
+
+    a = {"responses": {"200": 3}, "rejections": {}, "continuations": {"continued": 1},
+         "refusals": {}, "retried_connects": 2,
+         "latency": {("ttft", "m"): ([1, 2, 0], 0.5, 3)}}
+    b = {"responses": {"200": 1, "503": 4}, "rejections": {"queue_full": 4},
+         "continuations": {}, "refusals": {}, "retried_connects": 0,
+         "latency": {("ttft", "m"): ([0, 1, 1], 2.0, 2), ("duration", "m"): ([1], 0.1, 1)}}
+    out = added(added({}, a), b)
+    assert out["responses"] == {"200": 4, "503": 4} and out["rejections"] == {"queue_full": 4}
+    assert out["continuations"] == {"continued": 1} and out["retried_connects"] == 2
+    assert out["latency"] == {("ttft", "m"): ([1, 3, 1], 2.5, 5),
+                              ("duration", "m"): ([1], 0.1, 1)}
