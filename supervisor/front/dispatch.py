@@ -15,8 +15,12 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import structlog
+
 from supervisor.front import routing
 from supervisor.front.admission import Gate, Rejected, Ticket
+
+log = structlog.get_logger("supervisor.proxy")
 
 
 @dataclass
@@ -55,6 +59,14 @@ class Backend:
         for a full drain, for a request the engine answers at once."""
         n = self.max_model_len
         return tokens if n is None else min(tokens, n)
+
+    def follow(self, upstream: str, models: tuple[str, ...], models_open: bool) -> None:
+        """Its engine, being started, listens at `upstream` and serves these names."""
+        if upstream != self.upstream:
+            log.info("proxy upstream follows the engine", engine=self.name,
+                     upstream=upstream, was=self.upstream)
+        self.upstream, self.models = upstream, models
+        self.models_open = models_open or not models
 
     def arrive(self, generation: int) -> None:
         self.at[generation] = self.at.get(generation, 0) + 1

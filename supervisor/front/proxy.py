@@ -198,11 +198,7 @@ class FrontProxy:
                       models_open: bool = False) -> None:
         """Engine `name`, being started, listens here and serves these names: its requests
         from now on go there (a reloaded `engine.port` takes effect with the engine)."""
-        b = self.backends[name]
-        if upstream != b.upstream:
-            log.info("proxy upstream follows the engine", engine=name, upstream=upstream,
-                     was=b.upstream)
-        b.upstream, b.models, b.models_open = upstream, models, models_open or not models
+        self.backends[name].follow(upstream, models, models_open)
         self._names_changed()
 
     @property

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import socket
 import sys
@@ -157,11 +158,7 @@ class WorkerPool:
 
     def follow_engine(self, name: str, upstream: str, models: tuple[str, ...],
                       models_open: bool = False) -> None:
-        b = self.backends[name]
-        if upstream != b.upstream:
-            log.info("proxy upstream follows the engine", engine=name, upstream=upstream,
-                     was=b.upstream)
-        b.upstream, b.models, b.models_open = upstream, models, models_open or not models
+        self.backends[name].follow(upstream, models, models_open)
         self._push_all()
 
     def pause_streams(self, engine: str) -> int | None:
@@ -199,17 +196,16 @@ class WorkerPool:
         assert self._port is not None
         return self._port
 
+    def _totals(self) -> dict[str, Any]:
+        """Every worker's counters and histograms added up (ended workers' included)."""
+        return functools.reduce(added, (w.stats for w in self._workers), self._retired)
+
     @property
     def stats(self) -> ProxyStats:
         """Every worker's counters added up (those of workers that ended included)."""
-        out = ProxyStats()
-        for doc in [self._retired, *(w.stats for w in self._workers)]:
-            for key in STATS_KEYS:
-                mine: dict[str, int] = getattr(out, key)
-                for k, v in doc.get(key, {}).items():
-                    mine[k] = mine.get(k, 0) + v
-            out.retried_connects += doc.get("retried_connects", 0)
-        return out
+        t = self._totals()
+        return ProxyStats(**{key: t.get(key, {}) for key in STATS_KEYS},
+                          retried_connects=t.get("retried_connects", 0))
 
     def cpu_s(self) -> dict[str, float]:
         """Each worker's CPU seconds as it last reported them, its ended processes'
@@ -221,12 +217,9 @@ class WorkerPool:
     def latency(self) -> ClientLatency:
         """What clients felt, every worker's histograms added up."""
         out = ClientLatency(m for b in self.backends.values() for m in b.models)
-        for doc in [self._retired, *(w.stats for w in self._workers)]:
-            for (kind, label), (counts, total, n) in doc.get("latency", {}).items():
-                h = out.histogram(kind, label)
-                h.counts = [a + b for a, b in zip(h.counts, counts, strict=True)]
-                h.total += total
-                h.n += n
+        for (kind, label), (counts, total, n) in self._totals().get("latency", {}).items():
+            h = out.histogram(kind, label)
+            h.counts, h.total, h.n = list(counts), total, n
         return out
 
     async def refresh(self, timeout_s: float = REPORT_TIMEOUT_S) -> None:
