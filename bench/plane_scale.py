@@ -140,6 +140,8 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[dict[str, Any
                      "streams": sum(x["n"] for x in runs),
                      "gap_p50_ms": statistics.median(x["gap_p50_ms"] for x in runs),
                      "gap_p99_ms": max(x["gap_p99_ms"] for x in runs),
+                     "first_p50_ms": statistics.median(x["first_p50_ms"] for x in runs),
+                     "first_max_ms": max(x["first_max_ms"] for x in runs),
                      "cpu_s": (front.cpu_s() - cpu0) if front else float("nan"),
                      "own_cpu_s": (own_cpu_s(front) - own0) if front else float("nan"),
                      "busy": (busy1[0] - busy0[0]) / max(1.0, busy1[1] - busy0[1])}
@@ -148,6 +150,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[dict[str, Any
                 print(f"round {rnd + 1} {path:<7} {r['events_per_s']:>9.0f} ev/s "
                       f"cpu/chunk {r['cpu_s'] / max(1, r['events']) * 1e6:5.1f} us "
                       f"gap p50 {r['gap_p50_ms']:.1f} p99 {r['gap_p99_ms']:.1f} ms "
+                      f"first p50 {r['first_p50_ms']:.1f} max {r['first_max_ms']:.1f} ms "
                       f"busy {r['busy']:.0%} streams {r['streams']} errors {r['errors']} "
                       f"short {r['short']}", flush=True)
         return out
@@ -174,8 +177,9 @@ def render(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]]) -> st
         "door (workers included) per chunk delivered.",
         "",
         "| path | chunks/s | ratio to direct | CPU per chunk | of it, the daemon's | CPU "
-        "(cores) | gap p50 / p99 (ms) | streams | errors | short |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "(cores) | gap p50 / p99 (ms) | first event p50 / max (ms) | machine busy | streams | "
+        "errors | short |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for path, runs in res.items():
         rate = statistics.median(r["events_per_s"] for r in runs)
@@ -186,12 +190,16 @@ def render(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]]) -> st
         cores_used = statistics.median(r["cpu_s"] / r["elapsed_s"] for r in runs)
         p50 = statistics.median(r["gap_p50_ms"] for r in runs)
         p99 = statistics.median(r["gap_p99_ms"] for r in runs)
+        f50 = statistics.median(r["first_p50_ms"] for r in runs)
+        fmax = statistics.median(r["first_max_ms"] for r in runs)
+        busy = statistics.median(r["busy"] for r in runs)
         lines.append(
             f"| {path} | {rate:,.0f} | {ratio:.3f} | "
             + ("- | " if path == "direct" else "")
             + ("-" if path == "direct" else f"{cpu:.1f} us | {own:.1f} us") + " | "
             + ("-" if path == "direct" else f"{cores_used:.2f}")
-            + f" | {p50:.1f} / {p99:.1f} | {sum(r['streams'] for r in runs)} | "
+            + f" | {p50:.1f} / {p99:.1f} | {f50:.1f} / {fmax:.1f} | {busy:.0%} | "
+            f"{sum(r['streams'] for r in runs)} | "
             f"{sum(r['errors'] for r in runs)} | {sum(r['short'] for r in runs)} |")
     return "\n".join(lines) + "\n"
 

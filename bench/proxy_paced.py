@@ -78,6 +78,7 @@ async def client_run(cmd: dict[str, Any]) -> dict[str, Any]:
             body = json.dumps(completion(True, n_tokens,
                                          model=cmd.get("model", "synthetic"))).encode()
             gaps: list[float] = []
+            firsts: list[float] = []  # request sent to its first event
             counts: list[int] = []
             errors = reads = 0
             todo = iter(range(total))
@@ -86,6 +87,7 @@ async def client_run(cmd: dict[str, Any]) -> dict[str, Any]:
                 nonlocal errors, reads
                 for _ in todo:
                     try:
+                        sent = time.perf_counter()
                         async with session.post(url, data=body, headers=HEADERS) as r:
                             n, tail, last_t = 0, b"", 0.0
                             async for chunk in r.content.iter_any():
@@ -97,6 +99,8 @@ async def client_run(cmd: dict[str, Any]) -> dict[str, Any]:
                                 if k:
                                     if n:  # (a stream's first event ends no gap)
                                         gaps.append(t - last_t)
+                                    else:
+                                        firsts.append(t - sent)
                                     gaps.extend([0.0] * (k - 1))
                                     n += k
                                     last_t = t
@@ -118,7 +122,9 @@ async def client_run(cmd: dict[str, Any]) -> dict[str, Any]:
             return {"n": len(counts), "errors": errors, "elapsed_s": elapsed,
                     "events": sum(counts), "events_per_s": sum(counts) / elapsed,
                     "reads": reads, "short_streams": sum(1 for c in counts if c < n_tokens),
-                    "gap_p50_ms": q(0.5), "gap_p90_ms": q(0.9), "gap_p99_ms": q(0.99)}
+                    "gap_p50_ms": q(0.5), "gap_p90_ms": q(0.9), "gap_p99_ms": q(0.99),
+                    "first_p50_ms": statistics.median(firsts) * 1e3 if firsts else float("nan"),
+                    "first_max_ms": max(firsts) * 1e3 if firsts else float("nan")}
 
         await batch(conc, 10)  # warm-up: every connection opened, the paths warm
         return await batch(int(cmd["total"]), tokens)
