@@ -10,7 +10,11 @@ rotating), medians over the rounds:
 - **direct**: each client to its engine;
 - **wN**: through the front door over N processes: `WorkerPool` (N > 1) or `FrontProxy`
   (N = 1) alone in its own process group, the K engines behind it with their gates open
-  and unlimited, each client's model routed to its engine (as a host of K engines does).
+  and unlimited, each client's model routed to its engine (as a host of K engines does);
+- **nginxN** (where nginx runs; `--nginx-workers N`, 0: none): nginx with N worker
+  processes (`reuseport`, keep-alive to the engines, `proxy_buffering off`), one port per
+  engine (it cannot route by the body's `model`): what a hop through a proxy written in C
+  costs on the same host, the same run.
 
 Reported per path: the events/s all clients received together, against direct's in the
 same round (ratio), the front door's CPU per chunk (utime + stime of every process of
@@ -44,7 +48,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.proxy_bench import PY, Child, Client, _output  # noqa: E402
+from bench.proxy_bench import (  # noqa: E402
+    NGINX,
+    PY,
+    Child,
+    Client,
+    _output,
+    free_port,
+    nginx_runs,
+)
 from bench.proxy_paced import machine_busy  # noqa: E402
 from bench.report import write_section  # noqa: E402
 
@@ -84,6 +96,44 @@ async def run_pool(workers: int, upstreams: list[str]) -> None:
 
 # ---- the run --------------------------------------------------------------------------
 
+def nginx_conf(tmp: Path, workers: int, ports: list[int], up_ports: list[int]) -> Path:
+    """nginx over N processes before the engines: engine i behind port i."""
+    ups = "\n".join(f"    upstream e{i} {{ server 127.0.0.1:{u}; keepalive 1024; "
+                    f"keepalive_requests 1000000; }}" for i, u in enumerate(up_ports))
+    servers = "\n".join(f"""    server {{
+        listen 127.0.0.1:{p} reuseport backlog=4096;
+        location / {{
+            proxy_pass http://e{i};
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+        }}
+    }}""" for i, p in enumerate(ports))
+    conf = tmp / "nginx-plane.conf"
+    conf.write_text(f"""
+daemon off;
+master_process on;
+worker_processes {workers};
+worker_rlimit_nofile 65536;
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx-error.log warn;
+events {{ worker_connections 16384; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    keepalive_requests 1000000;
+{ups}
+{servers}
+}}
+""")
+    return conf
+
+
 def own_cpu_s(front: Child) -> float:
     """CPU seconds of the front door's first process alone: the daemon's part (with
     workers, every slot's decision; with one process, everything)."""
@@ -107,7 +157,19 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[dict[str, Any
         fronts = {f"w{n}": Child(f"w{n}", [PY, __file__, "_pool", str(n), *specs], tmp)
                   for n in args.workers}
         children += fronts.values()
-        ports = {name: c.wait_listening(120) for name, c in fronts.items()}
+        ports: dict[str, int | list[int]] = {name: c.wait_listening(120)
+                                             for name, c in fronts.items()}
+        if args.nginx_workers and nginx_runs():
+            name = f"nginx{args.nginx_workers}"
+            ng_ports = [free_port() for _ in up_ports]
+            ng = Child(name, [NGINX, "-e", str(tmp / "nginx-error.log"), "-p", str(tmp),
+                              "-c", str(nginx_conf(tmp, args.nginx_workers, ng_ports,
+                                                   up_ports))], tmp)
+            children.append(ng)
+            for p in ng_ports:
+                ng.wait_port(p)
+            fronts[name] = ng
+            ports[name] = ng_ports
         paths = ["direct", *fronts]
         clients = [Client(str(ROOT / "bench" / "proxy_paced.py"))
                    for _ in range(args.engines)]
@@ -120,7 +182,9 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[dict[str, Any
                 own0 = own_cpu_s(front) if front else 0.0
                 busy0 = machine_busy()
                 for i, c in enumerate(clients):
-                    port = up_ports[i] if path == "direct" else ports[path]
+                    at = ports.get(path)
+                    port = up_ports[i] if path == "direct" else \
+                        at[i] if isinstance(at, list) else at
                     assert c.p.stdin is not None
                     c.p.stdin.write(json.dumps({
                         "url": f"http://127.0.0.1:{port}/v1/completions"
@@ -196,7 +260,8 @@ def render(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]]) -> st
         lines.append(
             f"| {path} | {rate:,.0f} | {ratio:.3f} | "
             + ("- | " if path == "direct" else "")
-            + ("-" if path == "direct" else f"{cpu:.1f} us | {own:.1f} us") + " | "
+            + ("-" if path == "direct" else f"{cpu:.1f} us | "
+               + ("-" if path.startswith("nginx") else f"{own:.1f} us")) + " | "
             + ("-" if path == "direct" else f"{cores_used:.2f}")
             + f" | {p50:.1f} / {p99:.1f} | {f50:.1f} / {fmax:.1f} | {busy:.0%} | "
             f"{sum(r['streams'] for r in runs)} | "
@@ -218,6 +283,8 @@ def main() -> int:
     ap.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")],
                     default=[1, 2, 4, 8])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--nginx-workers", type=int, default=8,
+                    help="the nginx path's worker processes (0: no nginx path)")
     ap.add_argument("--out", type=Path, help="rewrite this section of the file")
     args = ap.parse_args()
     t0 = time.monotonic()

@@ -46,7 +46,8 @@ sys.path.insert(0, str(ROOT))
 from bench.report import write_section  # noqa: E402
 
 PY = sys.executable
-NGINX = shutil.which("nginx") or "/usr/sbin/nginx"  # (sbin: not on a user's PATH)
+# (sbin: not on a user's PATH; $NGINX: a binary brought along)
+NGINX = os.environ.get("NGINX") or shutil.which("nginx") or "/usr/sbin/nginx"
 ENGINE_PY = ROOT / ".venv-engine" / "bin" / "python"
 PATHS: tuple[str, ...] = ("direct", "proxy", "proxy-asyncio", "nginx")
 # "proxy" runs on the daemon's own loop (uvloop, `supervisor.loop`); "proxy-asyncio" is the
