@@ -11,56 +11,14 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 from supervisor import engine_checks, weight_cache_argv
+from supervisor.config_sections import EngineConfig, ExporterConfig, FleetConfig, ProxyConfig
 from supervisor.fleet.router import url_problem
 from supervisor.ops.exporter import parse_listen
 
-# What the rules read of the sections (the dataclasses of `supervisor/config_sections.py`):
-# by their shapes here, not by name.
-
-
-class EngineConfig(weight_cache_argv.CachedEngine, Protocol):
-    @property
-    def host(self) -> str: ...
-    @property
-    def port(self) -> int: ...
-    @property
-    def standby_port(self) -> int: ...
-    @property
-    def stop_grace_s(self) -> float: ...
-    @property
-    def drain_timeout_s(self) -> float: ...
-    @property
-    def fallback(self) -> str: ...
-    @property
-    def share_gpus(self) -> bool: ...
-    @property
-    def rearm_window(self) -> str: ...
-    def second(self) -> EngineConfig: ...
-    def served_models(self) -> tuple[str, ...]: ...
-    @property
-    def models_open(self) -> bool: ...
-
-
-class FleetConfig(Protocol):
-    @property
-    def routers(self) -> list[str]: ...
-    @property
-    def advertise(self) -> str: ...
-    @property
-    def retry_initial_s(self) -> float: ...
-    @property
-    def retry_max_s(self) -> float: ...
-
-
-class ListenerConfig(Protocol):
-    """[proxy] and [exporter]: a socket of the daemon's own, when enabled."""
-    @property
-    def enabled(self) -> bool: ...
-    @property
-    def listen(self) -> str: ...
+ListenerConfig = ProxyConfig | ExporterConfig  # a socket of the daemon's own, when enabled
 
 
 def check_engine(key: str, engine: EngineConfig, problems: list[str]) -> None:

@@ -193,9 +193,10 @@ def test_restart_drains_then_starts_a_new_engine(daemon_factory, tmp_path):
 
 
 def test_restart_while_draining_is_refused_with_a_reason(daemon_factory, tmp_path):
-    # an engine that ignores SIGTERM stays in DRAINING for drain + grace (10 s)
+    # an engine that ignores SIGTERM stays in DRAINING for drain + grace (6 s: room for
+    # the second call; each stop of it, the teardown's too, takes as long)
     d = daemon_factory(fake_engine_config(tmp_path, "--ignore-sigterm",
-                                          engine={"drain_timeout_s": 5, "stop_grace_s": 5}))
+                                          engine={"drain_timeout_s": 3, "stop_grace_s": 3}))
     d.wait_state("RUNNING", 20)
     assert d.ctl("restart").returncode == 0
     r = d.ctl("restart")
