@@ -185,7 +185,8 @@ def test_scripted_heat_makes_the_thermal_alert_pending(observed):
 
 
 def test_kv_saturation_through_the_proxy_makes_its_alert_pending(observed):
-    _, cfg, prom = observed
+    d, cfg, prom = observed
+    d.wait_state("RUNNING", START_TIMEOUT)  # (not left to the tests before it)
     proxy = cfg["proxy"]["listen"]
     body = {"model": MODEL, "prompt": "tell me a story", "max_tokens": 400, "ignore_eos": True}
     stop = threading.Event()
