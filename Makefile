@@ -54,6 +54,7 @@ bench-proxy: setup
 # (128,000 chunks/s offered) through 1, 2, 4 and 8 proxy workers beside direct; it wants
 # 16 cores or more (about 2 minutes; on fewer, pass ARGS="--engines 2 --streams 64")
 bench-plane: setup
+	bash scripts/setup.sh nginx
 	.venv/bin/python bench/plane_scale.py --out docs/benchmarks.md $(ARGS)
 
 bench-proxy-paced: setup
