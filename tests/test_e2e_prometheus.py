@@ -193,19 +193,22 @@ def test_kv_saturation_through_the_proxy_makes_its_alert_pending(observed):
     results: list[int | str] = []
 
     def client() -> None:
-        while not stop.is_set():
-            try:
-                r = httpx.post(f"http://{proxy}/v1/completions", json=body, timeout=300)
-                results.append(r.status_code)
-            except httpx.HTTPError as exc:
-                results.append(type(exc).__name__)
+        # one client (and TLS context) per thread: the test's own CPU stays off the 2
+        # cores the engine needs to fall behind and preempt
+        with httpx.Client(timeout=300) as http:
+            while not stop.is_set():
+                try:
+                    r = http.post(f"http://{proxy}/v1/completions", json=body, timeout=300)
+                    results.append(r.status_code)
+                except httpx.HTTPError as exc:
+                    results.append(type(exc).__name__)
 
     t0 = time.monotonic()
     threads = [threading.Thread(target=client, daemon=True) for _ in range(24)]
     for t in threads:
         t.start()
     try:
-        a = until_alert(prom, "VLLMKVCacheSaturated", 240, t0)
+        a = until_alert(prom, "VLLMKVCacheSaturated", 420, t0)
         assert a["state"] == "pending" and float(a["value"]) >= 0.95
         breaker = prom.alert("VLLMKVBreakerOpen")
         print("breaker alert:", breaker and breaker["state"])
