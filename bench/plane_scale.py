@@ -55,6 +55,7 @@ from bench.proxy_bench import (  # noqa: E402
     Client,
     _output,
     free_port,
+    nginx_config,
     nginx_runs,
 )
 from bench.proxy_paced import machine_busy  # noqa: E402
@@ -96,44 +97,6 @@ async def run_pool(workers: int, upstreams: list[str]) -> None:
 
 # ---- the run --------------------------------------------------------------------------
 
-def nginx_conf(tmp: Path, workers: int, ports: list[int], up_ports: list[int]) -> Path:
-    """nginx over N processes before the engines: engine i behind port i."""
-    ups = "\n".join(f"    upstream e{i} {{ server 127.0.0.1:{u}; keepalive 1024; "
-                    f"keepalive_requests 1000000; }}" for i, u in enumerate(up_ports))
-    servers = "\n".join(f"""    server {{
-        listen 127.0.0.1:{p} reuseport backlog=4096;
-        location / {{
-            proxy_pass http://e{i};
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-            proxy_request_buffering off;
-        }}
-    }}""" for i, p in enumerate(ports))
-    conf = tmp / "nginx-plane.conf"
-    conf.write_text(f"""
-daemon off;
-master_process on;
-worker_processes {workers};
-worker_rlimit_nofile 65536;
-pid {tmp}/nginx.pid;
-error_log {tmp}/nginx-error.log warn;
-events {{ worker_connections 16384; }}
-http {{
-    access_log off;
-    client_body_temp_path {tmp}/body;
-    proxy_temp_path {tmp}/proxy;
-    fastcgi_temp_path {tmp}/fastcgi;
-    uwsgi_temp_path {tmp}/uwsgi;
-    scgi_temp_path {tmp}/scgi;
-    keepalive_requests 1000000;
-{ups}
-{servers}
-}}
-""")
-    return conf
-
-
 def own_cpu_s(front: Child) -> float:
     """CPU seconds of the front door's first process alone: the daemon's part (with
     workers, every slot's decision; with one process, everything)."""
@@ -163,8 +126,11 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[dict[str, Any
             name = f"nginx{args.nginx_workers}"
             ng_ports = [free_port() for _ in up_ports]
             ng = Child(name, [NGINX, "-e", str(tmp / "nginx-error.log"), "-p", str(tmp),
-                              "-c", str(nginx_conf(tmp, args.nginx_workers, ng_ports,
-                                                   up_ports))], tmp)
+                              "-c", str(nginx_config(
+                                  tmp, list(zip(ng_ports, up_ports, strict=True)),
+                                  args.nginx_workers, connections=16384, keepalive=1024,
+                                  listen_opts=" reuseport backlog=4096",
+                                  name="nginx-plane.conf"))], tmp)
             children.append(ng)
             for p in ng_ports:
                 ng.wait_port(p)

@@ -95,14 +95,39 @@ async def run_proxy(upstream: str, routed: bool = False) -> None:
 
 
 def nginx_conf(tmp: Path, port: int, upstream_port: int) -> Path:
-    conf = tmp / "nginx.conf"
+    """nginx, one worker, before one upstream (the proxy benches' baseline)."""
+    return nginx_config(tmp, [(port, upstream_port)])
+
+
+def nginx_config(tmp: Path, routes: list[tuple[int, int]], workers: int = 1,
+                 connections: int = 4096, keepalive: int = 512, listen_opts: str = "",
+                 name: str = "nginx.conf") -> Path:
+    """nginx as a reverse proxy written in C: each (port, upstream port) of `routes` its
+    own server and keep-alive upstream, buffering off both ways."""
+    ups = "\n".join(f"""    upstream u{i} {{
+        server 127.0.0.1:{u};
+        keepalive {keepalive};
+        keepalive_requests 1000000;
+    }}""" for i, (_, u) in enumerate(routes))
+    servers = "\n".join(f"""    server {{
+        listen 127.0.0.1:{p}{listen_opts};
+        location / {{
+            proxy_pass http://u{i};
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+        }}
+    }}""" for i, (p, _) in enumerate(routes))
+    rlimit = f"worker_rlimit_nofile {4 * connections};\n" if workers > 1 else ""
+    conf = tmp / name
     conf.write_text(f"""
 daemon off;
 master_process on;
-worker_processes 1;
-pid {tmp}/nginx.pid;
+worker_processes {workers};
+{rlimit}pid {tmp}/nginx.pid;
 error_log {tmp}/nginx-error.log warn;
-events {{ worker_connections 4096; }}
+events {{ worker_connections {connections}; }}
 http {{
     access_log off;
     client_body_temp_path {tmp}/body;
@@ -111,21 +136,8 @@ http {{
     uwsgi_temp_path {tmp}/uwsgi;
     scgi_temp_path {tmp}/scgi;
     keepalive_requests 1000000;
-    upstream synthetic {{
-        server 127.0.0.1:{upstream_port};
-        keepalive 512;
-        keepalive_requests 1000000;
-    }}
-    server {{
-        listen 127.0.0.1:{port};
-        location / {{
-            proxy_pass http://synthetic;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-            proxy_request_buffering off;
-        }}
-    }}
+{ups}
+{servers}
 }}
 """)
     return conf
