@@ -486,6 +486,17 @@ def _quiet(answers: list[Answer], seconds: float, bound: float) -> None:
             seen, since = now, time.monotonic()
 
 
+def _idle(proc: psutil.Process, seconds: float, bound: float) -> None:
+    """Until `proc` has used no CPU for `seconds` (at most `bound`)."""
+    deadline = time.monotonic() + bound
+    used, since = -1.0, time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < seconds:
+        time.sleep(0.05)
+        t = proc.cpu_times()
+        if (now := t.user + t.system) != used:
+            used, since = now, time.monotonic()
+
+
 def test_core_sigkill_mid_stream_is_continued_token_exact(fronted):
     """SIGKILL of `VLLM::EngineCore` once every stream has tokens: each continuable stream
     goes on through the restart to [DONE], finish_reason length and every token asked for,
@@ -501,30 +512,43 @@ def test_core_sigkill_mid_stream_is_continued_token_exact(fronted):
     reference = [Answer() for _ in bodies[:-1]]
     runs = [threading.Thread(target=answer, args=(cfg, path, body, a))
             for (path, body), a in zip(bodies[:-1], reference, strict=True)]
+    began = time.monotonic()
     for t in runs:
         t.start()
     for t in runs:
         t.join(300)
+    span = time.monotonic() - began
     assert all(a.done and a.finish == "length" for a in reference), reference
     restarts = d.status()["restarts"]
-    # The crash must land while streams are being generated. On two busy cores vLLM's API
-    # server hands out chunks late, so what a client sees says little of where the core
-    # is: the core is SIGSTOPped first (generation stops), and once the clients have all
-    # it produced, a stream with tokens but not all of them is truly mid-generation; then
-    # the SIGKILL. If none (or not the refused one) was caught, the core goes on and a new
-    # wave runs.
+    # The crash must land while streams are being generated. On two cores the tiny model
+    # generates a stream whole in a fraction of a second, and vLLM's API server may hand
+    # it to its client only after that, so what a client sees says little of where the
+    # core is. So each wave: the core is SIGSTOPped, the streams sent (they wait in the
+    # API server, then all start together once the core goes on), and the core stopped
+    # again at a time into their generation; once the clients have all it produced, a
+    # stream with tokens but not all of them is truly mid-generation; then the SIGKILL.
+    # If none (or not the refused one) was caught, the core goes on, the wave ends, and
+    # the next one stops it earlier or later: a bisection over the uncrashed run's span.
     core = next(p for p in tree(st["pid"]) if p.name().startswith("VLLM::EngineCor"))
-    for _wave in range(6):
+    api_server = psutil.Process(st["pid"])
+    early, late = 0.0, span
+    for _wave in range(8):
         crashed = [Answer() for _ in bodies]
         runs = [threading.Thread(target=answer, args=(cfg, path, body, a))
                 for (path, body), a in zip(bodies, crashed, strict=True)]
+        core.suspend()
         for t in runs:
             t.start()
-        wait_for(lambda c=crashed, r=runs: all(a.tokens_seen > 0 or not t.is_alive()
-                                               for a, t in zip(c, r, strict=True)),
-                 120, "every stream to have tokens", interval=0.02)
+        wait_for(lambda: d.status()["admission"]["in_flight"] == len(bodies), 60,
+                 "the wave's streams to be sent on")
+        _idle(api_server, 0.3, 10.0)  # (it has handed them to the stopped core)
+        at = (early + late) / 2
+        core.resume()
+        began = time.monotonic()
+        while time.monotonic() - began < at and any(t.is_alive() for t in runs):
+            time.sleep(0.005)
         core.suspend()
-        _quiet(crashed, 1.0, 5.0)
+        _quiet(crashed, 1.5, 30.0)
         seen_at_kill = [a.tokens_seen for a in crashed]
         mid = sum(0 < n < CONTINUED for n in seen_at_kill[:-1])
         if mid and 0 < seen_at_kill[-1] < CONTINUED:
@@ -532,7 +556,13 @@ def test_core_sigkill_mid_stream_is_continued_token_exact(fronted):
         core.resume()
         for t in runs:
             t.join(300)
-    assert mid, "no stream was caught mid-generation in six waves"
+        middle = sorted(seen_at_kill)[len(seen_at_kill) // 2]
+        if middle == 0:
+            early = at  # stopped before the streams had tokens: stop later
+        elif middle >= CONTINUED:
+            late = at  # stopped once they were whole: stop earlier
+        print(f"crash wave: stopped at {at:.3f} s (of {span:.1f}): {seen_at_kill}")
+    assert mid, "no stream was caught mid-generation in eight waves"
     core.send_signal(signal.SIGKILL)  # (a stopped process dies of it all the same)
     killed = time.monotonic()
     later: list[str] = []
