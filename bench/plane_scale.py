@@ -14,7 +14,9 @@ rotating), medians over the rounds:
 - **nginxN** (where nginx runs; `--nginx-workers N`, 0: none): nginx with N worker
   processes (`reuseport`, keep-alive to the engines, `proxy_buffering off`), one port per
   engine (it cannot route by the body's `model`): what a hop through a proxy written in C
-  costs on the same host, the same run.
+  costs on the same host, the same run;
+- **wN-before** (`--baseline REF`): the same front door at commit REF (a worktree; or
+  `--baseline-dir DIR`, that commit's tree already out), before and after in one run.
 
 Reported per path: the events/s all clients received together, against direct's in the
 same round (ratio), the front door's CPU per chunk (utime + stime of every process of
@@ -25,7 +27,7 @@ The default is issue 38's: 8 engines x 256 streams at a 16 ms step (8 H100s serv
 8B model: about 128,000 chunks/s), which wants a machine of 16 cores or more.
 
     .venv/bin/python bench/plane_scale.py [--engines 8] [--streams 256] [--step-ms 16]
-        [--workers 1,2,4,8] [--rounds 2] [--out docs/benchmarks.md]
+        [--workers 1,2,4,8] [--rounds 2] [--baseline REF] [--out docs/benchmarks.md]
     .venv/bin/python bench/plane_scale.py _pool N URL[=MODEL]...   # the front door alone
 """
 
@@ -38,6 +40,7 @@ import os
 import platform
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -111,6 +114,7 @@ def own_cpu_s(front: Child) -> float:
 def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[dict[str, Any]]]:
     children: list[Child] = []
     clients: list[Client] = []
+    base = args.baseline_dir.resolve() if args.baseline_dir else tmp / "baseline"
     try:
         ups = [Child(f"up{i}", [PY, str(ROOT / "bench" / "synthetic_upstream.py"),
                                 "--uvloop"], tmp) for i in range(args.engines)]
@@ -119,6 +123,14 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[dict[str, Any
         specs = [f"http://127.0.0.1:{p}=m{i}" for i, p in enumerate(up_ports)]
         fronts = {f"w{n}": Child(f"w{n}", [PY, __file__, "_pool", str(n), *specs], tmp)
                   for n in args.workers}
+        if args.baseline:
+            if args.baseline_dir is None:
+                subprocess.run(["git", "worktree", "add", "--detach", str(base),
+                                args.baseline], cwd=ROOT, check=True, capture_output=True)
+            before = str(base / "bench" / "plane_scale.py")
+            fronts |= {f"w{n}-before": Child(f"w{n}-before",
+                                             [PY, before, "_pool", str(n), *specs], tmp)
+                       for n in args.workers}
         children += fronts.values()
         ports: dict[str, int | list[int]] = {name: c.wait_listening(120)
                                              for name, c in fronts.items()}
@@ -189,6 +201,9 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[dict[str, Any
             c.close()
         for ch in reversed(children):
             ch.stop()
+        if args.baseline and args.baseline_dir is None:
+            subprocess.run(["git", "worktree", "remove", "--force", str(base)],
+                           cwd=ROOT, check=False, capture_output=True)
 
 
 def render(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]]) -> str:
@@ -204,7 +219,8 @@ def render(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]]) -> st
         f"({args.engines * args.streams * 1000 / args.step_ms:,.0f} chunks/s offered), "
         f"{args.streams * args.waves} streams per engine and run, {args.rounds} rounds, "
         "medians; ratio: against direct in the same round. CPU: every process of the front "
-        "door (workers included) per chunk delivered.",
+        "door (workers included) per chunk delivered."
+        + (f" wN-before: the front door at commit {args.baseline}." if args.baseline else ""),
         "",
         "| path | chunks/s | ratio to direct | CPU per chunk | of it, the daemon's | CPU "
         "(cores) | gap p50 / p99 (ms) | first event p50 / max (ms) | machine busy | streams | "
@@ -251,6 +267,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--nginx-workers", type=int, default=8,
                     help="the nginx path's worker processes (0: no nginx path)")
+    ap.add_argument("--baseline", metavar="REF",
+                    help="also the front door at this commit (wN-before), same run")
+    ap.add_argument("--baseline-dir", type=Path, metavar="DIR",
+                    help="with --baseline: that commit's tree, already checked out here")
     ap.add_argument("--out", type=Path, help="rewrite this section of the file")
     args = ap.parse_args()
     t0 = time.monotonic()
