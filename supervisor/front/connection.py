@@ -105,7 +105,9 @@ class Connection(asyncio.Protocol):
         self._task: asyncio.Task[None] | None = None  # serves the requests in turn
         self._wakeup: asyncio.Future[None] | None = None  # its wait for the next
         self._wait: Wait | None = None
+        self._deadline = 0.0  # (the loop's clock) of the wait
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         self._last_read = 0.0
         self._linger: asyncio.TimerHandle | None = None
 
@@ -457,21 +459,37 @@ class Connection(asyncio.Protocol):
             self._disarm()
         self._update_reading()
 
+    # The deadline is a field; its timer is lazy (nginx keeps its timers so): one that
+    # is due no later than the deadline stays, and when it fires it looks at where the
+    # connection is then, and is set again for a deadline that moved on. A request on a
+    # kept-alive connection moves the deadline three times (head, answer, idle) and
+    # sets no timer.
+
     def _arm(self, wait: Wait, after_s: float) -> None:
         if self.lost:
             return
-        if self._timer is not None:
-            self._timer.cancel()
         self._wait = wait
-        self._timer = self.loop.call_later(after_s, self._timed_out)
+        self._deadline = deadline = self.loop.time() + after_s
+        if self._timer is not None:
+            if self._timer_at <= deadline:
+                return  # (it fires first, and looks again then)
+            self._timer.cancel()
+        self._timer_at = deadline
+        self._timer = self.loop.call_at(deadline, self._timed_out)
 
     def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer, self._wait = None, None
+        self._wait = None  # (its timer, if set, finds nothing to do)
 
     def _timed_out(self) -> None:
-        wait, self._timer, self._wait = self._wait, None, None
+        self._timer = None
+        wait = self._wait
+        if wait is None or self.lost:
+            return
+        if self._deadline > self.loop.time():  # moved on since this timer was set
+            self._timer_at = self._deadline
+            self._timer = self.loop.call_at(self._deadline, self._timed_out)
+            return
+        self._wait = None
         if wait is Wait.IDLE:
             self._close()
         elif wait is Wait.HEADER:

@@ -155,8 +155,19 @@ def plan(path: str, body: bytes, doc: object = _UNREAD) -> Plan | None:
     client_ids = doc.get("return_token_ids") is True
     refused = refusal(doc, chat)
     if refused is None and not client_ids:
-        body = json.dumps({**doc, "return_token_ids": True}, separators=(",", ":")).encode()
+        body = with_token_ids(body, doc)
     return Plan(path, chat, doc, body, client_ids, max_tokens, min_tokens, refused)
+
+
+def with_token_ids(body: bytes, doc: dict[str, Any]) -> bytes:
+    """The client's body asking for token ids too: the key put before the client's own
+    (its bytes untouched, not encoded again) where the body is the object `doc` was
+    parsed from and does not name the key; else `doc` encoded with it."""
+    if "return_token_ids" not in doc and doc:
+        start = body.lstrip(b" \t\r\n")
+        if start[:1] == b"{":
+            return b'{"return_token_ids":true,' + start[1:]
+    return json.dumps({**doc, "return_token_ids": True}, separators=(",", ":")).encode()
 
 
 def _count(v: object) -> bool:

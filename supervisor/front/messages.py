@@ -233,6 +233,22 @@ class StreamResponse:
             data = b"%x\r\n%b\r\n" % (len(data), data)
         return conn.send_nowait(data)
 
+    def end_nowait(self, data: bytes) -> bool:
+        """The answer's last bytes and its end, in one write (a stream's [DONE] event and
+        the chunked body's terminator: one system call a request fewer); as
+        `write_nowait`, then `write_eof` has nothing left to do."""
+        conn = self._conn
+        assert conn is not None, "write before prepare"
+        if self._ended:
+            raise RuntimeError("a write after the answer's end")
+        if self._bodyless or not self._chunked:
+            ok = self.write_nowait(data)
+            self._ended = True  # (an HTTP/1.0 client's end is the connection's)
+            return ok
+        self._ended = True
+        return conn.send_nowait(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data
+                                else b"0\r\n\r\n")
+
     async def drain(self) -> None:
         assert self._conn is not None, "drain before prepare"
         await self._conn.drain()

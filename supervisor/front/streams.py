@@ -161,7 +161,8 @@ class StreamRelay:
         # (the path of every event of every stream: each engine read taken in the
         # upstream connection's own callback (`Answer.pump`), no task woken per event;
         # the write without a coroutine; the histogram found once)
-        transcribe, write, clock = t.read, resp.write_nowait, time.monotonic
+        transcribe, write, end, clock = t.read, resp.write_nowait, resp.end_nowait, \
+            time.monotonic
         if (stall := ex.stall_timeout_s) > 0:  # (no token that long: the engine's fault)
             up.set_read_timeout(min(stall, self.s.idle_read_timeout_s))
         gaps = self.latency.histogram("stream_gap", self.latency.label(ex.model))
@@ -170,7 +171,8 @@ class StreamRelay:
         def sink(chunk: bytes) -> bool:
             out = transcribe(chunk)  # one write per read: the socket coalesced them
             if out:
-                if not write(out):
+                # (the [DONE] event and the body's end: one write)
+                if not (end(out) if t.done else write(out)):
                     behind.append(out)
                     return False
                 now = clock()
@@ -218,7 +220,7 @@ class StreamRelay:
         upstream connection's callback, `Answer.pump`); the stream's gaps as the client
         gets them, and the answer's tail (where its usage is) for the access line."""
         gaps = self.latency.histogram("stream_gap", self.latency.label(ex.model))
-        write, clock = resp.write_nowait, time.monotonic
+        write, end, clock = resp.write_nowait, resp.end_nowait, time.monotonic
         last = 0.0
         behind: list[bytes] = []  # written past the client's full buffer: timed once drained
 
@@ -236,7 +238,8 @@ class StreamRelay:
                        else (ex.tail + chunk)[-TAIL_BYTES:])
 
         def sink(chunk: bytes) -> bool:
-            if not write(chunk):
+            # (the answer's last bytes and its end: one write)
+            if not (end(chunk) if up.complete else write(chunk)):
                 behind.append(chunk)
                 return False
             timed(chunk)
