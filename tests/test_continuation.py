@@ -73,6 +73,25 @@ def test_a_continuable_request_asks_for_token_ids_and_keeps_the_rest() -> None:
     assert chat is not None and chat.chat and chat.max_tokens == 30
 
 
+@pytest.mark.parametrize("raw", [
+    b'{"model":"m","prompt":"hi","stream":true}',
+    b' \r\n\t{ "model" : "m", "prompt": "hi", "stream": true }',  # spaced, as any client
+    b'{"model":"m","prompt":"hi","stream":true,"return_token_ids":false}',  # its own: no
+    b'\xef\xbb\xbf{"model":"m","prompt":"hi","stream":true}',  # a BOM: encoded again
+    '{"model":"m","prompt":"caf\u00e9 \\u2603","stream":true}'.encode(),
+])
+def test_the_token_ids_key_goes_in_front_of_the_clients_bytes_or_the_body_is_encoded(
+        raw: bytes) -> None:
+    doc = json.loads(raw)
+    sent = continuation.with_token_ids(raw, doc)
+    assert json.loads(sent) == {**doc, "return_token_ids": True}
+    if raw.lstrip()[:1] == b"{" and "return_token_ids" not in doc:
+        assert sent.endswith(raw.lstrip()[1:])  # the client's bytes, untouched
+    else:
+        assert sent == json.dumps({**doc, "return_token_ids": True},
+                                  separators=(",", ":")).encode()
+
+
 def test_the_clients_own_token_ids_request_is_sent_as_it_is() -> None:
     raw = body(return_token_ids=True)
     p = plan(COMP, raw)

@@ -144,6 +144,27 @@ def test_a_connection_that_never_sends_a_head_is_closed_at_the_head_deadline() -
     asyncio.run(main())
 
 
+def test_a_kept_connections_deadline_moves_with_it_past_its_first_timer() -> None:
+    """Its deadlines are moved without a timer each (`Connection._arm`): the first timer,
+    set for the first head's deadline, fires while the connection is kept idle, and
+    finds the idle deadline (later) instead; a head begun after that is timed again."""
+    async def main() -> None:
+        async with serving(header_timeout_s=0.3, idle_timeout_s=5.0) as (server, seen):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"GET /a HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert (await reader.readuntil(b"}")).startswith(b"HTTP/1.1 200")
+            await asyncio.sleep(0.6)  # past the first head's deadline: kept, idle
+            writer.write(b"GET /b HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert (await reader.readuntil(b"}")).startswith(b"HTTP/1.1 200")
+            writer.write(b"GET /c HTTP/1.1\r\nHost: t\r\nX-Slow: a")  # never ends
+            assert status(await asyncio.wait_for(reader.read(), 5)) == 408
+            assert [r[0] for r in seen.requests] == ["/a", "/b"]
+            assert seen.refused == [(408, "header_timeout")]
+            writer.close()
+
+    asyncio.run(main())
+
+
 # ---- H2, M3: trailers -----------------------------------------------------------------
 
 def test_trailers_count_against_the_head_bound_and_never_reach_the_handler() -> None:
