@@ -48,6 +48,8 @@ def connection_named(values: list[str]) -> frozenset[str]:
                      if (n := c.strip().lower()) and n not in _OPTIONS)
 
 
-def without(fields: list[tuple[str, str]], names: frozenset[str]) -> list[tuple[str, str]]:
+def without(fields: list[tuple[bytes, bytes]],
+            names: frozenset[str]) -> list[tuple[bytes, bytes]]:
     """The fields but those named."""
-    return [(k, v) for k, v in fields if k.lower() not in names]
+    return [(k, v) for k, v in fields
+            if k.decode("latin-1").lower() not in names]

@@ -87,8 +87,8 @@ class Connection(asyncio.Protocol):
         self._phase = Phase.IDLE
         self._messages = 0  # requests begun on this connection
         self._url = b""
-        self._fields: list[tuple[str, str]] = []
-        self._expect = False  # an `Expect: 100-continue`
+        self._fields: list[tuple[bytes, bytes]] = []
+        self._expect: str | None = None  # its Expect field's value
         self._length = 0  # its Content-Length
         self._hosts = 0
         self._codings: list[str] = []  # its Transfer-Encoding values
@@ -196,7 +196,7 @@ class Connection(asyncio.Protocol):
         self._messages += 1
         self._url = b""
         self._fields = []
-        self._expect = False
+        self._expect = None
         self._length = 0
         self._hosts = 0
         self._codings = []
@@ -225,12 +225,12 @@ class Connection(asyncio.Protocol):
         # llhttp leaves at its end: RFC 9112 5)
         if value[-1:] in b" \t":
             value = value.rstrip(b" \t")
-        self._fields.append((name.decode("utf-8", "surrogateescape"),
-                             value.decode("utf-8", "surrogateescape")))
+        self._fields.append((name, value))  # (decoded if read: `Headers`)
         if len(name) in _READ_HERE:  # (the few the server reads itself, found cheaply)
             low = name.lower()
             if low == b"expect":
-                self._expect = value.strip().lower() == b"100-continue"
+                if self._expect is None:  # (the first, as `Headers.get` finds it)
+                    self._expect = value.decode("utf-8", "surrogateescape")
             elif low == b"content-length" and value.strip().isdigit():
                 self._length = int(value)
             elif low == b"host":
@@ -254,8 +254,9 @@ class Connection(asyncio.Protocol):
         version = (1, 1) if v == "1.1" else (1, 0)
         req = Request(self, p.get_method().decode("latin-1"),
                       self._url.decode("utf-8", "surrogateescape"), version, fields,
-                      p.should_keep_alive())
-        req._expect_continue = self._expect and version == (1, 1)
+                      p.should_keep_alive(), self._expect)
+        req._expect_continue = version == (1, 1) and self._expect is not None \
+            and self._expect.strip().lower() == "100-continue"
         if self._length > self.limits.max_body:
             req.too_large = True  # (known now: the handler need not wait for it)
         elif self._length and self.server.buffered + self._length > self.limits.max_buffered:

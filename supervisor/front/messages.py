@@ -46,22 +46,35 @@ class BodyTooLarge(Exception):
 
 
 class Headers:
-    """A request's header fields in their order, names as sent; `get` ignores case."""
+    """A request's header fields in their order, names as sent; `get` ignores case. Kept
+    as the bytes that came (what the proxy sends on, `forward`), decoded only when read
+    (as aiohttp decoded them: UTF-8, surrogates for the rest)."""
 
-    __slots__ = ("_items",)
+    __slots__ = ("_items", "raw")
 
-    def __init__(self, items: list[tuple[str, str]]) -> None:
-        self._items = items
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self.raw = raw
+        self._items: list[tuple[str, str]] | None = None
 
     def get(self, name: str, default: str | None = None) -> str | None:
         low = name.lower()
-        for k, v in self._items:
+        for k, v in self.items():
             if k.lower() == low:
                 return v
         return default
 
     def items(self) -> list[tuple[str, str]]:
+        if self._items is None:
+            self._items = [(k.decode("utf-8", "surrogateescape"),
+                            v.decode("utf-8", "surrogateescape")) for k, v in self.raw]
         return self._items
+
+    def forward(self, hop_by_hop: frozenset[bytes], hop_lengths: frozenset[int]) -> bytes:
+        """The fields but the hop-by-hop ones (lower-case names; `hop_lengths`: their
+        lengths, so that most names are passed by their length alone), as header lines,
+        byte for byte as they came."""
+        return b"".join([k + b": " + v + b"\r\n" for k, v in self.raw
+                         if len(k) not in hop_lengths or k.lower() not in hop_by_hop])
 
 
 class ResponseHeaders:
@@ -90,16 +103,18 @@ class Request:
     """One request: its line and headers at once, its body when the handler reads it."""
 
     __slots__ = ("_body", "_conn", "_done", "_expect_continue", "_held", "_size", "_waiter",
-                 "headers", "keep_alive", "method", "raw_path", "too_large", "version")
+                 "expect", "headers", "keep_alive", "method", "raw_path", "too_large",
+                 "version")
 
     def __init__(self, conn: Connection, method: str, raw_path: str,
-                 version: tuple[int, int], headers: list[tuple[str, str]],
-                 keep_alive: bool) -> None:
+                 version: tuple[int, int], headers: list[tuple[bytes, bytes]],
+                 keep_alive: bool, expect: str | None = None) -> None:
         self._conn = conn
         self.method = method
         self.raw_path = raw_path  # the target exactly as sent
         self.version = version
         self.headers = Headers(headers)
+        self.expect = expect  # its Expect field's value, if it had one
         self.keep_alive = keep_alive
         self._body: list[bytes] = []
         self._size = 0  # body bytes that came

@@ -95,6 +95,7 @@ log = structlog.get_logger("supervisor.proxy")
 access = RequestLog("supervisor.proxy")  # the access line: once per request
 
 ENGINE_HEADER = "X-Supervisor-Engine"  # names the engine that answered
+_ENGINE_LOW = ENGINE_HEADER.lower()
 USAGE_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 # A non-streamed answer of at most this many bytes (its Content-Length) is read whole and
 # sent in one write; a larger one, or one of unknown length, is relayed as it arrives.
@@ -264,7 +265,7 @@ class FrontProxy:
                         method=request.method, path=request.raw_path[:512],
                         peer=request.remote, why=exc.message)
             return self._error(exc.status, exc.message, exc.reason)
-        if (expect := request.headers.get("Expect")) is not None \
+        if (expect := request.expect) is not None \
                 and request.version == (1, 1) and expect.lower() != "100-continue":
             return self._error(417, f"unknown Expect: {expect[:100]}", "bad_expect")
         try:
@@ -422,6 +423,10 @@ class FrontProxy:
         observe("hold_wait", label, ex.held_s)
         observe("admission_wait", label, ex.queued_s)
         observe("duration", label, now - ex.arrived)
+        if ex.stream and ex.first_chunk_at is not None:
+            observe("ttft", label, ex.first_chunk_at - ex.arrived)
+        if not access.enabled():
+            return  # (no access line is written: its fields are not built)
         fields: dict[str, object] = {
             "method": request.method, "path": target.path, "status": ex.status,
             "duration_s": round(now - ex.arrived, 4), "peer": request.remote}
@@ -432,9 +437,7 @@ class FrontProxy:
         if ex.outcome != "ok":
             fields["outcome"] = ex.outcome
         if ex.stream and ex.first_chunk_at is not None:
-            ttft = ex.first_chunk_at - ex.arrived
-            observe("ttft", label, ttft)
-            fields["ttft_s"] = round(ttft, 4)
+            fields["ttft_s"] = round(ex.first_chunk_at - ex.arrived, 4)
         if ex.transcript is not None and ex.transcript.plan.refused is None:
             fields["tokens"] = len(ex.transcript.delivered)
             if ex.transcript.attempt:
@@ -506,10 +509,12 @@ class FrontProxy:
                     ex.tail = data[-TAIL_BYTES:]
                 else:
                     resp = StreamResponse(status=up.status, reason=up.reason)
-                for k, v in up.headers:
-                    if k.lower() not in HOP_BY_HOP:
-                        resp.headers.add(k, v)
-                resp.headers[ENGINE_HEADER] = ex.backend.name
+                # the engine's end-to-end fields, and which engine answered (in place of
+                # any field of that name it sent)
+                resp.headers.items = [(k, v) for k, v in up.headers
+                                      if (low := k.lower()) not in HOP_BY_HOP
+                                      and low != _ENGINE_LOW]
+                resp.headers.items.append((ENGINE_HEADER, ex.backend.name))
                 ex.status = up.status
                 try:
                     await resp.prepare(request)

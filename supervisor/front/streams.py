@@ -52,6 +52,8 @@ RESENDS_AFTER_DROP = 2
 # (and `expect`: the proxy answered a client's 100-continue itself, and has the body)
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
               "trailer", "transfer-encoding", "upgrade", "host", "content-length", "expect"}
+_HOP_BY_HOP = frozenset(n.encode() for n in HOP_BY_HOP)
+_HOP_LENGTHS = frozenset(len(n) for n in HOP_BY_HOP)
 
 
 class StreamRelay:
@@ -463,8 +465,9 @@ class StreamRelay:
         return resp
 
 
-def upstream_headers(request: Request) -> list[tuple[str, str]]:
-    return [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
+def upstream_headers(request: Request) -> bytes:
+    """The client's end-to-end header fields, as lines for the engine's request."""
+    return request.headers.forward(_HOP_BY_HOP, _HOP_LENGTHS)
 
 
 class UpstreamFailed(Exception):

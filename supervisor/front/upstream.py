@@ -46,6 +46,7 @@ a request that kills its engine is charged for the death on a reused connection 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import select
 import time
@@ -279,6 +280,7 @@ class _Connection(asyncio.Protocol):
         self._head: asyncio.Future[Answer] | None = None
         self.answer: Answer | None = None
         self._paused = False
+        self._poll: select.poll | None = None  # its socket, for `usable`
 
     # ---- the request --------------------------------------------------------------
 
@@ -303,13 +305,10 @@ class _Connection(asyncio.Protocol):
         (an idle connection has only the engine's close, or stray bytes, to read)."""
         if self.closed or self.transport is None or self.transport.is_closing():
             return False
-        sock = self.transport.get_extra_info("socket")
-        if sock is None:
+        if self._poll is None:
             return True
         try:
-            poll = select.poll()
-            poll.register(sock.fileno(), select.POLLIN)
-            return not poll.poll(0)
+            return not self._poll.poll(0)
         except (OSError, ValueError):
             return False
 
@@ -330,6 +329,12 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # (uvloop's is not a subclass)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # (`usable` asks it, once per request: set up once)
+            with contextlib.suppress(OSError, ValueError):
+                poll = select.poll()
+                poll.register(sock.fileno(), select.POLLIN)
+                self._poll = poll
 
     def data_received(self, data: bytes) -> None:
         if self.answer is not None and self.answer.complete and self._head is not None:
@@ -434,7 +439,7 @@ class Upstream:
         self.resent_fresh = 0
 
     def request(self, method: str, upstream: str, target: str,
-                headers: Iterable[tuple[str, str]], body: bytes = b"") -> Call:
+                headers: Iterable[tuple[str, str]] | bytes, body: bytes = b"") -> Call:
         """`async with upstream.request(...) as answer`: the request sent, its answer's
         head read. `target` is sent as it is (the proxy checked it raw)."""
         return Call(self, method, upstream, target, headers, body)
@@ -495,7 +500,7 @@ class Call:
     __slots__ = ("_answer", "_args", "_client", "_conn", "_host", "_port")
 
     def __init__(self, client: Upstream, method: str, upstream: str, target: str,
-                 headers: Iterable[tuple[str, str]], body: bytes) -> None:
+                 headers: Iterable[tuple[str, str]] | bytes, body: bytes) -> None:
         self._client = client
         self._args = (method, upstream, target, headers, body)
         self._conn: _Connection | None = None
@@ -517,8 +522,11 @@ class Call:
         lines = [f"{method} {target} HTTP/1.1\r\nHost: ".encode(), host_header, b"\r\n"]
         if body or method not in _NO_BODY:  # (a GET says nothing of a body, as aiohttp)
             lines.append(b"Content-Length: %d\r\n" % len(body))
-        for name, value in headers:
-            lines.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
+        if isinstance(headers, bytes):  # (header lines already: the client's, forwarded)
+            lines.append(headers)
+        else:
+            for name, value in headers:
+                lines.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
         lines.append(b"\r\n")
         request = b"".join(lines)
         client = self._client
@@ -550,9 +558,8 @@ class Call:
         no head comes."""
         self._conn = conn
         head = conn.send(request, body, head_only)
-        timer = conn.loop.call_later(
-            conn.read_timeout_s, _expire, head,
-            f"no answer from the engine within {conn.read_timeout_s:g} s")
+        timer = conn.loop.call_later(conn.read_timeout_s, _expire_head, head,
+                                     conn.read_timeout_s)
         try:
             return await head
         except BaseException:
@@ -572,6 +579,11 @@ class Call:
             self._client._release(self._host, self._port, conn)
         else:
             conn.close()
+
+
+def _expire_head(waiter: asyncio.Future[Any], after_s: float) -> None:
+    """No answer's head within the read timeout (a timer's callback)."""
+    _expire(waiter, f"no answer from the engine within {after_s:g} s")
 
 
 def _expire(waiter: asyncio.Future[Any], why: str) -> None:

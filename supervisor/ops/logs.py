@@ -98,6 +98,13 @@ class RequestLog:
         self._std = logging.getLogger(name)
         self._log = structlog.get_logger(name)
 
+    def enabled(self) -> bool:
+        """Whether an info line would be written (False: the caller need not build its
+        fields). True wherever it cannot tell cheaply."""
+        if _direct is None or _handler is None or not _still_configured():
+            return True
+        return self._std.isEnabledFor(logging.INFO)
+
     def info(self, event: str, **fields: Any) -> None:
         direct, handler = _direct, _handler
         if direct is None or handler is None or "exc_info" in fields \
