@@ -128,8 +128,10 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[dict[str, Any
                 subprocess.run(["git", "worktree", "add", "--detach", str(base),
                                 args.baseline], cwd=ROOT, check=True, capture_output=True)
             before = str(base / "bench" / "plane_scale.py")
+            # (in that tree: its workers, `python -m supervisor.plane.worker`, are its own)
             fronts |= {f"w{n}-before": Child(f"w{n}-before",
-                                             [PY, before, "_pool", str(n), *specs], tmp)
+                                             [PY, before, "_pool", str(n), *specs], tmp,
+                                             cwd=base)
                        for n in args.workers}
         children += fronts.values()
         ports: dict[str, int | list[int]] = {name: c.wait_listening(120)
