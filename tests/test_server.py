@@ -247,3 +247,73 @@ def test_idle_connections_close_and_close_gives_busy_handlers_their_time() -> No
         assert not server.connections
 
     asyncio.run(main())
+
+
+class Wire:
+    """A recording connection (what `messages.Connection` says an answer uses): each
+    write, as one call."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.peer: str | None = "127.0.0.1"
+        self.transport = None
+        self.closing = False
+        self.lost = False
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def write_interim(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    async def send(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def send_nowait(self, data: bytes) -> bool:
+        self.writes.append(data)
+        return True
+
+    async def drain(self) -> None:
+        pass
+
+
+def test_a_held_head_goes_with_the_first_bytes_or_alone_at_its_hold() -> None:
+    """`prepare(request, hold_s)`: a chunked answer's head is written with its first
+    event (one write), with its end if that comes first, or alone once `hold_s` passed;
+    without a hold, at once."""
+    async def main() -> None:
+        wire = Wire(asyncio.get_running_loop())
+
+        def answer() -> tuple[StreamResponse, Request]:
+            return StreamResponse(headers={"Content-Type": "text/event-stream"}), \
+                Request(wire, "POST", "/v1/completions", (1, 1), [], True)  # type: ignore[arg-type]
+
+        resp, req = answer()
+        await resp.prepare(req, 5.0)
+        assert wire.writes == []
+        assert resp.write_nowait(b"data: 1\n\n")
+        assert resp.end_nowait(b"data: [DONE]\n\n")
+        first, last = wire.writes
+        assert first.startswith(b"HTTP/1.1 200 OK\r\n") and b"chunked" in first
+        assert first.endswith(b"\r\n\r\n9\r\ndata: 1\n\n\r\n")
+        assert last == b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+        wire.writes.clear()
+        resp, req = answer()  # no body within the hold: the head alone, then the rest
+        await resp.prepare(req, 0.05)
+        await asyncio.sleep(0.2)
+        assert len(wire.writes) == 1 and wire.writes[0].endswith(b"\r\n\r\n")
+        await resp.write_eof()
+        assert wire.writes[1:] == [b"0\r\n\r\n"]
+        wire.writes.clear()
+        resp, req = answer()  # ended before any body: head and end in one write
+        await resp.prepare(req, 5.0)
+        await resp.write_eof()
+        assert len(wire.writes) == 1 and wire.writes[0].endswith(b"\r\n\r\n0\r\n\r\n")
+        await asyncio.sleep(0)
+        wire.writes.clear()
+        resp, req = answer()  # no hold: at once
+        await resp.prepare(req)
+        assert len(wire.writes) == 1 and wire.writes[0].startswith(b"HTTP/1.1 200")
+
+    asyncio.run(main())

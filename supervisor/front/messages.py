@@ -11,6 +11,7 @@ The shapes are aiohttp's where the proxy used those (`prepare`, `write`, `write_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import json
 import time
@@ -197,6 +198,8 @@ class StreamResponse:
         self._chunked = False
         self._bodyless = False
         self._ended = False
+        self._held_head: bytes | None = None  # the head, held for the first bytes
+        self._head_timer: asyncio.TimerHandle | None = None
 
     def _head(self, request: Request, framing: str | None) -> bytes:
         conn = self._conn
@@ -217,16 +220,41 @@ class StreamResponse:
         lines.append("\r\n")
         return "\r\n".join(lines).encode("utf-8", "surrogateescape")
 
-    async def prepare(self, request: Request) -> None:
+    async def prepare(self, request: Request, hold_s: float = 0.0) -> None:
+        """The head, written; or (`hold_s`, a chunked answer) held to go with the body's
+        first bytes in one write, for at most `hold_s` (a stream's head and its first
+        event: one system call a request fewer, and the head no later than that)."""
         if self.prepared:
             return
         self.prepared = True
-        self._conn, self._request = request._conn, request
+        conn = self._conn = request._conn
+        self._request = request
         self._bodyless = request.method == "HEAD" or self.status in _NO_BODY_STATUS \
             or self.status < 200
         self._chunked = not self._bodyless and request.version >= (1, 1)
         head = self._head(request, "Transfer-Encoding: chunked" if self._chunked else None)
-        await self._conn.send(head)
+        if hold_s > 0 and self._chunked:
+            if conn.lost:
+                raise ConnectionResetError("the client went away")
+            self._held_head = head
+            self._head_timer = conn.loop.call_later(hold_s, self._send_head)
+            return
+        await conn.send(head)
+
+    def _send_head(self) -> None:
+        """The held head, alone: no body came within its hold (or the answer ends)."""
+        self._head_timer = None
+        head, self._held_head = self._held_head, None
+        if head is not None and self._conn is not None and not self._conn.lost:
+            with contextlib.suppress(ConnectionError):
+                self._conn.send_nowait(head)
+
+    def _with_head(self, data: bytes) -> bytes:
+        head, self._held_head = self._held_head, None
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        return head + data if head is not None else data
 
     async def write(self, data: bytes) -> None:
         if not self.write_nowait(data):
@@ -246,6 +274,8 @@ class StreamResponse:
             return True
         if self._chunked:
             data = b"%x\r\n%b\r\n" % (len(data), data)
+            if self._held_head is not None:
+                data = self._with_head(data)
         return conn.send_nowait(data)
 
     def end_nowait(self, data: bytes) -> bool:
@@ -261,8 +291,8 @@ class StreamResponse:
             self._ended = True  # (an HTTP/1.0 client's end is the connection's)
             return ok
         self._ended = True
-        return conn.send_nowait(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data
-                                else b"0\r\n\r\n")
+        return conn.send_nowait(self._with_head(
+            b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"))
 
     async def drain(self) -> None:
         assert self._conn is not None, "drain before prepare"
@@ -275,7 +305,7 @@ class StreamResponse:
         conn = self._conn
         assert conn is not None and self._request is not None
         if self._chunked:
-            await conn.send(b"0\r\n\r\n")
+            await conn.send(self._with_head(b"0\r\n\r\n"))
 
 
 class Response(StreamResponse):
@@ -292,8 +322,8 @@ class Response(StreamResponse):
             self.headers["Content-Type"] = content_type
         self.body = body
 
-    async def prepare(self, request: Request) -> None:
-        self.prepared = True
+    async def prepare(self, request: Request, hold_s: float = 0.0) -> None:
+        self.prepared = True  # (its head goes with its body, at write_eof)
         self._conn, self._request = request._conn, request
 
     async def write(self, data: bytes) -> None:

@@ -96,6 +96,10 @@ access = RequestLog("supervisor.proxy")  # the access line: once per request
 
 ENGINE_HEADER = "X-Supervisor-Engine"  # names the engine that answered
 _ENGINE_LOW = ENGINE_HEADER.lower()
+# A stream's head is held for its first event, to go in one write with it, at most this
+# long: the client can do nothing with the head alone, and under a burst of new streams
+# each write saved is a system call in the path of every first event.
+HEAD_HOLD_S = 0.1
 USAGE_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 # A non-streamed answer of at most this many bytes (its Content-Length) is read whole and
 # sent in one write; a larger one, or one of unknown length, is relayed as it arrives.
@@ -517,7 +521,8 @@ class FrontProxy:
                 resp.headers.items.append((ENGINE_HEADER, ex.backend.name))
                 ex.status = up.status
                 try:
-                    await resp.prepare(request)
+                    # (a stream's head goes with its first event: `HEAD_HOLD_S`)
+                    await resp.prepare(request, HEAD_HOLD_S if ex.stream else 0.0)
                     ex.resp = resp
                     if plan is not None and ex.stream:
                         ex.transcript = Transcript(plan)
