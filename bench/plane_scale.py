@@ -170,6 +170,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[dict[str, Any
                         "url": f"http://127.0.0.1:{port}/v1/completions"
                                f"?step_ms={args.step_ms}",
                         "concurrency": args.streams, "tokens": args.tokens,
+                        "spread": args.spread,
                         "total": args.streams * args.waves, "model": f"m{i}"}) + "\n")
                     c.p.stdin.flush()
                 runs = []
@@ -217,8 +218,11 @@ def render(args: argparse.Namespace, res: dict[str, list[dict[str, Any]]]) -> st
         "",
         f"{date.today().isoformat()}, commit {rev}, {platform.machine()}, {cores} cores, "
         f"Python {platform.python_version()}. {args.engines} synthetic engines paced at "
-        f"{args.step_ms:g} ms x {args.streams} streams of {args.tokens} tokens each "
-        f"({args.engines * args.streams * 1000 / args.step_ms:,.0f} chunks/s offered), "
+        f"{args.step_ms:g} ms x {args.streams} streams of "
+        + (f"{args.tokens} tokens each " if not args.spread else
+           f"{round(args.tokens * (1 - args.spread))}-{round(args.tokens * (1 + args.spread))}"
+           f" tokens (mean {args.tokens}) ")
+        + f"({args.engines * args.streams * 1000 / args.step_ms:,.0f} chunks/s offered), "
         f"{args.streams * args.waves} streams per engine and run, {args.rounds} rounds, "
         "medians; ratio: against direct in the same round. CPU: every process of the front "
         "door (workers included) per chunk delivered."
@@ -264,6 +268,9 @@ def main() -> int:
     ap.add_argument("--step-ms", type=float, default=16.0)
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--waves", type=int, default=2, help="streams per run: streams x this")
+    ap.add_argument("--spread", type=float, default=0.0,
+                    help="stream lengths spread this fraction either way of --tokens "
+                         "(0: all one length, so that the streams start and end in waves)")
     ap.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")],
                     default=[1, 2, 4, 8])
     ap.add_argument("--rounds", type=int, default=2)

@@ -64,28 +64,43 @@ CONFIGS: tuple[tuple[int, int, int, int], ...] = ((20, 256, 200, 512), (5, 64, 2
 
 # ---- the client (its own process) -----------------------------------------------------
 
+def lengths(tokens: int, spread: float, n: int = 64) -> list[int]:
+    """Stream lengths around `tokens` (`spread`: the fraction either way; 0: all equal),
+    evenly spaced and in a fixed shuffled order, so that every path gets the same ones."""
+    if spread <= 0:
+        return [tokens]
+    lo, hi = tokens * (1 - spread), tokens * (1 + spread)
+    out = [max(1, round(lo + (hi - lo) * i / (n - 1))) for i in range(n)]
+    return [out[(i * 37) % n] for i in range(n)]  # (37 is prime to 64: a permutation)
+
+
 async def client_run(cmd: dict[str, Any]) -> dict[str, Any]:
-    """`total` streams of `tokens`, `concurrency` at a time; every gap between a stream's
-    consecutive events as the client saw them (events that came in one read: 0)."""
+    """`total` streams of `tokens` (or, with `spread`, of lengths around it: `lengths`),
+    `concurrency` at a time; every gap between a stream's consecutive events as the
+    client saw them (events that came in one read: 0)."""
     import aiohttp
 
     url, conc, tokens = cmd["url"], int(cmd["concurrency"]), int(cmd["tokens"])
+    spread = float(cmd.get("spread", 0.0))
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=300)) as session:
 
-        async def batch(total: int, n_tokens: int) -> dict[str, Any]:
-            body = json.dumps(completion(True, n_tokens,
-                                         model=cmd.get("model", "synthetic"))).encode()
+        async def batch(total: int, n_tokens: int, spread: float = 0.0) -> dict[str, Any]:
+            sizes = lengths(n_tokens, spread)
+            bodies = {n: json.dumps(completion(True, n, model=cmd.get("model", "synthetic"))
+                                    ).encode() for n in set(sizes)}
             gaps: list[float] = []
             firsts: list[float] = []  # request sent to its first event
             counts: list[int] = []
-            errors = reads = 0
+            errors = reads = short = 0
             todo = iter(range(total))
 
             async def worker() -> None:
-                nonlocal errors, reads
-                for _ in todo:
+                nonlocal errors, reads, short
+                for i in todo:
+                    want = sizes[i % len(sizes)]
+                    body = bodies[want]
                     try:
                         sent = time.perf_counter()
                         async with session.post(url, data=body, headers=HEADERS) as r:
@@ -107,6 +122,7 @@ async def client_run(cmd: dict[str, Any]) -> dict[str, Any]:
                             if r.status != 200:
                                 errors += 1
                             counts.append(n - 1)  # less the [DONE]
+                            short += n - 1 < want
                     except (aiohttp.ClientError, TimeoutError):
                         errors += 1
 
@@ -121,13 +137,13 @@ async def client_run(cmd: dict[str, Any]) -> dict[str, Any]:
                 if gaps else (lambda p: float("nan"))
             return {"n": len(counts), "errors": errors, "elapsed_s": elapsed,
                     "events": sum(counts), "events_per_s": sum(counts) / elapsed,
-                    "reads": reads, "short_streams": sum(1 for c in counts if c < n_tokens),
+                    "reads": reads, "short_streams": short,
                     "gap_p50_ms": q(0.5), "gap_p90_ms": q(0.9), "gap_p99_ms": q(0.99),
                     "first_p50_ms": statistics.median(firsts) * 1e3 if firsts else float("nan"),
                     "first_max_ms": max(firsts) * 1e3 if firsts else float("nan")}
 
         await batch(conc, 10)  # warm-up: every connection opened, the paths warm
-        return await batch(int(cmd["total"]), tokens)
+        return await batch(int(cmd["total"]), tokens, spread)
 
 
 def client_main() -> None:
