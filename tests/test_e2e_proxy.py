@@ -4,15 +4,17 @@ One daemon, its front door over two worker processes (`proxy.workers = 2`), with
 unauthenticated development routes on (VLLM_SERVER_DEV_MODE=1), in order: (a) path
 tricks aimed at those routes, sent as raw HTTP through the proxy, never reach the engine
 (its own access log is the witness), and completions still work; (b) clients that
-disconnect mid-stream stop vLLM's generation early (its generated-token counter), on the
-first engine (in runs after a restart, its API server handed out whole streams before
-their first chunk, directly too, up to twelve in a row); (c) 32 concurrent streaming
+disconnect mid-stream stop vLLM's generation early (its generated-token counter), the
+engine core held still around each disconnect (its API server may hand out a stream
+only once it is generated whole); (c) 32 concurrent streaming
 clients run across `vllm-supervisorctl restart`: no request fails, every stream is
 complete; (d) SIGSTOP of `VLLM::EngineCore` under load is decided by the progress rule,
 with evidence captured before the kill, and its streams continued; (e) SIGKILL of
 `VLLM::EngineCore` once greedy streams (completions and chat) have tokens: each is
-continued token-exact through the restart, one whose continuation would not be exact
-ends with an error event, requests sent after the crash are held and answered.
+continued token-exact through the restart (the core stopped, the streams sent, then
+stopped again at a bisected time into their generation), one whose continuation would
+not be exact ends with an error event, requests sent after the crash are held and
+answered.
 """
 
 from __future__ import annotations
