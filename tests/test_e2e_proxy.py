@@ -222,7 +222,8 @@ def test_a_client_disconnect_aborts_the_request_in_vllm(fronted):
     the stream sent, the core let run `at` seconds and stopped again; the client reads
     its first chunk and goes; once the proxy has closed the engine's connection and the
     API server has had its time to abort the request, the core goes on. `at` doubles
-    while nothing reached the client before the core stopped. The proxy's own side (the
+    while nothing reached the client before the core stopped; a stream generated whole
+    before the stop (this process slept past `at`) is not a sample. The proxy's own side (the
     upstream closed when the client goes) is checked against the fake engine in
     tests/test_proxy.py."""
     d, cfg = fronted
@@ -238,6 +239,7 @@ def test_a_client_disconnect_aborts_the_request_in_vllm(fronted):
                 and d.status()["admission"]["in_flight"] == 0)
 
     samples: list[dict[str, float]] = []
+    whole: list[float] = []  # streams generated whole before the core stopped
     at = 0.01
     for _ in range(10):
         if len(samples) == 3:
@@ -278,9 +280,16 @@ def test_a_client_disconnect_aborts_the_request_in_vllm(fronted):
             core.resume()
         wait_for(idle, 60, "the abandoned request to end")
         generated = engine_metric(cfg, "vllm:generation_tokens_total") - before
+        if seen >= 480:
+            # generated whole before the core was stopped (this process, on two busy
+            # cores, slept past `at`): nothing was left to abort; not a sample
+            whole.append(seen)
+            continue
         samples.append({"at_s": at, "at_disconnect": seen, "generated": generated})
-    print("disconnects:", json.dumps(samples))
-    assert len(samples) == 3, samples
+    print("disconnects:", json.dumps({"samples": samples, "whole_first": whole}))
+    if len(samples) < 3:
+        pytest.skip(f"only {len(samples)} of {len(samples) + len(whole)} streams were "
+                    "stopped before vLLM had generated them whole")
     for sample in samples:
         # of the rest of the 480, not even half was generated: the request was aborted
         seen, generated = sample["at_disconnect"], sample["generated"]
