@@ -5,8 +5,8 @@ answer written back; the deadlines, the memory bounds and the refusals of one
 connection. What it uses of its server is `Owner`.
 
 Its state is explicit: where the parser is (`Phase`: between requests, in a head, in a
-body), the one deadline its reading is under (`Wait`), the request being parsed, those
-waiting their turn, the one being answered.
+body), the one deadline its reading is under (`Wait`, kept by `waits.Deadline`), the
+request being parsed, those waiting their turn, the one being answered.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import structlog
 from supervisor.front import conformance
 from supervisor.front.limits import Limits, refusal
 from supervisor.front.messages import Request, StreamResponse, json_response
+from supervisor.front.waits import Deadline, Wait
 
 log = structlog.get_logger("supervisor.proxy")
 
@@ -55,14 +56,6 @@ class Phase(enum.Enum):
     IDLE = "idle"  # between requests
     HEAD = "head"  # a request's line and header fields
     BODY = "body"  # its body (with its chunk framing and trailers)
-
-
-class Wait(enum.Enum):
-    """The one deadline a connection's reading is under, if any."""
-
-    IDLE = "idle"  # kept alive, waiting for a request: closed without a word
-    HEADER = "header"  # a head under way (or the first one awaited): 408
-    BODY = "body"  # a body under way: 408
 
 
 class Connection(asyncio.Protocol):
@@ -104,10 +97,7 @@ class Connection(asyncio.Protocol):
         self._refusal: tuple[int, str] | None = None  # sent once the current answer ends
         self._task: asyncio.Task[None] | None = None  # serves the requests in turn
         self._wakeup: asyncio.Future[None] | None = None  # its wait for the next
-        self._wait: Wait | None = None
-        self._deadline = 0.0  # (the loop's clock) of the wait
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
+        self._deadline = Deadline(self.loop, self._timed_out)
         self._last_read = 0.0
         self._linger: asyncio.TimerHandle | None = None
 
@@ -126,7 +116,8 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         self.lost = True
         self.server.connections.pop(self, None)
-        for handle in (self._timer, self._linger, self._send_timer):
+        self._deadline.cancel()
+        for handle in (self._linger, self._send_timer):
             if handle is not None:
                 handle.cancel()
         if self._drain is not None and not self._drain.done():
@@ -203,7 +194,7 @@ class Connection(asyncio.Protocol):
         self._named = []
         self._head_bytes = 0
         self._raw_bytes = 0
-        if self._wait is Wait.IDLE:  # (a kept-alive connection: its next head is timed)
+        if self._deadline.wait is Wait.IDLE:  # (a kept-alive connection: its next head is timed)
             self._arm(Wait.HEADER, self.limits.header_timeout_s)
 
     def on_url(self, url: bytes) -> None:
@@ -262,7 +253,7 @@ class Connection(asyncio.Protocol):
         elif self._length and self.server.buffered + self._length > self.limits.max_buffered:
             raise _Refused(503, _OVER_BUDGET, "body_budget")
         self._parsing = req
-        if self._wait is Wait.HEADER:
+        if self._deadline.wait is Wait.HEADER:
             self._disarm()
         if self.closing:
             return  # (a request after one that closes the connection: not served)
@@ -290,7 +281,7 @@ class Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._phase = Phase.IDLE
-        if self._wait is Wait.BODY:
+        if self._deadline.wait is Wait.BODY:
             self._disarm()
         req, self._parsing = self._parsing, None
         if req is None:
@@ -306,7 +297,7 @@ class Connection(asyncio.Protocol):
     # ---- requests -----------------------------------------------------------------
 
     def _start(self, req: Request) -> None:
-        if self._wait is Wait.IDLE:
+        if self._deadline.wait is Wait.IDLE:
             self._disarm()
         self._current = req
         self._answered = False
@@ -456,41 +447,20 @@ class Connection(asyncio.Protocol):
 
     def _stop_reading(self) -> None:
         self._stopped = True
-        if self._wait is not Wait.IDLE:
+        if self._deadline.wait is not Wait.IDLE:
             self._disarm()
         self._update_reading()
 
-    # The deadline is a field; its timer is lazy (nginx keeps its timers so): one that
-    # is due no later than the deadline stays, and when it fires it looks at where the
-    # connection is then, and is set again for a deadline that moved on. A request on a
-    # kept-alive connection moves the deadline three times (head, answer, idle) and
-    # sets no timer.
-
     def _arm(self, wait: Wait, after_s: float) -> None:
-        if self.lost:
-            return
-        self._wait = wait
-        self._deadline = deadline = self.loop.time() + after_s
-        if self._timer is not None:
-            if self._timer_at <= deadline:
-                return  # (it fires first, and looks again then)
-            self._timer.cancel()
-        self._timer_at = deadline
-        self._timer = self.loop.call_at(deadline, self._timed_out)
+        if not self.lost:
+            self._deadline.arm(wait, after_s)  # (lazily: `supervisor/front/waits.py`)
 
     def _disarm(self) -> None:
-        self._wait = None  # (its timer, if set, finds nothing to do)
+        self._deadline.disarm()
 
-    def _timed_out(self) -> None:
-        self._timer = None
-        wait = self._wait
-        if wait is None or self.lost:
+    def _timed_out(self, wait: Wait) -> None:
+        if self.lost:
             return
-        if self._deadline > self.loop.time():  # moved on since this timer was set
-            self._timer_at = self._deadline
-            self._timer = self.loop.call_at(self._deadline, self._timed_out)
-            return
-        self._wait = None
         if wait is Wait.IDLE:
             self._close()
         elif wait is Wait.HEADER:
