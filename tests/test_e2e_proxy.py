@@ -256,13 +256,9 @@ def test_a_client_disconnect_aborts_the_request_in_vllm(fronted):
                         first.set()  # the first chunk in, then the client goes away
                         return
 
-        core.suspend()
+        reader = threading.Thread(target=client)
         try:
-            reader = threading.Thread(target=client)
-            reader.start()
-            wait_for(lambda: d.status()["admission"]["in_flight"] == 1, 30,
-                     "the stream to be sent on")
-            _idle(api_server, 0.3, 10.0)  # (it has handed the request to the stopped core)
+            _sent_to_stopped_core(d, core, api_server, [reader])
             core.resume()
             time.sleep(at)
             core.suspend()
@@ -274,7 +270,7 @@ def test_a_client_disconnect_aborts_the_request_in_vllm(fronted):
             reader.join(30)
             wait_for(lambda: d.status()["admission"]["in_flight"] == 0, 30,
                      "the proxy to close the engine's connection")
-            _idle(api_server, 0.5, 10.0)  # (it sees the disconnect, and aborts)
+            _idle(api_server, 0.5)  # (it sees the disconnect, and aborts)
             seen = engine_metric(cfg, "vllm:generation_tokens_total") - before
         finally:
             core.resume()
@@ -508,26 +504,36 @@ def crash_bodies() -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def _quiet(answers: list[Answer], seconds: float, bound: float) -> None:
-    """Until the clients' token counts stop moving (the API server has handed out what
-    the stopped core produced)."""
+def _settled(read: Callable[[], float], seconds: float, bound: float) -> None:
+    """Until `read()` has not changed for `seconds` (at most `bound`)."""
     deadline = time.monotonic() + bound
-    seen, since = -1, time.monotonic()
+    last, since = float("nan"), time.monotonic()
     while time.monotonic() < deadline and time.monotonic() - since < seconds:
         time.sleep(0.05)
-        if (now := sum(a.tokens_seen for a in answers)) != seen:
-            seen, since = now, time.monotonic()
+        if (now := read()) != last:
+            last, since = now, time.monotonic()
 
 
-def _idle(proc: psutil.Process, seconds: float, bound: float) -> None:
-    """Until `proc` has used no CPU for `seconds` (at most `bound`)."""
-    deadline = time.monotonic() + bound
-    used, since = -1.0, time.monotonic()
-    while time.monotonic() < deadline and time.monotonic() - since < seconds:
-        time.sleep(0.05)
+def _idle(proc: psutil.Process, seconds: float) -> None:
+    """Until `proc` has used no CPU for `seconds` (at most 10 s)."""
+    def cpu_s() -> float:
         t = proc.cpu_times()
-        if (now := t.user + t.system) != used:
-            used, since = now, time.monotonic()
+        return float(t.user + t.system)
+
+    _settled(cpu_s, seconds, 10.0)
+
+
+def _sent_to_stopped_core(d: Daemon, core: psutil.Process, api_server: psutil.Process,
+                          runs: list[threading.Thread]) -> None:
+    """The engine core SIGSTOPped, then `runs` started: until the proxy has sent each
+    one's request on and the API server has handed them to the stopped core (it idles).
+    They start together when the core goes on."""
+    core.suspend()
+    for t in runs:
+        t.start()
+    wait_for(lambda: d.status()["admission"]["in_flight"] == len(runs), 60,
+             "the streams to be sent on")
+    _idle(api_server, 0.3)
 
 
 def test_core_sigkill_mid_stream_is_continued_token_exact(fronted):
@@ -569,19 +575,15 @@ def test_core_sigkill_mid_stream_is_continued_token_exact(fronted):
         crashed = [Answer() for _ in bodies]
         runs = [threading.Thread(target=answer, args=(cfg, path, body, a))
                 for (path, body), a in zip(bodies, crashed, strict=True)]
-        core.suspend()
-        for t in runs:
-            t.start()
-        wait_for(lambda: d.status()["admission"]["in_flight"] == len(bodies), 60,
-                 "the wave's streams to be sent on")
-        _idle(api_server, 0.3, 10.0)  # (it has handed them to the stopped core)
+        _sent_to_stopped_core(d, core, api_server, runs)
         at = (early + late) / 2
         core.resume()
         began = time.monotonic()
         while time.monotonic() - began < at and any(t.is_alive() for t in runs):
             time.sleep(0.005)
         core.suspend()
-        _quiet(crashed, 1.5, 30.0)
+        # (until the API server has handed out what the stopped core produced)
+        _settled(lambda c=crashed: sum(a.tokens_seen for a in c), 1.5, 30.0)
         seen_at_kill = [a.tokens_seen for a in crashed]
         mid = sum(0 < n < CONTINUED for n in seen_at_kill[:-1])
         if mid and 0 < seen_at_kill[-1] < CONTINUED:
