@@ -514,6 +514,12 @@ def _settled(read: Callable[[], float], seconds: float, bound: float) -> None:
             last, since = now, time.monotonic()
 
 
+def _quiet(answers: list[Answer], seconds: float, bound: float) -> None:
+    """Until the clients' token counts stop moving (the API server has handed out what
+    the stopped core produced)."""
+    _settled(lambda: sum(a.tokens_seen for a in answers), seconds, bound)
+
+
 def _idle(proc: psutil.Process, seconds: float) -> None:
     """Until `proc` has used no CPU for `seconds` (at most 10 s)."""
     def cpu_s() -> float:
@@ -582,8 +588,7 @@ def test_core_sigkill_mid_stream_is_continued_token_exact(fronted):
         while time.monotonic() - began < at and any(t.is_alive() for t in runs):
             time.sleep(0.005)
         core.suspend()
-        # (until the API server has handed out what the stopped core produced)
-        _settled(lambda c=crashed: sum(a.tokens_seen for a in c), 1.5, 30.0)
+        _quiet(crashed, 1.5, 30.0)
         seen_at_kill = [a.tokens_seen for a in crashed]
         mid = sum(0 < n < CONTINUED for n in seen_at_kill[:-1])
         if mid and 0 < seen_at_kill[-1] < CONTINUED:
