@@ -51,6 +51,9 @@ script a fault:
   --spec-acceptance R   speculative decoding's counters on /metrics (2 draft tokens a
                         token generated, a share R accepted); --drafts-broken-after-wake
                         (or the wake fault file's "drafts"): none accepted once woken
+  --others-beside K     /metrics carries vllm:generation_tokens_total; the first K
+                        answers share their batch with another client's request (5 more
+                        tokens counted, and other tokens answered)
   --wake-fault-file PATH  while PATH exists, a wake does what it says: "fail" (as
                         --wake-fails) or "wrong" (as --wrong-after-wake, from that wake on)
   --die-on-prompt TEXT  a completion whose prompt holds TEXT (as text or as its token ids,
@@ -159,6 +162,10 @@ def main() -> None:
     # file's "drafts")
     p.add_argument("--spec-acceptance", type=float, default=None)
     p.add_argument("--drafts-broken-after-wake", action="store_true")
+    # the first K answers share their batch with another client's request: 5 more
+    # tokens on vllm:generation_tokens_total (served with this flag) and other tokens
+    # (a batch's kernels differ from a lone request's)
+    p.add_argument("--others-beside", type=int, default=None)
     p.add_argument("--fault-file", default=None)
     p.add_argument("--die-on-prompt", default=None)
     p.add_argument("--die-answering", action="store_true")

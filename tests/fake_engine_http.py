@@ -46,6 +46,8 @@ class FakeEngine:
         self.wrong = threading.Event()  # a wake broke it: other tokens from then on
         self.drafts_broken = threading.Event()  # a wake zeroed its draft model
         self.spec = [0.0, 0.0]  # speculative decoding's draft tokens, and those accepted
+        self.generated = 0  # tokens generated (with --others-beside: on /metrics)
+        self.answered = 0  # non-streamed answers given
         self.sleep_metrics = SleepModeMetrics()  # vLLM's (0.32+) count of sleeps, wakes
         self.lock = threading.Lock()
         self.running = [0, 0]  # now, most ever
@@ -151,6 +153,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
                     body = ("vllm:spec_decode_num_draft_tokens_total{engine=\"0\"} "
                             f"{e.spec[0]}\nvllm:spec_decode_num_accepted_tokens_total"
                             f"{{engine=\"0\"}} {e.spec[1]}\n").encode()
+            if e.a.others_beside is not None:
+                with e.lock:
+                    body += (f"vllm:generation_tokens_total{{engine=\"0\"}} "
+                             f"{e.generated}\n").encode()
             if e.a.metrics_file:
                 with open(e.a.metrics_file, "rb") as f:
                     body = f.read()
@@ -215,12 +221,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
                     e.running[0] -= 1
             n = int(req.get("max_tokens") or 16)
             e.drafted(n)
+            with e.lock:
+                e.answered += 1
+                shared = e.answered <= (e.a.others_beside or 0)
+                e.generated += n + (5 if shared else 0)
             choice: dict[str, Any] = {"index": 0, "text": "x"}
             if e.a.logprobs and req.get("logprobs"):
                 choice["logprobs"] = logprobs_of(
                     prompt_ids(req, self.path == "/v1/chat/completions"), n,
                     self.path == "/v1/chat/completions",
-                    shift=1 if e.wrong.is_set() else 0)
+                    shift=1 if e.wrong.is_set() or shared else 0)
             body = json.dumps({"object": "text_completion", "model": e.a.served_model_name,
                                "choices": [choice],
                                "usage": {"prompt_tokens": 1, "completion_tokens": n,

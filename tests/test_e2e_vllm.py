@@ -68,7 +68,10 @@ def complete(port: int, prompt: str = "hello there") -> str:
     return str(r.json()["choices"][0]["text"])
 
 
-def tree(pid: int) -> list[psutil.Process]:
+def tree(pid: int | None) -> list[psutil.Process]:
+    # (psutil.Process(None) is this test process: a state without an engine must fail
+    # here, not count pytest's own children as the engine's)
+    assert isinstance(pid, int), f"no engine process (pid {pid!r})"
     root = psutil.Process(pid)
     return [root, *root.children(recursive=True)]
 

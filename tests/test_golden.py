@@ -6,8 +6,16 @@ engine is restarted once and then held down."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import httpx
+import pytest
 
 from supervisor.engine.events import (
     Exited,
@@ -21,6 +29,7 @@ from supervisor.engine.process import EngineProcess
 from supervisor.watchdog import golden
 from supervisor.watchdog.remedy import WarmUp
 from tests.fake_tokens import logprobs_of
+from tests.harness import FAKE_ENGINE, free_port, wait_for
 from tests.test_standby_unit import SLEEP
 from tests.test_supervisor_unit import World
 
@@ -244,5 +253,75 @@ def test_an_awake_standby_a_wake_broke_is_failed_and_the_next_one_not_put_to_sle
         assert w.sup.watch.wake_broken is not None
         assert w.sup.handover.standby.warm_up is False
         assert w.fx.warm_asked == [True, True]  # (the engine's and this standby's proofs)
+    finally:
+        w.loop.close()
+
+
+@pytest.fixture
+def engine_beside_others() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A fake engine whose first two answers share their batch with another client's
+    request (5 tokens of its own each, and other tokens answered)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(FAKE_ENGINE), "--host", "127.0.0.1",
+                             "--port", str(port), "--logprobs", "--token-delay", "0",
+                             "--others-beside", "2"])
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: httpx.get(f"{base}/health", timeout=1).status_code == 200, 30,
+                 "the fake engine's /health")
+        yield base, proc
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def fetch(base: str) -> golden.Golden | str:
+    async def run() -> golden.Golden | str:
+        async with httpx.AsyncClient() as client:
+            return await golden.fetch(client, base, "fake", "The capital of France is",
+                                      8, 5.0)
+    return asyncio.run(run())
+
+
+def test_answers_that_shared_a_batch_with_another_client_are_asked_again(
+        engine_beside_others: tuple[str, subprocess.Popen[bytes]]) -> None:
+    """The engine's generated tokens rose by more than the answers' own: another
+    client's request shared their batch, so the prompt is asked again, and the lone
+    answers are the ones judged."""
+    base, _ = engine_beside_others
+    got = fetch(base)
+    assert isinstance(got, golden.Golden) and got.shared == 0
+    # asked twice: two answers of 8 tokens each time, and 5 of another client's beside
+    # each of the first two
+    page = httpx.get(f"{base}/metrics", timeout=5).text
+    assert 'vllm:generation_tokens_total{engine="0"} 42' in page, page
+    assert got.completion == answer().completion  # the lone answer, not the shared one
+    again = fetch(base)
+    assert isinstance(again, golden.Golden) and golden.compare(got, again, 0.0) is None
+
+
+def test_answers_shared_at_every_try_say_so_and_neither_record_nor_condemn(
+        tmp_path: Path) -> None:
+    w = World(tmp_path, fronted=True)
+    try:
+        shared = dataclasses.replace(answer(shift=1), shared=5)
+        first = w.serving()
+        w.feed(GateProbe(first.generation, True, None, golden=shared))
+        assert w.sup.status()["golden"]["baselines"] == 0  # nothing recorded from it
+        assert w.sup.status()["golden"]["last"]["verdict"] == "unavailable"
+        w.feed(GateProbe(first.generation, True, None, golden=answer()))
+        assert w.sup.status()["golden"]["baselines"] == 1
+        w.control("restart")
+        w.down(first)
+        second = w.serving()
+        w.feed(GateProbe(second.generation, True, None, golden=shared))
+        assert w.state == "RUNNING" and "golden" not in w.sup.state_reason
+        st = w.sup.status()["golden"]
+        assert st["mismatches"] == 0 and st["last"]["verdict"] == "unavailable"
+        assert "other clients" in st["last"]["why"]
+        # shared answers that match are a pass all the same
+        w.feed(GateProbe(second.generation, True, None,
+                         golden=dataclasses.replace(answer(), shared=5)))
+        assert w.sup.status()["golden"]["passed"] == 1
     finally:
         w.loop.close()

@@ -373,11 +373,12 @@ def test_progressed_between_compares_with_the_scrape_before_the_interval():
     tokens = {0: 100.0, 10: 100.0, 20: 150.0, 30: 150.0}
     for t, n in tokens.items():
         w.add_metrics(float(t), Snapshot(generation_tokens_total=n, prompt_tokens_total=0.0))
-    assert not w.progressed_between(5, 15)
+    assert w.progressed_between(5, 15) is False
     assert w.progressed_between(15, 25)  # 20 against 10
     assert w.progressed_between(20, 20)  # one scrape in it, against the one before
-    assert not w.progressed_between(25, 35)
-    assert not w.progressed_between(40, 50)  # no scrape at all: no progress seen
+    assert w.progressed_between(25, 35) is False
+    assert w.progressed_between(40, 50) is None  # no scrape in it: nothing to tell
+    assert w.progressed_between(-5, 5) is None  # none before it to compare with
     w.add_metrics(40.0, Snapshot(generation_tokens_total=150.0, prompt_tokens_total=9.0))
     assert w.progressed_between(35, 45)  # prefill counts as progress
 

@@ -30,6 +30,7 @@ from supervisor.engine.events import (
     Exited,
     GateProbe,
     HealthResult,
+    MetricsSampled,
     Reloaded,
     RemedyDone,
     Spawned,
@@ -40,6 +41,7 @@ from supervisor.loop import Clock
 from supervisor.ops.sdnotify import Notifier
 from supervisor.watchdog import evidence
 from supervisor.watchdog.canary import CanaryOutcome
+from supervisor.watchdog.metrics import Snapshot
 from supervisor.watchdog.remedy import RemedyOutcome
 
 
@@ -406,10 +408,15 @@ def test_the_gate_follows_the_unit_canary_drain_kv_reset_restart_and_stop(
         assert gate.held_reason is not None  # a new engine: its own first canary again
         w.feed(GateProbe(engine.generation, False, "timed out"))  # released anyway
         assert gate.held_reason is None and gate.closed_reason is None
+        still = Snapshot(generation_tokens_total=40.0, prompt_tokens_total=9.0)
+        w.feed(MetricsSampled(engine.generation, still, None))
         for _ in range(2):  # canaries failing with no progress: a frozen engine
+            t0 = w.now
+            w.now += 2
+            w.feed(MetricsSampled(engine.generation, still, None))  # its page: still
             w.feed(CanaryDone(engine.generation, CanaryOutcome(False, 5.0, "timed out"),
-                              w.now, w.now + 5))
-            w.now += 10
+                              t0, t0 + 5))
+            w.now += 8
         assert gate.unhealthy == "its last 2 canaries failed with no progress"
         w.control("stop")
         assert gate.closed_reason is not None and "STOPPING" in gate.closed_reason
@@ -481,5 +488,47 @@ def test_a_unit_of_a_named_engine_uses_its_own_state_file_and_names_itself(
         assert w.fx.last("spawn")["spec"].port == 18102
         records = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
         assert records[-1]["engine"] == "b" and records[-1]["to"] == "STARTING"
+    finally:
+        w.loop.close()
+
+
+def test_a_failed_canary_no_scrape_could_judge_is_judged_by_the_next_one(
+        tmp_path: Path) -> None:
+    """An engine too busy to answer its /metrics page during a canary (a host short of
+    CPU) has not shown it is frozen: the failure waits for the next scrape, which
+    counts it only if the counters stood still since the canary began."""
+    w = World(tmp_path, fronted=True)
+    try:
+        engine = w.serving()
+        w.feed(GateProbe(engine.generation, True, None))
+        gate = w.sup.gate
+
+        def scrape(tokens: float) -> None:
+            w.feed(MetricsSampled(engine.generation, Snapshot(
+                generation_tokens_total=tokens, prompt_tokens_total=9.0), None))
+
+        def failed_canaries(n: int) -> None:
+            for _ in range(n):
+                w.feed(CanaryDone(engine.generation,
+                                  CanaryOutcome(False, 5.0, "timed out"), w.now, w.now + 5))
+                w.now += 10
+
+        def failures() -> float:
+            return w.sup.status()["signals"]["canary_failures"]
+
+        scrape(40.0)
+        w.now += 1
+        failed_canaries(2)  # no scrape answered meanwhile
+        assert failures() == 0 and gate.unhealthy is None
+        scrape(90.0)  # tokens flowed: slow, not frozen
+        assert failures() == 0 and gate.unhealthy is None
+        w.now += 1
+        failed_canaries(2)
+        scrape(90.0)  # the page stood still since they began: frozen
+        assert failures() == 2
+        assert gate.unhealthy == "its last 2 canaries failed with no progress"
+        w.feed(CanaryDone(engine.generation, CanaryOutcome(True, 0.1, None), w.now,
+                          w.now + 0.1))
+        assert failures() == 0 and gate.unhealthy is None
     finally:
         w.loop.close()

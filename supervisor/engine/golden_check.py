@@ -7,10 +7,12 @@ answers once woken too; a KV reset's (`RemedyDone`) its answers after its wake.
 `GoldenCheck` owns the unit's baselines, one per set
 of arguments that change what an engine answers: the first proven answer records it
 (audit `golden_recorded`; an upgrade's new arguments take a new one, said in the log),
-and every later one is compared. A mismatch turns the proof into a failed one, with the
-evidence (expected against got) in the audit (`golden_mismatch`): a standby that fails
-it is not swapped in, a woken one is a failed takeover, and the unit restarts a serving
-engine once and then holds it down (`EngineUnit.handle_gate_probe`).
+and every later one is compared. Answers taken while other clients shared the engine's
+batch (every try) are no verdict unless they match. A mismatch turns the proof into a
+failed one, with the evidence (expected against got) in the audit (`golden_mismatch`):
+a standby that fails it is not swapped in, a woken one is a failed takeover, and the
+unit restarts a serving engine once and then holds it down
+(`EngineUnit.handle_gate_probe`).
 """
 
 from __future__ import annotations
@@ -75,6 +77,15 @@ class GoldenCheck:
             return None
         key = golden.baseline_key(engine.spec.argv)
         want = self.baselines.get(key)
+        if got.shared and (want is None or golden.compare(want, got, tolerance)):
+            # (another client's requests shared every try's batch: such answers may
+            # differ from a lone one's, so they neither record nor condemn)
+            self._note("unavailable", engine, why=(
+                f"the engine served other clients' requests while it answered, "
+                f"{golden.TRIES} times ({got.shared} tokens of theirs the last)"))
+            log.warning("golden check: no verdict, the engine was not asked alone",
+                        pid=engine.pid, shared_tokens=got.shared)
+            return None
         if want is None:
             self.baselines[key] = got
             if len(self.baselines) > 1:

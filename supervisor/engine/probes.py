@@ -125,8 +125,8 @@ class EngineProbes:
             model = model or cfg.model or await canary.find_model(client, base, cfg.timeout_s)
             if model is None:
                 return "no golden check: /v1/models named no model"
-            # (its /metrics read only where there are drafts to count: a KV reset's
-            # held requests wait for this check)
+            # (its /metrics read before and after: another client's tokens meanwhile
+            # mean the answers shared a batch, asked again; and drafts to count)
             return await golden.fetch(client, base, model, cfg.golden_prompt,
                                       cfg.golden_tokens, max(cfg.timeout_s, 5.0),
                                       drafts=golden.speculative(engine.spec.argv))

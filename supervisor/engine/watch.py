@@ -159,7 +159,10 @@ class EngineWatch:
         ended = self.scrapes.succeeded(ev.snapshot, now)
         # the requests the daemon knows are at the engine: a stopped core's own gauges
         # freeze at their last value, which may say idle
-        self.window.add_metrics(now, ev.snapshot, unit.at_engine)
+        hung = self.window.add_metrics(now, ev.snapshot, unit.at_engine)
+        if hung:
+            log.warning("canary failures judged by a scrape: no progress since they began",
+                        counted=hung, consecutive=self.window.canary_failures, pid=e.pid)
         if ended:
             log.info("metrics scrape recovered", failed_scrapes=ended, pid=e.pid)
 
@@ -181,15 +184,22 @@ class EngineWatch:
             return  # an engine asleep for a KV reset does not answer: not a hang
         o = ev.outcome
         # A canary that timed out behind a queue while tokens kept flowing is slow, not
-        # hung: only a failure with no progress counts towards the hang rule.
-        counted = not o.ok and not self.window.progressed_between(ev.started, ev.ended)
+        # hung: only a failure with no progress counts towards the hang rule. Where no
+        # scrape answered during it (an engine too busy to serve its page, a host short
+        # of CPU), the next scrape that does judges it.
+        counted: bool | None = False
+        if not o.ok:
+            moved = self.window.progressed_between(ev.started, ev.ended)
+            if moved is None and not self.config.metrics.enabled:
+                moved = False  # (no page will tell: the canary alone decides)
+            counted = None if moved is None else not moved
         before = self.window.canary_failures
-        self.window.add_canary(o.ok, o.latency_s if o.ok else None, counted)
+        self.window.add_canary(o.ok, o.latency_s if o.ok else None, counted, ev.started)
         assert unit.engine is not None
         if not o.ok:
             log.warning("canary failed", error=o.error, latency_s=round(o.latency_s, 3),
-                        counted=counted, consecutive=self.window.canary_failures,
-                        pid=unit.engine.pid)
+                        counted="at the next scrape" if counted is None else counted,
+                        consecutive=self.window.canary_failures, pid=unit.engine.pid)
         elif before:
             log.info("canary passed again", latency_s=round(o.latency_s, 3),
                      failures_before=before)

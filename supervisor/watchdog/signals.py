@@ -217,6 +217,8 @@ class SignalWindow:
         self._gpu: _Gpu | None = None
         self.canary_failures = 0
         self.canary_latency_s: float | None = None
+        # failed canaries no scrape could judge yet: (when the first began, how many)
+        self._unjudged: tuple[float, int] | None = None
         # (GPU or None, code) of each XID since this engine started, for evidence
         self.xids: list[tuple[int | None, int]] = []
         self._xid_restart = 0
@@ -227,12 +229,21 @@ class SignalWindow:
 
     # ---- feeding ----------------------------------------------------------------------
 
-    def add_metrics(self, now: float, snap: Snapshot, at_engine: int = 0) -> None:
+    def add_metrics(self, now: float, snap: Snapshot, at_engine: int = 0) -> int:
         """A scrape; `at_engine` is how many requests the daemon itself has at the engine
-        (through the proxy, its canary) as the scrape is taken."""
+        (through the proxy, its canary) as the scrape is taken. Returns how many failed
+        canaries that awaited a scrape it found hung (counted now: no progress since
+        the first of them began)."""
         self._track_progress(now, snap, self._snaps[-1][1] if self._snaps else None,
                              at_engine)
         self._snaps.append((now, snap))
+        hung = 0
+        if self._unjudged is not None:
+            since, n = self._unjudged
+            self._unjudged = None
+            if self.progressed_between(since, now) is False:
+                self.canary_failures += n
+                hung = n
         keep = self.cfg.rate_window_s * 1.5
         while self._snaps and self._snaps[0][0] < now - keep:
             self._snaps.popleft()
@@ -244,6 +255,7 @@ class SignalWindow:
             keep = self.cfg.baseline_window_s + self.cfg.rate_window_s * 2
             while self._prefix and self._prefix[0][0] < now - keep:
                 self._prefix.popleft()
+        return hung
 
     def restart_progress_clock(self) -> None:
         """An in-place remedy of the daemon's own ended (a KV reset's sleep and wake: an
@@ -272,14 +284,21 @@ class SignalWindow:
         self._cpu_percent = cpu_percent
         self._host_temperature_c = host_temperature_c
 
-    def add_canary(self, ok: bool, latency_s: float | None, counted: bool) -> None:
+    def add_canary(self, ok: bool, latency_s: float | None, counted: bool | None,
+                   started: float = 0.0) -> None:
         """A canary result. A failure is `counted` only when the engine made no progress
-        meanwhile: a canary stuck behind a long queue on a busy engine is not a hang."""
+        meanwhile: a canary stuck behind a long queue on a busy engine is not a hang.
+        None: no scrape during it could tell (an API server too busy to answer its
+        page); the next scrape judges it, against the last one before `started`."""
         if ok:
             self.canary_failures = 0
             self.canary_latency_s = latency_s
+            self._unjudged = None
         elif counted:
             self.canary_failures += 1
+        elif counted is None:
+            since, n = self._unjudged or (started, 0)
+            self._unjudged = (min(since, started), n + 1)
 
     def add_gpu(self, now: float, reading: GpuReading, engine_pids: Iterable[int],
                 classify: dict[int, str]) -> None:
@@ -337,20 +356,24 @@ class SignalWindow:
         return {"at_monotonic": self._gpu.at, "engine_bytes": self._gpu.engine_bytes,
                 **dataclasses.asdict(self._gpu.reading)}
 
-    def progressed_between(self, t0: float, t1: float) -> bool:
+    def progressed_between(self, t0: float, t1: float) -> bool | None:
         """Did the engine's token counters move between two times (scrapes in [t0, t1],
-        compared with the last one before t0)?"""
+        compared with the last one before t0)? None: no scrape in the interval, or none
+        before it, to tell (a page that does not answer says nothing either way)."""
         base: Snapshot | None = None
+        seen = False
         for at, snap in self._snaps:
             if at < t0:
                 base = snap
                 continue
             if at > t1:
                 break
-            if base is not None and _progress(snap) != _progress(base):
-                return True
+            if base is not None:
+                seen = True
+                if _progress(snap) != _progress(base):
+                    return True
             base = snap
-        return False
+        return False if seen else None
 
     # ---- computing --------------------------------------------------------------------
 
