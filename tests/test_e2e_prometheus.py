@@ -96,7 +96,9 @@ def observed(tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[tuple[Daemon, dict[str, Any], Prometheus]]:
     tmp = tmp_path_factory.mktemp("e2e-prometheus")
     cfg: dict[str, Any] = vllm_config(tmp)
-    cfg["engine"]["args"] += ["--num-gpu-blocks-override", "8", "--max-num-seqs", "16"]
+    # 5 blocks of 128 tokens (vLLM's CPU block), one of them vLLM's own null block: 4
+    # for requests, as many as one request of max_model_len 512 takes
+    cfg["engine"]["args"] += ["--num-gpu-blocks-override", "5", "--max-num-seqs", "16"]
     gpu = tmp / "gpu.json"
     gpu_reading(gpu, 60, False)
     cfg.update({
@@ -193,13 +195,12 @@ def test_kv_saturation_through_the_proxy_makes_its_alert_pending(observed):
     results: list[int | str] = []
 
     def client(seed: int) -> None:
-        # Each request fills half of the engine's KV cache from its first step: 440
-        # prompt tokens and 60 more make 4 of its 8 blocks of 128 (vLLM's CPU block),
-        # so two running hold all of it, and the queue behind them keeps it so while
-        # they last. (Short prompts that grow let the gauge dip between the proxy's
-        # breaker and the scheduler's admissions: the alert came after 4-5 minutes of
-        # catching it at 95 %.) Random token ids: no prefix shared between requests.
-        # One client (and TLS context) per thread.
+        # Each request fills the engine's KV cache from its first step: 440 prompt
+        # tokens and 60 more take its 4 blocks, and the queue behind it keeps it so
+        # while the queue lasts. (Short prompts that grow let the gauge dip between the
+        # proxy's breaker and the scheduler's admissions: the alert came after 4-5
+        # minutes of catching it at 95 %.) Random token ids: no prefix shared between
+        # requests. One client (and TLS context) per thread.
         rng = random.Random(seed)
         with httpx.Client(timeout=300) as http:
             while not stop.is_set():

@@ -290,7 +290,7 @@ def test_answers_that_shared_a_batch_with_another_client_are_asked_again(
     answers are the ones judged."""
     base, _ = engine_beside_others
     got = fetch(base)
-    assert isinstance(got, golden.Golden) and got.shared == 0
+    assert isinstance(got, golden.Golden) and got.shared == 0 and got.asked == 2
     # asked twice: two answers of 8 tokens each time, and 5 of another client's beside
     # each of the first two
     page = httpx.get(f"{base}/metrics", timeout=5).text

@@ -83,6 +83,7 @@ class Golden:
     # tokens the engine generated for other clients while it answered (its last try);
     # 0: none, or no counter to tell
     shared: int = 0
+    asked: int = 1  # how many times the prompt was asked (again while shared)
 
     def doc(self) -> dict[str, Any]:
         return {"completion": self.completion.doc() if self.completion else None,
@@ -161,18 +162,18 @@ async def fetch(client: httpx.AsyncClient, base_url: str, model: str, prompt: st
     and after (None where it drafted fewer than MIN_DRAFT_TOKENS). Raises
     OutOfDescriptors when the daemon could not ask."""
     got: Golden | str = "not asked"
-    for _ in range(TRIES):
+    for asked in range(1, TRIES + 1):
         before = await _counters(client, base_url, timeout_s)
-        asked = await _ask(client, base_url, model, prompt, max_tokens, timeout_s)
-        if isinstance(asked, str):
-            return asked
-        answers, generated = asked
+        answered = await _ask(client, base_url, model, prompt, max_tokens, timeout_s)
+        if isinstance(answered, str):
+            return answered
+        answers, generated = answered
         after = await _counters(client, base_url, timeout_s) if before is not None else None
         shared = 0
         if before is not None and after is not None and None not in (before[0], after[0]):
             shared = max(0, round(after[0] - before[0]) - generated)  # type: ignore[operator]
         got = Golden(*answers, acceptance=_acceptance(before, after) if drafts else None,
-                     shared=shared)
+                     shared=shared, asked=asked)
         if not shared:
             break
     return got
