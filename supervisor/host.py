@@ -49,6 +49,7 @@ from supervisor.loop import Clock, Jobs
 from supervisor.ops.audit import AuditTrail
 from supervisor.ops.exporter import Exporter, parse_listen
 from supervisor.ops.exposition import ExporterView, ProxyView
+from supervisor.ops.looplag import LoopLag
 from supervisor.ops.sdnotify import Notifier
 from supervisor.plane.pool import WorkerPool, cpus, workers_for
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
@@ -126,6 +127,7 @@ class Host:
         self._statuses: dict[str, str] = {}
         self._ready_sent = False
         self._jobs = Jobs()
+        self.loop_lag = LoopLag(clock=self.clock.monotonic)  # how late this loop runs
         self._control: ControlServer | None = None
         self._exporter: Exporter | None = None
         self.audit = AuditTrail(self.config.audit.path, self.config.audit.max_bytes,
@@ -147,6 +149,7 @@ class Host:
             await self._open_sockets()
             log.info("daemon started", pid=os.getpid(), config=self.config.source,
                      socket=self.config.control.socket, engines=list(self.units))
+            self.launch(self.loop_lag.run(), "event loop watch")
             for name in self.units:
                 self._start_unit(name)
             self._join_fleet()
@@ -378,7 +381,9 @@ class Host:
         shared = self._proxy_counters(views)
         fleet = self.registrar.registered() if self.registrar is not None else None
         if not self.config.several:
-            return ExporterView(**{**views[0].__dict__, "proxy": shared, "fleet": fleet})
+            return ExporterView(**{**views[0].__dict__, "proxy": shared, "fleet": fleet,
+                                   "loop_lag_s": self.loop_lag.max_s(),
+                                   "loop_stalls": self.loop_lag.stalls})
         ready = self.proxy.ready() if self.proxy is not None else all(v.ready for v in views)
         worst = next((v.state for v in views if v.state != "RUNNING"), "RUNNING")
         first = views[0]
@@ -387,7 +392,8 @@ class Host:
             restarts_by_reason={}, trips_by_rule={}, actions_by_kind={},
             last_decision_wall=None, policy_paused=False, dry_run=first.dry_run,
             engine_uptime_s=None, gauges=[], proxy=shared, fleet=fleet,
-            engines=list(zip(names, views, strict=True)))
+            engines=list(zip(names, views, strict=True)),
+            loop_lag_s=self.loop_lag.max_s(), loop_stalls=self.loop_lag.stalls)
 
     def _proxy_counters(self, views: list[ExporterView]) -> ProxyView | None:
         if self.proxy is None:
@@ -417,6 +423,9 @@ class Host:
 
     def daemon_uptime_s(self) -> float:
         return self.clock.monotonic() - self.started_at
+
+    def loop_status(self) -> dict[str, Any]:
+        return self.loop_lag.status()
 
     def summary_line(self, name: str, st: dict[str, Any]) -> dict[str, Any]:
         """One engine in a line of `status`."""

@@ -42,6 +42,7 @@ class HostControl(Protocol):
     def summary_line(self, name: str, st: dict[str, Any]) -> dict[str, Any]: ...
     def front_address(self, name: str) -> dict[str, Any]: ...
     def daemon_uptime_s(self) -> float: ...
+    def loop_status(self) -> dict[str, Any]: ...
     def record(self, event: str, **fields: Any) -> None: ...
     def reload(self, reply: asyncio.Future[dict[str, Any]] | None) -> None: ...
 
@@ -75,13 +76,14 @@ async def _status(host: HostControl, names: list[str],
             s["admission"] = {**host.front_address(n), **s["admission"]}
     lines = [host.summary_line(n, s) for n, s in detail.items()]
     if len(names) == 1 and names[0] in detail:  # one engine: its status, as it always was
-        result = {**detail[names[0]], "engine_name": names[0], "engines": lines}
+        result = {**detail[names[0]], "engine_name": names[0], "engines": lines,
+                  "loop": host.loop_status()}
     else:
         first = next(iter(detail.values()), {})
         result = {"engines": lines, "detail": detail,
                   "daemon_pid": first.get("daemon_pid"),
                   "daemon_uptime_s": round(host.daemon_uptime_s(), 3),
-                  "config": host.config.source}
+                  "config": host.config.source, "loop": host.loop_status()}
     if not reply.done():
         reply.set_result(result)
 

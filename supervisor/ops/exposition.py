@@ -62,6 +62,10 @@ class ExporterView:
     last_failover_s: float | None = None  # the last one: fault seen to requests released
     # [fleet]: each router's URL -> whether this daemon is its worker; None: no routers
     fleet: Mapping[str, bool] | None = None
+    # the daemon's event loop: its largest lag over the last minute, stalls since start
+    # (supervisor/ops/looplag.py); None: not measured (a unit's own view)
+    loop_lag_s: float | None = None
+    loop_stalls: int | None = None
     # several engines (or named ones): each one's view, shown with an `engine` label; the
     # fields above then summarise them (state, ready) and `proxy` holds the shared
     # counters, each engine's `proxy` its own gate's numbers
@@ -236,6 +240,14 @@ class _ViewCollector(Collector):
             for router, registered in sorted(v.fleet.items()):
                 fleet.add_metric([router], float(registered))
             yield fleet
+        if v.loop_lag_s is not None:
+            yield GaugeMetricFamily(
+                PREFIX + "event_loop_lag_seconds", "the largest lateness of the daemon's "
+                "event loop over the last minute (its timers run this late)", v.loop_lag_s)
+        if v.loop_stalls is not None:
+            yield CounterMetricFamily(
+                PREFIX + "event_loop_stalls", "times the daemon's event loop ran 1 s or "
+                "more late", v.loop_stalls)
         yield from self._gauges(views)
         yield from _gpu_devices(views)
 
