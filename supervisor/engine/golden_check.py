@@ -82,7 +82,7 @@ class GoldenCheck:
             # differ from a lone one's, so they neither record nor condemn)
             self._note("unavailable", engine, why=(
                 f"the engine served other clients' requests while it answered, "
-                f"{golden.TRIES} times ({got.shared} tokens of theirs the last)"))
+                f"{got.asked} times ({got.shared} tokens of theirs the last)"))
             log.warning("golden check: no verdict, the engine was not asked alone",
                         pid=engine.pid, shared_tokens=got.shared)
             return None
