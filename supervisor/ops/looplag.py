@@ -3,7 +3,8 @@
 Every timer of the daemon (a canary's deadline, a scrape's timeout, the exporter's wait
 for a view) is only as punctual as its event loop. A watch sleeps a short period and
 measures how much later than asked it woke: that lateness is the loop's lag. A stall of
-`warn_s` or more is logged once per streak ("event loop stalled"), with the daemon's own
+`warn_s` or more is logged once per streak, and once a minute at most ("event loop
+stalled"; the line after a quiet minute counts those not logged), with the daemon's own
 CPU time over it: most of the stall spent in the daemon's threads means the daemon was
 busy (a defect to report); little means the host gave it no CPU (a machine short of
 cores, an engine's API server at 100 %) or it waited in a blocking call, and then every
@@ -41,7 +42,9 @@ class LoopLag:
         self._clock, self._cpu = clock, cpu
         self._lags: deque[tuple[float, float]] = deque()  # (when, lag) of late wakes
         self.stalls = 0
-        self._stalled = False  # in a streak of stalls (logged once)
+        self._stalled = False  # in a streak of stalls
+        self._logged: float | None = None  # when a streak was last logged
+        self._unlogged = 0  # streaks since then not logged (one line a window at most)
 
     def note(self, now: float, lag_s: float, cpu_s: float) -> None:
         """One wake `lag_s` late, the daemon's threads having used `cpu_s` of CPU
@@ -54,19 +57,24 @@ class LoopLag:
             self._lags.pop()
         self._lags.append((now, lag_s))
         if lag_s < self.warn_s:
-            if self._stalled:
+            if self._stalled and self._logged is not None and self._unlogged == 0:
                 log.info("event loop on time again")
             self._stalled = False
             return
         self.stalls += 1
-        if not self._stalled:
-            busy = cpu_s >= 0.5 * (lag_s + self.period_s)
-            log.warning("event loop stalled", lag_s=round(lag_s, 3),
-                        own_cpu_s=round(cpu_s, 3),
-                        why="the daemon was busy" if busy
-                        else "the daemon got little CPU (a host short of cores) or "
-                             "waited in a blocking call")
+        if self._stalled:
+            return
         self._stalled = True
+        if self._logged is not None and now - self._logged < self.window_s:
+            self._unlogged += 1  # (a host short of CPU stalls every few seconds)
+            return
+        busy = cpu_s >= 0.5 * (lag_s + self.period_s)
+        log.warning("event loop stalled", lag_s=round(lag_s, 3), own_cpu_s=round(cpu_s, 3),
+                    why="the daemon was busy" if busy
+                    else "the daemon got little CPU (a host short of cores) or waited in "
+                         "a blocking call",
+                    **({"stalls_not_logged": self._unlogged} if self._unlogged else {}))
+        self._logged, self._unlogged = now, 0
 
     def max_s(self, now: float | None = None) -> float:
         """The largest lag over the last `window_s` (0 before any)."""
