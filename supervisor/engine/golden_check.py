@@ -77,7 +77,8 @@ class GoldenCheck:
             return None
         key = golden.baseline_key(engine.spec.argv)
         want = self.baselines.get(key)
-        if got.shared and (want is None or golden.compare(want, got, tolerance)):
+        why = golden.compare(want, got, tolerance) if want is not None else None
+        if got.shared and (want is None or why is not None):
             # (another client's requests shared every try's batch: such answers may
             # differ from a lone one's, so they neither record nor condemn)
             self._note("unavailable", engine, why=(
@@ -94,7 +95,6 @@ class GoldenCheck:
             self._audit("golden_recorded", pid=engine.pid, **got.doc())
             self._note("recorded", engine)
             return None
-        why = golden.compare(want, got, tolerance)
         diff = round(golden.largest_difference(want, got), 6)
         if why is None:
             self.passed += 1

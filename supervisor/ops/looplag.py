@@ -49,8 +49,7 @@ class LoopLag:
     def note(self, now: float, lag_s: float, cpu_s: float) -> None:
         """One wake `lag_s` late, the daemon's threads having used `cpu_s` of CPU
         over the sleep and the lag."""
-        while self._lags and self._lags[0][0] < now - self.window_s:
-            self._lags.popleft()
+        self._expire(now)
         # (a deque of the window's maxima: a later, larger lag makes the earlier
         # smaller ones irrelevant)
         while self._lags and self._lags[-1][1] <= lag_s:
@@ -78,10 +77,12 @@ class LoopLag:
 
     def max_s(self, now: float | None = None) -> float:
         """The largest lag over the last `window_s` (0 before any)."""
-        now = self._clock() if now is None else now
+        self._expire(self._clock() if now is None else now)
+        return self._lags[0][1] if self._lags else 0.0
+
+    def _expire(self, now: float) -> None:
         while self._lags and self._lags[0][0] < now - self.window_s:
             self._lags.popleft()
-        return self._lags[0][1] if self._lags else 0.0
 
     def status(self) -> dict[str, Any]:
         return {"lag_s": round(self.max_s(), 3), "stalls": self.stalls}

@@ -162,8 +162,8 @@ async def fetch(client: httpx.AsyncClient, base_url: str, model: str, prompt: st
     and after (None where it drafted fewer than MIN_DRAFT_TOKENS). Raises
     OutOfDescriptors when the daemon could not ask."""
     got: Golden | str = "not asked"
+    before = await _counters(client, base_url, timeout_s)
     for asked in range(1, TRIES + 1):
-        before = await _counters(client, base_url, timeout_s)
         answered = await _ask(client, base_url, model, prompt, max_tokens, timeout_s)
         if isinstance(answered, str):
             return answered
@@ -176,6 +176,7 @@ async def fetch(client: httpx.AsyncClient, base_url: str, model: str, prompt: st
                      shared=shared, asked=asked)
         if not shared:
             break
+        before = after  # (the next ask's reads start where this one's ended)
     return got
 
 
