@@ -42,11 +42,15 @@ class EngineConfig:
     startup_timeout_s: float = spec(600.0, lo=1, hi=3600)
     # the engine's --shutdown-timeout: in-flight requests get this long to finish on SIGTERM
     drain_timeout_s: float = spec(30.0, lo=0, hi=3600)
-    # a drained restart: "finish" waits for the streams in flight (up to drain_timeout_s;
-    # with an awake standby they finish on the old engine while new requests go to the
-    # standby: docs/standby.md); "continue" pauses the ones the proxy can continue and
-    # goes on with them on the new engine, so long generations do not hold the restart
-    drain: str = spec("finish", choices=("finish", "continue"))
+    # the streams in flight at a drain (docs/proxy.md, "Faster drained restarts"):
+    # "finish" waits for them, up to drain_timeout_s (at a restart they finish on the old
+    # engine while an awake standby takes new requests: docs/standby.md; a KV reset under
+    # a longer one is not attempted); "continue" pauses those the proxy can continue (the
+    # engine returned their token ids) and goes on with them, token-exact, after the
+    # restart or the KV reset; "auto": "continue" for a KV reset (the engine cannot sleep
+    # under them, and waiting for them failed the reset whenever it was busy: issue 48),
+    # "finish" for a restart (which goes on at drain_timeout_s whatever is in flight)
+    drain: str = spec("auto", choices=("auto", "finish", "continue"))
     # after the drain, this long for the engine to exit before its group is SIGKILLed
     stop_grace_s: float = spec(10.0, lo=0.5, hi=600)
     # after SIGKILL, this long for the tree to vanish and the port to free up
