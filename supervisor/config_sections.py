@@ -211,6 +211,14 @@ class CanaryConfig:
     golden_prompt: str = spec("The capital of France is", nonempty=True)
     golden_tokens: int = spec(8, lo=1, hi=64)
     golden_tolerance: float = spec(0.1, lo=0.0, hi=10.0)
+    # the warm-up (docs/watchdog.md): before its canary, an engine process's first proof
+    # asks once every path clients take (log-probabilities, chat, streaming, sampling
+    # parameters, stop strings, structured output, a long prefill), so that what vLLM
+    # builds at first use (a compile, a JIT kernel, a grammar) is built before clients
+    # come and before the progress rule judges it; all of them within warm_up_timeout_s,
+    # else the start failed
+    warm_up: bool = spec(True)
+    warm_up_timeout_s: float = spec(300.0, lo=1, hi=3600)
 
 
 @dataclasses.dataclass(frozen=True)

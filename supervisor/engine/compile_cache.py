@@ -35,6 +35,12 @@ import structlog
 log = structlog.get_logger("supervisor")
 
 CACHE_ENV = "VLLM_CACHE_ROOT"
+# what torch and Triton build at an engine's first requests (a sampler helper compiled
+# when log-probabilities are first asked, kernels JIT-compiled on GPUs) lies by default in
+# the system temp folder and the home, shared with whatever else runs there and thrown
+# away with either: kept beside vLLM's own, in the engine's folder, unless the engine's
+# environment names its own
+JIT_DIRS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
 KEEP_VERSIONS = 2  # the folder in use and the one before it (a downgrade finds it warm)
 VERSION_TIMEOUT_S = 10.0
 _PYTHON = re.compile(r"python[0-9.]*$")
@@ -178,6 +184,13 @@ async def prepare(env: Mapping[str, str], argv: Sequence[str], cwd: str | None, 
         log.info("compile caches of older vLLM versions dropped", engine=engine,
                  dropped=dropped, kept=folder.name)
     return CacheInfo(str(folder), version, size, now())
+
+
+def env_for(info: CacheInfo, env: Mapping[str, str]) -> dict[str, str]:
+    """The variables that point an engine at its folder: vLLM's cache root, and torch's
+    and Triton's where `env` (the engine's, inherited included) names none."""
+    return {CACHE_ENV: info.dir, **{k: os.path.join(info.dir, sub)
+                                    for k, sub in JIT_DIRS.items() if k not in env}}
 
 
 async def measure(info: CacheInfo, now: Callable[[], float]) -> None:

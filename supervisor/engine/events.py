@@ -19,7 +19,7 @@ from supervisor.config import Config
 from supervisor.engine import process as eng
 from supervisor.engine import proctree
 from supervisor.ops.exposition import ExporterView
-from supervisor.watchdog import canary, evidence, remedy
+from supervisor.watchdog import canary, evidence, remedy, warmup
 from supervisor.watchdog.devroutes import DevRoutes
 from supervisor.watchdog.golden import Golden
 from supervisor.watchdog.gpu import GpuReading
@@ -249,6 +249,9 @@ class GateProbe(Event):
     # and the golden answers after its wake
     warm_up: remedy.WarmUp | None = None
     golden_woken: Golden | str | None = None
+    # every path a client may take, asked once before the canary (`watchdog/warmup.py`):
+    # at an engine process's first proof only; None when not asked
+    warmed: warmup.Warmed | None = None
 
 
 @dataclass(frozen=True)

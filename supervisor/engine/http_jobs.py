@@ -39,7 +39,7 @@ from supervisor.engine.probes import EngineProbes
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock, http_client
 from supervisor.ops.descriptors import OutOfDescriptors, Shortage
-from supervisor.watchdog import devroutes, golden, remedy
+from supervisor.watchdog import devroutes, golden, remedy, warmup
 from supervisor.watchdog.metrics import sleep_op_seconds
 from supervisor.watchdog.poller import scrape
 from supervisor.watchdog.remedy import WarmUp
@@ -157,11 +157,25 @@ class HttpJobs:
                          warm: bool) -> None:
         """Healthy is not enough to release held requests: one canary must pass first
         (bounded: a few tries, then the gate opens anyway and the hang rule judges).
+        Before it, at an engine process's first proof, every path a client may take is
+        asked once (`watchdog/warmup.py`): what vLLM builds at first use is built before
+        any client comes; silence past `canary.warm_up_timeout_s` fails the proof.
         With `warm`, an engine that can sleep then sleeps and wakes once
         (`remedy.warm_up`: its first KV reset then costs sleep and wake alone), and is
         proven again after the wake, its golden answers taken again."""
         error: str | None = None
         async with http_client() as client:
+            warmed: warmup.Warmed | None = None
+            if self.config().canary.warm_up and engine.warmed is None:
+                try:
+                    warmed = await self.probes.warm(client, engine)
+                except OutOfDescriptors as exc:  # (not warmed: the canary still proves it)
+                    log.warning("the warm-up could not be sent", error=str(exc))
+                if warmed is not None and not warmed.ok:
+                    self.queue.put_nowait(GateProbe(engine.generation, False,
+                                                    f"warm-up: {warmed.error}",
+                                                    warmed=warmed))
+                    return
             for _ in range(3):
                 try:
                     model, _, outcome = await self.probes.probe(client, engine, None)
@@ -171,18 +185,18 @@ class HttpJobs:
                     error = str(exc)
                 else:
                     if outcome.ok:
-                        warmed, woken = await self._warm_up(client, engine, model, golden) \
+                        slept, woken = await self._warm_up(client, engine, model, golden) \
                             if warm else (None, None)
-                        broken = warmed is not None and warmed.broken
+                        broken = slept is not None and slept.broken
                         self.queue.put_nowait(GateProbe(
                             engine.generation, not broken,
-                            warmed.error if warmed is not None and broken else None,
-                            golden=answers, warm_up=warmed, golden_woken=woken,
-                            broken_by_wake=broken))
+                            slept.error if slept is not None and broken else None,
+                            golden=answers, warm_up=slept, golden_woken=woken,
+                            broken_by_wake=broken, warmed=warmed))
                         return
                     error = outcome.error
                 await asyncio.sleep(0.5)
-        self.queue.put_nowait(GateProbe(engine.generation, False, error))
+        self.queue.put_nowait(GateProbe(engine.generation, False, error, warmed=warmed))
 
     async def _warm_up(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
                        model: str | None, with_golden: bool,

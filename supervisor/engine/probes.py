@@ -25,7 +25,7 @@ from supervisor.config import Config
 from supervisor.engine import process as eng
 from supervisor.loop import Clock
 from supervisor.ops.descriptors import OutOfDescriptors
-from supervisor.watchdog import canary, golden
+from supervisor.watchdog import canary, golden, warmup
 
 
 class EngineProbes:
@@ -106,6 +106,26 @@ class EngineProbes:
                     with contextlib.suppress(asyncio.CancelledError):
                         await t
         return None if probe.cancelled() else probe.result()
+
+    async def warm(self, client: httpx.AsyncClient, engine: eng.EngineProcess
+                   ) -> warmup.Warmed:
+        """Every path a client may take, asked once (`watchdog/warmup.py`), counted
+        among the daemon's own requests at the engine and never beside a KV reset."""
+        cfg = self.config().canary
+        base = engine.config.base_url
+        async with self.lock(engine):
+            t0 = self.clock.monotonic()
+            model = cfg.model or await canary.find_model(client, base, cfg.timeout_s)
+            if model is None:
+                return warmup.Warmed(error="/v1/models named no model")
+            gen = engine.generation
+            self._in_flight[gen] = self._in_flight.get(gen, 0) + 1
+            try:
+                left = cfg.warm_up_timeout_s - (self.clock.monotonic() - t0)
+                return await warmup.warm(client, base, model, cfg.prompt, left,
+                                         self.clock.monotonic)
+            finally:
+                self._in_flight[gen] = self._in_flight.get(gen, 1) - 1
 
     async def answers(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
                       model: str) -> golden.Golden | str | None:

@@ -35,6 +35,7 @@ from supervisor.watchdog.devroutes import DevRoutes
 from supervisor.watchdog.gpu import GpuProcessLister
 from supervisor.watchdog.metrics import SleepOps
 from supervisor.watchdog.stackdumps import StackDumps
+from supervisor.watchdog.warmup import Warmed
 
 log = structlog.get_logger("supervisor.engine")
 
@@ -169,6 +170,9 @@ class EngineProcess:
     # started to map a weight cache's weights: what its own lines said of them (vLLM's
     # "Mapped N tensors from the weight cache daemon", or its fall back to the disk)
     weights: str | None = None
+    # the paths its first proof warmed (`watchdog/warmup.py`): a later proof of it (after
+    # a wake, a swap) does not ask them again; None: not warmed yet
+    warmed: Warmed | None = None
 
     @property
     def pgid(self) -> int:

@@ -1,5 +1,6 @@
 """The folders the daemon gives an engine at each start, under its state directory beside
-the audit trail: its compile cache (`vllm-cache/<engine>/<version>`, compile_cache.py)
+the audit trail: its compile cache (`vllm-cache/<engine>/<version>`, compile_cache.py:
+vLLM's, torch inductor's and Triton's)
 and, from vLLM 0.33, the folder of vLLM's own stack dumps (`stack-dumps/<engine>/<start>`,
 watchdog/stackdumps.py), with the `--watchdog-config` that points vLLM at it. Both follow
 the vLLM version the engine's command runs, asked once a start.
@@ -67,7 +68,8 @@ async def prepare(spec: SpawnSpec, cfg: EngineConfig, config: Config, name: str,
                                generation, in_use)
     run = spec
     if cache is not None:
-        run = dataclasses.replace(run, env={**run.env, CACHE_ENV: cache.dir})
+        run = dataclasses.replace(run, env={**run.env,
+                                            **compile_cache.env_for(cache, run.env)})
     if dumps is not None and dumps.owned:
         run = dataclasses.replace(run, argv=[*run.argv, *dumps.flag()])
     return StartDirs(run, cache, dumps)

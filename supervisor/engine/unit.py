@@ -76,7 +76,7 @@ from supervisor.engine.events import (
 from supervisor.engine.states import State
 from supervisor.engine.unit_state import UnitState
 from supervisor.ops.exposition import ExporterView
-from supervisor.watchdog import remedy
+from supervisor.watchdog import remedy, warmup
 
 log = structlog.get_logger("supervisor")
 
@@ -125,6 +125,8 @@ class EngineUnit(UnitState):
             event = self.golden.judge(event, engine, self.config.canary.golden_tolerance)
             if event.warm_up is not None and engine is not None:
                 self._warmed_up(engine, event.warm_up)
+            if event.warmed is not None and engine is not None:
+                self._paths_warmed(engine, event.warmed)
             if event.broken_by_wake:  # (the serving engine's or a standby's)
                 self.handover.standby.warm_up = False
                 self.watch.wake_broken = (
@@ -157,6 +159,20 @@ class EngineUnit(UnitState):
                      **fields)
         self.audit("warmed_up", ok=w.error is None and w.skipped is None,
                    error=w.error or w.skipped, **fields)
+
+    def _paths_warmed(self, engine: eng.EngineProcess, w: warmup.Warmed) -> None:
+        """An engine process's first proof asked every client path once: kept on the
+        engine (a later proof of it does not ask again), logged and audited."""
+        slowest = w.slowest()
+        fields = {"pid": engine.pid, "took_s": round(w.took_s, 3),
+                  "slowest": {"path": slowest[0], "s": slowest[1]} if slowest else None,
+                  "paths": w.paths}
+        if w.ok:
+            engine.warmed = w
+            log.info("client paths warmed before the engine serves", **fields)
+        else:
+            log.error("warm-up failed: the engine did not answer", error=w.error, **fields)
+        self.audit("paths_warmed", ok=w.ok, error=w.error, **fields)
 
     def start(self, reason: str) -> None:
         """The first start (tests start the unit's engine here too): the weight cache
@@ -380,6 +396,10 @@ class EngineUnit(UnitState):
                 self.run_steps([do.GiveUp(f"{why} (twice in a row: held down)")])
             else:
                 self.run_steps([do.Fail(why, None)])
+            return
+        if ev.warmed is not None and not ev.warmed.ok:
+            # silent past its whole warm-up budget: not a slow first step, a failed start
+            self.run_steps([do.Fail(ev.error or "warm-up failed", None)])
             return
         if ev.ok and ev.golden is not None:
             self.golden_failures = 0

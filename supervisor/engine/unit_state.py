@@ -316,7 +316,8 @@ class UnitState:
     def facts(self) -> UnitFacts:
         """The unit's state as its watchdog half reads it."""
         return UnitFacts(self.state, self.engine, self.slot.taking_down, self.fronted,
-                         self.gate.in_flight + self.act.probes_in_flight())
+                         self.gate.in_flight + self.act.probes_in_flight(),
+                         proving=self.state is State.RUNNING and not self.keeper.admitting)
 
     def serving(self) -> bool:
         """Serving: the engine runs and the gate lets requests through."""

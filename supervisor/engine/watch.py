@@ -55,6 +55,9 @@ class UnitFacts:
     taking_down: bool
     fronted: bool  # a front proxy holds requests for this engine
     at_engine: int  # requests the daemon knows are at the engine (the gate's + canaries)
+    # the engine serves (RUNNING) but its proof (warm-up, canary, golden check) has not
+    # let clients in yet
+    proving: bool = False
 
     def serving_engine(self, generation: int) -> bool:
         """`generation` is the engine that serves now, not one being taken down."""
@@ -159,7 +162,8 @@ class EngineWatch:
         ended = self.scrapes.succeeded(ev.snapshot, now)
         # the requests the daemon knows are at the engine: a stopped core's own gauges
         # freeze at their last value, which may say idle
-        hung = self.window.add_metrics(now, ev.snapshot, unit.at_engine)
+        hung = self.window.add_metrics(now, ev.snapshot, unit.at_engine,
+                                       working=unit.proving and _working(e))
         if hung:
             log.warning("canary failures judged by a scrape: no progress since they began",
                         counted=hung, consecutive=self.window.canary_failures, pid=e.pid)
@@ -400,6 +404,20 @@ class EngineWatch:
             self.wake_broken = (f"a wake broke an engine of this unit (a KV reset: "
                                 f"{o.error}): no sleep until the daemon restarts")
         return fields, [Restart(why, rung="restart", evidence=(f"{ev.rung}_failed", why))]
+
+
+# the engine tree's CPU (percent of one core, over its last look) at or above which a
+# proof's step in flight counts as work: a compile keeps a core busy, a stopped core's tree
+# idles (its API server answers scrapes on a few percent)
+PROOF_BUSY_CPU = 50.0
+
+
+def _working(engine: eng.EngineProcess) -> bool:
+    """During its proof (no client at it yet: only the daemon's own first requests,
+    which compile what vLLM builds at first use), the engine's tree is busy on the CPU;
+    unknown (not looked at twice yet) counts as busy: the warm-up's own deadline bounds
+    it."""
+    return engine.cpu_percent is None or engine.cpu_percent >= PROOF_BUSY_CPU
 
 
 def _xid_text(gpu: int | None, code: int) -> str:

@@ -22,7 +22,9 @@ or waiting (waiting alone counts: captured wedges show nothing running and the q
 climbing), or the daemon itself had requests at it (through the proxy, its canary: a
 stopped core's gauges freeze at their last value, which may be idle). Measured from the
 scrape that first showed the current counters, or the first that showed work, to the
-latest scrape: never more than what was seen.
+latest scrape: never more than what was seen. A step the feeder knows to be at work (a
+new engine's proof, whose first requests compile what vLLM builds at first use, while
+its tree is busy on the CPU) counts as progress: a cold cache is not a hang (issue 48).
 """
 
 from __future__ import annotations
@@ -229,13 +231,15 @@ class SignalWindow:
 
     # ---- feeding ----------------------------------------------------------------------
 
-    def add_metrics(self, now: float, snap: Snapshot, at_engine: int = 0) -> int:
+    def add_metrics(self, now: float, snap: Snapshot, at_engine: int = 0,
+                    working: bool = False) -> int:
         """A scrape; `at_engine` is how many requests the daemon itself has at the engine
-        (through the proxy, its canary) as the scrape is taken. Returns how many failed
-        canaries that awaited a scrape it found hung (counted now: no progress since
-        the first of them began)."""
+        (through the proxy, its canary) as the scrape is taken; `working`: the engine is
+        known to be at work on a step in flight (its proof's first steps, its tree busy),
+        which counts as progress. Returns how many failed canaries that awaited a scrape
+        it found hung (counted now: no progress since the first of them began)."""
         self._track_progress(now, snap, self._snaps[-1][1] if self._snaps else None,
-                             at_engine)
+                             at_engine, working)
         self._snaps.append((now, snap))
         hung = 0
         if self._unjudged is not None:
@@ -264,12 +268,12 @@ class SignalWindow:
         self._moved_at = self._demand_since = self._stalled_s = None
 
     def _track_progress(self, now: float, snap: Snapshot, prev: Snapshot | None,
-                        at_engine: int) -> None:
+                        at_engine: int, working: bool) -> None:
         moved = _progress(snap)
         if moved is None or (snap.requests_running is None and snap.requests_waiting is None):
             self._moved_at = self._demand_since = self._stalled_s = None
             return
-        if prev is None or _progress(prev) != moved or self._moved_at is None:
+        if prev is None or _progress(prev) != moved or self._moved_at is None or working:
             self._moved_at = now
         if (snap.requests_running or 0) + (snap.requests_waiting or 0) + at_engine > 0:
             self._demand_since = now if self._demand_since is None else self._demand_since
