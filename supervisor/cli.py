@@ -4,7 +4,8 @@
     vllm-supervisor check --config FILE   validate a config file and exit
 
 A bad config exits with status 78 (EX_CONFIG) and one message naming each bad key,
-before anything is started.
+before anything is started. What prints ends with status 141, quietly, when its reader
+went away first (`check ... | head -0`, as coreutils' tools).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from supervisor.config_sections import EngineConfig
 from supervisor.control.server import ControlSocketError
 from supervisor.front.proxy import ProxyError
 from supervisor.host import Host
-from supervisor.ops import descriptors
+from supervisor.ops import descriptors, pipes
 from supervisor.ops.exporter import ExporterError
 from supervisor.ops.logs import configure_logging
 from supervisor.ops.sdnotify import Notifier
@@ -78,6 +79,17 @@ def runtime_paths_ok(cfg: Config) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    to_run: list[Config] = []
+    # what prints (--help, --version, `check`, a bad config) ends quietly, 141, when its
+    # reader went away first (supervisor/ops/pipes.py); `run` keeps its own exit status,
+    # which systemd acts on
+    code = pipes.printing(lambda: _check(argv, to_run))
+    return _run(to_run[0]) if to_run else code
+
+
+def _check(argv: list[str] | None, to_run: list[Config]) -> int:
+    """The command line read and the config checked; the config goes to `to_run` when
+    the command is `run`."""
     ns = _parser().parse_args(argv)
     try:
         cfg = load_config(ns.config)
@@ -86,7 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         return EX_CONFIG
     if ns.command == "check":
         print(f"{cfg.source}: ok")
-        return 0
+    else:
+        to_run.append(cfg)
+    return 0
+
+
+def _run(cfg: Config) -> int:
     configure_logging(cfg.log.level, cfg.log.format)
     log = structlog.get_logger("supervisor")
     # Each client of the front proxy holds a descriptor: the soft limit (1024 by default)

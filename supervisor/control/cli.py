@@ -1,7 +1,8 @@
 """`vllm-supervisorctl`: talk to a running daemon over its control socket.
 
 Exit status 0 on success; 1 with a one-line reason on stderr when the daemon refuses or
-cannot be reached; 2 for a usage error (argparse).
+cannot be reached; 2 for a usage error (argparse); 141, quietly, when the output's reader
+went away before it had it all (`| head`, as coreutils' tools).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from supervisor.config import ConfigError, load_config
 from supervisor.control.client import ControlClientError, call
+from supervisor.ops import pipes
 
 DEFAULT_SOCKET = "/run/vllm-supervisor/control.sock"
 
@@ -299,6 +301,12 @@ def format_evidence(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Status 141 (128 + SIGPIPE, as the shell reports coreutils' tools), and nothing on
+    stderr, when stdout's reader went away first (`| head`): supervisor/ops/pipes.py."""
+    return pipes.printing(lambda: _command(argv))
+
+
+def _command(argv: list[str] | None) -> int:
     ns = _parser().parse_args(argv)
     try:
         path = _socket_path(ns)
