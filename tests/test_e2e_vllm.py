@@ -62,10 +62,17 @@ def vllm_config(tmp: Path) -> dict[str, dict[str, object]]:
 
 
 def complete(port: int, prompt: str = "hello there") -> str:
+    """A completion of 8 tokens, generated (ignore_eos: an early end would be the random
+    model's, not the engine's); its text."""
     r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                   json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 8})
+                   json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 8,
+                         "ignore_eos": True})
     assert r.status_code == 200, r.text
-    return str(r.json()["choices"][0]["text"])
+    body = r.json()
+    choice = body["choices"][0]
+    assert (choice["finish_reason"], body["usage"]["completion_tokens"]) == ("length", 8), body
+    assert isinstance(choice["text"], str) and choice["text"], body
+    return str(choice["text"])
 
 
 def tree(pid: int | None) -> list[psutil.Process]:
@@ -107,7 +114,7 @@ def test_daemon_starts_the_engine_and_a_completion_is_served(served):
     d, cfg = served
     st = d.wait_state("RUNNING", START_TIMEOUT)
     port = cfg["engine"]["port"]
-    assert isinstance(complete(port), str)
+    assert complete(port)  # (8 tokens generated: complete() checks them)
     procs = tree(st["pid"])
     names = [p.name() for p in procs]
     assert any(n.startswith("VLLM::EngineCor") for n in names), names
@@ -158,7 +165,7 @@ def test_sigkill_of_engine_core_is_detected_and_the_engine_serves_again(served):
     assert abs(expected - took) <= 0.5 * took  # (the issue's 30 % on a quiet host)
     gone = [p.pid for p in old]
     assert alive(gone) == [], "a process of the old tree survived"
-    assert isinstance(complete(cfg["engine"]["port"]), str)
+    assert complete(cfg["engine"]["port"])  # served again, 8 tokens
     recs = d.log_records()
     # the core's death is the crash, seen at once (a pidfd on it), before the API server
     # that outlives it by seconds exits

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.config import parse_config
+from supervisor.config import ConfigError, parse_config
 from supervisor.engine.events import (
     Drained,
     Exited,
@@ -182,6 +182,8 @@ def test_a_thin_engine_that_dies_while_the_full_size_one_starts_is_a_cold_start_
 def test_a_standby_args_that_cannot_work_is_refused_naming_the_numbers(
         tmp_path: Path, engine: dict[str, Any], says: str) -> None:
     doc = {"engine": {"command": ["vllm", "serve", "m"], **engine}}
-    with pytest.raises(Exception) as got:
+    # refused as a config error that names the key, after the file (never another
+    # exception on the way)
+    with pytest.raises(ConfigError, match=r"^\S+/config\.toml: engine\.standby_args: ") as got:
         parse_config(doc, str(tmp_path / "config.toml"), tmp_path)
     assert says in str(got.value)
