@@ -64,7 +64,9 @@ def snapshot_tree(root_pid: int) -> list[ProcInfo]:
 
 
 def tree_usage(procs: list[ProcInfo]) -> tuple[int, float]:
-    """(resident bytes, CPU seconds used so far) summed over the live processes given."""
+    """(resident bytes, CPU seconds used so far) summed over the live processes given,
+    with what the children each of them reaped used (a compiler run by a worker, gone
+    before the look, took a core meanwhile)."""
     rss, cpu = 0, 0.0
     for info in procs:
         try:
@@ -74,7 +76,7 @@ def tree_usage(procs: list[ProcInfo]) -> tuple[int, float]:
                     continue  # a recycled pid: not ours
                 rss += p.memory_info().rss
                 t = p.cpu_times()
-                cpu += t.user + t.system
+                cpu += t.user + t.system + t.children_user + t.children_system
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return rss, cpu

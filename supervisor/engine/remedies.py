@@ -64,9 +64,11 @@ class Remedies:
                 # (a KV reset holds new requests from now on)
                 out.append(do.SyncGate())
                 if intent.rung == "kv_reset" and facts.fronted \
-                        and e.config.drain == "continue":
+                        and e.config.drain in ("auto", "continue"):
                     # its drain need not wait for the longest stream: the streams leave
                     # the engine and go on, token-exact, once the cache is rebuilt
+                    # ("auto" too: waiting for them fails the reset whenever one
+                    # outlasts drain_timeout_s, the busy engine's case; issue 48)
                     out.append(do.PauseStreams(e, "the KV reset"))
                 out.append(do.StartRemedy(intent.rung))
             elif isinstance(intent, Throttled):

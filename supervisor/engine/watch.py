@@ -407,9 +407,10 @@ class EngineWatch:
 
 
 # the engine tree's CPU (percent of one core, over its last look) at or above which a
-# proof's step in flight counts as work: a compile keeps a core busy, a stopped core's tree
-# idles (its API server answers scrapes on a few percent)
-PROOF_BUSY_CPU = 50.0
+# proof's step in flight counts as work: a compile keeps a core busy (the CPU engine's
+# first log-probabilities: g++ under its worker, 10 s), an idle tree takes 10-12 % with
+# the daemon's scrapes and canaries, one with its core stopped 2.5 %
+PROOF_BUSY_CPU = 30.0
 
 
 def _working(engine: eng.EngineProcess) -> bool:

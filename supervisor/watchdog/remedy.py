@@ -15,6 +15,7 @@ restores them, in a fraction of a second against a cold start of minutes; `GET
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -156,13 +157,74 @@ async def reset_prefix_cache(client: httpx.AsyncClient, base_url: str,
     return RemedyOutcome(error is None, {"reset_prefix_cache": time.monotonic() - t0}, error)
 
 
+# how often the engine's page is read while a KV reset waits for its own count of
+# requests to reach 0 (a local API server answers in milliseconds)
+ENGINE_IDLE_POLL_S = 0.05
+# that wait's least bound, whatever the drain left of drain_timeout_s: vLLM aborts a
+# request whose connection the proxy closed within a step or two
+ENGINE_IDLE_MIN_S = 2.0
+
+
+async def engine_requests(client: httpx.AsyncClient, metrics_url: str,
+                          timeout_s: float) -> tuple[float | None, str | None]:
+    """The requests at the engine by its own count, running and waiting
+    (`vllm:num_requests_running` + `vllm:num_requests_waiting`): (count, None); (None,
+    None) when its page has neither series (an engine that publishes no count); (None,
+    why) when the page cannot be read."""
+    try:
+        snap, why = await scrape(client, metrics_url, timeout_s)
+    except OutOfDescriptors as exc:
+        return None, str(exc)
+    if snap is None:
+        return None, why or "no page"
+    if snap.requests_running is None and snap.requests_waiting is None:
+        return None, None
+    return (snap.requests_running or 0.0) + (snap.requests_waiting or 0.0), None
+
+
+async def wait_engine_idle(client: httpx.AsyncClient, metrics_url: str,
+                           timeout_s: float) -> str | None:
+    """Wait, up to `timeout_s`, until the engine's own count of its requests reads 0:
+    a request leaves the proxy (paused, its connection closed) before vLLM aborts it,
+    and a sleep must not meet it (vLLM 0.32's /sleep aborts it, its `mode` defaulting to
+    "abort"; a request that meets a sleeping engine can crash or hang it). None once it
+    reads 0, or at once when the engine publishes no count (nothing to wait on); else
+    what it read last."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        count, why = await engine_requests(client, metrics_url,
+                                           max(min(left, SLEEP_METRICS_TIMEOUT_S), 0.1))
+        if count == 0 or (count is None and why is None):
+            return None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return (f"{count:g} requests still at the engine by its own count"
+                    if count is not None else f"its {metrics_url} unread: {why}") \
+                + f" after {timeout_s:g} s"
+        await asyncio.sleep(min(ENGINE_IDLE_POLL_S, left))
+
+
 async def kv_reset(client: httpx.AsyncClient, base_url: str, model: str | None,
-                   prompt: str, timeout_s: float, canary_timeout_s: float) -> RemedyOutcome:
-    """Sleep (level 1: the KV cache dropped), wake, check awake, then one canary. The
-    caller has drained the engine (its streams finished, or paused for continuation:
-    their connections closed, so vLLM aborts them) and holds new requests: a request
-    arriving now would meet a sleeping engine."""
+                   prompt: str, timeout_s: float, canary_timeout_s: float, *,
+                   metrics_url: str | None = None,
+                   idle_within_s: float = ENGINE_IDLE_MIN_S) -> RemedyOutcome:
+    """Wait for the engine's own count of requests to read 0 (`wait_engine_idle`, up to
+    `idle_within_s` and at least ENGINE_IDLE_MIN_S; not without `metrics_url`), sleep
+    (level 1: the KV cache dropped), wake, check awake, then one canary. The caller has
+    drained the proxy (its streams finished, or paused for continuation: their
+    connections closed, so vLLM aborts them) and holds new requests: a request arriving
+    now would meet a sleeping engine. An engine whose count stays above 0 is not put to
+    sleep (`attempted` False: nothing was touched)."""
     steps: dict[str, float] = {}
+    t = time.monotonic()
+    if metrics_url is not None:
+        busy = await wait_engine_idle(client, metrics_url,
+                                      max(idle_within_s, ENGINE_IDLE_MIN_S))
+        steps["engine_idle"] = time.monotonic() - t
+        if busy is not None:
+            return RemedyOutcome(False, steps, f"{busy}: the KV cache was not touched",
+                                 attempted=False)
     t = time.monotonic()
     error = await _post(client, f"{base_url}/sleep?level=1", timeout_s)
     steps["sleep"] = time.monotonic() - t
