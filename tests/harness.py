@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +41,30 @@ def wait_for(cond: Callable[[], T], timeout: float, what: str, interval: float =
         time.sleep(interval)
 
 
+class Checked(threading.Thread):
+    """A thread whose failure reaches the test: what its target raises (an assertion
+    included) `result` raises again in the test's own thread, and one still running
+    after the wait is a failure too. (A plain thread's exception is printed, and lost.)"""
+
+    def __init__(self, target: Callable[[], object], name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self._run = target
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # (handed to the test's thread: `result`)
+            self._error = exc
+
+    def result(self, timeout: float) -> None:
+        self.join(timeout)
+        if self.is_alive():
+            raise AssertionError(f"{self.name}: still running after {timeout:g} s")
+        if self._error is not None:
+            raise self._error  # (its traceback still shows where, in the thread)
+
+
 _HANDED_OUT: set[int] = set()
 
 
@@ -52,6 +77,37 @@ def _below_ephemeral() -> range:
     except (OSError, ValueError, IndexError):
         low = 32768
     return range(10000, low) if low > 12000 else range(0)
+
+
+_RUN_CACHES: Path | None = None
+
+
+def run_caches() -> Path:
+    """This test run's own compile and JIT caches, empty at its first use and removed at
+    its end (issue 48): vLLM's cache root (`vllm/`), torch inductor's (`inductor/`, and
+    its precompiled headers under the temp folder, `tmp/`), Triton's and the rest of
+    `~/.cache` (`xdg/`). Nothing an earlier run (or another program of the machine)
+    compiled can hide a cold start's cost from the tests; the engines of one run share
+    them, as one host's restarts do. A short path: vLLM puts its sockets in `tmp/`."""
+    global _RUN_CACHES
+    if _RUN_CACHES is None:
+        import atexit
+        import shutil
+
+        _RUN_CACHES = Path(tempfile.mkdtemp(prefix="vsc-", dir="/tmp"))
+        for sub in ("vllm", "inductor", "triton", "xdg", "tmp"):
+            (_RUN_CACHES / sub).mkdir()
+        atexit.register(shutil.rmtree, _RUN_CACHES, True)
+    return _RUN_CACHES
+
+
+def cache_env(root: Path) -> dict[str, str]:
+    """An engine's environment that puts every cache it fills under `root`
+    (`run_caches()`'s layout)."""
+    return {"VLLM_CACHE_ROOT": str(root / "vllm"),
+            "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+            "TRITON_CACHE_DIR": str(root / "triton"),
+            "XDG_CACHE_HOME": str(root / "xdg"), "TMPDIR": str(root / "tmp")}
 
 
 def free_port() -> int:
