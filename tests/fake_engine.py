@@ -29,8 +29,11 @@ script a fault:
                         a fault meets a stream that has sent nothing yet
   --enable-sleep-mode   with VLLM_SERVER_DEV_MODE=1, as vLLM: POST /sleep?level=1,
                         POST /wake_up, GET /is_sleeping; each sleep appends the number of
-                        requests running at that moment to <pidfile dir>/sleeps, and
-                        completions answer 503 while asleep; from its first sleep or
+                        requests running when it arrived to <pidfile dir>/sleeps, and
+                        completions answer 503 while asleep; /metrics (without
+                        --metrics-file) carries vLLM's vllm:num_requests_running (its
+                        own count: a client gone is noticed at its stream's next token)
+                        and vllm:num_requests_waiting (0); from its first sleep or
                         wake /metrics carries vLLM's (0.32+) sleep-mode series as its API
                         server prints them (less the `_created` stamps):
                         vllm:sleep_mode_operation_duration_seconds
@@ -47,6 +50,11 @@ script a fault:
   --first-sleep-delay S the first sleep answers after S seconds, later ones at once (vLLM
                         pins the weights in host RAM at an engine's first sleep)
   --logprobs            a non-streamed answer carries vLLM-shaped logprobs when asked
+  --first-logprobs-s S  the first request that asks for logprobs (any route) waits S
+                        seconds first, and requests meanwhile wait with it, while a child
+                        process burns a core (vLLM compiling its sampler helper on a
+                        cold cache: g++ under its worker, issue 48); with
+                        --first-logprobs-idle nothing burns (a hang in that step)
   --wrong-after-wake    ... of other tokens once it was woken (a wake that broke it)
   --spec-acceptance R   speculative decoding's counters on /metrics (2 draft tokens a
                         token generated, a share R accepted); --drafts-broken-after-wake
@@ -155,6 +163,8 @@ def main() -> None:
     p.add_argument("--dev-routes", default="all")
     p.add_argument("--first-sleep-delay", type=float, default=0)
     p.add_argument("--logprobs", action="store_true")  # answers them (a greedy golden)
+    p.add_argument("--first-logprobs-s", type=float, default=0)  # the first such request
+    p.add_argument("--first-logprobs-idle", action="store_true")  # ... waits, burns nothing
     p.add_argument("--wrong-after-wake", action="store_true")  # other tokens once woken
     p.add_argument("--wake-fault-file", default=None)
     # speculative decoding's counters on /metrics: this share of draft tokens accepted;

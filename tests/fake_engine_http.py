@@ -54,6 +54,29 @@ class FakeEngine:
         self.streams: set[int] = set()  # the streams in flight (their threads' ids)
         self.faulted: dict[int, str] = {}  # stream -> the fault it is to meet
         self.dying = threading.Event()
+        self.logprobs_built = threading.Event()  # --first-logprobs-s: built once
+        self.building = threading.Lock()
+
+    def build_logprobs_helper(self) -> None:
+        """--first-logprobs-s: the first request that asks for logprobs builds what they
+        need, as vLLM compiles its sampler helper on a cold cache: a child process burns a
+        core for that long (a compiler under the worker), or with --first-logprobs-idle
+        nothing burns (a step that hangs); requests that come meanwhile wait for it."""
+        with self.building:
+            if self.logprobs_built.is_set():
+                return
+            s = self.a.first_logprobs_s
+            if self.a.first_logprobs_idle:
+                time.sleep(s)
+            else:
+                import subprocess
+                import sys
+
+                subprocess.run([sys.executable, "-c",
+                                "import time\nt = time.monotonic() + float(__import__('sys')"
+                                ".argv[1])\nwhile time.monotonic() < t: pass", str(s)],
+                               check=False)
+            self.logprobs_built.set()
 
     def drafted(self, n: int) -> None:
         """n tokens generated: 2 drafted for each, a share --spec-acceptance accepted."""
@@ -160,6 +183,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if e.a.metrics_file:
                 with open(e.a.metrics_file, "rb") as f:
                     body = f.read()
+            if e.sleep_mode and not e.a.metrics_file:
+                # vLLM's own count of the requests at it (those a KV reset waits out)
+                with e.lock:
+                    running = e.running[0]
+                body += (f"vllm:num_requests_running{{engine=\"0\",model_name=\""
+                         f"{e.a.served_model_name}\"}} {running}\n"
+                         f"vllm:num_requests_waiting{{engine=\"0\",model_name=\""
+                         f"{e.a.served_model_name}\"}} 0\n").encode()
             series = e.sleep_metrics.page().encode()  # (the API server's, at the end)
             if series:
                 body += (b"" if body.endswith(b"\n") else b"\n") + series
@@ -205,6 +236,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             try:
                 while e.a.hang_file and os.path.exists(e.a.hang_file) and not e.stopping.is_set():
                     time.sleep(0.05)
+                if req.get("logprobs") and e.a.first_logprobs_s and not e.logprobs_built.is_set():
+                    e.build_logprobs_helper()
                 if req.get("stream"):
                     self._stream(req, chat=self.path == "/v1/chat/completions")
                     return
@@ -240,15 +273,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
             # (vLLM without --enable-sleep-mode: the engine refuses)
             body, code = b'{"error": "sleep mode is not enabled"}', 500
         elif self.path == "/sleep?level=1" and e.sleep_mode:
+            if e.pidfile:  # (what a sleep meets as it arrives: vLLM would lose them)
+                with e.lock:
+                    running = e.running[0]
+                with open(os.path.join(os.path.dirname(e.pidfile), "sleeps"), "a") as f:
+                    f.write(f"{running}\n")
             with e.sleep_metrics.record("sleep"):
                 if not e.slept_once.is_set():
                     e.slept_once.set()
                     time.sleep(e.a.first_sleep_delay)
                 time.sleep(0.02)  # (vLLM's own sleep takes its time, too)
             e.asleep.set()
-            if e.pidfile:
-                with open(os.path.join(os.path.dirname(e.pidfile), "sleeps"), "a") as f:
-                    f.write(f"{e.running[0]}\n")
             body, code = b"", 200
         elif self.path == "/wake_up" and e.sleep_mode and "/wake_up" in e.dev:
             fault = ""

@@ -432,6 +432,22 @@ def test_the_daemons_own_remedy_is_no_stall_of_the_engine():
     assert stalled(w, 18.0) == 2.0  # a real stall after it is still seen
 
 
+def test_a_step_known_to_be_at_work_is_progress_and_a_stall_is_timed_from_its_end():
+    """A new engine's proof: its first request compiles for many seconds (a cold cache),
+    its counters stand still, its tree is busy (issue 48). Held as progress while the
+    feeder says it works; the moment it stops working (its core stopped), the stall is
+    timed from the last scrape that worked, as any other."""
+    w = SignalWindow(WindowConfig())
+    busy = dataclasses.replace(with_counters("kv-saturated.txt", 1000, 800),
+                               requests_running=1.0, requests_waiting=0.0)
+    for t in (0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0):  # 12 s in one compiling step
+        w.add_metrics(t, busy, at_engine=1, working=True)
+        assert stalled(w, t) == 0.0
+    for t in (14.0, 16.0, 18.0):  # then nothing works any more: a hang
+        w.add_metrics(t, busy, at_engine=1, working=False)
+    assert stalled(w, 18.0) == 6.0
+
+
 def test_waiting_alone_counts_as_demand():
     w = SignalWindow(WindowConfig())
     wedged = dataclasses.replace(scrape("kv-saturated.txt"), requests_running=0.0)

@@ -22,7 +22,7 @@ import structlog
 
 from supervisor.config import WEIGHT_CACHE_BAY, Config
 from supervisor.config_sections import EngineConfig
-from supervisor.engine import compile_cache, proctree, start_dirs
+from supervisor.engine import compile_cache, proctree, shm_files, start_dirs
 from supervisor.engine import process as eng
 from supervisor.engine.corewatch import CoreWatch
 from supervisor.engine.effects import Front, Timer
@@ -61,10 +61,14 @@ class JobEffects:
     def __init__(self, *, queue: asyncio.Queue[Event], config: Callable[[], Config],
                  clock: Clock, environ: dict[str, str], gpu: GpuProcessLister,
                  siblings: Callable[[], set[int]], gate: Gate, front: Front | None,
-                 name: str) -> None:
+                 name: str, shm_dir: Path = shm_files.SHM_DIR) -> None:
         self.queue, self.config, self.clock, self.environ = queue, config, clock, environ
         self.gpu, self.siblings, self.gate, self.front, self.name = (
             gpu, siblings, gate, front, name)
+        # vLLM's offload files that each engine's tree held, by its main pid, removed
+        # once the tree is proven gone (engine/shm_files.py; the folder: tests use theirs)
+        self.shm_dir = shm_dir
+        self._shm: dict[int, shm_files.Seen] = {}
         # each bay (0; 1 with a standby; 2: the weight cache) its own state file and guard
         self.bays = [(proctree.StateFile(config().state_file_of(b)), proctree.Guard())
                      for b in (0, 1, WEIGHT_CACHE_BAY)]
@@ -139,6 +143,7 @@ class JobEffects:
         self._launch(self._take_down(engine, graceful, force, req, deadline), "take down")
 
     def forget(self, engine: eng.EngineProcess) -> None:
+        self._shm.pop(engine.pid, None)
         state_file, guard = self.bays[engine.bay]
         state_file.remove()
         guard.disarm()
@@ -283,7 +288,11 @@ class JobEffects:
                 waits: set[asyncio.Future[Any]] = {exited}
                 if not health.done():
                     waits.add(health)
-                await asyncio.wait(waits, timeout=2.0 if engine.healthy_at is None else 10.0)
+                # (an engine looked at closely until proven: its proof's first steps
+                # are judged by how busy its tree is, watch.py)
+                closely = engine.healthy_at is None or (
+                    not engine.proven and engine.source == "engine")
+                await asyncio.wait(waits, timeout=2.0 if closely else 10.0)
         finally:
             cores.close()
             health.cancel()
@@ -296,6 +305,8 @@ class JobEffects:
         if not procs:
             return recorded
         cores.add(procs)
+        seen = await asyncio.to_thread(shm_files.held, [p.pid for p in procs], self.shm_dir)
+        self._shm.setdefault(engine.pid, {}).update(seen)
         rss, cpu = await asyncio.to_thread(proctree.tree_usage, procs)
         heat, _ = await asyncio.to_thread(hostheat.hottest)
         dumps = engine.dumps  # (vLLM only appends to its files: they are bounded here)
@@ -354,10 +365,28 @@ class JobEffects:
             # words (a boot failure's traceback) before anyone reads them.
             if engine.relays:
                 await asyncio.wait(engine.relays, timeout=2.0)
+            if not result.survivors:  # (before a relaunch could meet them)
+                await self._remove_shm_files(engine)
         except Exception as exc:  # reported as an event: the lifecycle must not hang
             self.queue.put_nowait(Down(engine.generation, None, f"take-down failed: {exc!r}"))
             raise
         self.queue.put_nowait(Down(engine.generation, result))
+
+    async def _remove_shm_files(self, engine: eng.EngineProcess) -> None:
+        """The shared-memory files of vLLM's that the tree, proven gone, left behind (a
+        crash, a SIGKILL: its clean exit removes them itself): those its processes held
+        open at a look, and those its own lines said it made. Never by their name alone:
+        other engines' sit beside them (engine/shm_files.py)."""
+        seen = self._shm.pop(engine.pid, {})
+        for path in shm_files.named(list(engine.recent_lines), self.shm_dir):
+            seen.setdefault(path, None)
+        if not seen:
+            return
+        try:
+            await asyncio.to_thread(shm_files.remove, seen, engine.pid)
+        except Exception as exc:  # (best effort: never a take-down that failed)
+            log.warning("the dead engine's shared-memory files not cleaned", pid=engine.pid,
+                        error=repr(exc))
 
     async def _drain(self, engine: eng.EngineProcess, deadline: float) -> None:
         t0 = self.clock.monotonic()

@@ -114,16 +114,14 @@ class EngineProbes:
         cfg = self.config().canary
         base = engine.config.base_url
         async with self.lock(engine):
-            t0 = self.clock.monotonic()
             model = cfg.model or await canary.find_model(client, base, cfg.timeout_s)
-            if model is None:
-                return warmup.Warmed(error="/v1/models named no model")
+            if model is None:  # (nothing to ask: the canary that follows says so)
+                return warmup.Warmed()
             gen = engine.generation
             self._in_flight[gen] = self._in_flight.get(gen, 0) + 1
             try:
-                left = cfg.warm_up_timeout_s - (self.clock.monotonic() - t0)
-                return await warmup.warm(client, base, model, cfg.prompt, left,
-                                         self.clock.monotonic)
+                return await warmup.warm(client, base, model, cfg.prompt,
+                                         cfg.warm_up_timeout_s, self.clock.monotonic)
             finally:
                 self._in_flight[gen] = self._in_flight.get(gen, 1) - 1
 
