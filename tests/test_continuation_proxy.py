@@ -365,7 +365,7 @@ def test_a_kv_reset_pauses_the_streams_and_continues_them_token_exact(daemon_fac
     assert len(continued) == 2  # each went on after the reset, none had to finish first
     (ev,) = d.remedies()
     assert ev["rung"] == "kv_reset" and ev["outcome"] == "ok"
-    assert list(ev["steps_s"]) == ["drain", "sleep", "wake_up", "canary"]
+    assert list(ev["steps_s"]) == ["drain", "engine_idle", "sleep", "wake_up", "canary"]
     print("kv reset under 2 streams:", json.dumps({
         "duration_s": ev["duration_s"], "steps_s": ev["steps_s"],
         "waited_s": [e["waited_s"] for e in continued],
@@ -422,3 +422,55 @@ def test_a_stream_whose_answer_begins_during_a_kv_reset_is_paused_too(daemon_fac
     assert ev["outcome"] == "ok" and ev["held"] >= 1
     print("kv reset, one stream answered late:", json.dumps(
         {"duration_s": ev["duration_s"], "steps_s": ev["steps_s"]}))
+
+
+def test_a_kv_reset_under_long_streams_with_the_default_drain_is_done_and_loses_nothing(
+        daemon_factory, tmp_path):
+    """Issue 48: with `engine.drain` left at its default, `vllm-supervisorctl kv-reset`
+    under six streams longer than the drain's timeout was not attempted (rc 1, after the
+    whole timeout). Now the streams are paused and continued token-exact, the reset is
+    done well within that timeout, and the engine is told to sleep only once its own
+    count of running requests is 0: the paused streams leave the proxy at once, the
+    engine some time later (the fake notices a client gone at the stream's next token)."""
+    cfg = proxy_config(tmp_path, "--token-delay", "0.05", "--enable-sleep-mode")
+    cfg["engine"]["env"]["VLLM_SERVER_DEV_MODE"] = "1"
+    cfg["engine"]["drain_timeout_s"] = 10.0
+    assert "drain" not in cfg["engine"]  # (the default's test)
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: d.status()["remedies"]["kv_reset"], 10, "sleep mode to be probed")
+    wait_for(lambda: d.status()["admission"]["held"] is None, 10, "the gate to open")
+    n = 300  # 15 s a stream at the fake's pace: longer than the drain's 10 s
+    bodies = [comp(prompt=f"long {i}", max_tokens=n) for i in range(6)]
+    results: list[Seen | None] = [None] * len(bodies)
+    started = [threading.Event() for _ in bodies]
+
+    def one(i: int) -> None:
+        results[i] = run(cfg, bodies[i], started=started[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for e in started:
+        assert e.wait(30), "a stream never started"
+    r = d.ctl("kv-reset", timeout=60)
+    for t in threads:
+        t.join(90)
+    assert r.returncode == 0 and "KV reset ok" in r.stdout, (r.stdout, r.stderr)
+    for i, s in enumerate(results):
+        assert s is not None and s.complete and s.finish == "length", s
+        assert sum(1 for t in s.texts if t) == n  # every token, once
+        assert "".join(s.texts) == expected_text(prompt_ids(bodies[i], False), n)
+        assert s.usage is not None and s.usage["completion_tokens"] == n
+    (ev,) = d.remedies()
+    assert ev["rung"] == "kv_reset" and ev["outcome"] == "ok"
+    # a generous bound: it did not wait out the streams, nor the drain's timeout
+    assert ev["duration_s"] < cfg["engine"]["drain_timeout_s"], ev
+    paused, during = paused_streams(d)
+    assert paused == 6 and during == ["the KV reset"]
+    # the engine's count when each sleep arrived: its warm-up's before it served, then
+    # the reset's, with the six paused streams' requests gone from it too
+    assert (tmp_path / "sleeps").read_text().split() == ["0", "0"]
+    print("kv reset under 6 streams, default drain:", json.dumps(
+        {"duration_s": ev["duration_s"], "steps_s": ev["steps_s"]}))
+    assert d.status()["restarts"] == 0

@@ -60,7 +60,7 @@ def test_kv_reset_holds_new_requests_sleeps_a_drained_engine_and_releases_them(
     assert (tmp_path / "sleeps").read_text().split() == ["0", "0"]
     (ev,) = d.remedies()
     assert ev["rung"] == "kv_reset" and ev["outcome"] == "ok" and ev["error"] is None
-    assert list(ev["steps_s"]) == ["drain", "sleep", "wake_up", "canary"]
+    assert list(ev["steps_s"]) == ["drain", "engine_idle", "sleep", "wake_up", "canary"]
     assert ev["duration_s"] >= sum(ev["steps_s"].values()) - 1e-3
     st = d.status()
     assert st["restarts"] == 0 and st["admission"]["held"] is None
@@ -120,7 +120,7 @@ def test_a_failed_wake_is_audited_and_becomes_a_restart_that_loses_nothing(daemo
     st = d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] == 1)
     assert "kv_reset failed" in st["last_decision"]["reason"]
     ev, fallback = d.remedies()
-    steps = ["drain", "sleep", "wake_up"] + (["canary"] if fault == "wrong" else [])
+    steps = ["drain", "engine_idle", "sleep", "wake_up"] + (["canary"] if fault == "wrong" else [])
     assert ev["outcome"] == "failed" and list(ev["steps_s"]) == steps
     # the restart that replaced it is the next rung's own entry
     assert fallback["rung"] == "restart" and fallback["outcome"] == "ok"

@@ -1,0 +1,133 @@
+"""The KV reset's calls to an engine (`supervisor/watchdog/remedy.py`), in order, through
+httpx.MockTransport: the engine is told to sleep only once its own count of requests
+(running and waiting, on its /metrics) reads 0, waited for within a bound; an engine
+that publishes no count is not waited on; one whose count stays up is not put to sleep.
+The daemon's side, through the proxy and the fake engine, is in
+tests/test_continuation_proxy.py (issue 48)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from supervisor.watchdog import remedy
+
+BASE = "http://engine"
+METRICS = BASE + "/metrics"
+
+
+def page(running: float | None, waiting: float | None = 0) -> str:
+    lines = ["# HELP vllm:num_requests_running Number of requests in model execution batches."]
+    if running is not None:
+        lines.append(f'vllm:num_requests_running{{engine="0",model_name="m"}} {running}')
+    if waiting is not None:
+        lines.append(f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}')
+    return "\n".join(lines) + "\n"
+
+
+class Engine:
+    """vLLM's routes as a KV reset meets them; its /metrics pages, one per read (the last
+    one repeated), and every call in order."""
+
+    def __init__(self, pages: list[str | int]) -> None:
+        self.pages = pages  # a page's text, or an HTTP status to answer instead
+        self.calls: list[str] = []
+        self.asleep = False
+
+    def __call__(self, req: httpx.Request) -> httpx.Response:
+        path = req.url.path + (f"?{req.url.query.decode()}" if req.url.query else "")
+        self.calls.append(f"{req.method} {path}")
+        if path == "/metrics":
+            p = self.pages.pop(0) if len(self.pages) > 1 else self.pages[0]
+            return httpx.Response(p, text="") if isinstance(p, int) else \
+                httpx.Response(200, text=p)
+        if path == "/sleep?level=1":
+            self.asleep = True
+            return httpx.Response(200)
+        if path == "/wake_up":
+            self.asleep = False
+            return httpx.Response(200)
+        if path == "/is_sleeping":
+            return httpx.Response(200, json={"is_sleeping": self.asleep})
+        if path == "/v1/completions":
+            return httpx.Response(200, json={"choices": [{"index": 0, "text": "x"}]})
+        return httpx.Response(404)
+
+    def reads_before_sleep(self) -> int:
+        return self.calls[:self.calls.index("POST /sleep?level=1")].count("GET /metrics")
+
+
+def reset(engine: Callable[[httpx.Request], httpx.Response], metrics: str | None,
+          within_s: float) -> remedy.RemedyOutcome:
+    async def go() -> remedy.RemedyOutcome:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
+            return await remedy.kv_reset(client, BASE, "m", "hi", 5.0, 5.0,
+                                         metrics_url=metrics, idle_within_s=within_s)
+    return asyncio.run(go())
+
+
+@pytest.fixture
+def short_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(remedy, "ENGINE_IDLE_MIN_S", 0.1)
+    monkeypatch.setattr(remedy, "ENGINE_IDLE_POLL_S", 0.01)
+
+
+def test_the_engine_sleeps_only_once_its_own_count_reads_zero(short_bounds: None) -> None:
+    """The proxy's requests were paused (their connections closed) and the engine still
+    counts them until it has aborted them: the sleep waits for its count, the waiting
+    ones included."""
+    e = Engine([page(6), page(2, 1), page(0, 1), page(0, 0)])
+    out = reset(e, METRICS, 10.0)
+    assert out.ok and out.error is None, out
+    assert list(out.steps) == ["engine_idle", "sleep", "wake_up", "canary"]
+    assert e.reads_before_sleep() == 4  # the last of them read 0
+    assert e.calls[-4:] == ["POST /sleep?level=1", "POST /wake_up", "GET /is_sleeping",
+                            "POST /v1/completions"]
+
+
+def test_an_engine_that_publishes_no_count_is_not_waited_on(short_bounds: None) -> None:
+    """No `vllm:num_requests_*` series on its page (the count unknown, never 0): one
+    read, then the sleep."""
+    e = Engine([page(None, None)])
+    out = reset(e, METRICS, 10.0)
+    assert out.ok, out
+    assert e.reads_before_sleep() == 1
+
+
+def test_without_the_metrics_page_the_reset_reads_nothing_first() -> None:
+    """`metrics.enabled = false`: the daemon reads no page of the engine's."""
+    e = Engine([page(3)])
+    out = reset(e, None, 10.0)
+    assert out.ok and list(out.steps) == ["sleep", "wake_up", "canary"], out
+    assert "GET /metrics" not in e.calls
+
+
+@pytest.mark.parametrize(("pages", "why"), [
+    ([page(3)], "3 requests still at the engine by its own count after 0.3 s"),
+    ([503], "unread: HTTP 503 after 0.3 s"),
+], ids=["count_stays_up", "page_unread"])
+def test_an_engine_whose_count_stays_up_is_not_put_to_sleep(
+        short_bounds: None, pages: list[str | int], why: str) -> None:
+    """Bounded: past its bound the reset is not attempted (nothing touched, no restart
+    follows), rather than sleep an engine with requests at it."""
+    e = Engine(pages)
+    out = reset(e, METRICS, 0.3)
+    assert not out.ok and not out.attempted, out
+    assert out.error is not None and why in out.error and "not touched" in out.error
+    assert list(out.steps) == ["engine_idle"] and 0.3 <= out.steps["engine_idle"] < 5
+    assert not any(c.startswith("POST") for c in e.calls)  # never told to sleep
+
+
+def test_the_wait_is_at_least_its_floor_whatever_the_drain_left(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drain that used its whole timeout on other requests still leaves vLLM the time
+    to abort the paused ones (a step or two)."""
+    monkeypatch.setattr(remedy, "ENGINE_IDLE_MIN_S", 0.3)
+    monkeypatch.setattr(remedy, "ENGINE_IDLE_POLL_S", 0.01)
+    e = Engine([page(1), page(1), page(0)])
+    out = reset(e, METRICS, -2.0)  # (drain_timeout_s minus a longer drain)
+    assert out.ok, out
+    assert e.reads_before_sleep() == 3
