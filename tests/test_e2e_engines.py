@@ -38,11 +38,11 @@ def two_engines(tmp: Path) -> dict[str, Any]:
     # and on this machine a busy worker starved the other engine's restart on its core
     # for minutes: no pinning and one compute thread each (config.two-engines.toml too)
     cpu = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-    # compiled, not eager (as the demo's other engines run): eager, with two engines on
-    # two cores, the first requests after the start took 5.3 s for 8 tokens and no step
-    # was counted for 6 s, which the progress rule read as a stall and restarted both
-    # (once, in CI); a compiled start runs its model in a warm-up first
-    args = [a for a in engine["args"] if a != "--enforce-eager"]
+    # eager, as the demo: the first requests after a start once took 5.3 s for 8 tokens
+    # (a sampler helper compiled at the first log-probabilities) and the progress rule
+    # restarted both engines; the proof's warm-up now takes that step before clients
+    # come (issue 48)
+    args = engine["args"]
     primary = {**engine, "port": free_port(), "fallback": "fallback", "args": args,
                "env": {**engine["env"], **cpu}}
     fallback = {**engine, "port": free_port(),

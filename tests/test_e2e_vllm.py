@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.harness import ROOT, Daemon, alive, free_port, wait_for
+from tests.harness import ROOT, Daemon, alive, cache_env, free_port, run_caches, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -43,11 +43,12 @@ def vllm_config(tmp: Path) -> dict[str, dict[str, object]]:
             "command": [str(ENGINE_VLLM), "serve", str(MODEL)],
             "args": ["--served-model-name", "tiny-llama",
                      "--max-model-len", "512", "--dtype", "float32", "--enforce-eager"],
-            # vLLM's own cache root, shared by the tests' engines (what a start learns of
-            # the model is not learned again by each daemon's fresh state directory); the
-            # daemon's own is tested by test_sigkill_of_daemon_leaves_no_engine_process
-            "env": {"VLLM_CPU_KVCACHE_SPACE": "1",
-                    "VLLM_CACHE_ROOT": str(Path.home() / ".cache" / "vllm")},
+            # every compile and JIT cache empty at the run's start and shared by its
+            # engines (what a start learns of the model is not learned again by each
+            # daemon's fresh state directory), never the machine's; the daemon's own
+            # folder is tested by test_sigkill_of_daemon_leaves_no_engine_process, an
+            # engine's first start with nothing compiled by tests/test_e2e_cold.py
+            "env": {"VLLM_CPU_KVCACHE_SPACE": "1", **cache_env(run_caches())},
             "port": free_port(), "startup_timeout_s": START_TIMEOUT,
             "drain_timeout_s": 5.0, "stop_grace_s": 15.0, "reap_timeout_s": 15.0,
             "health_interval_s": 0.25,
@@ -229,7 +230,8 @@ def test_ctl_stop_leaves_no_process_and_exits_zero(served):
 
 def test_sigkill_of_daemon_leaves_no_engine_process(tmp_path):
     cfg = vllm_config(tmp_path)
-    del cfg["engine"]["env"]["VLLM_CACHE_ROOT"]  # the daemon's own (engine.compile_cache)
+    for name in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        del cfg["engine"]["env"][name]  # the daemon's own (engine.compile_cache)
     d = Daemon(tmp_path, cfg)
     seen: list[int] = []
     try:
@@ -246,6 +248,11 @@ def test_sigkill_of_daemon_leaves_no_engine_process(tmp_path):
                          30, "the engine's compile cache measured")
         assert cache["vllm_version"] == version and version.startswith("0.")
         assert cache["dir"] == str(tmp_path / "vllm-cache" / "default" / version)
+        # torch inductor's and Triton's caches beside vLLM's, in the same folder
+        env = psutil.Process(st["pid"]).environ()
+        assert env["VLLM_CACHE_ROOT"] == cache["dir"]
+        assert env["TORCHINDUCTOR_CACHE_DIR"] == cache["dir"] + "/inductor"
+        assert env["TRITON_CACHE_DIR"] == cache["dir"] + "/triton"
         print("compile cache:", json.dumps(cache))
         os.kill(d.pid, signal.SIGKILL)
         d.proc.wait(5)
