@@ -89,10 +89,14 @@ bench-host-cost: setup
 bench-spec-decode: setup
 	.venv/bin/python bench/spec_decode_run.py --out docs/benchmarks.md
 
-# Ten minutes of heavy, healthy load against the real engine: the default rules must
-# decide nothing (MINUTES=N to change the length).
+# The watchdog's false-alarm budget (issue 48): an hour of a service's traffic against the
+# real engine started cold, a CPU hog for its middle third, where every decision of the
+# default rules is false (MINUTES=N, default 60); then faults (a core SIGKILL, a core
+# SIGSTOP, a worker SIGSTOP) about every 2 minutes, each detected or not (FAULT_MINUTES=N,
+# default 10; 0 skips them). About 75 minutes in all.
 bench-healthy-soak: setup
-	.venv/bin/python bench/healthy_soak.py --minutes $(or $(MINUTES),10) --out docs/benchmarks.md
+	.venv/bin/python bench/healthy_soak.py --minutes $(or $(MINUTES),60) \
+		--fault-minutes $(or $(FAULT_MINUTES),10) --out docs/benchmarks.md
 
 # A bounded fault soak: streaming load through the proxy to the real engine, a fault
 # about every minute (MINUTES=N, default 15); counts failed and truncated streams,
