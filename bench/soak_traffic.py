@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,7 +210,7 @@ def _read_stream(r: httpx.Response, s: Shape) -> tuple[str, str]:
     chunks, done, finished = 0, False, set()
     rid, bad = "", None  # the answer's id; an event that is not JSON, and what followed
     try:
-        for line in r.iter_lines():
+        for line in _lines(r):
             if not line.startswith("data: "):
                 continue
             if bad is not None:
@@ -243,6 +244,20 @@ def _read_stream(r: httpx.Response, s: Shape) -> tuple[str, str]:
         return "answered", ""  # (done before the client meant to close it)
     return "truncated", (f"[DONE] {done}, {len(finished)} of {s.n} finished, {chunks} "
                          f"chunks ({rid})")
+
+
+def _lines(r: httpx.Response) -> Iterator[str]:
+    """The stream's lines, split at "\n" only (httpx's iter_lines splits as
+    str.splitlines does, inside a JSON string too: at U+0085 or U+2028, which the tiny
+    model's byte-level tokens do produce)."""
+    buf = b""
+    for data in r.iter_bytes():
+        buf += data
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode("utf-8", "replace")
+    if buf:
+        yield buf.decode("utf-8", "replace")
 
 
 @dataclass
