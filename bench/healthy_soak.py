@@ -83,6 +83,7 @@ class Run:
     seed: int
     minutes: float
     fault_minutes: float
+    clients: int = 48
     commit: str = ""
     cold_start_s: float | None = None
     phase_a: tuple[float, float] = (0.0, 0.0)  # wall
@@ -176,7 +177,7 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=48)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    run = Run(a.seed, a.minutes, a.fault_minutes, commit=git_commit())
+    run = Run(a.seed, a.minutes, a.fault_minutes, a.clients, commit=git_commit())
     rnd = random.Random(a.seed)
     caches = Path(tempfile.mkdtemp(prefix="vsc-", dir="/tmp"))  # (short: vLLM's sockets)
     for sub in ("vllm", "inductor", "triton", "xdg", "tmp"):
@@ -287,7 +288,8 @@ def report(run: Run, w: Watcher) -> tuple[str, bool]:
         f"compile and JIT caches of its own (serving {run.cold_start_s or 0:.0f} s after "
         "the daemon started); the daemon with the proxy, the default rules, periods and "
         "windows, the canary every 10 s with a 5 s deadline. Traffic through the proxy "
-        "(`bench/soak_traffic.py`): up to 48 clients in turn, their number redrawn every "
+        f"(`bench/soak_traffic.py`): up to {run.clients} clients in turn, their number "
+        "redrawn every "
         "1-4 minutes, a seeded mix of chats and completions, streamed and not, prompts of "
         "4-480 tokens as token ids, log-probabilities (`logprobs: 5`, `top_logprobs: 5`), "
         "`n` of 2-4, stop strings, JSON-schema output (a new schema every few minutes), "
@@ -388,8 +390,9 @@ def _faults(run: Run, decisions: list[dict[str, Any]]) -> list[str]:
         f"watch's, not a decision). Precision in phase B: {len(true)} of {len(in_b)} "
         "decisions fell in a fault's window; phase A's decisions are all false (above). "
         "Detection: from the signal to the decision's (or the state change's) audit time; "
-        "serving again: a new engine proven and the gate open. Nothing was continued "
-        "(SIGCONT): the daemon kills the stopped tree, and no process of it may remain. "
+        "serving again: a new engine proven and the gate open. No stopped process was "
+        "resumed (no SIGCONT): the daemon kills the stopped tree, and no process of it "
+        "may remain. "
         f"Fault targets: {', '.join(sorted(set(PREFIX.values())))}.",
     ]
     for f in run.faults:
