@@ -14,13 +14,36 @@ import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 
 from supervisor.front import routing
-from supervisor.front.admission import Gate, Rejected, Ticket
+from supervisor.front.admission import GateLimits, Rejected, Ticket
 
 log = structlog.get_logger("supervisor.proxy")
+
+
+class EngineGate(Protocol):
+    """What the front door reads of an engine's gate, and asks of it: the daemon's
+    `admission.Gate`, or a proxy worker's mirror of it (`supervisor/plane/mirror.py`)."""
+
+    @property
+    def limits(self) -> GateLimits: ...
+    @property
+    def held_reason(self) -> str | None: ...
+    @property
+    def unhealthy(self) -> str | None: ...
+    @property
+    def breaker_open(self) -> bool: ...
+    @property
+    def ready_at(self) -> float | None: ...
+    @property
+    def in_flight(self) -> int: ...
+
+    async def acquire(self, tokens: int, refusable: bool = False) -> Ticket: ...
+
+    def done(self, ticket: Ticket) -> None: ...
 
 
 @dataclass
@@ -29,7 +52,7 @@ class Backend:
     and whether it serves now (its unit's view: running and its gate open)."""
 
     name: str
-    gate: Gate
+    gate: EngineGate
     ready: Callable[[], bool]
     upstream: str  # http://127.0.0.1:8100
     models: tuple[str, ...] = ()

@@ -112,7 +112,7 @@ class FrontProxy:
 
     def __init__(self, settings: ProxySettings, gate: Gate | None = None,
                  ready: Callable[[], bool] | None = None, name: str = "default",
-                 lanes: quarantine.Quarantine | None = None) -> None:
+                 lanes: quarantine.Lanes | None = None) -> None:
         self.s = settings
         self.stats = ProxyStats()
         self.latency = ClientLatency(settings.models)
@@ -126,7 +126,7 @@ class FrontProxy:
         self._upstream: Upstream | None = None
         # the streams it can continue: relayed, paused, continued
         # requests that kill their engine (a worker's: the daemon's lanes)
-        self.lanes = lanes if lanes is not None else quarantine.Quarantine()
+        self.lanes: quarantine.Lanes = lanes if lanes is not None else quarantine.Quarantine()
         self.streams = StreamRelay(settings, self.stats, self.latency, self.lanes)
         self.worker: int | None = None  # its index, as one of several processes
 

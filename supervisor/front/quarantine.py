@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import hashlib
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 SUSPECT_AT = 2
 REFUSE_AT = 3
@@ -55,6 +56,15 @@ def digest(body: bytes) -> str:
 def refusal(deaths: int) -> str:
     return (f"refused: this request was at the engine at {deaths} of its deaths "
             f"({REASON}); it is not sent again")
+
+
+class Lanes(Protocol):
+    """The suspect lanes as the front door goes through them: `Quarantine`, or a proxy
+    worker's, which are the daemon's (`supervisor/plane/mirror.py`)."""
+
+    def lane(self, engine: str, deaths: int,
+             timeout_s: float | None = None) -> contextlib.AbstractAsyncContextManager[None]:
+        ...
 
 
 class Quarantine:

@@ -62,7 +62,7 @@ class StreamRelay:
     proxy's reloaded settings; `upstream` is the proxy's upstream client once it listens."""
 
     def __init__(self, settings: ProxySettings, stats: ProxyStats, latency: ClientLatency,
-                 lanes: quarantine.Quarantine) -> None:
+                 lanes: quarantine.Lanes) -> None:
         self.s = settings
         self.stats = stats
         self.latency = latency

@@ -34,17 +34,43 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, assert_never
 
 import structlog
 
 from supervisor.front import readiness
-from supervisor.front.admission import Rejected, Ticket
+from supervisor.front.admission import Gate, Rejected, Ticket
 from supervisor.front.dispatch import Backend
 from supervisor.front.exchange import ProxySettings, ProxyStats
 from supervisor.front.latency import ClientLatency
 from supervisor.front.proxy import ProxyError
-from supervisor.plane.wire import Link, LinkClosed
+from supervisor.plane.messages import (
+    TO_DAEMON,
+    Acquire,
+    Cancel,
+    Counters,
+    Done,
+    EngineState,
+    Failed,
+    Granted,
+    Init,
+    Lane,
+    Laned,
+    Pause,
+    Ready,
+    Refused,
+    Report,
+    Served,
+    Settings,
+    State,
+    Stats,
+    Stop,
+    ToDaemon,
+    ToWorker,
+    Unlane,
+    added,
+)
+from supervisor.plane.wire import Link, LinkClosed, send_all
 
 log = structlog.get_logger("supervisor.plane")
 
@@ -54,7 +80,6 @@ RESTART_DELAY_S = 0.5
 RESTART_MAX_S = 30.0
 REPORT_TIMEOUT_S = 1.0  # a scrape waits this long at most for the workers' counters
 STATE_PERIOD_S = 0.02  # the engines' state, when it changed, at most this late
-STATS_KEYS = ("responses", "rejections", "continuations", "refusals")
 
 
 def workers_for(cpus: int | None) -> int:
@@ -62,43 +87,30 @@ def workers_for(cpus: int | None) -> int:
     return max(1, min(8, (cpus or 1) // 4))
 
 
-def engine_state(b: Backend, cleared: dict[int, float]) -> dict[str, Any]:
-    """What a worker is told of engine `b` (`mirror.apply` reads it)."""
-    g = b.gate
-    return {"name": b.name, "upstream": b.upstream, "models": b.models,
-            "models_open": b.models_open, "fallback": b.fallback,
-            "generation": b.generation(), "ready": b.ready(),
-            "failure_seen": dict(b.failure_seen), "cleared": dict(cleared),
-            "limits": g.limits, "level": g.level, "held_reason": g.held_reason,
-            "closed_reason": g.closed_reason, "unhealthy": g.unhealthy,
-            "breaker_open": g.breaker_open, "ready_at": g.ready_at,
-            "in_flight": g.in_flight, "waiting": g.waiting}
+def gate_of(b: Backend) -> Gate:
+    """The daemon's gate of engine `b` (the host's engines have the daemon's gates; the
+    proxy reads them as `dispatch.EngineGate`)."""
+    assert isinstance(b.gate, Gate), f"engine {b.name}: not the daemon's gate"
+    return b.gate
 
 
-def added(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Two workers' counters and histograms as one (`worker.stats_doc`'s shape)."""
-    out: dict[str, Any] = {key: {k: a.get(key, {}).get(k, 0) + b.get(key, {}).get(k, 0)
-                                 for k in {*a.get(key, {}), *b.get(key, {})}}
-                           for key in STATS_KEYS}
-    out["retried_connects"] = a.get("retried_connects", 0) + b.get("retried_connects", 0)
-    hist: dict[Any, Any] = dict(a.get("latency", {}))
-    for key, (counts, total, n) in b.get("latency", {}).items():
-        if key in hist:
-            c0, t0, n0 = hist[key]
-            hist[key] = ([x + y for x, y in zip(c0, counts, strict=True)], t0 + total, n0 + n)
-        else:
-            hist[key] = (list(counts), total, n)
-    out["latency"] = hist
-    return out
+def engine_state(b: Backend, cleared: dict[int, float]) -> EngineState:
+    """What a worker is told of engine `b` (`mirror.WorkerBackend.told` reads it)."""
+    g = gate_of(b)
+    return EngineState(
+        b.name, b.upstream, b.models, b.models_open, b.fallback, b.generation(), b.ready(),
+        tuple(b.failure_seen.items()), tuple(cleared.items()), g.limits, g.level,
+        g.held_reason, g.closed_reason, g.unhealthy, g.breaker_open, g.ready_at,
+        g.in_flight, g.waiting)
 
 
-def _changed(a: list[dict[str, Any]] | None, b: list[dict[str, Any]]) -> bool:
+def _changed(a: tuple[EngineState, ...] | None, b: tuple[EngineState, ...]) -> bool:
     """Whether the state changed in what a request's answer may depend on (the counts of
     requests in flight and waiting go with the periodic update)."""
     if a is None or len(a) != len(b):
         return True
-    return any({k: v for k, v in x.items() if k not in ("in_flight", "waiting")}
-               != {k: v for k, v in y.items() if k not in ("in_flight", "waiting")}
+    return any(dataclasses.replace(x, in_flight=0, waiting=0)
+               != dataclasses.replace(y, in_flight=0, waiting=0)
                for x, y in zip(a, b, strict=True))
 
 
@@ -107,13 +119,13 @@ class _Worker:
     index: int
     sock: socket.socket  # its listening socket (the daemon keeps it across its restarts)
     proc: asyncio.subprocess.Process | None = None
-    link: Link | None = None
+    link: Link[ToDaemon, ToWorker] | None = None
     ready: asyncio.Future[None] | None = None
-    sent: list[dict[str, Any]] | None = None  # the state it was last told
+    sent: tuple[EngineState, ...] | None = None  # the state it was last told
     waits: dict[int, asyncio.Task[Any]] = dataclasses.field(default_factory=dict)
     slots: dict[int, tuple[Backend, Ticket, int]] = dataclasses.field(default_factory=dict)
     lanes: dict[int, asyncio.Lock] = dataclasses.field(default_factory=dict)
-    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    stats: Counters | None = None  # its last report
     reported: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     asked: int = 0  # the last report asked of it (its answer names it)
     task: asyncio.Task[None] | None = None
@@ -134,7 +146,7 @@ class WorkerPool:
         self._at: dict[tuple[str, int], int] = {}  # slots per (engine, start)
         self._cleared: dict[str, dict[int, float]] = {}  # failures forgotten: when sent
         self._lanes: dict[str, asyncio.Lock] = {}
-        self._retired: dict[str, Any] = {}  # the counters of workers that ended, added up
+        self._retired = Counters()  # the counters of workers that ended, added up
         self._port: int | None = None
         self._closing = False
         self._ticker: asyncio.Task[None] | None = None
@@ -167,7 +179,7 @@ class WorkerPool:
         self._push_all()  # (the hold first: a stream that begins after it pauses too)
         for w in self._live():
             assert w.link is not None
-            w.link.send(("pause", engine))
+            w.link.send(Pause(engine))
         return None
 
     def in_flight_at(self, name: str, generation: int) -> int:
@@ -183,7 +195,7 @@ class WorkerPool:
             max_buffered_bytes=self.s.max_buffered_bytes)
         for w in self._live():
             assert w.link is not None
-            w.link.send(("settings", self._share(self.s)))
+            w.link.send(Settings(self._share(self.s)))
 
     def ready(self) -> bool:
         return readiness.ready(self.backends)
@@ -196,30 +208,32 @@ class WorkerPool:
         assert self._port is not None
         return self._port
 
-    def _totals(self) -> dict[str, Any]:
+    def _totals(self) -> Counters:
         """Every worker's counters and histograms added up (ended workers' included)."""
-        return functools.reduce(added, (w.stats for w in self._workers), self._retired)
+        return functools.reduce(added, (w.stats for w in self._workers if w.stats),
+                                self._retired)
 
     @property
     def stats(self) -> ProxyStats:
         """Every worker's counters added up (those of workers that ended included)."""
         t = self._totals()
-        return ProxyStats(**{key: t.get(key, {}) for key in STATS_KEYS},
-                          retried_connects=t.get("retried_connects", 0))
+        return ProxyStats(responses=t.responses, rejections=t.rejections,
+                          retried_connects=t.retried_connects,
+                          continuations=t.continuations, refusals=t.refusals)
 
     def cpu_s(self) -> dict[str, float]:
         """Each worker's CPU seconds as it last reported them, its ended processes'
         added (a counter that never goes back)."""
-        return {str(w.index): self._retired_cpu.get(w.index, 0.0) + w.stats.get("cpu_s", 0.0)
-                for w in self._workers}
+        return {str(w.index): self._retired_cpu.get(w.index, 0.0)
+                + (w.stats.cpu_s if w.stats else 0.0) for w in self._workers}
 
     @property
     def latency(self) -> ClientLatency:
         """What clients felt, every worker's histograms added up."""
         out = ClientLatency(m for b in self.backends.values() for m in b.models)
-        for (kind, label), (counts, total, n) in self._totals().get("latency", {}).items():
-            h = out.histogram(kind, label)
-            h.counts, h.total, h.n = list(counts), total, n
+        for t in self._totals().latency:
+            h = out.histogram(t.kind, t.label)
+            h.counts, h.total, h.n = list(t.counts), t.total, t.n
         return out
 
     async def refresh(self, timeout_s: float = REPORT_TIMEOUT_S) -> None:
@@ -231,7 +245,7 @@ class WorkerPool:
             assert w.link is not None
             w.asked += 1
             w.reported.clear()
-            w.link.send(("report", w.asked))
+            w.link.send(Report(w.asked))
         if live:
             await asyncio.wait([asyncio.ensure_future(w.reported.wait()) for w in live],
                                timeout=timeout_s)
@@ -289,7 +303,7 @@ class WorkerPool:
             self._ticker.cancel()
         for w in self._live():
             assert w.link is not None
-            w.link.send(("stop",))
+            w.link.send(Stop())
         tasks = [w.task for w in self._workers if w.task is not None]
         _, pending = await asyncio.wait(tasks, timeout=STOP_GRACE_S) if tasks \
             else (set(), set())
@@ -349,15 +363,19 @@ class WorkerPool:
             raise
         finally:
             theirs.close()
-        w.link = await Link.over(mine)
-        w.sent = None
-        w.link.send(("init", self._share(self.s), self._state()))
+        link: Link[ToDaemon, ToWorker] = await Link.over(mine, TO_DAEMON, worker=w.index)
+        w.link = link
         w.sent = self._state()
+        link.send(Init(self._share(self.s), w.sent))
         try:
-            w.link.handle_with(lambda m: self._handle(w, m))
-            raise LinkClosed(await w.link.wait_closed())
+            link.handle_with(lambda m: self._handle(w, m))
+            why = await link.wait_closed()
+            if link.fault is not None:  # (what it sent is not trusted: ended at once)
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.kill()
+            raise LinkClosed(why)
         finally:
-            await w.link.close()
+            await link.close()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(w.proc.wait(), STOP_GRACE_S)
             if w.proc.returncode is None:
@@ -382,55 +400,53 @@ class WorkerPool:
         for lock in w.lanes.values():
             lock.release()
         w.lanes.clear()
-        if w.stats:
+        if w.stats is not None:
             self._retired = added(self._retired, w.stats)
-            self._retired_cpu[w.index] = self._retired_cpu.get(w.index, 0.0) \
-                + w.stats.get("cpu_s", 0.0)
-            w.stats = {}
+            self._retired_cpu[w.index] = self._retired_cpu.get(w.index, 0.0) + w.stats.cpu_s
+            w.stats = None
 
     # ---- a worker's messages ---------------------------------------------------------
 
-    def _handle(self, w: _Worker, m: tuple[Any, ...]) -> None:
-        kind = m[0]
-        if kind == "acquire":
-            self._acquire(w, m[1], m[2], m[3], m[4])
-        elif kind == "done":
-            self._give_back(w, m[1])
-        elif kind == "cancel":
-            t = w.waits.pop(m[1], None)
-            if t is not None:
-                t.cancel()  # (a gate or lane granted meanwhile is given back: _granted)
-            self._give_back(w, m[1])
-            if (lock := w.lanes.pop(m[1], None)) is not None:
-                lock.release()
-        elif kind == "lane":
-            self._lane(w, m[1], m[2])
-        elif kind == "unlane":
-            if (lock := w.lanes.pop(m[1], None)) is not None:
-                lock.release()
-        elif kind == "failed":
-            if (b := self.backends.get(m[1])) is not None:
-                b.failed(m[2], m[3])
-                self._push_all()
-        elif kind == "served":
-            if (b := self.backends.get(m[1])) is not None and m[2] in b.failure_seen:
-                b.served(m[2], m[3])
-                if m[2] not in b.failure_seen:
-                    cleared = self._cleared.setdefault(m[1], {})
-                    cleared[m[2]] = m[3]
-                    if len(cleared) > 8:  # (only the last starts matter, as in Backend)
-                        del cleared[min(cleared)]
-                self._push_all()
-        elif kind == "stats":
-            w.stats = m[1]
-            if len(m) > 2 and m[2] == w.asked:  # (the answer to the last ask, not a
-                w.reported.set()                # report of its own sent before it)
-        elif kind == "ready":
-            if w.ready is not None and not w.ready.done():
-                w.ready.set_result(None)
-        else:
-            log.warning("proxy worker sent an unknown message", worker=w.index,
-                        message=str(kind)[:40])
+    def _handle(self, w: _Worker, m: ToDaemon) -> None:
+        match m:
+            case Acquire(i, tokens, refusable, engine):
+                self._acquire(w, i, engine, tokens, refusable)
+            case Done(i):
+                self._give_back(w, i)
+            case Cancel(i):
+                if (t := w.waits.pop(i, None)) is not None:
+                    t.cancel()  # (a gate or lane granted meanwhile is given back: _granted)
+                self._give_back(w, i)
+                if (lock := w.lanes.pop(i, None)) is not None:
+                    lock.release()
+            case Lane(i, engine):
+                self._lane(w, i, engine)
+            case Unlane(i):
+                if (lock := w.lanes.pop(i, None)) is not None:
+                    lock.release()
+            case Failed(engine, generation, now):
+                if (b := self.backends.get(engine)) is not None:
+                    b.failed(generation, now)
+                    self._push_all()
+            case Served(engine, generation, sent_at):
+                if (b := self.backends.get(engine)) is not None \
+                        and generation in b.failure_seen:
+                    b.served(generation, sent_at)
+                    if generation not in b.failure_seen:
+                        cleared = self._cleared.setdefault(engine, {})
+                        cleared[generation] = sent_at
+                        if len(cleared) > 8:  # (only the last starts matter, as in Backend)
+                            del cleared[min(cleared)]
+                    self._push_all()
+            case Stats(counters, asked):
+                w.stats = counters
+                if asked is not None and asked == w.asked:  # (the answer to the last ask,
+                    w.reported.set()                        # not a report of its own)
+            case Ready():
+                if w.ready is not None and not w.ready.done():
+                    w.ready.set_result(None)
+            case _:
+                assert_never(m)
 
     def _acquire(self, w: _Worker, i: int, engine: str, tokens: int,
                  refusable: bool) -> None:
@@ -438,9 +454,9 @@ class WorkerPool:
         try:
             if b is None:
                 raise Rejected("engine_down", f"engine {engine} is no longer served here")
-            ticket = b.gate.admit_now(tokens, refusable)
+            ticket = gate_of(b).admit_now(tokens, refusable)
         except Rejected as exc:
-            self._reply(w, ("no", i, exc.reason, str(exc), exc.waited_s, exc.held))
+            self._reply(w, Refused(i, exc.reason, str(exc), exc.waited_s, exc.held))
             return
         if ticket is not None:
             self._granted(w, i, b, ticket)
@@ -455,9 +471,9 @@ class WorkerPool:
             return
         exc = t.exception()
         if isinstance(exc, Rejected):
-            self._reply(w, ("no", i, exc.reason, str(exc), exc.waited_s, exc.held))
+            self._reply(w, Refused(i, exc.reason, str(exc), exc.waited_s, exc.held))
         elif exc is not None:
-            self._reply(w, ("no", i, "proxy_error", repr(exc), 0.0, False))
+            self._reply(w, Refused(i, "proxy_error", repr(exc), 0.0, False))
         else:
             self._granted(w, i, b, t.result())
 
@@ -469,9 +485,8 @@ class WorkerPool:
         key = (b.name, generation)
         self._at[key] = self._at.get(key, 0) + 1
         w.slots[i] = (b, ticket, generation)
-        self._reply(w, ("ok", i, (ticket.tokens, ticket.waited_s, ticket.held, generation)))
-        if w.sent is not None and any(e["name"] == b.name and (e["held_reason"] or
-                                                               e["closed_reason"])
+        self._reply(w, Granted(i, ticket.tokens, ticket.waited_s, ticket.held, generation))
+        if w.sent is not None and any(e.name == b.name and (e.held_reason or e.closed_reason)
                                       for e in w.sent):
             w.sent = None  # (the worker reads the grant as the gate open: told anew)
 
@@ -496,13 +511,13 @@ class WorkerPool:
                 lock.release()
                 return
             w.lanes[i] = lock
-            self._reply(w, ("ok", i, None))
+            self._reply(w, Laned(i))
 
         t = asyncio.ensure_future(take())
         w.waits[i] = t
         t.add_done_callback(lambda _: w.waits.pop(i, None))
 
-    def _reply(self, w: _Worker, message: tuple[Any, ...]) -> None:
+    def _reply(self, w: _Worker, message: ToWorker) -> None:
         """An answer to worker `w`. (A grant never reaches a worker before the upstream
         it is for: `follow_engine` sends the state at once, and the grant names the
         engine start it was counted at.)"""
@@ -511,18 +526,19 @@ class WorkerPool:
 
     # ---- the engines' state, to the workers ----------------------------------------
 
-    def _state(self) -> list[dict[str, Any]]:
-        return [engine_state(b, self._cleared.get(b.name, {})) for b in self.backends.values()]
+    def _state(self) -> tuple[EngineState, ...]:
+        return tuple(engine_state(b, self._cleared.get(b.name, {}))
+                     for b in self.backends.values())
 
     def _push_all(self, counts: bool = False) -> None:
         """The engines' state to every worker whose last differs (in the counts in
         flight and waiting too, with `counts`)."""
         state = self._state()
-        for w in self._live():
-            if _changed(w.sent, state) or (counts and state != w.sent):
-                assert w.link is not None
-                w.link.send(("state", state))
-                w.sent = state
+        told = [w for w in self._live() if _changed(w.sent, state)
+                or (counts and state != w.sent)]
+        send_all([w.link for w in told if w.link is not None], State(state))  # (encoded once)
+        for w in told:
+            w.sent = state
 
     async def _tick(self) -> None:
         """Changes made by the units (a hold, a level, the breaker, a start) reach the

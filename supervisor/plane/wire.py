@@ -1,12 +1,18 @@
-"""The wire between the daemon and a proxy worker: one Unix socket pair, messages of a
-4-byte length and a pickle (both ends are this program, started by the daemon).
+"""The wire between the daemon and a proxy worker: one Unix socket pair, frames of a
+4-byte length and a typed message in JSON (`supervisor/plane/codec.py`, the kinds in
+`supervisor/plane/messages.py`); nothing read from it can run code.
 
-A message is a tuple whose first item names it. Sends are queued and written once per
-turn of the event loop, in order, so that a state update sent before a reply is read
-before it (`Link.send`); nothing waits for the peer to read. What arrives is handed to
-the end's handler as it is read, every whole message of a read in turn, in the loop's
-own callback (no task wakes per message: under load a read brings dozens); before a
-handler is set, `recv` takes them one by one.
+Each end's first frame is its `Hello`, and nothing from the other end is taken before
+its own hello says the same protocol. A frame longer than `MAX_FRAME`, or one that does
+not read as a message this end takes, refuses the link: it is logged once (its kind and
+its size, never its content), the link closes, and `fault` says why (the daemon then
+ends that worker and starts it again: `supervisor/plane/pool.py`).
+
+Sends are queued and written once per turn of the event loop, in order, so that a state
+update sent before a reply is read before it (`Link.send`); nothing waits for the peer
+to read. What arrives is handed to the end's handler as it is read, every whole message
+of a read in turn, in the loop's own callback (no task wakes per message: under load a
+read brings dozens); before a handler is set, `recv` takes them one by one.
 """
 
 from __future__ import annotations
@@ -14,19 +20,34 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import pickle
+import socket
 import struct
-from collections.abc import Callable
-from typing import Any
+import typing
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, TypeVar
 
 import structlog
+
+from supervisor.plane import codec
+from supervisor.plane.codec import Decoder, WireError
+from supervisor.plane.messages import HELLO, PROTOCOL, Hello
 
 log = structlog.get_logger("supervisor.plane")
 
 HEADER = struct.Struct("!I")
-MAX_MESSAGE = 64 << 20  # a stats snapshot is the largest: kilobytes
+MAX_FRAME = 16 << 20  # the largest is a stats snapshot or the engines' state: kilobytes
 
-Message = tuple[Any, ...]
+In = TypeVar("In")
+Out = TypeVar("Out", bound=codec.Message)
+
+
+def send_all(links: Iterable[Link[Any, Out]], message: Out) -> None:
+    """`message` to each of `links`, encoded once (the engines' state, to every worker)."""
+    data: bytes | None = None
+    for link in links:
+        if not link.closed:
+            data = data if data is not None else codec.encode(message)
+            link._queue(data)
 
 
 class LinkClosed(Exception):
@@ -34,11 +55,12 @@ class LinkClosed(Exception):
 
 
 class _Protocol(asyncio.Protocol):
-    def __init__(self, link: Link) -> None:
+    def __init__(self, link: Link[Any, Any]) -> None:
         self.link = link
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.link._transport = transport  # type: ignore[assignment]  # (uvloop's own)
+        # (a stream socket's: uvloop's is one without deriving from asyncio.Transport)
+        self.link._transport = typing.cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.link._received(data)
@@ -47,35 +69,43 @@ class _Protocol(asyncio.Protocol):
         self.link._lost(repr(exc) if exc else "end of the link")
 
 
-class Link:
-    """One end of the wire."""
+class Link(Generic[In, Out]):
+    """One end of the wire: it reads the kinds of `decoder`, and sends `Out`s."""
 
-    def __init__(self) -> None:
+    def __init__(self, decoder: Decoder, **fields: Any) -> None:
+        self._decoder = decoder
+        self._fields = fields  # on its log lines (the daemon's: which worker)
         self._transport: asyncio.Transport | None = None
         self._out: list[bytes] = []
         self._flushing = False
-        self._buf = bytearray()  # what arrived and is not a whole message yet
-        self._inbox: collections.deque[Message] = collections.deque()  # (before a handler)
-        self._handler: Callable[[Message], None] | None = None
+        self._buf = bytearray()  # what arrived and is not a whole frame yet
+        self._greeted = False  # the other end's hello was read, and says our protocol
+        self._inbox: collections.deque[In] = collections.deque()  # (before a handler)
+        self._handler: Callable[[In], None] | None = None
         self._arrived = asyncio.Event()
         self._closed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.fault: WireError | None = None  # what the other end sent that was refused
 
     @classmethod
-    async def over(cls, sock: Any) -> Link:
-        link = cls()
+    async def over(cls, sock: socket.socket, decoder: Decoder, **fields: Any) -> Link[In, Out]:
+        """The link over `sock`, its hello sent; `fields` go on its log lines."""
+        link: Link[In, Out] = cls(decoder, **fields)
         await asyncio.get_running_loop().create_unix_connection(lambda: _Protocol(link),
                                                                 sock=sock)
+        link._queue(codec.encode(Hello(PROTOCOL)))
         return link
 
     @property
     def closed(self) -> bool:
         return self._closed.done()
 
-    def send(self, message: Message) -> None:
+    def send(self, message: Out) -> None:
         """Queue `message`; written with the others of this turn of the loop."""
         if self._closed.done():
             return  # (the peer is gone: its end cleans up after it)
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        self._queue(codec.encode(message))
+
+    def _queue(self, data: bytes) -> None:
         self._out.append(HEADER.pack(len(data)))
         self._out.append(data)
         if not self._flushing:
@@ -88,14 +118,14 @@ class Link:
             self._transport.write(b"".join(self._out))
         self._out.clear()
 
-    def handle_with(self, handler: Callable[[Message], None]) -> None:
+    def handle_with(self, handler: Callable[[In], None]) -> None:
         """Every message from now on (and those `recv` has not taken) to `handler`, as it
         arrives. A handler's exception is logged; the link goes on."""
         self._handler = handler
         while self._inbox:
             self._dispatch(self._inbox.popleft())
 
-    async def recv(self) -> Message:
+    async def recv(self) -> In:
         """The next message (before a handler is set); raises LinkClosed at the end."""
         while not self._inbox:
             if self._closed.done():
@@ -116,44 +146,63 @@ class Link:
             await asyncio.wait_for(asyncio.shield(self._closed), 1.0)
 
     def _received(self, data: bytes) -> None:
+        if self._closed.done():
+            return  # (refused: nothing more is read)
         buf = self._buf
         buf += data
         at = 0
-        while len(buf) - at >= HEADER.size:
-            (n,) = HEADER.unpack_from(buf, at)
-            if n > MAX_MESSAGE or len(buf) - at - HEADER.size < n:
-                break
-            try:
-                message = pickle.loads(memoryview(buf)[at + HEADER.size:at + HEADER.size + n])
-            except Exception as exc:  # (not this program's: the link is closed)
-                self._bad(f"a message that does not read: {exc!r}")
-                return
-            at += HEADER.size + n
-            if not isinstance(message, tuple) or not message:
-                self._bad(f"not a message: {type(message).__name__}")
-                return
-            if self._handler is not None:
-                self._dispatch(message)
-            else:
-                self._inbox.append(message)
-                self._arrived.set()
+        try:
+            while len(buf) - at >= HEADER.size:
+                (n,) = HEADER.unpack_from(buf, at)
+                if n > MAX_FRAME:
+                    raise WireError(f"a frame of {n} bytes, more than {MAX_FRAME}", size=n)
+                if len(buf) - at - HEADER.size < n:
+                    break
+                frame = bytes(buf[at + HEADER.size:at + HEADER.size + n])
+                at += HEADER.size + n
+                if not self._greeted:
+                    self._greet(frame)
+                    continue
+                message = self._decoder.decode(frame)
+                if self._handler is not None:
+                    self._dispatch(message)
+                else:
+                    self._inbox.append(message)
+                    self._arrived.set()
+        except WireError as exc:
+            self._refuse(exc)
+            return
         del buf[:at]
-        if len(buf) >= HEADER.size and HEADER.unpack_from(buf, 0)[0] > MAX_MESSAGE:
-            self._bad(f"a message of {HEADER.unpack_from(buf, 0)[0]} bytes")
 
-    def _dispatch(self, message: Message) -> None:
+    def _greet(self, frame: bytes) -> None:
+        try:
+            hello: Hello = HELLO.decode(frame)
+        except WireError as exc:
+            raise WireError(f"no hello first ({exc.why})", exc.kind, exc.size) from None
+        if hello.protocol != PROTOCOL:
+            log.error("the proxy workers' link refused: the other end speaks another "
+                      "protocol (the daemon and its worker run different code: upgraded "
+                      "in place?)", protocol=PROTOCOL, other=hello.protocol, **self._fields)
+            raise WireError(f"protocol {hello.protocol}, not {PROTOCOL}", "hello", len(frame))
+        self._greeted = True
+
+    def _dispatch(self, message: In) -> None:
         assert self._handler is not None
         try:
             self._handler(message)
         except Exception:
             log.exception("a message on the proxy workers' link failed",
-                          message=str(message[0])[:40])
+                          message=type(message).__name__, **self._fields)
 
-    def _bad(self, why: str) -> None:
-        log.error("the proxy workers' link closed", why=why)
+    def _refuse(self, exc: WireError) -> None:
+        """A frame that does not read: the link closes (what follows it is not read)."""
+        log.error("the proxy workers' link refused a message, and closed", why=exc.why,
+                  kind=exc.kind, size=exc.size, **self._fields)
+        self.fault = exc
+        self._buf.clear()
         if self._transport is not None:
             self._transport.close()
-        self._lost(why)
+        self._lost(f"a message refused: {exc.why}")
 
     def _lost(self, why: str) -> None:
         if not self._closed.done():

@@ -20,71 +20,108 @@ import resource
 import signal
 import socket
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import assert_never
 
 import structlog
 
 from supervisor import loop
 from supervisor.front.proxy import FrontProxy
 from supervisor.ops.logs import configure_logging
-from supervisor.plane.mirror import Daemon, RemoteLanes, WorkerBackend, apply, worker_backend
+from supervisor.plane.messages import (
+    TO_WORKER,
+    Counters,
+    EngineState,
+    Granted,
+    HistogramCounts,
+    Init,
+    Laned,
+    Pause,
+    Ready,
+    Refused,
+    Report,
+    Settings,
+    State,
+    Stats,
+    Stop,
+    ToDaemon,
+    ToWorker,
+)
+from supervisor.plane.mirror import Daemon, RemoteLanes, WorkerBackend
 from supervisor.plane.wire import Link
 
 log = structlog.get_logger("supervisor.plane")
 REPORT_S = 0.5
 
 
-def stats_doc(proxy: FrontProxy) -> dict[str, Any]:
+def counters(proxy: FrontProxy) -> Counters:
     """The worker's counters and histograms, as the daemon adds them up."""
     st = proxy.stats
-    return {"responses": dict(st.responses), "rejections": dict(st.rejections),
-            "continuations": dict(st.continuations), "refusals": dict(st.refusals),
-            "retried_connects": st.retried_connects,
-            "cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]),
-            "latency": {key: (list(h.counts), h.total, h.n)
-                        for key, h in proxy.latency._h.items()}}
+    return Counters(
+        responses=dict(st.responses), rejections=dict(st.rejections),
+        continuations=dict(st.continuations), refusals=dict(st.refusals),
+        retried_connects=st.retried_connects,
+        cpu_s=sum(resource.getrusage(resource.RUSAGE_SELF)[:2]),
+        latency=tuple(HistogramCounts(v.kind, dict(v.labels)["model"], _counts(v.buckets),
+                                      v.sum, v.count)
+                      for v in proxy.latency.views()))
+
+
+def _counts(cumulative: Sequence[tuple[float, int]]) -> tuple[int, ...]:
+    """Per bucket, from the cumulative counts a view gives."""
+    out, last = [], 0
+    for _, running in cumulative:
+        out.append(running - last)
+        last = running
+    return tuple(out)
 
 
 class Worker:
-    def __init__(self, index: int, link: Link) -> None:
+    def __init__(self, index: int, link: Link[ToWorker, ToDaemon]) -> None:
         self.index = index
         self.link = link
         self.daemon = Daemon(link)
         self.proxy: FrontProxy | None = None
         self.stop = asyncio.Event()
 
-    def state(self, engines: list[dict[str, Any]]) -> None:
+    def state(self, engines: tuple[EngineState, ...]) -> None:
         assert self.proxy is not None
-        names = {e["name"] for e in engines}
+        names = {e.name for e in engines}
         for name in [n for n in self.proxy.backends if n not in names]:
             self.proxy.remove_engine(name)
         for e in engines:
-            b = self.proxy.backends.get(e["name"])
+            b = self.proxy.backends.get(e.name)
             if isinstance(b, WorkerBackend):
-                apply(b, e)
-                self.proxy._names_changed()
+                models = b.models
+                b.told(e)
+                if b.models != models:
+                    self.proxy.add_engine(b)  # (in its place: the latency labels anew)
             else:
-                self.proxy.add_engine(worker_backend(e, self.daemon))
+                self.proxy.add_engine(WorkerBackend(e, self.daemon))
 
-    def handle(self, m: tuple[Any, ...]) -> None:
+    def handle(self, m: ToWorker) -> None:
         assert self.proxy is not None
-        kind = m[0]
-        if kind == "ok":
-            self.daemon.answered(m[1], m[2])
-        elif kind == "no":
-            self.daemon.refused(m[1], m[2], m[3], m[4], m[5])
-        elif kind == "state":
-            self.state(m[1])
-        elif kind == "pause":
-            paused = self.proxy.pause_streams(m[1])
-            log.info("streams paused, to go on after it", engine=m[1], paused=paused,
-                     worker=self.index)
-        elif kind == "settings":
-            self.proxy.reconfigure(m[1])
-        elif kind == "report":
-            self.link.send(("stats", stats_doc(self.proxy), m[1]))
-        elif kind == "stop":
-            self.stop.set()
+        match m:
+            case Granted() | Laned():
+                self.daemon.answered(m)
+            case Refused():
+                self.daemon.refused(m)
+            case State(engines):
+                self.state(engines)
+            case Pause(engine):
+                paused = self.proxy.pause_streams(engine)
+                log.info("streams paused, to go on after it", engine=engine, paused=paused,
+                         worker=self.index)
+            case Settings(settings):
+                self.proxy.reconfigure(settings)
+            case Report(asked):
+                self.link.send(Stats(counters(self.proxy), asked))
+            case Stop():
+                self.stop.set()
+            case Init():
+                log.warning("the daemon said init twice; ignored")
+            case _:
+                assert_never(m)
 
     async def read(self) -> None:
         """The daemon's messages as they arrive, until the link closes: then nothing may
@@ -95,28 +132,30 @@ class Worker:
         self.stop.set()
 
     async def report(self) -> None:
-        last: dict[str, Any] | None = None
+        last: Counters | None = None
         while True:
             await asyncio.sleep(REPORT_S)
             assert self.proxy is not None
-            doc = stats_doc(self.proxy)
-            if doc != last:
-                self.link.send(("stats", doc))
-                last = doc
+            now = counters(self.proxy)
+            if now != last:
+                self.link.send(Stats(now, None))
+                last = now
 
     async def run(self, listen_fd: int) -> int:
-        kind, settings, engines = await self.link.recv()
-        assert kind == "init"
-        self.proxy = FrontProxy(settings, lanes=RemoteLanes(self.daemon))
+        init = await self.link.recv()
+        if not isinstance(init, Init):
+            log.error("the daemon's first message is not init", kind=init.KIND)
+            return 1
+        self.proxy = FrontProxy(init.settings, lanes=RemoteLanes(self.daemon))
         self.proxy.worker = self.index
-        self.state(engines)
+        self.state(init.engines)
         await self.proxy.start(socket.socket(fileno=listen_fd))
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.stop.set)
-        self.link.send(("ready", os.getpid()))
+        self.link.send(Ready(os.getpid()))
         tasks = [asyncio.create_task(self.read()), asyncio.create_task(self.report())]
         await self.stop.wait()
         await self.proxy.close()
-        self.link.send(("stats", stats_doc(self.proxy)))
+        self.link.send(Stats(counters(self.proxy), None))
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -125,7 +164,8 @@ class Worker:
 
 
 async def _main(args: argparse.Namespace) -> int:
-    link = await Link.over(socket.socket(fileno=args.link_fd))
+    link: Link[ToWorker, ToDaemon] = await Link.over(socket.socket(fileno=args.link_fd),
+                                                     TO_WORKER)
     return await Worker(args.index, link).run(args.listen_fd)
 
 
