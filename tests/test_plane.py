@@ -156,3 +156,94 @@ def test_the_connection_cap_holds_for_the_host_not_each_worker(daemon_factory, t
         for s in held:
             s.close()
     wait_for(lambda: complete(cfg).status_code == 200, 10, "served once the flood is gone")
+
+
+# Loaded first by every Python of the daemon's tree (on its PYTHONPATH): in worker 0's
+# first process alone, once `go` exists, the next counters it reports are followed by a
+# frame of garbage, a pickle that would create `ran` if it were unpickled (as the pickled
+# wire did). The worker's own code is unchanged: the test plays a worker taken over
+# through the bytes it parses.
+TAKEN_OVER = '''
+import os, pickle, struct
+def _arm():
+    argv = open("/proc/self/cmdline", "rb").read().split(b"\\0")
+    if b"supervisor.plane.worker" not in argv or argv[argv.index(b"--index") + 1] != b"0":
+        return
+    here = os.environ["PLANE_TAKEN_OVER"]
+    if os.path.exists(os.path.join(here, "fired")):
+        return
+    class Runs:
+        def __reduce__(self):
+            return (open, (os.path.join(here, "ran"), "w"))
+    body = pickle.dumps(Runs())
+    from supervisor.plane import wire
+    send = wire.Link.send
+    def taken_over(self, message):
+        send(self, message)
+        kind = message[0] if isinstance(message, tuple) else type(message).__name__
+        if kind in ("stats", "Stats") and os.path.exists(os.path.join(here, "go")) \\
+                and not os.path.exists(os.path.join(here, "fired")):
+            open(os.path.join(here, "fired"), "w").close()
+            self._transport.write(struct.pack("!I", len(body)) + body)
+    wire.Link.send = taken_over
+_arm()
+'''
+
+
+def test_a_worker_that_sends_garbage_is_refused_ended_and_started_again(daemon_factory,
+                                                                        tmp_path):
+    """What a worker sends is data of the wire's types, never code: a frame that is not
+    one (here a pickle that would create a file) refuses its link, logged with its kind
+    and size; the worker is ended at once, its slots given back, and started again;
+    the other worker's streams go on, and requests are served after."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(TAKEN_OVER)
+    path = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH")) if p)
+    cfg = proxy_config(tmp_path, "--token-delay", "0.05", workers=2)
+    d = daemon_factory(cfg, env={"PYTHONPATH": path, "PLANE_TAKEN_OVER": str(hook)})
+    opened(d)
+    pids = {int(p.cmdline()[p.cmdline().index("--index") + 1]): p.pid for p in workers_of(d)}
+    assert sorted(pids) == [0, 1]
+    body = {"model": "fake", "prompt": "hi", "max_tokens": 60, "stream": True}
+    whole: list[bool] = []
+
+    def one_stream() -> None:  # (3 s of tokens: under way when worker 0 is ended)
+        try:
+            with httpx.stream("POST", url(cfg), json=body, timeout=30) as r:
+                whole.append(r.status_code == 200 and any(
+                    line == "data: [DONE]" for line in r.iter_lines()))
+        except httpx.HTTPError:
+            whole.append(False)
+
+    streams = [threading.Thread(target=one_stream) for _ in range(12)]
+    for t in streams:
+        t.start()
+    wait_for(lambda: d.status()["admission"]["in_flight"] == 12, 10, "12 streams admitted")
+    (hook / "go").touch()
+    refused = wait_for(lambda: [r for r in d.log_records() if r.get("event") ==
+                                "the proxy workers' link refused a message, and closed"],
+                       10, "the garbage refused")
+    for t in streams:
+        t.join(30)
+    assert not (hook / "ran").exists()  # never unpickled: nothing of it ran
+    [line] = refused
+    assert line["worker"] == 0 and line["kind"] == "?" and line["size"] > 0, line
+    assert "not JSON" in line["why"] and "ran" not in line["why"], line
+    # the other worker's streams went on to their end; worker 0's were cut with it (the
+    # kernel spread the 12 connections: that all went to one worker is a chance of 1 in
+    # 2,048)
+    served = [r for r in d.log_records() if r.get("event") == "request"]
+    assert 0 < whole.count(True) == sum(1 for r in served if r["worker"] == 1) < 12, \
+        (whole, served)
+    assert all(r["status"] == 200 for r in served), served
+    wait_for(lambda: d.status()["admission"]["in_flight"] == 0, 5, "the slots given back")
+    ended = [r for r in d.log_records()
+             if r.get("event") == "proxy worker ended; starting it again"]
+    assert [r["worker"] for r in ended] == [0] and ended[0]["code"] == -signal.SIGKILL, ended
+    now = wait_for(lambda: len(w := workers_of(d)) == 2 and pids[0] not in
+                   {p.pid for p in w} and w, 20, "worker 0 started again")
+    assert pids[1] in {p.pid for p in now}  # (the other one never stopped)
+    wait_for(lambda: complete(cfg).status_code == 200, 20, "a request served again")
+    assert [complete(cfg).status_code for _ in range(8)] == [200] * 8
+    assert d.status()["admission"]["worker_restarts"] == 1
