@@ -108,6 +108,8 @@ def _none(v: Any) -> None:
 
 SCALARS: dict[Any, Decode] = {int: _int, float: _float, str: _str, bool: _bool,
                               type(None): _none}
+# the JSON types each scalar takes, for an array or object of them checked at once
+_ALL: dict[Any, set[type]] = {int: {int}, float: {float, int}, str: {str}, bool: {bool}}
 
 
 def decoder(tp: Any) -> Decode:
@@ -126,11 +128,14 @@ def decoder(tp: Any) -> Decode:
     if origin in (dict, collections.abc.Mapping):
         if args[0] is not str:
             raise TypeError(f"no wire form for {tp!r} (an object's keys are strings)")
-        value = decoder(args[1])
+        value, same = decoder(args[1]), _ALL.get(args[1])
 
         def mapping(v: Any) -> dict[str, Any]:
             if type(v) is not dict:
                 raise _wrong("an object", v)
+            if same is not None and set(map(type, v.values())) <= same:
+                return dict(v) if args[1] is not float else \
+                    dict(zip(v, map(float, v.values()), strict=True))
             try:
                 return {k: value(x) for k, x in v.items()}
             except _Wrong as exc:
@@ -143,15 +148,17 @@ def decoder(tp: Any) -> Decode:
 
 def _array_decoder(tp: Any, args: tuple[Any, ...]) -> Decode:
     """tuple[X, ...] and tuple[X, Y] from a JSON array."""
+    same = None
     if len(args) == 2 and args[1] is Ellipsis:
-        item = decoder(args[0])
-        items = None
+        item, items, same = decoder(args[0]), None, _ALL.get(args[0])
     else:
         items = [decoder(a) for a in args]
 
     def array(v: Any) -> tuple[Any, ...]:
         if type(v) is not list or (items is not None and len(v) != len(items)):
             raise _wrong("an array" if items is None else f"an array of {len(items)}", v)
+        if same is not None and set(map(type, v)) <= same:  # (histograms' counts)
+            return tuple(v) if args[0] is not float else tuple(map(float, v))
         try:
             if items is None:
                 return tuple([item(x) for x in v])
