@@ -270,7 +270,7 @@ class _Packed:
     frame's length says). Read as strictly as JSON: its exact size, booleans 0 or 1,
     UTF-8, the class's `problem()`."""
 
-    CODES: ClassVar[dict[Any, str]] = {int: "q", float: "d", bool: "B"}
+    CODES: ClassVar[dict[Any, str]] = {int: "q", float: "d", bool: "?"}
 
     def __init__(self, cls: type[Message], tag: int) -> None:
         fields = _fields(cls)
@@ -282,11 +282,16 @@ class _Packed:
                             "booleans and one string, last; a tag under 0x20)")
         self.make: Callable[..., Any] = cls
         self.kind, self.tag = cls.KIND, tag
-        self.struct = struct.Struct("!B" + "".join(self.CODES[tp] for _, tp in fixed))
+        codes = "".join(self.CODES[tp] for _, tp in fixed)
+        self.pack = struct.Struct("!B" + codes).pack
+        fields_at = struct.Struct("!" + codes)
+        self.unpack, self.size = fields_at.unpack_from, 1 + fields_at.size
         self.names = [name for name, _ in fixed]
         self.text = text[0] if text else None
-        self.bools = [i + 1 for i, (_, tp) in enumerate(fixed) if tp is bool]
-        self.floats = [i + 1 for i, (_, tp) in enumerate(fixed) if tp is float]
+        # where each boolean's byte is (read strictly: 0 or 1, where "?" takes any byte)
+        self.bools = [(1 + struct.calcsize("!" + codes[:i]), name)
+                      for i, (name, tp) in enumerate(fixed) if tp is bool]
+        self.floats = [i for i, (_, tp) in enumerate(fixed) if tp is float]
         get = operator.attrgetter(*self.names, *text)
         self.values: Callable[[Any], tuple[Any, ...]] = \
             get if len(fields) > 1 else (lambda m: (get(m),))
@@ -295,29 +300,25 @@ class _Packed:
     def encode(self, m: Any) -> bytes:
         values = self.values(m)
         if self.text is None:
-            return self.struct.pack(self.tag, *values)
+            return self.pack(self.tag, *values)
         text: str = values[-1]
-        return self.struct.pack(self.tag, *values[:-1]) + text.encode()
+        return self.pack(self.tag, *values[:-1]) + text.encode()
 
-    def decode(self, data: bytes, finite: bool) -> Any:
-        size, n = len(data), self.struct.size
-        if size != n and (self.text is None or size < n):
+    def decode(self, data: bytes | bytearray, finite: bool) -> Any:
+        size = len(data)
+        if size != self.size and (self.text is None or size < self.size):
             raise WireError(f"{size} bytes, not a {self.kind}'s", self.kind, size)
-        values: Any = self.struct.unpack_from(data)
-        if self.bools:
-            values = list(values)
-            for i in self.bools:
-                if values[i] > 1:
-                    raise WireError(f"{self.names[i - 1]}: expected a boolean", self.kind,
-                                    size)
-                values[i] = values[i] == 1
+        for at, name in self.bools:
+            if data[at] > 1:
+                raise WireError(f"{name}: expected a boolean", self.kind, size)
+        values = self.unpack(data, 1)
         if finite and self.floats and not all(math.isfinite(values[i]) for i in self.floats):
             raise WireError("a number that is not finite", self.kind, size)
         if self.text is None:
-            message = self.make(*values[1:])
+            message = self.make(*values)
         else:
             try:
-                message = self.make(*values[1:], str(data[n:], "utf-8"))
+                message = self.make(*values, str(data[self.size:], "utf-8"))
             except UnicodeDecodeError:
                 raise WireError(f"{self.text}: not UTF-8", self.kind, size) from None
         if self.problem is not None and (problem := self.problem(message)) is not None:
@@ -365,16 +366,15 @@ class Decoder:
         self._finite = finite
         self._read = _read_finite if finite else _read
 
-    def decode(self, data: bytes) -> Any:
+    def decode(self, data: bytes | bytearray) -> Any:
         if data and data[0] < 0x20:  # (a JSON message begins with "[")
-            packed = self._packed.get(data[0])
-            if packed is None:
-                raise WireError(f"a packed kind this end does not take ({data[0]})",
-                                size=len(data))
-            return packed.decode(data, self._finite)
+            if (packed := self._packed.get(data[0])) is not None:
+                return packed.decode(data, self._finite)
+            raise WireError(f"a packed kind this end does not take ({data[0]})",
+                            size=len(data))
         return self._decode_json(data)
 
-    def _decode_json(self, data: bytes) -> Any:
+    def _decode_json(self, data: bytes | bytearray) -> Any:
         size = len(data)
         try:
             doc = self._read(str(data, "utf-8"))

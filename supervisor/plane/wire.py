@@ -158,7 +158,7 @@ class Link(Generic[In, Out]):
                     raise WireError(f"a frame of {n} bytes, more than {MAX_FRAME}", size=n)
                 if len(buf) - at - HEADER.size < n:
                     break
-                frame = bytes(buf[at + HEADER.size:at + HEADER.size + n])
+                frame = buf[at + HEADER.size:at + HEADER.size + n]  # (a copy)
                 at += HEADER.size + n
                 if not self._greeted:
                     self._greet(frame)
@@ -174,7 +174,7 @@ class Link(Generic[In, Out]):
             return
         del buf[:at]
 
-    def _greet(self, frame: bytes) -> None:
+    def _greet(self, frame: bytearray) -> None:
         try:
             hello: Hello = HELLO.decode(frame)
         except WireError as exc:
