@@ -302,6 +302,8 @@ def test_a_proxy_request_during_a_kv_reset_is_held_not_refused(daemon_factory, t
     d = daemon_factory(cfg)
     d.wait_state("RUNNING")
     wait_for(lambda: d.status()["remedies"]["kv_reset"], 10, "sleep mode to be probed")
+    # (the proof, its warm-up's paths with it, let clients in: the long request runs)
+    wait_for(lambda: d.status()["admission"]["held"] is None, 30, "the gate to open")
     long = threading.Thread(target=lambda: complete(cfg, tokens=150))  # ~1.5 s in flight
     long.start()
     wait_for(lambda: d.status()["admission"]["in_flight"] >= 1, 10, "the long request")
