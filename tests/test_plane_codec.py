@@ -112,7 +112,8 @@ def test_the_per_request_kinds_are_packed_and_the_rest_compact_json() -> None:
     assert codec.encode(Acquire(7, 100, True, "é")) == \
         b"\x01" + struct.pack("!qqB", 7, 100, 1) + "é".encode()
     assert codec.encode(Cancel(7, True)) == b'["cancel",7,true]'
-    assert codec.encode(Hello(messages.PROTOCOL)) == b'["hello",1]'
+    assert codec.encode(messages.HELLO_NOW) == \
+        b'["hello",1,"' + messages.SCHEMA.encode() + b'"]'
     # (a packed kind written as JSON reads too: the form is the writer's choice)
     assert TO_DAEMON.decode(b'["done",7]') == Done(7)
 
@@ -220,10 +221,30 @@ def test_a_json_body_cut_anywhere_is_refused(m: Any, data: st.DataObject) -> Non
 
 
 def test_the_hello_says_the_version_and_anything_else_first_is_no_hello() -> None:
-    assert HELLO.decode(codec.encode(Hello(7))) == Hello(7)
-    for first in (codec.encode(Ready(1)), b'["hello","1"]', b'["hello",1,2]', b"\x80"):
+    assert HELLO.decode(codec.encode(Hello(7, "x"))) == Hello(7, "x")
+    for first in (codec.encode(Ready(1)), b'["hello","1","x"]', b'["hello",1]',
+                  b'["hello",1,"x",2]', b"\x80"):
         with pytest.raises(WireError):
             HELLO.decode(first)
+
+
+def test_the_schema_digest_changes_with_any_field_of_any_part() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Limits:
+        concurrency: int
+
+    @dataclasses.dataclass(frozen=True)
+    class Wider:
+        concurrency: int
+        tokens: int
+
+    def kind(part: type) -> type:
+        return dataclasses.make_dataclass("K", [("limits", part)], frozen=True,
+                                          namespace={"KIND": "k"})
+
+    assert codec.schema([kind(Limits)]) == codec.schema([kind(Limits)])
+    assert codec.schema([kind(Limits)]) != codec.schema([kind(Wider)])
+    assert len(messages.SCHEMA) == 16
 
 
 def test_the_counters_of_ended_workers_add_up_into_one() -> None:

@@ -16,7 +16,9 @@ import structlog
 
 from supervisor.plane import codec
 from supervisor.plane.messages import (
+    HELLO_NOW,
     PROTOCOL,
+    SCHEMA,
     TO_DAEMON,
     TO_WORKER,
     Done,
@@ -35,7 +37,7 @@ def frame(body: bytes) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-HELLO = frame(codec.encode(Hello(PROTOCOL)))
+HELLO = frame(codec.encode(HELLO_NOW))
 
 
 async def pair() -> tuple[Link[ToDaemon, ToWorker], Link[ToWorker, ToDaemon]]:
@@ -113,7 +115,8 @@ BAD = {  # what the other end sends -> the kind the log line names
     "an unknown kind": (HELLO + frame(b'["exec","rm -rf"]'), "exec"),
     "a field of the wrong type": (HELLO + frame(b'["cancel","1",true]'), "cancel"),
     "a kind of the other way": (HELLO + frame(codec.encode(Report(1))), "report"),
-    "another protocol's hello": (frame(codec.encode(Hello(PROTOCOL + 1))), "hello"),
+    "another protocol's hello": (frame(codec.encode(Hello(PROTOCOL + 1, SCHEMA))), "hello"),
+    "another schema's hello": (frame(codec.encode(Hello(PROTOCOL, "0" * 16))), "hello"),
     "no hello first": (frame(codec.encode(Done(1))), "?"),
     "a hello twice": (HELLO + HELLO, "hello"),
 }
@@ -138,6 +141,9 @@ def test_what_is_not_a_message_of_this_protocol_refuses_the_link_with_a_reason()
             if what == "another protocol's hello":
                 [v] = [r for r in logs if "another protocol" in r["event"]]
                 assert (v["protocol"], v["other"]) == (PROTOCOL, PROTOCOL + 1)
+            if what == "another schema's hello":
+                [v] = [r for r in logs if "another protocol" in r["event"]]
+                assert (v["schema"], v["other_schema"]) == (SCHEMA, "0" * 16)
             try:
                 await link.recv()
             except LinkClosed as exc:

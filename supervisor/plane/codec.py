@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import hashlib
 import json
 import math
 import operator
@@ -401,6 +402,23 @@ class Decoder:
         if problem is not None:
             raise WireError(problem, kind=kind, size=size)
         return message
+
+
+def schema(kinds: Iterable[type[Message]]) -> str:
+    """A digest of the kinds' names, tags, fields and types, the dataclasses in them
+    included (the settings and the gate's limits live in `front/`, edited for the
+    proxy's sake): two ends whose digests differ would misread each other."""
+    def describe(tp: Any) -> str:
+        if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+            return tp.__name__ + "{" + ",".join(f"{name}:{describe(t)}"
+                                                for name, t in _fields(tp)) + "}"
+        if typing.get_origin(tp) is not None:
+            return (repr(typing.get_origin(tp)) + "["
+                    + ",".join(describe(a) for a in typing.get_args(tp)) + "]")
+        return getattr(tp, "__name__", repr(tp))
+
+    text = ";".join(f"{c.KIND}/{getattr(c, 'TAG', '')}={describe(c)}" for c in kinds)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _position(exc: BaseException) -> str:

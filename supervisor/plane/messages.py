@@ -1,8 +1,11 @@
 """The messages between the daemon and its proxy workers: one frozen dataclass per kind,
 each way, and the protocol's version (`supervisor/plane/codec.py` writes and reads them).
 
-Each end first says `Hello(PROTOCOL)`; the other refuses the link when the version is
-not its own (a worker started from code upgraded under a running daemon, say). After
+Each end first says `Hello(PROTOCOL, SCHEMA)`; the other refuses the link when the
+version is not its own, or the digest of every kind's fields and types (`SCHEMA`: the
+settings and limits defined in `front/` included, so that a field added there is caught
+even where nobody raised PROTOCOL) is not (a worker started from code upgraded under a
+running daemon, say). After
 it, per request: `Acquire` -> `Granted` or `Refused`, then `Done` (or `Cancel`); a
 suspect's `Lane` -> `Laned`, then `Unlane`. The engines' state goes to the workers as it
 changes (`State`), their counters to the daemon (`Stats`). A change here that a peer of
@@ -21,7 +24,7 @@ from typing import ClassVar
 from supervisor.front.admission import GateLimits
 from supervisor.front.exchange import ProxySettings
 from supervisor.front.latency import KINDS
-from supervisor.plane.codec import Decoder
+from supervisor.plane.codec import Decoder, schema
 
 PROTOCOL = 1
 
@@ -30,10 +33,12 @@ BUCKETS = {k.name: len(k.buckets) + 1 for k in KINDS}  # counts per histogram, +
 
 @dataclass(frozen=True)
 class Hello:
-    """The first message each way: the protocol this end speaks."""
+    """The first message each way: the protocol this end speaks, and the digest of its
+    kinds (`codec.schema`)."""
 
     KIND: ClassVar[str] = "hello"
     protocol: int
+    schema: str
 
 
 # ---- what the daemon tells a worker of its engines -------------------------------------
@@ -275,7 +280,10 @@ class Stats:
 ToDaemon = Ready | Acquire | Done | Cancel | Lane | Unlane | Failed | Served | Stats
 
 HELLO = Decoder([Hello])
-TO_WORKER = Decoder([Init, Granted, Laned, Refused, State, Pause, Settings, Report, Stop])
+_TO_WORKER = (Init, Granted, Laned, Refused, State, Pause, Settings, Report, Stop)
+_TO_DAEMON = (Ready, Acquire, Done, Cancel, Lane, Unlane, Failed, Served, Stats)
+TO_WORKER = Decoder(_TO_WORKER)
 # (a worker has no number that is not finite to send: refused)
-TO_DAEMON = Decoder([Ready, Acquire, Done, Cancel, Lane, Unlane, Failed, Served, Stats],
-                    finite=True)
+TO_DAEMON = Decoder(_TO_DAEMON, finite=True)
+SCHEMA = schema([Hello, *_TO_WORKER, *_TO_DAEMON])
+HELLO_NOW = Hello(PROTOCOL, SCHEMA)  # (what this end says first)

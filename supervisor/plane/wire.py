@@ -1,12 +1,13 @@
 """The wire between the daemon and a proxy worker: one Unix socket pair, frames of a
-4-byte length and a typed message in JSON (`supervisor/plane/codec.py`, the kinds in
-`supervisor/plane/messages.py`); nothing read from it can run code.
+4-byte length and a typed message, compact JSON or packed (`supervisor/plane/codec.py`, the
+kinds in `supervisor/plane/messages.py`); nothing read from it can run code.
 
 Each end's first frame is its `Hello`, and nothing from the other end is taken before
-its own hello says the same protocol. A frame longer than `MAX_FRAME`, or one that does
-not read as a message this end takes, refuses the link: it is logged once (its kind and
-its size, never its content), the link closes, and `fault` says why (the daemon then
-ends that worker and starts it again: `supervisor/plane/pool.py`).
+its own hello says the same protocol and the same digest of the messages' types. A
+frame longer than `MAX_FRAME`, or one that does not read as a message this end takes,
+refuses the link: it is logged once (its kind and its size, never its content), the
+link closes, and `fault` says why (the daemon then ends that worker and starts it
+again: `supervisor/plane/pool.py`).
 
 Sends are queued and written once per turn of the event loop, in order, so that a state
 update sent before a reply is read before it (`Link.send`); nothing waits for the peer
@@ -30,7 +31,7 @@ import structlog
 
 from supervisor.plane import codec
 from supervisor.plane.codec import Decoder, WireError
-from supervisor.plane.messages import HELLO, PROTOCOL, Hello
+from supervisor.plane.messages import HELLO, HELLO_NOW, Hello
 
 log = structlog.get_logger("supervisor.plane")
 
@@ -92,7 +93,7 @@ class Link(Generic[In, Out]):
         link: Link[In, Out] = cls(decoder, **fields)
         await asyncio.get_running_loop().create_unix_connection(lambda: _Protocol(link),
                                                                 sock=sock)
-        link._queue(codec.encode(Hello(PROTOCOL)))
+        link._queue(codec.encode(HELLO_NOW))
         return link
 
     @property
@@ -179,11 +180,13 @@ class Link(Generic[In, Out]):
             hello: Hello = HELLO.decode(frame)
         except WireError as exc:
             raise WireError(f"no hello first ({exc.why})", exc.kind, exc.size) from None
-        if hello.protocol != PROTOCOL:
+        if hello != HELLO_NOW:
             log.error("the proxy workers' link refused: the other end speaks another "
                       "protocol (the daemon and its worker run different code: upgraded "
-                      "in place?)", protocol=PROTOCOL, other=hello.protocol, **self._fields)
-            raise WireError(f"protocol {hello.protocol}, not {PROTOCOL}", "hello", len(frame))
+                      "in place?)", protocol=HELLO_NOW.protocol, other=hello.protocol,
+                      schema=HELLO_NOW.schema, other_schema=hello.schema, **self._fields)
+            raise WireError(f"protocol {hello.protocol} ({hello.schema}), not "
+                            f"{HELLO_NOW.protocol} ({HELLO_NOW.schema})", "hello", len(frame))
         self._greeted = True
 
     def _dispatch(self, message: In) -> None:
