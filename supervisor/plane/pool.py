@@ -17,7 +17,8 @@ across them, so that nothing a client is promised depends on the worker it reach
 - what clients felt and the counters, each worker's added up (`stats`, `latency`);
 - the workers themselves: a worker that dies is started again on its socket (the
   connections it held are lost, as the one process's would be), its slots and lanes
-  given back at once.
+  given back at once; a worker whose message does not read (`supervisor/plane/wire.py`)
+  is ended at once and started again: what it sends is never trusted.
 
 The daemon's own code sees one front door: the methods of `FrontProxy` that the host and
 the units call (`supervisor/engine/effects.py`'s `Front`).
