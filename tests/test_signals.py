@@ -257,6 +257,34 @@ def test_rss_growth_forgets_samples_older_than_the_window():
     assert s["engine_cpu_percent"] is None
 
 
+def test_a_start_and_a_sleep_are_no_growth_a_leak_once_serving_still_is():
+    """The soak of issue 48: a CPU engine's RSS went from 0.1 GB (its first look, while it
+    imported) to 3.5 GB (served), and one window after the start that read as 7.5 GB/h:
+    memory_growth restarted a healthy engine 28 min after its start. Only samples of an
+    engine that serves make growth points: its start, its proof and a remedy's sleep
+    (a GPU engine's memory from its share to 1.8 GB and back) do not."""
+    gb = 1_000_000_000
+    w = SignalWindow(WindowConfig(rss_growth_window_s=1800,
+                                  gpu_memory_growth_window_s=1800))
+    for t, rss in ((0, 0.1), (30, 1.5), (60, 3.0), (70, 3.4)):  # starting, proving
+        w.add_tree(float(t), int(rss * gb), 100.0, settled=False)
+    for t in range(80, 1900, 15):  # serving, flat
+        w.add_tree(float(t), int(3.5 * gb), 20.0)
+    s = compute(w, 1885.0)
+    assert s["engine_rss_growth_bytes_per_h"] == 0.0 and s["engine_rss_bytes"] == 3.5 * gb
+    for t in range(1900, 3700, 15):  # then a real leak: 1 MB every 15 s
+        w.add_tree(float(t), int(3.5 * gb) + (t - 1885) // 15 * 1_000_000, 20.0)
+    assert compute(w, 3685.0)["engine_rss_growth_bytes_per_h"] == pytest.approx(240e6, 0.02)
+    # a GPU engine asleep for a KV reset (not settled) and awake again: no growth
+    pids = (100,)
+    for t in range(0, 1900, 15):
+        asleep = t < 30  # (the first samples: one would be the baseline)
+        used = int(1.8 * gb) if asleep else 75 * gb
+        w.add_gpu(float(t), reading(process_memory={100: used}), pids, {},
+                  settled=not asleep)
+    assert compute(w, 1885.0)["engine_gpu_memory_growth_bytes_per_h"] == 0.0
+
+
 # ---- GPU -------------------------------------------------------------------------------
 
 def reading(**kw: object) -> GpuReading:

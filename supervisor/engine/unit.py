@@ -226,7 +226,8 @@ class EngineUnit(UnitState):
     def handle_tree_seen(self, ev: TreeSeen) -> None:
         cpu = self.slot.tree_seen(ev)
         if self.slot.current(ev.generation) is not None:
-            self.watch.window.add_tree(ev.at, ev.rss_bytes, cpu, ev.host_temperature_c)
+            self.watch.window.add_tree(ev.at, ev.rss_bytes, cpu, ev.host_temperature_c,
+                                       self.facts().settled() and self.watch.remedy is None)
 
     def handle_exited(self, ev: Exited) -> None:
         asked = self.slot.taking_down or self.state not in (State.STARTING, State.RUNNING)
@@ -352,7 +353,7 @@ class EngineUnit(UnitState):
         self.watch.on_canary_done(ev, self.facts())
 
     def handle_gpu_sampled(self, ev: GpuSampled) -> None:
-        self.watch.on_gpu_sampled(ev, self.engine)
+        self.watch.on_gpu_sampled(ev, self.engine, self.facts().settled())
 
     def handle_sleep_mode_probed(self, ev: SleepModeProbed) -> None:
         self.watch.on_sleep_mode_probed(ev, self.facts())

@@ -59,6 +59,10 @@ class UnitFacts:
     # let clients in yet
     proving: bool = False
 
+    def settled(self) -> bool:
+        """The engine serves: proven, clients let in (its memory now a growth point)."""
+        return self.state is State.RUNNING and not self.proving and not self.taking_down
+
     def serving_engine(self, generation: int) -> bool:
         """`generation` is the engine that serves now, not one being taken down."""
         return (self.engine is not None and self.engine.generation == generation
@@ -208,7 +212,8 @@ class EngineWatch:
             log.info("canary passed again", latency_s=round(o.latency_s, 3),
                      failures_before=before)
 
-    def on_gpu_sampled(self, ev: GpuSampled, engine: eng.EngineProcess | None) -> None:
+    def on_gpu_sampled(self, ev: GpuSampled, engine: eng.EngineProcess | None,
+                       settled: bool = True) -> None:
         r = ev.reading
         if r.errors and not self._gpu_errors_logged:
             log.warning("GPU readings incomplete; retrying each period", errors=list(r.errors))
@@ -221,7 +226,7 @@ class EngineWatch:
             x = xid.describe(code)
             log.error("GPU XID event", xid=code, name=x.name, remedy=x.remedy, gpu=gpu)
             self._audit("xid", xid=code, name=x.name, remedy=x.remedy, gpu=gpu)
-        self.window.add_gpu(ev.at, r, pids, remedies)
+        self.window.add_gpu(ev.at, r, pids, remedies, settled and self.remedy is None)
 
     # ---- the policy -------------------------------------------------------------------
 

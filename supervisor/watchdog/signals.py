@@ -135,15 +135,22 @@ class WindowConfig:
 class _Growth:
     """A sparse series of one engine's memory (120 points over the window) and its growth
     per hour over a whole window: unknown until a window has passed, since an engine's
-    memory grows while it starts and warms up, and that is not a leak."""
+    memory grows while it starts and warms up, and that is not a leak. Only samples of an
+    engine that serves (`settled`: proven, clients let in, no remedy of the daemon's
+    under way) make points: a baseline taken while it loaded (a CPU engine's RSS from
+    0.1 to 3.5 GB, a GPU engine's memory from nothing to its share) or while it slept
+    read, one window later, as growth, and restarted every engine ~28 min after its
+    start (issue 48's hour of healthy load found it)."""
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
         self._points: deque[tuple[float, int]] = deque()
         self.now: int | None = None
 
-    def add(self, now: float, value: int) -> None:
+    def add(self, now: float, value: int, settled: bool = True) -> None:
         self.now = value
+        if not settled:
+            return
         if not self._points or now - self._points[-1][0] >= self.window_s / 120:
             self._points.append((now, value))
         while len(self._points) > 2 and self._points[1][0] <= now - self.window_s:
@@ -283,8 +290,9 @@ class SignalWindow:
             self._stalled_s = 0.0
 
     def add_tree(self, now: float, rss_bytes: int, cpu_percent: float | None,
-                 host_temperature_c: float | None = None) -> None:
-        self._rss.add(now, rss_bytes)
+                 host_temperature_c: float | None = None, settled: bool = True) -> None:
+        """`settled`: the engine serves (its RSS a growth point, `_Growth`)."""
+        self._rss.add(now, rss_bytes, settled)
         self._cpu_percent = cpu_percent
         self._host_temperature_c = host_temperature_c
 
@@ -305,16 +313,16 @@ class SignalWindow:
             self._unjudged = (min(since, started), n + 1)
 
     def add_gpu(self, now: float, reading: GpuReading, engine_pids: Iterable[int],
-                classify: dict[int, str]) -> None:
+                classify: dict[int, str], settled: bool = True) -> None:
         """`classify` maps the reading's XID codes to their remedy ("restart", "reset",
-        "reboot" or "info")."""
+        "reboot" or "info"); `settled`: the engine serves (its memory a growth point)."""
         pids = set(engine_pids)
         procs = reading.process_memory
         engine_bytes = (sum(b for p, b in procs.items() if p in pids)
                         if procs is not None else None)
         self._gpu = _Gpu(now, reading, engine_bytes)
         if engine_bytes is not None:
-            self._gpu_mem.add(now, engine_bytes)
+            self._gpu_mem.add(now, engine_bytes, settled)
         for gpu, code in reading.xids_by_gpu():
             self.xids.append((gpu, code))
             remedy = classify.get(code, "reset")
