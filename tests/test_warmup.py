@@ -1,9 +1,9 @@
 """The proof's warm-up through the real daemon and a fake engine (issue 48): a new engine's
 first request that asks for log-probabilities takes a long first step (vLLM compiling
 its sampler helper on a cold cache; here a child process burns a core meanwhile), and
-its counters stand still. Both directions: that step is no stall, and the same step that
-burns nothing (a hang in the proof) is caught by the progress rule; a warm-up that never
-ends within its budget is a failed start. Real HTTP, signals and processes; the
+its counters stand still. That step is no stall; a warm-up that never ends within its
+budget (burning a core or idle) is a failed start, judged by the proof, not the progress
+rule. Real HTTP, signals and processes; the
 engine's /metrics scripted (tests/test_watchdog.py's `MetricsScript`)."""
 
 from __future__ import annotations
@@ -52,19 +52,22 @@ def test_running_through_a_cold_first_step_of_its_proof_without_a_decision(
         (d.decisions(), st)
 
 
-def test_a_proof_whose_first_step_hangs_is_caught_by_the_progress_rule(
+def test_a_proof_whose_first_step_hangs_is_a_failed_start_at_its_budget_not_a_decision(
         daemon_factory, tmp_path, metrics):  # noqa: F811
+    """The same first step, burning nothing (a hang, or a wait on a lock another engine's
+    compile holds: the two-engine e2e saw one engine's tree idle at 2.5 % while its
+    sibling compiled the helper both needed): the proof judges it with its own deadline,
+    the progress rule never does."""
     metrics.set(running=1, waiting=0, generation=0.0)
-    # the same first step, burning nothing: a hang, not a compile
-    cfg, _ = cold_config(tmp_path, metrics.path, "--first-logprobs-idle")
+    cfg, _ = cold_config(tmp_path, metrics.path, "--first-logprobs-idle",
+                         warm_up_timeout_s=12.0)
     cfg["engine"]["args"] = ["--first-logprobs-s", "600"]  # (the last one wins)
     d = daemon_factory(cfg)
-    dec = wait_for(lambda: d.decisions(), 90, "a decision on the hung proof")[0]
-    assert (dec["rule"], dec["action"]) == ("no_progress", "restart_now"), dec
-    assert dec["evidence"]["engine_stalled_s"] >= 6
-    # it was RUNNING with its gate still held: no client ever reached it
-    (warmed,) = [e for e in d.events() if e["event"] == "paths_warmed"] or [None]
-    assert warmed is None  # (the warm-up never ended: its engine was taken down)
+    failed = wait_for(lambda: [e for e in d.events() if e["event"] == "paths_warmed"], 60,
+                      "the warm-up's end")[0]
+    assert failed["ok"] is False and failed["paths"]["logprobs"]["answer"] == "timeout"
+    wait_for(lambda: len(d.engine_argvs()) >= 2, 60, "a second start")
+    assert d.decisions() == []  # (12 s of no progress with work at it: no decision)
 
 
 def test_a_warm_up_silent_past_its_budget_fails_the_start(daemon_factory, tmp_path,

@@ -288,11 +288,7 @@ class JobEffects:
                 waits: set[asyncio.Future[Any]] = {exited}
                 if not health.done():
                     waits.add(health)
-                # (an engine looked at closely until proven: its proof's first steps
-                # are judged by how busy its tree is, watch.py)
-                closely = engine.healthy_at is None or (
-                    not engine.proven and engine.source == "engine")
-                await asyncio.wait(waits, timeout=2.0 if closely else 10.0)
+                await asyncio.wait(waits, timeout=2.0 if engine.healthy_at is None else 10.0)
         finally:
             cores.close()
             health.cancel()

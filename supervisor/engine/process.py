@@ -173,7 +173,6 @@ class EngineProcess:
     # the paths its first proof warmed (`watchdog/warmup.py`): a later proof of it (after
     # a wake, a swap) does not ask them again; None: not warmed yet
     warmed: Warmed | None = None
-    proven: bool = False  # its first proof ended (passed or not; set by its unit)
 
     @property
     def pgid(self) -> int:

@@ -123,8 +123,6 @@ class EngineUnit(UnitState):
             standby = self.handover.standby.slot
             engine = standby.current(event.generation) or self.slot.current(event.generation)
             event = self.golden.judge(event, engine, self.config.canary.golden_tolerance)
-            if engine is not None:
-                engine.proven = True
             if event.warm_up is not None and engine is not None:
                 self._warmed_up(engine, event.warm_up)
             if event.warmed is not None and engine is not None:
@@ -282,7 +280,6 @@ class EngineUnit(UnitState):
                 # an engine with sleep mode (its first KV reset then pays no first sleep)
                 self.act.gate_probe(engine, warm=self.watch.wake_broken is None)
             else:
-                engine.proven = True  # (nothing to prove it with)
                 self.keeper.admit()  # no canary to wait for: healthy is all we know
                 self.relaunch.finish("ok", None)  # serving: nothing more is waited for
         elif engine.exit_code is None:

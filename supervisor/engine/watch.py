@@ -166,8 +166,11 @@ class EngineWatch:
         ended = self.scrapes.succeeded(ev.snapshot, now)
         # the requests the daemon knows are at the engine: a stopped core's own gauges
         # freeze at their last value, which may say idle
+        # (a proof judges itself: its warm-up within canary.warm_up_timeout_s, its canary
+        # within its deadline; its steps in flight are work, whatever they wait for: a
+        # sibling engine's compile holds a lock it waits on, its own tree idle)
         hung = self.window.add_metrics(now, ev.snapshot, unit.at_engine,
-                                       working=unit.proving and _working(e))
+                                       working=unit.proving)
         if hung:
             log.warning("canary failures judged by a scrape: no progress since they began",
                         counted=hung, consecutive=self.window.canary_failures, pid=e.pid)
@@ -409,21 +412,6 @@ class EngineWatch:
             self.wake_broken = (f"a wake broke an engine of this unit (a KV reset: "
                                 f"{o.error}): no sleep until the daemon restarts")
         return fields, [Restart(why, rung="restart", evidence=(f"{ev.rung}_failed", why))]
-
-
-# the engine tree's CPU (percent of one core, over its last look) at or above which a
-# proof's step in flight counts as work: a compile keeps a core busy (the CPU engine's
-# first log-probabilities: g++ under its worker, 10 s), an idle tree takes 10-12 % with
-# the daemon's scrapes and canaries, one with its core stopped 2.5 %
-PROOF_BUSY_CPU = 30.0
-
-
-def _working(engine: eng.EngineProcess) -> bool:
-    """During its proof (no client at it yet: only the daemon's own first requests,
-    which compile what vLLM builds at first use), the engine's tree is busy on the CPU;
-    unknown (not looked at twice yet) counts as busy: the warm-up's own deadline bounds
-    it."""
-    return engine.cpu_percent is None or engine.cpu_percent >= PROOF_BUSY_CPU
 
 
 def _xid_text(gpu: int | None, code: int) -> str:

@@ -23,8 +23,9 @@ climbing), or the daemon itself had requests at it (through the proxy, its canar
 stopped core's gauges freeze at their last value, which may be idle). Measured from the
 scrape that first showed the current counters, or the first that showed work, to the
 latest scrape: never more than what was seen. A step the feeder knows to be at work (a
-new engine's proof, whose first requests compile what vLLM builds at first use, while
-its tree is busy on the CPU) counts as progress: a cold cache is not a hang (issue 48).
+new engine's proof, whose first requests compile what vLLM builds at first use, and
+which judges itself with its own deadlines) counts as progress: a cold cache is not a
+hang (issue 48).
 """
 
 from __future__ import annotations
