@@ -110,6 +110,18 @@ def cache_env(root: Path) -> dict[str, str]:
             "XDG_CACHE_HOME": str(root / "xdg"), "TMPDIR": str(root / "tmp")}
 
 
+async def next_event(queue: Any, kind: type[Any], guard_s: float) -> Any:
+    """The next item of `kind` on an asyncio queue (others are dropped), within a hang
+    guard of `guard_s` (not a timing assertion)."""
+    import asyncio
+
+    async with asyncio.timeout(guard_s):
+        while True:
+            ev = await queue.get()
+            if isinstance(ev, kind):
+                return ev
+
+
 def free_port() -> int:
     """A free loopback port not handed out before in this run, nor next to one that was
     (a standby takes its engine's port + 1 by default, and the daemon rightly refuses a

@@ -52,6 +52,24 @@ def paused_streams(d: Any) -> tuple[int, list[str]]:
     return (sum(e["paused"] for e in lines if e.get("paused") is not None),
             [e["during"] for e in lines if "during" in e])
 
+def start_streams(cfg: dict[str, Any], bodies: list[dict[str, Any]]
+                  ) -> tuple[list[threading.Thread], list[Seen | None]]:
+    """Each body streamed in a thread of its own, returned once every stream began: the
+    threads, and the list each fills with what its client saw."""
+    results: list[Seen | None] = [None] * len(bodies)
+    started = [threading.Event() for _ in bodies]
+
+    def one(i: int) -> None:
+        results[i] = run(cfg, bodies[i], started=started[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for e in started:
+        assert e.wait(30), "a stream never started"
+    return threads, results
+
+
 def run(cfg: dict[str, Any], body: dict[str, Any], path: str = "/v1/completions",
         started: threading.Event | None = None) -> Seen:
     seen = Seen()
@@ -281,17 +299,7 @@ def test_a_request_that_kills_its_engine_is_refused_and_the_innocent_streams_com
                      *(["--die-answering"] if answering else []), keepalive_s=0.5)
     n = 150  # 3 s each at 0.02 s a token: in flight at each death
     bodies = [comp(prompt=f"innocent {i}", max_tokens=n) for i in range(4)]
-    results: list[Seen | None] = [None] * len(bodies)
-    started = [threading.Event() for _ in bodies]
-
-    def one(i: int) -> None:
-        results[i] = run(cfg, bodies[i], started=started[i])
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
-    for t in threads:
-        t.start()
-    for e in started:
-        assert e.wait(30), "a stream never started"
+    threads, results = start_streams(cfg, bodies)
     if answering:
         seen = run(cfg, comp(prompt="KILLER", max_tokens=200))
         assert seen.status == 200 and seen.texts and not seen.done, seen
@@ -442,17 +450,7 @@ def test_a_kv_reset_under_long_streams_with_the_default_drain_is_done_and_loses_
     wait_for(lambda: d.status()["admission"]["held"] is None, 10, "the gate to open")
     n = 300  # 15 s a stream at the fake's pace: longer than the drain's 10 s
     bodies = [comp(prompt=f"long {i}", max_tokens=n) for i in range(6)]
-    results: list[Seen | None] = [None] * len(bodies)
-    started = [threading.Event() for _ in bodies]
-
-    def one(i: int) -> None:
-        results[i] = run(cfg, bodies[i], started=started[i])
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
-    for t in threads:
-        t.start()
-    for e in started:
-        assert e.wait(30), "a stream never started"
+    threads, results = start_streams(cfg, bodies)
     r = d.ctl("kv-reset", timeout=60)
     for t in threads:
         t.join(90)

@@ -38,6 +38,7 @@ from supervisor.ops.audit import AuditTrail
 from supervisor.watchdog import canary
 from supervisor.watchdog.gpu import NoGpu
 from supervisor.watchdog.poller import scrape
+from tests.harness import next_event as harness_next_event
 
 GUARD_S = 20.0  # a hang guard, not a timing assertion
 
@@ -109,11 +110,7 @@ async def until(cond: Callable[[], Any]) -> Any:
 
 async def next_event(queue: asyncio.Queue[Event], kind: type[Any]) -> Any:
     """The next event of `kind` (others are dropped), within the guard."""
-    async with asyncio.timeout(GUARD_S):
-        while True:
-            ev = await queue.get()
-            if isinstance(ev, kind):
-                return ev
+    return await harness_next_event(queue, kind, GUARD_S)
 
 
 # ---- telling the shortage apart ---------------------------------------------------------

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
 
 from structlog.testing import capture_logs
 
@@ -25,7 +24,7 @@ from supervisor.engine.events import Down, Event, Exited, TreeSeen
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock
 from supervisor.watchdog.gpu import NoGpu
-from tests.harness import free_port
+from tests.harness import free_port, next_event
 
 GUARD_S = 30.0  # a hang guard, not a timing assertion
 
@@ -139,12 +138,6 @@ def test_a_file_is_kept_when_replaced_under_its_name_or_held_by_a_live_process(t
                    "open"}
 
 
-async def next_event(queue: asyncio.Queue[Event], kind: type[Any]) -> Any:
-    async with asyncio.timeout(GUARD_S):
-        while True:
-            ev = await queue.get()
-            if isinstance(ev, kind):
-                return ev
 
 
 def test_a_crashed_engines_files_go_at_its_take_down_and_no_other(tmp_path):
@@ -177,11 +170,11 @@ def test_a_crashed_engines_files_go_at_its_take_down_and_no_other(tmp_path):
             # two looks at its tree (every 2 s while it starts): the second began once
             # both of its processes held their files
             for _ in range(2):
-                await next_event(queue, TreeSeen)
+                await next_event(queue, TreeSeen, GUARD_S)
             os.killpg(engine.pgid, signal.SIGKILL)  # a crash
-            await next_event(queue, Exited)
+            await next_event(queue, Exited, GUARD_S)
             fx.take_down(engine, False, asyncio.Event(), None, clock.monotonic() + GUARD_S)
-            return await next_event(queue, Down)  # type: ignore[no-any-return]
+            return await next_event(queue, Down, GUARD_S)  # type: ignore[no-any-return]
         finally:
             with capture_logs():
                 await fx.end()
