@@ -8,7 +8,13 @@ import asyncio
 import pytest
 
 from supervisor.front.admission import Gate, GateLimits, Rejected
-from supervisor.front.dispatch import Backend, Choice, acquire_any, model_len_of
+from supervisor.front.dispatch import (
+    UNKNOWN_MODEL_LEN,
+    Backend,
+    Choice,
+    acquire_any,
+    model_len_of,
+)
 
 
 def run(coro):  # type: ignore[no-untyped-def]
@@ -108,12 +114,31 @@ def test_an_estimate_is_bounded_by_the_engines_max_model_len_once_known():
                     "http://127.0.0.1:1")
         choice = Choice(b, b"{}", None)
         first = await b.gate.acquire(b.budget(100))
-        assert b.budget(10**12) == 10**12  # unknown yet: the estimate as it is
+        assert b.budget(10**12) == UNKNOWN_MODEL_LEN  # unknown yet: a documented bound
+        assert b.budget(900) == 900
         b.max_model_len = 512
         _, huge = await asyncio.wait_for(acquire_any([choice], 10**12), 5)
         _, behind = await asyncio.wait_for(acquire_any([choice], 50), 5)
         assert (huge.tokens, behind.tokens, b.gate.tokens_in_flight) == (512, 50, 662)
         for t in (first, huge, behind):
+            b.gate.done(t)
+
+    run(go())
+
+
+def test_an_estimate_is_bounded_where_the_engine_never_says_its_max_model_len():
+    """Issue 50, point 6: an engine that does not report max_model_len; a request asking
+    10**12 tokens counted as the whole budget ran alone, and a request behind it waited
+    as long as it ran. Bounded by UNKNOWN_MODEL_LEN, the one behind goes beside it."""
+    async def go() -> None:
+        b = Backend("e", gate(concurrency=10, tokens=UNKNOWN_MODEL_LEN + 1000),
+                    lambda: True, "http://127.0.0.1:1")
+        choice = Choice(b, b"{}", None)
+        _, huge = await asyncio.wait_for(acquire_any([choice], 10**12), 5)
+        _, behind = await asyncio.wait_for(acquire_any([choice], 50), 5)
+        assert (huge.tokens, behind.tokens) == (UNKNOWN_MODEL_LEN, 50)
+        assert (b.gate.in_flight, b.gate.tokens_in_flight) == (2, UNKNOWN_MODEL_LEN + 50)
+        for t in (huge, behind):
             b.gate.done(t)
 
     run(go())

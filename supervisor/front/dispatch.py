@@ -23,6 +23,13 @@ from supervisor.front.admission import GateLimits, Rejected, Ticket
 
 log = structlog.get_logger("supervisor.proxy")
 
+# The longest sequence an engine is taken to hold when it does not say (its /v1/models
+# lists no max_model_len): a request's estimate counts at most this much of the token
+# budget. 32,768 is the context most served models are run at; a longer real sequence is
+# under-counted by the rest, as any estimate past the budget already is (one request
+# over the whole budget counts as the budget: `admission.Gate._counted`).
+UNKNOWN_MODEL_LEN = 32_768
+
 
 class EngineGate(Protocol):
     """What the front door reads of an engine's gate, and asks of it: the daemon's
@@ -79,9 +86,12 @@ class Backend:
         one sequence of this engine can hold. vLLM refuses (400, at once) a request whose
         max_tokens runs past max_model_len, so no request holds more KV cache than that:
         a max_tokens of 10**12 counted as such would make every request behind it wait
-        for a full drain, for a request the engine answers at once."""
+        for a full drain, for a request the engine answers at once. An engine that does
+        not say its max_model_len (not vLLM, or its /v1/models unanswered) is taken to
+        hold `UNKNOWN_MODEL_LEN` (issue 50: such a request, counted as the whole budget,
+        held an ordinary one behind it for as long as it ran)."""
         n = self.max_model_len
-        return tokens if n is None else min(tokens, n)
+        return min(tokens, UNKNOWN_MODEL_LEN if n is None else n)
 
     def follow(self, upstream: str, models: tuple[str, ...], models_open: bool) -> None:
         """Its engine, being started, listens at `upstream` and serves these names."""
