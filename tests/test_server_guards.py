@@ -183,7 +183,35 @@ def test_trailers_count_against_the_head_bound_and_never_reach_the_handler() -> 
             assert status(raw) == 431 and b"header section too large" in raw
             # one trailer value that never ends: refused as it grows
             raw = await trickle(server.port, CHUNKED + b"X-T: ", b"v" * 1000, 40)
-            assert status(raw) == 400 and b"trailers too large" in raw
+            assert status(raw) == 431 and b"trailer section too large" in raw
+            assert server.buffered == 0
+
+    asyncio.run(main())
+
+
+def test_a_trailer_after_a_large_body_is_bounded_as_a_head_not_by_the_body() -> None:
+    """Issue 50, point 6: the framing's allowance grows with the body (a quarter of it),
+    and a trailer value behind a 12.8 MiB body was read to 3.2 MiB. The trailers are
+    bounded as a head is, whatever came before them: refused with 431 and closed long
+    before a megabyte of it."""
+    async def main() -> None:
+        async with serving(max_body=1 << 20) as (server, seen):
+            body = b"%x\r\n%b\r\n" % (800_000, b"b" * 800_000)  # (a 200 KB allowance)
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(CHUNKED_HEAD + body + b"0\r\nX-T: ")
+            answer = asyncio.ensure_future(reader.read())  # (until the server closes)
+            sent = 0
+            while sent < 1 << 20 and not answer.done():
+                writer.write(b"v" * 4096)
+                sent += 4096
+                await asyncio.sleep(0.005)
+            try:
+                raw = await asyncio.wait_for(answer, 5)
+            finally:
+                writer.close()
+            assert status(raw) == 431 and b"trailer section too large" in raw
+            assert sent < 1 << 20  # refused as it grew, before a megabyte
+            assert seen.reasons() == ["bad_http"] and not seen.requests
             assert server.buffered == 0
 
     asyncio.run(main())

@@ -12,7 +12,13 @@ The rules and where they come from:
   before it is a 501 (a coding we would ignore is a body we would misread); on an
   HTTP/1.0 request it is faulty framing: a 400, and the connection closed;
 - `Connection` (RFC 9110 7.6.1): the fields it names are hop-by-hop: dropped, never
-  forwarded to the engine.
+  forwarded to the engine;
+- a switch of protocols is never made (`upgrade_problem`): `CONNECT` (a tunnel) is a
+  400; a request that asks to switch (`Upgrade`: websocket, h2c) is answered as a plain
+  HTTP/1.1 request, as RFC 9110 7.8 lets a server that keeps its protocol, and its
+  connection closed after the answer; one that also carries a body is a 400 (llhttp stops
+  reading at an upgrade's head, so its body could not be framed). Either way nothing
+  after that head is read on the connection.
 """
 
 from __future__ import annotations
@@ -39,6 +45,23 @@ def head_problem(version: str, hosts: int, codings: list[str]) -> tuple[int, str
         if listed != ["chunked"]:
             return 501, f"Transfer-Encoding {', '.join(listed)[:100]!r} is not served " \
                         "(chunked alone is)"
+    return None
+
+
+def upgrade_problem(method: str, has_body: bool) -> tuple[int, str] | None:
+    """(status, why) for a request that asks for another protocol and is refused, or
+    None: it is answered as a plain request (the `Upgrade` field is hop-by-hop: never
+    forwarded), then its connection closed. Why close: the client may already be
+    sending the new protocol's bytes after its head (h2c's preface, a websocket's
+    frames), which are no HTTP/1.1 request, and the parser stops at an upgrade's head,
+    so nothing after it can be framed; nginx and Go's server likewise answer such a
+    request in HTTP/1.1 rather than switch. `CONNECT` asks for a tunnel the front door
+    never opens; a body behind an upgrade's head is one the parser did not read."""
+    if method == "CONNECT":
+        return 400, "CONNECT is not served here (no tunnels)"
+    if has_body:
+        return 400, "a request that asks to switch protocols with a body is not served " \
+                    "(its body cannot be framed)"
     return None
 
 

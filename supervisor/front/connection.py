@@ -86,6 +86,9 @@ class Connection(asyncio.Protocol):
         self._hosts = 0
         self._codings: list[str] = []  # its Transfer-Encoding values
         self._named: list[str] = []  # its Connection values
+        self._upgrade = False  # it had an Upgrade field
+        self._trailers_next = False  # a chunk's size line came, none of its data since
+        self._trailer_bytes = 0  # read since, with no data: the last chunk's trailers
         self._head_bytes = 0  # of its head and trailers, as parsed
         self._raw_bytes = 0  # of its head, or of its body's framing, as read
         self._body_in = 0  # body bytes parsed on this connection
@@ -148,10 +151,13 @@ class Connection(asyncio.Protocol):
         if self._stopped:
             return  # (after a refusal, or after a request that closes the connection)
         phase, messages, body_in = self._phase, self._messages, self._body_in
+        in_trailers = self._trailers_next
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._refuse(400, "protocol upgrades are not served here")
+            # (answered as a plain request that closes the connection: what follows its
+            # head is not read; `conformance.upgrade_problem`)
+            self._stop_reading()
             return
         except httptools.HttpParserError as exc:
             # (an exception in a callback comes out as the parser's, the cause inside)
@@ -166,6 +172,13 @@ class Connection(asyncio.Protocol):
         # counts whole (what the parser holds but has not handed over yet: a field
         # still coming); one across a boundary is counted by the parser's callbacks.
         if self._phase is phase and self._messages == messages:
+            if in_trailers and self._trailers_next and self._body_in == body_in:
+                # a read past the last chunk's size line: trailers, bounded as a head
+                # whatever the body's size (the read that held that line not counted)
+                self._trailer_bytes += len(data)
+                if self._trailer_bytes > self.limits.max_head:
+                    self._refuse(431, "request trailer section too large")
+                    return
             if phase is Phase.HEAD:
                 self._raw_bytes += len(data)
                 if self._raw_bytes > self.limits.max_head:
@@ -192,6 +205,7 @@ class Connection(asyncio.Protocol):
         self._hosts = 0
         self._codings = []
         self._named = []
+        self._upgrade = self._trailers_next = False
         self._head_bytes = 0
         self._raw_bytes = 0
         if self._deadline.wait is Wait.IDLE:  # (a kept-alive connection: its next head is timed)
@@ -230,6 +244,8 @@ class Connection(asyncio.Protocol):
                 self._codings.append(value.decode("latin-1"))
             elif low == b"connection":
                 self._named.append(value.decode("latin-1"))
+            elif low == b"upgrade":
+                self._upgrade = True
 
     def on_headers_complete(self) -> None:
         p = self.parser
@@ -243,9 +259,15 @@ class Connection(asyncio.Protocol):
         if self._named and (named := conformance.connection_named(self._named)):
             fields = conformance.without(fields, named)
         version = (1, 1) if v == "1.1" else (1, 0)
-        req = Request(self, p.get_method().decode("latin-1"),
-                      self._url.decode("utf-8", "surrogateescape"), version, fields,
-                      p.should_keep_alive(), self._expect)
+        method = p.get_method().decode("latin-1")
+        keep_alive = p.should_keep_alive()
+        if self._upgrade or p.should_upgrade():  # (CONNECT, or a switch asked for)
+            if p.should_upgrade() and (problem := conformance.upgrade_problem(
+                    method, bool(self._length or self._codings))) is not None:
+                raise _Refused(*problem)
+            keep_alive = False  # answered as a plain request, then closed
+        req = Request(self, method, self._url.decode("utf-8", "surrogateescape"), version,
+                      fields, keep_alive, self._expect)
         req._expect_continue = version == (1, 1) and self._expect is not None \
             and self._expect.strip().lower() == "100-continue"
         if self._length > self.limits.max_body:
@@ -267,8 +289,12 @@ class Connection(asyncio.Protocol):
             if len(self._queue) >= _PIPELINED:
                 self._update_reading()
 
+    def on_chunk_header(self) -> None:
+        self._trailers_next, self._trailer_bytes = True, 0
+
     def on_body(self, body: bytes) -> None:
         self._body_in += len(body)
+        self._trailers_next = False
         req = self._parsing
         if req is None:
             return
@@ -558,9 +584,9 @@ class Connection(asyncio.Protocol):
             self.transport.abort()
 
 
-# the lengths of the header names the server reads itself (Host, Expect, Connection,
-# Content-Length, Transfer-Encoding)
-_READ_HERE = frozenset((4, 6, 10, 14, 17))
+# the lengths of the header names the server reads itself (Host, Expect, Upgrade,
+# Connection, Content-Length, Transfer-Encoding)
+_READ_HERE = frozenset((4, 6, 7, 10, 14, 17))
 
 
 _OVER_BUDGET = "request bodies held here are over proxy.max_buffered_bytes; try again"
