@@ -103,6 +103,7 @@ sys.path.append(str(ROOT))
 
 import supervisor  # noqa: E402
 from supervisor.control.client import call  # noqa: E402
+from tests.gpu_shapes import make_m8b  # noqa: E402
 from tests.harness import write_config  # noqa: E402
 
 
@@ -235,21 +236,6 @@ def result(phase: str, **values: Any) -> None:
             with log_path.open("rb") as f:
                 f.seek(max(0, log_path.stat().st_size - 4 * 2**20))
                 (Path(out) / "daemon-tail.log").write_bytes(f.read())
-
-
-def make_m8b(model: Path) -> None:
-    """An 8B-shaped Llama (Llama-3.1-8B's dimensions) from the staged tiny model's files,
-    for `--load-format dummy` (as ../shared/tools/gpu-vllm/standby_probe.py makes it)."""
-    model.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads((STAGED / "config.json").read_text())
-    cfg.update(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128, num_hidden_layers=32,
-               max_position_embeddings=8192, vocab_size=128256, dtype="bfloat16",
-               rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
-    (model / "config.json").write_text(json.dumps(cfg, indent=1))
-    for f in STAGED.iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            (model / f.name).write_bytes(f.read_bytes())
 
 
 def phase_start(standby: str | None = None, share: str | None = None,
