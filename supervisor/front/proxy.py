@@ -273,6 +273,8 @@ class FrontProxy:
                 and request.version == (1, 1) and expect.lower() != "100-continue":
             return self._error(417, f"unknown Expect: {expect[:100]}", "bad_expect")
         try:
+            # the whole body before a slot is asked for (as nginx buffers a request): a
+            # slow body holds its connection, never a slot (tests/test_front_findings.py)
             body = await request.read()  # (a 100-continue answered first)
         except BodyTooLarge:
             return self._error(413, f"request body over {self.s.max_body_bytes} bytes",
