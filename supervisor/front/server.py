@@ -20,13 +20,16 @@ What it does, as an operator would expect of a front door:
   a body is never asked for before the request was checked;
 - limits: a request line over `max_line` bytes is refused with 414, a header field over
   `max_field` with 431, a head over 8 times that with 431 (counted as it arrives, the
-  read that completes it included), its chunk framing and trailers past that bound
-  with 400 (trailers are read and dropped: never merged into the header section, RFC
-  9110 6.5.1), a body over `max_body` raises `BodyTooLarge` in `read` (the proxy
-  answers 413); the rest of a refused body is read and dropped (at most `LINGER_S`)
-  before the connection closes, so that the client reads the answer instead of a reset;
+  read that completes it included), its chunk framing past that bound with 400, its
+  trailers past it with 431 whatever the body's size (trailers are read and dropped:
+  never merged into the header section, RFC 9110 6.5.1), a body over `max_body`
+  raises `BodyTooLarge` in `read` (the proxy answers 413); the rest of a refused body
+  is read and dropped (at most `LINGER_S`) before the connection closes, so that the
+  client reads the answer instead of a reset;
 - the head's rules its parser does not check (`supervisor/front/conformance.py`: the
-  version, Host, Transfer-Encoding codings; fields named by Connection dropped);
+  version, Host, Transfer-Encoding codings; fields named by Connection dropped; no
+  switch of protocols: CONNECT 400, an Upgrade answered as a plain request and the
+  connection closed after it);
 - a malformed request: 400 and the connection closed; one that comes pipelined behind a
   request being answered waits for that answer's end (never a status line inside
   another answer);
