@@ -180,6 +180,7 @@ def main() -> None:
     p.add_argument("--die-on-prompt", default=None)
     p.add_argument("--die-answering", action="store_true")
     p.add_argument("--served-model-name", default="fake")  # the one name it answers to
+    p.add_argument("--kv-tokens", type=int, default=65536)  # said at start, as vLLM's core
     p.add_argument("--watchdog-config", default=None)  # vLLM 0.33's stack dumps
     a, _engine_args = p.parse_known_args()  # the rest: engine flags, e.g. --max-num-seqs
     watchdog = watchdog_config(a.watchdog_config)
@@ -196,6 +197,8 @@ def main() -> None:
         print("Traceback (most recent call last):\nRuntimeError: fake boot failure",
               file=sys.stderr, flush=True)
         sys.exit(1)
+    log("INFO", f"GPU KV cache size: {a.kv_tokens:,} tokens, Maximum concurrency for 512 "
+        f"tokens per request: {a.kv_tokens / 512:.2f}x", tag="EngineCore_DP0")
     child_pid = None
     if a.child or a.gpu_mib:
         ready_r, ready_w = os.pipe()

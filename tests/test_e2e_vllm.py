@@ -141,6 +141,8 @@ def test_daemon_starts_the_engine_and_a_completion_is_served(served):
         "kv_reset": "the engine was not started with --enable-sleep-mode"}, st["off"]
     assert sig["requests_waiting"] == 0
     assert sig["engine_rss_bytes"] > 200 << 20  # API server, engine core and worker
+    # its KV cache as its core said ("CPU KV cache size: 1,048,576 tokens" on this build)
+    assert st["engine"]["kv_tokens"] > 0, st["engine"]
     # engine lines are relayed as structured events with vLLM's process tag kept
     recs = d.log_records()
     assert any(r.get("source") == "engine" and r.get("proc") == "APIServer" for r in recs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.engine.enginelog import parse_engine_line, phase_of, route_of
+from supervisor.engine.enginelog import kv_tokens_of, parse_engine_line, phase_of, route_of
 from supervisor.engine.process import version_of
 
 ACCESS = 'INFO:     127.0.0.1:48430 - "POST /v1/completions HTTP/1.1" 200 OK'
@@ -109,3 +109,16 @@ def test_the_version_a_start_says_in_either_form() -> None:
     assert version_of("Initializing a V1 LLM engine (v0.33.0+cu130) with config") \
         == "0.33.0+cu130"
     assert version_of("Starting vLLM server on http://0.0.0.0:8000") is None
+
+
+@pytest.mark.parametrize("message, tokens", [
+    ("GPU KV cache size: 876,256 tokens, Maximum concurrency for 2,048 tokens per request: "
+     "427.86x", 876_256),
+    ("CPU KV cache size: 1,048,576 tokens, Maximum concurrency for 512 tokens per request: "
+     "2048.00x", 1_048_576),
+    ("GPU KV cache size: 2240 tokens", 2240),
+    ("Available KV cache memory: 106.97 GiB", None),
+    ("KV cache size: tokens", None),
+])
+def test_the_kv_cache_a_start_line_says(message: str, tokens: int | None) -> None:
+    assert kv_tokens_of(message) == tokens

@@ -264,11 +264,14 @@ def test_an_asymmetric_pair_is_protected_again_after_each_of_three_core_kills(
     of the serving core, each once protected again. Each time the thin one is woken and
     carries the streams (token-exact, a new request answered), a full-size engine starts
     beside it and takes over again (a swap: streams paused and continued), and the thin
-    one sleeps again: no cold start held anyone, and no `rearm` was needed."""
+    one sleeps again: no cold start held anyone, and no `rearm` was needed. What each
+    carries (its KV cache in tokens, as its core said) is in status and the exporter."""
     cfg = proxy_config(tmp_path, "--token-delay", "0.02", "--enable-sleep-mode",
-                       "--gpu-memory-utilization", "0.60", keepalive_s=0.5)
+                       "--gpu-memory-utilization", "0.60", "--kv-tokens", "100000",
+                       keepalive_s=0.5)
     cfg["engine"].update(standby="sleep", drain="continue",
-                         standby_args=["--gpu-memory-utilization", "0.28"],
+                         standby_args=["--gpu-memory-utilization", "0.28",
+                                       "--kv-tokens", "20000"],
                          env={**cfg["engine"].get("env", {}), "VLLM_SERVER_DEV_MODE": "1"})
     d = daemon_factory(cfg)
     d.wait_state("RUNNING")
@@ -281,6 +284,10 @@ def test_an_asymmetric_pair_is_protected_again_after_each_of_three_core_kills(
 
     st = wait_for(protected, 30, "the thin standby ready")
     thin = st["standby"]["pid"]
+    assert (st["engine"]["kv_tokens"], st["standby"]["kv_tokens"]) == (100_000, 20_000)
+    m = metrics(cfg)
+    assert m[("vllm_supervisor_engine_kv_cache_tokens", ())] == 100_000
+    assert m[("vllm_supervisor_standby_kv_cache_tokens", ())] == 20_000
     for kill in range(3):
         full = st["pid"]
         core = psutil.Process(full).children()[0].pid  # (--child: its core)

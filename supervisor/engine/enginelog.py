@@ -98,6 +98,17 @@ _MAPPED = re.compile(r"Mapped \d+ tensors from the weight cache daemon")
 _FELL_BACK = re.compile(r"Weight cache (?:unusable|IPC loading failed).*falling back to disk")
 
 
+# its KV cache once allocated ("GPU KV cache size: 876,256 tokens, Maximum concurrency
+# ..."; the CPU build says "CPU KV cache size"), printed by its core
+_KV_TOKENS = re.compile(r"\b[A-Z]{3} KV cache size: (?P<tokens>\d[\d,]*) tokens")
+
+
+def kv_tokens_of(message: str) -> int | None:
+    """The tokens of KV cache a start line of the engine's says it has, if it says."""
+    m = _KV_TOKENS.search(message)
+    return int(m["tokens"].replace(",", "")) if m else None
+
+
 def weights_of(message: str) -> str | None:
     """Where an engine started on a weight cache says its weights came from: "cache:
     ..." or "disk: ..." (the line itself), None when this line does not say."""

@@ -28,7 +28,13 @@ import structlog
 from supervisor.config_sections import EngineConfig
 from supervisor.engine import proctree
 from supervisor.engine.compile_cache import CacheInfo
-from supervisor.engine.enginelog import parse_engine_line, phase_of, route_of, weights_of
+from supervisor.engine.enginelog import (
+    kv_tokens_of,
+    parse_engine_line,
+    phase_of,
+    route_of,
+    weights_of,
+)
 from supervisor.loop import http_client
 from supervisor.ops.descriptors import Shortage, exhausted
 from supervisor.watchdog.devroutes import DevRoutes
@@ -154,6 +160,7 @@ class EngineProcess:
     phase_since: float | None = None
     phases: list[tuple[str, float]] = field(default_factory=list)  # (phase, s after spawn)
     vllm_version: str | None = None  # as its first lines say
+    kv_tokens: int | None = None  # its KV cache in tokens, as its core said at its start
     cache: CacheInfo | None = None  # its compile cache (VLLM_CACHE_ROOT), if the daemon's
     dumps: StackDumps | None = None  # where its vLLM writes its own stack dumps (0.33+)
     # vLLM's count of its sleep-mode calls as the daemon's last sleep or wake of it left it
@@ -246,6 +253,8 @@ async def relay_output(engine: EngineProcess, stream: asyncio.StreamReader, name
             _note_phase(engine, phase_of(line.message))
             if engine.vllm_version is None:
                 engine.vllm_version = version_of(line.message)
+            if engine.kv_tokens is None:
+                engine.kv_tokens = kv_tokens_of(line.message)
             if engine.spec.load and engine.weights is None:
                 engine.weights = weights_of(line.message)
 

@@ -341,5 +341,8 @@ class Standby:
                 "pid": e.pid if alive and e is not None else None,
                 "port": e.spec.port if e is not None else None,
                 "asleep": self.asleep, "thin": self.thin,
+                # what it can carry of streams after a failover (a thin one: less than
+                # the engine's), as its core said at its start; None: not said yet
+                "kv_tokens": e.kv_tokens if alive and e is not None else None,
                 # the tree's host memory as last seen (asleep at level 1: its weights)
                 "rss_bytes": e.rss_bytes if alive and e is not None else None}

@@ -232,7 +232,9 @@ def status(unit: Viewable) -> dict[str, Any]:
         # the running engine's address; the config's until one has started
         "engine": {"host": (e.config if e is not None else unit.config.engine).host,
                    "port": (e.config if e is not None else unit.config.engine).port,
-                   "processes": e.live_processes if e is not None else 0},
+                   "processes": e.live_processes if e is not None else 0,
+                   # its KV cache in tokens, as its core said at its start
+                   "kv_tokens": e.kv_tokens if e is not None else None},
         "signals": w.signals(now, e),
         # each GPU of the engine (NVML's index), its readings and the engine's memory there
         "gpus": w.window.gpu_devices(now, _pids(e)),
@@ -265,6 +267,9 @@ def exporter_view(unit: Viewable) -> ExporterView:
         engine_startup_timeout_s=unit.config.engine.startup_timeout_s,
         standby_ready=(None if unit.config.engine.standby == "none"
                        else float(unit.handover.standby.ready)),
+        kv_tokens=_tokens(e),
+        standby_kv_tokens=(None if unit.config.engine.standby == "none"
+                           else _tokens(unit.handover.standby.slot.engine)),
         weight_cache_ready=(float(unit.weights.state is Cache.READY)
                             if unit.weights.configured else None),
         failovers=unit.handover.failovers, last_failover_s=unit.handover.last_failover_s,
@@ -274,6 +279,13 @@ def exporter_view(unit: Viewable) -> ExporterView:
         gauges=[(spec.metric, spec.help, signals[spec.name]) for spec in SIGNALS],
         gpus=[(int(g["index"]), g) for g in w.window.gpu_devices(now, _pids(e))],
         proxy=gate_view(unit))
+
+
+def _tokens(e: EngineProcess | None) -> float | None:
+    """A live engine's KV cache in tokens (None: none, or not said yet)."""
+    if e is None or e.exit_code is not None or e.kv_tokens is None:
+        return None
+    return float(e.kv_tokens)
 
 
 def _pids(e: EngineProcess | None) -> list[int]:

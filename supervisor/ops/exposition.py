@@ -56,6 +56,10 @@ class ExporterView:
     engine_startup_timeout_s: float | None = None  # its allowance to become healthy
     # with a standby configured: 1.0 while it is armed, 0.0 while not; None without one
     standby_ready: float | None = None
+    # the KV cache in tokens, as each engine's core said at its start: the serving
+    # engine's, and its standby's (what it carries of streams after a failover)
+    kv_tokens: float | None = None
+    standby_kv_tokens: float | None = None
     # with a weight cache configured: 1.0 while it answers healthy, 0.0 while not
     weight_cache_ready: float | None = None
     failovers: int = 0  # handovers to the standby
@@ -182,6 +186,11 @@ class _ViewCollector(Collector):
              lambda e: e.engine_startup_timeout_s),
             ("standby_ready", "with a standby configured: 1 while it is armed (loaded or "
              "asleep, and proven), 0 while it is not", lambda e: e.standby_ready),
+            ("engine_kv_cache_tokens", "the serving engine's KV cache in tokens, as vLLM "
+             "said at its start", lambda e: e.kv_tokens),
+            ("standby_kv_cache_tokens", "the standby's KV cache in tokens, as vLLM said at "
+             "its start: what it carries of streams after a failover",
+             lambda e: e.standby_kv_tokens),
             ("weight_cache_ready", "with a weight cache configured: 1 while it answers "
              "healthy (engine starts map its weights), 0 while not (they load from disk)",
              lambda e: e.weight_cache_ready),
