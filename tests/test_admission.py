@@ -263,3 +263,48 @@ def test_a_refusable_waiter_goes_elsewhere_once_the_engine_turns_unhealthy():
         g.done(await kept)
 
     asyncio.run(main())
+
+
+def test_continuations_wait_ahead_of_new_requests_the_nearest_done_first():
+    """After a failover the continued streams go before the requests held meanwhile, the
+    one with the fewest tokens still to come first, ties in arrival order (issue 51)."""
+    async def go() -> list[str]:
+        g = Gate(GateLimits(concurrency=1))  # held until released
+        order: list[str] = []
+
+        async def req(name: str, to_go: int | None) -> None:
+            t = await g.acquire(1, to_go=to_go)
+            order.append(name)
+            await asyncio.sleep(0)
+            g.done(t)
+
+        tasks = []
+        for name, to_go in (("new1", None), ("cont200", 200), ("new2", None),
+                            ("cont10", 10), ("cont200b", 200), ("cont0", 0)):
+            tasks.append(asyncio.create_task(req(name, to_go)))
+            await asyncio.sleep(0)
+        assert g.waiting == 6
+        g.release()
+        await asyncio.gather(*tasks)
+        return order
+
+    assert run(go()) == ["cont0", "cont10", "cont200", "cont200b", "new1", "new2"]
+
+
+def test_a_continuation_is_admitted_at_once_past_new_requests_that_wait():
+    async def go() -> None:
+        g = gate(concurrency=2, tokens=100)
+        big = await g.acquire(90)
+        waiting = asyncio.ensure_future(g.acquire(50))  # does not fit beside `big`
+        await asyncio.sleep(0)
+        assert g.waiting == 1
+        # a new request that would fit still waits behind it (in order) ...
+        assert g.admit_now(5) is None
+        # ... a continuation goes now: it waits behind no new request
+        cont = g.admit_now(5, to_go=3)
+        assert cont is not None and g.in_flight == 2 and g.waiting == 1
+        g.done(cont)
+        g.done(big)
+        g.done(await asyncio.wait_for(waiting, 5))
+
+    run(go())

@@ -104,16 +104,16 @@ def test_each_way_reads_its_own_kinds_only() -> None:
         TO_DAEMON.decode(init)  # (a worker telling the daemon what the daemon tells it)
     assert (e.value.kind, e.value.size) == ("init", len(init))
     with pytest.raises(WireError, match="does not take"):
-        TO_WORKER.decode(codec.encode(Acquire(1, 10, False, "e")))  # (packed: its tag)
+        TO_WORKER.decode(codec.encode(Acquire(1, 10, False, -1, "e")))  # (packed: its tag)
 
 
 def test_the_per_request_kinds_are_packed_and_the_rest_compact_json() -> None:
     assert codec.encode(Done(7)) == b"\x03" + struct.pack("!q", 7)
-    assert codec.encode(Acquire(7, 100, True, "é")) == \
-        b"\x01" + struct.pack("!qqB", 7, 100, 1) + "é".encode()
+    assert codec.encode(Acquire(7, 100, True, 40, "é")) == \
+        b"\x01" + struct.pack("!qqBq", 7, 100, 1, 40) + "é".encode()
     assert codec.encode(Cancel(7, True)) == b'["cancel",7,true]'
     assert codec.encode(messages.HELLO_NOW) == \
-        b'["hello",1,"' + messages.SCHEMA.encode() + b'"]'
+        b'["hello",2,"' + messages.SCHEMA.encode() + b'"]'
     # (a packed kind written as JSON reads too: the form is the writer's choice)
     assert TO_DAEMON.decode(b'["done",7]') == Done(7)
 
@@ -150,11 +150,12 @@ GARBAGE = {
     "a number for an integer": b'["ready",1.5]',
     "a number not finite": b'["failed","e",1,NaN]',
     "an infinity": b'["failed","e",1,Infinity]',
-    "a packed boolean of 2": b"\x01" + struct.pack("!qqB", 1, 1, 2) + b"e",
+    "a packed boolean of 2": b"\x01" + struct.pack("!qqBq", 1, 1, 2, -1) + b"e",
     "a packed kind cut short": codec.encode(Done(1))[:-1],
     "a packed kind too long": codec.encode(Done(1)) + b"\0",
-    "a packed string not UTF-8": b"\x01" + struct.pack("!qqB", 1, 1, 0) + b"\xff",
-    "a negative token count": codec.encode(Acquire(1, -5, False, "e")),
+    "a packed string not UTF-8": b"\x01" + struct.pack("!qqBq", 1, 1, 0, -1) + b"\xff",
+    "a negative token count": codec.encode(Acquire(1, -5, False, -1, "e")),
+    "tokens to go below -1": codec.encode(Acquire(1, 5, False, -2, "e")),
     "a JSON body cut short": codec.encode(Stats(Counters(), 3))[:-2],
     "an object with a field missing": b'["stats",{"responses":{}},null]',
     "a histogram of the wrong size": codec.encode(Stats(Counters(), None)).replace(

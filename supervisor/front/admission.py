@@ -4,9 +4,15 @@ vLLM cannot change its batch limits at run time, so the daemon limits what reach
 at most `concurrency` requests and `tokens` estimated tokens in flight (both scaled down
 by the throttle level), none while the gate is held (a drain, a restart, an engine not
 serving), and none while the KV circuit breaker is open (usage at or above its high mark,
-until it falls below the low mark). Requests that cannot go now wait in one bounded FIFO,
-each for at most `max_wait_s`; a full queue or a wait past its deadline is a rejection
-with a reason, which the proxy turns into 503 with Retry-After.
+until it falls below the low mark). Requests that cannot go now wait in one bounded
+queue, each for at most `max_wait_s`; a full queue or a wait past its deadline is a
+rejection with a reason, which the proxy turns into 503 with Retry-After.
+
+The queue is in arrival order, except for continuations (a stream that an engine's fault
+or a drain cut, going on elsewhere): they wait ahead of every new request, the one with
+the fewest tokens still to come first. After a failover every continued stream is sent
+again with its prompt and what it has, into an empty prefix cache; new requests held
+meanwhile would otherwise share that prefill and stretch every stream's gap (issue 51).
 
 Owned by the event loop's thread: every method is synchronous except `acquire`, and none
 blocks. The daemon's state-owning task calls hold/release/set_level/set_kv_usage; the
@@ -48,6 +54,13 @@ class _Waiter:
     since: float
     held: bool = False
     refusable: bool = False  # sent elsewhere (503) once the engine is unhealthy (a fleet)
+    to_go: int | None = None  # a continuation: the tokens still to come (None: new)
+
+
+def _before(to_go: int | None, other: _Waiter) -> bool:
+    """Whether a request arriving now with `to_go` goes before `other`, already waiting:
+    a continuation before every new request, the one with fewer tokens to come first."""
+    return to_go is not None and (other.to_go is None or to_go < other.to_go)
 
 
 @dataclass
@@ -188,14 +201,15 @@ class Gate:
                 self._waiters.popleft()
                 continue
             if not self._fits(w.tokens):
-                return  # strict FIFO: nobody overtakes the head
+                return  # in order: nobody overtakes the head
             self._waiters.popleft()
             self._admit(w.tokens)
             w.future.set_result(None)
 
     # ---- the proxy's side -----------------------------------------------------------
 
-    def admit_now(self, tokens: int, refusable: bool = False) -> Ticket | None:
+    def admit_now(self, tokens: int, refusable: bool = False,
+                  to_go: int | None = None) -> Ticket | None:
         """`acquire` when it need not wait: a slot now, a Rejected raised, or None (the
         request would wait)."""
         if self.closed_reason is not None:
@@ -203,7 +217,7 @@ class Gate:
         if refusable and self._unhealthy is not None:
             raise _unavailable(self._unhealthy, 0.0, False)
         tokens = self._counted(tokens)
-        if not self._waiters and self._fits(tokens):
+        if (not self._waiters or _before(to_go, self._waiters[0])) and self._fits(tokens):
             self._admit(tokens)
             return Ticket(tokens, 0.0, held=False)
         return None
@@ -215,20 +229,22 @@ class Gate:
         limit = self.token_limit
         return limit if limit and tokens > limit else tokens
 
-    async def acquire(self, tokens: int, refusable: bool = False) -> Ticket:
+    async def acquire(self, tokens: int, refusable: bool = False,
+                      to_go: int | None = None) -> Ticket:
         """Wait (bounded) for a slot; raises Rejected. A `refusable` request (in a fleet,
         one no engine has died with) is refused while the engine is unhealthy, and when it
-        turns unhealthy while the request waits, for the router to send it elsewhere."""
+        turns unhealthy while the request waits, for the router to send it elsewhere.
+        `to_go`: a continuation's tokens still to come (it waits ahead of new requests)."""
         t0 = self.clock()
-        if (now := self.admit_now(tokens, refusable)) is not None:
+        if (now := self.admit_now(tokens, refusable, to_go)) is not None:
             return now
         tokens = self._counted(tokens)
         if len(self._waiters) >= self.limits.queue_max:
             raise Rejected("queue_full", f"the hold queue is full ({self.limits.queue_max} "
                                          f"requests waiting)")
         w = _Waiter(tokens, asyncio.get_running_loop().create_future(), t0,
-                    held=self.held_reason is not None, refusable=refusable)
-        self._waiters.append(w)
+                    held=self.held_reason is not None, refusable=refusable, to_go=to_go)
+        self._enqueue(w)
         try:
             await asyncio.wait_for(asyncio.shield(w.future), self.limits.max_wait_s)
         except TimeoutError:
@@ -249,6 +265,15 @@ class Gate:
                 self._forget(w)
             raise
         return Ticket(tokens, self.clock() - t0, w.held)
+
+    def _enqueue(self, w: _Waiter) -> None:
+        """In its place: behind every waiter it does not go before (`_before`)."""
+        if w.to_go is None:
+            self._waiters.append(w)
+            return
+        at = next((i for i, other in enumerate(self._waiters) if _before(w.to_go, other)),
+                  len(self._waiters))
+        self._waiters.insert(at, w)
 
     def _forget(self, w: _Waiter) -> None:
         """A waiter that gave up leaves the queue at once: it holds no place and counts

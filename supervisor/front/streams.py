@@ -21,7 +21,7 @@ import structlog
 from supervisor.front import continuation, quarantine, sse
 from supervisor.front.admission import Rejected, Ticket
 from supervisor.front.continuation import StreamBroken, Transcript
-from supervisor.front.dispatch import Backend
+from supervisor.front.dispatch import UNKNOWN_MODEL_LEN, Backend
 from supervisor.front.exchange import Exchange, ProxySettings, ProxyStats
 from supervisor.front.latency import ClientLatency
 from supervisor.front.messages import Request, StreamResponse
@@ -369,7 +369,7 @@ class StreamRelay:
             if left <= 0:
                 raise GaveUp(f"no engine took the continuation within "
                               f"{self.s.continue_timeout_s:g} s")
-            ticket = await self._admit_within(ex, left)
+            ticket = await self._admit_within(ex, t, left)
             try:
                 if t.events == 0:  # nothing reached the client: the request again
                     path, body = t.plan.path, t.plan.body
@@ -425,11 +425,15 @@ class StreamRelay:
                 backend.gate.done(ticket)
             await asyncio.sleep(0.2)
 
-    async def _admit_within(self, ex: Exchange, left_s: float) -> Ticket:
+    async def _admit_within(self, ex: Exchange, t: Transcript, left_s: float) -> Ticket:
+        """A slot for the continuation, ahead of new requests (`admission.Gate`): the
+        stream with the fewest tokens still to come first."""
         assert ex.backend is not None
+        remaining = t.remaining
+        to_go = UNKNOWN_MODEL_LEN if remaining is None else max(0, remaining)
         try:
-            ticket = await asyncio.wait_for(
-                ex.backend.gate.acquire(ex.backend.budget(ex.tokens)), left_s)
+            ticket = await asyncio.wait_for(ex.backend.gate.acquire(
+                ex.backend.budget(ex.tokens), to_go=to_go), left_s)
         except TimeoutError:
             raise GaveUp(f"no engine came back within {self.s.continue_timeout_s:g} s"
                           ) from None

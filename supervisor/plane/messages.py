@@ -26,7 +26,7 @@ from supervisor.front.exchange import ProxySettings
 from supervisor.front.latency import KINDS
 from supervisor.plane.codec import Decoder, schema
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: `Acquire.to_go`
 
 BUCKETS = {k.name: len(k.buckets) + 1 for k in KINDS}  # counts per histogram, +Inf's too
 
@@ -161,10 +161,13 @@ class Acquire:
     id: int
     tokens: int
     refusable: bool
+    to_go: int  # a continuation's tokens still to come (`Gate.acquire`); -1: a new request
     engine: str  # (last: the packed form's string)
 
     def problem(self) -> str | None:
-        return "tokens: below 0" if self.tokens < 0 else None
+        if self.tokens < 0:
+            return "tokens: below 0"
+        return "to_go: below -1" if self.to_go < -1 else None
 
 
 @dataclass(frozen=True)

@@ -83,8 +83,11 @@ class Daemon:
             self.link.send(Cancel(i, granted))
             raise
 
-    async def acquire(self, gate: GateMirror, tokens: int, refusable: bool) -> RemoteTicket:
-        g = await self._ask(lambda i: Acquire(i, tokens, refusable, gate.engine), gate)
+    async def acquire(self, gate: GateMirror, tokens: int, refusable: bool,
+                      to_go: int | None) -> RemoteTicket:
+        g = await self._ask(lambda i: Acquire(i, tokens, refusable,
+                                              -1 if to_go is None else to_go, gate.engine),
+                            gate)
         assert isinstance(g, Granted)
         return RemoteTicket(g.tokens, g.waited_s, g.held, id=g.id, generation=g.generation)
 
@@ -134,8 +137,9 @@ class GateMirror:
         self.ready_at: float | None = None
         self.in_flight = 0
 
-    async def acquire(self, tokens: int, refusable: bool = False) -> Ticket:
-        return await self.daemon.acquire(self, tokens, refusable)
+    async def acquire(self, tokens: int, refusable: bool = False,
+                      to_go: int | None = None) -> Ticket:
+        return await self.daemon.acquire(self, tokens, refusable, to_go)
 
     def done(self, ticket: Ticket) -> None:
         self.daemon.done(ticket)

@@ -414,8 +414,8 @@ class WorkerPool:
 
     def _handle(self, w: _Worker, m: ToDaemon) -> None:
         match m:
-            case Acquire(i, tokens, refusable, engine):
-                self._acquire(w, i, engine, tokens, refusable)
+            case Acquire(i, tokens, refusable, to_go, engine):
+                self._acquire(w, i, engine, tokens, refusable, None if to_go < 0 else to_go)
             case Done(i):
                 self._give_back(w, i)
             case Cancel(i):
@@ -454,19 +454,19 @@ class WorkerPool:
                 assert_never(m)
 
     def _acquire(self, w: _Worker, i: int, engine: str, tokens: int,
-                 refusable: bool) -> None:
+                 refusable: bool, to_go: int | None) -> None:
         b = self.backends.get(engine)
         try:
             if b is None:
                 raise Rejected("engine_down", f"engine {engine} is no longer served here")
-            ticket = gate_of(b).admit_now(tokens, refusable)
+            ticket = gate_of(b).admit_now(tokens, refusable, to_go)
         except Rejected as exc:
             self._reply(w, Refused(i, exc.reason, str(exc), exc.waited_s, exc.held))
             return
         if ticket is not None:
             self._granted(w, i, b, ticket)
             return
-        t = asyncio.ensure_future(b.gate.acquire(tokens, refusable))
+        t = asyncio.ensure_future(b.gate.acquire(tokens, refusable, to_go))
         w.waits[i] = t
         t.add_done_callback(lambda t: self._waited(w, i, b, t))
 
