@@ -197,8 +197,6 @@ def main() -> None:
         print("Traceback (most recent call last):\nRuntimeError: fake boot failure",
               file=sys.stderr, flush=True)
         sys.exit(1)
-    log("INFO", f"GPU KV cache size: {a.kv_tokens:,} tokens, Maximum concurrency for 512 "
-        f"tokens per request: {a.kv_tokens / 512:.2f}x", tag="EngineCore_DP0")
     child_pid = None
     if a.child or a.gpu_mib:
         ready_r, ready_w = os.pipe()
@@ -264,6 +262,8 @@ def main() -> None:
             with open(os.path.join(os.path.dirname(pidfile), "loads"), "a") as f:
                 f.write(f"{os.getpid()} {loaded}\n")
     time.sleep(a.startup_delay)
+    log("INFO", f"GPU KV cache size: {a.kv_tokens:,} tokens, Maximum concurrency for 512 "
+        f"tokens per request: {a.kv_tokens / 512:.2f}x", tag="EngineCore_DP0")
     log("INFO", "init engine (profile, create kv cache, warmup model) took "
         f"{a.startup_delay:.2f} s", tag="EngineCore_DP0")
     cache_root = os.environ.get("VLLM_CACHE_ROOT")

@@ -138,6 +138,13 @@ def test_status_says_where_the_standby_stands_and_why_it_is_not_ready() -> None:
         "reason": None, "asleep": True, "rss_bytes": 18 * 2**30}})
     assert "standby    ready, asleep (pid 11, port 8101) for 65 s, 18.0 GiB host memory" \
         in asleep
+    # a thin standby: what it carries of streams after a failover, against the engine
+    thin = format_status({**base, "engine": {**base["engine"], "kv_tokens": 255_744},
+                          "standby": {"mode": "sleep", "state": "ready", "pid": 11,
+                                      "port": 8101, "for_s": 65, "reason": None,
+                                      "asleep": True, "kv_tokens": 50_048}})
+    assert "standby    ready, asleep (pid 11, port 8101) for 65 s, 50,048 KV tokens " \
+        "(20% of the engine's)" in thin
     assert "standby" not in format_status({**base, "standby": {"state": "none"}})
 
 
@@ -202,7 +209,7 @@ def test_a_start_reads_well_phases_in_status_routes_in_one_line_no_empty_fields(
                                           "/v1/completions", "/v1/chat/completions"]
     assert all(r["level"] == "debug" for r in engine if r["event"].startswith("Route: "))
     phases = [r["phase"] for r in recs if r.get("event") == "engine start phase"]
-    assert phases == ["loading the model", "starting the API server"]
+    assert phases == ["loading the model", "sizing the KV cache", "starting the API server"]
     assert d.ctl("restart").returncode == 0
     st = wait_for(lambda: (s := d.status()).get("start") and s, 10, "the second start")
     assert st["start"]["last_start_s"] >= 3

@@ -74,6 +74,15 @@ def _socket_path(ns: argparse.Namespace) -> str:
     return os.environ.get("VLLM_SUPERVISOR_SOCKET", DEFAULT_SOCKET)
 
 
+def _carries(standby: int | None, engine: int | None) -> str:
+    """What the standby's KV cache carries of streams after a failover, against the
+    serving engine's: ", 50,048 KV tokens (20 % of the engine's)"."""
+    if not standby:
+        return ""
+    share = f" ({standby / engine:.0%} of the engine's)" if engine else ""
+    return f", {standby:,} KV tokens{share}"
+
+
 def _duration(s: float | None) -> str:
     if s is None:
         return "-"
@@ -217,8 +226,9 @@ def format_status(st: dict[str, Any]) -> str:
         why = f": {sb['reason']}" if sb.get("reason") else ""  # (ready: kept awake)
         asleep = ", asleep" if sb.get("asleep") else ""
         rss = f", {sb['rss_bytes'] / 2**30:.1f} GiB host memory" if sb.get("rss_bytes") else ""
+        kv = _carries(sb.get("kv_tokens"), (st.get("engine") or {}).get("kv_tokens"))
         lines.append(f"standby    {sb['state']}{asleep}{where} for {sb.get('for_s', 0):.0f} s"
-                     f"{rss}{why}")
+                     f"{rss}{kv}{why}")
         if sb.get("unprotected_for_s") is not None:
             lines.append(f"protected  no, for {_duration(sb['unprotected_for_s'])}: the next "
                          f"crash or restart is a cold start (`rearm` brings a standby back)")
