@@ -217,6 +217,27 @@ def test_a_trailer_after_a_large_body_is_bounded_as_a_head_not_by_the_body() -> 
     asyncio.run(main())
 
 
+def test_blank_lines_after_a_chunked_request_are_no_trailers() -> None:
+    """The trailers' count ends with their request: line ends a client sends between
+    requests (RFC 9112 2.2 lets a server skip them) after a chunked one, past the head's
+    bound in all, are not refused as trailers, and its next request is served."""
+    async def main() -> None:
+        async with serving() as (server, seen):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(CHUNKED + b"\r\n")
+            await until(lambda: len(seen.requests) == 1)
+            for _ in range(20):  # (8,000 bytes, in reads of their own)
+                writer.write(b"\r\n" * 200)
+                await asyncio.sleep(0.01)
+            writer.write(b"GET /after HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+            raw = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            assert raw.count(b"HTTP/1.1 200") == 2 and seen.reasons() == []
+            assert [path for path, _, _ in seen.requests] == ["/c", "/after"]
+
+    asyncio.run(main())
+
+
 def test_chunk_extensions_are_bounded() -> None:
     async def main() -> None:
         async with serving() as (server, seen):

@@ -307,6 +307,7 @@ class Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._phase = Phase.IDLE
+        self._trailers_next = False
         if self._deadline.wait is Wait.BODY:
             self._disarm()
         req, self._parsing = self._parsing, None
