@@ -317,3 +317,38 @@ def test_a_held_head_goes_with_the_first_bytes_or_alone_at_its_hold() -> None:
         assert len(wire.writes) == 1 and wire.writes[0].startswith(b"HTTP/1.1 200")
 
     asyncio.run(main())
+
+
+def test_a_header_field_that_would_split_the_answer_is_never_written() -> None:
+    """Outgoing fields are checked before they are written (issue 50, point 7): a value
+    with a CR or LF (or another control character), or a name that is not a token, is
+    left out, and a reason phrase with one is replaced by the status's own; the answer's
+    other fields, its body and the connection's next answer are as they would be."""
+    async def handler(request: Request) -> StreamResponse:
+        resp = Response(status=200, reason="OK\r\nX-Injected: reason", text="body")
+        resp.headers.add("X-Good", "kept\tvalue é")
+        resp.headers.add("X-Split", "a\r\nSet-Cookie: stolen=1")
+        resp.headers.add("X-Nul", "a\x00b")
+        resp.headers.add("Bad Name", "v")
+        resp.headers.add("X-Also-Good", "yes")
+        return resp
+
+    async def main() -> None:
+        async with serving(handler) as server:
+            two = b"GET / HTTP/1.1\r\nHost: t\r\n\r\n" + \
+                b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+            raw = await exchange(server.port, two)
+        answers = raw.split(b"HTTP/1.1 ")[1:]
+        assert len(answers) == 2, raw
+        for answer in answers:
+            head, _, body = answer.partition(b"\r\n\r\n")
+            lines = head.split(b"\r\n")
+            assert lines[0] == b"200 OK", lines
+            names = [x.split(b":")[0] for x in lines[1:]]
+            assert b"X-Good" in names and b"X-Also-Good" in names
+            assert not {b"X-Split", b"X-Nul", b"Bad Name", b"Set-Cookie",
+                        b"X-Injected"} & set(names), lines
+            assert "X-Good: kept\tvalue é".encode() in lines
+            assert body == b"body"
+
+    asyncio.run(main())

@@ -14,8 +14,23 @@ import asyncio
 import contextlib
 import email.utils
 import json
+import re
 import time
 from typing import Any, Protocol
+
+import structlog
+
+log = structlog.get_logger("supervisor")
+
+# what may be written as one header field (RFC 9110 5.1, 5.5): a name of token characters,
+# a value with no control character but a tab (a CR or LF would end the field, or the
+# head, where the writer did not mean to: a response split)
+_ONE = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+: [^\x00-\x08\x0a-\x1f\x7f]*"
+_FIELD = re.compile(_ONE + r"\Z")
+# (every field at once, as they are joined: one match a head, with `_fields_ok`'s count
+# of line ends, which tells a separator from a CR LF inside a value)
+_FIELDS = re.compile(rf"{_ONE}(?:\r\n{_ONE})*\Z")
+_REASON = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*\Z")
 
 
 class Connection(Protocol):
@@ -207,8 +222,12 @@ class StreamResponse:
         keep = request.keep_alive and not conn.closing and not request.too_large \
             and not (framing is None and not self._bodyless)
         request.keep_alive = keep
-        lines = [f"HTTP/1.1 {self.status} {self.reason}"]
-        lines += [f"{k}: {v}" for k, v in self.headers.items]
+        reason = self.reason if _REASON.match(self.reason) else REASONS.get(self.status, "")
+        lines = [f"HTTP/1.1 {self.status} {reason}"]
+        fields = [f"{k}: {v}" for k, v in self.headers.items]
+        if not _fields_ok(fields):
+            fields = _writable(fields)
+        lines += fields
         if framing is not None:
             lines.append(framing)
         if self.headers.get("date") is None:
@@ -339,6 +358,28 @@ class Response(StreamResponse):
         head = self._head(request, None if bodyless else f"Content-Length: {len(self.body)}")
         send = head if bodyless or request.method == "HEAD" else head + self.body
         await conn.send(send)
+
+
+def _fields_ok(fields: list[str]) -> bool:
+    """Whether each field can be written as it is (`_FIELD`), in one pass over them."""
+    if not fields:
+        return True
+    block = "\r\n".join(fields)
+    return block.count("\n") == len(fields) - 1 and _FIELDS.match(block) is not None
+
+
+def _writable(fields: list[str]) -> list[str]:
+    """The header fields that can be written as they are; each other one left out, and
+    said (its name, never its value: it may be anything an engine sent)."""
+    kept = []
+    for f in fields:
+        if _FIELD.match(f):
+            kept.append(f)
+        else:
+            log.warning("an answer's header field was not written: a name that is not a "
+                        "token, or a control character in its value",
+                        field=repr(f.partition(":")[0][:100]))
+    return kept
 
 
 def json_response(doc: Any, status: int = 200,
