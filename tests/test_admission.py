@@ -27,6 +27,15 @@ def gate(**limits: object) -> Gate:
     return g
 
 
+async def queued(g: Gate, n: int) -> None:
+    """Until `n` requests wait at the gate (each new task has run to its wait): a
+    condition, not a sleep that stands in for one; bounded."""
+    for _ in range(1000):
+        if g.waiting == n:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{g.waiting} requests waiting at the gate, not {n}")
+
 def test_held_requests_go_in_arrival_order_when_released():
     async def go() -> list[int]:
         g = Gate(GateLimits(concurrency=10))  # held until released
@@ -39,7 +48,7 @@ def test_held_requests_go_in_arrival_order_when_released():
             g.done(t)
 
         tasks = [asyncio.create_task(req(i)) for i in range(5)]
-        await asyncio.sleep(0.01)
+        await queued(g, 5)
         assert g.waiting == 5 and order == []
         g.release()
         await asyncio.gather(*tasks)
@@ -64,7 +73,7 @@ def test_a_slot_freed_admits_the_next_waiter():
         g = gate(concurrency=1)
         first = await g.acquire(1)
         waiter = asyncio.create_task(g.acquire(1))
-        await asyncio.sleep(0.01)
+        await queued(g, 1)
         assert not waiter.done() and g.waiting == 1
         g.done(first)
         second = await waiter
@@ -80,7 +89,7 @@ def test_token_budget_but_one_large_request_alone_always_fits():
         g = gate(concurrency=10, tokens=100)
         big = await g.acquire(500)  # alone: admitted
         blocked = asyncio.create_task(g.acquire(10))
-        await asyncio.sleep(0.01)
+        await queued(g, 1)
         assert not blocked.done()
         g.done(big)
         g.done(await blocked)
@@ -160,9 +169,8 @@ def test_kv_breaker_opens_at_high_and_closes_below_low():
         g.set_kv_usage(0.9)
         assert g.breaker_open
         waiter = asyncio.create_task(g.acquire(1))
-        await asyncio.sleep(0.01)
+        await queued(g, 1)
         g.set_kv_usage(0.85)  # between the marks: still open
-        await asyncio.sleep(0.01)
         assert not waiter.done()
         g.set_kv_usage(None)  # unknown changes nothing
         assert g.breaker_open
@@ -182,7 +190,7 @@ def test_timeout_and_full_queue_reject_with_a_reason_and_free_their_place():
         assert e.value.reason == "hold_timeout" and "restart in progress" in str(e.value)
         assert g.waiting == 0  # the timed-out waiter left the queue
         waiter = asyncio.create_task(g.acquire(1))
-        await asyncio.sleep(0.01)
+        await queued(g, 1)
         with pytest.raises(Rejected) as e:
             await g.acquire(1)
         assert e.value.reason == "queue_full"
@@ -196,7 +204,7 @@ def test_close_fails_waiters_and_new_requests_at_once():
     async def go() -> None:
         g = Gate(GateLimits(max_wait_s=60))
         waiter = asyncio.create_task(g.acquire(1))
-        await asyncio.sleep(0.01)
+        await queued(g, 1)
         g.close("the engine is FATAL")
         with pytest.raises(Rejected) as e:
             await waiter
@@ -213,7 +221,7 @@ def test_a_cancelled_waiter_leaves_the_queue():
     async def go() -> None:
         g = Gate(GateLimits(max_wait_s=60))
         waiter = asyncio.create_task(g.acquire(1))
-        await asyncio.sleep(0.01)
+        await queued(g, 1)
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
@@ -229,7 +237,7 @@ def test_wait_idle_returns_when_the_last_request_is_done_or_times_out():
         t = await g.acquire(1)
         timed_out = await g.wait_idle(0.02)
         waiter = asyncio.create_task(g.wait_idle(5))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # (the task reaches its wait in one step)
         g.done(t)
         return True, timed_out, await waiter
 
@@ -247,7 +255,7 @@ def test_a_refusable_waiter_goes_elsewhere_once_the_engine_turns_unhealthy():
         first = await g.acquire(1)  # the engine's one slot
         refusable = asyncio.ensure_future(g.acquire(1, refusable=True))
         kept = asyncio.ensure_future(g.acquire(1))
-        await asyncio.sleep(0.01)
+        await queued(g, 2)
         assert g.waiting == 2 and not refusable.done()
         g.hold("the engine is BACKOFF: crashed")
         g.unhealthy = "the engine is BACKOFF: crashed"
