@@ -27,6 +27,7 @@ from supervisor.front.dispatch import UNKNOWN_MODEL_LEN
 from supervisor.front.exchange import ProxySettings
 from supervisor.front.proxy import FrontProxy
 from tests.harness import FAKE_ENGINE, free_port, wait_for
+from tests.test_server_guards import status, until
 
 WAIT_S = 20.0  # the bound on any one wait: generous, on a shared and busy machine
 
@@ -101,17 +102,6 @@ async def until_closed(port: int, data: bytes) -> bytes:
         writer.close()
 
 
-async def until(condition: Any) -> None:
-    deadline = asyncio.get_running_loop().time() + WAIT_S
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
-
-
-def status(raw: bytes) -> int:
-    return int(raw.split(b" ", 2)[1])
-
-
 def engine_saw(requests: Path) -> list[str]:
     return requests.read_text().splitlines() if requests.exists() else []
 
@@ -145,7 +135,7 @@ def test_slow_bodies_and_heads_hold_connections_never_slots_and_others_are_serve
             server = proxy._server
             assert server is not None
             await until(lambda: server.buffered == 4 * half
-                        and len(server.connections) == 6)
+                        and len(server.connections) == 6, WAIT_S)
             assert (gate.in_flight, gate.waiting, granted) == (0, 0, [])
 
             answers = await asyncio.gather(*[until_closed(port, post(completion()))
@@ -188,7 +178,7 @@ def test_a_huge_max_tokens_at_an_engine_without_max_model_len_does_not_hold_othe
             assert status(answer) == 200 and gate.waiting == 0
             assert not reader.at_eof()  # (the huge one still streams)
             writer.close()
-            await until(lambda: gate.in_flight == 0 and gate.tokens_in_flight == 0)
+            await until(lambda: gate.in_flight == 0 and gate.tokens_in_flight == 0, WAIT_S)
 
     asyncio.run(main())
 
