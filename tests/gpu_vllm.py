@@ -46,6 +46,10 @@ its 10-minute calls, the daemon living on between them in its own session:
     python3 tests/gpu_vllm.py plan kill kill kill restart kv-info kv-reset-streams \
         kill-twice stop                 # those steps in order, across calls: the same
                                         # command again goes on where the last call stopped
+    MAX_MODEL_LEN=4608 python3 tests/gpu_vllm.py start thin  # (room for 4096-token prompts)
+    python3 tests/gpu_vllm.py plan cost-none-1536 cost-kill-1536 cost-restart-1536 \
+        cost-kvreset-1536               # issue 51: what a fault costs at a prompt length,
+                                        # the no-fault run first (`phase_cost`, `cost_row`)
     python3 tests/gpu_vllm.py stop      # stopped; nothing left on the GPU
 
 TP=2 (with SHAPE=8b, on nvidia-h100-x2): both engines `--tensor-parallel-size 2`, gpus 0 and 1.
@@ -256,8 +260,10 @@ def phase_start(standby: str | None = None, share: str | None = None,
             make_m8b(Path(MODEL))
         # torch.compile and CUDA graphs on (no --enforce-eager): a cold start of the
         # standby and then the engine took about 240 s on a fresh H100
+        # MAX_MODEL_LEN (issue 51): 4608 lets the `cost` steps send 4096-token prompts
         args = ["--served-model-name", "tiny-llama", "--load-format", "dummy",
-                "--dtype", "bfloat16", "--max-model-len", "2048", "--enable-sleep-mode",
+                "--dtype", "bfloat16", "--max-model-len",
+                os.environ.get("MAX_MODEL_LEN", "2048"), "--enable-sleep-mode",
                 "--gpu-memory-utilization", share]
         if TP > 1:  # issue 35's (a) with a TP engine: both engines span the same GPUs
             args += ["--tensor-parallel-size", str(TP)]
@@ -660,16 +666,16 @@ def engine_running() -> float:
 
 
 def bench(base: str, concurrency: int, prompts: int, tag: str, detailed: bool = False,
-          timeout: float = 540) -> dict[str, Any]:
+          timeout: float = 540, input_len: int = 32) -> dict[str, Any]:
     """vLLM's own benchmark client (a client nobody here wrote), one run; its saved JSON.
-    Its output goes to WORK/TAG.log as it runs."""
+    Its output goes to WORK/TAG.log as it runs. `input_len`: each random prompt's tokens."""
     out = WORK / "bench"
     out.mkdir(parents=True, exist_ok=True)
     name = f"{tag}.json"
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
            "--backend", "openai", "--base-url", f"http://{base}", "--endpoint",
            "/v1/completions", "--model", "tiny-llama", "--tokenizer", MODEL,
-           "--dataset-name", "random", "--random-input-len", "32", "--random-output-len",
+           "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len",
            "256", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
            "--ignore-eos", "--ready-check-timeout-sec", "0", "--save-result",
            "--result-dir", str(out), "--result-filename", name,
@@ -835,7 +841,7 @@ def handover_times(audit: list[dict[str, Any]]) -> dict[str, Any]:
 
 def phase_continue(fault: str, when: str, tag: str | None = None, prompts: int = 3000,
                    second_after: float | None = None,
-                   protected_timeout: float = 420) -> dict[str, Any]:
+                   protected_timeout: float = 420, input_len: int = 32) -> dict[str, Any]:
     """Issue 20's procedure: 3000 streams of 256 tokens through the proxy at 128 at a
     time; once the client says its main run started, the core is SIGKILLed (or
     SIGSTOPped) `late` (5 s after the engine runs >= 64) or `early` (as soon as it runs
@@ -846,7 +852,11 @@ def phase_continue(fault: str, when: str, tag: str | None = None, prompts: int =
     With an asymmetric pair (`start thin`) the fault waits until the pair is protected
     again, and the time from the fault to protected again is measured (`Timeline`);
     `second_after`: the core that serves then (the thin one) is SIGKILLed too, that many
-    seconds after the first kill (no assertion on the streams: it is a cold start)."""
+    seconds after the first kill (no assertion on the streams: it is a cold start).
+
+    `fault` "none": the same load and moment, nothing done (the baseline of a `cost` row);
+    `input_len`: the prompts' tokens (issue 51). The result's `cost` is the row of
+    docs/standby.md's table of what a fault costs (`cost_row`)."""
     conc, want = 128, 256
     tag = tag or f"continue-{fault}-{when}"
     pair = is_pair(status())
@@ -884,6 +894,8 @@ def phase_continue(fault: str, when: str, tag: str | None = None, prompts: int =
             time.sleep(0.05)
         fired["running"] = engine_running()
         fired["t"] = time.monotonic()
+        if fault == "none":
+            return
         if pair:
             timeline.append(Timeline(fired["t"], st["pid"]))
         if fault == "restart":  # an operator's restart (a swap with a standby)
@@ -903,9 +915,10 @@ def phase_continue(fault: str, when: str, tag: str | None = None, prompts: int =
 
     watcher = threading.Thread(target=fault_once, daemon=True)
     watcher.start()
-    doc = bench(PROXY, conc, prompts, tag, detailed=True)
+    doc = bench(PROXY, conc, prompts, tag, detailed=True, input_len=input_len)
     watcher.join(5)
-    back = wait(lambda: status()["state"] == "RUNNING" and status()["restarts"] > restarts
+    back = wait(lambda: status()["state"] == "RUNNING"
+                and (fault == "none" or status()["restarts"] > restarts)
                 and status(), 300, "RUNNING again")
     bench_done = time.monotonic()
     protected_s = timeline[0].wait(protected_timeout) if timeline else None
@@ -949,7 +962,7 @@ def phase_continue(fault: str, when: str, tag: str | None = None, prompts: int =
                running_again_after_kill_s=round(time.monotonic() - fired["t"], 1)
                if "t" in fired else None,
                taps=tapped, state_reason=back["reason"], standby_after=back.get("standby"),
-               handover=audit)
+               handover=audit, input_len=input_len, cost=cost_row(doc, fired.get("t")))
     if pair:
         out.update(
             protected_again_after_s=protected_s,
@@ -976,8 +989,34 @@ def phase_continue(fault: str, when: str, tag: str | None = None, prompts: int =
     assert not [n for n in lens if n < want]
     assert all(t["usage_completion_tokens"] == want and t["token_events"] and t["done"]
                and not t["errors"] for t in tapped)
-    assert not pair or protected_s is not None, "not protected again"
+    assert not pair or fault == "none" or protected_s is not None, "not protected again"
     return out
+
+
+def cost_row(doc: dict[str, Any], fault_t: float | None, window: float = 120.0
+             ) -> dict[str, Any]:
+    """Issue 51's row of what a fault cost the clients of one `vllm bench serve` run (its
+    detailed result): failed requests, TTFT median and p99, the longest gap between two
+    tokens of any stream, how many streams had a gap over 2, 5 and 10 s, and the TTFT p99
+    of the requests the client sent in the `window` seconds from `fault_t` (the client's
+    start times are perf_counter's, the same clock as time.monotonic on Linux; None where
+    this vLLM's client does not save them)."""
+    def pct(xs: list[float], q: float) -> float | None:
+        xs = sorted(xs)
+        return round(xs[min(len(xs) - 1, int(len(xs) * q / 100))], 3) if xs else None
+
+    ttfts = [x for x in doc.get("ttfts") or [] if x]
+    worst = [max(x) for x in doc.get("itls") or [] if x]
+    starts = doc.get("start_times") or []
+    after = [t for s0, t in zip(starts, doc.get("ttfts") or [], strict=False)
+             if t and fault_t is not None and fault_t <= s0 < fault_t + window]
+    return {"failed": doc.get("failed"), "completed": doc.get("completed"),
+            "ttft_median_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99),
+            "longest_gap_s": round(max(worst), 3) if worst else None,
+            "streams_gap_over_s": {str(b): len([w for w in worst if w > b])
+                                   for b in (2, 5, 10)},
+            "ttft_p99_after_fault_s": pct(after, 99) if starts else None,
+            "requests_after_fault": len(after) if starts else None}
 
 
 def phase_kills(n: int = 3) -> None:
@@ -1068,6 +1107,8 @@ def phase_plan(steps: list[str]) -> None:
                 phase_hang_rpc()
             elif step == "stop":
                 phase_stop()
+            elif step.startswith("cost-"):
+                phase_cost(*step.split("-")[1:])
             else:
                 raise ValueError(f"no step {step!r}")
         except Exception as exc:  # recorded; the plan goes on only if the pair is armed
@@ -1088,6 +1129,25 @@ def phase_plan(steps: list[str]) -> None:
                 return
     result("plan", finished=True, done=plan["done"], failed=plan["failed"],
            seconds=plan["seconds"])
+
+
+COST_PROMPTS = {"none": 600, "kill": 1200, "restart": 1200, "kvreset": 1200}
+
+
+def phase_cost(fault: str, input_len: str) -> dict[str, Any]:
+    """Issue 51's table, one cell: `vllm bench serve` at 128 streams of 256 tokens with
+    `input_len`-token prompts through the daemon, and `fault` (none, kill, restart, or
+    kvreset: one KV reset) 5 s after 64 run. Plan steps `cost-FAULT-LEN`, the no-fault
+    run first at each length: `plan cost-none-1536 cost-kill-1536 ...`."""
+    n = int(input_len)
+    if fault == "kvreset":
+        out = phase_kv_reset_streams(128, COST_PROMPTS["kvreset"], 1, input_len=n,
+                                     tag=f"cost-kvreset-{n}")
+    else:
+        out = phase_continue(fault, "late", tag=f"cost-{fault}-{n}",
+                             prompts=COST_PROMPTS[fault], input_len=n)
+    result("cost", fault=fault, input_len=n, **out["cost"])
+    return out
 
 
 def phase_kill_swapback(prompts: int = 8000) -> None:
@@ -1136,7 +1196,8 @@ def phase_throughput(concurrencies: list[int]) -> None:
         result("throughput", **rows[-1])
 
 
-def phase_kv_reset_streams(conc: int = 256, prompts: int = 3000, resets: int = 3) -> None:
+def phase_kv_reset_streams(conc: int = 256, prompts: int = 3000, resets: int = 3,
+                           input_len: int = 32, tag: str | None = None) -> dict[str, Any]:
     """Issue 35, point 3: `vllm bench serve` through the proxy at `conc` streams of 256
     tokens, and `vllm-supervisorctl kv-reset` `resets` times during it (the first 4 s
     after the engine runs most of them, each next 3 s after the last ended). With
@@ -1144,7 +1205,7 @@ def phase_kv_reset_streams(conc: int = 256, prompts: int = 3000, resets: int = 3
     per reset the remedy's duration, steps and held requests, the streams paused; over
     the run every stream whole, the longest gap a client saw."""
     want = 256
-    tag = f"kv-reset-streams-{conc}"
+    tag = tag or f"kv-reset-streams-{conc}"
     st = status()
     restarts = st["restarts"]
     log_at = (WORK / "daemon.log").stat().st_size
@@ -1165,6 +1226,7 @@ def phase_kv_reset_streams(conc: int = 256, prompts: int = 3000, resets: int = 3
         for i in range(resets):
             running = engine_running()
             t0 = time.monotonic()
+            marks.setdefault("first", t0)
             r = ctl("kv-reset")
             wall = time.monotonic() - t0
             # (the KV resets' own entries: a policy remedy meanwhile is not one of them)
@@ -1184,7 +1246,7 @@ def phase_kv_reset_streams(conc: int = 256, prompts: int = 3000, resets: int = 3
 
     watcher = threading.Thread(target=resets_during, daemon=True)
     watcher.start()
-    doc = bench(PROXY, conc, prompts, tag, detailed=True)
+    doc = bench(PROXY, conc, prompts, tag, detailed=True, input_len=input_len)
     watcher.join(120)
     lines = (WORK / "daemon.log").read_bytes()[log_at:].decode(errors="replace").splitlines()
     logged = [json.loads(x) for x in lines if x.startswith("{")]
@@ -1200,7 +1262,9 @@ def phase_kv_reset_streams(conc: int = 256, prompts: int = 3000, resets: int = 3
     errors = [e for e in doc.get("errors") or [] if e]
     ttfts = sorted(x for x in doc.get("ttfts") or [] if x is not None)
     st2 = status()
-    result(tag, prompts=prompts, concurrency=conc, resets=runs,
+    out = dict(prompts=prompts, concurrency=conc, resets=runs, input_len=input_len,
+               cost=cost_row(doc, marks.get("first")))
+    result(tag, **out,
            resets_within_run=bool(marks.get("done")) and len(runs) == resets,
            completed=doc.get("completed"), failed=doc.get("failed"),
            errors=sorted(set(errors))[:5], total_output_tokens=doc.get("total_output_tokens"),
@@ -1216,6 +1280,7 @@ def phase_kv_reset_streams(conc: int = 256, prompts: int = 3000, resets: int = 3
     assert doc.get("total_output_tokens") == prompts * want
     assert len(runs) == resets and all(r["rc"] == 0 for r in runs)
     assert st2["restarts"] == restarts
+    return out
 
 
 def phase_rearm() -> None:
