@@ -41,6 +41,23 @@ def wait_for(cond: Callable[[], T], timeout: float, what: str, interval: float =
         time.sleep(interval)
 
 
+async def until(cond: Callable[[], T], wait_s: float = 5.0, what: str = "the condition",
+                interval: float = 0.01) -> T:
+    """`cond()`'s first truthy value, polled every `interval` within `wait_s`: `wait_for`
+    for a test's own event loop, where what it reads (a gate's count, a server's set of
+    connections, another process) has no event to await. Past the bound, an assertion
+    naming `what`: a condition with a deadline, never a sleep that stands in for one."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while not (value := cond()):
+        if loop.time() >= deadline:
+            raise AssertionError(f"timed out after {wait_s:g} s waiting for {what}")
+        await asyncio.sleep(interval)
+    return value
+
+
 class Checked(threading.Thread):
     """A thread whose failure reaches the test: what its target raises (an assertion
     included) `result` raises again in the test's own thread, and one still running

@@ -13,6 +13,7 @@ from supervisor.front.dispatch import Backend, Choice, acquire_any, choices, rea
 from supervisor.front.exchange import ProxySettings
 from supervisor.front.proxy import FrontProxy
 from supervisor.front.routing import BackendView, Route, UnknownModel, route, served_models
+from tests.harness import until
 
 
 def e(name: str, *models: str, serving: bool = True, outstanding: int = 0,
@@ -128,13 +129,13 @@ def test_a_held_request_takes_the_first_gate_to_open_and_leaves_the_others_queue
     async def main() -> None:
         cs = _gates(2)
         task = asyncio.ensure_future(acquire_any(cs, 10))
-        await asyncio.sleep(0.01)
-        assert [c.backend.gate.waiting for c in cs] == [1, 1]
+        await until(lambda: [c.backend.gate.waiting for c in cs] == [1, 1],
+                    what="the request to wait at both gates")
         cs[1].backend.gate.release()
         choice, ticket = await task
-        await asyncio.sleep(0.05)  # (the other's cancellation lands)
         assert choice is cs[1] and ticket.held
-        assert [c.backend.gate.waiting for c in cs] == [0, 0]
+        await until(lambda: [c.backend.gate.waiting for c in cs] == [0, 0],
+                    what="its wait at the other gate cancelled")
         assert [c.backend.gate.in_flight for c in cs] == [0, 1]
 
     asyncio.run(main())
@@ -146,20 +147,22 @@ def test_slots_granted_to_a_request_that_went_elsewhere_or_away_are_given_back()
         for c in cs:
             c.backend.gate.release()
         choice, _ = await acquire_any(cs, 10)  # both admit at once: one is kept
-        await asyncio.sleep(0.05)
-        assert sum(c.backend.gate.in_flight for c in cs) == 1
+        await until(lambda: sum(c.backend.gate.in_flight for c in cs) == 1,
+                    what="the slot it did not keep given back")
         assert choice.backend.gate.in_flight == 1
         held = _gates(2)
         task = asyncio.ensure_future(acquire_any(held, 10))
-        await asyncio.sleep(0.01)
+        await until(lambda: [c.backend.gate.waiting for c in held] == [1, 1],
+                    what="the request to wait at both gates")
         task.cancel()  # the client went away while held
         with pytest.raises(asyncio.CancelledError):
             await task
         for c in held:
             c.backend.gate.release()
-        await asyncio.sleep(0.05)
-        assert [(c.backend.gate.in_flight, c.backend.gate.waiting) for c in held] == \
-            [(0, 0), (0, 0)]
+        # (a wait not yet cancelled when its gate opens is granted, then gives it back)
+        await until(lambda: [(c.backend.gate.in_flight, c.backend.gate.waiting)
+                             for c in held] == [(0, 0), (0, 0)],
+                    what="no slot or wait left for the request that went away")
 
     asyncio.run(main())
 
