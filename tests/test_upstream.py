@@ -232,10 +232,11 @@ def test_idle_and_unfinished_connections_are_not_reused() -> None:
 def test_a_request_given_up_before_its_answer_closes_its_connection() -> None:
     """Its caller cancelled (the proxy's client went away) while the engine has not
     answered: the engine sees the connection close, as vLLM must to abort the request."""
-    closed = asyncio.Event()
+    arrived, closed = asyncio.Event(), asyncio.Event()
 
     async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
+        arrived.set()
         await reader.read()  # b"" once the proxy closes
         closed.set()
 
@@ -248,7 +249,7 @@ def test_a_request_given_up_before_its_answer_closes_its_connection() -> None:
                     pass
 
             task = asyncio.create_task(ask())
-            await asyncio.sleep(0.1)
+            await asyncio.wait_for(arrived.wait(), 2)  # at the engine, not answered
             task.cancel()
             await asyncio.wait_for(closed.wait(), 2)
             await u.close()
