@@ -23,14 +23,18 @@ from supervisor.watchdog.evidence import (
     list_bundles,
     prune,
 )
+from tests.harness import wait_for
 
-SLEEPER = "import time\ndef wedged():\n    time.sleep(600)\nwedged()\n"
+# (the file it touches says it is in wedged(): the stack the tests read exists by then)
+SLEEPER = ("import pathlib, sys, time\ndef wedged():\n    pathlib.Path(sys.argv[1]).touch()\n"
+           "    time.sleep(600)\nwedged()\n")
 
 
 @pytest.fixture
-def sleeper():
-    p = subprocess.Popen([sys.executable, "-c", SLEEPER])
-    time.sleep(0.3)  # (the interpreter must be up for its stack to exist)
+def sleeper(tmp_path_factory):
+    inside = tmp_path_factory.mktemp("sleeper") / "in-wedged"
+    p = subprocess.Popen([sys.executable, "-c", SLEEPER, str(inside)])
+    wait_for(inside.exists, 10, "the sleeper to reach wedged()")
     yield p
     p.kill()
     p.wait()
@@ -61,10 +65,8 @@ def test_a_bundle_holds_stacks_log_lines_and_signals(tmp_path, sleeper):
 def test_a_stopped_process_is_read_without_resuming_it_and_a_gone_one_is_named(
         tmp_path, sleeper):
     os.kill(sleeper.pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while psutil.Process(sleeper.pid).status() != psutil.STATUS_STOPPED:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: psutil.Process(sleeper.pid).status() == psutil.STATUS_STOPPED, 10,
+             "the sleeper stopped", interval=0.01)
     try:
         b = asyncio.run(capture(request([sleeper.pid, 999_999_999]), tmp_path, 5, 10.0,
                                 find_py_spy()))
