@@ -58,14 +58,16 @@ ENGINE = textwrap.dedent("""
         os.ftruncate(fd, 4 * mmap.PAGESIZE)
         return fd, mmap.mmap(fd, 4 * mmap.PAGESIZE)
     ours = hold("vllm_offload_ours.mmap", os.O_CREAT | os.O_EXCL | os.O_RDWR)
+    held, holds = os.pipe()
     if os.fork() == 0:
         twin = hold("vllm_offload_twin.mmap")
+        os.write(holds, b"x")
         time.sleep(600)
     early = os.path.join(shm, "vllm_offload_early.mmap")
     os.close(os.open(early, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
     print(f"(EngineCore_DP0 pid={os.getpid()}) INFO 05-01 10:00:00 "
           f"[shared_offload_region.py:142] Created mmap file {early} (0.00 GB)", flush=True)
-    time.sleep(1.0)  # (its child holds the twin by then)
+    os.read(held, 1)  # its child holds the twin (bounded by the test's wait for "ready")
     print("ready", flush=True)
     time.sleep(600)
 """)
