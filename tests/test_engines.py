@@ -91,13 +91,16 @@ def test_requests_go_by_model_and_a_fallback_takes_a_killed_engines_requests(
     for t in threads:
         t.start()
     try:
-        time.sleep(0.5)
+        wait_for(lambda: {r[0] for r in results if r[1] == 200} == {"big", "small"}, 10,
+                 "the load answered on both models")
         killed_at = time.monotonic()
         for pid in pids(tmp_path, "big"):
             os.kill(pid, signal.SIGKILL)
         wait_for(lambda: engines_of(d)["big"]["restarts"] >= 1, 20, "big to restart")
         wait_for(lambda: all_serving(d, "big"), 30, "big to serve again")
-        time.sleep(0.5)
+        back_at = time.monotonic()
+        wait_for(lambda: any(r[0] == r[2] == "big" and r[3] > back_at for r in results), 10,
+                 "a request for big answered by big again")
     finally:
         stop.set()
         for t in threads:
