@@ -13,6 +13,7 @@ import structlog
 
 from supervisor.fleet.registrar import Registrar
 from supervisor.fleet.router import url_problem
+from tests.harness import until
 
 ME = "http://127.0.0.1:8000"
 R = "http://127.0.0.1:30000"
@@ -55,15 +56,6 @@ class ScriptedRouter:
                 self.workers.remove(url)
             return httpx.Response(200, text=f"Successfully removed worker: {url}")
         return httpx.Response(404)
-
-
-async def until(cond: Any) -> None:
-    """Polls `cond` for at most about 5 s."""
-    for _ in range(500):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("timed out")
 
 
 def registrar(router: ScriptedRouter, why_not: Any) -> Registrar:
