@@ -26,8 +26,8 @@ from supervisor.front.admission import Gate, GateLimits, Ticket
 from supervisor.front.dispatch import UNKNOWN_MODEL_LEN
 from supervisor.front.exchange import ProxySettings
 from supervisor.front.proxy import FrontProxy
-from tests.harness import FAKE_ENGINE, free_port, wait_for
-from tests.test_server_guards import status, until
+from tests.harness import FAKE_ENGINE, free_port, until, wait_for
+from tests.test_server_guards import status
 
 WAIT_S = 20.0  # the bound on any one wait: generous, on a shared and busy machine
 

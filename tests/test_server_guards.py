@@ -14,6 +14,7 @@ from typing import Any
 
 from supervisor.front.messages import BodyTooLarge, Request, Response, StreamResponse
 from supervisor.front.server import Limits, Server, connection_cap
+from tests.harness import until
 
 
 class Seen:
@@ -76,13 +77,6 @@ async def trickle(port: int, head: bytes, piece: bytes, pieces: int) -> bytes:
         return await asyncio.wait_for(reader.read(), 5)
     finally:
         writer.close()
-
-
-async def until(condition: Any, wait_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + wait_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 def status(raw: bytes) -> int:
