@@ -39,6 +39,7 @@ from supervisor.watchdog import canary
 from supervisor.watchdog.gpu import NoGpu
 from supervisor.watchdog.poller import scrape
 from tests.harness import next_event as harness_next_event
+from tests.harness import until
 
 GUARD_S = 20.0  # a hang guard, not a timing assertion
 
@@ -97,15 +98,6 @@ def engine_of(cfg: Config, proc: Any) -> eng.EngineProcess:
                          port=cfg.engine.port)
     return eng.EngineProcess(generation=1, proc=proc, pid=proc.pid, started_at=0.0,
                              spec=spec, config=cfg.engine)
-
-
-async def until(cond: Callable[[], Any]) -> Any:
-    """`cond()`'s first truthy value, polled within the guard: what it reads (the kernel,
-    another process, a server's count) has no event to wait on."""
-    async with asyncio.timeout(GUARD_S):
-        while not (value := cond()):  # noqa: ASYNC110 (nothing to await: see above)
-            await asyncio.sleep(0.02)
-    return value
 
 
 async def next_event(queue: asyncio.Queue[Event], kind: type[Any]) -> Any:
@@ -298,7 +290,7 @@ async def spawn_tree() -> tuple[asyncio.subprocess.Process, list[proctree.ProcIn
         procs = proctree.snapshot_tree(proc.pid)
         return procs if len(procs) == 2 else []
 
-    return proc, await until(both)
+    return proc, await until(both, GUARD_S, "the main process and its child", 0.02)
 
 
 def test_a_take_down_out_of_descriptors_proves_the_tree_gone_without_proc(
@@ -347,7 +339,8 @@ def test_survivors_by_signal_counts_a_live_tree_and_a_group_it_cannot_name() -> 
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
         # killed: gone once the orphan is reaped (by init, a moment later)
-        await until(lambda: not proctree.survivors_by_signal(known, proc.pid))
+        await until(lambda: not proctree.survivors_by_signal(known, proc.pid), GUARD_S,
+                    "the tree gone", 0.02)
 
     asyncio.run(main())
 
