@@ -39,6 +39,7 @@ class Load:
     done: list[tuple[float, float, str]] = field(default_factory=list)  # start, end, outcome
     _stop: threading.Event = field(default_factory=threading.Event)
     _paused: threading.Event = field(default_factory=threading.Event)
+    _busy: set[int] = field(default_factory=set)  # clients that may have a request out
     _threads: list[threading.Thread] = field(default_factory=list)
 
     def __enter__(self) -> Load:
@@ -59,11 +60,18 @@ class Load:
         else:
             self._paused.clear()
 
+    def idle(self) -> bool:
+        """Paused, no client has a request out (each marks itself busy before it looks
+        at the pause, so none can start one after this is true)."""
+        return self._paused.is_set() and not self._busy
+
     def _client(self, i: int) -> None:
         n = 0
         with httpx.Client(timeout=30) as client:
             while not self._stop.is_set():
+                self._busy.add(i)
                 if self._paused.is_set():
+                    self._busy.discard(i)
                     time.sleep(0.05)
                     continue
                 n += 1
@@ -73,6 +81,7 @@ class Load:
                 t0 = time.monotonic()
                 outcome = self._one(client, body)
                 self.done.append((t0, time.monotonic(), outcome))
+                self._busy.discard(i)
 
     def _one(self, client: httpx.Client, body: dict[str, Any]) -> str:
         try:
@@ -184,7 +193,7 @@ def test_three_hosts_behind_vllm_router_through_restarts_a_host_loss_and_a_route
 
             # the router restarts and forgets its workers: each daemon adds itself again
             load.pause(True)
-            time.sleep(0.5)
+            wait_for(load.idle, 30, "the requests in flight to end")
             router.stop()
             router.start()
             restarted = time.monotonic()
