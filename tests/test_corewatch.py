@@ -15,6 +15,7 @@ import pytest
 
 from supervisor.engine.corewatch import CORE_TITLE, DYING_POLL_S, CoreWatch, exiting
 from supervisor.engine.proctree import ProcInfo
+from tests.harness import until
 
 
 def test_a_pidfd_refused_for_want_of_descriptors_is_tried_again(
@@ -37,10 +38,7 @@ def test_a_pidfd_refused_for_want_of_descriptors_is_tried_again(
         watch.add([info])  # the next look at the tree
         assert child.stdin is not None
         child.stdin.close()  # the "core" ends
-        for _ in range(500):
-            if ended:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: ended, 5, "the core's end reported")
         watch.close()
         return ended
 
@@ -72,10 +70,7 @@ def test_a_core_the_kernel_is_shutting_down_has_ended_before_its_exit() -> None:
         assert ended == [] and exiting(child.pid) is False  # (alive and well)
         assert child.stdin is not None
         child.stdin.close()  # its leader thread exits; the process lives on
-        for _ in range(1000):
-            if ended:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: ended, 10, "the exiting core reported ended")
         alive = psutil.pid_exists(child.pid) and child.poll() is None
         watch.close()
         return ended, alive

@@ -24,7 +24,7 @@ from supervisor.engine.events import Down, Event, Exited, TreeSeen
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock
 from supervisor.watchdog.gpu import NoGpu
-from tests.harness import free_port, next_event
+from tests.harness import free_port, next_event, until
 
 GUARD_S = 30.0  # a hang guard, not a timing assertion
 
@@ -166,9 +166,8 @@ def test_a_crashed_engines_files_go_at_its_take_down_and_no_other(tmp_path):
                                         clock.monotonic(), cfg.engine)
         try:
             fx.watch(engine)
-            async with asyncio.timeout(GUARD_S):
-                while not any("ready" in line for line in engine.recent_lines):  # noqa: ASYNC110
-                    await asyncio.sleep(0.05)
+            await until(lambda: any("ready" in line for line in engine.recent_lines), GUARD_S,
+                        "the engine's ready line", 0.05)
             # two looks at its tree (every 2 s while it starts): the second began once
             # both of its processes held their files
             for _ in range(2):
