@@ -316,3 +316,79 @@ def test_a_continuation_is_admitted_at_once_past_new_requests_that_wait():
         g.done(await asyncio.wait_for(waiting, 5))
 
     run(go())
+
+
+class Ticking:
+    """A clock the test moves (the gate's `clock`)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_new_request_that_would_wait_past_the_hold_timeout_is_refused_at_once():
+    """Issue 51: behind a thin standby, a queue it cannot serve within the hold timeout
+    refuses a newcomer at once (503 over_capacity) instead of after the whole wait; a
+    continued stream still waits ahead of it, never refused so."""
+    async def go() -> None:
+        clock = Ticking()
+        g = Gate(GateLimits(concurrency=1, max_wait_s=60.0), clock=clock)
+        g.release()
+        tickets = [g.admit_now(100)]
+        tasks = [asyncio.create_task(g.acquire(100)) for _ in range(40)]
+        await queued(g, 40)
+        # 10 requests of 100 tokens end over 30 s: 33 tokens/s, while 40 wait
+        for _ in range(10):
+            clock.now += 3.0
+            g.done(tickets.pop())
+            tickets.append(await tasks.pop(0))
+        assert g.waiting == 30
+        guess = g.predicted_wait(100)
+        assert guess is not None and guess[0] == pytest.approx(3100 / (1000 / 30))
+        with pytest.raises(Rejected) as e:
+            await g.acquire(100)
+        assert e.value.reason == "over_capacity" and "93 s" in str(e.value)
+        assert g.waiting == 30  # (it took no place)
+        cont = asyncio.create_task(g.acquire(100, to_go=5))
+        await queued(g, 31)
+        assert not cont.done()  # a continuation waits (first), refused only by its timeout
+        for t in [*tasks, cont]:
+            t.cancel()
+        await asyncio.gather(*tasks, cont, return_exceptions=True)
+
+    run(go())
+
+
+def test_no_refusal_before_the_pace_is_known_and_a_hold_measures_it_again():
+    """A burst's first seconds (or an engine that ended too few requests) predict
+    nothing: requests wait as before. After a hold (a handover: another engine may serve
+    now) the pace is measured afresh."""
+    async def go() -> None:
+        clock = Ticking()
+        g = Gate(GateLimits(concurrency=1, max_wait_s=10.0), clock=clock)
+        g.release()
+        tickets = [g.admit_now(100)]
+        tasks = [asyncio.create_task(g.acquire(100)) for _ in range(40)]
+        await queued(g, 40)
+        clock.now += 29.0  # waiting, but not a whole window yet: no guess
+        assert g.predicted_wait(100) is None
+        clock.now += 2.0  # a whole window, but nothing ended in it: no pace, no guess
+        assert g.predicted_wait(100) is None
+        for _ in range(10):
+            clock.now += 3.0
+            g.done(tickets.pop())
+            tickets.append(await tasks.pop(0))
+        assert g.predicted_wait(100) is not None
+        g.hold("a handover")
+        g.release()  # (the one slot is taken: they all wait on)
+        assert g.waiting == 30 and g.predicted_wait(100) is None
+        late = asyncio.create_task(g.acquire(100))
+        await queued(g, 31)
+        assert not late.done()  # it waits: nothing measured yet after the hold
+        for t in [*tasks, late]:
+            t.cancel()
+        await asyncio.gather(*tasks, late, return_exceptions=True)
+
+    run(go())

@@ -14,6 +14,13 @@ the fewest tokens still to come first. After a failover every continued stream i
 again with its prompt and what it has, into an empty prefix cache; new requests held
 meanwhile would otherwise share that prefill and stretch every stream's gap (issue 51).
 
+A new request that would wait past `max_wait_s` anyway is refused at once
+(`over_capacity`), not after the whole wait: once requests have waited without a break
+for RATE_WINDOW_S, the gate predicts a newcomer's wait from the tokens waiting ahead of it
+and the tokens of the requests that ended in that window (the engine's measured pace
+while saturated). A hold (a handover, a KV reset) begins the measure again: what serves
+after it may be another engine. Continued streams are never refused so.
+
 Owned by the event loop's thread: every method is synchronous except `acquire`, and none
 blocks. The daemon's state-owning task calls hold/release/set_level/set_kv_usage; the
 proxy's request handlers call acquire and done.
@@ -27,6 +34,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+# the pace a new request's wait is predicted from: requests must have waited this long
+# without a break, and at least RATE_MIN_DONE ended in it (an idle engine's slow pace, or
+# a burst's first seconds, predict nothing)
+RATE_WINDOW_S = 30.0
+RATE_MIN_DONE = 8
 
 
 class Rejected(Exception):
@@ -94,6 +107,10 @@ class Gate:
         self._waiters: deque[_Waiter] = deque()
         self._idle = asyncio.Event()  # set while nothing is in flight
         self._idle.set()
+        # the pace while requests wait (`predicted_wait`): since when they have waited
+        # without a break, and the (time, tokens) of the requests ended since then
+        self._waiting_since: float | None = None
+        self._ended: deque[tuple[float, int]] = deque()
 
     # ---- the daemon's side ----------------------------------------------------------
 
@@ -119,12 +136,19 @@ class Gate:
         """New requests wait (in order) instead of going to the engine."""
         self.held_reason = reason
         self.closed_reason = None
+        self._measure_again()
 
     def release(self) -> None:
         """Let waiting requests go, in arrival order, as limits allow."""
         self.held_reason = None
         self.closed_reason = None
+        self._measure_again()
         self._wake()
+
+    def _measure_again(self) -> None:
+        """The pace measured so far says nothing of what serves next (`predicted_wait`)."""
+        self._waiting_since = self.clock() if self._waiters else None
+        self._ended.clear()
 
     def close(self, reason: str) -> None:
         """No engine is coming (FATAL, stopping): waiting and new requests fail at once."""
@@ -160,6 +184,7 @@ class Gate:
             if not w.future.done():
                 w.future.set_exception(Rejected(reason, detail))
                 n += 1
+        self._measure_again()
         return n
 
     # ---- limits ---------------------------------------------------------------------
@@ -205,6 +230,24 @@ class Gate:
             self._waiters.popleft()
             self._admit(w.tokens)
             w.future.set_result(None)
+        self._waiting_since = None  # (nobody waits: the pace is measured afresh)
+        self._ended.clear()
+
+    def predicted_wait(self, tokens: int) -> tuple[float, float] | None:
+        """How long a new request of `tokens` arriving now would wait, and the pace that
+        says so (tokens a second), once requests have waited RATE_WINDOW_S without a
+        break and at least RATE_MIN_DONE ended in that window; None before. The tokens
+        are the gate's estimates, those waiting ahead and those that ended alike."""
+        now = self.clock()
+        if self._waiting_since is None or now - self._waiting_since < RATE_WINDOW_S:
+            return None
+        while self._ended and self._ended[0][0] < now - RATE_WINDOW_S:
+            self._ended.popleft()
+        if len(self._ended) < RATE_MIN_DONE:
+            return None
+        pace = sum(t for _, t in self._ended) / RATE_WINDOW_S
+        ahead = sum(w.tokens for w in self._waiters if not w.future.done())
+        return (ahead + tokens) / pace, pace
 
     # ---- the proxy's side -----------------------------------------------------------
 
@@ -242,6 +285,12 @@ class Gate:
         if len(self._waiters) >= self.limits.queue_max:
             raise Rejected("queue_full", f"the hold queue is full ({self.limits.queue_max} "
                                          f"requests waiting)")
+        if to_go is None and (guess := self.predicted_wait(tokens)) is not None \
+                and guess[0] > self.limits.max_wait_s:
+            raise Rejected("over_capacity", f"the engine would take this request in about "
+                           f"{guess[0]:.0f} s, past the hold timeout "
+                           f"({self.limits.max_wait_s:g} s): {len(self._waiters)} requests "
+                           f"wait ahead, served at {guess[1]:.0f} tokens/s")
         w = _Waiter(tokens, asyncio.get_running_loop().create_future(), t0,
                     held=self.held_reason is not None, refusable=refusable, to_go=to_go)
         self._enqueue(w)
@@ -268,6 +317,8 @@ class Gate:
 
     def _enqueue(self, w: _Waiter) -> None:
         """In its place: behind every waiter it does not go before (`_before`)."""
+        if self._waiting_since is None:
+            self._waiting_since = self.clock()
         if w.to_go is None:
             self._waiters.append(w)
             return
@@ -287,6 +338,11 @@ class Gate:
         self.tokens_in_flight -= ticket.tokens
         if self.in_flight == 0:
             self._idle.set()
+        if self._waiting_since is not None:  # (the pace while requests wait)
+            now = self.clock()
+            self._ended.append((now, ticket.tokens))
+            while self._ended[0][0] < now - RATE_WINDOW_S:
+                self._ended.popleft()
         self._wake()
 
     async def wait_idle(self, timeout_s: float) -> bool:
