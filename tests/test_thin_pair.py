@@ -187,3 +187,49 @@ def test_a_standby_args_that_cannot_work_is_refused_naming_the_numbers(
     with pytest.raises(ConfigError, match=r"^\S+/config\.toml: engine\.standby_args: ") as got:
         parse_config(doc, str(tmp_path / "config.toml"), tmp_path)
     assert says in str(got.value)
+
+
+def test_while_the_thin_standby_serves_admission_keeps_to_its_kv_cache(
+        tmp_path: Path) -> None:
+    """Issue 51: while the thin standby serves, the gate's token budget is its KV cache
+    (as its core said at its start), so what it cannot hold waits at the gate (continued
+    streams first, each wait bounded) rather than in vLLM's own queue; the full-size
+    engine back, the configured budget again (none here). A cold start clears it too."""
+    w = World(tmp_path, fronted=True, engine=THIN)
+    try:
+        full, thin = armed_asleep(w, side_by_side=True)
+        full.kv_tokens, thin.kv_tokens = 553_712, 189_104
+        assert w.sup.gate.limits.tokens == 0
+        w.now += 5
+        w.feed(Exited(full.generation, 0))
+        assert w.sup.engine is thin and w.sup.gate.limits.tokens == 189_104
+        w.feed(Woken(thin.generation, None, 0.5))
+        w.feed(GateProbe(thin.generation, True, None))
+        assert w.sup.status()["admission"]["max_tokens_in_flight"] == 189_104
+        w.down(full)
+        new = w.spawned()
+        new.kv_tokens = 553_712
+        w.feed(HealthResult(new.generation, True))
+        w.feed(GateProbe(new.generation, True, None))
+        assert w.sup.engine is new and w.sup.gate.limits.tokens == 0
+        assert w.sup.status()["admission"]["max_tokens_in_flight"] is None
+    finally:
+        w.loop.close()
+
+
+def test_a_configured_token_budget_below_the_thin_standbys_cache_is_kept(
+        tmp_path: Path) -> None:
+    """The thin standby's KV cache bounds the budget, never raises it."""
+    w = World(tmp_path, fronted=True, engine=THIN,
+              proxy={"max_tokens_in_flight": 100_000})
+    try:
+        full, thin = armed_asleep(w, side_by_side=True)
+        thin.kv_tokens = 189_104
+        w.now += 5
+        w.feed(Exited(full.generation, 0))
+        assert w.sup.engine is thin and w.sup.gate.limits.tokens == 100_000
+        thin.kv_tokens = 50_048
+        w.sup.sync_capacity()
+        assert w.sup.gate.limits.tokens == 50_048
+    finally:
+        w.loop.close()

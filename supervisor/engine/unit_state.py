@@ -355,6 +355,7 @@ class UnitState:
         self.serving_starts += 1
         self.set_state(State.STARTING, reason)
         self.handover.cold_start(f := self.pair_facts())
+        self.sync_capacity()
         self.decide("start", reason)
         if self.handover.start_first(f):
             return
@@ -404,6 +405,7 @@ class UnitState:
         self.stop_deadline = None
         self.watch.engine_starting()
         self.keeper.hold_until_proven()
+        self.sync_capacity()
 
     def set_stop_deadline(self, proxy_drain: bool) -> float:
         """The one deadline of the restart or stop beginning now (unless one runs):
@@ -525,12 +527,39 @@ class UnitState:
     def count_restart(self, reason: str) -> None:
         self.restarts_by_reason[reason] = self.restarts_by_reason.get(reason, 0) + 1
 
-    def _gate_limits(self) -> GateLimits:
+    def _gate_limits(self, capacity: int | None = None) -> GateLimits:
+        """The gate's limits from the config; `capacity`: the serving engine's KV cache
+        in tokens where it bounds the token budget (`sync_capacity`)."""
         p = self.config.proxy
-        return GateLimits(concurrency=p.max_concurrency, tokens=p.max_tokens_in_flight,
+        tokens = p.max_tokens_in_flight
+        if capacity:
+            tokens = min(tokens, capacity) if tokens else capacity
+        return GateLimits(concurrency=p.max_concurrency, tokens=tokens,
                           level_factors=tuple(self.config.throttle.level_factors),
                           queue_max=p.hold_queue_max, max_wait_s=p.hold_timeout_s,
                           kv_high=p.kv_breaker_high, kv_low=p.kv_breaker_low)
+
+    def capacity(self) -> int | None:
+        """While the thin standby of an asymmetric pair serves: its KV cache in tokens,
+        as its core said at its start (None otherwise, or where it did not say)."""
+        e = self.slot.engine
+        return e.kv_tokens if self.handover.thin_serves and e is not None else None
+
+    def sync_capacity(self) -> None:
+        """The gate's token budget follows the engine that serves (issue 51). While a
+        thin standby serves, at most its KV cache's tokens are in flight at it: what it
+        cannot hold waits at the gate, continued streams first and every wait bounded
+        by `proxy.hold_timeout_s`, rather than in vLLM's own queue, unordered and
+        unbounded. The full-size engine back, the configured budget again."""
+        limits = self._gate_limits(self.capacity())
+        if limits == self.gate.limits:
+            return
+        if limits.tokens != self.gate.limits.tokens:
+            log.info("admission follows the serving engine's KV cache",
+                     max_tokens_in_flight=limits.tokens or None,
+                     configured=self.config.proxy.max_tokens_in_flight or None,
+                     thin_serves=self.handover.thin_serves)
+        self.gate.set_limits(limits)
 
     def reconfigure(self, new: Config) -> None:
         """A reloaded config in force: every copy of the old one is replaced or
@@ -542,7 +571,7 @@ class UnitState:
         set_level(new.log.level)
         self.audit_trail = AuditTrail(new.audit.path, new.audit.max_bytes, new.audit.backups)
         self.watch.reconfigure(new)
-        self.gate.set_limits(self._gate_limits())
+        self.gate.set_limits(self._gate_limits(self.capacity()))
         self.weights.reconfigure(new.restart)
         if self.state is not State.STOPPING:  # (started, restarted or taken down now)
             self.weights.want(new.engine, self.environ, new.weight_cache_dir)
