@@ -118,7 +118,7 @@ def test_the_per_request_kinds_are_packed_and_the_rest_compact_json() -> None:
     assert TO_DAEMON.decode(b'["done",7]') == Done(7)
 
 
-ENGINE = EngineState("e0", "http://x", ("m",), False, None, 3, True, ((2, 1.5),), (),
+ENGINE = EngineState("e0", "http://x", ("m",), False, True, None, 3, True, ((2, 1.5),), (),
                      GateLimits(), 0, "held", None, None, False, None, 1, 0)
 
 

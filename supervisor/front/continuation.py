@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,22 @@ REFUSALS = ("several_choices", "beam_search", "echo", "logprobs", "structured_ou
             "prompt_form", "several_prompts", "no_model", "parser_output", "no_token_ids",
             "too_many_faults", "kills_engine")
 CONTINUATION_PATH = "/v1/completions"
+# Where the engine schedules by priority (`--scheduling-policy priority`: lower goes
+# first, and preempts a running request of a higher one), a continuation is sent this far
+# ahead of its request's own priority, the fewer tokens to come the earlier (issue 51).
+CONTINUED_FIRST = 1 << 20
+
+
+def schedules_by_priority(argv: Sequence[str]) -> bool:
+    """Whether an engine run with these arguments schedules by priority (vLLM refuses a
+    request's non-zero priority otherwise); the last `--scheduling-policy` counts."""
+    policy = None
+    for i, a in enumerate(argv):
+        if a == "--scheduling-policy" and i + 1 < len(argv):
+            policy = argv[i + 1]
+        elif a.startswith("--scheduling-policy="):
+            policy = a.partition("=")[2]
+    return policy == "priority"
 
 # Chat keys a continuation (a completions request) keeps: sampling and output shaping.
 # Everything else of a chat request is either the prompt (now token ids) or refused.
@@ -420,9 +437,11 @@ class Transcript:
         mt = self.plan.max_tokens
         return None if mt is None else mt - len(self.delivered)
 
-    def continuation(self) -> bytes:
+    def continuation(self, first: bool = False) -> bytes:
         """The continuation request: the prompt's token ids and the delivered ones, the
-        token budgets reduced, the same sampling; streamed, with token ids."""
+        token budgets reduced, the same sampling; streamed, with token ids. `first`: the
+        engine schedules by priority, and the continuation goes ahead of every request
+        of its own priority or later, the nearest done first (`CONTINUED_FIRST`)."""
         assert self.prompt_ids is not None
         doc = self.plan.doc
         if self.plan.chat:
@@ -436,6 +455,11 @@ class Transcript:
             body["max_tokens"] = self.remaining
         if self.plan.min_tokens:
             body["min_tokens"] = max(0, self.plan.min_tokens - len(self.delivered))
+        if first:
+            own = doc.get("priority", 0)
+            own = own if type(own) is int else 0  # (the engine took the request so)
+            to_go = CONTINUED_FIRST - 1 if self.remaining is None else self.remaining
+            body["priority"] = own - CONTINUED_FIRST + min(max(0, to_go), CONTINUED_FIRST - 1)
         return json.dumps(body, separators=(",", ":")).encode()
 
     def begin_attempt(self) -> None:

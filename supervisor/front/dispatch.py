@@ -66,6 +66,9 @@ class Backend:
     models: tuple[str, ...] = ()
     models_open: bool = False  # LoRA, or no names known: any model name may be served
     fallback: str | None = None  # the engine that takes its models while it is down
+    # it runs `--scheduling-policy priority`: continuations are sent with a priority
+    # ahead of new requests (`continuation.CONTINUED_FIRST`)
+    priority_scheduling: bool = False
     # which start of the engine this is (its unit's generation): a request counts one
     # death per engine start it was at, however many ways that engine failed it
     generation: Callable[[], int] = lambda: 0
@@ -94,13 +97,16 @@ class Backend:
         n = self.max_model_len
         return min(tokens, UNKNOWN_MODEL_LEN if n is None else n)
 
-    def follow(self, upstream: str, models: tuple[str, ...], models_open: bool) -> None:
-        """Its engine, being started, listens at `upstream` and serves these names."""
+    def follow(self, upstream: str, models: tuple[str, ...], models_open: bool,
+               priority_scheduling: bool = False) -> None:
+        """Its engine, being started, listens at `upstream` and serves these names (and
+        schedules by priority or not, as its arguments say)."""
         if upstream != self.upstream:
             log.info("proxy upstream follows the engine", engine=self.name,
                      upstream=upstream, was=self.upstream)
         self.upstream, self.models = upstream, models
         self.models_open = models_open or not models
+        self.priority_scheduling = priority_scheduling
 
     def arrive(self, generation: int) -> None:
         self.at[generation] = self.at.get(generation, 0) + 1

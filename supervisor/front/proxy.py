@@ -200,10 +200,10 @@ class FrontProxy:
         return b.at.get(generation, 0) if b is not None else 0
 
     def follow_engine(self, name: str, upstream: str, models: tuple[str, ...],
-                      models_open: bool = False) -> None:
+                      models_open: bool = False, priority_scheduling: bool = False) -> None:
         """Engine `name`, being started, listens here and serves these names: its requests
         from now on go there (a reloaded `engine.port` takes effect with the engine)."""
-        self.backends[name].follow(upstream, models, models_open)
+        self.backends[name].follow(upstream, models, models_open, priority_scheduling)
         self._names_changed()
 
     @property

@@ -374,7 +374,8 @@ class StreamRelay:
                 if t.events == 0:  # nothing reached the client: the request again
                     path, body = t.plan.path, t.plan.body
                 else:
-                    path, body = continuation.CONTINUATION_PATH, t.continuation()
+                    path = continuation.CONTINUATION_PATH
+                    body = t.continuation(first=backend.priority_scheduling)
                 try:
                     async with self.lanes.lane(backend.name, ex.deaths, left):
                         ex.sent(backend)

@@ -52,6 +52,7 @@ class EngineState:
     upstream: str
     models: tuple[str, ...]
     models_open: bool
+    priority_scheduling: bool  # continuations are sent ahead (`--scheduling-policy`)
     fallback: str | None
     generation: int
     ready: bool

@@ -171,6 +171,7 @@ class WorkerBackend(Backend):
     def told(self, e: EngineState) -> None:
         """The daemon's latest word on this engine (`pool.engine_state` writes it)."""
         self.upstream, self.models, self.models_open = e.upstream, e.models, e.models_open
+        self.priority_scheduling = e.priority_scheduling
         self.fallback, self.is_ready, self.start = e.fallback, e.ready, e.generation
         seen = dict(e.failure_seen)
         cleared = dict(e.cleared)

@@ -100,7 +100,8 @@ def engine_state(b: Backend, cleared: dict[int, float]) -> EngineState:
     """What a worker is told of engine `b` (`mirror.WorkerBackend.told` reads it)."""
     g = gate_of(b)
     return EngineState(
-        b.name, b.upstream, b.models, b.models_open, b.fallback, b.generation(), b.ready(),
+        b.name, b.upstream, b.models, b.models_open, b.priority_scheduling, b.fallback,
+        b.generation(), b.ready(),
         tuple(b.failure_seen.items()), tuple(cleared.items()), g.limits, g.level,
         g.held_reason, g.closed_reason, g.unhealthy, g.breaker_open, g.ready_at,
         g.in_flight, g.waiting)
@@ -174,8 +175,8 @@ class WorkerPool:
             self._push_all()
 
     def follow_engine(self, name: str, upstream: str, models: tuple[str, ...],
-                      models_open: bool = False) -> None:
-        self.backends[name].follow(upstream, models, models_open)
+                      models_open: bool = False, priority_scheduling: bool = False) -> None:
+        self.backends[name].follow(upstream, models, models_open, priority_scheduling)
         self._push_all()
 
     def pause_streams(self, engine: str) -> int | None:
