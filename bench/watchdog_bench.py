@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.report import write_section  # noqa: E402
-from supervisor.config_sections import PolicyConfig  # noqa: E402
+from supervisor.settings.sections import PolicyConfig  # noqa: E402
 from supervisor.watchdog.metrics import parse_metrics  # noqa: E402
 from supervisor.watchdog.policy import EngineFacts, PolicyState, decide  # noqa: E402
 from supervisor.watchdog.poller import scrape  # noqa: E402

@@ -17,8 +17,6 @@ from pathlib import Path
 import structlog
 
 from supervisor import __version__, loop
-from supervisor.config import EX_CONFIG, Config, ConfigError, load_config
-from supervisor.config_sections import EngineConfig
 from supervisor.control.server import ControlSocketError
 from supervisor.front.proxy import ProxyError
 from supervisor.host import Host
@@ -26,6 +24,8 @@ from supervisor.ops import descriptors, pipes
 from supervisor.ops.exporter import ExporterError
 from supervisor.ops.logs import configure_logging
 from supervisor.ops.sdnotify import Notifier
+from supervisor.settings.config import EX_CONFIG, Config, ConfigError, load_config
+from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog.gpu import FileSampler, GpuProcessLister, GpuSampler, NoGpu, NvmlSampler
 
 

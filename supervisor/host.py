@@ -29,8 +29,6 @@ from typing import Any
 
 import structlog
 
-from supervisor.config import Config, ConfigError, load_config
-from supervisor.config_sections import EngineConfig
 from supervisor.control import handlers
 from supervisor.control.server import ControlServer
 from supervisor.engine.events import (
@@ -52,6 +50,8 @@ from supervisor.ops.exposition import ExporterView, ProxyView
 from supervisor.ops.looplag import LoopLag
 from supervisor.ops.sdnotify import Notifier
 from supervisor.plane.pool import WorkerPool, cpus, workers_for
+from supervisor.settings.config import Config, ConfigError, load_config
+from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
 
 log = structlog.get_logger("supervisor")

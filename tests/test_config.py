@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import ConfigError, diff_keys, load_config, parse_config
 from supervisor.front import deadlines
 from supervisor.front.deadlines import Deadline
+from supervisor.settings.config import ConfigError, diff_keys, load_config, parse_config
 from tests.harness import ROOT
 
 MIN = {"engine": {"command": ["python", "-m", "vllm.entrypoints.openai.api_server"]}}
@@ -266,7 +266,7 @@ def test_a_rearm_window_is_refused_naming_what_is_wrong(engine, expected):
 def test_a_daily_window_knows_its_day_across_midnight():
     from datetime import datetime
 
-    from supervisor.engine_checks import DailyWindow
+    from supervisor.settings.engine_checks import DailyWindow
     night = DailyWindow.parse("23:30-00:30")
     assert night.occurrence(datetime(2026, 11, 26, 23, 45)) == "2026-11-26"
     assert night.occurrence(datetime(2026, 11, 27, 0, 15)) == "2026-11-26"

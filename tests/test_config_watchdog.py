@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from supervisor.config import ConfigError, diff_keys, parse_config
-from supervisor.config_sections import GpuConfig
+from supervisor.settings.config import ConfigError, diff_keys, parse_config
+from supervisor.settings.sections import GpuConfig
 from supervisor.watchdog.rules import DEFAULT_RULES
 
 

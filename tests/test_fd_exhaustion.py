@@ -26,7 +26,6 @@ import psutil
 import pytest
 from structlog.testing import capture_logs
 
-from supervisor.config import Config, parse_config
 from supervisor.engine import http_jobs, jobs, proctree
 from supervisor.engine import process as eng
 from supervisor.engine.events import CanaryDone, Event, MetricsSampled, TreeSeen
@@ -35,6 +34,7 @@ from supervisor.loop import Clock
 from supervisor.ops import audit as audit_module
 from supervisor.ops import descriptors
 from supervisor.ops.audit import AuditTrail
+from supervisor.settings.config import Config, parse_config
 from supervisor.watchdog import canary
 from supervisor.watchdog.gpu import NoGpu
 from supervisor.watchdog.poller import scrape

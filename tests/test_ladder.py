@@ -4,7 +4,7 @@ clears, and the alert at the top."""
 
 from __future__ import annotations
 
-from supervisor.config_sections import PolicyConfig
+from supervisor.settings.sections import PolicyConfig
 from supervisor.watchdog.policy import EngineFacts
 from supervisor.watchdog.rules import LADDER, REMEDIES
 from tests.test_policy import COLLAPSE, LEAK, SATURATED, Run, config, gpu, only, seconds

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.config_sections import EngineConfig
 from supervisor.front.latency import KINDS, ClientLatency, Histogram
 from supervisor.ops.exposition import ExporterView, ProxyView, render_metrics
+from supervisor.settings.sections import EngineConfig
 
 
 def test_a_value_on_a_bound_counts_in_that_bucket_and_cumulative_ends_with_inf() -> None:

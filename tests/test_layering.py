@@ -13,10 +13,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "supervisor"
 
 # lowest first; a module may import its own layer's modules and those below
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    # the settings folder but its generic table checking, which the foundations use
     ("foundations", ("loop", "ops", "front", "plane", "watchdog", "fleet",
-                     "control.protocol", "control.client", "schema")),
-    ("settings", ("config", "config_sections", "config_checks", "engine_checks",
-                  "weight_cache_argv", "reload")),
+                     "control.protocol", "control.client", "settings.schema")),
+    ("settings", ("settings",)),
     ("engine unit", ("engine",)),
     ("host", ("host", "control.handlers", "control.server", "control.cli")),
     ("command line", ("cli", "__main__", "__init__")),
@@ -105,7 +105,8 @@ def test_the_checks_see_a_cycle_and_an_upward_import() -> None:
     """The checks themselves: a made-up graph with both faults is caught."""
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
-    assert layer_of("engine.unit") > layer_of("config") > layer_of("watchdog.policy")
+    assert layer_of("engine.unit") > layer_of("settings.config") > layer_of("watchdog.policy")
+    assert layer_of("settings.schema") == layer_of("front.deadlines")
     with pytest.raises(AssertionError, match="in no layer"):
         layer_of("nowhere")
 

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor.config_sections import RestartConfig
 from supervisor.engine.lifecycle import RestartTracker
 from supervisor.engine.states import TRANSITIONS, State, TransitionError, check_transition
+from supervisor.settings.sections import RestartConfig
 
 CFG = RestartConfig(backoff_initial_s=1, backoff_max_s=8, backoff_multiplier=2,
                     stable_uptime_s=300, boot_failures_max=3, boot_failure_window_s=600)

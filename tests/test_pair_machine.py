@@ -57,7 +57,6 @@ from hypothesis.stateful import (
     rule,
 )
 
-from supervisor.config import parse_config
 from supervisor.engine.events import (
     CoreExited,
     Down,
@@ -72,8 +71,9 @@ from supervisor.engine.events import (
     Woken,
 )
 from supervisor.engine.process import EngineProcess, TakeDown
-from supervisor.engine_checks import THIN_PAIR_MAX
 from supervisor.front.admission import Gate, Ticket
+from supervisor.settings.config import parse_config
+from supervisor.settings.engine_checks import THIN_PAIR_MAX
 from tests.test_supervisor_unit import FakeTimer, World
 
 SLEEP_ENV = {"VLLM_SERVER_DEV_MODE": "1"}

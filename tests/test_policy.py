@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.config_sections import PolicyConfig
+from supervisor.settings.sections import PolicyConfig
 from supervisor.watchdog.policy import EngineFacts, PolicyDecision, PolicyState, decide
 from supervisor.watchdog.rules import DEFAULT_RULES, RuleConfig
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import httpx
 
-from supervisor.config import parse_config
 from supervisor.engine import process as eng
 from supervisor.engine.probes import EngineProbes
 from supervisor.loop import Clock
+from supervisor.settings.config import parse_config
 
 GUARD_S = 20.0  # every wait below is bounded by this
 

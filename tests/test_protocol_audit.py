@@ -104,8 +104,8 @@ def test_the_control_server_answers_garbage_with_an_error_and_keeps_the_connecti
 
     from structlog.testing import capture_logs
 
-    from supervisor.config_sections import ControlConfig
     from supervisor.control.server import ControlServer
+    from supervisor.settings.sections import ControlConfig
 
     async def submit(cmd, args):
         return {"state": "RUNNING"}
@@ -152,9 +152,9 @@ def test_the_control_server_replies_when_serving_a_connection_fails(tmp_path, mo
 
     from structlog.testing import capture_logs
 
-    from supervisor.config_sections import ControlConfig
     from supervisor.control import server as server_module
     from supervisor.control.server import ControlServer
+    from supervisor.settings.sections import ControlConfig
 
     def broken(line):
         raise MemoryError  # whatever decode_request should never raise

@@ -8,7 +8,7 @@ import json
 
 import httpx
 
-from supervisor.config_sections import ThrottleConfig
+from supervisor.settings.sections import ThrottleConfig
 from supervisor.watchdog import canary, relaunch
 
 CFG = ThrottleConfig(level_factors=[0.75, 0.5, 0.25], max_num_seqs=256,

@@ -1,11 +1,11 @@
-"""When a reloaded key takes effect (supervisor/reload.py): every key has one answer."""
+"""When a reloaded key takes effect (supervisor/settings/reload.py): every key has one answer."""
 
 from __future__ import annotations
 
 import pytest
 
-from supervisor import reload
-from supervisor.reload import DAEMON_RESTART, NEXT_START, NOW
+from supervisor.settings import reload
+from supervisor.settings.reload import DAEMON_RESTART, NEXT_START, NOW
 
 
 def test_every_config_key_has_exactly_one_answer() -> None:

@@ -17,12 +17,12 @@ from pathlib import Path
 
 from structlog.testing import capture_logs
 
-from supervisor.config import parse_config
 from supervisor.engine import jobs, shm_files
 from supervisor.engine import process as eng
 from supervisor.engine.events import Down, Event, Exited, TreeSeen
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock
+from supervisor.settings.config import parse_config
 from supervisor.watchdog.gpu import NoGpu
 from tests.harness import free_port, next_event, until
 

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from supervisor.config import parse_config
 from supervisor.engine.events import (
     Down,
     Drained,
@@ -27,6 +26,7 @@ from supervisor.engine.events import (
     Woken,
 )
 from supervisor.engine.process import EngineProcess
+from supervisor.settings.config import parse_config
 from tests.test_supervisor_unit import World
 
 SLEEP = {"standby": "sleep", "env": {"VLLM_SERVER_DEV_MODE": "1"}}

@@ -18,8 +18,6 @@ from typing import Any
 
 import pytest
 
-from supervisor.config import parse_config
-from supervisor.config_sections import EngineConfig
 from supervisor.engine.events import (
     BackoffElapsed,
     CanaryDone,
@@ -39,6 +37,8 @@ from supervisor.engine.process import EngineProcess, SpawnSpec, TakeDown
 from supervisor.engine.unit import EngineUnit
 from supervisor.loop import Clock
 from supervisor.ops.sdnotify import Notifier
+from supervisor.settings.config import parse_config
+from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog import evidence
 from supervisor.watchdog.canary import CanaryOutcome
 from supervisor.watchdog.metrics import Snapshot

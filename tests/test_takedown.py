@@ -6,9 +6,9 @@ import asyncio
 import sys
 from pathlib import Path
 
-from supervisor.config_sections import EngineConfig
 from supervisor.engine import process as eng
 from supervisor.engine import proctree
+from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog.gpu import NoGpu
 from tests.harness import FAKE_ENGINE, alive, free_port
 

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from supervisor.config import ConfigError, parse_config
 from supervisor.engine.events import (
     Drained,
     Exited,
@@ -24,6 +23,7 @@ from supervisor.engine.events import (
     Woken,
 )
 from supervisor.engine.process import EngineProcess
+from supervisor.settings.config import ConfigError, parse_config
 from tests.test_standby_unit import SLEEP, armed_asleep
 from tests.test_supervisor_unit import World
 

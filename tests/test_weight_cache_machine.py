@@ -32,12 +32,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from supervisor.config import parse_config
 from supervisor.engine.events import Down, Exited, HealthLost, HealthResult, Reloaded, Spawned
 from supervisor.engine.pair_states import Cache
 from supervisor.engine.process import EngineProcess, SpawnSpec, TakeDown
 from supervisor.engine.proctree import ProcInfo
 from supervisor.engine.unit import EngineUnit
+from supervisor.settings.config import parse_config
 from tests.test_supervisor_unit import RecordingEffects, World
 
 CACHE_BAY = 2

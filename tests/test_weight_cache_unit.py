@@ -18,9 +18,6 @@ from typing import Any
 
 import pytest
 
-from supervisor import weight_cache_argv
-from supervisor.config import ConfigError, parse_config
-from supervisor.config_sections import EngineConfig
 from supervisor.engine.events import (
     Down,
     Exited,
@@ -32,6 +29,9 @@ from supervisor.engine.events import (
 )
 from supervisor.engine.process import EngineProcess, TakeDown
 from supervisor.engine.proctree import ProcInfo
+from supervisor.settings import weight_cache_argv
+from supervisor.settings.config import ConfigError, parse_config
+from supervisor.settings.sections import EngineConfig
 from tests.test_supervisor_unit import World
 
 CACHE_BAY = 2

@@ -13,9 +13,9 @@ import os
 import sys
 from typing import Any
 
-from supervisor.config import ConfigError, load_config
 from supervisor.control.client import ControlClientError, call
 from supervisor.ops import pipes
+from supervisor.settings.config import ConfigError, load_config
 
 DEFAULT_SOCKET = "/run/vllm-supervisor/control.sock"
 

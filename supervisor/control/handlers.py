@@ -15,10 +15,10 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from supervisor.config import Config
 from supervisor.engine.events import CommandError, ControlRequest
 from supervisor.engine.unit import EngineUnit
 from supervisor.ops.audit import AuditTrail
+from supervisor.settings.config import Config
 from supervisor.watchdog import evidence
 
 

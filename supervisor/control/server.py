@@ -23,8 +23,8 @@ from typing import Any
 
 import structlog
 
-from supervisor.config_sections import ControlConfig
 from supervisor.control import protocol
+from supervisor.settings.sections import ControlConfig
 
 log = structlog.get_logger("supervisor.control")
 

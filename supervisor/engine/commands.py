@@ -19,13 +19,13 @@ from typing import Any, Protocol
 
 import structlog
 
-from supervisor import reload
-from supervisor.config import Config, diff_keys
 from supervisor.engine.events import CommandError, ControlRequest, Reloaded
 from supervisor.engine.gatekeeper import GateKeeper
 from supervisor.engine.steps import Step, Upgrade
 from supervisor.engine.watch import EngineWatch, UnitFacts
 from supervisor.front.admission import Gate
+from supervisor.settings import reload
+from supervisor.settings.config import Config, diff_keys
 
 log = structlog.get_logger("supervisor")
 
@@ -179,7 +179,7 @@ def reloaded(unit: Commandable, ev: Reloaded) -> None:
     """A reloaded config (the host's), as this engine takes it: what applies now is put in
     force by the unit (`reconfigure`), an engine setting at the next start (through a
     standby now, when there is one), the rest when the daemon restarts
-    (`supervisor/reload.py` says which key applies when)."""
+    (`supervisor/settings/reload.py` says which key applies when)."""
     if ev.config is None:
         log.warning("reload refused; the running config stays in force", error=ev.error)
         unit.audit("reload_refused", error=ev.error)

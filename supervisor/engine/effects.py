@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol
 
-from supervisor.config_sections import EngineConfig
 from supervisor.engine.events import Event
 from supervisor.engine.process import EngineProcess, SpawnSpec
+from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog import evidence
 from supervisor.watchdog.gpu import GpuSampler
 

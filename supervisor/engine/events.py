@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
-from supervisor.config import Config
 from supervisor.engine import process as eng
 from supervisor.engine import proctree
 from supervisor.ops.exposition import ExporterView
+from supervisor.settings.config import Config
 from supervisor.watchdog import canary, evidence, remedy, warmup
 from supervisor.watchdog.devroutes import DevRoutes
 from supervisor.watchdog.golden import Golden

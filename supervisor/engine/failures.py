@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import structlog
 
-from supervisor.config_sections import RestartConfig
 from supervisor.engine import process as eng
 from supervisor.engine import steps as do
 from supervisor.engine.events import BackoffElapsed
 from supervisor.engine.lifecycle import RestartTracker
 from supervisor.engine.states import State
 from supervisor.engine.steps import PairFacts, Step
+from supervisor.settings.sections import RestartConfig
 
 log = structlog.get_logger("supervisor")
 

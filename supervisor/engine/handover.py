@@ -28,8 +28,6 @@ from typing import Any
 
 import structlog
 
-from supervisor import engine_checks
-from supervisor.config_sections import EngineConfig
 from supervisor.engine import process as eng
 from supervisor.engine import steps as do
 from supervisor.engine.events import Down, Drained, Event, GateProbe, Woken
@@ -37,6 +35,8 @@ from supervisor.engine.pair_states import HANDING_OVER, PHASE, Phase, Role, chec
 from supervisor.engine.standby import Standby
 from supervisor.engine.states import State
 from supervisor.engine.steps import PairFacts, Step
+from supervisor.settings import engine_checks
+from supervisor.settings.sections import EngineConfig
 
 log = structlog.get_logger("supervisor")
 

@@ -19,8 +19,6 @@ from typing import TypeVar
 import httpx
 import structlog
 
-from supervisor.config import Config
-from supervisor.config_sections import MetricsConfig
 from supervisor.engine import process as eng
 from supervisor.engine.effects import Front
 from supervisor.engine.events import (
@@ -39,6 +37,8 @@ from supervisor.engine.probes import EngineProbes
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock, http_client
 from supervisor.ops.descriptors import OutOfDescriptors, Shortage
+from supervisor.settings.config import Config
+from supervisor.settings.sections import MetricsConfig
 from supervisor.watchdog import devroutes, golden, remedy, warmup
 from supervisor.watchdog.metrics import sleep_op_seconds
 from supervisor.watchdog.poller import scrape

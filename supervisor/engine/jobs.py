@@ -20,8 +20,6 @@ from typing import Any
 
 import structlog
 
-from supervisor.config import WEIGHT_CACHE_BAY, Config
-from supervisor.config_sections import EngineConfig
 from supervisor.engine import compile_cache, proctree, shm_files, start_dirs
 from supervisor.engine import process as eng
 from supervisor.engine.corewatch import CoreWatch
@@ -43,6 +41,8 @@ from supervisor.engine.http_jobs import HttpJobs
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock, Jobs
 from supervisor.ops.descriptors import Shortage, exhausted
+from supervisor.settings.config import WEIGHT_CACHE_BAY, Config
+from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog import evidence, hostheat, stackdumps
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
 

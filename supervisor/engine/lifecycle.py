@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from supervisor.config_sections import RestartConfig
+from supervisor.settings.sections import RestartConfig
 
 
 @dataclass(frozen=True)

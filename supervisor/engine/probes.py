@@ -21,10 +21,10 @@ from typing import Any
 
 import httpx
 
-from supervisor.config import Config
 from supervisor.engine import process as eng
 from supervisor.loop import Clock
 from supervisor.ops.descriptors import OutOfDescriptors
+from supervisor.settings.config import Config
 from supervisor.watchdog import canary, golden, warmup
 
 

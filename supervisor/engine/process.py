@@ -25,7 +25,6 @@ from typing import TypeVar
 import httpx
 import structlog
 
-from supervisor.config_sections import EngineConfig
 from supervisor.engine import proctree
 from supervisor.engine.compile_cache import CacheInfo
 from supervisor.engine.enginelog import (
@@ -37,6 +36,7 @@ from supervisor.engine.enginelog import (
 )
 from supervisor.loop import http_client
 from supervisor.ops.descriptors import Shortage, exhausted
+from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog.devroutes import DevRoutes
 from supervisor.watchdog.gpu import GpuProcessLister
 from supervisor.watchdog.metrics import SleepOps

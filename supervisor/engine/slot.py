@@ -18,13 +18,13 @@ from typing import Any
 
 import structlog
 
-from supervisor.config_sections import EngineConfig
 from supervisor.engine import process as eng
 from supervisor.engine import proctree
 from supervisor.engine.effects import Effects
 from supervisor.engine.events import CoreExited, Down, Exited, Spawned, TreeSeen
 from supervisor.engine.intents import EvidenceFor
 from supervisor.engine.pair_states import BAY, Bay, check
+from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog import devroutes, evidence
 from supervisor.watchdog.devroutes import DevRoutes
 

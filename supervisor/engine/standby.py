@@ -23,7 +23,6 @@ from typing import Any
 
 import structlog
 
-from supervisor.config_sections import EngineConfig
 from supervisor.engine import process as eng
 from supervisor.engine.effects import Effects, Timer
 from supervisor.engine.events import (
@@ -41,6 +40,7 @@ from supervisor.engine.events import (
 )
 from supervisor.engine.pair_states import ON_ITS_WAY, ROLE, Role, check
 from supervisor.engine.slot import EngineSlot
+from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog import devroutes
 
 log = structlog.get_logger("supervisor")

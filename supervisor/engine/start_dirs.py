@@ -20,11 +20,11 @@ from pathlib import Path
 
 import structlog
 
-from supervisor.config import Config
-from supervisor.config_sections import EngineConfig
 from supervisor.engine import compile_cache
 from supervisor.engine.compile_cache import CACHE_ENV, CacheInfo
 from supervisor.engine.process import SpawnSpec
+from supervisor.settings.config import Config
+from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog import stackdumps
 from supervisor.watchdog.stackdumps import StackDumps
 

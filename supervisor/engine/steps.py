@@ -17,13 +17,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from supervisor.config import Config
-from supervisor.config_sections import EngineConfig
 from supervisor.engine import process as eng
 from supervisor.engine.events import DecisionRecord
 from supervisor.engine.intents import EvidenceFor
 from supervisor.engine.slot import EngineSlot
 from supervisor.engine.states import State
+from supervisor.settings.config import Config
+from supervisor.settings.sections import EngineConfig
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,6 @@ from typing import Any
 
 import structlog
 
-from supervisor import engine_checks
-from supervisor.config import DEFAULT_ENGINE, WEIGHT_CACHE_BAY, Config
-from supervisor.config_sections import EngineConfig
 from supervisor.engine import process as eng
 from supervisor.engine import steps as do
 from supervisor.engine import views
@@ -58,6 +55,9 @@ from supervisor.loop import Clock
 from supervisor.ops.audit import AuditTrail
 from supervisor.ops.logs import set_level
 from supervisor.ops.sdnotify import Notifier
+from supervisor.settings import engine_checks
+from supervisor.settings.config import DEFAULT_ENGINE, WEIGHT_CACHE_BAY, Config
+from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog import relaunch
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
 
@@ -564,7 +564,7 @@ class UnitState:
     def reconfigure(self, new: Config) -> None:
         """A reloaded config in force: every copy of the old one is replaced or
         reconfigured here (the rest is read from self.config where it is used, the
-        engine's settings at its next start); supervisor/reload.py says which key
+        engine's settings at its next start); supervisor/settings/reload.py says which key
         applies when."""
         self.config = new
         self.failures.reconfigure(new.restart)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 from typing import Any, Protocol
 
-from supervisor.config import Config
 from supervisor.engine.events import DecisionRecord
 from supervisor.engine.failures import Failures
 from supervisor.engine.golden_check import GoldenCheck
@@ -22,6 +21,7 @@ from supervisor.engine.weight_cache import WeightCache
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock
 from supervisor.ops.exposition import ExporterView, ProxyView
+from supervisor.settings.config import Config
 from supervisor.watchdog.policy import PRIORITY, EngineFacts
 from supervisor.watchdog.signals import SIGNALS
 

@@ -17,7 +17,6 @@ from typing import Any
 
 import structlog
 
-from supervisor.config import Config
 from supervisor.engine import process as eng
 from supervisor.engine.events import (
     CanaryDone,
@@ -38,6 +37,7 @@ from supervisor.engine.intents import (
     remedy_ended,
 )
 from supervisor.engine.states import State
+from supervisor.settings.config import Config
 from supervisor.watchdog import devroutes, relaunch, xid
 from supervisor.watchdog.policy import EngineFacts, PolicyMemory, PolicyState, decide
 from supervisor.watchdog.poller import ScrapeHealth

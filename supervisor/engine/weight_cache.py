@@ -31,8 +31,6 @@ from typing import Any
 
 import structlog
 
-from supervisor import weight_cache_argv as wc
-from supervisor.config_sections import EngineConfig, RestartConfig
 from supervisor.engine import process as eng
 from supervisor.engine import proctree
 from supervisor.engine.effects import Effects, Timer
@@ -51,6 +49,8 @@ from supervisor.engine.lifecycle import RestartTracker
 from supervisor.engine.pair_states import CACHE, Cache, check
 from supervisor.engine.slot import EngineSlot
 from supervisor.loop import Clock
+from supervisor.settings import weight_cache_argv as wc
+from supervisor.settings.sections import EngineConfig, RestartConfig
 
 log = structlog.get_logger("supervisor")
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.schema import named_tables
+from supervisor.settings.schema import named_tables
 
 KEYS = {"request_timeout_s": 86400.0, "stall_timeout_s": 3600.0}  # each one's upper bound
 

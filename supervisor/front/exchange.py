@@ -42,7 +42,7 @@ class ProxySettings:
     upstream: str  # http://127.0.0.1:8100
     max_body_bytes: int = 16 << 20
     max_header_bytes: int = 16 << 10
-    # the server's guard rails ([proxy] in config_sections.py says each one)
+    # the server's guard rails ([proxy] in settings/sections.py says each one)
     max_connections: int = 4096
     header_timeout_s: float = 60.0
     body_timeout_s: float = 60.0

@@ -1,4 +1,4 @@
-"""The front door's bounds (`Limits`, from config_sections.py's [proxy] keys), how many client
+"""The front door's bounds (`Limits`, from settings/sections.py's [proxy] keys), how many client
 connections fit under the daemon's descriptor limit, and the bytes of a refusal: what
 `supervisor/front/connection.py` and `supervisor/front/server.py` share. Pure but for
 reading the descriptor limit."""
@@ -14,7 +14,7 @@ from supervisor.ops import descriptors
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """The server's bounds: sizes in bytes, times in seconds (config_sections.py's [proxy]
+    """The server's bounds: sizes in bytes, times in seconds (settings/sections.py's [proxy]
     keys)."""
 
     max_line: int

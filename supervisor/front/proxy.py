@@ -181,7 +181,7 @@ class FrontProxy:
     def reconfigure(self, settings: ProxySettings) -> None:
         """Settings from a reloaded config, in force for the next request. What the
         listening socket and its HTTP parser were built with (the address, the body and
-        header limits) stays until the daemon restarts (supervisor/reload.py)."""
+        header limits) stays until the daemon restarts (supervisor/settings/reload.py)."""
         self.s = dataclasses.replace(
             settings, listen_host=self.s.listen_host, listen_port=self.s.listen_port,
             max_body_bytes=self.s.max_body_bytes, max_header_bytes=self.s.max_header_bytes,

@@ -1,6 +1,6 @@
-"""The configuration's rules across keys and sections (`supervisor/config.py` checks
+"""The configuration's rules across keys and sections (`supervisor/settings/config.py` checks
 each key on its own first): the engine arguments the daemon sets itself, an engine's
-pinning and standby (`supervisor/engine_checks.py`), the engines against each other
+pinning and standby (`supervisor/settings/engine_checks.py`), the engines against each other
 (fallbacks, GPUs), the daemon's own listeners against each other (the proxy, the
 exporter, each engine and its standby), and the fleet against the proxy. Each rule
 appends a problem naming the key path and what was expected; none raises, and none
@@ -13,10 +13,10 @@ import ipaddress
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from supervisor import engine_checks, weight_cache_argv
-from supervisor.config_sections import EngineConfig, ExporterConfig, FleetConfig, ProxyConfig
 from supervisor.fleet.router import url_problem
 from supervisor.ops.exporter import parse_listen
+from supervisor.settings import engine_checks, weight_cache_argv
+from supervisor.settings.sections import EngineConfig, ExporterConfig, FleetConfig, ProxyConfig
 
 ListenerConfig = ProxyConfig | ExporterConfig  # a socket of the daemon's own, when enabled
 

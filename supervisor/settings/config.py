@@ -1,9 +1,9 @@
 """Configuration: a TOML file, validated completely when loaded.
 
 Owns the whole `Config` (its sections, one frozen dataclass each, in
-`supervisor/config_sections.py`) and loading it: the rules that check a parsed TOML
+`supervisor/settings/sections.py`) and loading it: the rules that check a parsed TOML
 document against the sections (those across keys and sections in
-`supervisor/config_checks.py`). Loading never starts anything and never half-applies: it
+`supervisor/settings/checks.py`). Loading never starts anything and never half-applies: it
 returns a whole `Config` or raises `ConfigError` naming every bad key path and what was
 expected. Relative paths are resolved against the directory of the config file, so the
 demo's `config.toml` works from any working directory.
@@ -20,8 +20,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from supervisor import config_checks, weight_cache_argv
-from supervisor.config_sections import (
+from supervisor.front.routes import route_problem
+from supervisor.ops.exporter import parse_listen
+from supervisor.settings import checks, weight_cache_argv
+from supervisor.settings.schema import ConfigError as ConfigError  # raised by load_config
+from supervisor.settings.schema import build_section, spec
+from supervisor.settings.sections import (
     AuditConfig,
     CanaryConfig,
     ControlConfig,
@@ -39,10 +43,6 @@ from supervisor.config_sections import (
     SignalsConfig,
     ThrottleConfig,
 )
-from supervisor.front.routes import route_problem
-from supervisor.ops.exporter import parse_listen
-from supervisor.schema import ConfigError as ConfigError  # raised by load_config
-from supervisor.schema import build_section, spec
 
 EX_CONFIG = 78  # sysexits.h: configuration error
 DEFAULT_ENGINE = "default"  # the name of the one engine of an [engine] table
@@ -205,12 +205,12 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
         raise ConfigError(source, problems)
 
     for name, engine in engines.items():
-        config_checks.check_engine("engine" if key == "engine" else f"engines.{name}",
-                                   engine, problems)
+        checks.check_engine("engine" if key == "engine" else f"engines.{name}",
+                            engine, problems)
     if key == "engine" and engines[DEFAULT_ENGINE].fallback:
         problems.append("engine.fallback: a fallback is another engine: name the engines "
                         "in [engines.NAME] tables")
-    config_checks.check_engines(key, engines, problems)
+    checks.check_engines(key, engines, problems)
     restart: RestartConfig = sections["restart"]
     if restart.backoff_max_s < restart.backoff_initial_s:
         problems.append(f"restart.backoff_max_s: expected at least restart.backoff_initial_s "
@@ -249,9 +249,9 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
             b >= a for a, b in itertools.pairwise(factors)):
         problems.append(f"throttle.level_factors: expected decreasing factors between 0 and 1 "
                         f"(one per level), got {factors!r}")
-    config_checks.check_listeners(key, engines, proxy, exporter, problems)
-    config_checks.check_deadlines(proxy.deadlines, engines, problems)
-    config_checks.check_fleet(sections["fleet"], proxy, problems)
+    checks.check_listeners(key, engines, proxy, exporter, problems)
+    checks.check_deadlines(proxy.deadlines, engines, problems)
+    checks.check_fleet(sections["fleet"], proxy, problems)
     runtime_dir = _resolve(base, sections["daemon"].runtime_dir or _default_runtime_dir())
     for name, e in engines.items():
         if e.weight_cache:

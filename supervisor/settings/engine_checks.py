@@ -1,5 +1,5 @@
 """The checks of one engine's settings that read its vLLM arguments: the GPUs it is
-pinned to and the standby it keeps (`supervisor/config.py` runs them at every load and
+pinned to and the standby it keeps (`supervisor/settings/config.py` runs them at every load and
 reload). Each appends a sentence naming the key and the numbers to `problems`; none
 reads a file or the machine.
 

@@ -15,7 +15,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
-from supervisor.config import Config
+from supervisor.settings.config import Config
 
 NOW = "applied_now"
 NEXT_START = "next_engine_start"

@@ -4,8 +4,8 @@ Owns the generic part of validation: a key's type, range, choices and emptiness
 (declared on each dataclass field through `spec`), unknown keys, required keys, and the
 `[policy.rules.NAME]` tables merged over the defaults. Every problem is appended to a
 list as one operator-facing line naming its key path; nothing here raises for bad input.
-`supervisor/config_sections.py` owns the sections themselves, `supervisor/config.py` and
-`supervisor/config_checks.py` the rules across them.
+`supervisor/settings/sections.py` owns the sections themselves, `supervisor/settings/config.py` and
+`supervisor/settings/checks.py` the rules across them.
 
 Pure: no I/O.
 """

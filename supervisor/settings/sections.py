@@ -1,10 +1,10 @@
 """The configuration's sections: one frozen dataclass per TOML table (`[engine]` and
 `[engines.NAME]`, `[restart]`, `[metrics]`, ... `[fleet]`), each key declared with its
-default and its bounds (`supervisor/schema.py`'s `spec`), and what each section derives
+default and its bounds (`supervisor/settings/schema.py`'s `spec`), and what each section derives
 from its own keys (an engine's URL, the model names it serves, its standby's config).
 
-`supervisor/config.py` builds them from a TOML document into one `Config` and checks
-them against each other (`supervisor/config_checks.py`). Pure: nothing here reads a
+`supervisor/settings/config.py` builds them from a TOML document into one `Config` and checks
+them against each other (`supervisor/settings/checks.py`). Pure: nothing here reads a
 file or the machine.
 """
 
@@ -16,7 +16,7 @@ import itertools
 from supervisor.front.deadlines import Deadline
 from supervisor.front.deadlines import build as build_deadlines
 from supervisor.ops.exporter import parse_listen
-from supervisor.schema import spec
+from supervisor.settings.schema import spec
 from supervisor.watchdog.rules import DEFAULT_RULES, REMEDIES, RuleConfig
 from supervisor.watchdog.signals import WindowConfig
 

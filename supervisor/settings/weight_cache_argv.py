@@ -1,6 +1,6 @@
 """An engine's weight cache as command lines: the `vllm preload` that keeps the engine's
 weights (`engine.weight_cache`, docs/weight-cache.md), the arguments that make an engine
-map them, and the checks of both (`supervisor/config.py` runs them at every load and
+map them, and the checks of both (`supervisor/settings/config.py` runs them at every load and
 reload). Pure: text in, text out; nothing here reads a file or the machine.
 
 vLLM (0.31 and later) ships `vllm preload`: one process per local GPU rank holds the
@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Protocol
 
-from supervisor import engine_checks
+from supervisor.settings import engine_checks
 
 # flags copied with their value (the short forms are vLLM's own)
 SHAPING: dict[str, str] = {

@@ -76,7 +76,7 @@ class PolicyMemory:
 
 
 class PolicySettings(Protocol):
-    """What the policy reads of `[policy]` (`supervisor.config_sections.PolicyConfig`)."""
+    """What the policy reads of `[policy]` (`supervisor.settings.sections.PolicyConfig`)."""
 
     @property
     def dry_run(self) -> bool: ...

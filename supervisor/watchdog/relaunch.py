@@ -15,7 +15,7 @@ from typing import Protocol
 
 
 class BatchSettings(Protocol):
-    """What a relaunch reads of `[throttle]` (`supervisor.config_sections.ThrottleConfig`)."""
+    """What a relaunch reads of `[throttle]` (`supervisor.settings.sections.ThrottleConfig`)."""
 
     @property
     def level_factors(self) -> list[float]: ...
