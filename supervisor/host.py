@@ -40,6 +40,7 @@ from supervisor.engine.events import (
 )
 from supervisor.engine.unit import EngineUnit
 from supervisor.fleet.registrar import Registrar
+from supervisor.front.continuation import schedules_by_priority
 from supervisor.front.dispatch import Backend
 from supervisor.front.exchange import ProxySettings
 from supervisor.front.proxy import FrontProxy, ProxyError
@@ -236,6 +237,7 @@ class Host:
         models = e.served_models()
         self.proxy.add_engine(Backend(name, unit.gate, unit.serving, e.base_url, models,
                                       e.models_open or not models, e.fallback or None,
+                                      priority_scheduling=schedules_by_priority(e.args),
                                       generation=lambda: unit.generation))
 
     def _pids_but(self, name: str) -> set[int]:

@@ -181,6 +181,9 @@ def main() -> None:
     p.add_argument("--die-answering", action="store_true")
     p.add_argument("--served-model-name", default="fake")  # the one name it answers to
     p.add_argument("--kv-tokens", type=int, default=65536)  # said at start, as vLLM's core
+    # as vLLM: a request's non-zero priority is refused unless "priority"; each one taken
+    # is logged (`request priority N`) for the tests
+    p.add_argument("--scheduling-policy", default="fcfs")
     p.add_argument("--watchdog-config", default=None)  # vLLM 0.33's stack dumps
     a, _engine_args = p.parse_known_args()  # the rest: engine flags, e.g. --max-num-seqs
     watchdog = watchdog_config(a.watchdog_config)

@@ -220,12 +220,20 @@ class Handler(http.server.BaseHTTPRequestHandler):
             body, code = b'{"error": {"message": "EngineDeadError", "code": 500}}', 500
         elif generate and e.asleep.is_set():
             body, code = b'{"error": "the engine is asleep"}', 503
+        elif generate and req.get("priority", 0) and e.a.scheduling_policy != "priority":
+            # as vLLM's request schema documents it: "Any priority other than 0 will raise
+            # an error if the served model does not use priority scheduling"
+            body, code = json.dumps({"error": {
+                "message": "Got priority {} but Priority scheduling is not enabled.".format(
+                    req["priority"]), "type": "BadRequestError", "code": 400}}).encode(), 400
         elif generate and req.get("model", e.a.served_model_name) != e.a.served_model_name:
             # as vLLM answers a model it does not serve
             body, code = json.dumps({"error": {
                 "message": f"The model `{req['model']}` does not exist.",
                 "type": "NotFoundError", "code": 404}}).encode(), 404
         elif generate:
+            if req.get("priority"):
+                print(f"INFO request priority {req['priority']}", flush=True)
             with e.lock:
                 e.running[0] += 1
                 peak = max(e.running[1], e.running[0])

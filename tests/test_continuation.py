@@ -526,3 +526,29 @@ def test_the_fast_path_takes_vllms_own_plain_chunks(name: str, path: str, raw: b
     assert _through(one, reads, True) == _through(slow, reads, False)
     assert one.delivered == slow.delivered and one.events == slow.events
     assert sum(looped) == stream.count(b"data: ") - plain  # (the decoded ones only)
+
+
+def test_which_engines_schedule_by_priority() -> None:
+    from supervisor.front.continuation import schedules_by_priority
+
+    assert schedules_by_priority(["vllm", "serve", "m", "--scheduling-policy", "priority"])
+    assert schedules_by_priority(["--scheduling-policy=priority"])
+    assert not schedules_by_priority(["--scheduling-policy", "fcfs"])
+    assert not schedules_by_priority(["--scheduling-policy=priority",
+                                      "--scheduling-policy", "fcfs"])  # the last counts
+    assert not schedules_by_priority(["--scheduling-policy"])  # (no value)
+    assert not schedules_by_priority([])
+
+
+def test_a_continuation_first_goes_ahead_of_its_requests_own_priority() -> None:
+    """For an engine that schedules by priority: CONTINUED_FIRST ahead of the request's
+    own, plus the tokens still to come; without a max_tokens, last among continuations."""
+    from supervisor.front.continuation import CONTINUED_FIRST
+
+    t = recorded(body(max_tokens=5, priority=3))
+    t.take(comp_chunk("a", [11], prompt=[1, 2, 3]))
+    assert json.loads(t.continuation())["priority"] == 3  # (not first: as the client sent)
+    assert json.loads(t.continuation(first=True))["priority"] == 3 - CONTINUED_FIRST + 4
+    t = recorded(body(priority="high"))  # (not an int: counted as 0)
+    t.take(comp_chunk("a", [11], prompt=[1]))
+    assert json.loads(t.continuation(first=True))["priority"] == -1

@@ -472,3 +472,44 @@ def test_a_kv_reset_under_long_streams_with_the_default_drain_is_done_and_loses_
     print("kv reset under 6 streams, default drain:", json.dumps(
         {"duration_s": ev["duration_s"], "steps_s": ev["steps_s"]}))
     assert d.status()["restarts"] == 0
+
+
+def priorities(d: Any) -> list[int]:
+    """The priorities the fake engine took, from its lines in the daemon's log."""
+    return sorted(int(str(r.get("event")).rsplit(" ", 1)[1]) for r in d.log_records()
+                  if r.get("source") == "engine" and "request priority " in str(r.get("event")))
+
+
+def test_where_the_engine_schedules_by_priority_a_continuation_goes_ahead_in_it_too(
+        fronted, tmp_path):
+    """Issue 51: an engine run with `--scheduling-policy priority` gets each continuation
+    with a priority CONTINUED_FIRST ahead of its request's own (lower goes first in vLLM),
+    plus the tokens still to come (the nearest done first); the stream is whole."""
+    from supervisor.front.continuation import CONTINUED_FIRST
+
+    d, cfg = fronted("--scheduling-policy", "priority")
+    bodies = [("/v1/completions", comp()), ("/v1/completions", comp(priority=5))]
+    seen = under_fault(cfg, tmp_path / "fault", "cut", bodies)
+    want = expected_text(prompt_ids({"prompt": "once"}, False), TOKENS)
+    assert all(s.complete and "".join(s.texts) == want for s in seen), seen
+    metrics_once(cfg, CONTINUED, 2)
+    got = wait_for(lambda: len(p := priorities(d)) >= 3 and p, 10,
+                   "the continuations' priorities in the engine's log")
+    assert got.count(5) == 1, got  # the client's own, as it sent it
+    ahead = sorted(p for p in got if p != 5)
+    assert len(ahead) == 2, got
+    # own - CONTINUED_FIRST + tokens to come (1..TOKENS-1: the cut came mid-answer)
+    plain, fived = ahead[0], ahead[1]
+    assert 0 < plain + CONTINUED_FIRST < TOKENS, got
+    assert 0 < fived - 5 + CONTINUED_FIRST < TOKENS, got
+
+
+def test_an_engine_without_priority_scheduling_gets_continuations_without_one(
+        fronted, tmp_path):
+    """The same fault where the engine schedules first come, first served: no priority
+    is sent (the fake, as vLLM documents, would refuse one), and the stream is whole."""
+    d, cfg = fronted()
+    seen = under_fault(cfg, tmp_path / "fault", "cut", [("/v1/completions", comp())])
+    assert seen[0].complete, seen
+    metrics_once(cfg, CONTINUED, 1)
+    assert priorities(d) == []

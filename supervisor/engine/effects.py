@@ -31,7 +31,8 @@ class Front(Protocol):
     """The front proxy as the effects reach it (`supervisor/front/proxy.py`)."""
 
     def follow_engine(self, name: str, upstream: str, models: tuple[str, ...],
-                      models_open: bool = False) -> None: ...
+                      models_open: bool = False, priority_scheduling: bool = False
+                      ) -> None: ...
 
     def pause_streams(self, engine: str) -> int | None: ...
 

@@ -39,6 +39,7 @@ from supervisor.engine.events import (
 )
 from supervisor.engine.http_jobs import HttpJobs
 from supervisor.front.admission import Gate
+from supervisor.front.continuation import schedules_by_priority
 from supervisor.loop import Clock, Jobs
 from supervisor.ops.descriptors import Shortage, exhausted
 from supervisor.settings.config import WEIGHT_CACHE_BAY, Config
@@ -166,7 +167,8 @@ class JobEffects:
     def follow(self, engine: eng.EngineProcess) -> None:
         if self.front is not None:
             c = engine.config
-            self.front.follow_engine(self.name, c.base_url, c.served_models(), c.models_open)
+            self.front.follow_engine(self.name, c.base_url, c.served_models(), c.models_open,
+                                     schedules_by_priority(engine.spec.argv))
 
     def pause_streams(self, engine: eng.EngineProcess) -> int | None:
         return self.front.pause_streams(self.name) if self.front is not None else 0
