@@ -328,22 +328,33 @@ class Ticking:
         return self.now
 
 
+async def saturated(max_wait_s: float) -> tuple[Ticking, Gate, list, list]:
+    """A gate of one slot, taken, with 40 requests of 100 tokens waiting behind it: its
+    clock, the gate, the tickets at the engine, the waiters' tasks."""
+    clock = Ticking()
+    g = Gate(GateLimits(concurrency=1, max_wait_s=max_wait_s), clock=clock)
+    g.release()
+    tickets = [g.admit_now(100)]
+    tasks = [asyncio.create_task(g.acquire(100)) for _ in range(40)]
+    await queued(g, 40)
+    return clock, g, tickets, tasks
+
+
+async def pace(clock: Ticking, g: Gate, tickets: list, tasks: list) -> None:
+    """10 requests of 100 tokens end over 30 s (33 tokens/s), each admitting the next."""
+    for _ in range(10):
+        clock.now += 3.0
+        g.done(tickets.pop())
+        tickets.append(await tasks.pop(0))
+
+
 def test_a_new_request_that_would_wait_past_the_hold_timeout_is_refused_at_once():
     """Issue 51: behind a thin standby, a queue it cannot serve within the hold timeout
     refuses a newcomer at once (503 over_capacity) instead of after the whole wait; a
     continued stream still waits ahead of it, never refused so."""
     async def go() -> None:
-        clock = Ticking()
-        g = Gate(GateLimits(concurrency=1, max_wait_s=60.0), clock=clock)
-        g.release()
-        tickets = [g.admit_now(100)]
-        tasks = [asyncio.create_task(g.acquire(100)) for _ in range(40)]
-        await queued(g, 40)
-        # 10 requests of 100 tokens end over 30 s: 33 tokens/s, while 40 wait
-        for _ in range(10):
-            clock.now += 3.0
-            g.done(tickets.pop())
-            tickets.append(await tasks.pop(0))
+        clock, g, tickets, tasks = await saturated(max_wait_s=60.0)
+        await pace(clock, g, tickets, tasks)
         assert g.waiting == 30
         guess = g.predicted_wait(100)
         assert guess is not None and guess[0] == pytest.approx(3100 / (1000 / 30))
@@ -366,20 +377,12 @@ def test_no_refusal_before_the_pace_is_known_and_a_hold_measures_it_again():
     nothing: requests wait as before. After a hold (a handover: another engine may serve
     now) the pace is measured afresh."""
     async def go() -> None:
-        clock = Ticking()
-        g = Gate(GateLimits(concurrency=1, max_wait_s=10.0), clock=clock)
-        g.release()
-        tickets = [g.admit_now(100)]
-        tasks = [asyncio.create_task(g.acquire(100)) for _ in range(40)]
-        await queued(g, 40)
+        clock, g, tickets, tasks = await saturated(max_wait_s=10.0)
         clock.now += 29.0  # waiting, but not a whole window yet: no guess
         assert g.predicted_wait(100) is None
         clock.now += 2.0  # a whole window, but nothing ended in it: no pace, no guess
         assert g.predicted_wait(100) is None
-        for _ in range(10):
-            clock.now += 3.0
-            g.done(tickets.pop())
-            tickets.append(await tasks.pop(0))
+        await pace(clock, g, tickets, tasks)
         assert g.predicted_wait(100) is not None
         g.hold("a handover")
         g.release()  # (the one slot is taken: they all wait on)

@@ -105,12 +105,9 @@ class Sender:
     # ---- bytes out -----------------------------------------------------------------
 
     def write(self, data: bytes) -> None:
-        transport = self.transport
-        if self.state is Send.CLOSED or transport is None or transport.is_closing():
-            raise ConnectionResetError("the client went away")
-        if self.state is Send.ANSWERING:
-            self._to(Send.WRITING)
-        transport.write(data)
+        """Bytes to the client now, however many are buffered for it (an answer's head
+        and a body written inline)."""
+        self.send_nowait(data)
 
     def write_interim(self, data: bytes) -> None:
         """A 1xx answer (`100 Continue`): the final one is still to come."""
