@@ -86,7 +86,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
      ("FrontProxy._handle ", "FrontProxy._admit_and_forward", "FrontProxy._forward",
       "StreamRelay.relay", "StreamRelay.relay_events", "StreamRelay._write")),
     ("handler: target and allow-list (routes.py)", ("read_target ", "Routes.")),
-    ("handler: body JSON and plan (read_request, continuation.plan)",
+    ("handler: body JSON and plan (read_request, continuable.plan)",
      ("read_request ", "plan (", "choices (")),
     ("handler: gate, dispatch, lane (admission.py, dispatch.py, quarantine.py)",
      ("acquire_any", "Gate.", "Quarantine.", "Exchange.sent", "Backend.")),

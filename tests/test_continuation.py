@@ -12,14 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.front import continuation
-from supervisor.front.continuation import (
-    REFUSALS,
-    StreamBroken,
-    Transcript,
-    plan,
-    refusal,
-)
+from supervisor.front import continuable, continuation
+from supervisor.front.continuable import REFUSALS, plan, refusal
+from supervisor.front.continuation import StreamBroken, Transcript
 from supervisor.front.sse import DONE, EventReader, error_event
 
 COMP = "/v1/completions"
@@ -83,7 +78,7 @@ def test_a_continuable_request_asks_for_token_ids_and_keeps_the_rest() -> None:
 def test_the_token_ids_key_goes_in_front_of_the_clients_bytes_or_the_body_is_encoded(
         raw: bytes) -> None:
     doc = json.loads(raw)
-    sent = continuation.with_token_ids(raw, doc)
+    sent = continuable.with_token_ids(raw, doc)
     assert json.loads(sent) == {**doc, "return_token_ids": True}
     if raw.lstrip()[:1] == b"{" and "return_token_ids" not in doc:
         assert sent.endswith(raw.lstrip()[1:])  # the client's bytes, untouched

@@ -48,7 +48,7 @@ from collections.abc import Callable
 import structlog
 
 from supervisor.front import (
-    continuation,
+    continuable,
     deadlines,
     dispatch,
     quarantine,
@@ -360,7 +360,7 @@ class FrontProxy:
             else:
                 ex.queued_s += ticket.waited_s
             ex.backend = choice.backend
-            plan = continuation.plan(target.path, choice.body, choice.doc) \
+            plan = continuable.plan(target.path, choice.body, choice.doc) \
                 if self.s.continuation else None
             try:
                 async with self.lanes.lane(choice.backend.name, ex.deaths):
@@ -467,7 +467,7 @@ class FrontProxy:
         return readiness.unhealthy(self.backends)
 
     async def _forward(self, request: Request, target: Target, body: bytes,
-                       ex: Exchange, plan: continuation.Plan | None) -> StreamResponse:
+                       ex: Exchange, plan: continuable.Plan | None) -> StreamResponse:
         assert self._upstream is not None and ex.backend is not None
         if plan is not None:
             body = plan.body
@@ -540,7 +540,7 @@ class FrontProxy:
                     self.stats.reject("client_gone")
                     return resp
                 self.stats.count(up.status)
-                if up.status == 200 and target.path in continuation.CONTINUABLE \
+                if up.status == 200 and target.path in continuable.CONTINUABLE \
                         and ex.sent_to is not None:
                     backend, start, sent_at = ex.sent_to
                     backend.served(start, sent_at)  # a generation, whole: it serves

@@ -26,7 +26,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from supervisor.front.continuation import OUTCOMES, REFUSALS
+from supervisor.front.continuable import REFUSALS
+from supervisor.front.continuation import OUTCOMES
 from supervisor.front.latency import KINDS, HistogramView
 
 log = structlog.get_logger("supervisor.exporter")
