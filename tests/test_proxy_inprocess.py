@@ -656,3 +656,61 @@ def test_a_stream_admitted_as_its_engine_pauses_is_not_sent_until_it_serves() ->
             proxy.streams.answered(ex)
 
     asyncio.run(main())
+
+
+def test_a_request_that_would_wait_past_the_hold_timeout_gets_503_over_capacity_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 51 over real HTTP: an engine of one slot that serves ~20 requests a second,
+    160 requests queued behind it; once the gate has measured that pace (its window made
+    short here), a newcomer would wait ~8 s, past the 3 s hold timeout: 503 at once, its
+    reason `over_capacity` in the body and on the exporter's count, with Retry-After."""
+    from supervisor.front import admission
+
+    monkeypatch.setattr(admission, "RATE_WINDOW_S", 0.5)
+    monkeypatch.setattr(admission, "RATE_MIN_DONE", 3)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        await asyncio.sleep(0.05)
+        return web.Response(body=COMPLETION, content_type="application/json")
+
+    async def main() -> None:
+        runner, up = await _upstream(handler)
+        gate = Gate(GateLimits(concurrency=1, max_wait_s=3.0))
+        gate.release()
+        proxy = FrontProxy(ProxySettings("127.0.0.1", 0, up), gate, ready=lambda: True)
+        await proxy.start()
+        url = f"http://127.0.0.1:{proxy.port}/v1/completions"
+        body = _post({"model": "m", "prompt": "x", "max_tokens": 8})
+        try:
+            async with aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=0)) as s:
+                async def one() -> int:
+                    async with s.post(url, data=body) as r:
+                        await r.read()
+                        return r.status
+
+                load = [asyncio.create_task(one()) for _ in range(160)]
+                for _ in range(500):  # (bounded: 10 s) until the pace is known
+                    if gate.predicted_wait(1) is not None:
+                        break
+                    await asyncio.sleep(0.02)
+                guess = gate.predicted_wait(1)
+                assert guess is not None and guess[0] > 3.0, guess
+                waiting = gate.waiting
+                async with s.post(url, data=body) as r:
+                    doc = await r.json()
+                    assert r.status == 503, doc
+                    assert doc["error"]["type"] == "over_capacity", doc
+                    assert "past the hold timeout" in doc["error"]["message"]
+                    assert int(r.headers["Retry-After"]) > 0
+                assert gate.waiting <= waiting  # (it took no place in the queue)
+                codes = await asyncio.gather(*load)
+            assert proxy.stats.rejections.get("over_capacity") == 1, proxy.stats.rejections
+            # the ones already queued were served or timed out as before, none refused so
+            assert set(codes) <= {200, 503} and codes.count(200) >= 1
+        finally:
+            await proxy.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
