@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from supervisor.engine import compile_cache as cc
+from supervisor.engine.startup import compile_cache as cc
 from tests.harness import wait_for, write_config
 from tests.test_proxy import proxy_config
 

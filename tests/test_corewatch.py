@@ -1,4 +1,4 @@
-"""The core's death, by pidfd (supervisor/engine/corewatch.py), on a real child process:
+"""The core's death, by pidfd (supervisor/engine/process/corewatch.py), on a real child process:
 reported once when it ends; a pidfd the daemon could not open for want of descriptors is
 tried again at the next look, never taken as pidfds being unsupported here."""
 
@@ -13,8 +13,8 @@ import sys
 import psutil
 import pytest
 
-from supervisor.engine.corewatch import CORE_TITLE, DYING_POLL_S, CoreWatch, exiting
-from supervisor.engine.proctree import ProcInfo
+from supervisor.engine.process.corewatch import CORE_TITLE, DYING_POLL_S, CoreWatch, exiting
+from supervisor.engine.process.proctree import ProcInfo
 from tests.harness import until
 
 

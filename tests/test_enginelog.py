@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.engine.enginelog import kv_tokens_of, parse_engine_line, phase_of, route_of
-from supervisor.engine.process import version_of
+from supervisor.engine.process.enginelog import kv_tokens_of, parse_engine_line, phase_of, route_of
+from supervisor.engine.process.process import version_of
 
 ACCESS = 'INFO:     127.0.0.1:48430 - "POST /v1/completions HTTP/1.1" 200 OK'
 

@@ -26,9 +26,10 @@ import psutil
 import pytest
 from structlog.testing import capture_logs
 
-from supervisor.engine import http_jobs, jobs, proctree
-from supervisor.engine import process as eng
+from supervisor.engine.effects import http_jobs, jobs
 from supervisor.engine.events import CanaryDone, Event, MetricsSampled, TreeSeen
+from supervisor.engine.process import process as eng
+from supervisor.engine.process import proctree
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock
 from supervisor.ops import audit as audit_module

@@ -25,7 +25,7 @@ from supervisor.engine.events import (
     Slept,
     Woken,
 )
-from supervisor.engine.process import EngineProcess
+from supervisor.engine.process.process import EngineProcess
 from supervisor.watchdog import golden
 from supervisor.watchdog.remedy import WarmUp
 from tests.fake_tokens import logprobs_of

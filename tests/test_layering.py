@@ -17,6 +17,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundations", ("loop", "ops", "front", "plane", "watchdog", "fleet",
                      "control.protocol", "control.client", "settings.schema")),
     ("settings", ("settings",)),
+    # the unit and its folders (pair, process, startup, effects): one layer
     ("engine unit", ("engine",)),
     ("host", ("host", "control.handlers", "control.server", "control.cli")),
     ("command line", ("cli", "__main__", "__init__")),
@@ -107,6 +108,8 @@ def test_the_checks_see_a_cycle_and_an_upward_import() -> None:
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     assert layer_of("engine.unit") > layer_of("settings.config") > layer_of("watchdog.policy")
     assert layer_of("settings.schema") == layer_of("front.deadlines")
+    assert layer_of("engine.pair.handover") == layer_of("engine.unit") \
+        == layer_of("engine.process.proctree")
     with pytest.raises(AssertionError, match="in no layer"):
         layer_of("nowhere")
 

@@ -70,7 +70,7 @@ from supervisor.engine.events import (
     Spawned,
     Woken,
 )
-from supervisor.engine.process import EngineProcess, TakeDown
+from supervisor.engine.process.process import EngineProcess, TakeDown
 from supervisor.front.admission import Gate, Ticket
 from supervisor.settings.config import parse_config
 from supervisor.settings.engine_checks import THIN_PAIR_MAX

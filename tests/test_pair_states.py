@@ -1,4 +1,4 @@
-"""The engine pair's transition tables (supervisor/engine/pair_states.py): every state is
+"""The engine pair's transition tables (supervisor/engine/pair/pair_states.py): every state is
 reached from the start and has a way out (but FAILED, by design), and a change the table
 does not allow raises."""
 
@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from supervisor.engine.pair_states import (
+from supervisor.engine.pair.pair_states import (
     BAY,
     CACHE,
     PHASE,

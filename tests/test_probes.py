@@ -1,4 +1,4 @@
-"""The daemon's own requests to an engine (supervisor/engine/probes.py), against a real
+"""The daemon's own requests to an engine (supervisor/engine/effects/probes.py), against a real
 socket that takes a request and never answers (a full batch's canary): a KV reset cuts
 the periodic canary in flight, closing its request, with no outcome (no failure); a
 proof's canary is never cut."""
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 
-from supervisor.engine import process as eng
-from supervisor.engine.probes import EngineProbes
+from supervisor.engine.effects.probes import EngineProbes
+from supervisor.engine.process import process as eng
 from supervisor.loop import Clock
 from supervisor.settings.config import parse_config
 

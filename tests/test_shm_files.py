@@ -1,6 +1,6 @@
 """vLLM's offload files (`/dev/shm/vllm_offload_{engine_id}.mmap`) of an engine that
 died: removed before a relaunch, those its tree held and no other
-(supervisor/engine/shm_files.py). Real processes hold real files, in a folder of the
+(supervisor/engine/process/shm_files.py). Real processes hold real files, in a folder of the
 test's own in place of /dev/shm; an engine's whole path goes through the daemon's jobs:
 spawned, watched, killed, taken down."""
 
@@ -17,9 +17,10 @@ from pathlib import Path
 
 from structlog.testing import capture_logs
 
-from supervisor.engine import jobs, shm_files
-from supervisor.engine import process as eng
+from supervisor.engine.effects import jobs
 from supervisor.engine.events import Down, Event, Exited, TreeSeen
+from supervisor.engine.process import process as eng
+from supervisor.engine.process import shm_files
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock
 from supervisor.settings.config import parse_config

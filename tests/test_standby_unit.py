@@ -25,7 +25,7 @@ from supervisor.engine.events import (
     TreeSeen,
     Woken,
 )
-from supervisor.engine.process import EngineProcess
+from supervisor.engine.process.process import EngineProcess
 from supervisor.settings.config import parse_config
 from tests.test_supervisor_unit import World
 

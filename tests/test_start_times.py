@@ -1,4 +1,4 @@
-"""How long starts take, learned (supervisor/engine/start_times.py): the expected length
+"""How long starts take, learned (supervisor/engine/startup/start_times.py): the expected length
 is the median of the past starts of the same command line (its port aside), the time left
 follows the phase the start is in, a version change is said to be cold, a broken file is
 learned anew; and through the daemon and the fake engine: `status` shows the expected
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from supervisor.engine.start_times import KEEP, StartTimes
+from supervisor.engine.startup.start_times import KEEP, StartTimes
 from tests.harness import wait_for
 from tests.test_proxy import proxy_config, url
 

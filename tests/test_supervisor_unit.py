@@ -1,5 +1,5 @@
 """The supervisor's lifecycle with no process at all: its effects recorded by a fake
-(`supervisor/engine/effects.py`), its events fed by hand, its clock driven by the test.
+(`supervisor/engine/effects/protocol.py`), its events fed by hand, its clock driven by the test.
 
 Each test states a transition and what the supervisor asked the world to do for it.
 The same transitions run against real processes in tests/test_daemon.py and
@@ -33,7 +33,7 @@ from supervisor.engine.events import (
     RemedyDone,
     Spawned,
 )
-from supervisor.engine.process import EngineProcess, SpawnSpec, TakeDown
+from supervisor.engine.process.process import EngineProcess, SpawnSpec, TakeDown
 from supervisor.engine.unit import EngineUnit
 from supervisor.loop import Clock
 from supervisor.ops.sdnotify import Notifier

@@ -6,8 +6,8 @@ import asyncio
 import sys
 from pathlib import Path
 
-from supervisor.engine import process as eng
-from supervisor.engine import proctree
+from supervisor.engine.process import process as eng
+from supervisor.engine.process import proctree
 from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog.gpu import NoGpu
 from tests.harness import FAKE_ENGINE, alive, free_port

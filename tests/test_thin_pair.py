@@ -22,7 +22,7 @@ from supervisor.engine.events import (
     Slept,
     Woken,
 )
-from supervisor.engine.process import EngineProcess
+from supervisor.engine.process.process import EngineProcess
 from supervisor.settings.config import ConfigError, parse_config
 from tests.test_standby_unit import SLEEP, armed_asleep
 from tests.test_supervisor_unit import World

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.engine.enginelog import parse_engine_line, phase_of, route_of, weights_of
-from supervisor.engine.process import version_of
+from supervisor.engine.process.enginelog import parse_engine_line, phase_of, route_of, weights_of
+from supervisor.engine.process.process import version_of
 from supervisor.watchdog.metrics import parse_metrics
 
 FIX = Path(__file__).parent / "fixtures" / "vllm-0.33-h100"

@@ -33,9 +33,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from supervisor.engine.events import Down, Exited, HealthLost, HealthResult, Reloaded, Spawned
-from supervisor.engine.pair_states import Cache
-from supervisor.engine.process import EngineProcess, SpawnSpec, TakeDown
-from supervisor.engine.proctree import ProcInfo
+from supervisor.engine.pair.pair_states import Cache
+from supervisor.engine.process.process import EngineProcess, SpawnSpec, TakeDown
+from supervisor.engine.process.proctree import ProcInfo
 from supervisor.engine.unit import EngineUnit
 from supervisor.settings.config import parse_config
 from tests.test_supervisor_unit import RecordingEffects, World

@@ -27,8 +27,8 @@ from supervisor.engine.events import (
     Reloaded,
     Spawned,
 )
-from supervisor.engine.process import EngineProcess, TakeDown
-from supervisor.engine.proctree import ProcInfo
+from supervisor.engine.process.process import EngineProcess, TakeDown
+from supervisor.engine.process.proctree import ProcInfo
 from supervisor.settings import weight_cache_argv
 from supervisor.settings.config import ConfigError, parse_config
 from supervisor.settings.sections import EngineConfig

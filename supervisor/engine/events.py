@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
-from supervisor.engine import process as eng
-from supervisor.engine import proctree
+from supervisor.engine.process import process as eng
+from supervisor.engine.process import proctree
 from supervisor.ops.exposition import ExporterView
 from supervisor.settings.config import Config
 from supervisor.watchdog import canary, evidence, remedy, warmup
@@ -52,7 +52,7 @@ class Exited(Event):
 @dataclass(frozen=True)
 class CoreExited(Event):
     """The engine's `VLLM::EngineCore` ended while its API server may still be up
-    (`supervisor/engine/corewatch.py`)."""
+    (`supervisor/engine/process/corewatch.py`)."""
     name = "core_exited"
     generation: int
     pid: int

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import structlog
 
-from supervisor.engine import process as eng
 from supervisor.engine import steps as do
 from supervisor.engine.events import BackoffElapsed
 from supervisor.engine.lifecycle import RestartTracker
+from supervisor.engine.process import process as eng
 from supervisor.engine.states import State
 from supervisor.engine.steps import PairFacts, Step
 from supervisor.settings.sections import RestartConfig

@@ -23,8 +23,8 @@ from typing import Any
 
 import structlog
 
-from supervisor.engine import process as eng
 from supervisor.engine.events import GateProbe, RemedyDone
+from supervisor.engine.process import process as eng
 from supervisor.watchdog import golden
 
 log = structlog.get_logger("supervisor")

@@ -1,6 +1,6 @@
 """What the engine pair's deciders ask their unit to do: steps, as data.
 
-`Handover` (`supervisor/engine/handover.py`: the standby and every handover to it),
+`Handover` (`supervisor/engine/pair/handover.py`: the standby and every handover to it),
 `Failures` (`supervisor/engine/failures.py`: the backoff after a failure, giving up) and
 `Remedies` (`supervisor/engine/remedies.py`: what the watchdog asks) read the unit's
 state as `PairFacts`, a snapshot they cannot change, and return the steps that follow
@@ -17,10 +17,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from supervisor.engine import process as eng
 from supervisor.engine.events import DecisionRecord
 from supervisor.engine.intents import EvidenceFor
-from supervisor.engine.slot import EngineSlot
+from supervisor.engine.pair.slot import EngineSlot
+from supervisor.engine.process import process as eng
 from supervisor.engine.states import State
 from supervisor.settings.config import Config
 from supervisor.settings.sections import EngineConfig

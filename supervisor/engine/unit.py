@@ -5,7 +5,7 @@ Everything that happens reaches `EngineUnit.handle` as a typed event
 take-down, a backoff timer, a signal, a control request, a reloaded config, a tick. Each
 is handled by a `handle_<name>` method that may change state (only through `set_state`,
 which checks the transition table) and may start jobs through the effects protocol
-(`supervisor/engine/effects.py`): spawn, probe, take down, drain, follow at the proxy.
+(`supervisor/engine/effects/protocol.py`): spawn, probe, take down, drain, follow at the proxy.
 Jobs report back only by putting an event on the queue; no handler blocks.
 
 The unit's state and the one executor of the steps that change it are `UnitState`'s
@@ -15,7 +15,7 @@ policy's memory and the settings it tunes, and asks for what it wants as intents
 (`supervisor/engine/intents.py`) that `Remedies` (`supervisor/engine/remedies.py`) turns
 into steps. Its standby and every handover to it (arming the standby, the failover with
 its wake and proof, an upgrade through the standby) are `Handover`'s
-(`supervisor/engine/handover.py`), and an engine's failures (the backoff after one, a
+(`supervisor/engine/pair/handover.py`), and an engine's failures (the backoff after one, a
 start refused for a busy GPU, giving up) `Failures`' (`supervisor/engine/failures.py`):
 deciders that read the unit as `PairFacts` and return steps
 (`supervisor/engine/steps.py`), which `run_steps` carries out.
@@ -24,7 +24,7 @@ engine, from the unit's state.
 
 Invariants:
 - at most one engine process in each of its two bays (the serving one's and, with a
-  standby, the standby's: `supervisor/engine/pair_states.py`): a new one is spawned in a
+  standby, the standby's: `supervisor/engine/pair/pair_states.py`): a new one is spawned in a
   bay only after the previous one's take-down there has proven its tree gone
   (`handle_down`, `Standby.handle`);
 - any exit the daemon did not ask for is a crash, whatever the exit code;
@@ -43,7 +43,6 @@ from typing import Any
 import structlog
 
 from supervisor.engine import commands, views
-from supervisor.engine import process as eng
 from supervisor.engine import steps as do
 from supervisor.engine.events import (
     BackoffElapsed,
@@ -73,6 +72,7 @@ from supervisor.engine.events import (
     ViewRequest,
     Woken,
 )
+from supervisor.engine.process import process as eng
 from supervisor.engine.states import State
 from supervisor.engine.unit_state import UnitState
 from supervisor.ops.exposition import ExporterView
@@ -316,7 +316,7 @@ class EngineUnit(UnitState):
         elif self.state in (State.BACKOFF, State.FATAL):
             self.run_steps(self.failures.down(self.pair_facts(), engine, problem))
 
-    # ---- the weight cache's events (its process's go to it: engine/weight_cache.py) --
+    # ---- the weight cache's events (its process's go to it: engine/pair/weight_cache.py) --
 
     def handle_cache_due(self, _: CacheDue) -> None:
         self.weights.due()
@@ -325,7 +325,7 @@ class EngineUnit(UnitState):
     def handle_health_lost(self, ev: HealthLost) -> None:
         """(a process gone since: the weight cache's are handed to it)"""
 
-    # ---- the standby's events (the handover's: supervisor/engine/handover.py) ---------
+    # ---- the standby's events (the handover's: supervisor/engine/pair/handover.py) ---------
 
     def handle_standby_due(self, _: StandbyDue) -> None:
         self.handover.due(self.pair_facts())

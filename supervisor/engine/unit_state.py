@@ -24,10 +24,10 @@ from typing import Any
 
 import structlog
 
-from supervisor.engine import process as eng
 from supervisor.engine import steps as do
 from supervisor.engine import views
-from supervisor.engine.effects import Effects, Front, Timer
+from supervisor.engine.effects.jobs import JobEffects
+from supervisor.engine.effects.protocol import Effects, Front, Timer
 from supervisor.engine.events import (
     BackoffElapsed,
     CommandError,
@@ -38,18 +38,18 @@ from supervisor.engine.events import (
 from supervisor.engine.failures import Failures
 from supervisor.engine.gatekeeper import GateKeeper
 from supervisor.engine.golden_check import GoldenCheck
-from supervisor.engine.handover import Handover
 from supervisor.engine.intents import Intent, RelaunchLog, remedy_ended
-from supervisor.engine.jobs import JobEffects
 from supervisor.engine.notices import SystemdNotices
+from supervisor.engine.pair.handover import Handover
+from supervisor.engine.pair.slot import EngineSlot
+from supervisor.engine.pair.standby import Standby
+from supervisor.engine.pair.weight_cache import WeightCache
+from supervisor.engine.process import process as eng
 from supervisor.engine.remedies import Remedies
-from supervisor.engine.slot import EngineSlot
-from supervisor.engine.standby import Standby
-from supervisor.engine.start_times import Expected, StartTimes
+from supervisor.engine.startup.start_times import Expected, StartTimes
 from supervisor.engine.states import State, check_transition
 from supervisor.engine.steps import PairFacts, Step
 from supervisor.engine.watch import EngineWatch, UnitFacts
-from supervisor.engine.weight_cache import WeightCache
 from supervisor.front.admission import Gate, GateLimits
 from supervisor.loop import Clock
 from supervisor.ops.audit import AuditTrail
@@ -99,7 +99,7 @@ class UnitState:
         self.started_at = self.clock.monotonic()
         self.not_running_since: float | None = self.started_at  # None while RUNNING
         self.last_start_s: float | None = None  # the last cold start: spawn to healthy
-        # past starts' lengths, kept beside the audit trail (engine/start_times.py)
+        # past starts' lengths, kept beside the audit trail (engine/startup/start_times.py)
         self.start_times = StartTimes(Path(self.config.audit.path).parent / (
             "start-times.json" if self.name == DEFAULT_ENGINE
             else f"start-times-{self.name}.json"))
@@ -108,7 +108,7 @@ class UnitState:
         self.watch = EngineWatch(self.config, self.environ, self.clock.monotonic,
                                  self.clock.wall, self.audit)
         generations = itertools.count(1)
-        # the weight cache beside the engines, when it has one (engine/weight_cache.py),
+        # the weight cache beside the engines, when it has one (engine/pair/weight_cache.py),
         # which says how each engine spawned gets its weights
         self.weights = WeightCache(self.act, self.audit, self.clock, EngineSlot(
             self.act, self.audit, lambda: next(generations), bay=WEIGHT_CACHE_BAY,
@@ -117,7 +117,7 @@ class UnitState:
         # the serving engine's place, from spawn to reap
         self.slot = EngineSlot(self.act, self.audit, lambda: next(generations), bay=0,
                                load=load)
-        # the standby (its place: bay 1) and every handover to it (engine/handover.py)
+        # the standby (its place: bay 1) and every handover to it (engine/pair/handover.py)
         self.handover = Handover(Standby(
             self.act, self.audit, self.clock.monotonic,
             EngineSlot(self.act, self.audit, lambda: next(generations), bay=1, load=load)))

@@ -11,13 +11,13 @@ from typing import Any, Protocol
 from supervisor.engine.events import DecisionRecord
 from supervisor.engine.failures import Failures
 from supervisor.engine.golden_check import GoldenCheck
-from supervisor.engine.handover import Handover
-from supervisor.engine.pair_states import Cache
-from supervisor.engine.process import EngineProcess
-from supervisor.engine.start_times import Expected
+from supervisor.engine.pair.handover import Handover
+from supervisor.engine.pair.pair_states import Cache
+from supervisor.engine.pair.weight_cache import WeightCache
+from supervisor.engine.process.process import EngineProcess
+from supervisor.engine.startup.start_times import Expected
 from supervisor.engine.states import State
 from supervisor.engine.watch import EngineWatch, UnitFacts
-from supervisor.engine.weight_cache import WeightCache
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock
 from supervisor.ops.exposition import ExporterView, ProxyView
@@ -137,7 +137,7 @@ def starting(unit: Viewable, now: float) -> dict[str, Any] | None:
             "for_s": round(now - e.started_at, 1),
             "last_start_s": unit.last_start_s,
             "vllm_version": e.vllm_version,
-            # learned from the past starts of this command line (engine/start_times.py)
+            # learned from the past starts of this command line (engine/startup/start_times.py)
             "expected_s": expected.total_s if expected is not None else None,
             "eta_s": expected.left_s if expected is not None else None,
             "cold": expected.cold if expected is not None else None}
@@ -208,11 +208,11 @@ def status(unit: Viewable) -> dict[str, Any]:
                                if unit.stop_deadline is not None else None),
         "fatal_reason": unit.failures.fatal_reason if unit.state is State.FATAL else None,
         "standby": unit.handover.status(now, unit.config.engine.standby),
-        # the weight cache beside it (engine/weight_cache.py); None: none configured
+        # the weight cache beside it (engine/pair/weight_cache.py); None: none configured
         "weight_cache": unit.weights.status(now),
         "golden": unit.golden.status(),
         "start": starting(unit, now),
-        # the serving engine's compile cache (engine/compile_cache.py)
+        # the serving engine's compile cache (engine/startup/compile_cache.py)
         "compile_cache": e.cache.view(now) if e is not None and e.cache is not None else None,
         # where its vLLM writes its own stack dumps (watchdog/stackdumps.py; vLLM 0.33+)
         "stack_dumps": e.dumps.view() if e is not None and e.dumps is not None else None,

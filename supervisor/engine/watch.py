@@ -17,7 +17,6 @@ from typing import Any
 
 import structlog
 
-from supervisor.engine import process as eng
 from supervisor.engine.events import (
     CanaryDone,
     DecisionRecord,
@@ -36,6 +35,7 @@ from supervisor.engine.intents import (
     Throttled,
     remedy_ended,
 )
+from supervisor.engine.process import process as eng
 from supervisor.engine.states import State
 from supervisor.settings.config import Config
 from supervisor.watchdog import devroutes, relaunch, xid

@@ -5,7 +5,7 @@ Every socket, pipe, pidfd and /proc read takes a descriptor from one table per p
 When the front proxy's clients take them all, a canary that cannot open its socket, a
 scrape, a look at /proc or an audit write fails with EMFILE: that says nothing about the
 engine, and must never be read as its sickness (no sample, not a failed one), nor stop a
-take-down from proving the engine's tree gone (`supervisor/engine/proctree.py` falls back
+take-down from proving the engine's tree gone (`supervisor/engine/process/proctree.py` falls back
 to calls that need no descriptor).
 
 `raise_soft_limit()` runs once at start; `soft_limit()` and `open_count()` size the

@@ -21,7 +21,7 @@ across them, so that nothing a client is promised depends on the worker it reach
   is ended at once and started again: what it sends is never trusted.
 
 The daemon's own code sees one front door: the methods of `FrontProxy` that the host and
-the units call (`supervisor/engine/effects.py`'s `Front`).
+the units call (`supervisor/engine/effects/protocol.py`'s `Front`).
 """
 
 from __future__ import annotations

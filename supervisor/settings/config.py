@@ -47,7 +47,7 @@ from supervisor.settings.sections import (
 EX_CONFIG = 78  # sysexits.h: configuration error
 DEFAULT_ENGINE = "default"  # the name of the one engine of an [engine] table
 # the place of an engine's weight cache process beside its two engine bays (its state
-# file and guard: supervisor/engine/jobs.py)
+# file and guard: supervisor/engine/effects/jobs.py)
 WEIGHT_CACHE_BAY = 2
 ENGINE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}")
 

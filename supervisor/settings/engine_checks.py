@@ -123,7 +123,7 @@ def side_by_side(engine: CheckedEngine) -> bool:
 
 
 def check_pinning(key: str, engine: CheckedEngine, problems: list[str]) -> None:
-    """`gpus` is what the engine gets (supervisor/engine/process.py's gpu_pinning): an
+    """`gpus` is what the engine gets (supervisor/engine/process/process.py's gpu_pinning): an
     environment that says otherwise, or more parallel ranks than GPUs, is refused."""
     if not engine.gpus:
         return

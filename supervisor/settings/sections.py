@@ -32,7 +32,7 @@ class EngineConfig:
     # pass the daemon's own environment (less systemd's NOTIFY_SOCKET, WATCHDOG_*, LISTEN_*)
     inherit_env: bool = spec(True)
     # a compile cache of its own under the state directory, one folder per vLLM version
-    # (VLLM_CACHE_ROOT; engine/compile_cache.py); false: vLLM's default (~/.cache/vllm)
+    # (VLLM_CACHE_ROOT; engine/startup/compile_cache.py); false: vLLM's default (~/.cache/vllm)
     compile_cache: bool = spec(True)
     cwd: str = spec("")
     host: str = spec("127.0.0.1", nonempty=True)

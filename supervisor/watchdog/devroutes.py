@@ -18,7 +18,7 @@ is a 405) and the Rust one (axum's `MethodRouter` answers 405 for a method it la
 routed path, and the router 404 for an unrouted one; seen on an H100 with vLLM 0.33,
 where this probe found all four behind either front end: docs/gpu-validation.md). The
 route table that vLLM's Python server logs at start (`Available routes are:`, summarised
-by `engine/process.py`) was the other way: the Rust server prints no such table (the
+by `engine/process/process.py`) was the other way: the Rust server prints no such table (the
 0.33.0 `vllm-rs` binary has neither that text nor `Route:`), and a log says what was
 registered, not what answers on the port. Any answer but those (a timeout, a 5xx, a 401)
 is no verdict: the route is unknown, and the daemon goes by the configuration for it as

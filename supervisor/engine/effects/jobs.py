@@ -1,7 +1,7 @@
 """The unit's effects as jobs: spawn, watch, take down, drain, sample, timers here; those
 that talk to a running engine over HTTP (health, poll, canary, probe, sleep and wake,
-remedy) in `supervisor/engine/http_jobs.py`, started from here
-(`supervisor/engine/effects.py` is their protocol; tests replace this class with a
+remedy) in `supervisor/engine/effects/http_jobs.py`, started from here
+(`supervisor/engine/effects/protocol.py` is their protocol; tests replace this class with a
 recording fake).
 
 Each job is a coroutine started on this object's task group. It is given what it needs
@@ -20,10 +20,8 @@ from typing import Any
 
 import structlog
 
-from supervisor.engine import compile_cache, proctree, shm_files, start_dirs
-from supervisor.engine import process as eng
-from supervisor.engine.corewatch import CoreWatch
-from supervisor.engine.effects import Front, Timer
+from supervisor.engine.effects.http_jobs import HttpJobs
+from supervisor.engine.effects.protocol import Front, Timer
 from supervisor.engine.events import (
     CoreExited,
     Down,
@@ -37,7 +35,10 @@ from supervisor.engine.events import (
     Tick,
     TreeSeen,
 )
-from supervisor.engine.http_jobs import HttpJobs
+from supervisor.engine.process import process as eng
+from supervisor.engine.process import proctree, shm_files
+from supervisor.engine.process.corewatch import CoreWatch
+from supervisor.engine.startup import compile_cache, start_dirs
 from supervisor.front.admission import Gate
 from supervisor.front.continuation import schedules_by_priority
 from supervisor.loop import Clock, Jobs
@@ -67,7 +68,7 @@ class JobEffects:
         self.gpu, self.siblings, self.gate, self.front, self.name = (
             gpu, siblings, gate, front, name)
         # vLLM's offload files that each engine's tree held, by its main pid, removed
-        # once the tree is proven gone (engine/shm_files.py; the folder: tests use theirs)
+        # once the tree is proven gone (engine/process/shm_files.py; the folder: tests use theirs)
         self.shm_dir = shm_dir
         self._shm: dict[int, shm_files.Seen] = {}
         # each bay (0; 1 with a standby; 2: the weight cache) its own state file and guard
@@ -76,7 +77,7 @@ class JobEffects:
         self._in_bay: dict[int, eng.EngineProcess] = {}  # watched, not yet forgotten
         self._jobs = Jobs()
         # the jobs that talk to the engine over HTTP, and the daemon's own requests to
-        # each engine (engine/http_jobs.py)
+        # each engine (engine/effects/http_jobs.py)
         self.http = HttpJobs(queue=queue, config=config, clock=clock, environ=environ,
                              gate=gate, front=front)
 
@@ -192,7 +193,7 @@ class JobEffects:
                      bay: int) -> None:
         leftovers: list[str] = []
         state_file = self.bays[bay][0]
-        # its compile cache and vLLM's stack-dump folder (engine/start_dirs.py)
+        # its compile cache and vLLM's stack-dump folder (engine/startup/start_dirs.py)
         dirs = await start_dirs.prepare(
             spec, cfg, self.config(), self.name, bay, generation,
             [e.dumps.dir for b, e in self._in_bay.items() if b != bay and e.dumps],
@@ -374,7 +375,7 @@ class JobEffects:
         """The shared-memory files of vLLM's that the tree, proven gone, left behind (a
         crash, a SIGKILL: its clean exit removes them itself): those its processes held
         open at a look, and those its own lines said it made. Never by their name alone:
-        other engines' sit beside them (engine/shm_files.py)."""
+        other engines' sit beside them (engine/process/shm_files.py)."""
         seen = self._shm.pop(engine.pid, {})
         for path in shm_files.named(list(engine.recent_lines), self.shm_dir):
             seen.setdefault(path, None)

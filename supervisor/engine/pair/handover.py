@@ -1,13 +1,13 @@
 """Handing an engine's traffic to its standby (docs/standby.md), for one engine unit.
 
-`Handover` owns the standby (`supervisor/engine/standby.py`: its place and lifecycle)
+`Handover` owns the standby (`supervisor/engine/pair/standby.py`: its place and lifecycle)
 and every handover under way: arming the standby (beside the serving engine, or before
 it when two engines do not fit side by side), the failover (a crash, a drained restart)
 with its wake and its proof, and an upgrade (new arguments: a standby with them, then a
 swap). A decider: the unit (`supervisor/engine/unit.py`) calls in at its steps with its state as
 `PairFacts`, and carries out the steps returned (`supervisor/engine/steps.py`: serve from
 the standby's place, wake, take down, admit...); `Handover` writes only its own state (the
-phase, `supervisor/engine/pair_states.py`, the upgrade waiting, the counts) and its
+phase, `supervisor/engine/pair/pair_states.py`, the upgrade waiting, the counts) and its
 standby's. Runs on the unit's task; never blocks.
 
 Invariants:
@@ -28,11 +28,11 @@ from typing import Any
 
 import structlog
 
-from supervisor.engine import process as eng
 from supervisor.engine import steps as do
 from supervisor.engine.events import Down, Drained, Event, GateProbe, Woken
-from supervisor.engine.pair_states import HANDING_OVER, PHASE, Phase, Role, check
-from supervisor.engine.standby import Standby
+from supervisor.engine.pair.pair_states import HANDING_OVER, PHASE, Phase, Role, check
+from supervisor.engine.pair.standby import Standby
+from supervisor.engine.process import process as eng
 from supervisor.engine.states import State
 from supervisor.engine.steps import PairFacts, Step
 from supervisor.settings import engine_checks
@@ -46,7 +46,7 @@ class Handover:
         self.standby = standby
         self.failovers = 0
         self.last_failover_s: float | None = None  # fault seen to held requests released
-        # the handover under way (supervisor/engine/pair_states.py), and since when
+        # the handover under way (supervisor/engine/pair/pair_states.py), and since when
         self.phase = Phase.IDLE
         self.since: float | None = None  # (monotonic; None in IDLE and STANDBY_FIRST)
         # a reload or a policy relaunch changed what the engine runs: a standby with the

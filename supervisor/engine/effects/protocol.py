@@ -4,8 +4,8 @@ Every process, socket, timer and call to the front proxy that a unit's task sets
 goes through `Effects`: each call starts a job that reports back only by putting an
 event on the queue (`supervisor/engine/events.py`) and returns at once, or (the proxy's
 `follow` and `pause_streams`, `kill_now`) acts at once. The daemon's implementation is
-`JobEffects` (`supervisor/engine/jobs.py`: the jobs themselves; those that talk to an
-engine over HTTP in `supervisor/engine/http_jobs.py`); tests pass a recording
+`JobEffects` (`supervisor/engine/effects/jobs.py`: the jobs themselves; those that talk to an
+engine over HTTP in `supervisor/engine/effects/http_jobs.py`); tests pass a recording
 fake (`tests/test_supervisor_unit.py`) and feed the events by hand, with a driven clock,
 so the lifecycle is tested without a process. It holds no state the unit reads but the
 count of the daemon's own generations at the engine (`probes_in_flight`).
@@ -17,7 +17,7 @@ import asyncio
 from typing import Any, Protocol
 
 from supervisor.engine.events import Event
-from supervisor.engine.process import EngineProcess, SpawnSpec
+from supervisor.engine.process.process import EngineProcess, SpawnSpec
 from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog import evidence
 from supervisor.watchdog.gpu import GpuSampler

@@ -3,7 +3,7 @@ vLLM's development routes, the weight cache's health watch, the metrics scrape, 
 canary, the gate's probe and the warm-up, the sleep-mode probe, a sleep or a wake and the
 KV reset, each timed with what vLLM measured of it.
 
-`JobEffects` (`supervisor/engine/jobs.py`) holds one `HttpJobs` and starts these
+`JobEffects` (`supervisor/engine/effects/jobs.py`) holds one `HttpJobs` and starts these
 coroutines on its task group. As every job, each is given what it needs (the unit's
 queue, its current config, clock, environment, gate and whether a front proxy holds its
 requests), never the unit, and reports only by putting an event on the queue.
@@ -19,8 +19,8 @@ from typing import TypeVar
 import httpx
 import structlog
 
-from supervisor.engine import process as eng
-from supervisor.engine.effects import Front
+from supervisor.engine.effects.probes import EngineProbes
+from supervisor.engine.effects.protocol import Front
 from supervisor.engine.events import (
     CanaryDone,
     Event,
@@ -33,7 +33,7 @@ from supervisor.engine.events import (
     Slept,
     Woken,
 )
-from supervisor.engine.probes import EngineProbes
+from supervisor.engine.process import process as eng
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock, http_client
 from supervisor.ops.descriptors import OutOfDescriptors, Shortage
@@ -66,7 +66,7 @@ class HttpJobs:
     config and its clock; they never change its state. Owns the daemon's own requests to
     each engine (`EngineProbes`): the lock that keeps them from a KV reset, one per
     engine, so that a hung engine's canary never delays the proof of the standby that
-    replaces it (engine/probes.py)."""
+    replaces it (engine/effects/probes.py)."""
 
     def __init__(self, *, queue: asyncio.Queue[Event], config: Callable[[], Config],
                  clock: Clock, environ: dict[str, str], gate: Gate,

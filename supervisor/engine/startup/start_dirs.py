@@ -20,9 +20,9 @@ from pathlib import Path
 
 import structlog
 
-from supervisor.engine import compile_cache
-from supervisor.engine.compile_cache import CACHE_ENV, CacheInfo
-from supervisor.engine.process import SpawnSpec
+from supervisor.engine.process.process import SpawnSpec
+from supervisor.engine.startup import compile_cache
+from supervisor.engine.startup.compile_cache import CACHE_ENV, CacheInfo
 from supervisor.settings.config import Config
 from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog import stackdumps

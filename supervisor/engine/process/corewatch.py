@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import psutil
 
-from supervisor.engine.proctree import ProcInfo
+from supervisor.engine.process.proctree import ProcInfo
 
 CORE_TITLE = "VLLM::EngineCor"  # vLLM's title (`VLLM::EngineCore`, `_DP0`...), as comm cuts it
 DYING_POLL_S = 0.1  # how often the watched cores' flags are read

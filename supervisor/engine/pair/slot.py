@@ -2,7 +2,7 @@
 
 `EngineSlot` keeps the facts of the engine in it (the process, its generation, its bay's
 phase: empty, spawning, alive, taking down, checked against
-`supervisor/engine/pair_states.py`; what its take-down must capture first) and starts
+`supervisor/engine/pair/pair_states.py`; what its take-down must capture first) and starts
 that engine's jobs through the unit's effects. It decides nothing: the unit
 (`supervisor/engine/unit.py`) owns the lifecycle and calls the slot on its own task.
 """
@@ -18,12 +18,12 @@ from typing import Any
 
 import structlog
 
-from supervisor.engine import process as eng
-from supervisor.engine import proctree
-from supervisor.engine.effects import Effects
+from supervisor.engine.effects.protocol import Effects
 from supervisor.engine.events import CoreExited, Down, Exited, Spawned, TreeSeen
 from supervisor.engine.intents import EvidenceFor
-from supervisor.engine.pair_states import BAY, Bay, check
+from supervisor.engine.pair.pair_states import BAY, Bay, check
+from supervisor.engine.process import process as eng
+from supervisor.engine.process import proctree
 from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog import devroutes, evidence
 from supervisor.watchdog.devroutes import DevRoutes
@@ -37,7 +37,7 @@ class EngineSlot:
                  load: Callable[[], eng.Load | None] | None = None,
                  what: str = "engine") -> None:
         self._act, self._audit, self._next = act, audit, next_generation
-        self.bay = bay  # its state file and guard (supervisor/engine/jobs.py)
+        self.bay = bay  # its state file and guard (supervisor/engine/effects/jobs.py)
         # how each engine spawned here gets its weights (its weight cache's, when the
         # engine has one: `WeightCache.load`), decided at its spawn
         self._load = load

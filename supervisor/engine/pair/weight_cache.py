@@ -31,9 +31,7 @@ from typing import Any
 
 import structlog
 
-from supervisor.engine import process as eng
-from supervisor.engine import proctree
-from supervisor.engine.effects import Effects, Timer
+from supervisor.engine.effects.protocol import Effects, Timer
 from supervisor.engine.events import (
     CacheDue,
     Down,
@@ -46,8 +44,10 @@ from supervisor.engine.events import (
     iso_time,
 )
 from supervisor.engine.lifecycle import RestartTracker
-from supervisor.engine.pair_states import CACHE, Cache, check
-from supervisor.engine.slot import EngineSlot
+from supervisor.engine.pair.pair_states import CACHE, Cache, check
+from supervisor.engine.pair.slot import EngineSlot
+from supervisor.engine.process import process as eng
+from supervisor.engine.process import proctree
 from supervisor.loop import Clock
 from supervisor.settings import weight_cache_argv as wc
 from supervisor.settings.sections import EngineConfig, RestartConfig

@@ -7,7 +7,7 @@ sleep mode (`"sleep"`), that takes over when the serving engine fails or is rest
 swapped) and its lifecycle: started (beside the serving engine, or before it when the
 two do not fit side by side), healthy, proven with a real generation, put to sleep when
 so configured, and only then ready; a standby that fails is taken down and started again
-after a backoff. On a failover the handover (`supervisor/engine/handover.py`) gives the
+after a backoff. On a failover the handover (`supervisor/engine/pair/handover.py`) gives the
 unit the ready standby's slot as its serving one and hands its old slot back here to be
 taken down; once that tree is proven gone a new standby starts in the freed place. Nothing
 but the daemon's health checks, its probe of the development routes (GETs refused before
@@ -23,8 +23,7 @@ from typing import Any
 
 import structlog
 
-from supervisor.engine import process as eng
-from supervisor.engine.effects import Effects, Timer
+from supervisor.engine.effects.protocol import Effects, Timer
 from supervisor.engine.events import (
     CoreExited,
     Down,
@@ -38,8 +37,9 @@ from supervisor.engine.events import (
     StandbyDue,
     TreeSeen,
 )
-from supervisor.engine.pair_states import ON_ITS_WAY, ROLE, Role, check
-from supervisor.engine.slot import EngineSlot
+from supervisor.engine.pair.pair_states import ON_ITS_WAY, ROLE, Role, check
+from supervisor.engine.pair.slot import EngineSlot
+from supervisor.engine.process import process as eng
 from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog import devroutes
 
@@ -59,7 +59,7 @@ class Standby:
                  monotonic: Callable[[], float], slot: EngineSlot) -> None:
         self._act, self._audit, self._monotonic = act, audit, monotonic
         self.slot = slot
-        self.state = Role.NONE  # its role: supervisor/engine/pair_states.py
+        self.state = Role.NONE  # its role: supervisor/engine/pair/pair_states.py
         self.why: str | None = None
         self.since = monotonic()
         self.failures = 0  # in a row: the backoff before the next start

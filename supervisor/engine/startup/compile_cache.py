@@ -7,7 +7,7 @@ skips minutes of compiling; a start that cannot (a home thrown away with a conta
 cache cleaned) pays them at every restart. The daemon gives each engine a root of its
 own in its state directory, beside the audit trail: `vllm-cache/<engine>/<version>`, one
 folder per vLLM version installed where the engine's command runs, so that an upgrade
-starts with an empty folder (said cold, engine/start_times.py) and the folders of
+starts with an empty folder (said cold, engine/startup/start_times.py) and the folders of
 versions no longer used are dropped (the two last used are kept). The size of the
 serving engine's folder is in `status`. An operator's own VLLM_CACHE_ROOT in
 `engine.env` wins; `engine.compile_cache = false` leaves vLLM's default.

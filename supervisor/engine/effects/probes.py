@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from supervisor.engine import process as eng
+from supervisor.engine.process import process as eng
 from supervisor.loop import Clock
 from supervisor.ops.descriptors import OutOfDescriptors
 from supervisor.settings.config import Config

@@ -25,15 +25,15 @@ from typing import TypeVar
 import httpx
 import structlog
 
-from supervisor.engine import proctree
-from supervisor.engine.compile_cache import CacheInfo
-from supervisor.engine.enginelog import (
+from supervisor.engine.process import proctree
+from supervisor.engine.process.enginelog import (
     kv_tokens_of,
     parse_engine_line,
     phase_of,
     route_of,
     weights_of,
 )
+from supervisor.engine.startup.compile_cache import CacheInfo
 from supervisor.loop import http_client
 from supervisor.ops.descriptors import Shortage, exhausted
 from supervisor.settings.sections import EngineConfig
@@ -64,7 +64,7 @@ class SpawnSpec:
     host: str
     port: int
     # how its weights are loaded, added to `argv` when it is spawned: `--load-format
-    # ipc_cache ...` while its weight cache answers (supervisor/engine/weight_cache.py),
+    # ipc_cache ...` while its weight cache answers (supervisor/engine/pair/weight_cache.py),
     # () for vLLM's own load. Apart from `argv`, which says what the engine runs (a
     # standby fits, a golden baseline holds, whichever way its weights came)
     load: tuple[str, ...] = ()

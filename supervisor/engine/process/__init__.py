@@ -1,0 +1,5 @@
+"""One engine process and its tree: spawning it and relaying its output (`process.py`),
+finding, killing and proving gone its process tree (`proctree.py`), the death of its core
+the moment it happens (`corewatch.py`), vLLM's own log lines parsed (`enginelog.py`), and
+the shared-memory files its tree leaves (`shm_files.py`). Effects and pure parsing only:
+nothing here decides or holds a unit's state."""
