@@ -230,8 +230,12 @@ class Gate:
             self._waiters.popleft()
             self._admit(w.tokens)
             w.future.set_result(None)
-        self._waiting_since = None  # (nobody waits: the pace is measured afresh)
-        self._ended.clear()
+        self._measure_again()  # (nobody waits: the pace is measured afresh)
+
+    def _forget_ended(self, now: float) -> None:
+        """The requests that ended before the window are no part of the pace."""
+        while self._ended and self._ended[0][0] < now - RATE_WINDOW_S:
+            self._ended.popleft()
 
     def predicted_wait(self, tokens: int) -> tuple[float, float] | None:
         """How long a new request of `tokens` arriving now would wait, and the pace that
@@ -241,8 +245,7 @@ class Gate:
         now = self.clock()
         if self._waiting_since is None or now - self._waiting_since < RATE_WINDOW_S:
             return None
-        while self._ended and self._ended[0][0] < now - RATE_WINDOW_S:
-            self._ended.popleft()
+        self._forget_ended(now)
         if len(self._ended) < RATE_MIN_DONE:
             return None
         pace = sum(t for _, t in self._ended) / RATE_WINDOW_S
@@ -341,8 +344,7 @@ class Gate:
         if self._waiting_since is not None:  # (the pace while requests wait)
             now = self.clock()
             self._ended.append((now, ticket.tokens))
-            while self._ended[0][0] < now - RATE_WINDOW_S:
-                self._ended.popleft()
+            self._forget_ended(now)
         self._wake()
 
     async def wait_idle(self, timeout_s: float) -> bool:

@@ -34,6 +34,7 @@ from typing import Any
 from supervisor.front.continuable import Plan
 from supervisor.front.sse import DONE, EventReader
 from supervisor.front.sse import event as _event
+from supervisor.watchdog.relaunch import arg_value
 
 # How a broken stream ended (the exporter's label; every one born at 0): continued on an
 # engine; resent whole (the client had seen nothing); closed (only its end was lost);
@@ -50,13 +51,7 @@ CONTINUED_FIRST = 1 << 20
 def schedules_by_priority(argv: Sequence[str]) -> bool:
     """Whether an engine run with these arguments schedules by priority (vLLM refuses a
     request's non-zero priority otherwise); the last `--scheduling-policy` counts."""
-    policy = None
-    for i, a in enumerate(argv):
-        if a == "--scheduling-policy" and i + 1 < len(argv):
-            policy = argv[i + 1]
-        elif a.startswith("--scheduling-policy="):
-            policy = a.partition("=")[2]
-    return policy == "priority"
+    return arg_value(argv, "--scheduling-policy") == "priority"
 
 # Chat keys a continuation (a completions request) keeps: sampling and output shaping.
 # Everything else of a chat request is either the prompt (now token ids) or refused.
