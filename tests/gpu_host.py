@@ -52,7 +52,8 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.gpu_vllm import (  # noqa: E402
+from supervisor.control.client import call
+from tests.gpu_vllm import (
     EXPORTER,
     MODEL,
     PROXY,
@@ -66,8 +67,6 @@ from tests.gpu_vllm import (  # noqa: E402
     running,
     wait,
 )
-
-from supervisor.control.client import call  # noqa: E402
 
 LAYOUT = [int(x) for x in os.environ.get("LAYOUT", "1,1,1,1").split(",")]
 INPUT_LEN = int(os.environ.get("INPUT_LEN", "1024"))
