@@ -7,6 +7,8 @@ script a fault:
   --crash-after S       exit by itself S seconds after becoming healthy
   --exit-code N         the code for --crash-after (default 0: vLLM can exit 0 unasked)
   --fail-boot           print an error and exit 1 at once
+  --fail-boot-hang      print vLLM's "EngineCore failed to start." and never exit (nor
+                        listen): a core whose workers hung on the way out
   --ignore-sigterm      ignore SIGTERM (only SIGKILL ends it)
   --child               fork a child in the same process group, titled VLLM::EngineCore
   --metrics-file PATH   serve /metrics from this file, read afresh on every request
@@ -150,6 +152,7 @@ def main() -> None:
     p.add_argument("--exit-code", type=int, default=0)
     p.add_argument("--fail-boot", action="store_true")
     p.add_argument("--fail-boot-file", default=None)  # fail the boot while this file exists
+    p.add_argument("--fail-boot-hang", action="store_true")  # say so, then never exit
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--child", action="store_true")
     p.add_argument("--gpu-mib", type=int, default=0)
@@ -200,6 +203,12 @@ def main() -> None:
         print("Traceback (most recent call last):\nRuntimeError: fake boot failure",
               file=sys.stderr, flush=True)
         sys.exit(1)
+    if a.fail_boot_hang:  # vLLM's core failed, its workers hung on the way out (issue 52)
+        log("ERROR", "EngineCore failed to start.", tag="EngineCore_DP0")
+        print("RuntimeError: CUDA error: CUBLAS_STATUS_INTERNAL_ERROR", file=sys.stderr,
+              flush=True)
+        while True:
+            time.sleep(3600)
     child_pid = None
     if a.child or a.gpu_mib:
         ready_r, ready_w = os.pipe()

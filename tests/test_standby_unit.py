@@ -233,6 +233,24 @@ def test_a_standby_that_fails_is_started_again_after_a_growing_backoff(
         w.loop.close()
 
 
+def test_a_standby_whose_core_failed_to_start_is_taken_down_with_what_it_said(
+        tmp_path: Path) -> None:
+    """A standby's start given up before its timeout (its core said it failed, and it did
+    not exit: `process.start_given_up`) fails with that reason, its tree taken down."""
+    w = World(tmp_path, engine={"standby": "awake"})
+    try:
+        w.serving()
+        spare = w.spawned()
+        why = "its core failed to start ('EngineCore failed to start.') and ..."
+        w.feed(HealthResult(spare.generation, False, None, why))
+        st = w.sup.status()["standby"]
+        assert st["state"] == "retiring" and why in st["reason"]
+        assert w.fx.last("take_down")["pid"] == spare.pid
+        assert w.state == "RUNNING"  # the serving engine is not touched
+    finally:
+        w.loop.close()
+
+
 def test_a_standby_retired_while_it_spawns_is_taken_down_once_it_exists(
         tmp_path: Path) -> None:
     """The engine given up on (its tree not proven gone) while its standby is being

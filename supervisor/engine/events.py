@@ -66,6 +66,9 @@ class HealthResult(Event):
     # healthy: which of vLLM's development routes it serves (`watchdog/devroutes.py`),
     # asked before this event is sent; None when not asked
     routes: DevRoutes | None = None
+    # not healthy, though it runs: why its start is over before its startup timeout
+    # (`process.start_given_up`); None: the timeout itself
+    why: str | None = None
 
 
 @dataclass(frozen=True)

@@ -285,7 +285,7 @@ class EngineUnit(UnitState):
         elif engine.exit_code is None:
             self.run_steps(self.failures.fail(
                 self.pair_facts(),
-                f"engine not healthy within {engine.config.startup_timeout_s:g} s",
+                ev.why or f"engine not healthy within {engine.config.startup_timeout_s:g} s",
                 healthy_for=None))
 
     def handle_backoff_elapsed(self, ev: BackoffElapsed) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -88,8 +89,9 @@ class HttpJobs:
         it serves (`watchdog/devroutes.py`: four GETs together, bounded, no side
         effect): what it can do in place is known from its start, not at first use."""
         cfg = engine.config
-        healthy = await eng.wait_healthy(cfg.base_url + cfg.health_path,
-                                         cfg.health_interval_s, cfg.startup_timeout_s, exited)
+        healthy = await eng.wait_healthy(
+            cfg.base_url + cfg.health_path, cfg.health_interval_s, cfg.startup_timeout_s,
+            exited, lambda: eng.start_given_up(engine, time.monotonic()))
         routes = None
         if healthy and not exited.done():
             try:
@@ -97,7 +99,8 @@ class HttpJobs:
                     routes = await devroutes.probe(client, cfg.base_url)
             except Exception as exc:  # (never a failed start: the configuration decides)
                 log.warning("the development routes were not probed", error=repr(exc))
-        return HealthResult(engine.generation, healthy, routes)
+        why = None if healthy else eng.start_given_up(engine, time.monotonic())
+        return HealthResult(engine.generation, healthy, routes, why)
 
     async def watch_health(self, engine: eng.EngineProcess) -> None:
         cfg = engine.config

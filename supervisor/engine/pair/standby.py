@@ -259,7 +259,8 @@ class Standby:
                 # once before (its first KV reset after a takeover costs no first sleep)
                 self._act.gate_probe(e, warm=self.warm_up and self.mode != "sleep")
             elif e.exit_code is None:
-                self._failed(f"not healthy within {e.config.startup_timeout_s:g} s", deadline)
+                self._failed(ev.why or f"not healthy within {e.config.startup_timeout_s:g} s",
+                             deadline)
         elif isinstance(ev, GateProbe):
             e = s.current(ev.generation)
             if e is None or s.taking_down or self.state is not Role.PROVING:

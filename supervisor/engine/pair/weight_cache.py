@@ -330,7 +330,8 @@ class WeightCache:
                 self._audit("weight_cache_ready", **fields)
                 self._act.watch_health(e)
             elif e.exit_code is None:
-                self._failed(f"not healthy within {e.config.startup_timeout_s:g} s", None)
+                self._failed(ev.why or f"not healthy within {e.config.startup_timeout_s:g} s",
+                             None)
         elif isinstance(ev, Exited):
             asked = s.taking_down
             e = s.exited(ev, asked)

@@ -109,6 +109,18 @@ def kv_tokens_of(message: str) -> int | None:
     return int(m["tokens"].replace(",", "")) if m else None
 
 
+# its core giving up at start ("EngineCore failed to start.", core.py), or its API server
+# saying so of the core ("Engine core initialization failed. See root cause above.");
+# vLLM exits within seconds of either, except where the core's workers hang on the way
+# out (a TP=2 engine on four H200s, issue 52: its API server waited on them for good)
+_BOOT_FAILED = re.compile(r"EngineCore failed to start|Engine core initialization failed")
+
+
+def boot_failure_of(message: str) -> bool:
+    """Whether this line of a starting engine's says its core failed to start."""
+    return _BOOT_FAILED.search(message) is not None
+
+
 def weights_of(message: str) -> str | None:
     """Where an engine started on a weight cache says its weights came from: "cache:
     ..." or "disk: ..." (the line itself), None when this line does not say."""

@@ -27,6 +27,7 @@ import structlog
 
 from supervisor.engine.process import proctree
 from supervisor.engine.process.enginelog import (
+    boot_failure_of,
     kv_tokens_of,
     parse_engine_line,
     phase_of,
@@ -161,6 +162,9 @@ class EngineProcess:
     phases: list[tuple[str, float]] = field(default_factory=list)  # (phase, s after spawn)
     vllm_version: str | None = None  # as its first lines say
     kv_tokens: int | None = None  # its KV cache in tokens, as its core said at its start
+    # while it starts: when a line of its said that its core failed to start, and that line
+    boot_failed_at: float | None = None  # monotonic
+    boot_failure: str | None = None
     cache: CacheInfo | None = None  # its compile cache (VLLM_CACHE_ROOT), if the daemon's
     dumps: StackDumps | None = None  # where its vLLM writes its own stack dumps (0.33+)
     # vLLM's count of its sleep-mode calls as the daemon's last sleep or wake of it left it
@@ -257,6 +261,12 @@ async def relay_output(engine: EngineProcess, stream: asyncio.StreamReader, name
                 engine.kv_tokens = kv_tokens_of(line.message)
             if engine.spec.load and engine.weights is None:
                 engine.weights = weights_of(line.message)
+            if engine.boot_failed_at is None and boot_failure_of(line.message):
+                engine.boot_failed_at = time.monotonic()
+                engine.boot_failure = line.message.strip()[:300]
+                log.warning("the engine says its core failed to start", line=engine.boot_failure,
+                            pid=engine.pid, taken_down_after_s=BOOT_FAILED_GRACE_S,
+                            unless="it exits by itself first")
 
 
 # vLLM's API server says its version first ("vLLM API server version 0.26.0"; 0.32 prints
@@ -281,12 +291,27 @@ def _note_phase(engine: EngineProcess, phase: str | None) -> None:
     engine.phases.append((phase, now - engine.started_at))
 
 
+# how long an engine whose core said it failed to start may take to exit by itself (vLLM's
+# does within seconds) before its start counts as failed and its tree is taken down
+BOOT_FAILED_GRACE_S = 30.0
+
+
+def start_given_up(engine: EngineProcess, now: float) -> str | None:
+    """Why the engine's start is over though it still runs: its core said it failed to
+    start, `BOOT_FAILED_GRACE_S` ago or more. None while that is not so."""
+    if engine.boot_failed_at is None or now - engine.boot_failed_at < BOOT_FAILED_GRACE_S:
+        return None
+    return (f"its core failed to start ({engine.boot_failure!r}) and the engine had not "
+            f"exited {now - engine.boot_failed_at:.0f} s later")
+
+
 async def wait_healthy(url: str, interval_s: float, timeout_s: float,
-                       exited: asyncio.Future[int]) -> bool:
-    """Poll `url` until it answers 200 (True), or the time is up or the engine exits
-    (False). The port refuses connections until vLLM is ready, so errors are expected;
-    a probe the daemon could not send (out of descriptors) is no answer either, logged
-    once as the daemon's own."""
+                       exited: asyncio.Future[int],
+                       given_up: Callable[[], str | None] = lambda: None) -> bool:
+    """Poll `url` until it answers 200 (True), or the time is up, the engine exits or
+    `given_up` says why it never will (False). The port refuses connections until vLLM
+    is ready, so errors are expected; a probe the daemon could not send (out of
+    descriptors) is no answer either, logged once as the daemon's own."""
     deadline = time.monotonic() + timeout_s
     shortage = Shortage("health check", url=url)
     async with http_client(timeout=httpx.Timeout(min(5.0, max(interval_s, 1.0)))) as client:
@@ -300,7 +325,7 @@ async def wait_healthy(url: str, interval_s: float, timeout_s: float,
                 if exhausted(exc):
                     shortage.failed(exc)
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or given_up() is not None:
                 return False
             await asyncio.wait({exited}, timeout=min(interval_s, remaining))
     return False
