@@ -147,6 +147,41 @@ def test_the_control_server_answers_garbage_with_an_error_and_keeps_the_connecti
         assert str(r).count("SECRET-BODY-BYTES") <= 2
 
 
+def test_a_command_that_only_reads_is_logged_at_debug_and_one_that_acts_at_info(tmp_path):
+    """A monitor polling `status` twice a second does not fill the log (issue 52); who
+    asked for a restart, a drain or a stop still shows at info."""
+    import asyncio
+
+    from structlog.testing import capture_logs
+
+    from supervisor.control.server import ControlServer
+    from supervisor.settings.sections import ControlConfig
+
+    async def submit(cmd, args):
+        return {"done": cmd}
+
+    async def main():
+        server = ControlServer(ControlConfig(socket=str(tmp_path / "c.sock")), submit)
+        await server.start()
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(tmp_path / "c.sock"))
+            for cmd in ("status", "events", "pause-policy", "status"):
+                writer.write(protocol.encode_request(cmd))
+                await writer.drain()
+                reply = json.loads(await asyncio.wait_for(reader.readline(), 10))
+                assert reply["ok"] is True and reply["result"] == {"done": cmd}
+            writer.close()
+        finally:
+            await server.close()
+
+    with capture_logs() as logs:
+        asyncio.run(main())
+    levels = [(r["cmd"], r["log_level"]) for r in logs if r["event"] == "control request"]
+    assert levels == [("status", "debug"), ("events", "debug"), ("pause-policy", "info"),
+                      ("status", "debug")]
+    assert protocol.READS.issubset(protocol.COMMANDS)
+
+
 def test_the_control_server_replies_when_serving_a_connection_fails(tmp_path, monkeypatch):
     import asyncio
 

@@ -38,6 +38,9 @@ IDLE_TIMEOUT_S = 30.0
 QUOTE_CHARS = 40  # of a client's value, at most, in an error message
 COMMANDS = ("status", "restart", "stop", "reload", "events", "pause-policy", "resume-policy",
             "drain", "resume", "throttle", "unthrottle", "kv-reset", "evidence", "rearm")
+# the commands that only read: logged at debug level (a monitor that polls `status` twice
+# a second filled the log with them, issue 52); every other one at info, with its peer
+READS = frozenset({"status", "events"})
 
 
 class ProtocolError(ValueError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import grp
+import logging
 import os
 import socket
 import stat
@@ -166,7 +167,8 @@ class ControlServer:
                 await self._refuse(writer, f"malformed request ({type(exc).__name__})",
                                    pid=pid, uid=uid)
                 continue
-            log.info("control request", cmd=req.cmd, peer_pid=pid, peer_uid=uid)
+            log.log(logging.DEBUG if req.cmd in protocol.READS else logging.INFO,
+                    "control request", cmd=req.cmd, peer_pid=pid, peer_uid=uid)
             timeout = REPLY_TIMEOUT_S.get(req.cmd, DEFAULT_REPLY_TIMEOUT_S)
             try:
                 result = await asyncio.wait_for(self._submit(req.cmd, req.args), timeout)
