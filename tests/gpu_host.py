@@ -24,7 +24,8 @@ between them in its own session; run long phases in the background and poll):
 
 LAYOUT: GPUs per engine, in order ("1,1,1,1": four engines on GPUs 0-3; "2,1,1": a TP=2
 engine on GPUs 0-1 beside single-GPU engines on 2 and 3). Each engine `e<i>` serves the
-model name `e<i>` on port 8100 + 2i (its standby on the next port). INPUT_LEN: the
+model name `e<i>` on port 8100 + 2i (its standby on the next port). TP_ARGS: more flags
+for the tensor-parallel engines (docs/gpu-validation.md, issue 52). INPUT_LEN: the
 prompts' tokens (1024); PROXY_WORKERS: the front door's processes (8). The engines are
 Llama-3.1-8B's shape with random weights (tests/gpu_shapes.py), compile on.
 
@@ -126,8 +127,9 @@ def engine_config(i: int, name: str, gpus: list[int]) -> dict[str, Any]:
     args = ["--served-model-name", name, "--load-format", "dummy", "--dtype", "bfloat16",
             "--max-model-len", os.environ.get("MAX_MODEL_LEN", "2048"),
             "--enable-sleep-mode", "--gpu-memory-utilization", "0.60"]
-    if len(gpus) > 1:
-        args += ["--tensor-parallel-size", str(len(gpus))]
+    if len(gpus) > 1:  # TP_ARGS: more flags for these (the first run's TP=2 engine failed
+        # in vLLM's custom all-reduce, probably: "--disable-custom-all-reduce" is the next try)
+        args += ["--tensor-parallel-size", str(len(gpus)), *os.environ.get("TP_ARGS", "").split()]
     return {**common, "command": [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve",
                                   MODEL],
             "args": args, "env": {"PYTHONPATH": VLLM_SITE, "VLLM_SERVER_DEV_MODE": "1"},
