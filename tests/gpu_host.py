@@ -53,7 +53,9 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from supervisor.control.client import call
+# (both import tests.gpu_vllm, which puts the installed wheel before the checkout on
+# sys.path, before anything here imports supervisor)
+from tests import gpu_plane
 from tests.gpu_vllm import (
     EXPORTER,
     MODEL,
@@ -62,6 +64,7 @@ from tests.gpu_vllm import (
     SUP_SITE,
     VLLM_SITE,
     WORK,
+    call,
     cost_row,
     engine_tree,
     result,
@@ -364,21 +367,7 @@ def bench_all(bases: dict[str, str], prompts: int, tag: str) -> dict[str, dict[s
 
 def front_procs() -> list[psutil.Process]:
     """The daemon's process and its proxy workers (not its engines)."""
-    pid = next(iter(host_status().values()))["daemon_pid"]
-    d = psutil.Process(pid)
-    return [d, *(p for p in d.children()
-                 if "supervisor.plane.worker" in " ".join(p.cmdline()))]
-
-
-def cpu_s(procs: list[psutil.Process]) -> float:
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += t.user + t.system
-    return total
+    return gpu_plane.front_procs(next(iter(host_status().values()))["daemon_pid"])
 
 
 def counted(doc: dict[str, Any], prompts: int) -> dict[str, Any]:
@@ -405,9 +394,9 @@ def phase_throughput(rounds: int = 2, prompts: int = 512) -> None:
     rows: dict[str, list[dict[str, Any]]] = {"direct": [], "daemon": []}
     for i in range(rounds):
         for path in (["direct", "daemon"] if i % 2 == 0 else ["daemon", "direct"]):
-            c0, t0 = cpu_s(procs), time.monotonic()
+            c0, t0 = gpu_plane.cpu_s(procs), time.monotonic()
             docs = bench_all(paths[path], prompts, f"host-{path}-{i}")
-            c1, t1 = cpu_s(procs), time.monotonic()
+            c1, t1 = gpu_plane.cpu_s(procs), time.monotonic()
             tokens = sum(int(d.get("total_output_tokens") or 0) for d in docs.values())
             per = {n: counted(d, prompts) for n, d in docs.items()}
             rows[path].append({
