@@ -176,6 +176,7 @@ class HostTimeline:
         self.armed_at: dict[str, list[float]] = {n: [] for n in names()}
         self.missing = self.unanswered = self.polls = 0
         self.disagree: dict[str, float] = {}
+        self._since: dict[str, float] = {}  # each disagreement still open: since when
         self.last: dict[str, dict[str, Any]] = {}
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._status, daemon=True),
@@ -217,7 +218,7 @@ class HostTimeline:
             time.sleep(0.5)
 
     def _exporter(self) -> None:
-        since: dict[str, float] = {}
+        since = self._since
         while not self.stop.is_set():
             try:
                 text = urllib.request.urlopen(f"http://{EXPORTER}/metrics",
@@ -245,6 +246,9 @@ class HostTimeline:
         self.stop.set()
         for t in self.threads:
             t.join(10)
+        now = time.monotonic()
+        for n, t0 in self._since.items():  # (still disagreeing at the end counts too)
+            self.disagree[n] = max(self.disagree.get(n, 0.0), now - t0)
         return {"changes": self.changes, "armed_at_s": self.armed_at, "polls": self.polls,
                 "unanswered": self.unanswered, "engine_missing": self.missing,
                 "exporter_longest_disagreement_s": {k: round(v, 1)
