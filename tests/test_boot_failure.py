@@ -62,6 +62,7 @@ def test_wait_healthy_gives_up_once_the_core_said_it_failed_and_the_grace_passed
     healthy, waited, why, e = asyncio.run(run())
     assert healthy is False and waited < 120
     assert e.boot_failure == "EngineCore failed to start."
+    assert e.phase == eng.BOOT_FAILED_PHASE  # what `status` said meanwhile
     assert why is not None and "its core failed to start ('EngineCore failed to start.')" in why
 
 
@@ -83,6 +84,9 @@ def test_the_daemon_takes_down_an_engine_whose_core_failed_and_that_never_exits(
                              engine={"startup_timeout_s": 600.0},
                              restart={"boot_failures_max": 1})
     d = daemon_factory(cfg)
+    # meanwhile `status` says so, not the phase before it
+    wait_for(lambda: (d.status().get("start") or {}).get("phase")
+             == eng.BOOT_FAILED_PHASE, 30, "status to show the core's failure")
     st = d.wait_state("FATAL", eng.BOOT_FAILED_GRACE_S + 60)
     assert "its core failed to start ('EngineCore failed to start.')" in st["fatal_reason"]
     wait_for(lambda: alive(d.engine_pids()) == []

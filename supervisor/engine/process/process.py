@@ -264,6 +264,7 @@ async def relay_output(engine: EngineProcess, stream: asyncio.StreamReader, name
             if engine.boot_failed_at is None and boot_failure_of(line.message):
                 engine.boot_failed_at = time.monotonic()
                 engine.boot_failure = line.message.strip()[:300]
+                _note_phase(engine, BOOT_FAILED_PHASE)  # (what `status` shows meanwhile)
                 log.warning("the engine says its core failed to start", line=engine.boot_failure,
                             pid=engine.pid, taken_down_after_s=BOOT_FAILED_GRACE_S,
                             unless="it exits by itself first")
@@ -294,6 +295,7 @@ def _note_phase(engine: EngineProcess, phase: str | None) -> None:
 # how long an engine whose core said it failed to start may take to exit by itself (vLLM's
 # does within seconds) before its start counts as failed and its tree is taken down
 BOOT_FAILED_GRACE_S = 30.0
+BOOT_FAILED_PHASE = "its core failed to start; waiting for it to exit"
 
 
 def start_given_up(engine: EngineProcess, now: float) -> str | None:
