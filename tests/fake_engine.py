@@ -205,8 +205,12 @@ def main() -> None:
         sys.exit(1)
     if a.fail_boot_hang:  # vLLM's core failed, its workers hung on the way out (issue 52)
         log("ERROR", "EngineCore failed to start.", tag="EngineCore_DP0")
-        print("RuntimeError: CUDA error: CUBLAS_STATUS_INTERNAL_ERROR", file=sys.stderr,
-              flush=True)
+        # vLLM logs it with its traceback, whose frames can read like a start phase
+        for frame in ("Traceback (most recent call last):",
+                      '  File "vllm/model_executor/warmup/kernel_warmup.py", line 50, in '
+                      "kernel_warmup", "    kernel_warmup(self)",
+                      "RuntimeError: CUDA error: CUBLAS_STATUS_INTERNAL_ERROR"):
+            log("ERROR", frame, tag="EngineCore_DP0")
         while True:
             time.sleep(3600)
     child_pid = None

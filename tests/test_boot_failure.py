@@ -92,3 +92,23 @@ def test_the_daemon_takes_down_an_engine_whose_core_failed_and_that_never_exits(
     wait_for(lambda: alive(d.engine_pids()) == []
              and any(e["event"] == "reaped" for e in d.events()), 30,
              "the hung engine to be reaped")
+
+
+def test_no_eta_for_a_start_whose_core_failed(tmp_path: Path) -> None:
+    """`status`'s ETA and a refusal's Retry-After come from past starts; once the core
+    said it failed to start, there is none to promise."""
+    from tests.test_supervisor_unit import World
+
+    w = World(tmp_path)
+    try:
+        w.sup.start("test")
+        e = w.spawned()
+        assert w.state == "STARTING"
+        w.sup.start_times.record(e.spec.command_line, None, 60.0, [])
+        w.now += 10
+        expected = w.sup.expected_start()
+        assert expected is not None and expected.left_s == pytest.approx(50.0)
+        e.boot_failed_at, e.boot_failure = w.now, "EngineCore failed to start."
+        assert w.sup.expected_start() is None
+    finally:
+        w.loop.close()

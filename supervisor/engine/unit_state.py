@@ -176,9 +176,11 @@ class UnitState:
             log.warning("audit write failed", error=err)
 
     def expected_start(self) -> Expected | None:
-        """While the serving engine starts: what its past starts say of this one."""
+        """While the serving engine starts: what its past starts say of this one (None
+        once its core said it failed to start: no ETA for a start that is lost)."""
         e = self.engine
-        if self.state is not State.STARTING or e is None or e.healthy_at is not None:
+        if (self.state is not State.STARTING or e is None or e.healthy_at is not None
+                or e.boot_failed_at is not None):
             return None
         now = self.clock.monotonic()
         return self.start_times.expect(

@@ -254,7 +254,8 @@ async def relay_output(engine: EngineProcess, stream: asyncio.StreamReader, name
         log.log(level, line.message, source=engine.source, stream=name,
                 generation=engine.generation, **fields)
         if engine.healthy_at is None:
-            _note_phase(engine, phase_of(line.message))
+            if engine.boot_failed_at is None:  # (the traceback after it names no phase)
+                _note_phase(engine, phase_of(line.message))
             if engine.vllm_version is None:
                 engine.vllm_version = version_of(line.message)
             if engine.kv_tokens is None:
