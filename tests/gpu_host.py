@@ -55,7 +55,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # (both import tests.gpu_vllm, which puts the installed wheel before the checkout on
 # sys.path, before anything here imports supervisor)
-from tests import gpu_plane
+from tests import gpu_plane, gpu_vllm
 from tests.gpu_vllm import (
     EXPORTER,
     MODEL,
@@ -65,10 +65,13 @@ from tests.gpu_vllm import (
     VLLM_SITE,
     WORK,
     call,
+    core_of,
     cost_row,
+    ctl,
     engine_tree,
     result,
     running,
+    running_at,
     wait,
 )
 
@@ -98,13 +101,6 @@ def host_status() -> dict[str, dict[str, Any]]:
     """Each engine's own status, by name (the host's answer has them under `detail`)."""
     st = dict(call(str(WORK / "control.sock"), "status", {}, timeout_s=10))
     return dict(st["detail"]) if "detail" in st else {st["engine_name"]: st}
-
-
-def ctl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor.control.cli", "--socket",
-                           str(WORK / "control.sock"), *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": SUP_SITE},
-                          cwd=str(WORK))
 
 
 def armed(st: dict[str, Any]) -> bool:
@@ -324,28 +320,9 @@ def addr_of(st: dict[str, Any]) -> str:
 def bench(base: str, model: str, prompts: int, tag: str) -> dict[str, Any]:
     """vLLM's own benchmark client at 128 streams of INPUT_LEN random tokens and 256 out,
     against one model; its saved detailed JSON (its output in WORK/TAG.log)."""
-    out = WORK / "bench"
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [BENCH_PYTHON, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
-           "--backend", "openai", "--base-url", f"http://{base}", "--endpoint",
-           "/v1/completions", "--model", model, "--tokenizer", TOKENIZER,
-           "--dataset-name", "random", "--random-input-len", str(INPUT_LEN),
-           "--random-output-len", str(WANT), "--num-prompts", str(prompts),
-           "--max-concurrency", str(CONC), "--ignore-eos", "--ready-check-timeout-sec", "0",
-           "--save-result", "--save-detailed", "--result-dir", str(out),
-           "--result-filename", f"{tag}.json"]
-    log_path = WORK / f"{tag}.log"
-    env = {**os.environ}
-    if not DRY:
-        env["PYTHONPATH"] = VLLM_SITE
-    with log_path.open("wb") as logf:
-        r = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=900,
-                           cwd=str(WORK), env=env)
-    if r.returncode != 0:
-        raise AssertionError(f"bench {tag} exit {r.returncode}: "
-                             f"{log_path.read_text(errors='replace')[-2000:]}")
-    doc: dict[str, Any] = json.loads((out / f"{tag}.json").read_text())
-    return doc
+    return gpu_vllm.bench(base, CONC, prompts, tag, detailed=True, timeout=900,
+                          input_len=INPUT_LEN, model=model, tokenizer=TOKENIZER,
+                          python=BENCH_PYTHON, env=dict(os.environ) if DRY else None)
 
 
 def bench_all(bases: dict[str, str], prompts: int, tag: str) -> dict[str, dict[str, Any]]:
@@ -427,19 +404,6 @@ def phase_throughput(rounds: int = 2, prompts: int = 512) -> None:
     assert all(r["failed"] == 0 and r["short"] == 0 for v in rows.values() for r in v)
 
 
-def engine_running(addr: str) -> float:
-    try:
-        text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=5).read().decode()
-    except Exception:
-        return 0.0
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:num_requests_running"))
-
-
-def core_of(pid: int) -> psutil.Process:
-    return next(p for p in engine_tree(pid) if p.name().startswith("VLLM::EngineCor"))
-
-
 def phase_faults(prompts: int = 1200) -> None:
     """The same load through the daemon on every engine twice: no fault, then a core
     SIGKILL on e0 (5 s after it runs >= 64 streams), a KV reset on e1 (10 s after e0
@@ -462,12 +426,12 @@ def phase_faults(prompts: int = 1200) -> None:
             wait(lambda n=n: b"Starting main benchmark run"
                  in (WORK / f"host-faults-{n}.log").read_bytes(), 300, f"{n}'s main run")
         first = names()[0]
-        wait(lambda: engine_running(addr_of(detail[first])) >= 64, 300, "64 running at e0")
+        wait(lambda: running_at(addr_of(detail[first]), 5.0) >= 64, 300, "64 running at e0")
         time.sleep(5.0)
         for n, fault in targets.items():
             st = host_status()[n]
             fired[n] = {"fault": fault, "t": time.monotonic(), "pid": st["pid"],
-                        "running": engine_running(addr_of(st))}
+                        "running": running_at(addr_of(st), 5.0)}
             if fault == "kill":
                 core_of(st["pid"]).send_signal(signal.SIGKILL)
                 wait(lambda n=n, pid=st["pid"]: host_status()[n]["state"] == "RUNNING"

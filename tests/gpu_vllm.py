@@ -656,9 +656,15 @@ def engine_addr() -> str:
 
 def engine_running() -> float:
     """vllm:num_requests_running from the engine's own /metrics (0 when unreadable)."""
+    return running_at(engine_addr())
+
+
+def running_at(addr: str, timeout: float = 2.0) -> float:
+    """vllm:num_requests_running from the /metrics of the engine at `addr` (0 when
+    unreadable)."""
     try:
-        text = urllib.request.urlopen(f"http://{engine_addr()}/metrics",
-                                      timeout=2).read().decode()
+        text = urllib.request.urlopen(f"http://{addr}/metrics",
+                                      timeout=timeout).read().decode()
     except Exception:
         return 0.0
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -666,15 +672,19 @@ def engine_running() -> float:
 
 
 def bench(base: str, concurrency: int, prompts: int, tag: str, detailed: bool = False,
-          timeout: float = 540, input_len: int = 32) -> dict[str, Any]:
+          timeout: float = 540, input_len: int = 32, model: str = "tiny-llama",
+          tokenizer: str = MODEL, python: str = sys.executable,
+          env: dict[str, str] | None = None) -> dict[str, Any]:
     """vLLM's own benchmark client (a client nobody here wrote), one run; its saved JSON.
-    Its output goes to WORK/TAG.log as it runs. `input_len`: each random prompt's tokens."""
+    Its output goes to WORK/TAG.log as it runs. `input_len`: each random prompt's tokens;
+    `model`: the name asked for; `python`, `env`: where vLLM's client runs (the staged
+    site by default)."""
     out = WORK / "bench"
     out.mkdir(parents=True, exist_ok=True)
     name = f"{tag}.json"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+    cmd = [python, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
            "--backend", "openai", "--base-url", f"http://{base}", "--endpoint",
-           "/v1/completions", "--model", "tiny-llama", "--tokenizer", MODEL,
+           "/v1/completions", "--model", model, "--tokenizer", tokenizer,
            "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len",
            "256", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
            "--ignore-eos", "--ready-check-timeout-sec", "0", "--save-result",
@@ -683,7 +693,8 @@ def bench(base: str, concurrency: int, prompts: int, tag: str, detailed: bool = 
     log_path = WORK / f"{tag}.log"
     with log_path.open("wb") as logf:
         r = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout,
-                           cwd=str(WORK), env={**os.environ, "PYTHONPATH": VLLM_SITE})
+                           cwd=str(WORK),
+                           env=env or {**os.environ, "PYTHONPATH": VLLM_SITE})
     if r.returncode != 0:
         raise AssertionError(f"bench {tag} exit {r.returncode}: "
                              f"{log_path.read_text(errors='replace')[-2000:]}")
