@@ -1,0 +1,291 @@
+"""Issue 49, route 3 ("checkpoint and restore of a sleeping standby"): can a full-size
+standby, started once while the card was free and put to sleep, be taken off the GPU
+entirely and be brought back, and be snapshotted and restored as a process?
+
+Not collected by pytest (no GPU in CI). On a lent GPU machine, after the stage calls of
+docs/gpu-validation.md (vLLM only, raw engines, no daemon), with Debian's `criu` 3.17 and
+its libraries carried as packages in `.criu/` (`apt-get download`, see docs/standby.md):
+
+    WORK=/tmp/vs-snap python3 tests/gpu_snapshot_probe.py     # run it in the background
+
+Steps, each appending `RESULT {json}` to $WORK/results.jsonl (a step that fails records
+why and the next runs where it can):
+
+1. `env`: the kernel, root's capabilities, the driver, and `criu check`.
+2. `standby`: a raw vLLM engine of Llama-3.1-8B's shape at 0.88 (`--load-format dummy`,
+   eager, sleep mode) started alone, asked once and put to sleep (level 1): what it holds.
+3. `cuda_checkpoint`: the CUDA driver's checkpoint API (`cuCheckpointProcessLock` and
+   `cuCheckpointProcessCheckpoint`, through ctypes on libcuda) on every process of its
+   tree that has the GPU open: what the card holds for it afterwards (the goal: nothing).
+4. `serving`: a second engine at 0.88 beside it: does it start with a lone engine's KV
+   cache?
+5. `failover`: the serving engine's tree SIGKILLed; once its memory is back, the standby's
+   GPU state restored (`cuCheckpointProcessRestore`, `...Unlock`), woken and asked: each
+   step's seconds, and the KV cache it serves with.
+6. `criu_dump`: the standby put to sleep and checkpointed again, then dumped by CRIU (its
+   tree stops); the image's size and the seconds.
+7. `criu_restore`: the image restored (the same PIDs, free again), its GPU state restored,
+   woken and asked: a snapshot brought back serves.
+8. `criu_second`: the image restored once more while the first copy runs, in a new PID,
+   network and mount namespace: what CRIU says (a re-arm beside a serving copy needs it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+os.environ.setdefault("WORK", "/tmp/vs-snap")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.gpu_kv_probe import MODEL, WORK, Engine, card, released, result
+from tests.gpu_shapes import STAGED, make_m8b
+
+CRIU_DEBS = Path(__file__).resolve().parent.parent / ".criu"
+CRIU_ROOT = Path("/tmp/criu-root")
+IMAGES = Path(os.environ.get("IMAGES", "/dev/shm/vs-snap-img"))
+FULL = ["--gpu-memory-utilization", "0.88"]
+
+
+def sh(*argv: str, timeout: float = 120, env: dict[str, str] | None = None) -> dict[str, Any]:
+    t = time.monotonic()
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+        out = (p.stdout + p.stderr).strip().splitlines()
+        return {"rc": p.returncode, "s": round(time.monotonic() - t, 2), "out": out[-15:]}
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"rc": None, "s": round(time.monotonic() - t, 2), "out": [repr(e)]}
+
+
+def criu(*args: str, timeout: float = 300) -> dict[str, Any]:
+    libs = f"{CRIU_ROOT}/usr/lib/x86_64-linux-gnu:{CRIU_ROOT}/lib/x86_64-linux-gnu"
+    env = {**os.environ, "LD_LIBRARY_PATH": libs}
+    return sh(str(CRIU_ROOT / "usr/sbin/criu"), *args, timeout=timeout, env=env)
+
+
+class CudaCheckpoint:
+    """The CUDA driver's process checkpoint API (CUDA 12.8+, driver 570+), by pid."""
+
+    STATES: ClassVar[dict[int, str]] = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.check("cuInit", self.lib.cuInit(0))
+
+    def check(self, what: str, rc: int) -> None:
+        if rc != 0:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(rc, ctypes.byref(name))
+            raise RuntimeError(f"{what}: {rc} {name.value!r}")
+
+    def state(self, pid: int) -> str:
+        s = ctypes.c_int(-1)
+        rc = self.lib.cuCheckpointProcessGetState(ctypes.c_int(pid), ctypes.byref(s))
+        return self.STATES.get(s.value, str(s.value)) if rc == 0 else f"error {rc}"
+
+    def lock(self, pid: int, timeout_ms: int = 10_000) -> None:
+        args = (ctypes.c_uint * 16)()  # CUcheckpointLockArgs: timeoutMs, then reserved
+        args[0] = timeout_ms
+        self.check(f"lock {pid}", self.lib.cuCheckpointProcessLock(ctypes.c_int(pid), args))
+
+    def checkpoint(self, pid: int) -> None:
+        self.check(f"checkpoint {pid}",
+                   self.lib.cuCheckpointProcessCheckpoint(ctypes.c_int(pid), None))
+
+    def restore(self, pid: int) -> None:
+        self.check(f"restore {pid}", self.lib.cuCheckpointProcessRestore(ctypes.c_int(pid), None))
+
+    def unlock(self, pid: int) -> None:
+        self.check(f"unlock {pid}", self.lib.cuCheckpointProcessUnlock(ctypes.c_int(pid), None))
+
+
+def tree(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{p}/task"):
+                with contextlib.suppress(OSError):
+                    todo += [int(c) for c in
+                             Path(f"/proc/{p}/task/{task}/children").read_text().split()]
+    return sorted(set(out))
+
+
+def gpu_open(pids: list[int]) -> dict[int, int]:
+    """Each pid with NVIDIA device files open, and how many."""
+    out = {}
+    for p in pids:
+        n = 0
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{p}/fd"):
+                with contextlib.suppress(OSError):
+                    n += os.readlink(f"/proc/{p}/fd/{fd}").startswith("/dev/nvidia")
+        if n:
+            out[p] = n
+    return out
+
+
+def compute_apps() -> list[str]:
+    out: list[str] = sh("nvidia-smi", "--query-compute-apps=pid,used_memory",
+                        "--format=csv,noheader,nounits")["out"]
+    return out
+
+
+def take_off(cuda: CudaCheckpoint, engine: Engine) -> list[int]:
+    """Lock and checkpoint every process of the engine's tree that has the GPU open."""
+    pids = list(gpu_open(tree(engine.proc.pid)))
+    times: dict[str, Any] = {}
+    for p in pids:
+        t = time.monotonic()
+        try:
+            cuda.lock(p)
+            times[f"{p}_lock_s"] = round(time.monotonic() - t, 3)
+            cuda.checkpoint(p)
+            times[f"{p}_checkpoint_s"] = round(time.monotonic() - t, 3)
+        except RuntimeError as e:
+            times[f"{p}_error"] = str(e)
+    time.sleep(1)
+    result("cuda_checkpoint", pids=pids, states={p: cuda.state(p) for p in pids},
+           still_open=gpu_open(tree(engine.proc.pid)), apps=compute_apps(), **times, **card())
+    return pids
+
+
+def bring_back(cuda: CudaCheckpoint, engine: Engine, pids: list[int], step: str,
+               t0: float | None = None) -> None:
+    """The GPU state restored, unlocked, the engine woken and asked once."""
+    t = time.monotonic()
+    errors = {}
+    for p in pids:
+        try:
+            cuda.restore(p)
+            cuda.unlock(p)
+        except RuntimeError as e:
+            errors[str(p)] = str(e)
+    restore_s = round(time.monotonic() - t, 3)
+    doc: dict[str, Any] = {"restore_s": restore_s, "errors": errors,
+                           "states": {p: cuda.state(p) for p in pids}}
+    try:
+        doc["wake_s"] = engine.post("/wake_up")
+        doc["first_answer_s"] = engine.complete()
+        if t0 is not None:
+            doc["since_kill_s"] = round(time.monotonic() - t0, 2)
+    except OSError as e:
+        doc["error"] = repr(e)
+        doc["tail"] = engine.tail(15)
+    result(step, **doc, **engine.facts(), **card())
+
+
+def step_env() -> None:
+    CRIU_ROOT.mkdir(parents=True, exist_ok=True)
+    for deb in sorted(CRIU_DEBS.glob("*.deb")):
+        subprocess.run(["dpkg", "-x", str(deb), str(CRIU_ROOT)], check=True)
+    caps = [ln for ln in Path("/proc/self/status").read_text().splitlines()
+            if ln.startswith("Cap")]
+    result("env", uname=os.uname().release, uid=os.getuid(), caps=caps,
+           driver=sh("nvidia-smi", "--query-gpu=driver_version,name,memory.total",
+                     "--format=csv,noheader")["out"],
+           criu_version=criu("--version"), criu_check=criu("check"),
+           shm=sh("df", "-h", "/dev/shm", "/tmp")["out"], **card())
+
+
+def step_dump(cuda: CudaCheckpoint, standby: Engine) -> bool:
+    shutil.rmtree(IMAGES, ignore_errors=True)
+    IMAGES.mkdir(parents=True)
+    standby.post("/sleep?level=1")
+    pids = take_off(cuda, standby)
+    if any(cuda.state(p) != "checkpointed" for p in pids):
+        return False
+    out = criu("dump", "-t", str(standby.proc.pid), "-D", str(IMAGES), "-v2",
+               "-o", "dump.log", "--tcp-established", "--ext-unix-sk", "--file-locks",
+               "--link-remap", "--ghost-limit", "256M", timeout=580)
+    size = sum(f.stat().st_size for f in IMAGES.iterdir()) / 2**30
+    log = (IMAGES / "dump.log").read_text(errors="replace").splitlines()[-15:] \
+        if (IMAGES / "dump.log").exists() else []
+    result("criu_dump", **out, image_gib=round(size, 2), log=log,
+           alive=standby.proc.poll() is None, **card())
+    return bool(out["rc"] == 0)
+
+
+def step_restore(cuda: CudaCheckpoint, standby: Engine) -> bool:
+    with contextlib.suppress(ChildProcessError, subprocess.TimeoutExpired):
+        standby.proc.wait(30)  # the dumped tree's root, reaped
+    out = criu("restore", "-D", str(IMAGES), "-d", "-v2", "-o", "restore.log",
+               "--tcp-established", "--ext-unix-sk", "--file-locks", "--link-remap",
+               timeout=580)
+    log = (IMAGES / "restore.log").read_text(errors="replace").splitlines()[-15:] \
+        if (IMAGES / "restore.log").exists() else []
+    pid = standby.proc.pid
+    alive = Path(f"/proc/{pid}").exists()
+    pids = list(gpu_open(tree(pid))) if alive else []
+    result("criu_restore", **out, log=log, alive=alive,
+           states={p: cuda.state(p) for p in tree(pid)} if alive else {}, **card())
+    if out["rc"] != 0 or not alive:
+        return False
+    # The restored tree is not our child: the Engine's handle keeps the pid for kill().
+    bring_back(cuda, standby, pids or tree(pid), "restored_serves")
+    return True
+
+
+def step_second() -> None:
+    out = sh("unshare", "--pid", "--net", "--mount", "--fork", "--mount-proc",
+             "env", f"LD_LIBRARY_PATH={CRIU_ROOT}/usr/lib/x86_64-linux-gnu",
+             str(CRIU_ROOT / "usr/sbin/criu"), "restore", "-D", str(IMAGES), "-v2",
+             "-o", "restore2.log", "--ext-unix-sk", "--file-locks", "--link-remap",
+             timeout=300)
+    log = (IMAGES / "restore2.log").read_text(errors="replace").splitlines()[-15:] \
+        if (IMAGES / "restore2.log").exists() else []
+    result("criu_second", **out, log=log, **card())
+
+
+def kill_tree(pid: int) -> None:
+    for p in reversed(tree(pid)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, 9)
+
+
+def main() -> None:
+    WORK.mkdir(parents=True, exist_ok=True)
+    if not (MODEL / "config.json").exists():
+        make_m8b(MODEL)
+    assert STAGED.exists()
+    step_env()
+    cuda = CudaCheckpoint()
+    standby = Engine("standby", 8111, FULL)
+    up = standby.wait_healthy()
+    result("standby", healthy_s=up, **standby.facts(), **card(),
+           **({} if up else {"tail": standby.tail()}))
+    if not up:
+        return
+    standby.complete()
+    result("standby_asleep", sleep_s=standby.post("/sleep?level=1"), apps=compute_apps(),
+           **card())
+    pids = take_off(cuda, standby)
+    serving = Engine("serving", 8112, FULL)
+    up = serving.wait_healthy()
+    result("serving", healthy_s=up, **serving.facts(), **card(),
+           **({} if up else {"tail": serving.tail()}))
+    if up:
+        serving.complete()
+    in_use = card()["used_mib"]
+    t_kill = time.monotonic()
+    serving.kill()
+    result("serving_gone", s=round(time.monotonic() - t_kill, 2), **released(in_use))
+    bring_back(cuda, standby, pids, "failover", t_kill)
+    try:
+        if step_dump(cuda, standby) and step_restore(cuda, standby):
+            step_second()
+    finally:
+        kill_tree(standby.proc.pid)
+        shutil.rmtree(IMAGES, ignore_errors=True)
+        result("done", **card())
+
+
+if __name__ == "__main__":
+    main()
