@@ -72,12 +72,13 @@ def card() -> dict[str, int]:
 
 
 class Engine:
-    def __init__(self, name: str, port: int, extra: list[str]) -> None:
+    def __init__(self, name: str, port: int, extra: list[str],
+                 wrap: list[str] | None = None) -> None:
         self.name, self.port = name, port
         self.log = WORK / f"{name}.log"
         env = {**os.environ, "PYTHONPATH": VLLM_SITE, "VLLM_SERVER_DEV_MODE": "1",
                "CUDA_VISIBLE_DEVICES": "0"}
-        self.argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        self.argv = [*(wrap or []), sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                      "--model", str(MODEL), "--port", str(port), *ARGS, *extra]
         self.proc = subprocess.Popen(self.argv, stdout=self.log.open("wb"),
                                      stderr=subprocess.STDOUT, env=env,

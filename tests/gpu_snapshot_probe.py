@@ -36,6 +36,7 @@ import contextlib
 import ctypes
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -47,10 +48,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.gpu_kv_probe import MODEL, WORK, Engine, card, released, result
 from tests.gpu_shapes import STAGED, make_m8b
 
-CRIU_DEBS = Path(__file__).resolve().parent.parent / ".criu"
-CRIU_ROOT = Path("/tmp/criu-root")
+CRIU_DEBS = Path(__file__).resolve().parent.parent / os.environ.get("CRIU_DEBS", ".criu")
+CRIU_ROOT = Path("/tmp/criu-root") / CRIU_DEBS.name
+LIBS = CRIU_ROOT / "usr/lib/x86_64-linux-gnu"
 IMAGES = Path(os.environ.get("IMAGES", "/dev/shm/vs-snap-img"))
+# The new network namespace's loopback up (SIOCSIFFLAGS, IFF_UP | IFF_RUNNING): no `ip` there.
+LO_UP = ("import socket, fcntl, struct; fcntl.ioctl(socket.socket(), 0x8914, "
+         "struct.pack(\"16sH14s\", b\"lo\", 0x41, b\"\"))")
+DUMPED: list[int] = []  # the pids of the tree CRIU dumped
+LOG_SIZE: list[int] = []  # its stdout file's size then
 FULL = ["--gpu-memory-utilization", "0.88"]
+# The engine started under a seccomp filter that answers io_uring_setup with ENOSYS: CRIU
+# cannot dump an io_uring, and the libraries that open one fall back without it.
+NO_IO_URING = [sys.executable, str(Path(__file__).resolve().parent / "no_io_uring.py")]
 
 
 def sh(*argv: str, timeout: float = 120, env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -63,10 +73,18 @@ def sh(*argv: str, timeout: float = 120, env: dict[str, str] | None = None) -> d
         return {"rc": None, "s": round(time.monotonic() - t, 2), "out": [repr(e)]}
 
 
+def criu_argv() -> list[str]:
+    """CRIU as carried: through the carried C library's own loader when its packages bring
+    one (trixie's CRIU 4 needs a newer glibc than the GPU image's), else on LD_LIBRARY_PATH."""
+    binary = str(CRIU_ROOT / "usr/sbin/criu")
+    loader = LIBS / "ld-linux-x86-64.so.2"
+    if loader.exists():
+        return [str(loader), "--library-path", str(LIBS), binary]
+    return ["env", f"LD_LIBRARY_PATH={LIBS}:{CRIU_ROOT}/lib/x86_64-linux-gnu", binary]
+
+
 def criu(*args: str, timeout: float = 300) -> dict[str, Any]:
-    libs = f"{CRIU_ROOT}/usr/lib/x86_64-linux-gnu:{CRIU_ROOT}/lib/x86_64-linux-gnu"
-    env = {**os.environ, "LD_LIBRARY_PATH": libs}
-    return sh(str(CRIU_ROOT / "usr/sbin/criu"), *args, timeout=timeout, env=env)
+    return sh(*criu_argv(), *args, timeout=timeout)
 
 
 class CudaCheckpoint:
@@ -202,8 +220,10 @@ def step_dump(cuda: CudaCheckpoint, standby: Engine) -> bool:
     pids = take_off(cuda, standby)
     if any(cuda.state(p) != "checkpointed" for p in pids):
         return False
+    DUMPED[:] = tree(standby.proc.pid)
+    LOG_SIZE[:] = [standby.log.stat().st_size]  # CRIU checks it at a restore
     out = criu("dump", "-t", str(standby.proc.pid), "-D", str(IMAGES), "-v2",
-               "-o", "dump.log", "--tcp-established", "--ext-unix-sk", "--file-locks",
+               "-o", "dump.log", "--tcp-established", "--network-lock", "skip", "--ext-unix-sk", "--file-locks",
                "--link-remap", "--ghost-limit", "256M", timeout=580)
     size = sum(f.stat().st_size for f in IMAGES.iterdir()) / 2**30
     log = (IMAGES / "dump.log").read_text(errors="replace").splitlines()[-15:] \
@@ -216,8 +236,13 @@ def step_dump(cuda: CudaCheckpoint, standby: Engine) -> bool:
 def step_restore(cuda: CudaCheckpoint, standby: Engine) -> bool:
     with contextlib.suppress(ChildProcessError, subprocess.TimeoutExpired):
         standby.proc.wait(30)  # the dumped tree's root, reaped
+    t = time.monotonic()  # every pid of the dumped tree free again (an exit takes a while)
+    while any(Path(f"/proc/{p}").exists() for p in DUMPED) and time.monotonic() - t < 90:
+        time.sleep(0.2)
+    result("pids_free", s=round(time.monotonic() - t, 2),
+           left=[p for p in DUMPED if Path(f"/proc/{p}").exists()])
     out = criu("restore", "-D", str(IMAGES), "-d", "-v2", "-o", "restore.log",
-               "--tcp-established", "--ext-unix-sk", "--file-locks", "--link-remap",
+               "--tcp-established", "--network-lock", "skip", "--ext-unix-sk", "--file-locks", "--link-remap",
                timeout=580)
     log = (IMAGES / "restore.log").read_text(errors="replace").splitlines()[-15:] \
         if (IMAGES / "restore.log").exists() else []
@@ -233,21 +258,74 @@ def step_restore(cuda: CudaCheckpoint, standby: Engine) -> bool:
     return True
 
 
-def step_second() -> None:
-    out = sh("unshare", "--pid", "--net", "--mount", "--fork", "--mount-proc",
-             "env", f"LD_LIBRARY_PATH={CRIU_ROOT}/usr/lib/x86_64-linux-gnu",
-             str(CRIU_ROOT / "usr/sbin/criu"), "restore", "-D", str(IMAGES), "-v2",
-             "-o", "restore2.log", "--ext-unix-sk", "--file-locks", "--link-remap",
-             timeout=300)
-    log = (IMAGES / "restore2.log").read_text(errors="replace").splitlines()[-15:] \
-        if (IMAGES / "restore2.log").exists() else []
-    result("criu_second", **out, log=log, **card())
+def step_second(cuda: CudaCheckpoint) -> None:
+    """The image restored again beside the running copy, in new PID, network and mount
+    namespaces (criu the namespace's init, so it waits as the tree's parent): does it come
+    back, does its GPU state come back beside the serving copy, does it answer /health?"""
+    log = IMAGES / "restore2.log"
+    # The stdout file has grown under the first copy: back to the dumped size, or CRIU
+    # refuses it (the daemon would give each copy a pipe of its own: --inherit-fd).
+    os.truncate(WORK / "standby.log", LOG_SIZE[0])
+    inner = (f"{sys.executable} -c '{LO_UP}'; exec {' '.join(criu_argv())} restore -D {IMAGES} -v2 "
+             f"-o restore2.log --tcp-established --network-lock skip --ext-unix-sk --file-locks --link-remap")
+    t = time.monotonic()
+    proc = subprocess.Popen(["unshare", "--pid", "--net", "--mount", "--fork", "--mount-proc",
+                             "sh", "-c", inner], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = False
+    while time.monotonic() - t < 180 and proc.poll() is None and not done:
+        time.sleep(0.5)
+        done = log.exists() and "Restore finished successfully" in log.read_text(errors="replace")
+    doc: dict[str, Any] = {"finished": done, "s": round(time.monotonic() - t, 2),
+                           "exited": proc.poll(),
+                           "log": log.read_text(errors="replace").splitlines()[-12:]
+                           if log.exists() else []}
+    inits = {proc.pid, *children(proc.pid)}  # unshare and criu, the namespace's init
+    pids = [p for p in tree(proc.pid) if p not in inits]
+    doc["pids"] = pids
+    if done and pids:
+        t = time.monotonic()
+        errors = {}
+        for p in pids:
+            try:
+                cuda.restore(p)
+                cuda.unlock(p)
+            except RuntimeError as e:
+                errors[str(p)] = str(e)
+        doc.update(gpu_restore_s=round(time.monotonic() - t, 3), errors=errors,
+                   states={p: cuda.state(p) for p in pids})
+        doc["health"] = sh("nsenter", "-t", str(pids[0]), "-n", sys.executable, "-c",
+                           "import urllib.request as u; print(u.urlopen("
+                           "'http://127.0.0.1:8111/health', timeout=10).status)")
+    result("criu_second", **doc, apps=compute_apps(), **card())
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+def children(pid: int) -> list[int]:
+    with contextlib.suppress(OSError):
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return []
 
 
 def kill_tree(pid: int) -> None:
     for p in reversed(tree(pid)):
         with contextlib.suppress(ProcessLookupError):
             os.kill(p, 9)
+
+
+def snapshot(cuda: CudaCheckpoint, standby: Engine) -> None:
+    """Steps 6-8 on a serving standby; its tree ended whatever happens."""
+    try:
+        if step_dump(cuda, standby) and step_restore(cuda, standby):
+            step_second(cuda)
+    finally:
+        kill_tree(standby.proc.pid)
+        shutil.rmtree(IMAGES, ignore_errors=True)
+        result("done", **card())
 
 
 def main() -> None:
@@ -257,7 +335,7 @@ def main() -> None:
     assert STAGED.exists()
     step_env()
     cuda = CudaCheckpoint()
-    standby = Engine("standby", 8111, FULL)
+    standby = Engine("standby", 8111, FULL, wrap=NO_IO_URING)
     up = standby.wait_healthy()
     result("standby", healthy_s=up, **standby.facts(), **card(),
            **({} if up else {"tail": standby.tail()}))
@@ -267,6 +345,10 @@ def main() -> None:
     result("standby_asleep", sleep_s=standby.post("/sleep?level=1"), apps=compute_apps(),
            **card())
     pids = take_off(cuda, standby)
+    if "criu" in sys.argv[1:]:  # the snapshot alone: no serving engine, no failover
+        bring_back(cuda, standby, pids, "woken")
+        snapshot(cuda, standby)
+        return
     serving = Engine("serving", 8112, FULL)
     up = serving.wait_healthy()
     result("serving", healthy_s=up, **serving.facts(), **card(),
@@ -278,13 +360,7 @@ def main() -> None:
     serving.kill()
     result("serving_gone", s=round(time.monotonic() - t_kill, 2), **released(in_use))
     bring_back(cuda, standby, pids, "failover", t_kill)
-    try:
-        if step_dump(cuda, standby) and step_restore(cuda, standby):
-            step_second()
-    finally:
-        kill_tree(standby.proc.pid)
-        shutil.rmtree(IMAGES, ignore_errors=True)
-        result("done", **card())
+    snapshot(cuda, standby)
 
 
 if __name__ == "__main__":
