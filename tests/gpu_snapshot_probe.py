@@ -3,10 +3,17 @@ standby, started once while the card was free and put to sleep, be taken off the
 entirely and be brought back, and be snapshotted and restored as a process?
 
 Not collected by pytest (no GPU in CI). On a lent GPU machine, after the stage calls of
-docs/gpu-validation.md (vLLM only, raw engines, no daemon), with Debian's `criu` 3.17 and
-its libraries carried as packages in `.criu/` (`apt-get download`, see docs/standby.md):
+docs/gpu-validation.md (vLLM only, raw engines, no daemon), with a CRIU and its libraries
+carried as Debian packages in the folder CRIU_DEBS names (ignored by git; CRIU 4.2 or later
+on kernels from 6.16: sid's `criu` 4.2.1 with its libraries and libc6, run through that
+libc's own loader; `apt-get download` with a sid sources list, see docs/standby.md):
 
-    WORK=/tmp/vs-snap python3 tests/gpu_snapshot_probe.py     # run it in the background
+    WORK=/tmp/vs-snap CRIU_DEBS=.criu4 UV_USE_IO_URING=0 VLLM_HOST_IP=127.0.0.1 \
+        python3 tests/gpu_snapshot_probe.py [criu]    # run it in the background, poll
+
+`criu`: steps 1-3 and 6-8 only (no serving engine, no failover). VLLM_HOST_IP keeps vLLM's
+own sockets on loopback (step 8's namespace has nothing else); the standby starts under
+tests/no_io_uring.py (CRIU cannot dump an io_uring).
 
 Steps, each appending `RESULT {json}` to $WORK/results.jsonl (a step that fails records
 why and the next runs where it can):
@@ -55,6 +62,9 @@ IMAGES = Path(os.environ.get("IMAGES", "/dev/shm/vs-snap-img"))
 # The new network namespace's loopback up (SIOCSIFFLAGS, IFF_UP | IFF_RUNNING): no `ip` there.
 LO_UP = ("import socket, fcntl, struct; fcntl.ioctl(socket.socket(), 0x8914, "
          "struct.pack(\"16sH14s\", b\"lo\", 0x41, b\"\"))")
+# The core's loopback TCP connections (torch.distributed's store) go in the image; CRIU
+# would lock them with iptables, which the image lacks (`--network-lock skip` at the dump).
+CRIU_OPTS = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--link-remap"]
 DUMPED: list[int] = []  # the pids of the tree CRIU dumped
 LOG_SIZE: list[int] = []  # its stdout file's size then
 FULL = ["--gpu-memory-utilization", "0.88"]
@@ -223,8 +233,8 @@ def step_dump(cuda: CudaCheckpoint, standby: Engine) -> bool:
     DUMPED[:] = tree(standby.proc.pid)
     LOG_SIZE[:] = [standby.log.stat().st_size]  # CRIU checks it at a restore
     out = criu("dump", "-t", str(standby.proc.pid), "-D", str(IMAGES), "-v2",
-               "-o", "dump.log", "--tcp-established", "--network-lock", "skip", "--ext-unix-sk", "--file-locks",
-               "--link-remap", "--ghost-limit", "256M", timeout=580)
+               "-o", "dump.log", "--network-lock", "skip", *CRIU_OPTS, "--ghost-limit", "256M",
+               timeout=580)
     size = sum(f.stat().st_size for f in IMAGES.iterdir()) / 2**30
     log = (IMAGES / "dump.log").read_text(errors="replace").splitlines()[-15:] \
         if (IMAGES / "dump.log").exists() else []
@@ -242,8 +252,7 @@ def step_restore(cuda: CudaCheckpoint, standby: Engine) -> bool:
     result("pids_free", s=round(time.monotonic() - t, 2),
            left=[p for p in DUMPED if Path(f"/proc/{p}").exists()])
     out = criu("restore", "-D", str(IMAGES), "-d", "-v2", "-o", "restore.log",
-               "--tcp-established", "--network-lock", "skip", "--ext-unix-sk", "--file-locks", "--link-remap",
-               timeout=580)
+               *CRIU_OPTS, timeout=580)
     log = (IMAGES / "restore.log").read_text(errors="replace").splitlines()[-15:] \
         if (IMAGES / "restore.log").exists() else []
     pid = standby.proc.pid
@@ -266,8 +275,8 @@ def step_second(cuda: CudaCheckpoint) -> None:
     # The stdout file has grown under the first copy: back to the dumped size, or CRIU
     # refuses it (the daemon would give each copy a pipe of its own: --inherit-fd).
     os.truncate(WORK / "standby.log", LOG_SIZE[0])
-    inner = (f"{sys.executable} -c '{LO_UP}'; exec {' '.join(criu_argv())} restore -D {IMAGES} -v2 "
-             f"-o restore2.log --tcp-established --network-lock skip --ext-unix-sk --file-locks --link-remap")
+    inner = (f"{sys.executable} -c '{LO_UP}'; exec {' '.join(criu_argv())} restore -D {IMAGES} "
+             f"-v2 -o restore2.log {' '.join(CRIU_OPTS)}")
     t = time.monotonic()
     proc = subprocess.Popen(["unshare", "--pid", "--net", "--mount", "--fork", "--mount-proc",
                              "sh", "-c", inner], start_new_session=True,
