@@ -33,8 +33,12 @@ why and the next runs where it can):
    tree stops); the image's size and the seconds.
 7. `criu_restore`: the image restored (the same PIDs, free again), its GPU state restored,
    woken and asked: a snapshot brought back serves.
-8. `criu_second`: the image restored once more while the first copy runs, in a new PID,
-   network and mount namespace: what CRIU says (a re-arm beside a serving copy needs it).
+8. `armed_b`, `fault_onto_b`, `armed_c`: the re-arm beside a serving engine and the fault
+   onto it. Copy B restored while A serves, in new PID, network and mount namespaces
+   (its own stdout file bind-mounted where the image's was), its GPU state restored
+   (asleep: 827 MiB beside A) and its /health answered in its namespace: armed. Then A's
+   tree SIGKILLed, B woken and asked (the second fault at full capacity: seconds from the
+   kill to its answer), and copy C armed beside B the same way (the third).
 """
 
 from __future__ import annotations
@@ -46,15 +50,19 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 os.environ.setdefault("WORK", "/tmp/vs-snap")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.gpu_kv_probe import MODEL, WORK, Engine, card, released, result
 from tests.gpu_shapes import STAGED, make_m8b
 
+T = TypeVar("T")
 CRIU_DEBS = Path(__file__).resolve().parent.parent / os.environ.get("CRIU_DEBS", ".criu")
 CRIU_ROOT = Path("/tmp/criu-root") / CRIU_DEBS.name
 LIBS = CRIU_ROOT / "usr/lib/x86_64-linux-gnu"
@@ -66,7 +74,6 @@ LO_UP = ("import socket, fcntl, struct; fcntl.ioctl(socket.socket(), 0x8914, "
 # would lock them with iptables, which the image lacks (`--network-lock skip` at the dump).
 CRIU_OPTS = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--link-remap"]
 DUMPED: list[int] = []  # the pids of the tree CRIU dumped
-LOG_SIZE: list[int] = []  # its stdout file's size then
 FULL = ["--gpu-memory-utilization", "0.88"]
 # The engine started under a seccomp filter that answers io_uring_setup with ENOSYS: CRIU
 # cannot dump an io_uring, and the libraries that open one fall back without it.
@@ -231,7 +238,7 @@ def step_dump(cuda: CudaCheckpoint, standby: Engine) -> bool:
     if any(cuda.state(p) != "checkpointed" for p in pids):
         return False
     DUMPED[:] = tree(standby.proc.pid)
-    LOG_SIZE[:] = [standby.log.stat().st_size]  # CRIU checks it at a restore
+    shutil.copy(standby.log, IMAGES / "stdout.log")  # its size: CRIU checks it at a restore
     out = criu("dump", "-t", str(standby.proc.pid), "-D", str(IMAGES), "-v2",
                "-o", "dump.log", "--network-lock", "skip", *CRIU_OPTS, "--ghost-limit", "256M",
                timeout=580)
@@ -267,51 +274,137 @@ def step_restore(cuda: CudaCheckpoint, standby: Engine) -> bool:
     return True
 
 
-def step_second(cuda: CudaCheckpoint) -> None:
-    """The image restored again beside the running copy, in new PID, network and mount
-    namespaces (criu the namespace's init, so it waits as the tree's parent): does it come
-    back, does its GPU state come back beside the serving copy, does it answer /health?"""
-    log = IMAGES / "restore2.log"
-    # The stdout file has grown under the first copy: back to the dumped size, or CRIU
-    # refuses it (the daemon would give each copy a pipe of its own: --inherit-fd).
-    os.truncate(WORK / "standby.log", LOG_SIZE[0])
-    inner = (f"{sys.executable} -c '{LO_UP}'; exec {' '.join(criu_argv())} restore -D {IMAGES} "
-             f"-v2 -o restore2.log {' '.join(CRIU_OPTS)}")
+def in_netns(pid: int, fn: Callable[[], T]) -> T:
+    """`fn` called on a thread moved into `pid`'s network namespace (a copy restored in
+    its own: its loopback is not ours)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+            try:  # (os.setns is Python 3.12's; CLONE_NEWNET)
+                if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:
+                    raise OSError(ctypes.get_errno(), "setns")
+            finally:
+                os.close(fd)
+            box["value"] = fn()
+        except BaseException as e:  # (raised again on the caller's thread)
+            box["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]  # type: ignore[no-any-return]
+
+
+def get(url: str) -> float:
     t = time.monotonic()
-    proc = subprocess.Popen(["unshare", "--pid", "--net", "--mount", "--fork", "--mount-proc",
-                             "sh", "-c", inner], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    done = False
-    while time.monotonic() - t < 180 and proc.poll() is None and not done:
-        time.sleep(0.5)
-        done = log.exists() and "Restore finished successfully" in log.read_text(errors="replace")
-    doc: dict[str, Any] = {"finished": done, "s": round(time.monotonic() - t, 2),
-                           "exited": proc.poll(),
-                           "log": log.read_text(errors="replace").splitlines()[-12:]
-                           if log.exists() else []}
-    inits = {proc.pid, *children(proc.pid)}  # unshare and criu, the namespace's init
-    pids = [p for p in tree(proc.pid) if p not in inits]
-    doc["pids"] = pids
-    if done and pids:
+    urllib.request.urlopen(url, timeout=10).read()
+    return round(time.monotonic() - t, 3)
+
+
+class Copy:
+    """The image restored beside whatever runs, in new PID, network and mount namespaces
+    (CRIU the namespace's init: it waits as the tree's parent), with a stdout file of its
+    own bind-mounted where the image's was (CRIU checks that file's size)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.log = IMAGES / f"restore-{name}.log"
+        out_file = WORK / f"{name}.log"
+        shutil.copy(IMAGES / "stdout.log", out_file)  # (the size the image recorded)
+        inner = (f"mount --bind {out_file} {WORK / 'standby.log'} && "
+                 f"{sys.executable} -c '{LO_UP}' && exec {' '.join(criu_argv())} restore "
+                 f"-D {IMAGES} -v2 -o {self.log.name} {' '.join(CRIU_OPTS)}")
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            ["unshare", "--pid", "--net", "--mount", "--fork", "--mount-proc",
+             "sh", "-c", inner], start_new_session=True,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.pids: list[int] = []
+
+    def wait_restored(self, timeout: float = 240) -> dict[str, Any]:
+        done = False
+        while time.monotonic() - self.t0 < timeout and self.proc.poll() is None and not done:
+            time.sleep(0.5)
+            done = self.log.exists() and \
+                "Restore finished successfully" in self.log.read_text(errors="replace")
+        inits = {self.proc.pid, *children(self.proc.pid)}  # unshare, and criu its ns's init
+        self.pids = [p for p in tree(self.proc.pid) if p not in inits] if done else []
+        return {"finished": done, "s": round(time.monotonic() - self.t0, 2),
+                "exited": self.proc.poll(), "pids": self.pids,
+                "log": self.log.read_text(errors="replace").splitlines()[-12:]
+                if self.log.exists() else []}
+
+    def gpu_back(self, cuda: CudaCheckpoint) -> dict[str, Any]:
+        """Its GPU state restored (asleep: what a sleeping standby holds)."""
         t = time.monotonic()
         errors = {}
-        for p in pids:
+        for p in self.pids:
+            if cuda.state(p) != "checkpointed":
+                continue  # (a process of the tree that never had the GPU)
             try:
                 cuda.restore(p)
                 cuda.unlock(p)
             except RuntimeError as e:
                 errors[str(p)] = str(e)
-        doc.update(gpu_restore_s=round(time.monotonic() - t, 3), errors=errors,
-                   states={p: cuda.state(p) for p in pids})
-        doc["health"] = sh("nsenter", "-t", str(pids[0]), "-n", sys.executable, "-c",
-                           "import urllib.request as u; print(u.urlopen("
-                           "'http://127.0.0.1:8111/health', timeout=10).status)")
-    result("criu_second", **doc, apps=compute_apps(), **card())
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for p in pids:
+        return {"gpu_restore_s": round(time.monotonic() - t, 3), "errors": errors,
+                "states": {p: cuda.state(p) for p in self.pids}}
+
+    def end(self) -> None:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for p in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+
+
+def arm_copy(cuda: CudaCheckpoint, standby: Engine, name: str) -> Copy | None:
+    """A copy restored beside the serving engine, its GPU state back (asleep), and its
+    /health answered inside its namespace: armed."""
+    copy = Copy(name)
+    doc = copy.wait_restored()
+    if doc["finished"] and copy.pids:
+        doc.update(copy.gpu_back(cuda))
+        try:
+            doc["health_s"] = in_netns(copy.pids[0], lambda: get(standby.url("/health")))
+        except OSError as e:
+            doc["health_error"] = repr(e)
+    doc["armed_s"] = round(time.monotonic() - copy.t0, 2)
+    result(f"armed_{name}", **doc, apps=compute_apps(), **card())
+    return copy if "health_s" in doc else None
+
+
+def step_second(cuda: CudaCheckpoint, standby: Engine) -> None:
+    """The re-arm beside a serving engine, then the fault onto it, then the re-arm again:
+    copy B restored beside the serving A (in its namespaces); A's tree SIGKILLed; B woken
+    and asked (the second fault at full capacity); copy C restored beside B."""
+    b = arm_copy(cuda, standby, "b")
+    if b is None:
+        return
+    c = None
+    try:
+        in_use = card()["used_mib"]
+        t_kill = time.monotonic()
+        kill_tree(standby.proc.pid)  # A, the copy serving in the daemon's namespaces
+        gone = released(in_use)
+        doc: dict[str, Any] = {"released_s": round(time.monotonic() - t_kill, 2),
+                               "card_after_kill": gone}
+        try:
+            doc["wake_s"] = in_netns(b.pids[0], lambda: standby.post("/wake_up"))
+            doc["first_answer_s"] = in_netns(b.pids[0], standby.complete)
+            doc["since_kill_s"] = round(time.monotonic() - t_kill, 2)
+        except OSError as e:
+            doc["error"] = repr(e)
+        result("fault_onto_b", **doc, **card())
+        if "since_kill_s" in doc:
+            c = arm_copy(cuda, standby, "c")
+    finally:
+        b.end()
+        if c is not None:
+            c.end()
 
 
 def children(pid: int) -> list[int]:
@@ -330,7 +423,7 @@ def snapshot(cuda: CudaCheckpoint, standby: Engine) -> None:
     """Steps 6-8 on a serving standby; its tree ended whatever happens."""
     try:
         if step_dump(cuda, standby) and step_restore(cuda, standby):
-            step_second(cuda)
+            step_second(cuda, standby)
     finally:
         kill_tree(standby.proc.pid)
         shutil.rmtree(IMAGES, ignore_errors=True)
