@@ -2,8 +2,11 @@
 
 Everything that happens reaches `EngineUnit.handle` as a typed event
 (`supervisor/engine/events.py`) on one queue: the engine's exit, its health, the end of a
-take-down, a backoff timer, a signal, a control request, a reloaded config, a tick. Each
-is handled by a `handle_<name>` method that may change state (only through `set_state`,
+take-down, a backoff timer, a signal, a control request, a reloaded config, a tick. The
+events of the serving engine's process are read once, by its bay's `EngineSlot.on`
+(`supervisor/engine/pair/outcomes.py`: the same reading as the standby's and the weight
+cache's), and acted on in `_on_process`; every other event by a `handle_<name>` method.
+Each may change state (only through `set_state`,
 which checks the transition table) and may start jobs through the effects protocol
 (`supervisor/engine/effects/protocol.py`): spawn, probe, take down, drain, follow at the proxy.
 Jobs report back only by putting an event on the queue; no handler blocks.
@@ -26,7 +29,7 @@ Invariants:
 - at most one engine process in each of its two bays (the serving one's and, with a
   standby, the standby's: `supervisor/engine/pair/pair_states.py`): a new one is spawned in a
   bay only after the previous one's take-down there has proven its tree gone
-  (`handle_down`, `Standby.handle`);
+  (`_gone`, `Standby.handle`);
 - any exit the daemon did not ask for is a crash, whatever the exit code;
 - every wait is bounded (startup timeout, drain + grace, reap and GPU-release timeouts).
 """
@@ -49,29 +52,24 @@ from supervisor.engine.events import (
     CacheDue,
     CanaryDone,
     ControlRequest,
-    CoreExited,
-    Down,
     Drained,
     Event,
     EvidenceCaptured,
-    Exited,
     GateProbe,
     GpuSampled,
     HealthLost,
-    HealthResult,
     MetricsSampled,
     Reloaded,
     RemedyDone,
     SignalReceived,
     SleepModeProbed,
     Slept,
-    Spawned,
     StandbyDue,
     Tick,
-    TreeSeen,
     ViewRequest,
     Woken,
 )
+from supervisor.engine.pair import outcomes as out
 from supervisor.engine.process import process as eng
 from supervisor.engine.states import State
 from supervisor.engine.unit_state import UnitState
@@ -140,6 +138,8 @@ class EngineUnit(UnitState):
         elif self.handover.standby.owns(event) \
                 and not isinstance(event, EvidenceCaptured | RemedyDone):
             self.run_steps(self.handover.on_event(self.pair_facts(), event))
+        elif isinstance(event, out.PROCESS_EVENTS):
+            self._on_process(event)
         else:
             handler: Callable[[Any], None] = getattr(self, f"handle_{event.name}")
             handler(event)
@@ -198,52 +198,50 @@ class EngineUnit(UnitState):
         self.queue.put_nowait(ViewRequest(reply))
         return await reply
 
-    # ---- engine lifecycle -------------------------------------------------------------
+    # ---- the serving engine's process (read once for every bay: EngineSlot.on) --------
 
-    def handle_spawned(self, ev: Spawned) -> None:
-        engine = self.slot.spawned(ev)
-        if engine is None:
-            if self.state is State.STOPPING:
-                self.maybe_finish_stop()
-            elif ev.gpu_busy:
-                self.run_steps(self.failures.start_refused(self.pair_facts(),
-                                                           ev.error or "GPU busy"))
-            elif self.state is State.DRAINING:
-                self.start_engine(self.restart_reason)
-            else:
+    def _on_process(self, ev: out.ProcessEvent) -> None:
+        live = self.state in (State.STARTING, State.RUNNING)
+        match self.slot.on(ev, self.clock.monotonic(),
+                           awaits_health=self.state is State.STARTING, exit_expected=not live):
+            case out.SpawnFailed(error, gpu_busy):
+                if self.state is State.STOPPING:
+                    self.maybe_finish_stop()
+                elif gpu_busy:
+                    self.run_steps(self.failures.start_refused(self.pair_facts(),
+                                                               error or "GPU busy"))
+                elif self.state is State.DRAINING:
+                    self.start_engine(self.restart_reason)
+                else:
+                    self.run_steps(self.failures.fail(
+                        self.pair_facts(), f"engine could not be started: {error}",
+                        healthy_for=None))
+            case out.Up(engine):
+                self.failures.started()
+                if self.fronted:
+                    self.act.follow(engine)  # the proxy's route for this engine goes to it now
+                if self.state in (State.STOPPING, State.DRAINING):
+                    self.take_down(graceful=True)  # a stop or restart came while it spawned
+            case out.Healthy(engine):
+                self._healthy(engine)
+            case out.Unhealthy(_, why, timed_out):
                 self.run_steps(self.failures.fail(
-                    self.pair_facts(), f"engine could not be started: {ev.error}",
+                    self.pair_facts(), f"engine {why}" if timed_out else why,
                     healthy_for=None))
-            return
-        self.failures.started()
-        if self.fronted:
-            self.act.follow(engine)  # the proxy's route for this engine goes to it now
-        if self.state in (State.STOPPING, State.DRAINING):
-            self.take_down(graceful=True)  # a stop or restart came while it was spawning
-
-    def handle_tree_seen(self, ev: TreeSeen) -> None:
-        cpu = self.slot.tree_seen(ev)
-        if self.slot.current(ev.generation) is not None:
-            self.watch.window.add_tree(ev.at, ev.rss_bytes, cpu, ev.host_temperature_c,
-                                       self.facts().settled() and self.watch.remedy is None)
-
-    def handle_exited(self, ev: Exited) -> None:
-        asked = self.slot.taking_down or self.state not in (State.STARTING, State.RUNNING)
-        engine = self.slot.exited(ev, asked)
-        if engine is None or asked:
-            return
-        # vLLM may exit 0 after its engine core died: any unasked exit is a crash.
-        self._crashed(engine)
-
-    def handle_core_exited(self, ev: CoreExited) -> None:
-        """The core died and its API server is still up (it exits seconds later): the
-        engine has crashed now, not when that exit comes."""
-        engine = self.slot.core_exited(ev)
-        if engine is not None and self.state in (State.STARTING, State.RUNNING):
-            self._crashed(engine)
+            case out.Died(engine):
+                self._crashed(engine)
+            case out.Seen(_, tree, cpu):
+                self.watch.window.add_tree(tree.at, tree.rss_bytes, cpu,
+                                           tree.host_temperature_c,
+                                           self.facts().settled() and self.watch.remedy is None)
+            case out.Gone(engine, problem):
+                self._gone(engine, problem)
 
     def _crashed(self, engine: eng.EngineProcess) -> None:
-        """The serving engine failed unasked: the standby serves, or a cold start."""
+        """The serving engine failed unasked (its exit, or its core's while the API server
+        is still up: crashed now, not when that exit comes seconds later): the standby
+        serves, or a cold start. vLLM may exit 0 after its core died: any unasked exit is
+        a crash."""
         f = self.pair_facts()
         why = f"engine {self.slot.last_exit} without being asked"
         if self.state is State.RUNNING and self.handover.fits(f):
@@ -254,39 +252,43 @@ class EngineUnit(UnitState):
         self.handover.serving_failed(f)  # (a handover to it under way is over)
         self.run_steps(self.failures.fail(f, why, healthy_for=healthy_for))
 
-    def handle_health_result(self, ev: HealthResult) -> None:
-        engine = self.slot.current(ev.generation)
-        if engine is None or self.state is not State.STARTING or self.slot.taking_down:
-            return
+    def _healthy(self, engine: eng.EngineProcess) -> None:
         now = self.clock.monotonic()
-        if ev.healthy:
-            self.slot.healthy(engine, now, ev.routes)
-            self.handover.engine_probed(engine)  # (before a standby is armed below)
-            self.last_start_s = round(now - engine.started_at, 1)
-            if self.start_times.cold(engine.spec.command_line, engine.vllm_version):
-                log.info("a cold start: the engine runs another vLLM version than at its "
-                         "last start", version=engine.vllm_version,
-                         start_s=self.last_start_s)
-            self.start_times.record(engine.spec.command_line, engine.vllm_version,
-                                    now - engine.started_at, engine.phases)
-            self.weights.engine_started(engine, self.slot.load)
-            self.set_state(State.RUNNING,
-                           f"/health answered 200 after {now - engine.started_at:.1f} s")
-            self.notices.ready_once(f"RUNNING: engine pid {engine.pid} serving")
-            self.act.serve(engine)
-            self.handover.arm(self.pair_facts())
-            if self.fronted and self.config.canary.enabled:
-                # held requests go once one canary passed, after one sleep and wake of
-                # an engine with sleep mode (its first KV reset then pays no first sleep)
-                self.act.gate_probe(engine, warm=self.watch.wake_broken is None)
-            else:
-                self.keeper.admit()  # no canary to wait for: healthy is all we know
-                self.relaunch.finish("ok", None)  # serving: nothing more is waited for
-        elif engine.exit_code is None:
-            self.run_steps(self.failures.fail(
-                self.pair_facts(),
-                ev.why or f"engine not healthy within {engine.config.startup_timeout_s:g} s",
-                healthy_for=None))
+        self.handover.engine_probed(engine)  # (before a standby is armed below)
+        self.last_start_s = round(now - engine.started_at, 1)
+        if self.start_times.cold(engine.spec.command_line, engine.vllm_version):
+            log.info("a cold start: the engine runs another vLLM version than at its "
+                     "last start", version=engine.vllm_version,
+                     start_s=self.last_start_s)
+        self.start_times.record(engine.spec.command_line, engine.vllm_version,
+                                now - engine.started_at, engine.phases)
+        self.weights.engine_started(engine, self.slot.load)
+        self.set_state(State.RUNNING,
+                       f"/health answered 200 after {now - engine.started_at:.1f} s")
+        self.notices.ready_once(f"RUNNING: engine pid {engine.pid} serving")
+        self.act.serve(engine)
+        self.handover.arm(self.pair_facts())
+        if self.fronted and self.config.canary.enabled:
+            # held requests go once one canary passed, after one sleep and wake of
+            # an engine with sleep mode (its first KV reset then pays no first sleep)
+            self.act.gate_probe(engine, warm=self.watch.wake_broken is None)
+        else:
+            self.keeper.admit()  # no canary to wait for: healthy is all we know
+            self.relaunch.finish("ok", None)  # serving: nothing more is waited for
+
+    def _gone(self, engine: eng.EngineProcess, problem: str | None) -> None:
+        self.stop_deadline = None
+        self.relaunch.down()
+        if self.state is State.STOPPING:
+            if problem:
+                self.exit_code = 1
+            self.maybe_finish_stop()
+        elif problem is not None and self.state is not State.FATAL:
+            self.run_steps(self.failures.give_up(self.pair_facts(), problem, engine))
+        elif self.state is State.DRAINING:
+            self.start_engine(self.restart_reason)
+        elif self.state in (State.BACKOFF, State.FATAL):
+            self.run_steps(self.failures.down(self.pair_facts(), engine, problem))
 
     def handle_backoff_elapsed(self, ev: BackoffElapsed) -> None:
         self._backoff = None
@@ -300,21 +302,6 @@ class EngineUnit(UnitState):
         else:
             log.info("evidence captured", **fields)
         self.audit("evidence", **fields)
-
-    def handle_down(self, ev: Down) -> None:
-        engine, problem = self.slot.down(ev)
-        self.stop_deadline = None
-        self.relaunch.down()
-        if self.state is State.STOPPING:
-            if problem:
-                self.exit_code = 1
-            self.maybe_finish_stop()
-        elif problem is not None and self.state is not State.FATAL:
-            self.run_steps(self.failures.give_up(self.pair_facts(), problem, engine))
-        elif self.state is State.DRAINING:
-            self.start_engine(self.restart_reason)
-        elif self.state in (State.BACKOFF, State.FATAL):
-            self.run_steps(self.failures.down(self.pair_facts(), engine, problem))
 
     # ---- the weight cache's events (its process's go to it: engine/pair/weight_cache.py) --
 

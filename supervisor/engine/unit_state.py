@@ -451,7 +451,7 @@ class UnitState:
             self.take_down(graceful=True)
         else:
             self.maybe_finish_stop()
-        # otherwise: a take-down (ends in handle_down) or a spawn (ends in handle_spawned)
+        # otherwise: a take-down (ends in `_gone`) or a spawn (ends in `_on_process`)
         # is in flight, and finishes the stop.
 
     def maybe_finish_stop(self) -> None:
@@ -508,7 +508,7 @@ class UnitState:
                                                                    graceful))
             elif self.engine is None and not self.slot.spawning:
                 self.start_engine(reason)  # (its standby was starting first)
-            # a take-down already running (a crash being reaped) ends in handle_down
+            # a take-down already running (a crash being reaped) ends in `_gone`
         elif s in (State.BACKOFF, State.FATAL):
             self.restart_reason = reason
             self.run_steps(self.failures.restart(self.pair_facts(), reason))

@@ -19,8 +19,9 @@ from typing import Any
 import structlog
 
 from supervisor.engine.effects.protocol import Effects
-from supervisor.engine.events import CoreExited, Down, Exited, Spawned, TreeSeen
+from supervisor.engine.events import CoreExited, Down, Exited, HealthResult, Spawned, TreeSeen
 from supervisor.engine.intents import EvidenceFor
+from supervisor.engine.pair import outcomes as out
 from supervisor.engine.pair.pair_states import BAY, Bay, check
 from supervisor.engine.process import process as eng
 from supervisor.engine.process import proctree
@@ -86,6 +87,48 @@ class EngineSlot:
 
     def _event(self, name: str, **fields: Any) -> None:
         self._audit(self._prefix + name, **fields)
+
+    def on(self, ev: out.ProcessEvent, now: float, *, awaits_health: bool = True,
+           exit_expected: bool = False) -> out.Outcome:
+        """One process event, read once for every bay (`supervisor/engine/pair/outcomes.py`
+        has the table). The role says what it is waiting for: `awaits_health`, a health
+        result counts (its engine is starting); `exit_expected`, an exit is no failure
+        even without a take-down (the role is not serving or starting)."""
+        match ev:
+            case Spawned():
+                engine = self.spawned(ev)
+                return out.Up(engine) if engine is not None \
+                    else out.SpawnFailed(ev.error, ev.gpu_busy)
+            case HealthResult():
+                e = self.current(ev.generation)
+                if e is None or self.taking_down or not awaits_health:
+                    return out.NOTHING
+                if ev.healthy:
+                    # (a weight cache serves no development routes of an engine's)
+                    self.healthy(e, now, ev.routes if self.what == "engine" else None)
+                    return out.Healthy(e)
+                if e.exit_code is not None:
+                    return out.NOTHING  # (its exit says why)
+                if ev.why:
+                    return out.Unhealthy(e, ev.why, timed_out=False)
+                return out.Unhealthy(
+                    e, f"not healthy within {e.config.startup_timeout_s:g} s", timed_out=True)
+            case Exited():
+                asked = self.taking_down or exit_expected
+                e = self.exited(ev, asked)
+                return out.Died(e, f"{self.last_exit} without being asked", core=False) \
+                    if e is not None and not asked else out.NOTHING
+            case CoreExited():
+                e = self.core_exited(ev)
+                return out.Died(e, f"{self.last_exit}", core=True) \
+                    if e is not None and not exit_expected else out.NOTHING
+            case TreeSeen():
+                cpu = self.tree_seen(ev)
+                e = self.current(ev.generation)
+                return out.Seen(e, ev, cpu) if e is not None else out.NOTHING
+            case Down():
+                engine, problem = self.down(ev)
+                return out.Gone(engine, problem)
 
     def spawned(self, ev: Spawned) -> eng.EngineProcess | None:
         """The spawn ended: the engine now in the slot, or None (`ev.error` says why)."""

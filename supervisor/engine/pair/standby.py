@@ -24,19 +24,8 @@ from typing import Any
 import structlog
 
 from supervisor.engine.effects.protocol import Effects, Timer
-from supervisor.engine.events import (
-    CoreExited,
-    Down,
-    Event,
-    EvidenceCaptured,
-    Exited,
-    GateProbe,
-    HealthResult,
-    Slept,
-    Spawned,
-    StandbyDue,
-    TreeSeen,
-)
+from supervisor.engine.events import Event, GateProbe, Slept, StandbyDue
+from supervisor.engine.pair import outcomes as out
 from supervisor.engine.pair.pair_states import ON_ITS_WAY, ROLE, Role, check
 from supervisor.engine.pair.slot import EngineSlot
 from supervisor.engine.process import process as eng
@@ -238,30 +227,10 @@ class Standby:
         new standby may start (the unit decides whether one should). `awake_fits`: an
         awake standby has room beside the serving engine (one that cannot sleep is then
         kept awake; else it is refused)."""
+        if isinstance(ev, out.PROCESS_EVENTS):
+            return self._on_process(ev, deadline, stopping)
         s = self.slot
-        if isinstance(ev, Spawned):
-            engine = s.spawned(ev)
-            if engine is None:
-                self.failures += 1
-                self._to(Role.NONE, f"could not be started: {ev.error}")
-                return True
-            if stopping or self.state is Role.RETIRING:  # (retired while it spawned)
-                s.take_down(True, None, deadline)
-                self._to(Role.RETIRING, "the daemon is stopping" if stopping else self.why)
-        elif isinstance(ev, HealthResult):
-            e = s.current(ev.generation)
-            if e is None or s.taking_down or self.state is not Role.STARTING:
-                return False
-            if ev.healthy:
-                s.healthy(e, self._monotonic(), ev.routes)
-                self._to(Role.PROVING)
-                # a real generation proves it; one to be kept awake sleeps and wakes
-                # once before (its first KV reset after a takeover costs no first sleep)
-                self._act.gate_probe(e, warm=self.warm_up and self.mode != "sleep")
-            elif e.exit_code is None:
-                self._failed(ev.why or f"not healthy within {e.config.startup_timeout_s:g} s",
-                             deadline)
-        elif isinstance(ev, GateProbe):
+        if isinstance(ev, GateProbe):
             e = s.current(ev.generation)
             if e is None or s.taking_down or self.state is not Role.PROVING:
                 return False
@@ -292,27 +261,39 @@ class Standby:
                 self._ready(e, sleep_s=round(ev.seconds, 3), vllm_s=ev.vllm_s)
             else:
                 self._failed(f"it could not be put to sleep: {ev.error}", deadline)
-        elif isinstance(ev, Exited):
-            asked = s.taking_down
-            if s.exited(ev, asked) is not None and not asked:
-                self._gone_unasked(f"it {s.last_exit} without being asked", deadline)
-        elif isinstance(ev, CoreExited):
-            if s.core_exited(ev) is not None:
-                self._gone_unasked(f"it {s.last_exit}", deadline)
-        elif isinstance(ev, TreeSeen):
-            s.tree_seen(ev)
-        elif isinstance(ev, Down):
-            _, problem = s.down(ev)
-            if problem is not None:
-                self._to(Role.FAILED, problem)
-                self._audit("standby_failed", why=problem, failures=self.failures)
-                return False
-            if self.state is Role.RETIRING:
-                self._to(Role.NONE, self.why)
-            return True
-        elif isinstance(ev, EvidenceCaptured):
-            return False  # (the unit audits evidence; a standby never asks for it)
-        # anything else (metrics, canaries, drains) comes from jobs of a retired engine
+        # anything else (evidence, metrics, canaries, drains) comes from jobs of a retired
+        # engine: the unit audits evidence, and a standby never asks for it
+        return False
+
+    def _on_process(self, ev: out.ProcessEvent, deadline: float, stopping: bool) -> bool:
+        """Its engine's process, as its bay read it (`EngineSlot.on`)."""
+        match self.slot.on(ev, self._monotonic(), awaits_health=self.state is Role.STARTING):
+            case out.SpawnFailed(error):
+                self.failures += 1
+                self._to(Role.NONE, f"could not be started: {error}")
+                return True
+            case out.Up():
+                if stopping or self.state is Role.RETIRING:  # (retired while it spawned)
+                    self.slot.take_down(True, None, deadline)
+                    self._to(Role.RETIRING,
+                             "the daemon is stopping" if stopping else self.why)
+            case out.Healthy(e):
+                self._to(Role.PROVING)
+                # a real generation proves it; one to be kept awake sleeps and wakes
+                # once before (its first KV reset after a takeover costs no first sleep)
+                self._act.gate_probe(e, warm=self.warm_up and self.mode != "sleep")
+            case out.Unhealthy(_, why):
+                self._failed(why, deadline)
+            case out.Died(_, why):
+                self._gone_unasked(f"it {why}", deadline)
+            case out.Gone(_, problem):
+                if problem is not None:
+                    self._to(Role.FAILED, problem)
+                    self._audit("standby_failed", why=problem, failures=self.failures)
+                    return False
+                if self.state is Role.RETIRING:
+                    self._to(Role.NONE, self.why)
+                return True
         return False
 
     def _kept_awake(self, e: eng.EngineProcess, why: str) -> str:

@@ -32,18 +32,9 @@ from typing import Any
 import structlog
 
 from supervisor.engine.effects.protocol import Effects, Timer
-from supervisor.engine.events import (
-    CacheDue,
-    Down,
-    Event,
-    Exited,
-    HealthLost,
-    HealthResult,
-    Spawned,
-    TreeSeen,
-    iso_time,
-)
+from supervisor.engine.events import CacheDue, CoreExited, Event, HealthLost, iso_time
 from supervisor.engine.lifecycle import RestartTracker
+from supervisor.engine.pair import outcomes as out
 from supervisor.engine.pair.pair_states import CACHE, Cache, check
 from supervisor.engine.pair.slot import EngineSlot
 from supervisor.engine.process import process as eng
@@ -308,49 +299,45 @@ class WeightCache:
         """One event of the cache's process."""
         s = self.slot
         now = self._clock.monotonic()
-        if isinstance(ev, Spawned):
-            e = s.spawned(ev)
-            if e is None:
+        if isinstance(ev, HealthLost):
+            e = s.current(ev.generation)
+            if e is not None and not s.taking_down and self.state is Cache.READY:
+                self._failed(ev.why, now - e.healthy_at if e.healthy_at is not None else 0.0)
+        elif isinstance(ev, CoreExited):
+            pass  # (its exit follows: a cache serves no requests that a crash would hold)
+        elif isinstance(ev, out.PROCESS_EVENTS):
+            self._on_process(ev, stopping, now)
+        # (anything else: a job of a process already gone)
+
+    def _on_process(self, ev: out.ProcessEvent, stopping: bool, now: float) -> None:
+        """Its process, as its bay read it (`EngineSlot.on`)."""
+        match self.slot.on(ev, now, awaits_health=self.state is Cache.STARTING,
+                           exit_expected=self.state not in (Cache.STARTING, Cache.READY)):
+            case out.SpawnFailed(error):
                 if self.state is Cache.STOPPING:
                     self._after_down()
                 else:
-                    self._failed(f"could not be started: {ev.error}", None)
-            elif stopping or self.state is Cache.STOPPING:  # (asked down while spawning)
-                self._take_down(self.why if self.state is Cache.STOPPING
-                                else "the daemon is stopping", self._then)
-        elif isinstance(ev, HealthResult):
-            e = s.current(ev.generation)
-            if e is None or s.taking_down or self.state is not Cache.STARTING:
-                return
-            if ev.healthy:
-                s.healthy(e, now)
-                fields = {"pid": e.pid, "port": self.port, "start_s": round(now - e.started_at, 3)}
+                    self._failed(f"could not be started: {error}", None)
+            case out.Up():
+                if stopping or self.state is Cache.STOPPING:  # (asked down while spawning)
+                    self._take_down(self.why if self.state is Cache.STOPPING
+                                    else "the daemon is stopping", self._then)
+            case out.Healthy(e):
+                fields = {"pid": e.pid, "port": self.port,
+                          "start_s": round(now - e.started_at, 3)}
                 self._to(Cache.READY, f"/health answered 200 after {fields['start_s']:.1f} s")
                 log.info("weight cache ready", **fields)
                 self._audit("weight_cache_ready", **fields)
                 self._act.watch_health(e)
-            elif e.exit_code is None:
-                self._failed(ev.why or f"not healthy within {e.config.startup_timeout_s:g} s",
-                             None)
-        elif isinstance(ev, Exited):
-            asked = s.taking_down
-            e = s.exited(ev, asked)
-            if e is not None and not asked and self.state in (Cache.STARTING, Cache.READY):
-                self._failed(f"{s.last_exit} without being asked",
-                             now - e.healthy_at if e.healthy_at is not None else None)
-        elif isinstance(ev, HealthLost):
-            e = s.current(ev.generation)
-            if e is not None and not s.taking_down and self.state is Cache.READY:
-                self._failed(ev.why, now - e.healthy_at if e.healthy_at is not None else 0.0)
-        elif isinstance(ev, TreeSeen):
-            s.tree_seen(ev)
-        elif isinstance(ev, Down):
-            _, problem = s.down(ev)
-            if problem is not None:
-                self.unproven = self.last_error = problem
-                self._then = Cache.FAILED
-            self._after_down()
-        # (anything else: a job of a process already gone)
+            case out.Unhealthy(_, why):
+                self._failed(why, None)
+            case out.Died(e, why):
+                self._failed(why, now - e.healthy_at if e.healthy_at is not None else None)
+            case out.Gone(_, problem):
+                if problem is not None:
+                    self.unproven = self.last_error = problem
+                    self._then = Cache.FAILED
+                self._after_down()
 
     # ---- what it shows -----------------------------------------------------------------
 
