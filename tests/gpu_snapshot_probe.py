@@ -73,6 +73,7 @@ LO_UP = ("import socket, fcntl, struct; fcntl.ioctl(socket.socket(), 0x8914, "
 # The core's loopback TCP connections (torch.distributed's store) go in the image; CRIU
 # would lock them with iptables, which the image lacks (`--network-lock skip` at the dump).
 CRIU_OPTS = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--link-remap"]
+RPC = WORK / "rpc"  # vLLM's ZMQ sockets (VLLM_RPC_BASE_PATH), bind-mounted per copy
 DUMPED: list[int] = []  # the pids of the tree CRIU dumped
 FULL = ["--gpu-memory-utilization", "0.88"]
 # The engine started under a seccomp filter that answers io_uring_setup with ENOSYS: CRIU
@@ -308,14 +309,18 @@ def get(url: str) -> float:
 class Copy:
     """The image restored beside whatever runs, in new PID, network and mount namespaces
     (CRIU the namespace's init: it waits as the tree's parent), with a stdout file of its
-    own bind-mounted where the image's was (CRIU checks that file's size)."""
+    own bind-mounted where the image's was (CRIU checks that file's size), and a folder of
+    its own where vLLM's ZMQ sockets are (VLLM_RPC_BASE_PATH: the same paths in every
+    copy, or a copy would bind over the serving one's)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.log = IMAGES / f"restore-{name}.log"
-        out_file = WORK / f"{name}.log"
+        out_file, rpc = WORK / f"{name}.log", WORK / f"rpc-{name}"
         shutil.copy(IMAGES / "stdout.log", out_file)  # (the size the image recorded)
+        rpc.mkdir(exist_ok=True)  # its ZMQ sockets' folder: its own, not the first copy's
         inner = (f"mount --bind {out_file} {WORK / 'standby.log'} && "
+                 f"mount --bind {rpc} {RPC} && "
                  f"{sys.executable} -c '{LO_UP}' && exec {' '.join(criu_argv())} restore "
                  f"-D {IMAGES} -v2 -o {self.log.name} {' '.join(CRIU_OPTS)}")
         self.t0 = time.monotonic()
@@ -432,6 +437,8 @@ def snapshot(cuda: CudaCheckpoint, standby: Engine) -> None:
 
 def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
+    RPC.mkdir(exist_ok=True)
+    os.environ["VLLM_RPC_BASE_PATH"] = str(RPC)  # (the engines' environment is ours)
     if not (MODEL / "config.json").exists():
         make_m8b(MODEL)
     assert STAGED.exists()
