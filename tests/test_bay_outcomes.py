@@ -17,6 +17,7 @@ from supervisor.engine.pair.pair_states import Bay
 from supervisor.engine.pair.slot import EngineSlot
 from supervisor.engine.process.process import EngineProcess, TakeDown, build_spawn_spec
 from supervisor.settings.config import parse_config
+from supervisor.watchdog.devroutes import DevRoutes
 from tests.test_supervisor_unit import RecordingEffects
 
 WHATS = ["engine", "weight cache"]
@@ -25,7 +26,7 @@ WHATS = ["engine", "weight cache"]
 def slot(what: str) -> tuple[EngineSlot, RecordingEffects, list[tuple[str, dict[str, Any]]]]:
     fx, audits = RecordingEffects(), []
     gens = itertools.count(1)
-    s = EngineSlot(fx, lambda name, **f: audits.append((name, f)),  # type: ignore[arg-type]
+    s = EngineSlot(fx, lambda name, **f: audits.append((name, f)),
                    lambda: next(gens), bay=1, what=what)
     return s, fx, audits
 
@@ -119,7 +120,7 @@ def test_a_tree_seen_and_a_take_down_ended(what: str) -> None:
     assert seen == out.Seen(e, tree, None)  # (the CPU: known from the second look)
     seen = s.on(TreeSeen(e.generation, at=12.0, procs=(), rss_bytes=2**30, cpu_s=2.0), 12.0)
     assert isinstance(seen, out.Seen) and seen.cpu_percent == 50.0
-    assert s.on(TreeSeen(e.generation + 99, 12.0, (), 0, 0.0), 12.0) is out.NOTHING
+    assert s.on(TreeSeen(e.generation + 99, procs=(), at=12.0, rss_bytes=0, cpu_s=0.0), 12.0) is out.NOTHING
 
     s.take_down(False, None, 100.0)
     result = TakeDown(exit_code=-9, survivors=[], gpu_holders={}, port_problem=None,
@@ -134,3 +135,14 @@ def test_a_tree_seen_and_a_take_down_ended(what: str) -> None:
     gone = s.on(Down(e.generation, held), 13.0)
     assert isinstance(gone, out.Gone) and gone.problem is not None
     assert "GPU memory still held" in gone.problem and "pid 4243 (1024 MiB)" in gone.problem
+
+
+def test_only_an_engines_bay_keeps_the_development_routes_it_was_found_serving() -> None:
+    """A weight cache is no engine: its health check's routes are not noted on it (no
+    `dev_routes` audit), an engine's are."""
+    routes = DevRoutes(served={"/sleep": True, "/wake_up": True})
+    for what, kept in (("engine", True), ("weight cache", False)):
+        s, e, audits = up(what)
+        assert s.on(HealthResult(e.generation, True, routes), 5.0) == out.Healthy(e)
+        assert (e.routes is routes) is kept
+        assert any(name == "dev_routes" for name, _ in audits) is kept
