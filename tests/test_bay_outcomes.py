@@ -120,7 +120,8 @@ def test_a_tree_seen_and_a_take_down_ended(what: str) -> None:
     assert seen == out.Seen(e, tree, None)  # (the CPU: known from the second look)
     seen = s.on(TreeSeen(e.generation, at=12.0, procs=(), rss_bytes=2**30, cpu_s=2.0), 12.0)
     assert isinstance(seen, out.Seen) and seen.cpu_percent == 50.0
-    assert s.on(TreeSeen(e.generation + 99, procs=(), at=12.0, rss_bytes=0, cpu_s=0.0), 12.0) is out.NOTHING
+    stale = TreeSeen(e.generation + 99, procs=(), at=12.0, rss_bytes=0, cpu_s=0.0)
+    assert s.on(stale, 12.0) is out.NOTHING
 
     s.take_down(False, None, 100.0)
     result = TakeDown(exit_code=-9, survivors=[], gpu_holders={}, port_problem=None,
