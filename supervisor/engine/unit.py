@@ -202,7 +202,8 @@ class EngineUnit(UnitState):
 
     def _on_process(self, ev: out.ProcessEvent) -> None:
         live = self.state in (State.STARTING, State.RUNNING)
-        match self.slot.on(ev, self.clock.monotonic(),
+        now = self.clock.monotonic()
+        match self.slot.on(ev, now,
                            awaits_health=self.state is State.STARTING, exit_expected=not live):
             case out.SpawnFailed(error, gpu_busy):
                 if self.state is State.STOPPING:
@@ -223,7 +224,7 @@ class EngineUnit(UnitState):
                 if self.state in (State.STOPPING, State.DRAINING):
                     self.take_down(graceful=True)  # a stop or restart came while it spawned
             case out.Healthy(engine):
-                self._healthy(engine)
+                self._healthy(engine, now)
             case out.Unhealthy(_, why, timed_out):
                 self.run_steps(self.failures.fail(
                     self.pair_facts(), f"engine {why}" if timed_out else why,
@@ -252,8 +253,7 @@ class EngineUnit(UnitState):
         self.handover.serving_failed(f)  # (a handover to it under way is over)
         self.run_steps(self.failures.fail(f, why, healthy_for=healthy_for))
 
-    def _healthy(self, engine: eng.EngineProcess) -> None:
-        now = self.clock.monotonic()
+    def _healthy(self, engine: eng.EngineProcess, now: float) -> None:
         self.handover.engine_probed(engine)  # (before a standby is armed below)
         self.last_start_s = round(now - engine.started_at, 1)
         if self.start_times.cold(engine.spec.command_line, engine.vllm_version):
