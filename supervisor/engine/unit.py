@@ -73,8 +73,9 @@ from supervisor.engine.pair import outcomes as out
 from supervisor.engine.process import process as eng
 from supervisor.engine.states import State
 from supervisor.engine.unit_state import UnitState
+from supervisor.engine.watch import xid_text
 from supervisor.ops.exposition import ExporterView
-from supervisor.watchdog import remedy, warmup
+from supervisor.watchdog import remedy, warmup, xid
 
 log = structlog.get_logger("supervisor")
 
@@ -338,6 +339,42 @@ class EngineUnit(UnitState):
 
     def handle_gpu_sampled(self, ev: GpuSampled) -> None:
         self.watch.on_gpu_sampled(ev, self.engine, self.facts().settled())
+        if self.state is State.STARTING and self.engine is not None \
+                and not self.slot.taking_down:
+            self._xid_while_starting(ev)
+
+    def _xid_while_starting(self, ev: GpuSampled) -> None:
+        """An XID on the engine's GPUs while it starts ends the start now, as the rules
+        `xid_restart` and `xid_reset` end a serving engine's run (they judge only an
+        engine that serves, and a start on a broken GPU can hang until its timeout): one
+        that a restart clears is a failed start (a backoff, then the next start); one that
+        needs a GPU reset or a reboot holds the engine down. A rule disabled, or the policy
+        off or in dry run, leaves the start alone (the XID is logged and audited anyway)."""
+        p = self.config.policy
+        by_rule: dict[str, list[str]] = {}
+        for gpu, code in ev.reading.xids_by_gpu():
+            remedy = xid.describe(code).remedy
+            rule = "xid_restart" if remedy == "restart" else \
+                "xid_reset" if remedy != "info" else None
+            if rule is not None and p.enabled and p.rules[rule].enabled:
+                by_rule.setdefault(rule, []).append(xid_text(gpu, code))
+        if not by_rule:
+            return
+        if p.dry_run:
+            log.warning("an XID while the engine starts: dry run, the start goes on",
+                        xids=[x for xs in by_rule.values() for x in xs])
+            return
+        f = self.pair_facts()
+        if "xid_reset" in by_rule:
+            # (no grace: vLLM ignores SIGTERM until it serves)
+            self.run_steps([*self.failures.give_up(
+                f, f"{', '.join(by_rule['xid_reset'])} while the engine started; the GPU "
+                "needs a reset or a reboot, so the engine stays down until "
+                "`vllm-supervisorctl restart`"), do.TakeDown(graceful=False)])
+        else:
+            self.run_steps(self.failures.fail(
+                f, f"{', '.join(by_rule['xid_restart'])} while the engine started",
+                healthy_for=None))
 
     def handle_sleep_mode_probed(self, ev: SleepModeProbed) -> None:
         self.watch.on_sleep_mode_probed(ev, self.facts())

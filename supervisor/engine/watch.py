@@ -299,7 +299,7 @@ class EngineWatch:
             remedy_ended(self._audit, {"rung": "alert", "outcome": "alerted",
                                        "duration_s": 0.0, "rule": d.rule})
         elif d.action == "hold_down":
-            codes = [_xid_text(gpu, c) for gpu, c in self.window.xids]
+            codes = [xid_text(gpu, c) for gpu, c in self.window.xids]
             why = f"{reason}: {', '.join(codes) or 'GPU error'}; the GPU needs a reset or " \
                   "a reboot, so the engine stays down until `vllm-supervisorctl restart`"
             out.append(HoldDown(why, self._evidence(d.rule, reason)))
@@ -332,7 +332,7 @@ class EngineWatch:
             return {}
         out: dict[str, Any] = {}
         if any(k.startswith("gpu_xid") for k in evidence) and self.window.xids:
-            out["xids"] = [_xid_text(gpu, c) for gpu, c in self.window.xids]
+            out["xids"] = [xid_text(gpu, c) for gpu, c in self.window.xids]
         worst = self.window.worst_gpu(now)
         if worst is not None:
             out["gpu"] = worst.index
@@ -414,6 +414,6 @@ class EngineWatch:
         return fields, [Restart(why, rung="restart", evidence=(f"{ev.rung}_failed", why))]
 
 
-def _xid_text(gpu: int | None, code: int) -> str:
+def xid_text(gpu: int | None, code: int) -> str:
     where = f" on GPU {gpu}" if gpu is not None else ""
     return f"XID {code} ({xid.describe(code).name}){where}"
