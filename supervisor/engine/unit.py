@@ -356,7 +356,8 @@ class EngineUnit(UnitState):
             remedy = xid.describe(code).remedy
             rule = "xid_restart" if remedy == "restart" else \
                 "xid_reset" if remedy != "info" else None
-            if rule is not None and p.enabled and p.rules[rule].enabled:
+            cfg = p.rules.get(rule) if rule is not None else None
+            if rule is not None and p.enabled and cfg is not None and cfg.enabled:
                 by_rule.setdefault(rule, []).append(xid_text(gpu, code))
         if not by_rule:
             return
