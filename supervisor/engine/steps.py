@@ -13,7 +13,7 @@ too, so the deciders never call each other. Frozen values; nothing here acts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -38,11 +38,18 @@ class PairFacts:
     now: float  # monotonic
     stop_deadline: float | None  # the restart or stop under way's, if any
     restart_reason: str
-    # what an engine started now in a bay runs with (`EngineUnit.engine_config`)
-    engine_config: Callable[[int], EngineConfig]
+    # what an engine started now in each engine bay runs with (`UnitState.engine_config`),
+    # by bay: values, read at this moment
+    engine_configs: tuple[EngineConfig, ...]
     # ... and a standby started now there (`standby_args` applied: a thinner one)
-    standby_config: Callable[[int], EngineConfig]
+    standby_configs: tuple[EngineConfig, ...]
     evidence_s: float = 0.0  # the evidence a take-down captures first, its budget
+
+    def engine_config(self, bay: int) -> EngineConfig:
+        return self.engine_configs[bay]
+
+    def standby_config(self, bay: int) -> EngineConfig:
+        return self.standby_configs[bay]
 
     @property
     def engine(self) -> eng.EngineProcess | None:

@@ -203,9 +203,11 @@ class UnitState:
         """The unit's state as its deciders read it, now (`supervisor/engine/steps.py`)."""
         evidence_s = self.config.evidence.timeout_s + 1.0 \
             if self.slot.evidence_for is not None and self.config.evidence.enabled else 0.0
+        bays = (0, 1)  # the serving engine's and the standby's (they swap on a failover)
         return PairFacts(self.state, self.slot, self.config, self.environ, self.fronted,
                          self.clock.monotonic(), self.stop_deadline, self.restart_reason,
-                         self.engine_config, self.standby_config, evidence_s)
+                         tuple(self.engine_config(b) for b in bays),
+                         tuple(self.standby_config(b) for b in bays), evidence_s)
 
     def carry_out(self, intents: list[Intent]) -> None:
         """What the watchdog asks (`supervisor/engine/remedies.py`)."""
