@@ -322,7 +322,7 @@ class Copy:
         inner = (f"mount --bind {out_file} {WORK / 'standby.log'} && "
                  f"mount --bind {rpc} {RPC} && "
                  f"{sys.executable} -c '{LO_UP}' && exec {' '.join(criu_argv())} restore "
-                 f"-D {IMAGES} -v2 -o {self.log.name} {' '.join(CRIU_OPTS)}")
+                 f"-D {IMAGES} -v3 -o {self.log.name} {' '.join(CRIU_OPTS)}")
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
             ["unshare", "--pid", "--net", "--mount", "--fork", "--mount-proc",
