@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from supervisor.engine.events import DecisionRecord
+from supervisor.engine.events import DecisionRecord, Event
 from supervisor.engine.intents import EvidenceFor
 from supervisor.engine.pair.slot import EngineSlot
 from supervisor.engine.process import process as eng
@@ -155,11 +155,52 @@ class TakeDown:
 @dataclass(frozen=True)
 class TakeDownIn:
     """The engine in `slot` taken down (the standby's place: a failed standby, the old
-    serving engine behind a failover)."""
+    serving engine behind a failover), with the evidence its fault asked for unless
+    `evidence` is off (a role retiring its own engine). Nothing when that engine is
+    already being taken down, or gone, by the time the step is carried out."""
 
     slot: EngineSlot
     graceful: bool
     deadline: float
+    evidence: bool = True
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """An engine started in `slot` (a standby's place, the weight cache's)."""
+
+    slot: EngineSlot
+    spec: eng.SpawnSpec
+    config: EngineConfig
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """`engine` put to sleep (`Slept` answers)."""
+
+    engine: eng.EngineProcess
+
+
+@dataclass(frozen=True)
+class WatchHealth:
+    """`engine`'s /health kept polled (`HealthLost` after a few misses)."""
+
+    engine: eng.EngineProcess
+
+
+@dataclass(frozen=True)
+class ArmTimer:
+    """`event` after `delay_s`, on the timer named `key` (a role's backoff); one armed
+    before under that name is cancelled."""
+
+    key: str
+    delay_s: float
+    event: Event
+
+
+@dataclass(frozen=True)
+class CancelTimer:
+    key: str
 
 
 @dataclass(frozen=True)
@@ -269,6 +310,7 @@ class ProbeGate:
 
     engine: eng.EngineProcess
     golden: bool = True
+    warm: bool = False  # after one sleep and wake, where the engine has sleep mode
 
 
 @dataclass(frozen=True)
@@ -335,7 +377,8 @@ class RelaunchFinish:
 
 
 Step = (SetState | Decide | Record | Audit | CountRestart | StartEngine | SpawnServing
-        | RestartEngine | StopDeadline | TakeDown | TakeDownIn | CaptureEvidence | ServeFrom
+        | RestartEngine | StopDeadline | TakeDown | TakeDownIn | Spawn | Sleep | WatchHealth
+        | ArmTimer | CancelTimer | CaptureEvidence | ServeFrom
         | MaybeFinishStop | NotifyReady | Fail | GiveUp | Abandon | Upgrade | ArmBackoff
         | CancelBackoff | Admit | Follow | Serve | ProbeGate | Wake | DrainBehind | SyncGate
         | PauseStreams | StartRemedy | Throttle | RelaunchBegin | Relaunch | RelaunchFinish)

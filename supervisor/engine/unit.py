@@ -134,7 +134,7 @@ class EngineUnit(UnitState):
         # (evidence and a remedy's end are the unit's whichever engine they were about:
         # an old engine's remedy must still end, and its operator be answered)
         if self.weights.owns(event):
-            self.weights.handle(event, stopping=self.state is State.STOPPING)
+            self.run_steps(self.weights.handle(event, stopping=self.state is State.STOPPING))
             self.cache_moved()
         elif self.handover.standby.owns(event) \
                 and not isinstance(event, EvidenceCaptured | RemedyDone):
@@ -178,7 +178,8 @@ class EngineUnit(UnitState):
     def start(self, reason: str) -> None:
         """The first start (tests start the unit's engine here too): the weight cache
         first, when the engine has one (its start waits for it)."""
-        self.weights.want(self.config.engine, self.environ, self.config.weight_cache_dir)
+        self.run_steps(self.weights.want(self.config.engine, self.environ,
+                                         self.config.weight_cache_dir))
         self.start_engine(reason)
         self.sync_gate()
 
@@ -268,7 +269,7 @@ class EngineUnit(UnitState):
                        f"/health answered 200 after {now - engine.started_at:.1f} s")
         self.notices.ready_once(f"RUNNING: engine pid {engine.pid} serving")
         self.act.serve(engine)
-        self.handover.arm(self.pair_facts())
+        self.run_steps(self.handover.arm(self.pair_facts()))
         if self.fronted and self.config.canary.enabled:
             # held requests go once one canary passed, after one sleep and wake of
             # an engine with sleep mode (its first KV reset then pays no first sleep)
@@ -307,7 +308,7 @@ class EngineUnit(UnitState):
     # ---- the weight cache's events (its process's go to it: engine/pair/weight_cache.py) --
 
     def handle_cache_due(self, _: CacheDue) -> None:
-        self.weights.due()
+        self.run_steps(self.weights.due())
         self.cache_moved()
 
     def handle_health_lost(self, ev: HealthLost) -> None:
@@ -316,7 +317,7 @@ class EngineUnit(UnitState):
     # ---- the standby's events (the handover's: supervisor/engine/pair/handover.py) ---------
 
     def handle_standby_due(self, _: StandbyDue) -> None:
-        self.handover.due(self.pair_facts())
+        self.run_steps(self.handover.due(self.pair_facts()))
 
     def handle_woken(self, ev: Woken) -> None:
         self.run_steps(self.handover.woken(self.pair_facts(), ev))

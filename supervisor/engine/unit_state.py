@@ -110,7 +110,7 @@ class UnitState:
         generations = itertools.count(1)
         # the weight cache beside the engines, when it has one (engine/pair/weight_cache.py),
         # which says how each engine spawned gets its weights
-        self.weights = WeightCache(self.act, self.audit, self.clock, EngineSlot(
+        self.weights = WeightCache(self.audit, self.clock, EngineSlot(
             self.act, self.audit, lambda: next(generations), bay=WEIGHT_CACHE_BAY,
             what="weight cache"), self.config.restart)
         load = self.weights.load
@@ -119,7 +119,7 @@ class UnitState:
                                load=load)
         # the standby (its place: bay 1) and every handover to it (engine/pair/handover.py)
         self.handover = Handover(Standby(
-            self.act, self.audit, self.clock.monotonic,
+            self.audit, self.clock.monotonic,
             EngineSlot(self.act, self.audit, lambda: next(generations), bay=1, load=load)))
         # the golden check's baselines and verdicts (engine/golden_check.py)
         self.golden = GoldenCheck(self.audit)
@@ -131,6 +131,8 @@ class UnitState:
         # the backoff after a failure, a start refused, giving up (engine/failures.py)
         self.failures = Failures(self.config.restart)
         self._backoff: Timer | None = None  # the backoff's timer (its end: `Failures`)
+        # the roles' timers by name (`do.ArmTimer`: the standby's backoff, the cache's)
+        self._timers: dict[str, Timer] = {}
         # a restart or stop under way ends by this (monotonic); None: none under way
         self.stop_deadline: float | None = None
         self.keeper = GateKeeper(self.gate, self.audit)  # opens, holds, closes the gate
@@ -256,8 +258,23 @@ class UnitState:
                     self.stop_deadline = at
             case do.TakeDown(graceful):
                 self.take_down(graceful)
-            case do.TakeDownIn(slot, graceful, deadline):
-                self.take_down_in(slot, graceful, deadline)
+            case do.TakeDownIn(slot, graceful, deadline, evidence):
+                if slot.engine is not None and not slot.taking_down:
+                    if evidence:
+                        self.take_down_in(slot, graceful, deadline)
+                    else:
+                        slot.take_down(graceful, None, deadline)
+            case do.Spawn(slot, spec, cfg):
+                slot.spawn(spec, cfg)
+            case do.Sleep(engine):
+                self.act.sleep(engine)
+            case do.WatchHealth(engine):
+                self.act.watch_health(engine)
+            case do.ArmTimer(key, delay_s, event):
+                self.cancel_timer(key)
+                self._timers[key] = self.act.after(delay_s, event)
+            case do.CancelTimer(key):
+                self.cancel_timer(key)
             case do.CaptureEvidence(evidence):
                 self.slot.capture_at_take_down(evidence)
             case do.ServeFrom(slot):
@@ -271,7 +288,7 @@ class UnitState:
             case do.GiveUp(reason, engine):
                 self.run_steps(self.failures.give_up(self.pair_facts(), reason, engine))
             case do.Abandon(why, deadline):
-                self.handover.abandon(why, deadline, self.clock.monotonic())
+                self.run_steps(self.handover.abandon(why, deadline, self.clock.monotonic()))
             case do.Upgrade(why, label, otherwise):
                 began = self.handover.begin_upgrade(self.pair_facts(), why, label)
                 self.run_steps(list(otherwise) if began is None else began)
@@ -285,8 +302,8 @@ class UnitState:
                 self.act.follow(engine)
             case do.Serve(engine):
                 self.act.serve(engine)
-            case do.ProbeGate(engine, golden):
-                self.act.gate_probe(engine, golden)
+            case do.ProbeGate(engine, golden, warm):
+                self.act.gate_probe(engine, golden, warm=warm)
             case do.Wake(engine):
                 self.act.wake(engine)
             case do.DrainBehind(engine, deadline):
@@ -358,10 +375,12 @@ class UnitState:
         self.relaunch.starting()
         self.serving_starts += 1
         self.set_state(State.STARTING, reason)
-        self.handover.cold_start(f := self.pair_facts())
+        self.run_steps(self.handover.cold_start(self.pair_facts()))
         self.sync_capacity()
         self.decide("start", reason)
-        if self.handover.start_first(f):
+        first, steps = self.handover.start_first(self.pair_facts())
+        self.run_steps(steps)
+        if first:
             return
         self.spawn_serving()
 
@@ -394,6 +413,11 @@ class UnitState:
     def arm_backoff(self, delay_s: float, generation: int) -> None:
         self.cancel_backoff()
         self._backoff = self.act.after(delay_s, BackoffElapsed(generation))
+
+    def cancel_timer(self, key: str) -> None:
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
 
     def cancel_backoff(self) -> None:
         if self._backoff is not None:
@@ -447,8 +471,9 @@ class UnitState:
         self.relaunch.finish("abandoned", f"the daemon is stopping: {reason}")
         self.decide("stop", reason)
         self.notices.stopping(f"STOPPING: {reason}")
-        self.handover.abandon("the daemon is stopping",
-                              self.set_stop_deadline(proxy_drain=False), self.clock.monotonic())
+        self.run_steps(self.handover.abandon(
+            "the daemon is stopping", self.set_stop_deadline(proxy_drain=False),
+            self.clock.monotonic()))
         if self.engine is not None and not self.slot.taking_down:
             self.take_down(graceful=True)
         else:
@@ -459,9 +484,11 @@ class UnitState:
     def maybe_finish_stop(self) -> None:
         """STOPPED once both places are empty (the serving engine's, the standby's), and
         then the weight cache's: it goes last."""
-        if self.engine is None and not self.slot.spawning and self.handover.standby.idle \
-                and self.weights.down_last():
-            self._finish_stop()
+        if self.engine is None and not self.slot.spawning and self.handover.standby.idle:
+            gone, steps = self.weights.down_last()
+            self.run_steps(steps)
+            if gone:
+                self._finish_stop()
 
     def cache_moved(self) -> None:
         """The weight cache's state may have changed: a stop waiting for it may end, a
@@ -578,7 +605,7 @@ class UnitState:
         self.gate.set_limits(self._gate_limits(self.capacity()))
         self.weights.reconfigure(new.restart)
         if self.state is not State.STOPPING:  # (started, restarted or taken down now)
-            self.weights.want(new.engine, self.environ, new.weight_cache_dir)
+            self.run_steps(self.weights.want(new.engine, self.environ, new.weight_cache_dir))
             self.cache_moved()
         # (the proxy's shared settings are the host's to reconfigure)
 

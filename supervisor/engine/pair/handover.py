@@ -71,7 +71,7 @@ class Handover:
         elif self.since is None:
             self.since = now
 
-    def cold_start(self, f: PairFacts) -> None:
+    def cold_start(self, f: PairFacts) -> list[Step]:
         """A cold start ends any handover, and applies any upgrade. A full-size engine in
         the standby's place of an asymmetric pair (the re-arm beside a thin one that
         served) is taken down: the engine starting now is full-size."""
@@ -80,8 +80,9 @@ class Handover:
         self.thin_serves = False
         st = self.standby
         if f.thin_pair and not st.thin and not st.idle and not st.slot.taking_down:
-            st.retire("a cold start: the standby's place is for a thin one",
-                      graceful=False, deadline=f.standby_deadline())
+            return st.retire("a cold start: the standby's place is for a thin one",
+                             graceful=False, deadline=f.standby_deadline())
+        return []
 
     def serving_failed(self, f: PairFacts) -> None:
         """The engine that took over failed before the handover ended (it died waiting
@@ -92,44 +93,45 @@ class Handover:
                         phase=self.phase.value)
             self._set_phase(Phase.IDLE, f.now)
 
-    def abandon(self, why: str, deadline: float, now: float) -> None:
+    def abandon(self, why: str, deadline: float, now: float) -> list[Step]:
         """No more standby for now: the engine is held down, or the daemon stops (a
         handover under way ends with it)."""
         self._set_phase(Phase.IDLE, now)
-        self.standby.retire(why, graceful=True, deadline=deadline)
+        return self.standby.retire(why, graceful=True, deadline=deadline)
 
     # ---- arming ---------------------------------------------------------------------
 
-    def start_first(self, f: PairFacts) -> bool:
+    def start_first(self, f: PairFacts) -> tuple[bool, list[Step]]:
         """A sleeping standby that cannot start beside the serving engine starts before
         it: proven, put to sleep, then the engine starts beside it (docs/standby.md).
-        Whether the engine's spawn waits for that."""
+        Whether the engine's spawn waits for that, and the steps that start it."""
         cfg = f.engine_config(self.standby.slot.bay)
         if f.thin_pair and not self.standby.thin and not self.standby.idle:
             # a full-size engine there still (being taken down): two do not fit
             self._set_phase(Phase.STANDBY_FIRST, f.now)
-            return True
+            return True, []
         if (cfg.standby != "sleep" or self.standby.ready
                 or engine_checks.side_by_side(cfg)):
-            return False
+            return False, []
         why = self.standby.no_sleep(cfg)
         if why is not None:
             # (it would be refused once proven: the engine starts alone, and its own
             # probe says again whether engines so started can sleep)
             log.info("no standby first: an engine so started cannot sleep", why=why)
-            return False
+            return False, []
+        out: list[Step] = []
         if self.standby.can_start():
             self._set_phase(Phase.STANDBY_FIRST, f.now)
             log.info("the standby starts first: the engine starts beside it once it "
                      "sleeps (no room for it to start beside the engine)")
-            self.arm(f, due=True)
+            out = self.arm(f, due=True)
         elif self.standby.on_its_way or not self.standby.idle:
             # on its way, or an engine in its place still being taken down (its memory
             # not yet released: two engines do not fit)
             self._set_phase(Phase.STANDBY_FIRST, f.now)
-        return self.first
+        return self.first, out
 
-    def arm(self, f: PairFacts, due: bool = False) -> None:
+    def arm(self, f: PairFacts, due: bool = False) -> list[Step]:
         """A standby in its free place, when one is configured and the engine serves (or
         waits for it to sleep first); after a failure, once its backoff is `due`."""
         mode = f.config.engine.standby
@@ -137,11 +139,12 @@ class Handover:
             # the re-arm of an asymmetric pair: the full-size engine beside the thin one
             self._upgrade = ("re-arm: a full-size engine takes over from the thin standby "
                              "that serves", "rearm")
-        if self._replaced_if_out_of_date(f):
-            return
+        replaced = self._replaced_if_out_of_date(f)
+        if replaced is not None:
+            return replaced
         if (mode == "none" or not self.standby.can_start() or self.phase in HANDING_OVER
                 or (f.state is not State.RUNNING and not self.first)):
-            return
+            return []
         full = self.thin_serves  # (else the standby's own arguments, thin or not)
         bay = self.standby.slot.bay
         cfg = f.engine_config(bay) if full else f.standby_config(bay)
@@ -157,48 +160,46 @@ class Handover:
                 if why is None else
                 f"no sleeping standby: the engine cannot sleep ({why}), and two engines "
                 f"at --gpu-memory-utilization {share:g} do not fit on the card awake")
-            return
+            return []
         if self.standby.failures and not due:
             r = f.config.restart
-            self.standby.due_later(r.backoff_initial_s, r.backoff_max_s)
-            return
+            return self.standby.due_later(r.backoff_initial_s, r.backoff_max_s)
         if full:
             log.info("re-arm: a full-size engine starts beside the thin one that serves, "
                      "to take over from it")
         # (the full-size one awake: it serves as soon as it is proven)
-        self.standby.start(eng.build_spawn_spec(cfg, f.environ), cfg,
-                           "awake" if full else mode, thin=f.thin_pair and not full)
+        return self.standby.start(eng.build_spawn_spec(cfg, f.environ), cfg,
+                                  "awake" if full else mode, thin=f.thin_pair and not full)
 
-    def _replaced_if_out_of_date(self, f: PairFacts) -> bool:
+    def _replaced_if_out_of_date(self, f: PairFacts) -> list[Step] | None:
         """A ready standby started before a reload changed the arguments, when no upgrade
         could begin (nothing served), is replaced once the engine serves, so that the
-        next failover runs what a start would. Whether it was."""
+        next failover runs what a start would. The steps that replace it; None when it
+        is not replaced."""
         if (self.standby.ready and f.state is State.RUNNING and self.phase is Phase.IDLE
                 and self._upgrade is None and not self.fits(f)):
-            self.standby.retire("its arguments are out of date", graceful=True,
-                                deadline=f.standby_deadline())
-            return True
-        return False
+            return self.standby.retire("its arguments are out of date", graceful=True,
+                                       deadline=f.standby_deadline())
+        return None
 
     def engine_probed(self, engine: eng.EngineProcess) -> None:
         """The serving engine's development routes were probed at its start: whether a
         standby so started could sleep, as far as it says (`Standby.learned`)."""
         self.standby.learned(engine)
 
-    def due(self, f: PairFacts) -> None:
+    def due(self, f: PairFacts) -> list[Step]:
         """The standby's backoff is over."""
         self.standby.due()
-        self.arm(f, due=True)
+        return self.arm(f, due=True)
 
     def on_event(self, f: PairFacts, ev: Event) -> list[Step]:
         """An event of the engine in the standby's place (the standby, or the old serving
         engine being taken down there), and what follows from it."""
         if isinstance(ev, Drained):  # (the old engine's, behind a swap)
             return self.drained_behind(f, ev)
-        free = self.standby.handle(ev, f.standby_deadline(),
-                                   stopping=f.state is State.STOPPING,
-                                   awake_fits=engine_checks.side_by_side(f.config.engine))
-        out: list[Step] = []
+        free, out = self.standby.handle(ev, f.standby_deadline(),
+                                        stopping=f.state is State.STOPPING,
+                                        awake_fits=engine_checks.side_by_side(f.config.engine))
         if self.phase is Phase.WAKING_WHEN_DOWN and isinstance(ev, Down):
             if f.state is not State.RUNNING or f.engine is None or f.slot.taking_down:
                 # a restart or a stop overtook the handover: nothing to wake, and the
@@ -207,9 +208,9 @@ class Handover:
             elif self.standby.state is Role.FAILED:
                 self._set_phase(Phase.WAKING, f.now)
                 # (a failure: nothing else follows from this event)
-                return self.takeover_failed(f, f"the old engine's tree was not proven "
-                                            f"gone ({self.standby.why}): not waking the "
-                                            f"standby")
+                return [*out, *self.takeover_failed(
+                    f, f"the old engine's tree was not proven gone ({self.standby.why}): "
+                    f"not waking the standby")]
             else:
                 self._set_phase(Phase.WAKING, f.now)  # the old engine's memory released
                 out.append(do.Wake(f.engine))
@@ -222,9 +223,9 @@ class Handover:
                         and not f.slot.spawning):
                     out.append(do.SpawnServing())  # beside the sleeping standby (or alone)
         elif free:
-            self.arm(f)
+            out += self.arm(f)
         else:
-            self._replaced_if_out_of_date(f)  # (it may have become ready just now)
+            out += self._replaced_if_out_of_date(f) or []  # (it may be ready just now)
         if self._upgrade is not None and f.state is State.RUNNING and self.fits(f):
             (why, label), self._upgrade = self._upgrade, None
             log.info("upgrade: the standby runs the new arguments; swapping to it", why=why)
@@ -272,11 +273,11 @@ class Handover:
                     "it (requests held meanwhile)",
                     [do.Audit("rearm", {"reason": reason, "how": "restart"}),
                      do.CountRestart("rearm"), do.RestartEngine(f"re-arm: {reason}")])
-        st.cancel_timer()
+        out = st.cancel_timer()
         st.due()  # (a backoff under way is cut short)
-        self.arm(f, due=True)
+        out += self.arm(f, due=True)
         return (f"the standby is {st.state.value}",
-                [do.Audit("rearm", {"reason": reason, "how": "start"})])
+                [*out, do.Audit("rearm", {"reason": reason, "how": "start"})])
 
     def tick(self, f: PairFacts, local: datetime) -> list[Step]:
         """The quiet window (`engine.rearm_window`): a standby with no room beside the
@@ -314,14 +315,15 @@ class Handover:
             return None
         self._upgrade = (why, label)
         log.info("upgrade: starting a standby with the new arguments", why=why)
+        out: list[Step] = []
         if self.standby.ready or self.standby.on_its_way:
-            self.standby.retire("its arguments are out of date", graceful=True,
-                                deadline=f.standby_deadline())
-        self.standby.cancel_timer()
+            out += self.standby.retire("its arguments are out of date", graceful=True,
+                                       deadline=f.standby_deadline())
+        out += self.standby.cancel_timer()
         self.standby.due()  # (a backoff under way is over: the arguments changed)
         self.standby.forget_failures()
-        self.arm(f, due=True)  # (now if its place is free; else once it is)
-        return [do.Audit("upgrade", {"why": why})]
+        out += self.arm(f, due=True)  # (now if its place is free; else once it is)
+        return [*out, do.Audit("upgrade", {"why": why})]
 
     # ---- the failover ---------------------------------------------------------------
 
@@ -350,8 +352,8 @@ class Handover:
             # (a full-size engine starting beside the thin one: two would not fit)
             deadline = f.restart_deadline(proxy_drain=False)
             out.append(do.StopDeadline(deadline))
-            self.standby.retire("its arguments are out of date", graceful=True,
-                                deadline=deadline)
+            out += self.standby.retire("its arguments are out of date", graceful=True,
+                                       deadline=deadline)
         return [*out, do.TakeDown(graceful)]
 
     def fail_over(self, f: PairFacts, reason: str, graceful: bool,
@@ -439,11 +441,11 @@ class Handover:
             "behind_swap": True})]
         if self.standby.state is Role.RETURNING:
             if ev.idle and f.state is not State.STOPPING:
-                self.standby.keep(f.config.engine.standby)  # (the thin one: the standby)
-                return out
-            self.standby.retire("its requests did not end within the drain's timeout",
-                                graceful=True, deadline=f.standby_deadline())
-            return out
+                # (the thin one: the standby)
+                return [*out, *self.standby.keep(f.config.engine.standby)]
+            return [*out, *self.standby.retire(
+                "its requests did not end within the drain's timeout", graceful=True,
+                deadline=f.standby_deadline())]
         return [*out, do.TakeDownIn(old, True, f.standby_deadline())]
 
     def woken(self, f: PairFacts, ev: Woken) -> list[Step]:
@@ -487,8 +489,7 @@ class Handover:
         self.last_failover_s = round(f.now - self.since, 3)
         self._set_phase(Phase.IDLE, f.now)
         log.info("failover done", seconds=self.last_failover_s)
-        self.arm(f)
-        return [do.Audit("failover_done", {"seconds": self.last_failover_s})]
+        return [*self.arm(f), do.Audit("failover_done", {"seconds": self.last_failover_s})]
 
     def sleeping_standby_off(self, cfg: EngineConfig) -> str | None:
         """With `standby = "sleep"` in `cfg` (the engine's): why no standby sleeps (kept

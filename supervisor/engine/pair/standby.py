@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from supervisor.engine.effects.protocol import Effects, Timer
+from supervisor.engine import steps as do
 from supervisor.engine.events import Event, GateProbe, Slept, StandbyDue
 from supervisor.engine.pair import outcomes as out
 from supervisor.engine.pair.pair_states import ON_ITS_WAY, ROLE, Role, check
@@ -43,10 +43,18 @@ def _key(cfg: EngineConfig) -> _Key:
     return tuple(cfg.command), tuple(sorted(cfg.env.items()))
 
 
+# the key of the standby's backoff timer, held by the unit's executor
+TIMER = "standby"
+
+
 class Standby:
-    def __init__(self, act: Effects, audit: Callable[..., None],
-                 monotonic: Callable[[], float], slot: EngineSlot) -> None:
-        self._act, self._audit, self._monotonic = act, audit, monotonic
+    """A decider: what it does to its engine (spawn it, take it down, put it to sleep,
+    prove it, time its backoff) it returns as steps (`supervisor/engine/steps.py`) for the
+    unit's executor; it holds no effects."""
+
+    def __init__(self, audit: Callable[..., None], monotonic: Callable[[], float],
+                 slot: EngineSlot) -> None:
+        self._audit, self._monotonic = audit, monotonic
         self.slot = slot
         self.state = Role.NONE  # its role: supervisor/engine/pair/pair_states.py
         self.why: str | None = None
@@ -64,7 +72,6 @@ class Standby:
         # started with: learned from every engine's probe at its start (the serving
         # engine's and each standby's), so that a relaunch that changes it is seen
         self._no_sleep: tuple[_Key, str] | None = None
-        self._timer: Timer | None = None
         # since when no standby is ready (monotonic; None while one is): the next fault
         # costs a cold start until one is
         self.unready_since: float | None = self.since
@@ -118,12 +125,12 @@ class Standby:
         return self.state in ON_ITS_WAY and not self.slot.taking_down
 
     def start(self, spec: eng.SpawnSpec, cfg: EngineConfig, mode: str,
-              thin: bool = False) -> None:
+              thin: bool = False) -> list[do.Step]:
         self._to(Role.STARTING)
         self.mode, self.asleep, self.thin = mode, False, thin
         log.info("standby starting", port=spec.port, mode=mode,
                  **({"thin": thin} if cfg.standby_args else {}))
-        self.slot.spawn(spec, cfg)
+        return [do.Spawn(self.slot, spec, cfg)]
 
     def no_room(self, why: str) -> None:
         """None can start now (the serving engine took the room a standby needs)."""
@@ -131,22 +138,19 @@ class Standby:
             log.info("no standby for now", why=why)
         self._to(Role.NO_ROOM, why)
 
-    def due_later(self, backoff_initial_s: float, backoff_max_s: float) -> None:
+    def due_later(self, backoff_initial_s: float, backoff_max_s: float) -> list[do.Step]:
         """Start again after a backoff that grows with each failure in a row."""
         delay = min(backoff_max_s, backoff_initial_s * 2 ** max(0, self.failures - 1))
         self._to(Role.WAITING, self.why)
-        self.cancel_timer()
-        self._timer = self._act.after(delay, StandbyDue())
+        return [do.ArmTimer(TIMER, delay, StandbyDue())]  # (one a timer before replaces)
 
     def due(self) -> None:
-        self._timer = None
         if self.state is Role.WAITING:
             self._to(Role.NONE, self.why)
 
-    def cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+    @staticmethod
+    def cancel_timer() -> list[do.Step]:
+        return [do.CancelTimer(TIMER)]
 
     def forget_failures(self) -> None:
         """What it runs changed (an upgrade): earlier failures say nothing of the next."""
@@ -174,35 +178,38 @@ class Standby:
             self._to(Role.RETIRING if old.engine is not None else Role.NONE, "took over")
         return new, asleep, thin
 
-    def keep(self, mode: str) -> None:
+    def keep(self, mode: str) -> list[do.Step]:
         """The thin engine back in the standby's place has no request left: put to
         sleep (with `standby = "sleep"`) and ready, as a standby started there would be."""
         e = self.slot.engine
         if self.state is not Role.RETURNING or e is None or self.slot.taking_down:
-            return
+            return []
         self.mode = mode
         log.info("the thin engine is the standby again", pid=e.pid, mode=mode)
         why = self.learned(e) if mode == "sleep" else None
         if mode == "sleep" and why is None:
             self._to(Role.SLEEPING)
-            self._act.sleep(e)
-        else:  # (an asymmetric pair fits awake: checked at load)
-            self._ready(e, self._kept_awake(e, why) if why is not None else None)
+            return [do.Sleep(e)]
+        # (an asymmetric pair fits awake: checked at load)
+        self._ready(e, self._kept_awake(e, why) if why is not None else None)
+        return []
 
-    def retire(self, why: str, graceful: bool, deadline: float) -> None:
+    def retire(self, why: str, graceful: bool, deadline: float) -> list[do.Step]:
         """Take the engine in the standby's place down (a failed standby, one out of
         date, the daemon stopping)."""
-        self.cancel_timer()
+        out = self.cancel_timer()
         if self.slot.engine is not None and not self.slot.taking_down:
             # one still starting has nothing to finish, and vLLM ignores SIGTERM until it
             # serves: it would cost the whole grace (30 s on the H100) for nothing
-            self.slot.take_down(graceful and self.state not in ON_ITS_WAY, None, deadline)
+            out.append(do.TakeDownIn(self.slot, graceful and self.state not in ON_ITS_WAY,
+                                     deadline, evidence=False))
         if self.slot.engine is not None or self.slot.spawning:
             self._to(Role.RETIRING, why)
         elif self.state is not Role.FAILED:
             self._to(Role.NONE, why)
+        return out
 
-    def _gone_unasked(self, why: str, deadline: float) -> None:
+    def _gone_unasked(self, why: str, deadline: float) -> list[do.Step]:
         """The engine in the standby's place died. A standby's death is a failure (a
         backoff before the next); the old serving engine's, while the requests it had
         finish there behind a swap, is not the standby's: its tree is taken down, and a
@@ -211,90 +218,96 @@ class Standby:
             log.warning("the engine being retired died", why=why, reason=self.why,
                         pid=self.slot.engine.pid if self.slot.engine else None)
             self._audit("retired_engine_died", why=why, reason=self.why)
-            self.retire(self.why or why, graceful=False, deadline=deadline)
-            return
-        self._failed(why, deadline)
+            return self.retire(self.why or why, graceful=False, deadline=deadline)
+        return self._failed(why, deadline)
 
-    def _failed(self, why: str, deadline: float) -> None:
+    def _failed(self, why: str, deadline: float) -> list[do.Step]:
         self.failures += 1
         log.warning("standby failed", why=why, failures=self.failures)
         self._audit("standby_failed", why=why, failures=self.failures)
-        self.retire(why, graceful=False, deadline=deadline)
+        return self.retire(why, graceful=False, deadline=deadline)
 
     def handle(self, ev: Event, deadline: float, stopping: bool,
-               awake_fits: bool = True) -> bool:
-        """One event of the standby's engine. True when its place is free again and a
-        new standby may start (the unit decides whether one should). `awake_fits`: an
-        awake standby has room beside the serving engine (one that cannot sleep is then
-        kept awake; else it is refused)."""
+               awake_fits: bool = True) -> tuple[bool, list[do.Step]]:
+        """One event of the standby's engine: whether its place is free again and a new
+        standby may start (the unit decides whether one should), and the steps for its
+        engine. `awake_fits`: an awake standby has room beside the serving engine (one
+        that cannot sleep is then kept awake; else it is refused)."""
         if isinstance(ev, out.PROCESS_EVENTS):
             return self._on_process(ev, deadline, stopping)
-        s = self.slot
         if isinstance(ev, GateProbe):
-            e = s.current(ev.generation)
-            if e is None or s.taking_down or self.state is not Role.PROVING:
-                return False
-            why = self.learned(e) if self.mode == "sleep" else None
-            if not ev.ok:
-                self._failed(f"its first generation failed: {ev.error}", deadline)
-            elif self.mode == "sleep" and why is None:
-                self._to(Role.SLEEPING)
-                self._act.sleep(e)
-            elif why is None:
-                self._ready(e)
-            elif awake_fits:
-                self._ready(e, self._kept_awake(e, why))
-            else:
-                # no sleep, and no room awake: refused, not failed (no backoff, no retry:
-                # the next engine start's probe says again, docs/standby.md)
-                log.warning("the standby cannot sleep and an awake one does not fit "
-                            "beside the engine: no standby", why=why, pid=e.pid)
-                self._audit("standby_refused", why=why, pid=e.pid)
-                self.retire(f"it cannot sleep: {why}", graceful=False, deadline=deadline)
-        elif isinstance(ev, Slept):
-            e = s.current(ev.generation)
-            if e is None or s.taking_down or self.state is not Role.SLEEPING:
-                return False
-            if ev.error is None:
-                self.asleep = True
-                # (the daemon's calls, and what vLLM measured of its sleep)
-                self._ready(e, sleep_s=round(ev.seconds, 3), vllm_s=ev.vllm_s)
-            else:
-                self._failed(f"it could not be put to sleep: {ev.error}", deadline)
+            return False, self._proved(ev, deadline, awake_fits)
+        if isinstance(ev, Slept):
+            return False, self._slept(ev, deadline)
         # anything else (evidence, metrics, canaries, drains) comes from jobs of a retired
         # engine: the unit audits evidence, and a standby never asks for it
-        return False
+        return False, []
 
-    def _on_process(self, ev: out.ProcessEvent, deadline: float, stopping: bool) -> bool:
+    def _proved(self, ev: GateProbe, deadline: float, awake_fits: bool) -> list[do.Step]:
+        e = self.slot.current(ev.generation)
+        if e is None or self.slot.taking_down or self.state is not Role.PROVING:
+            return []
+        why = self.learned(e) if self.mode == "sleep" else None
+        if not ev.ok:
+            return self._failed(f"its first generation failed: {ev.error}", deadline)
+        if self.mode == "sleep" and why is None:
+            self._to(Role.SLEEPING)
+            return [do.Sleep(e)]
+        if why is None:
+            self._ready(e)
+        elif awake_fits:
+            self._ready(e, self._kept_awake(e, why))
+        else:
+            # no sleep, and no room awake: refused, not failed (no backoff, no retry:
+            # the next engine start's probe says again, docs/standby.md)
+            log.warning("the standby cannot sleep and an awake one does not fit "
+                        "beside the engine: no standby", why=why, pid=e.pid)
+            self._audit("standby_refused", why=why, pid=e.pid)
+            return self.retire(f"it cannot sleep: {why}", graceful=False, deadline=deadline)
+        return []
+
+    def _slept(self, ev: Slept, deadline: float) -> list[do.Step]:
+        e = self.slot.current(ev.generation)
+        if e is None or self.slot.taking_down or self.state is not Role.SLEEPING:
+            return []
+        if ev.error is not None:
+            return self._failed(f"it could not be put to sleep: {ev.error}", deadline)
+        self.asleep = True
+        # (the daemon's calls, and what vLLM measured of its sleep)
+        self._ready(e, sleep_s=round(ev.seconds, 3), vllm_s=ev.vllm_s)
+        return []
+
+    def _on_process(self, ev: out.ProcessEvent, deadline: float,
+                    stopping: bool) -> tuple[bool, list[do.Step]]:
         """Its engine's process, as its bay read it (`EngineSlot.on`)."""
         match self.slot.on(ev, self._monotonic(), awaits_health=self.state is Role.STARTING):
             case out.SpawnFailed(error):
                 self.failures += 1
                 self._to(Role.NONE, f"could not be started: {error}")
-                return True
+                return True, []
             case out.Up():
                 if stopping or self.state is Role.RETIRING:  # (retired while it spawned)
-                    self.slot.take_down(True, None, deadline)
                     self._to(Role.RETIRING,
                              "the daemon is stopping" if stopping else self.why)
+                    return False, [do.TakeDownIn(self.slot, True, deadline, evidence=False)]
             case out.Healthy(e):
                 self._to(Role.PROVING)
                 # a real generation proves it; one to be kept awake sleeps and wakes
                 # once before (its first KV reset after a takeover costs no first sleep)
-                self._act.gate_probe(e, warm=self.warm_up and self.mode != "sleep")
+                return False, [do.ProbeGate(e, warm=self.warm_up and self.mode != "sleep")]
             case out.Unhealthy(_, why):
-                self._failed(why, deadline)
+                return False, self._failed(why, deadline)
             case out.Died(_, why):
-                self._gone_unasked(f"it {why}", deadline)
+                return False, self._gone_unasked(f"it {why}", deadline)
             case out.Gone(_, problem):
                 if problem is not None:
                     self._to(Role.FAILED, problem)
                     self._audit("standby_failed", why=problem, failures=self.failures)
-                    return False
+                    return False, []
                 if self.state is Role.RETIRING:
                     self._to(Role.NONE, self.why)
-                return True
-        return False
+                return True, []
+        return False, []
 
     def _kept_awake(self, e: eng.EngineProcess, why: str) -> str:
         """A standby configured to sleep that cannot: kept awake (it fits beside)."""

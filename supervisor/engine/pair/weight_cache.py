@@ -31,7 +31,7 @@ from typing import Any
 
 import structlog
 
-from supervisor.engine.effects.protocol import Effects, Timer
+from supervisor.engine import steps as do
 from supervisor.engine.events import CacheDue, CoreExited, Event, HealthLost, iso_time
 from supervisor.engine.lifecycle import RestartTracker
 from supervisor.engine.pair import outcomes as out
@@ -46,18 +46,25 @@ from supervisor.settings.sections import EngineConfig, RestartConfig
 log = structlog.get_logger("supervisor")
 
 
+# the key of the cache's backoff timer, held by the unit's executor
+TIMER = "weight_cache"
+
+
 class WeightCache:
-    def __init__(self, act: Effects, audit: Callable[..., None], clock: Clock,
+    """A decider: what it does to its process (spawn it, take it down, watch its health,
+    time its backoff) it returns as steps (`supervisor/engine/steps.py`) for the unit's
+    executor; it holds no effects."""
+
+    def __init__(self, audit: Callable[..., None], clock: Clock,
                  slot: EngineSlot, restart: RestartConfig,
                  free_port: Callable[[str, set[int]], int] = proctree.free_port) -> None:
-        self._act, self._audit, self._clock, self._free_port = act, audit, clock, free_port
+        self._audit, self._clock, self._free_port = audit, clock, free_port
         self.slot = slot
         self.state = Cache.OFF
         self.why = "not configured"
         self.since, self.since_wall = clock.monotonic(), clock.wall()
         self.last_error: str | None = None
         self.tracker = RestartTracker(restart)
-        self._timer: Timer | None = None
         self._delay_s = 0.0  # the backoff after the take-down under way
         self._then = Cache.OFF  # what follows the take-down under way
         # the settings it is kept for (the unit's engine's, at its start and each reload)
@@ -112,31 +119,29 @@ class WeightCache:
 
     # ---- the unit asks -----------------------------------------------------------------
 
-    def want(self, cfg: EngineConfig, environ: Mapping[str, str], sockets: str) -> None:
+    def want(self, cfg: EngineConfig, environ: Mapping[str, str],
+             sockets: str) -> list[do.Step]:
         """The engine's settings now (the unit's start, a reload): the cache is started,
         started again when what it runs changed, or taken down when turned off."""
         self._cfg, self._environ, self.sockets = cfg, environ, sockets
         if not cfg.weight_cache:
-            if self.state is not Cache.OFF:
-                self._off("turned off by a reload")
-            return
+            return self._off("turned off by a reload") if self.state is not Cache.OFF else []
         key = self._key_now()
         if self.unproven is not None:
             log.error("no weight cache until the daemon restarts: the last one's tree was "
                       "not proven gone", problem=self.unproven)
-            return
+            return []
         if self.state is Cache.OFF:
-            self._start("the engine has a weight cache")
-        elif self.state is Cache.STOPPING and self._then is Cache.OFF and key == self._key:
+            return self._start("the engine has a weight cache")
+        if self.state is Cache.STOPPING and self._then is Cache.OFF and key == self._key:
             self._then = Cache.STARTING  # (turned off, and on again before it was down)
         elif key != self._key:
             self.tracker.reset()  # (its failures were of another command line)
             log.info("the weight cache's arguments changed: it starts again")
             if self.slot.engine is not None or self.slot.spawning:
-                self._take_down("its arguments changed", then=Cache.STARTING)
-            else:
-                self.cancel_timer()
-                self._start("its arguments changed")
+                return self._take_down("its arguments changed", then=Cache.STARTING)
+            return [*self.cancel_timer(), *self._start("its arguments changed")]
+        return []
 
     def reconfigure(self, restart: RestartConfig) -> None:
         self.tracker.cfg = restart
@@ -180,17 +185,15 @@ class WeightCache:
             return True
         return False
 
-    def down_last(self) -> bool:
+    def down_last(self) -> tuple[bool, list[do.Step]]:
         """The unit stops with its engines gone: the cache goes now. Whether nothing of it
-        is left (then the stop may end)."""
-        self.cancel_timer()
+        is left (then the stop may end), and the steps that take it down."""
         self.holding = False
         if self.slot.engine is None and not self.slot.spawning:
             if self.state in (Cache.BACKOFF, Cache.STARTING, Cache.STOPPING):
                 self._to(Cache.OFF, "the daemon stopped")
-            return True
-        self._take_down("the daemon is stopping", then=Cache.OFF)
-        return False
+            return True, self.cancel_timer()
+        return False, self._take_down("the daemon is stopping", then=Cache.OFF)
 
     def engine_started(self, engine: eng.EngineProcess, load: eng.Load | None) -> None:
         """An engine started on this cache serves: where its weights came from, as its
@@ -210,14 +213,13 @@ class WeightCache:
                         "cache", pid=engine.pid, said=line)
             self._audit("weight_cache_missed", pid=engine.pid, said=line)
 
-    def cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+    @staticmethod
+    def cancel_timer() -> list[do.Step]:
+        return [do.CancelTimer(TIMER)]
 
     # ---- its lifecycle -----------------------------------------------------------------
 
-    def _start(self, why: str) -> None:
+    def _start(self, why: str) -> list[do.Step]:
         cfg = self._cfg
         assert cfg is not None
         try:
@@ -228,36 +230,34 @@ class WeightCache:
             self.last_error = self._gave_up = f"cannot start: {exc}"
             self._to(Cache.STARTING, why)
             self._then = Cache.FAILED
-            self._after_down()
-            return
+            return self._after_down()
         spec, own = self._spec(port)
         self._key, self.port, self._gave_up = self._key_now(), port, None
         self.spawns += 1
         self._to(Cache.STARTING, why)
         log.info("weight cache starting", port=port, sockets=self.sockets, argv=spec.argv)
-        self.slot.spawn(spec, own)
+        return [do.Spawn(self.slot, spec, own)]
 
-    def _off(self, why: str) -> None:
+    def _off(self, why: str) -> list[do.Step]:
         if self.unproven is not None:
-            return  # (`failed` it stays, saying why, until the daemon restarts)
+            return []  # (`failed` it stays, saying why, until the daemon restarts)
         if self.slot.engine is not None or self.slot.spawning:
-            self._take_down(why, then=Cache.OFF)
-        else:
-            self.cancel_timer()
-            self._to(Cache.OFF, why)
+            return self._take_down(why, then=Cache.OFF)
+        self._to(Cache.OFF, why)
+        return self.cancel_timer()
 
-    def _take_down(self, why: str, then: Cache) -> None:
+    def _take_down(self, why: str, then: Cache) -> list[do.Step]:
         self._then = then
-        self.cancel_timer()
         self._to(Cache.STOPPING, why)
+        out = self.cancel_timer()
         e = self.slot.engine
         if e is not None and not self.slot.taking_down:
             deadline = self._clock.monotonic() + eng.stop_budget_s(
                 e.config, proxy_drain=False, evidence_s=0.0)
-            self.slot.take_down(True, None, deadline)
-        # (a spawn under way: taken down once it ends)
+            out.append(do.TakeDownIn(self.slot, True, deadline, evidence=False))
+        return out  # (a spawn under way: taken down once it ends)
 
-    def _failed(self, why: str, healthy_for: float | None) -> None:
+    def _failed(self, why: str, healthy_for: float | None) -> list[do.Step]:
         verdict = self.tracker.record_failure(self._clock.monotonic(),
                                               healthy_for_s=healthy_for, what=why)
         self.last_error = why
@@ -269,75 +269,78 @@ class WeightCache:
         then = Cache.FAILED if verdict.fatal else Cache.BACKOFF
         self._gave_up = verdict.reason if verdict.fatal else None
         if self.slot.engine is not None:
-            self._take_down(why, then)  # (its group: ranks outlive their launcher)
-        else:
-            self._then = then
-            self._after_down()
+            return self._take_down(why, then)  # (its group: ranks outlive their launcher)
+        self._then = then
+        return self._after_down()
 
-    def _after_down(self) -> None:
+    def _after_down(self) -> list[do.Step]:
         then, self._then = self._then, Cache.OFF
         if then is Cache.STARTING and self.configured:
-            self._start("started again after a reload")
-        elif then is Cache.BACKOFF:
-            self._timer = self._act.after(self._delay_s, CacheDue())
+            return self._start("started again after a reload")
+        if then is Cache.BACKOFF:
             self._to(Cache.BACKOFF, f"starting again in {self._delay_s:g} s")
-        elif then is Cache.FAILED:
+            return [do.ArmTimer(TIMER, self._delay_s, CacheDue())]
+        if then is Cache.FAILED:
             self._to(Cache.FAILED, self.unproven or self._gave_up or str(self.last_error))
             log.error("giving up on the weight cache: engines load their weights from disk "
                       "until a reload changes it or the daemon restarts",
                       last_error=self.last_error)
         else:
             self._to(Cache.OFF, self.why)
+        return []
 
-    def due(self) -> None:
+    def due(self) -> list[do.Step]:
         """Its backoff is over."""
-        self._timer = None
         if self.state is Cache.BACKOFF and self.configured:
-            self._start("its backoff is over")
+            return self._start("its backoff is over")
+        return []
 
-    def handle(self, ev: Event, stopping: bool) -> None:
-        """One event of the cache's process."""
+    def handle(self, ev: Event, stopping: bool) -> list[do.Step]:
+        """One event of the cache's process, and the steps that follow from it."""
         s = self.slot
         now = self._clock.monotonic()
         if isinstance(ev, HealthLost):
             e = s.current(ev.generation)
             if e is not None and not s.taking_down and self.state is Cache.READY:
-                self._failed(ev.why, now - e.healthy_at if e.healthy_at is not None else 0.0)
+                return self._failed(ev.why, now - e.healthy_at
+                                    if e.healthy_at is not None else 0.0)
         elif isinstance(ev, CoreExited):
             pass  # (its exit follows: a cache serves no requests that a crash would hold)
         elif isinstance(ev, out.PROCESS_EVENTS):
-            self._on_process(ev, stopping, now)
-        # (anything else: a job of a process already gone)
+            return self._on_process(ev, stopping, now)
+        return []  # (anything else: a job of a process already gone)
 
-    def _on_process(self, ev: out.ProcessEvent, stopping: bool, now: float) -> None:
+    def _on_process(self, ev: out.ProcessEvent, stopping: bool,
+                    now: float) -> list[do.Step]:
         """Its process, as its bay read it (`EngineSlot.on`)."""
         match self.slot.on(ev, now, awaits_health=self.state is Cache.STARTING,
                            exit_expected=self.state not in (Cache.STARTING, Cache.READY)):
             case out.SpawnFailed(error):
                 if self.state is Cache.STOPPING:
-                    self._after_down()
-                else:
-                    self._failed(f"could not be started: {error}", None)
+                    return self._after_down()
+                return self._failed(f"could not be started: {error}", None)
             case out.Up():
                 if stopping or self.state is Cache.STOPPING:  # (asked down while spawning)
-                    self._take_down(self.why if self.state is Cache.STOPPING
-                                    else "the daemon is stopping", self._then)
+                    return self._take_down(self.why if self.state is Cache.STOPPING
+                                           else "the daemon is stopping", self._then)
             case out.Healthy(e):
                 fields = {"pid": e.pid, "port": self.port,
                           "start_s": round(now - e.started_at, 3)}
                 self._to(Cache.READY, f"/health answered 200 after {fields['start_s']:.1f} s")
                 log.info("weight cache ready", **fields)
                 self._audit("weight_cache_ready", **fields)
-                self._act.watch_health(e)
+                return [do.WatchHealth(e)]
             case out.Unhealthy(_, why):
-                self._failed(why, None)
+                return self._failed(why, None)
             case out.Died(e, why):
-                self._failed(why, now - e.healthy_at if e.healthy_at is not None else None)
+                return self._failed(why, now - e.healthy_at
+                                    if e.healthy_at is not None else None)
             case out.Gone(_, problem):
                 if problem is not None:
                     self.unproven = self.last_error = problem
                     self._then = Cache.FAILED
-                self._after_down()
+                return self._after_down()
+        return []
 
     # ---- what it shows -----------------------------------------------------------------
 
