@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from supervisor.engine.events import DecisionRecord, Event
 from supervisor.engine.intents import EvidenceFor
-from supervisor.engine.pair.slot import EngineSlot
+from supervisor.engine.pair.slot import SlotView
 from supervisor.engine.process import process as eng
 from supervisor.engine.states import State
 from supervisor.settings.config import Config
@@ -31,7 +31,7 @@ class PairFacts:
     """The unit's state as its deciders read it, at one moment."""
 
     state: State
-    slot: EngineSlot  # the serving engine's place (read here, written by the unit alone)
+    slot: SlotView  # the serving engine's place, as it was at this moment
     config: Config
     environ: Mapping[str, str]
     fronted: bool  # a front proxy holds this engine's requests
@@ -154,22 +154,28 @@ class TakeDown:
 
 @dataclass(frozen=True)
 class TakeDownIn:
-    """The engine in `slot` taken down (the standby's place: a failed standby, the old
+    """The engine in `bay` taken down (the standby's place: a failed standby, the old
     serving engine behind a failover), with the evidence its fault asked for unless
     `evidence` is off (a role retiring its own engine). Nothing when that engine is
     already being taken down, or gone, by the time the step is carried out."""
 
-    slot: EngineSlot
+    bay: int
     graceful: bool
     deadline: float
     evidence: bool = True
 
 
 @dataclass(frozen=True)
-class Spawn:
-    """An engine started in `slot` (a standby's place, the weight cache's)."""
+class ArmStandby:
+    """A standby started in its place if one is due (`Handover.arm`), as the unit is
+    when this step is carried out."""
 
-    slot: EngineSlot
+
+@dataclass(frozen=True)
+class Spawn:
+    """An engine started in `bay` (a standby's place, the weight cache's)."""
+
+    bay: int
     spec: eng.SpawnSpec
     config: EngineConfig
 
@@ -212,9 +218,8 @@ class CaptureEvidence:
 
 @dataclass(frozen=True)
 class ServeFrom:
-    """A failover: `slot` (the standby's) is the serving place now."""
-
-    slot: EngineSlot
+    """A failover: the standby's bay is the serving one now, and the serving one the
+    standby's (its engine to be taken down there, or kept: the unit swaps the two)."""
 
 
 @dataclass(frozen=True)
@@ -378,7 +383,7 @@ class RelaunchFinish:
 
 Step = (SetState | Decide | Record | Audit | CountRestart | StartEngine | SpawnServing
         | RestartEngine | StopDeadline | TakeDown | TakeDownIn | Spawn | Sleep | WatchHealth
-        | ArmTimer | CancelTimer | CaptureEvidence | ServeFrom
+        | ArmTimer | CancelTimer | ArmStandby | CaptureEvidence | ServeFrom
         | MaybeFinishStop | NotifyReady | Fail | GiveUp | Abandon | Upgrade | ArmBackoff
         | CancelBackoff | Admit | Follow | Serve | ProbeGate | Wake | DrainBehind | SyncGate
         | PauseStreams | StartRemedy | Throttle | RelaunchBegin | Relaunch | RelaunchFinish)

@@ -221,10 +221,12 @@ class EngineUnit(UnitState):
                         healthy_for=None))
             case out.Up(engine):
                 self.failures.started()
-                if self.fronted:
-                    self.act.follow(engine)  # the proxy's route for this engine goes to it now
+                # the proxy's route for this engine goes to it now; a stop or restart that
+                # came while it spawned takes it down
+                steps: list[do.Step] = [do.Follow(engine)] if self.fronted else []
                 if self.state in (State.STOPPING, State.DRAINING):
-                    self.take_down(graceful=True)  # a stop or restart came while it spawned
+                    steps.append(do.TakeDown(graceful=True))
+                self.run_steps(steps)
             case out.Healthy(engine):
                 self._healthy(engine, now)
             case out.Unhealthy(_, why, timed_out):
@@ -268,15 +270,15 @@ class EngineUnit(UnitState):
         self.set_state(State.RUNNING,
                        f"/health answered 200 after {now - engine.started_at:.1f} s")
         self.notices.ready_once(f"RUNNING: engine pid {engine.pid} serving")
-        self.act.serve(engine)
-        self.run_steps(self.handover.arm(self.pair_facts()))
+        steps: list[do.Step] = [do.Serve(engine), *self.handover.arm(self.pair_facts())]
         if self.fronted and self.config.canary.enabled:
             # held requests go once one canary passed, after one sleep and wake of
             # an engine with sleep mode (its first KV reset then pays no first sleep)
-            self.act.gate_probe(engine, warm=self.watch.wake_broken is None)
+            steps.append(do.ProbeGate(engine, warm=self.watch.wake_broken is None))
         else:
-            self.keeper.admit()  # no canary to wait for: healthy is all we know
-            self.relaunch.finish("ok", None)  # serving: nothing more is waited for
+            # no canary to wait for: healthy is all we know, and nothing more is waited for
+            steps += [do.Admit(), do.RelaunchFinish("ok", None)]
+        self.run_steps(steps)
 
     def _gone(self, engine: eng.EngineProcess, problem: str | None) -> None:
         self.stop_deadline = None

@@ -206,7 +206,7 @@ class UnitState:
         evidence_s = self.config.evidence.timeout_s + 1.0 \
             if self.slot.evidence_for is not None and self.config.evidence.enabled else 0.0
         bays = (0, 1)  # the serving engine's and the standby's (they swap on a failover)
-        return PairFacts(self.state, self.slot, self.config, self.environ, self.fronted,
+        return PairFacts(self.state, self.slot.view(), self.config, self.environ, self.fronted,
                          self.clock.monotonic(), self.stop_deadline, self.restart_reason,
                          tuple(self.engine_config(b) for b in bays),
                          tuple(self.standby_config(b) for b in bays), evidence_s)
@@ -258,14 +258,15 @@ class UnitState:
                     self.stop_deadline = at
             case do.TakeDown(graceful):
                 self.take_down(graceful)
-            case do.TakeDownIn(slot, graceful, deadline, evidence):
+            case do.TakeDownIn(bay, graceful, deadline, evidence):
+                slot = self.bay(bay)
                 if slot.engine is not None and not slot.taking_down:
                     if evidence:
                         self.take_down_in(slot, graceful, deadline)
                     else:
                         slot.take_down(graceful, None, deadline)
-            case do.Spawn(slot, spec, cfg):
-                slot.spawn(spec, cfg)
+            case do.Spawn(bay, spec, cfg):
+                self.bay(bay).spawn(spec, cfg)
             case do.Sleep(engine):
                 self.act.sleep(engine)
             case do.WatchHealth(engine):
@@ -277,8 +278,10 @@ class UnitState:
                 self.cancel_timer(key)
             case do.CaptureEvidence(evidence):
                 self.slot.capture_at_take_down(evidence)
-            case do.ServeFrom(slot):
-                self.serve_from(slot)
+            case do.ServeFrom():
+                self.serve_from()
+            case do.ArmStandby():
+                self.run_steps(self.handover.arm(self.pair_facts()))
             case do.MaybeFinishStop():
                 self.maybe_finish_stop()
             case do.NotifyReady(text):
@@ -424,11 +427,19 @@ class UnitState:
             self._backoff.cancel()
             self._backoff = None
 
-    def serve_from(self, slot: EngineSlot) -> None:
-        """A failover: the standby's slot is the serving one now (the old one went to the
-        standby's place, to be taken down there). The restart that led here is over; the
-        old engine's take-down has its own deadline."""
-        self.slot = slot
+    def bay(self, bay: int) -> EngineSlot:
+        """The place numbered `bay`, whichever role holds it now."""
+        for slot in (self.slot, self.handover.standby.slot, self.weights.slot):
+            if slot.bay == bay:
+                return slot
+        raise AssertionError(f"no bay {bay}")
+
+    def serve_from(self) -> None:
+        """A failover: the standby's place is the serving one now, and the old one the
+        standby's, to be taken down (or kept) there. The restart that led here is over;
+        the old engine's take-down has its own deadline."""
+        standby = self.handover.standby
+        self.slot, standby.slot = standby.slot, self.slot
         self.serving_starts += 1
         self.stop_deadline = None
         self.watch.engine_starting()

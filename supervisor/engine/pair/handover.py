@@ -385,7 +385,7 @@ class Handover:
                     port=engine.spec.port, old_pid=old_pid, asleep=asleep,
                     **({"thin": self.thin_serves, "old_kept": keep} if f.thin_pair else {}))
         out: list[Step] = [
-            do.ServeFrom(new),  # (the restart is over: its deadline with it)
+            do.ServeFrom(),  # (the restart is over: its deadline with it)
             do.Audit("failover", {"reason": reason, "pid": engine.pid,
                                   "port": engine.spec.port, "old_pid": old_pid,
                                   "graceful": graceful, "asleep": asleep}),
@@ -409,7 +409,7 @@ class Handover:
             self._set_phase(Phase.WAKING, f.now)
             out.append(do.Wake(engine))
         if take_down:
-            out.append(do.TakeDownIn(old, graceful, deadline))
+            out.append(do.TakeDownIn(old.bay, graceful, deadline))
         elif (drain_behind or keep) and old.engine is not None and not old.taking_down:
             log.info("swap: the requests at the old engine finish there",
                      pid=old.engine.pid, generation=old.engine.generation)
@@ -446,7 +446,7 @@ class Handover:
             return [*out, *self.standby.retire(
                 "its requests did not end within the drain's timeout", graceful=True,
                 deadline=f.standby_deadline())]
-        return [*out, do.TakeDownIn(old, True, f.standby_deadline())]
+        return [*out, do.TakeDownIn(old.bay, True, f.standby_deadline())]
 
     def woken(self, f: PairFacts, ev: Woken) -> list[Step]:
         engine = f.slot.current(ev.generation)
@@ -489,7 +489,9 @@ class Handover:
         self.last_failover_s = round(f.now - self.since, 3)
         self._set_phase(Phase.IDLE, f.now)
         log.info("failover done", seconds=self.last_failover_s)
-        return [*self.arm(f), do.Audit("failover_done", {"seconds": self.last_failover_s})]
+        # (a standby in the freed place: armed as the unit is once these steps ran, the
+        # two bays swapped by a failover's `ServeFrom` among them)
+        return [do.ArmStandby(), do.Audit("failover_done", {"seconds": self.last_failover_s})]
 
     def sleeping_standby_off(self, cfg: EngineConfig) -> str | None:
         """With `standby = "sleep"` in `cfg` (the engine's): why no standby sleeps (kept

@@ -32,6 +32,30 @@ from supervisor.watchdog.devroutes import DevRoutes
 log = structlog.get_logger("supervisor")
 
 
+@dataclasses.dataclass(frozen=True)
+class SlotView:
+    """One bay as the deciders read it, at one moment (`EngineSlot.view`): which bay,
+    its phase and generation, and the engine in it."""
+
+    bay: int
+    phase: Bay
+    generation: int
+    engine: eng.EngineProcess | None
+
+    @property
+    def spawning(self) -> bool:
+        return self.phase is Bay.SPAWNING
+
+    @property
+    def taking_down(self) -> bool:
+        return self.phase is Bay.TAKING_DOWN
+
+    def current(self, generation: int) -> eng.EngineProcess | None:
+        """The engine in the bay, if it is of `generation`."""
+        e = self.engine
+        return e if e is not None and e.generation == generation else None
+
+
 class EngineSlot:
     def __init__(self, act: Effects, audit: Callable[..., None],
                  next_generation: Callable[[], int], bay: int = 0,
@@ -67,6 +91,9 @@ class EngineSlot:
     def _set_phase(self, new: Bay) -> None:
         check(BAY, self.phase, new)
         self.phase = new
+
+    def view(self) -> SlotView:
+        return SlotView(self.bay, self.phase, self.generation, self.engine)
 
     def current(self, generation: int) -> eng.EngineProcess | None:
         """The engine in the slot, if it is of `generation` (events of a gone one are

@@ -27,7 +27,7 @@ from supervisor.engine import steps as do
 from supervisor.engine.events import Event, GateProbe, Slept, StandbyDue
 from supervisor.engine.pair import outcomes as out
 from supervisor.engine.pair.pair_states import ON_ITS_WAY, ROLE, Role, check
-from supervisor.engine.pair.slot import EngineSlot
+from supervisor.engine.pair.slot import EngineSlot, SlotView
 from supervisor.engine.process import process as eng
 from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog import devroutes
@@ -130,7 +130,7 @@ class Standby:
         self.mode, self.asleep, self.thin = mode, False, thin
         log.info("standby starting", port=spec.port, mode=mode,
                  **({"thin": thin} if cfg.standby_args else {}))
-        return [do.Spawn(self.slot, spec, cfg)]
+        return [do.Spawn(self.slot.bay, spec, cfg)]
 
     def no_room(self, why: str) -> None:
         """None can start now (the serving engine took the room a standby needs)."""
@@ -163,12 +163,13 @@ class Standby:
         return self.ready and e is not None and e.spec.argv == spec.argv \
             and e.spec.env == spec.env and e.spec.cwd == spec.cwd
 
-    def take_over(self, old: EngineSlot, keep: bool = False) -> tuple[EngineSlot, bool, bool]:
-        """The ready standby's slot, to serve, whether its engine is asleep (to be woken
-        before anything reaches it) and thin; `old` (the serving one) takes its place, to
-        be taken down by the caller, or with `keep` (a thin one, handing back to a
-        full-size engine) to finish its requests and be the standby again (`keep`)."""
-        new, self.slot = self.slot, old
+    def take_over(self, old: SlotView, keep: bool = False) -> tuple[SlotView, bool, bool]:
+        """The ready standby's bay, to serve, whether its engine is asleep (to be woken
+        before anything reaches it) and thin; `old` (the serving one) takes its place (the
+        unit swaps the two: `do.ServeFrom`), to be taken down by the caller, or with
+        `keep` (a thin one, handing back to a full-size engine) to finish its requests
+        and be the standby again."""
+        new = self.slot.view()
         asleep, self.asleep = self.asleep, False
         thin, self.thin = self.thin, keep
         self.failures = 0
@@ -201,7 +202,7 @@ class Standby:
         if self.slot.engine is not None and not self.slot.taking_down:
             # one still starting has nothing to finish, and vLLM ignores SIGTERM until it
             # serves: it would cost the whole grace (30 s on the H100) for nothing
-            out.append(do.TakeDownIn(self.slot, graceful and self.state not in ON_ITS_WAY,
+            out.append(do.TakeDownIn(self.slot.bay, graceful and self.state not in ON_ITS_WAY,
                                      deadline, evidence=False))
         if self.slot.engine is not None or self.slot.spawning:
             self._to(Role.RETIRING, why)
@@ -289,7 +290,7 @@ class Standby:
                 if stopping or self.state is Role.RETIRING:  # (retired while it spawned)
                     self._to(Role.RETIRING,
                              "the daemon is stopping" if stopping else self.why)
-                    return False, [do.TakeDownIn(self.slot, True, deadline, evidence=False)]
+                    return False, [do.TakeDownIn(self.slot.bay, True, deadline, evidence=False)]
             case out.Healthy(e):
                 self._to(Role.PROVING)
                 # a real generation proves it; one to be kept awake sleeps and wakes

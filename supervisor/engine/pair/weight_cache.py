@@ -236,7 +236,7 @@ class WeightCache:
         self.spawns += 1
         self._to(Cache.STARTING, why)
         log.info("weight cache starting", port=port, sockets=self.sockets, argv=spec.argv)
-        return [do.Spawn(self.slot, spec, own)]
+        return [do.Spawn(self.slot.bay, spec, own)]
 
     def _off(self, why: str) -> list[do.Step]:
         if self.unproven is not None:
@@ -254,7 +254,7 @@ class WeightCache:
         if e is not None and not self.slot.taking_down:
             deadline = self._clock.monotonic() + eng.stop_budget_s(
                 e.config, proxy_drain=False, evidence_s=0.0)
-            out.append(do.TakeDownIn(self.slot, True, deadline, evidence=False))
+            out.append(do.TakeDownIn(self.slot.bay, True, deadline, evidence=False))
         return out  # (a spawn under way: taken down once it ends)
 
     def _failed(self, why: str, healthy_for: float | None) -> list[do.Step]:
