@@ -139,6 +139,46 @@ class RestartEngine:
 
 
 @dataclass(frozen=True)
+class RestartReason:
+    """Why the restart beginning now began (the next start's reason)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class RestartFailed:
+    """A restart asked in BACKOFF or FATAL: the failure decider's (`Failures.restart`)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class FailOver:
+    """The standby takes over (`Handover.fail_over`, with the unit as it is then)."""
+
+    reason: str
+    graceful: bool
+    drain_behind: bool = False
+
+
+@dataclass(frozen=True)
+class SwapOrTakeDown:
+    """The standby takes over if it is ready and up to date, else the engine is taken
+    down for a cold start (`Handover.swap_or_take_down`)."""
+
+    graceful: bool
+
+
+@dataclass(frozen=True)
+class Drain:
+    """The requests at `engine` finish there, up to `deadline`; then it is taken down
+    (`Drained` answers)."""
+
+    engine: eng.EngineProcess
+    deadline: float
+
+
+@dataclass(frozen=True)
 class StopDeadline:
     """The restart or stop beginning now ends by `at` (kept if one is under way)."""
 
@@ -382,7 +422,8 @@ class RelaunchFinish:
 
 
 Step = (SetState | Decide | Record | Audit | CountRestart | StartEngine | SpawnServing
-        | RestartEngine | StopDeadline | TakeDown | TakeDownIn | Spawn | Sleep | WatchHealth
+        | RestartEngine | RestartReason | RestartFailed | FailOver | SwapOrTakeDown | Drain
+        | StopDeadline | TakeDown | TakeDownIn | Spawn | Sleep | WatchHealth
         | ArmTimer | CancelTimer | ArmStandby | CaptureEvidence | ServeFrom
         | MaybeFinishStop | NotifyReady | Fail | GiveUp | Abandon | Upgrade | ArmBackoff
         | CancelBackoff | Admit | Follow | Serve | ProbeGate | Wake | DrainBehind | SyncGate

@@ -24,8 +24,8 @@ from typing import Any
 
 import structlog
 
+from supervisor.engine import restarts, views
 from supervisor.engine import steps as do
-from supervisor.engine import views
 from supervisor.engine.effects.jobs import JobEffects
 from supervisor.engine.effects.protocol import Effects, Front, Timer
 from supervisor.engine.events import (
@@ -253,6 +253,17 @@ class UnitState:
                 self.spawn_serving()
             case do.RestartEngine(reason, graceful):
                 self.restart_engine(reason, graceful)
+            case do.RestartReason(reason):
+                self.restart_reason = reason
+            case do.RestartFailed(reason):
+                self.run_steps(self.failures.restart(self.pair_facts(), reason))
+            case do.FailOver(reason, graceful, drain_behind):
+                self.run_steps(self.handover.fail_over(self.pair_facts(), reason, graceful,
+                                                       drain_behind=drain_behind))
+            case do.SwapOrTakeDown(graceful):
+                self.run_steps(self.handover.swap_or_take_down(self.pair_facts(), graceful))
+            case do.Drain(engine, deadline):
+                self.act.drain(engine, deadline)
             case do.StopDeadline(at):
                 if self.stop_deadline is None:
                     self.stop_deadline = at
@@ -520,42 +531,15 @@ class UnitState:
         self._done = True
 
     def restart_engine(self, reason: str, graceful: bool = True) -> None:
-        s = self.state
-        if s in (State.STARTING, State.RUNNING):
-            self.restart_reason = reason
-            self.set_state(State.DRAINING, reason)
-            self.decide("restart", reason)
-            if self.engine is not None and not self.slot.taking_down:
-                if self.fronted:
-                    log.info("restart: new requests held", in_flight=self.gate.in_flight,
-                             waiting=self.gate.waiting)
-                if graceful and self.fronted and self.engine.config.drain == "continue":
-                    paused = self.act.pause_streams(self.engine)
-                    log.info("restart: streams paused, to go on on the new engine",
-                             paused=paused)
-                if graceful and self.fronted and self.gate.in_flight \
-                        and self.handover.swaps_at_once(f := self.pair_facts()):
-                    # an awake standby takes the new requests now; the ones at the old
-                    # engine finish there before its SIGTERM
-                    self.run_steps(self.handover.fail_over(f, reason, graceful,
-                                                           drain_behind=True))
-                elif graceful and self.fronted and self.gate.in_flight:
-                    # The gate holds new requests now; let the ones at the engine finish
-                    # before SIGTERM (vLLM's own drain aborts streams), bounded.
-                    self.act.drain(self.engine, self.set_stop_deadline(proxy_drain=True))
-                else:
-                    self.run_steps(self.handover.swap_or_take_down(self.pair_facts(),
-                                                                   graceful))
-            elif self.engine is None and not self.slot.spawning:
-                self.start_engine(reason)  # (its standby was starting first)
-            # a take-down already running (a crash being reaped) ends in `_gone`
-        elif s in (State.BACKOFF, State.FATAL):
-            self.restart_reason = reason
-            self.run_steps(self.failures.restart(self.pair_facts(), reason))
-        elif s is State.DRAINING:
-            raise CommandError("a restart is already in progress")
-        else:
-            raise CommandError(f"the daemon is {s.value}")
+        """A restart of the serving engine (`supervisor/engine/restarts.py` decides its
+        steps); CommandError: it cannot begin now, and why."""
+        f = self.pair_facts()
+        try:
+            steps = restarts.restart(f, reason, graceful, self.gate.in_flight,
+                                     self.handover.swaps_at_once(f))
+        except restarts.RestartRefused as exc:
+            raise CommandError(str(exc)) from None
+        self.run_steps(steps)
 
     @property
     def restarts(self) -> int:
