@@ -206,8 +206,10 @@ def test_a_stream_broken_mid_answer_goes_on_token_exact(fronted, tmp_path, fault
 def test_a_dying_engine_streams_wait_with_keepalives_and_go_on_after_its_restart(
         fronted, tmp_path):
     # the error event, then 5xx while it dies, then the exit; the restarted engine takes
-    # 1 s to listen, so the streams wait (keep-alive lines every 0.5 s)
-    d, cfg = fronted("--startup-delay", "1", keepalive_s=0.5)
+    # 1 s to listen, so the streams wait (keep-alive lines every 0.5 s). Tokens 0.05 s
+    # apart (3 s a stream): on a loaded machine a stream at a 0.02 s pace could end before the
+    # fault reached it, leaving nothing to wait for
+    d, cfg = fronted("--startup-delay", "1", "--token-delay", "0.05", keepalive_s=0.5)
     bodies = [("/v1/completions", comp()), ("/v1/chat/completions", chat()),
               ("/v1/completions", comp(stop=["never"]))]
     seen = under_fault(cfg, tmp_path / "fault", "die", bodies)
