@@ -32,14 +32,10 @@ from supervisor.watchdog.devroutes import DevRoutes
 log = structlog.get_logger("supervisor")
 
 
-@dataclasses.dataclass(frozen=True)
-class SlotView:
-    """One bay as the deciders read it, at one moment (`EngineSlot.view`): which bay,
-    its phase and generation, and the engine in it."""
+class _BayReading:
+    """What a bay's phase and engine say, for the slot and its view alike."""
 
-    bay: int
     phase: Bay
-    generation: int
     engine: eng.EngineProcess | None
 
     @property
@@ -51,12 +47,24 @@ class SlotView:
         return self.phase is Bay.TAKING_DOWN
 
     def current(self, generation: int) -> eng.EngineProcess | None:
-        """The engine in the bay, if it is of `generation`."""
+        """The engine in the bay, if it is of `generation` (events of a gone one are
+        stale)."""
         e = self.engine
         return e if e is not None and e.generation == generation else None
 
 
-class EngineSlot:
+@dataclasses.dataclass(frozen=True)
+class SlotView(_BayReading):
+    """One bay as the deciders read it, at one moment (`EngineSlot.view`): which bay,
+    its phase and generation, and the engine in it."""
+
+    bay: int
+    phase: Bay
+    generation: int
+    engine: eng.EngineProcess | None
+
+
+class EngineSlot(_BayReading):
     def __init__(self, act: Effects, audit: Callable[..., None],
                  next_generation: Callable[[], int], bay: int = 0,
                  load: Callable[[], eng.Load | None] | None = None,
@@ -80,26 +88,12 @@ class EngineSlot:
         # the next take-down of this engine first captures evidence for (rule, reason)
         self.evidence_for: EvidenceFor | None = None
 
-    @property
-    def spawning(self) -> bool:
-        return self.phase is Bay.SPAWNING
-
-    @property
-    def taking_down(self) -> bool:
-        return self.phase is Bay.TAKING_DOWN
-
     def _set_phase(self, new: Bay) -> None:
         check(BAY, self.phase, new)
         self.phase = new
 
     def view(self) -> SlotView:
         return SlotView(self.bay, self.phase, self.generation, self.engine)
-
-    def current(self, generation: int) -> eng.EngineProcess | None:
-        """The engine in the slot, if it is of `generation` (events of a gone one are
-        stale)."""
-        e = self.engine
-        return e if e is not None and e.generation == generation else None
 
     def spawn(self, spec: eng.SpawnSpec, cfg: EngineConfig) -> None:
         assert self.engine is None
