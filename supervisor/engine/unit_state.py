@@ -25,7 +25,6 @@ from typing import Any
 import structlog
 
 from supervisor.engine import restarts, views
-from supervisor.engine import steps as do
 from supervisor.engine.effects.jobs import JobEffects
 from supervisor.engine.effects.protocol import Effects, Front, Timer
 from supervisor.engine.events import (
@@ -35,10 +34,11 @@ from supervisor.engine.events import (
     Event,
     iso_time,
 )
+from supervisor.engine.executor import Executor
 from supervisor.engine.failures import Failures
 from supervisor.engine.gatekeeper import GateKeeper
 from supervisor.engine.golden_check import GoldenCheck
-from supervisor.engine.intents import Intent, RelaunchLog, remedy_ended
+from supervisor.engine.intents import Intent, RelaunchLog
 from supervisor.engine.notices import SystemdNotices
 from supervisor.engine.pair.handover import Handover
 from supervisor.engine.pair.slot import EngineSlot
@@ -122,6 +122,8 @@ class UnitState:
             self.audit, self.clock.monotonic,
             EngineSlot(self.act, self.audit, lambda: next(generations), bay=1, load=load)))
         # the golden check's baselines and verdicts (engine/golden_check.py)
+        # the one executor of the deciders' steps (engine/executor.py)
+        self.executor = Executor(self)
         self.golden = GoldenCheck(self.audit)
         self.golden_failures = 0  # the serving engine's proofs in a row that failed it
         self.serving_starts = 0  # engines that took the serving place (cold or failover)
@@ -131,8 +133,6 @@ class UnitState:
         # the backoff after a failure, a start refused, giving up (engine/failures.py)
         self.failures = Failures(self.config.restart)
         self._backoff: Timer | None = None  # the backoff's timer (its end: `Failures`)
-        # the roles' timers by name (`do.ArmTimer`: the standby's backoff, the cache's)
-        self._timers: dict[str, Timer] = {}
         # a restart or stop under way ends by this (monotonic); None: none under way
         self.stop_deadline: float | None = None
         self.keeper = GateKeeper(self.gate, self.audit)  # opens, holds, closes the gate
@@ -227,126 +227,9 @@ class UnitState:
         return what
 
     def run_steps(self, steps: list[Step]) -> None:
-        """The deciders' steps (`supervisor/engine/steps.py`), carried out in order: the
-        unit's one executor."""
-        for step in steps:
-            self._carry_out(step)
-
-    def _carry_out(self, step: Step) -> None:
-        """One step of a decider's, by the one unit method, effect or decider that owns
-        what it changes; a step that is another decider's (`Fail`, `GiveUp`, `Abandon`,
-        `Upgrade`) asks that decider with the unit's state as it is now."""
-        match step:
-            case do.SetState(state, reason):
-                self.set_state(state, reason)
-            case do.Decide(action, reason):
-                self.decide(action, reason)
-            case do.Record(record):
-                self.decided(record)
-            case do.Audit(event, fields):
-                self.audit(event, **fields)
-            case do.CountRestart(reason):
-                self.count_restart(reason)
-            case do.StartEngine(reason):
-                self.start_engine(reason)
-            case do.SpawnServing():
-                self.spawn_serving()
-            case do.RestartEngine(reason, graceful):
-                self.restart_engine(reason, graceful)
-            case do.RestartReason(reason):
-                self.restart_reason = reason
-            case do.RestartFailed(reason):
-                self.run_steps(self.failures.restart(self.pair_facts(), reason))
-            case do.FailOver(reason, graceful, drain_behind):
-                self.run_steps(self.handover.fail_over(self.pair_facts(), reason, graceful,
-                                                       drain_behind=drain_behind))
-            case do.SwapOrTakeDown(graceful):
-                self.run_steps(self.handover.swap_or_take_down(self.pair_facts(), graceful))
-            case do.Drain(engine, deadline):
-                self.act.drain(engine, deadline)
-            case do.StopDeadline(at):
-                if self.stop_deadline is None:
-                    self.stop_deadline = at
-            case do.TakeDown(graceful):
-                self.take_down(graceful)
-            case do.TakeDownIn(bay, graceful, deadline, evidence):
-                slot = self.bay(bay)
-                if slot.engine is not None and not slot.taking_down:
-                    if evidence:
-                        self.take_down_in(slot, graceful, deadline)
-                    else:
-                        slot.take_down(graceful, None, deadline)
-            case do.Spawn(bay, spec, cfg):
-                self.bay(bay).spawn(spec, cfg)
-            case do.Sleep(engine):
-                self.act.sleep(engine)
-            case do.WatchHealth(engine):
-                self.act.watch_health(engine)
-            case do.ArmTimer(key, delay_s, event):
-                self.cancel_timer(key)
-                self._timers[key] = self.act.after(delay_s, event)
-            case do.CancelTimer(key):
-                self.cancel_timer(key)
-            case do.CaptureEvidence(evidence):
-                self.slot.capture_at_take_down(evidence)
-            case do.ServeFrom():
-                self.serve_from()
-            case do.ArmStandby():
-                self.run_steps(self.handover.arm(self.pair_facts()))
-            case do.MaybeFinishStop():
-                self.maybe_finish_stop()
-            case do.NotifyReady(text):
-                self.notices.ready_once(text)
-            case do.Fail(reason, healthy_for):
-                self.run_steps(self.failures.fail(self.pair_facts(), reason, healthy_for))
-            case do.GiveUp(reason, engine):
-                self.run_steps(self.failures.give_up(self.pair_facts(), reason, engine))
-            case do.Abandon(why, deadline):
-                self.run_steps(self.handover.abandon(why, deadline, self.clock.monotonic()))
-            case do.Upgrade(why, label, otherwise):
-                began = self.handover.begin_upgrade(self.pair_facts(), why, label)
-                self.run_steps(list(otherwise) if began is None else began)
-            case do.ArmBackoff(delay_s, generation):
-                self.arm_backoff(delay_s, generation)
-            case do.CancelBackoff():
-                self.cancel_backoff()
-            case do.Admit():
-                self.keeper.admit()
-            case do.Follow(engine):
-                self.act.follow(engine)
-            case do.Serve(engine):
-                self.act.serve(engine)
-            case do.ProbeGate(engine, golden, warm):
-                self.act.gate_probe(engine, golden, warm=warm)
-            case do.Wake(engine):
-                self.act.wake(engine)
-            case do.DrainBehind(engine, deadline):
-                self.act.drain_behind(engine, deadline)
-            case do.SyncGate():
-                self.sync_gate()
-            case do.PauseStreams(engine, why):
-                paused = self.act.pause_streams(engine)
-                log.info("streams paused, to go on after it", during=why, paused=paused)
-            case do.StartRemedy(rung):
-                assert self.engine is not None
-                self.act.remedy(self.engine, rung)
-            case do.Throttle(rule, level):
-                self.sync_gate()  # live at the proxy: in force at once
-                remedy_ended(self.audit, {
-                    "rung": "throttle", "outcome": "ok", "duration_s": 0.0, "rule": rule,
-                    "throttle_level": level, "max_concurrency": self.gate.concurrency_limit})
-            case do.RelaunchBegin(rung, reason):
-                self.relaunch.begin(rung, reason)
-            case do.Relaunch("standby_ready"):
-                self.relaunch.standby_ready()
-            case do.Relaunch("taken_down"):
-                self.relaunch.taken_down()
-            case do.Relaunch("down"):
-                self.relaunch.down()
-            case do.RelaunchFinish(outcome, error):
-                self.relaunch.finish(outcome, error)
-            case _:
-                raise AssertionError(f"no executor for step {step!r}")
+        """The deciders' steps (`supervisor/engine/steps.py`), carried out in order by the
+        unit's one executor (`supervisor/engine/executor.py`)."""
+        self.executor.run(steps)
 
     def facts(self) -> UnitFacts:
         """The unit's state as its watchdog half reads it."""
@@ -428,22 +311,10 @@ class UnitState:
         self.cancel_backoff()
         self._backoff = self.act.after(delay_s, BackoffElapsed(generation))
 
-    def cancel_timer(self, key: str) -> None:
-        timer = self._timers.pop(key, None)
-        if timer is not None:
-            timer.cancel()
-
     def cancel_backoff(self) -> None:
         if self._backoff is not None:
             self._backoff.cancel()
             self._backoff = None
-
-    def bay(self, bay: int) -> EngineSlot:
-        """The place numbered `bay`, whichever role holds it now."""
-        for slot in (self.slot, self.handover.standby.slot, self.weights.slot):
-            if slot.bay == bay:
-                return slot
-        raise AssertionError(f"no bay {bay}")
 
     def serve_from(self) -> None:
         """A failover: the standby's place is the serving one now, and the old one the

@@ -1,0 +1,165 @@
+"""The engine unit's one executor: the steps its deciders return, carried out in order.
+
+The deciders (`Handover`, `Failures`, `Remedies`, the restart decider, the roles in the
+bays: `Standby`, `WeightCache`) read the unit's state and return steps
+(`supervisor/engine/steps.py`); the unit hands them here (`UnitState.run_steps`). Each
+step goes to the one unit method, effect or decider that owns what it changes; a step
+that is another decider's (`Fail`, `GiveUp`, `Abandon`, `Upgrade`, `FailOver`...) asks
+that decider with the unit's state as it is then. The executor owns the roles' timers
+(by name: the standby's backoff, the weight cache's) and finds a slot by its bay number,
+whichever role holds it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import structlog
+
+from supervisor.engine import steps as do
+from supervisor.engine.effects.protocol import Timer
+from supervisor.engine.intents import remedy_ended
+from supervisor.engine.pair.slot import EngineSlot
+from supervisor.engine.steps import Step
+
+if TYPE_CHECKING:
+    from supervisor.engine.unit_state import UnitState
+
+log = structlog.get_logger("supervisor")
+
+
+class Executor:
+    def __init__(self, unit: UnitState) -> None:
+        self._unit = unit
+        self._timers: dict[str, Timer] = {}  # the roles' timers, by name (`do.ArmTimer`)
+
+    def run(self, steps: list[Step]) -> None:
+        for step in steps:
+            self._carry_out(step)
+
+    def bay(self, bay: int) -> EngineSlot:
+        """The place numbered `bay`, whichever role holds it now."""
+        u = self._unit
+        for slot in (u.slot, u.handover.standby.slot, u.weights.slot):
+            if slot.bay == bay:
+                return slot
+        raise AssertionError(f"no bay {bay}")
+
+    def cancel_timer(self, key: str) -> None:
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _carry_out(self, step: Step) -> None:
+        u = self._unit
+        match step:
+            case do.SetState(state, reason):
+                u.set_state(state, reason)
+            case do.Decide(action, reason):
+                u.decide(action, reason)
+            case do.Record(record):
+                u.decided(record)
+            case do.Audit(event, fields):
+                u.audit(event, **fields)
+            case do.CountRestart(reason):
+                u.count_restart(reason)
+            case do.StartEngine(reason):
+                u.start_engine(reason)
+            case do.SpawnServing():
+                u.spawn_serving()
+            case do.RestartEngine(reason, graceful):
+                u.restart_engine(reason, graceful)
+            case do.RestartReason(reason):
+                u.restart_reason = reason
+            case do.RestartFailed(reason):
+                self.run(u.failures.restart(u.pair_facts(), reason))
+            case do.FailOver(reason, graceful, drain_behind):
+                self.run(u.handover.fail_over(u.pair_facts(), reason, graceful,
+                                                       drain_behind=drain_behind))
+            case do.SwapOrTakeDown(graceful):
+                self.run(u.handover.swap_or_take_down(u.pair_facts(), graceful))
+            case do.Drain(engine, deadline):
+                u.act.drain(engine, deadline)
+            case do.StopDeadline(at):
+                if u.stop_deadline is None:
+                    u.stop_deadline = at
+            case do.TakeDown(graceful):
+                u.take_down(graceful)
+            case do.TakeDownIn(bay, graceful, deadline, evidence):
+                slot = self.bay(bay)
+                if slot.engine is not None and not slot.taking_down:
+                    if evidence:
+                        u.take_down_in(slot, graceful, deadline)
+                    else:
+                        slot.take_down(graceful, None, deadline)
+            case do.Spawn(bay, spec, cfg):
+                self.bay(bay).spawn(spec, cfg)
+            case do.Sleep(engine):
+                u.act.sleep(engine)
+            case do.WatchHealth(engine):
+                u.act.watch_health(engine)
+            case do.ArmTimer(key, delay_s, event):
+                self.cancel_timer(key)
+                self._timers[key] = u.act.after(delay_s, event)
+            case do.CancelTimer(key):
+                self.cancel_timer(key)
+            case do.CaptureEvidence(evidence):
+                u.slot.capture_at_take_down(evidence)
+            case do.ServeFrom():
+                u.serve_from()
+            case do.ArmStandby():
+                self.run(u.handover.arm(u.pair_facts()))
+            case do.MaybeFinishStop():
+                u.maybe_finish_stop()
+            case do.NotifyReady(text):
+                u.notices.ready_once(text)
+            case do.Fail(reason, healthy_for):
+                self.run(u.failures.fail(u.pair_facts(), reason, healthy_for))
+            case do.GiveUp(reason, engine):
+                self.run(u.failures.give_up(u.pair_facts(), reason, engine))
+            case do.Abandon(why, deadline):
+                self.run(u.handover.abandon(why, deadline, u.clock.monotonic()))
+            case do.Upgrade(why, label, otherwise):
+                began = u.handover.begin_upgrade(u.pair_facts(), why, label)
+                self.run(list(otherwise) if began is None else began)
+            case do.ArmBackoff(delay_s, generation):
+                u.arm_backoff(delay_s, generation)
+            case do.CancelBackoff():
+                u.cancel_backoff()
+            case do.Admit():
+                u.keeper.admit()
+            case do.Follow(engine):
+                u.act.follow(engine)
+            case do.Serve(engine):
+                u.act.serve(engine)
+            case do.ProbeGate(engine, golden, warm):
+                u.act.gate_probe(engine, golden, warm=warm)
+            case do.Wake(engine):
+                u.act.wake(engine)
+            case do.DrainBehind(engine, deadline):
+                u.act.drain_behind(engine, deadline)
+            case do.SyncGate():
+                u.sync_gate()
+            case do.PauseStreams(engine, why):
+                paused = u.act.pause_streams(engine)
+                log.info("streams paused, to go on after it", during=why, paused=paused)
+            case do.StartRemedy(rung):
+                assert u.engine is not None
+                u.act.remedy(u.engine, rung)
+            case do.Throttle(rule, level):
+                u.sync_gate()  # live at the proxy: in force at once
+                remedy_ended(u.audit, {
+                    "rung": "throttle", "outcome": "ok", "duration_s": 0.0, "rule": rule,
+                    "throttle_level": level, "max_concurrency": u.gate.concurrency_limit})
+            case do.RelaunchBegin(rung, reason):
+                u.relaunch.begin(rung, reason)
+            case do.Relaunch("standby_ready"):
+                u.relaunch.standby_ready()
+            case do.Relaunch("taken_down"):
+                u.relaunch.taken_down()
+            case do.Relaunch("down"):
+                u.relaunch.down()
+            case do.RelaunchFinish(outcome, error):
+                u.relaunch.finish(outcome, error)
+            case _:
+                raise AssertionError(f"no executor for step {step!r}")
