@@ -80,6 +80,14 @@ class Executor:
                 self.run(u.handover.swap_or_take_down(u.pair_facts(), graceful))
             case do.Drain(engine, deadline):
                 u.act.drain(engine, deadline)
+            case do.ForceStop(reason):
+                log.warning("second stop request: skipping to SIGKILL", reason=reason)
+                u.audit("force_stop", reason=reason)
+                u.slot.force.set()
+            case do.EndBackoff():
+                self.run(u.failures.cancel_backoff())
+            case do.NotifyStopping(status):
+                u.notices.stopping(status)
             case do.StopDeadline(at):
                 if u.stop_deadline is None:
                     u.stop_deadline = at

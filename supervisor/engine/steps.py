@@ -179,6 +179,25 @@ class Drain:
 
 
 @dataclass(frozen=True)
+class ForceStop:
+    """A second stop while one runs: the take-down in flight skips to SIGKILL."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class EndBackoff:
+    """The backoff under way, if any, is over without a start (`Failures`)."""
+
+
+@dataclass(frozen=True)
+class NotifyStopping:
+    """systemd is told the daemon stops, and why."""
+
+    status: str
+
+
+@dataclass(frozen=True)
 class StopDeadline:
     """The restart or stop beginning now ends by `at` (kept if one is under way)."""
 
@@ -423,7 +442,8 @@ class RelaunchFinish:
 
 Step = (SetState | Decide | Record | Audit | CountRestart | StartEngine | SpawnServing
         | RestartEngine | RestartReason | RestartFailed | FailOver | SwapOrTakeDown | Drain
-        | StopDeadline | TakeDown | TakeDownIn | Spawn | Sleep | WatchHealth
+        | ForceStop | EndBackoff | NotifyStopping | StopDeadline | TakeDown | TakeDownIn
+        | Spawn | Sleep | WatchHealth
         | ArmTimer | CancelTimer | ArmStandby | CaptureEvidence | ServeFrom
         | MaybeFinishStop | NotifyReady | Fail | GiveUp | Abandon | Upgrade | ArmBackoff
         | CancelBackoff | Admit | Follow | Serve | ProbeGate | Wake | DrainBehind | SyncGate

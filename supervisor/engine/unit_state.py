@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from supervisor.engine import restarts, views
+from supervisor.engine import restarts, stops, views
 from supervisor.engine.effects.jobs import JobEffects
 from supervisor.engine.effects.protocol import Effects, Front, Timer
 from supervisor.engine.events import (
@@ -353,26 +353,7 @@ class UnitState:
         second one skips to the SIGKILL."""
         if reply is not None:
             self._stop_replies.append(reply)
-        if self.state is State.STOPPING:
-            if not self.slot.force.is_set():
-                log.warning("second stop request: skipping to SIGKILL", reason=reason)
-                self.audit("force_stop", reason=reason)
-                self.slot.force.set()
-            return
-        self.run_steps(self.failures.cancel_backoff())
-        self.set_state(State.STOPPING, reason)
-        self.relaunch.finish("abandoned", f"the daemon is stopping: {reason}")
-        self.decide("stop", reason)
-        self.notices.stopping(f"STOPPING: {reason}")
-        self.run_steps(self.handover.abandon(
-            "the daemon is stopping", self.set_stop_deadline(proxy_drain=False),
-            self.clock.monotonic()))
-        if self.engine is not None and not self.slot.taking_down:
-            self.take_down(graceful=True)
-        else:
-            self.maybe_finish_stop()
-        # otherwise: a take-down (ends in `_gone`) or a spawn (ends in `_on_process`)
-        # is in flight, and finishes the stop.
+        self.run_steps(stops.stop(self.pair_facts(), reason, self.slot.force.is_set()))
 
     def maybe_finish_stop(self) -> None:
         """STOPPED once both places are empty (the serving engine's, the standby's), and

@@ -1,6 +1,7 @@
-"""The restart decider (`supervisor/engine/restarts.py`) on its own: the unit's state as
-`PairFacts`, the steps it returns. (The unit carrying them out is tested through
-tests/test_supervisor_unit.py, tests/test_standby_unit.py and the pair machine.)"""
+"""The restart and stop deciders (`supervisor/engine/restarts.py`, `stops.py`) on their
+own: the unit's state as `PairFacts`, the steps they return. (The unit carrying them out
+is tested through tests/test_supervisor_unit.py, tests/test_standby_unit.py and the pair
+machine.)"""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.engine import restarts
+from supervisor.engine import restarts, stops
 from supervisor.engine import steps as do
 from supervisor.engine.pair.pair_states import Bay
 from supervisor.engine.pair.slot import SlotView
@@ -100,3 +101,31 @@ def test_no_engine_yet_is_started_and_one_spawning_or_going_is_left(tmp_path: Pa
     for phase in (Bay.SPAWNING, Bay.TAKING_DOWN):
         steps = restarts.restart(facts(tmp_path, State.STARTING, phase), "op", True, 0, False)
         assert kinds(steps) == ["RestartReason", "SetState", "Decide"]
+
+
+# ---- a stop (`supervisor/engine/stops.py`) -------------------------------------------
+
+def test_a_stop_takes_the_engine_down_gracefully_within_one_deadline(tmp_path: Path) -> None:
+    f = facts(tmp_path, State.RUNNING)
+    steps = stops.stop(f, "SIGTERM received", forced=False)
+    assert kinds(steps) == ["EndBackoff", "SetState", "RelaunchFinish", "Decide",
+                            "NotifyStopping", "StopDeadline", "Abandon", "TakeDown"]
+    deadline = f.restart_deadline(proxy_drain=False)
+    assert steps[5] == do.StopDeadline(deadline)
+    assert steps[6] == do.Abandon("the daemon is stopping", deadline)  # the standby too
+    assert steps[-1] == do.TakeDown(graceful=True)
+
+
+@pytest.mark.parametrize("phase", [Bay.EMPTY, Bay.SPAWNING, Bay.TAKING_DOWN])
+def test_a_stop_with_nothing_to_take_down_ends_once_the_bay_is_empty(
+        tmp_path: Path, phase: Bay) -> None:
+    steps = stops.stop(facts(tmp_path, State.BACKOFF, phase), "stop", forced=False)
+    assert steps[-1] == do.MaybeFinishStop()
+    assert "TakeDown" not in kinds(steps)
+
+
+def test_a_second_stop_skips_to_sigkill_and_a_third_does_nothing_more(
+        tmp_path: Path) -> None:
+    f = facts(tmp_path, State.STOPPING)
+    assert stops.stop(f, "again", forced=False) == [do.ForceStop("again")]
+    assert stops.stop(f, "and again", forced=True) == []
