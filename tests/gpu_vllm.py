@@ -107,6 +107,7 @@ sys.path.append(str(ROOT))
 
 import supervisor  # noqa: E402
 from supervisor.control.client import call  # noqa: E402
+from tests import gpu_waits  # noqa: E402
 from tests.gpu_shapes import make_m8b  # noqa: E402
 from tests.harness import write_config  # noqa: E402
 
@@ -702,7 +703,7 @@ def bench(base: str, concurrency: int, prompts: int, tag: str, detailed: bool = 
     return doc
 
 
-def exporter_series(prefix: str) -> dict[str, float]:
+def exporter_series(prefix: str | tuple[str, ...]) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://{EXPORTER}/metrics", timeout=10).read().decode()
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines() if line.startswith(prefix)}
@@ -881,6 +882,7 @@ def phase_continue(fault: str, when: str, tag: str | None = None, prompts: int =
     log_at = (WORK / "daemon.log").stat().st_size
     events_at = len(events())
     before = exporter_series("vllm_supervisor_proxy_continuations_total")
+    waits_before = exporter_series(gpu_waits.SERIES)
     fired: dict[str, float] = {}
     second: dict[str, Any] = {}
     taps: list[Tap] = []
@@ -947,6 +949,7 @@ def phase_continue(fault: str, when: str, tag: str | None = None, prompts: int =
     served = [e for e in logged if e.get("event") == "request"
               and e.get("path") == "/v1/completions"]
     after = exporter_series("vllm_supervisor_proxy_continuations_total")
+    waits = gpu_waits.wait_summary(waits_before, exporter_series(gpu_waits.SERIES))
     audit = [e for e in events()[events_at:] if e.get("event") in HANDOVER_EVENTS]
     ttfts = sorted(x for x in doc.get("ttfts") or [] if x is not None)
     held = sorted(e.get("held_s") or 0.0 for e in served)
@@ -970,6 +973,7 @@ def phase_continue(fault: str, when: str, tag: str | None = None, prompts: int =
                tokens_asked=prompts * want, short_streams=len([n for n in lens if n < want]),
                empty_texts=len([x for x in texts if not x]),
                **served_summary(doc, served, continued, want, before, after),
+               gate_waits=waits,
                running_again_after_kill_s=round(time.monotonic() - fired["t"], 1)
                if "t" in fired else None,
                taps=tapped, state_reason=back["reason"], standby_after=back.get("standby"),
@@ -1157,7 +1161,8 @@ def phase_cost(fault: str, input_len: str) -> dict[str, Any]:
     else:
         out = phase_continue(fault, "late", tag=f"cost-{fault}-{n}",
                              prompts=COST_PROMPTS[fault], input_len=n)
-    result("cost", fault=fault, input_len=n, **out["cost"])
+    # (what the clients waited for at the gate: which of the fault's cost is admission's)
+    result("cost", fault=fault, input_len=n, **out["cost"], gate_waits=out.get("gate_waits"))
     return out
 
 
@@ -1222,6 +1227,7 @@ def phase_kv_reset_streams(conc: int = 256, prompts: int = 3000, resets: int = 3
     log_at = (WORK / "daemon.log").stat().st_size
     events_at = len(events())
     before = exporter_series("vllm_supervisor_proxy_continuations_total")
+    waits_before = exporter_series(gpu_waits.SERIES)
     runs: list[dict[str, Any]] = []
     marks: dict[str, float] = {}
 
@@ -1269,6 +1275,7 @@ def phase_kv_reset_streams(conc: int = 256, prompts: int = 3000, resets: int = 3
     served = [e for e in logged if e.get("event") == "request"
               and e.get("path") == "/v1/completions"]
     after = exporter_series("vllm_supervisor_proxy_continuations_total")
+    waits = gpu_waits.wait_summary(waits_before, exporter_series(gpu_waits.SERIES))
     lens = doc.get("output_lens") or []
     errors = [e for e in doc.get("errors") or [] if e]
     ttfts = sorted(x for x in doc.get("ttfts") or [] if x is not None)
@@ -1282,6 +1289,7 @@ def phase_kv_reset_streams(conc: int = 256, prompts: int = 3000, resets: int = 3
            tokens_asked=prompts * want, short_streams=len([n for n in lens if n < want]),
            max_ttft_s=round(ttfts[-1], 3) if ttfts else None,
            **served_summary(doc, served, continued, want, before, after),
+           gate_waits=waits,
            restarts=st2["restarts"] - restarts, state=st2["state"],
            # what else the daemon did meanwhile (a policy decision: a restart)
            decisions=[e for e in events()[events_at:] if e["event"] == "decision"],
