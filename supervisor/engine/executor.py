@@ -12,24 +12,68 @@ whichever role holds it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import structlog
 
 from supervisor.engine import steps as do
-from supervisor.engine.effects.protocol import Timer
-from supervisor.engine.intents import remedy_ended
+from supervisor.engine.effects.protocol import Effects, Timer
+from supervisor.engine.events import DecisionRecord
+from supervisor.engine.failures import Failures
+from supervisor.engine.gatekeeper import GateKeeper
+from supervisor.engine.intents import RelaunchLog, remedy_ended
+from supervisor.engine.notices import SystemdNotices
+from supervisor.engine.pair.handover import Handover
 from supervisor.engine.pair.slot import EngineSlot
-from supervisor.engine.steps import Step
-
-if TYPE_CHECKING:
-    from supervisor.engine.unit_state import UnitState
+from supervisor.engine.pair.weight_cache import WeightCache
+from supervisor.engine.process import process as eng
+from supervisor.engine.states import State
+from supervisor.engine.steps import PairFacts, Step
+from supervisor.front.admission import Gate
+from supervisor.loop import Clock
 
 log = structlog.get_logger("supervisor")
 
 
+class Executable(Protocol):
+    """What the executor reaches of its unit (`supervisor/engine/unit_state.py`): the
+    state it writes, the effects, the deciders it asks again, and the unit's own moves."""
+
+    act: Effects
+    clock: Clock
+    failures: Failures
+    gate: Gate
+    handover: Handover
+    keeper: GateKeeper
+    notices: SystemdNotices
+    relaunch: RelaunchLog
+    restart_reason: str
+    slot: EngineSlot
+    stop_deadline: float | None
+    weights: WeightCache
+
+    @property
+    def engine(self) -> eng.EngineProcess | None: ...
+    def pair_facts(self) -> PairFacts: ...
+    def set_state(self, new: State, reason: str) -> None: ...
+    def decide(self, action: str, reason: str) -> None: ...
+    def decided(self, record: DecisionRecord) -> None: ...
+    def audit(self, event: str, **fields: Any) -> None: ...
+    def count_restart(self, reason: str) -> None: ...
+    def start_engine(self, reason: str) -> None: ...
+    def spawn_serving(self) -> None: ...
+    def restart_engine(self, reason: str, graceful: bool = True) -> None: ...
+    def take_down(self, graceful: bool) -> None: ...
+    def take_down_in(self, slot: EngineSlot, graceful: bool, deadline: float) -> None: ...
+    def serve_from(self) -> None: ...
+    def maybe_finish_stop(self) -> None: ...
+    def sync_gate(self, ended: bool = False) -> None: ...
+    def arm_backoff(self, delay_s: float, generation: int) -> None: ...
+    def cancel_backoff(self) -> None: ...
+
+
 class Executor:
-    def __init__(self, unit: UnitState) -> None:
+    def __init__(self, unit: Executable) -> None:
         self._unit = unit
         self._timers: dict[str, Timer] = {}  # the roles' timers, by name (`do.ArmTimer`)
 
