@@ -119,7 +119,7 @@ class Executor:
                 self.run(u.failures.restart(u.pair_facts(), reason))
             case do.FailOver(reason, graceful, drain_behind):
                 self.run(u.handover.fail_over(u.pair_facts(), reason, graceful,
-                                                       drain_behind=drain_behind))
+                                              drain_behind=drain_behind))
             case do.SwapOrTakeDown(graceful):
                 self.run(u.handover.swap_or_take_down(u.pair_facts(), graceful))
             case do.Drain(engine, deadline):
