@@ -68,14 +68,14 @@ class Executable(Protocol):
     def serve_from(self) -> None: ...
     def maybe_finish_stop(self) -> None: ...
     def sync_gate(self, ended: bool = False) -> None: ...
-    def arm_backoff(self, delay_s: float, generation: int) -> None: ...
-    def cancel_backoff(self) -> None: ...
 
 
 class Executor:
     def __init__(self, unit: Executable) -> None:
         self._unit = unit
-        self._timers: dict[str, Timer] = {}  # the roles' timers, by name (`do.ArmTimer`)
+        # the deciders' timers, by name (`do.ArmTimer`): the backoff's, the standby's,
+        # the weight cache's
+        self._timers: dict[str, Timer] = {}
 
     def run(self, steps: list[Step]) -> None:
         for step in steps:
@@ -174,10 +174,6 @@ class Executor:
             case do.Upgrade(why, label, otherwise):
                 began = u.handover.begin_upgrade(u.pair_facts(), why, label)
                 self.run(list(otherwise) if began is None else began)
-            case do.ArmBackoff(delay_s, generation):
-                u.arm_backoff(delay_s, generation)
-            case do.CancelBackoff():
-                u.cancel_backoff()
             case do.Admit():
                 u.keeper.admit()
             case do.Follow(engine):

@@ -30,6 +30,9 @@ from supervisor.settings.sections import RestartConfig
 
 log = structlog.get_logger("supervisor")
 
+# the key of the backoff's timer, held by the unit's executor
+TIMER = "backoff"
+
 
 class Failures:
     def __init__(self, cfg: RestartConfig) -> None:
@@ -125,11 +128,14 @@ class Failures:
         return [self._arm_backoff(f)]
 
     def _arm_backoff(self, f: PairFacts) -> Step:
-        return do.ArmBackoff(max(0.0, (self.backoff_until or 0.0) - f.now), f.generation)
+        """A BackoffElapsed for this engine's generation when the backoff ends (on the
+        executor's timer of that name: one under way is replaced)."""
+        return do.ArmTimer(TIMER, max(0.0, (self.backoff_until or 0.0) - f.now),
+                           BackoffElapsed(f.generation))
 
     def cancel_backoff(self) -> list[Step]:
         self.backoff_until = None
-        return [do.CancelBackoff()]
+        return [do.CancelTimer(TIMER)]
 
     def backoff_elapsed(self, f: PairFacts, ev: BackoffElapsed) -> list[Step]:
         if (f.state is State.BACKOFF and ev.generation == f.generation

@@ -330,21 +330,6 @@ class Upgrade:
     otherwise: tuple[Step, ...]
 
 
-# ---- the backoff -----------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ArmBackoff:
-    """A BackoffElapsed for `generation` in `delay_s` (replacing any timer under way)."""
-
-    delay_s: float
-    generation: int
-
-
-@dataclass(frozen=True)
-class CancelBackoff:
-    pass
-
-
 # ---- the proxy and the engines' jobs ---------------------------------------------------
 
 @dataclass(frozen=True)
@@ -445,6 +430,6 @@ Step = (SetState | Decide | Record | Audit | CountRestart | StartEngine | SpawnS
         | ForceStop | EndBackoff | NotifyStopping | StopDeadline | TakeDown | TakeDownIn
         | Spawn | Sleep | WatchHealth
         | ArmTimer | CancelTimer | ArmStandby | CaptureEvidence | ServeFrom
-        | MaybeFinishStop | NotifyReady | Fail | GiveUp | Abandon | Upgrade | ArmBackoff
-        | CancelBackoff | Admit | Follow | Serve | ProbeGate | Wake | DrainBehind | SyncGate
+        | MaybeFinishStop | NotifyReady | Fail | GiveUp | Abandon | Upgrade
+        | Admit | Follow | Serve | ProbeGate | Wake | DrainBehind | SyncGate
         | PauseStreams | StartRemedy | Throttle | RelaunchBegin | Relaunch | RelaunchFinish)

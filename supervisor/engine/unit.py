@@ -295,7 +295,6 @@ class EngineUnit(UnitState):
             self.run_steps(self.failures.down(self.pair_facts(), engine, problem))
 
     def handle_backoff_elapsed(self, ev: BackoffElapsed) -> None:
-        self._backoff = None
         self.run_steps(self.failures.backoff_elapsed(self.pair_facts(), ev))
 
     def handle_evidence_captured(self, ev: EvidenceCaptured) -> None:

@@ -26,9 +26,8 @@ import structlog
 
 from supervisor.engine import restarts, stops, views
 from supervisor.engine.effects.jobs import JobEffects
-from supervisor.engine.effects.protocol import Effects, Front, Timer
+from supervisor.engine.effects.protocol import Effects, Front
 from supervisor.engine.events import (
-    BackoffElapsed,
     CommandError,
     DecisionRecord,
     Event,
@@ -132,7 +131,6 @@ class UnitState:
         self.restarts_by_reason: dict[str, int] = {}
         # the backoff after a failure, a start refused, giving up (engine/failures.py)
         self.failures = Failures(self.config.restart)
-        self._backoff: Timer | None = None  # the backoff's timer (its end: `Failures`)
         # a restart or stop under way ends by this (monotonic); None: none under way
         self.stop_deadline: float | None = None
         self.keeper = GateKeeper(self.gate, self.audit)  # opens, holds, closes the gate
@@ -306,15 +304,6 @@ class UnitState:
         if not cfg.standby_args:
             return cfg
         return dataclasses.replace(cfg, args=engine_checks.thinned(cfg.args, cfg.standby_args))
-
-    def arm_backoff(self, delay_s: float, generation: int) -> None:
-        self.cancel_backoff()
-        self._backoff = self.act.after(delay_s, BackoffElapsed(generation))
-
-    def cancel_backoff(self) -> None:
-        if self._backoff is not None:
-            self._backoff.cancel()
-            self._backoff = None
 
     def serve_from(self) -> None:
         """A failover: the standby's place is the serving one now, and the old one the
