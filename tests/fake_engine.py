@@ -112,10 +112,16 @@ import threading
 import time
 from pathlib import Path
 
+_LOG_LOCK = threading.Lock()
+
 
 def log(level: str, msg: str, tag: str = "APIServer") -> None:
+    """One line, whole: handler threads log at once (print writes the line and its end
+    apart, and two threads' lines ran into one)."""
     stamp = time.strftime("%m-%d %H:%M:%S")
-    print(f"({tag} pid={os.getpid()}) {level} {stamp} [fake_engine.py:1] {msg}", flush=True)
+    with _LOG_LOCK:
+        sys.stdout.write(f"({tag} pid={os.getpid()}) {level} {stamp} [fake_engine.py:1] {msg}\n")
+        sys.stdout.flush()
 
 
 def set_title(title: str) -> None:
@@ -188,6 +194,10 @@ def main() -> None:
     # is logged (`request priority N`) for the tests
     p.add_argument("--scheduling-policy", default="fcfs")
     p.add_argument("--watchdog-config", default=None)  # vLLM 0.33's stack dumps
+    # vLLM's KV offloading: an fs tier's folder is read and written (tests/fake_kv_tier.py)
+    p.add_argument("--kv-transfer-config", default=None)
+    # a prompt's chunks not found in the tier cost this long each before the first token
+    p.add_argument("--chunk-compute-s", type=float, default=0.0)
     a, _engine_args = p.parse_known_args()  # the rest: engine flags, e.g. --max-num-seqs
     watchdog = watchdog_config(a.watchdog_config)
     if watchdog is not None and watchdog["dump_dir"]:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from fake_engine_033 import SleepModeMetrics
+from fake_kv_tier import FakeTier
 from fake_tokens import kills, logprobs_of, next_token, prompt_ids, usage
 
 
@@ -56,6 +57,17 @@ class FakeEngine:
         self.dying = threading.Event()
         self.logprobs_built = threading.Event()  # --first-logprobs-s: built once
         self.building = threading.Lock()
+        self.tier = FakeTier.from_config(a.kv_transfer_config)  # vLLM's fs KV tier, faked
+
+    def prefill(self, prompt: list[int]) -> None:
+        """The prompt before its first token: with a KV tier, its chunks found there
+        loaded and the others computed (`--chunk-compute-s` each), said in a line."""
+        if self.tier is None:
+            return
+        loaded, full = self.tier.take(prompt)
+        self.log("INFO", f"KV tier: {loaded} of {full} chunks loaded from files",
+                 tag="EngineCore_DP0")
+        time.sleep((full - loaded) * self.a.chunk_compute_s)
 
     def build_logprobs_helper(self) -> None:
         """--first-logprobs-s: the first request that asks for logprobs builds what they
@@ -352,6 +364,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 if ids:
                     first["prompt_token_ids"] = prompt
                 send(first)
+            e.prefill(prompt)
             time.sleep(e.a.first_token_delay)
             for i in range(tokens):
                 fault = e.fault_for(me)

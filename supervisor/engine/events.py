@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
+from supervisor.engine.process import kv_tier, proctree
 from supervisor.engine.process import process as eng
-from supervisor.engine.process import proctree
 from supervisor.ops.exposition import ExporterView
 from supervisor.settings.config import Config
 from supervisor.watchdog import canary, evidence, remedy, warmup
@@ -161,6 +161,15 @@ class Reloaded(Event):
 @dataclass(frozen=True)
 class Tick(Event):
     name = "tick"
+
+
+@dataclass(frozen=True)
+class KvTierSeen(Event):
+    """The engine's KV tier folder as its keeper last saw (and pruned) it."""
+
+    name = "kv_tier_seen"
+    folder: str
+    usage: kv_tier.Usage
 
 
 @dataclass(frozen=True)

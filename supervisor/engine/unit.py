@@ -58,6 +58,7 @@ from supervisor.engine.events import (
     GateProbe,
     GpuSampled,
     HealthLost,
+    KvTierSeen,
     MetricsSampled,
     Reloaded,
     RemedyDone,
@@ -457,6 +458,9 @@ class EngineUnit(UnitState):
         self.carry_out(self.watch.evaluate(now, self.facts()))
         self.run_steps(self.handover.tick(self.pair_facts(),
                                           datetime.fromtimestamp(self.clock.wall())))
+
+    def handle_kv_tier_seen(self, ev: KvTierSeen) -> None:
+        self.kv_tier.saw(ev.folder, ev.usage)
 
     def handle_reloaded(self, ev: Reloaded) -> None:
         commands.reloaded(self, ev)

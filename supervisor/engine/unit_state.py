@@ -43,6 +43,7 @@ from supervisor.engine.pair.handover import Handover
 from supervisor.engine.pair.slot import EngineSlot
 from supervisor.engine.pair.standby import Standby
 from supervisor.engine.pair.weight_cache import WeightCache
+from supervisor.engine.process import kv_tier
 from supervisor.engine.process import process as eng
 from supervisor.engine.remedies import Remedies
 from supervisor.engine.startup.start_times import Expected, StartTimes
@@ -98,6 +99,7 @@ class UnitState:
         self.started_at = self.clock.monotonic()
         self.not_running_since: float | None = self.started_at  # None while RUNNING
         self.last_start_s: float | None = None  # the last cold start: spawn to healthy
+        self.kv_tier = kv_tier.Record()  # its KV tier folder, as its keeper last saw it
         # past starts' lengths, kept beside the audit trail (engine/startup/start_times.py)
         self.start_times = StartTimes(Path(self.config.audit.path).parent / (
             "start-times.json" if self.name == DEFAULT_ENGINE

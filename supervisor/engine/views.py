@@ -14,6 +14,7 @@ from supervisor.engine.golden_check import GoldenCheck
 from supervisor.engine.pair.handover import Handover
 from supervisor.engine.pair.pair_states import Cache
 from supervisor.engine.pair.weight_cache import WeightCache
+from supervisor.engine.process.kv_tier import Record as KvTierRecord
 from supervisor.engine.process.process import EngineProcess
 from supervisor.engine.startup.start_times import Expected
 from supervisor.engine.states import State
@@ -80,6 +81,8 @@ class Viewable(Protocol):
     def golden(self) -> GoldenCheck: ...
     @property
     def weights(self) -> WeightCache: ...
+    @property
+    def kv_tier(self) -> KvTierRecord: ...
     def expected_start(self) -> Expected | None: ...
 
     def serving(self) -> bool: ...
@@ -210,6 +213,8 @@ def status(unit: Viewable) -> dict[str, Any]:
         "standby": unit.handover.status(now, unit.config.engine.standby),
         # the weight cache beside it (engine/pair/weight_cache.py); None: none configured
         "weight_cache": unit.weights.status(now),
+        # the KV tier both engines share (engine/process/kv_tier.py); None: none configured
+        "kv_tier": unit.kv_tier.view(unit.config.engine),
         "golden": unit.golden.status(),
         "start": starting(unit, now),
         # the serving engine's compile cache (engine/startup/compile_cache.py)

@@ -32,6 +32,7 @@ def check_engine(key: str, engine: EngineConfig, problems: list[str]) -> None:
     engine_checks.check_pinning(key, engine, problems)
     engine_checks.check_standby(key, engine, problems)
     weight_cache_argv.check(key, engine, problems)
+    check_kv_tier(key, engine, problems)
     if engine.rearm_window:
         try:
             engine_checks.DailyWindow.parse(engine.rearm_window)
@@ -40,6 +41,30 @@ def check_engine(key: str, engine: EngineConfig, problems: list[str]) -> None:
                             f'local time, e.g. "03:00-04:00")')
         if engine.standby == "none":
             problems.append(f'{key}.rearm_window: needs a standby ({key}.standby is "none")')
+
+
+# folders that other programs use: never a KV tier's (the daemon empties it)
+_SHARED_FOLDERS = frozenset({"/", "/dev", "/dev/shm", "/tmp", "/var/tmp", "/run", "/var",
+                             "/home", "/root", "/usr", "/etc", "/opt", "/srv", "/mnt"})
+# the flags that set vLLM's KV offloading, which `kv_tier` sets in their place
+_KV_TIER_FLAGS = ("--kv-transfer-config", "--kv-offloading-size", "--kv-offloading-backend")
+
+
+def check_kv_tier(key: str, engine: EngineConfig, problems: list[str]) -> None:
+    """A KV tier's folder is one of its own, set in one place."""
+    if not engine.kv_tier:
+        return
+    folder = engine.kv_tier.rstrip("/") or "/"
+    if not engine.kv_tier.startswith("/"):
+        problems.append(f"{key}.kv_tier: expected an absolute path, got {engine.kv_tier!r}")
+    elif folder in _SHARED_FOLDERS:
+        problems.append(f"{key}.kv_tier: {engine.kv_tier!r} is a folder other programs use, "
+                        "and the daemon empties its KV tier's folder; name one of its own, "
+                        'e.g. "/dev/shm/vllm-supervisor/kv-tier"')
+    for flag in _KV_TIER_FLAGS:
+        if any(a == flag or a.startswith(flag + "=") for a in engine.args):
+            problems.append(f"{key}.args: {flag} sets vLLM's KV offloading, which "
+                            f"{key}.kv_tier sets too; keep one of them")
 
 
 def check_fleet(fleet: FleetConfig, proxy: ListenerConfig, problems: list[str]) -> None:
@@ -96,6 +121,10 @@ def check_engines(key: str, engines: Mapping[str, EngineConfig],
     names = list(engines)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
+            tier = engines[a].kv_tier.rstrip("/")
+            if tier and tier == engines[b].kv_tier.rstrip("/"):
+                problems.append(f"{key}.{b}.kv_tier: {engines[b].kv_tier!r} is engine {a}'s "
+                                "KV tier too; each engine needs a folder of its own")
             shared = sorted(set(engines[a].gpus) & set(engines[b].gpus))
             if shared and not (engines[a].share_gpus and engines[b].share_gpus):
                 problems.append(f"{key}.{b}.gpus: GPU {shared[0]} is engine {a}'s too; set "

@@ -25,7 +25,7 @@ from typing import TypeVar
 import httpx
 import structlog
 
-from supervisor.engine.process import proctree
+from supervisor.engine.process import kv_tier, proctree
 from supervisor.engine.process.enginelog import (
     boot_failure_of,
     kv_tokens_of,
@@ -94,8 +94,10 @@ def build_spawn_spec(cfg: EngineConfig, environ: Mapping[str, str]) -> SpawnSpec
     env.update(cfg.env)
     env.update(gpu_pinning(cfg.gpus))
     env.setdefault("PYTHONUNBUFFERED", "1")  # engine lines reach the journal as they happen
+    # the KV tier's hash seed over an inherited one; the operator's own `engine.env` wins
+    env.update({k: v for k, v in kv_tier.env(cfg).items() if k not in cfg.env})
     argv = [*cfg.command, "--host", cfg.host, "--port", str(cfg.port),
-            "--shutdown-timeout", f"{cfg.drain_timeout_s:g}", *cfg.args]
+            "--shutdown-timeout", f"{cfg.drain_timeout_s:g}", *cfg.args, *kv_tier.argv(cfg)]
     if not cfg.access_log and not any(a.endswith("disable-uvicorn-access-log")
                                       for a in cfg.args):
         # (either spelling in the operator's args wins)

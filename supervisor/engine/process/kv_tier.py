@@ -1,0 +1,178 @@
+"""The KV tier an engine's pair shares (`engine.kv_tier`): vLLM's multi-tier KV offloading
+with a file-system tier that outlives the engine, kept in a folder this daemon owns.
+
+vLLM (0.32 and later, CUDA; its CPU build refuses it) writes every block it computes to
+a CPU tier in host memory and from there to files named by the block's content hash
+(`OffloadingConnector` with `TieringOffloadingSpec`, secondary tier `fs`). Both engines of
+a pair are given the same folder, so after a failover the standby loads a continued
+stream's prompt from the files instead of computing it again. Measured on an H200 with
+128 continued 1.7k-token streams (docs/standby.md, "The KV tier"): the last one's first
+token after 1.74 s from files on /dev/shm in 256-token chunks, 4.83 s computing them; from
+files on disk, 6.11 s (worse than computing).
+
+vLLM's fs tier has no bound: on tmpfs every computed block is host memory, and an
+unbounded tier ran the H200 host out of memory within three minutes of 1.5k-token load
+(the kernel killed an engine core). So the daemon keeps it under `kv_tier_max_gib`,
+removing the oldest files first (`prune`), and empties it when the daemon starts and
+stops (`clear`). A block removed between vLLM's lookup and its load is computed again,
+not failed: the daemon sets `kv_load_failure_policy` to "recompute" (vLLM's default,
+"fail", would end that request with an error).
+
+`argv` and `env` are pure; `prune`, `clear` and `usage` touch only the folder they are
+given (run them off the event loop: a folder can hold thousands of files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor.settings.sections import EngineConfig
+
+GIB = 2**30
+# what a prune leaves, as a share of the bound: room for a few seconds of writes
+LOW_WATER = 0.9
+# the fs tier's own threads for reads and for writes: 32 loaded 256-token chunks at
+# ~13 GB/s on the H200 (16, vLLM's default, with 16-token chunks: ~5 GB/s)
+THREADS = 32
+# the file that says a folder is this daemon's to empty
+MARKER = ".vllm-supervisor-kv-tier"
+
+
+def argv(cfg: EngineConfig) -> list[str]:
+    """The engine's `--kv-transfer-config` for its tier (the same for both engines of a
+    pair: one folder, one chunk size); [] without one."""
+    if not cfg.kv_tier:
+        return []
+    extra = {"spec_name": "TieringOffloadingSpec",
+             "cpu_bytes_to_use": int(cfg.kv_tier_cpu_gib * GIB),
+             "block_size": cfg.kv_tier_chunk_tokens,
+             "secondary_tiers": [{"type": "fs", "root_dir": cfg.kv_tier,
+                                  "n_read_threads": THREADS, "n_write_threads": THREADS}]}
+    return ["--kv-transfer-config", json.dumps({
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra},
+        separators=(",", ":"))]
+
+
+def env(cfg: EngineConfig) -> dict[str, str]:
+    """One hash seed for every engine that shares the folder: vLLM seeds its block hashes
+    from PYTHONHASHSEED when it hashes with a non-cryptographic algorithm, and a random
+    seed would name the same block differently in each engine (an operator's own value,
+    set in `engine.env`, wins); {} without a tier."""
+    return {"PYTHONHASHSEED": "0"} if cfg.kv_tier else {}
+
+
+@dataclass(frozen=True)
+class Usage:
+    """The folder as one look saw it, and what that look removed."""
+
+    files: int
+    bytes: int
+    removed_files: int = 0
+    removed_bytes: int = 0
+    error: str | None = None
+
+    def fields(self) -> dict[str, object]:
+        return {"files": self.files, "bytes": self.bytes, "error": self.error}
+
+
+def _blocks(folder: Path) -> list[tuple[float, int, Path]]:
+    """(mtime, size, path) of every block file under `folder` (vLLM's `.bin` files; its
+    `.tmp` files are being written and are left alone)."""
+    out: list[tuple[float, int, Path]] = []
+    for root, _dirs, names in os.walk(folder):
+        for name in names:
+            if not name.endswith(".bin"):
+                continue
+            path = Path(root, name)
+            try:
+                st = path.stat()
+            except FileNotFoundError:  # (vLLM replaced it meanwhile)
+                continue
+            out.append((st.st_mtime, st.st_size, path))
+    return out
+
+
+def prune(folder: Path, max_bytes: int) -> Usage:
+    """Keep the folder's blocks under `max_bytes`: past it, the oldest written go until
+    `LOW_WATER` of it is left. Never raises; an error is in the result."""
+    try:
+        blocks = _blocks(folder)
+    except OSError as exc:
+        return Usage(0, 0, error=f"{type(exc).__name__}: {exc}")
+    total = sum(size for _, size, _ in blocks)
+    if total <= max_bytes:
+        return Usage(len(blocks), total)
+    removed_files = removed_bytes = 0
+    error = None
+    for _, size, path in sorted(blocks, key=lambda b: b[0]):
+        if total - removed_bytes <= max_bytes * LOW_WATER:
+            break
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            break
+        removed_files += 1
+        removed_bytes += size
+    return Usage(len(blocks) - removed_files, total - removed_bytes, removed_files,
+                 removed_bytes, error)
+
+
+def clear(folder: Path) -> str | None:
+    """Empty the folder: created if missing, owner only (the blocks are the clients'
+    prompts), with `MARKER` in it. A folder that holds files and no marker is not this
+    daemon's (an operator's `kv_tier = "/dev/shm"`): it is left as it is, and why is
+    returned. None once the folder is empty and marked."""
+    marker = folder / MARKER
+    try:
+        if folder.exists():
+            children = [c for c in folder.iterdir() if c.name != MARKER]
+            if children and not marker.exists():
+                return (f"{folder} holds files this daemon did not put there (no "
+                        f"{MARKER}): not emptied, and not kept under its bound")
+            for child in children:
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(folder, 0o700)
+        marker.write_text("vLLM's KV tier, kept by vllm-supervisor (engine.kv_tier)\n")
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@dataclass
+class Record:
+    """What the unit knows of its KV tier: the keeper's last look, and what the looks
+    removed in all (status's `kv_tier`)."""
+
+    folder: str | None = None
+    last: Usage | None = None
+    removed_files: int = 0
+    removed_bytes: int = 0
+
+    def saw(self, folder: str, usage: Usage) -> None:
+        self.folder, self.last = folder, usage
+        self.removed_files += usage.removed_files
+        self.removed_bytes += usage.removed_bytes
+
+    def view(self, cfg: EngineConfig) -> dict[str, object] | None:
+        """None without a tier; its numbers null until the keeper looked at its folder."""
+        if not cfg.kv_tier:
+            return None
+        last = self.last if self.folder == cfg.kv_tier else None
+        return {"folder": cfg.kv_tier, "max_bytes": int(cfg.kv_tier_max_gib * GIB),
+                "chunk_tokens": cfg.kv_tier_chunk_tokens,
+                **(last.fields() if last is not None
+                   else {"files": None, "bytes": None, "error": None}),
+                "removed_files_total": self.removed_files,
+                "removed_bytes_total": self.removed_bytes}

@@ -1,0 +1,233 @@
+"""The KV tier both engines of a pair share (`engine.kv_tier`, engine/process/kv_tier.py):
+the engine's argument and environment, the folder kept under its bound and emptied, the
+settings that refuse a shared folder or a second way to set it, and a failover through the
+real daemon, its proxy and two fake engines that read and write the folder as vLLM's fs
+tier does (tests/fake_kv_tier.py): the standby loads the continued streams' prompts from
+the files the dead engine wrote. (vLLM's CPU build refuses KV offloading, so there is no
+CPU run of the real engine; the H200 runs: docs/standby.md, "The KV tier".)"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.engine.process import kv_tier
+from supervisor.engine.process.process import build_spawn_spec
+from supervisor.settings.config import ConfigError, parse_config
+from supervisor.settings.sections import EngineConfig
+from tests.fake_tokens import prompt_ids
+from tests.harness import wait_for
+from tests.test_continuation_proxy import Seen, comp, expected_text, run
+from tests.test_proxy import proxy_config
+from tests.test_standby import standby_ready
+
+# ---- the engine's argument and environment --------------------------------------------
+
+
+def engine(**keys: Any) -> EngineConfig:
+    return EngineConfig(command=["vllm", "serve", "m"], **keys)
+
+
+def test_the_tier_is_one_kv_transfer_config_with_an_fs_tier_in_the_folder() -> None:
+    cfg = engine(kv_tier="/dev/shm/vs/kv", kv_tier_cpu_gib=4.0, kv_tier_chunk_tokens=256)
+    argv = kv_tier.argv(cfg)
+    assert argv[0] == "--kv-transfer-config" and len(argv) == 2
+    doc = json.loads(argv[1])
+    assert doc["kv_connector"] == "OffloadingConnector" and doc["kv_role"] == "kv_both"
+    # a block pruned between vLLM's lookup and its load is computed again, not failed
+    assert doc["kv_load_failure_policy"] == "recompute"
+    extra = doc["kv_connector_extra_config"]
+    assert extra["spec_name"] == "TieringOffloadingSpec"
+    assert extra["cpu_bytes_to_use"] == 4 * 2**30 and extra["block_size"] == 256
+    assert extra["secondary_tiers"] == [{"type": "fs", "root_dir": "/dev/shm/vs/kv",
+                                         "n_read_threads": 32, "n_write_threads": 32}]
+    assert kv_tier.env(cfg) == {"PYTHONHASHSEED": "0"}
+    assert kv_tier.argv(engine()) == [] and kv_tier.env(engine()) == {}
+
+
+def test_every_engine_of_the_pair_gets_it_and_an_operators_hash_seed_wins() -> None:
+    cfg = engine(kv_tier="/dev/shm/vs/kv", args=["--max-num-seqs", "8"])
+    spec = build_spawn_spec(cfg, {"PYTHONHASHSEED": "random"})
+    at = spec.argv.index("--kv-transfer-config")
+    assert spec.argv[at + 1] == kv_tier.argv(cfg)[1] and "--max-num-seqs" in spec.argv
+    assert spec.env["PYTHONHASHSEED"] == "0"  # (over an inherited random one)
+    standby = build_spawn_spec(cfg.second(), {})
+    assert kv_tier.argv(cfg)[1] in standby.argv  # the same folder, the same chunks
+    own = build_spawn_spec(engine(kv_tier="/dev/shm/vs/kv", env={"PYTHONHASHSEED": "7"}), {})
+    assert own.env["PYTHONHASHSEED"] == "7"
+    assert "--kv-transfer-config" not in build_spawn_spec(engine(), {}).argv
+
+
+# ---- the folder ---------------------------------------------------------------------------
+
+
+def block(folder: Path, name: str, size: int, mtime: float) -> Path:
+    path = folder / "m_0" / name[:3] / f"{name}.bin"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\0" * size)
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_a_folder_over_its_bound_loses_its_oldest_blocks_down_to_the_low_water(tmp_path):
+    folder = tmp_path / "tier"
+    assert kv_tier.clear(folder) is None
+    paths = [block(folder, f"{i:04x}", 1000, 1_000_000 + i) for i in range(10)]
+    writing = folder / "m_0" / "000" / "ffff.tmp"  # (vLLM writing it: left alone)
+    writing.write_bytes(b"\0" * 5000)
+    assert kv_tier.prune(folder, 20_000) == kv_tier.Usage(10, 10_000)  # under: nothing goes
+    usage = kv_tier.prune(folder, 5_000)
+    # past 5,000 bytes, the oldest go until 90 % of it is left: 6 of 10 removed
+    assert usage == kv_tier.Usage(4, 4_000, removed_files=6, removed_bytes=6_000)
+    assert [p.exists() for p in paths] == [False] * 6 + [True] * 4
+    assert writing.exists()
+
+
+def test_a_folder_that_is_not_the_daemons_is_never_emptied(tmp_path):
+    foreign = tmp_path / "shm"
+    foreign.mkdir()
+    (foreign / "someone-elses").write_text("x")
+    why = kv_tier.clear(foreign)
+    assert why is not None and "did not put there" in why and kv_tier.MARKER in why
+    assert (foreign / "someone-elses").exists()
+
+    ours = tmp_path / "kv"  # new: made, owner only, marked; emptied next time
+    assert kv_tier.clear(ours) is None
+    assert (ours.stat().st_mode & 0o777) == 0o700 and (ours / kv_tier.MARKER).exists()
+    block(ours, "abcd", 10, 1.0)
+    assert kv_tier.clear(ours) is None
+    assert [p.name for p in ours.iterdir()] == [kv_tier.MARKER]
+    assert kv_tier.prune(tmp_path / "missing", 1) == kv_tier.Usage(0, 0)
+
+
+def test_status_shows_the_folder_its_last_look_and_what_the_looks_removed() -> None:
+    cfg = engine(kv_tier="/x", kv_tier_max_gib=2.0)
+    record = kv_tier.Record()
+    assert record.view(engine()) is None
+    assert record.view(cfg) == {"folder": "/x", "max_bytes": 2 * 2**30, "chunk_tokens": 256,
+                                "files": None, "bytes": None, "error": None,
+                                "removed_files_total": 0, "removed_bytes_total": 0}
+    record.saw("/x", kv_tier.Usage(3, 300, removed_files=2, removed_bytes=200))
+    record.saw("/x", kv_tier.Usage(4, 400, removed_files=1, removed_bytes=100))
+    view = record.view(cfg)
+    assert view is not None and (view["files"], view["bytes"]) == (4, 400)
+    assert (view["removed_files_total"], view["removed_bytes_total"]) == (3, 300)
+
+
+# ---- the settings ---------------------------------------------------------------------
+
+
+def load(toml: str) -> None:
+    parse_config(tomllib.loads(toml), "t.toml", Path("/base"))
+
+
+def problems(toml: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        load('[engine]\ncommand = ["vllm", "serve", "m"]\n' + toml)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("folder", ["/dev/shm", "/tmp/", "/"])
+def test_a_shared_folder_is_refused_by_name(folder: str) -> None:
+    said = problems(f'kv_tier = "{folder}"\n')
+    assert "engine.kv_tier" in said and "other programs use" in said
+
+
+def test_a_relative_folder_and_a_second_way_to_set_the_tier_are_refused() -> None:
+    assert "engine.kv_tier: expected an absolute path" in problems('kv_tier = "kv"\n')
+    said = problems('kv_tier = "/dev/shm/vs/kv"\nargs = ["--kv-offloading-size", "8"]\n')
+    assert "engine.args: --kv-offloading-size" in said and "keep one of them" in said
+    said = problems('kv_tier = "/dev/shm/vs/kv"\nkv_tier_chunk_tokens = 8\n')
+    assert "kv_tier_chunk_tokens" in said
+
+
+def test_two_engines_cannot_share_one_folder() -> None:
+    with pytest.raises(ConfigError) as err:
+        load("""
+[engines.a]
+command = ["vllm", "serve", "a"]
+kv_tier = "/dev/shm/vs/kv"
+[engines.b]
+command = ["vllm", "serve", "b"]
+port = 8200
+kv_tier = "/dev/shm/vs/kv/"
+""")
+    assert "engines.b.kv_tier" in str(err.value) and "engine a's" in str(err.value)
+
+
+# ---- through the daemon -----------------------------------------------------------------
+
+CHUNK = 16
+N = 120  # tokens a stream, at 0.02 s a token: in flight at the fault
+
+
+def tier_lines(d: Any) -> list[tuple[int, int, int]]:
+    """(engine pid, chunks loaded, full chunks) of each prompt the fake engines took."""
+    out = []
+    for e in d.log_records():
+        m = re.match(r"KV tier: (\d+) of (\d+) chunks loaded from files", str(e.get("event")))
+        if m and e.get("source") == "engine":
+            out.append((int(e.get("proc_pid") or 0), int(m[1]), int(m[2])))
+    return out
+
+
+def test_after_a_kill_the_standby_loads_the_continued_prompts_from_the_tier(daemon_factory,
+                                                                            tmp_path):
+    cfg = proxy_config(tmp_path, "--token-delay", "0.02", keepalive_s=0.5)
+    folder = tmp_path / "kv-tier"
+    cfg["engine"].update(standby="awake", drain="continue", kv_tier=str(folder),
+                         kv_tier_chunk_tokens=CHUNK, kv_tier_max_gib=1.0)
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: standby_ready(d), 30, "the standby ready")
+    first = d.status()
+    assert first["kv_tier"]["folder"] == str(folder)
+    assert (folder / kv_tier.MARKER).exists()
+    argvs = d.engine_argvs()
+    assert all("--kv-transfer-config" in a for a in argvs), argvs
+
+    prompts = [f"stream {i} " + "words of a long system prompt " * 4 for i in range(3)]
+    chunks = [len(prompt_ids({"prompt": p}, False)) // CHUNK for p in prompts]
+    results: list[Seen | None] = [None] * len(prompts)
+    started = [threading.Event() for _ in prompts]
+
+    def one(i: int) -> None:
+        results[i] = run(cfg, comp(prompt=prompts[i], max_tokens=N), started=started[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for e in started:
+        assert e.wait(30), "a stream never started"
+    os.kill(first["pid"], signal.SIGKILL)
+    for t in threads:
+        t.join(60)
+    for i, s in enumerate(results):  # every stream whole and token-exact
+        assert s is not None and s.complete, s
+        assert "".join(s.texts) == expected_text(prompt_ids({"prompt": prompts[i]}, False), N)
+    st = d.status()
+    assert st["pid"] == first["standby"]["pid"] and st["restarts"] == 1
+
+    lines = [line for line in tier_lines(d) if line[2]]  # (not the daemon's short probes)
+    served = [(n, full) for pid, n, full in lines if pid == first["pid"]]
+    took_over = [(n, full) for pid, n, full in lines if pid == st["pid"]]
+    # the first engine found the folder empty and computed each prompt, writing it; the
+    # standby loaded every chunk of each continued prompt from its files (a continued
+    # prompt is the prompt and the tokens the stream had: their chunks were never written)
+    assert served and all(n == 0 for n, _ in served), lines
+    assert len(took_over) >= len(prompts), lines
+    assert sum(n == chunks[0] for n, _ in took_over) >= len(prompts), lines
+    seen = wait_for(lambda: (v := d.status()["kv_tier"])["files"] and v, 10, "a look")
+    assert seen["files"] >= sum(chunks) and seen["error"] is None, seen
+
+    d.signal(signal.SIGTERM)
+    assert d.wait_exit(60) == 0
+    assert [p.name for p in folder.iterdir()] == [kv_tier.MARKER]  # emptied at the stop
