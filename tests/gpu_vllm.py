@@ -244,23 +244,6 @@ def result(phase: str, **values: Any) -> None:
                 (Path(out) / "daemon-tail.log").write_bytes(f.read())
 
 
-def kv_tier_args() -> list[str]:
-    """vLLM's multi-tier KV offloading (tests/gpu_kv_tier_probe.py): a CPU tier of
-    KV_TIER_GIB (16) per engine and an fs tier on /dev/shm that both engines of the pair
-    share, in 256-token chunks read by 32 threads (the probe's fastest: 1.74 s for the
-    last of 128 continued 1.7k-token streams where computing them took 4.83 s)."""
-    root = WORK / "kv-tier" if os.environ.get("KV_TIER_DISK") else Path("/dev/shm/vs-kv-tier")
-    shutil.rmtree(root, ignore_errors=True)
-    extra = {"spec_name": "TieringOffloadingSpec",
-             "cpu_bytes_to_use": int(os.environ.get("KV_TIER_GIB", "16")) * 2**30,
-             "block_size": 256,
-             "secondary_tiers": [{"type": "fs", "root_dir": str(root),
-                                  "n_read_threads": 32, "n_write_threads": 32}]}
-    return ["--kv-transfer-config", json.dumps({
-        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-        "kv_connector_extra_config": extra})]
-
-
 def phase_start(standby: str | None = None, share: str | None = None,
                 thin_share: str | None = None) -> None:
     """`standby` "thin": the asymmetric pair, the engine at `share` (0.60) and its sleeping
@@ -303,9 +286,13 @@ def phase_start(standby: str | None = None, share: str | None = None,
         standby = "none"
         demo["engine"]["weight_cache"] = True
     env = {"PYTHONPATH": VLLM_SITE, "VLLM_SERVER_DEV_MODE": "1"}
-    if os.environ.get("KV_TIER") == "1":  # issue 51: both engines on one fs KV tier (0.32+)
-        args += kv_tier_args()
-        env["PYTHONHASHSEED"] = "0"  # (one block hash seed for both, whatever the algorithm)
+    if os.environ.get("KV_TIER") == "1":  # issue 51: the pair on one fs KV tier (0.32+),
+        # the daemon's (engine.kv_tier): on /dev/shm in 256-token chunks, kept under its bound
+        root = Path("/dev/shm/vs-kv-tier")
+        shutil.rmtree(root, ignore_errors=True)
+        demo["engine"].update(kv_tier=str(root),
+                              kv_tier_max_gib=float(os.environ.get("KV_TIER_MAX_GIB", "24")),
+                              kv_tier_cpu_gib=float(os.environ.get("KV_TIER_GIB", "8")))
     if os.environ.get("RUST_FE") == "1":  # vLLM 0.33's Rust API server in front (issue 36)
         env["VLLM_USE_RUST_FRONTEND"] = "1"
     if HANG_EXT:  # `hang-rpc`: a worker method that blocks the core's loop (it runs there)
