@@ -24,7 +24,7 @@ from supervisor.engine.process.process import build_spawn_spec
 from supervisor.settings.config import ConfigError, parse_config
 from supervisor.settings.sections import EngineConfig
 from tests.fake_tokens import prompt_ids
-from tests.harness import wait_for
+from tests.harness import wait_for, write_config
 from tests.test_continuation_proxy import Seen, comp, expected_text, run
 from tests.test_proxy import proxy_config
 from tests.test_standby import standby_ready
@@ -112,6 +112,7 @@ def test_status_shows_the_folder_its_last_look_and_what_the_looks_removed() -> N
     cfg = engine(kv_tier="/x", kv_tier_max_gib=2.0)
     record = kv_tier.Record()
     assert record.view(engine()) is None
+    record.saw("/old", kv_tier.Usage(9, 900))  # (a folder a reload moved away from)
     assert record.view(cfg) == {"folder": "/x", "max_bytes": 2 * 2**30, "chunk_tokens": 256,
                                 "files": None, "bytes": None, "error": None,
                                 "removed_files_total": 0, "removed_bytes_total": 0}
@@ -228,6 +229,18 @@ def test_after_a_kill_the_standby_loads_the_continued_prompts_from_the_tier(daem
     seen = wait_for(lambda: (v := d.status()["kv_tier"])["files"] and v, 10, "a look")
     assert seen["files"] >= sum(chunks) and seen["error"] is None, seen
 
+    # a reload that moves the tier: the new folder made and kept at once; the old one,
+    # which the running engines write to until their next start, kept too
+    moved = tmp_path / "kv-tier-2"
+    cfg["engine"]["kv_tier"] = str(moved)
+    write_config(d.config, cfg)
+    assert d.ctl("reload").returncode == 0
+    wait_for(lambda: d.status()["kv_tier"]["folder"] == str(moved)
+             and (moved / kv_tier.MARKER).exists()
+             and d.status()["kv_tier"]["files"] is not None, 10, "the moved tier kept")
+    assert sum(1 for _ in folder.rglob("*.bin")) >= sum(chunks)
+
     d.signal(signal.SIGTERM)
     assert d.wait_exit(60) == 0
-    assert [p.name for p in folder.iterdir()] == [kv_tier.MARKER]  # emptied at the stop
+    for f in (folder, moved):  # both emptied at the stop
+        assert [p.name for p in f.iterdir()] == [kv_tier.MARKER], f

@@ -33,6 +33,7 @@ from supervisor.engine.events import (
     RemedyDone,
     Spawned,
 )
+from supervisor.engine.process import kv_tier
 from supervisor.engine.process.process import EngineProcess, SpawnSpec, TakeDown
 from supervisor.engine.unit import EngineUnit
 from supervisor.loop import Clock
@@ -345,7 +346,10 @@ def test_every_reloaded_engine_key_is_what_the_next_start_uses(tmp_path: Path) -
             "drain": "continue", "stop_grace_s": 3.0, "reap_timeout_s": 4.0, "gpus": [0],
             "gpu_release_timeout_s": 5.0, "gpu_foreign_allowance_mib": 10,
             "access_log": True, "models": ["m2"], "share_gpus": True, "standby": "awake",
-            "standby_port": 18300, "standby_args": ["--max-num-seqs", "2"]}
+            "standby_port": 18300, "standby_args": ["--max-num-seqs", "2"],
+            # (the tier's folder is also kept from the reload on: test_kv_tier.py)
+            "kv_tier": str(tmp_path / "kv"), "kv_tier_max_gib": 2.0,
+            "kv_tier_cpu_gib": 1.0, "kv_tier_chunk_tokens": 32}
         only_with_several = {"fallback"}  # ([engines.NAME] only)
         applied_now = {"rearm_window",  # (read at each tick, not at a start)
                        # the weight cache is started, restarted or taken down at once,
@@ -365,6 +369,7 @@ def test_every_reloaded_engine_key_is_what_the_next_start_uses(tmp_path: Path) -
         assert spawn["cfg"] == new.engine  # every key as reloaded
         assert spawn["spec"].argv[:3] == ["vllm", "serve", "m2"]
         assert SPEC_6 in spawn["spec"].argv and SPEC_4 not in spawn["spec"].argv
+        assert kv_tier.argv(new.engine)[1] in spawn["spec"].argv
         assert spawn["spec"].port == 18200 and spawn["spec"].env["A"] == "1"
         assert w.sup.status()["overrides"] == {}
     finally:

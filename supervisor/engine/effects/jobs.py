@@ -79,7 +79,7 @@ class JobEffects:
         self.bays = [(proctree.StateFile(config().state_file_of(b)), proctree.Guard())
                      for b in (0, 1, WEIGHT_CACHE_BAY)]
         self._in_bay: dict[int, eng.EngineProcess] = {}  # watched, not yet forgotten
-        self._kv_tier: Path | None = None  # the KV tier folder this daemon emptied and keeps
+        self._kv_tiers: list[Path] = []  # the KV tier folders this daemon emptied and keeps
         self._jobs = Jobs()
         # the jobs that talk to the engine over HTTP, and the daemon's own requests to
         # each engine (engine/effects/http_jobs.py)
@@ -99,8 +99,8 @@ class JobEffects:
         await self._jobs.cancel_all()
         for _, guard in self.bays:
             guard.close()
-        if self._kv_tier is not None:  # (the engines are gone: their blocks with them)
-            await asyncio.to_thread(kv_tier.clear, self._kv_tier)
+        for folder in self._kv_tiers:  # (the engines are gone: their blocks with them)
+            await asyncio.to_thread(kv_tier.clear, folder)
 
     def tick_every(self, interval_s: float) -> None:
         async def ticker() -> None:
@@ -397,34 +397,33 @@ class JobEffects:
 
     async def _keep_kv_tier(self) -> None:
         """The engine's KV tier folder (`engine.kv_tier`, engine/process/kv_tier.py):
-        emptied when the daemon starts (and when a reload names another), then kept
-        under its bound every KV_TIER_EVERY_S, each look reported; `end` empties it."""
-        looked_at: Path | None = None  # the folder last asked for (refused: not again)
+        emptied when the daemon starts, then kept under its bound every KV_TIER_EVERY_S,
+        each look reported. A reload that names another folder adds it: the running
+        engines still write to the old one until their next start, so both are kept
+        under the bound, and `end` empties every one."""
+        asked: Path | None = None  # the folder last asked for (refused: not again)
         while True:
             cfg = self.config().engine
             want = Path(cfg.kv_tier) if cfg.kv_tier else None
-            if want != looked_at:
-                looked_at = want
-                if self._kv_tier is not None:  # (a reload moved it: the old one goes)
-                    await asyncio.to_thread(kv_tier.clear, self._kv_tier)
-                self._kv_tier = None
-                if want is not None:
+            if want != asked:
+                asked = want
+                if want is not None and want not in self._kv_tiers:
                     error = await asyncio.to_thread(kv_tier.clear, want)
                     if error is None:
-                        self._kv_tier = want
+                        self._kv_tiers.append(want)
                         log.info("KV tier ready", folder=str(want),
                                  max_gib=cfg.kv_tier_max_gib)
                     else:
                         log.error("KV tier refused", folder=str(want), error=error)
                         self.queue.put_nowait(KvTierSeen(str(want), kv_tier.Usage(
                             0, 0, error=error)))
-            if self._kv_tier is not None:
-                usage = await asyncio.to_thread(kv_tier.prune, self._kv_tier,
+            for folder in self._kv_tiers:
+                usage = await asyncio.to_thread(kv_tier.prune, folder,
                                                 int(cfg.kv_tier_max_gib * kv_tier.GIB))
                 if usage.removed_files:
-                    log.info("KV tier pruned", files=usage.removed_files,
+                    log.info("KV tier pruned", folder=str(folder), files=usage.removed_files,
                              bytes=usage.removed_bytes, left_bytes=usage.bytes)
-                self.queue.put_nowait(KvTierSeen(str(self._kv_tier), usage))
+                self.queue.put_nowait(KvTierSeen(str(folder), usage))
             await asyncio.sleep(KV_TIER_EVERY_S)
 
     async def _drain(self, engine: eng.EngineProcess, deadline: float) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor.settings.sections import EngineConfig
@@ -152,16 +152,16 @@ def clear(folder: Path) -> str | None:
 
 @dataclass
 class Record:
-    """What the unit knows of its KV tier: the keeper's last look, and what the looks
-    removed in all (status's `kv_tier`)."""
+    """What the unit knows of its KV tier: the keeper's last look at each folder it keeps
+    (one; two after a reload moved it), and what the looks removed in all (status's
+    `kv_tier`)."""
 
-    folder: str | None = None
-    last: Usage | None = None
+    looks: dict[str, Usage] = field(default_factory=dict)
     removed_files: int = 0
     removed_bytes: int = 0
 
     def saw(self, folder: str, usage: Usage) -> None:
-        self.folder, self.last = folder, usage
+        self.looks[folder] = usage
         self.removed_files += usage.removed_files
         self.removed_bytes += usage.removed_bytes
 
@@ -169,7 +169,7 @@ class Record:
         """None without a tier; its numbers null until the keeper looked at its folder."""
         if not cfg.kv_tier:
             return None
-        last = self.last if self.folder == cfg.kv_tier else None
+        last = self.looks.get(cfg.kv_tier)
         return {"folder": cfg.kv_tier, "max_bytes": int(cfg.kv_tier_max_gib * GIB),
                 "chunk_tokens": cfg.kv_tier_chunk_tokens,
                 **(last.fields() if last is not None
