@@ -25,7 +25,7 @@ from supervisor.settings.config import ConfigError, parse_config
 from supervisor.settings.sections import EngineConfig
 from tests.fake_tokens import prompt_ids
 from tests.harness import wait_for, write_config
-from tests.test_continuation_proxy import Seen, comp, expected_text, run
+from tests.test_continuation_proxy import Seen, comp, expected_text, metrics, run
 from tests.test_proxy import proxy_config
 from tests.test_standby import standby_ready
 
@@ -121,6 +121,9 @@ def test_status_shows_the_folder_its_last_look_and_what_the_looks_removed() -> N
     view = record.view(cfg)
     assert view is not None and (view["files"], view["bytes"]) == (4, 400)
     assert (view["removed_files_total"], view["removed_bytes_total"]) == (3, 300)
+    assert record.numbers(cfg) == (400.0, 2.0 * 2**30, 300.0)  # (the exporter's)
+    assert record.numbers(engine()) == (None, None, None)
+    assert kv_tier.Record().numbers(cfg) == (None, 2.0 * 2**30, 0.0)
 
 
 # ---- the settings ---------------------------------------------------------------------
@@ -228,6 +231,10 @@ def test_after_a_kill_the_standby_loads_the_continued_prompts_from_the_tier(daem
     assert sum(n == chunks[0] for n, _ in took_over) >= len(prompts), lines
     seen = wait_for(lambda: (v := d.status()["kv_tier"])["files"] and v, 10, "a look")
     assert seen["files"] >= sum(chunks) and seen["error"] is None, seen
+    m = metrics(cfg)  # the exporter: the folder's bytes, its bound, nothing removed yet
+    assert m[("vllm_supervisor_kv_tier_bytes", ())] >= sum(chunks) * 4096
+    assert m[("vllm_supervisor_kv_tier_max_bytes", ())] == 2**30
+    assert m[("vllm_supervisor_kv_tier_removed_bytes_total", ())] == 0
 
     # a reload that moves the tier: the new folder made and kept at once; the old one,
     # which the running engines write to until their next start, kept too

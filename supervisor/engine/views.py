@@ -278,6 +278,8 @@ def exporter_view(unit: Viewable) -> ExporterView:
         weight_cache_ready=(float(unit.weights.state is Cache.READY)
                             if unit.weights.configured else None),
         failovers=unit.handover.failovers, last_failover_s=unit.handover.last_failover_s,
+        kv_tier_bytes=(tier := unit.kv_tier.numbers(unit.config.engine))[0],
+        kv_tier_max_bytes=tier[1], kv_tier_removed_bytes=tier[2],
         golden_checks={"passed": unit.golden.passed, "mismatch": unit.golden.mismatches},
         eta_s=expected.left_s if (expected := unit.expected_start()) is not None else None,
         capabilities=capabilities(unit),

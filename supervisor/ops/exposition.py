@@ -64,6 +64,11 @@ class ExporterView:
     # with a weight cache configured: 1.0 while it answers healthy, 0.0 while not
     weight_cache_ready: float | None = None
     failovers: int = 0  # handovers to the standby
+    # with a KV tier configured (engine.kv_tier): its folder's block bytes at the last
+    # look, its bound, and the bytes removed to keep it there; None without one
+    kv_tier_bytes: float | None = None
+    kv_tier_max_bytes: float | None = None
+    kv_tier_removed_bytes: float | None = None
     last_failover_s: float | None = None  # the last one: fault seen to requests released
     # [fleet]: each router's URL -> whether this daemon is its worker; None: no routers
     fleet: Mapping[str, bool] | None = None
@@ -196,7 +201,12 @@ class _ViewCollector(Collector):
              "healthy (engine starts map its weights), 0 while not (they load from disk)",
              lambda e: e.weight_cache_ready),
             ("last_failover_seconds", "the last handover to the standby: from the fault "
-             "seen to the held requests released", lambda e: e.last_failover_s)]
+             "seen to the held requests released", lambda e: e.last_failover_s),
+            ("kv_tier_bytes", "with a KV tier configured: the bytes of its block files "
+             "at the last look (on tmpfs: host memory)", lambda e: e.kv_tier_bytes),
+            ("kv_tier_max_bytes", "with a KV tier configured: its bound "
+             "(engine.kv_tier_max_gib), oldest blocks removed past it",
+             lambda e: e.kv_tier_max_bytes)]
         yield from _per_engine_gauges(simple, views)
         counts: list[tuple[str, str, str, Callable[[ExporterView], Mapping[str, int]]]] = [
                 ("engine_restarts", "engine restarts, by reason", "reason",
@@ -221,6 +231,13 @@ class _ViewCollector(Collector):
                 if e.standby_ready is not None:
                     failovers.add_metric(lv(name), float(e.failovers))
             yield failovers
+        if any(e.kv_tier_removed_bytes is not None for _, e in views):
+            removed = _counter("kv_tier_removed_bytes", "block bytes removed from the KV "
+                               "tier to keep it under its bound", views)
+            for name, e in views:
+                if e.kv_tier_removed_bytes is not None:
+                    removed.add_metric(lv(name), e.kv_tier_removed_bytes)
+            yield removed
         more: list[tuple[str, str, Callable[[ExporterView], float | None]]] = [
                 ("throttle_level", "throttle level in force (0: none)",
                  lambda e: float(e.throttle_level)),
@@ -270,13 +287,14 @@ class _ViewCollector(Collector):
             "proxy_in_flight", "proxy_held", "proxy_held_limit", "proxy_kv_breaker_open",
             "engine_not_running_seconds", "engine_startup_timeout_seconds", "standby_ready",
             "weight_cache_ready", "last_failover_seconds", "engine_capability",
+            "kv_tier_bytes", "kv_tier_max_bytes",
             *(f[0] for f in GPU_DEVICE_FAMILIES))}
         for n in ("proxy_responses", "proxy_rejections", "proxy_connect_retries",
                   *(k.metric for k in KINDS)):
             taken |= {PREFIX + n, PREFIX + n + "_total", PREFIX + n + "_created",
                       PREFIX + n + "_bucket", PREFIX + n + "_count", PREFIX + n + "_sum"}
         for n in ("engine_restarts", "policy_trips", "policy_actions", "failovers",
-                  "golden_checks"):
+                  "golden_checks", "kv_tier_removed_bytes"):
             taken |= {PREFIX + n, PREFIX + n + "_total", PREFIX + n + "_created"}
         families: dict[str, GaugeMetricFamily] = {}
         for engine, view in views:

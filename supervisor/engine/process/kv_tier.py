@@ -176,3 +176,12 @@ class Record:
                    else {"files": None, "bytes": None, "error": None}),
                 "removed_files_total": self.removed_files,
                 "removed_bytes_total": self.removed_bytes}
+
+    def numbers(self, cfg: EngineConfig) -> tuple[float | None, float | None, float | None]:
+        """The exporter's: the folder's bytes at the last look (None before one), its
+        bound, the bytes removed in all; all None without a tier."""
+        if not cfg.kv_tier:
+            return None, None, None
+        last = self.looks.get(cfg.kv_tier)
+        return (float(last.bytes) if last is not None else None,
+                float(int(cfg.kv_tier_max_gib * GIB)), float(self.removed_bytes))
