@@ -115,6 +115,7 @@ def test_status_shows_the_folder_its_last_look_and_what_the_looks_removed() -> N
     record.saw("/old", kv_tier.Usage(9, 900))  # (a folder a reload moved away from)
     assert record.view(cfg) == {"folder": "/x", "max_bytes": 2 * 2**30, "chunk_tokens": 256,
                                 "files": None, "bytes": None, "error": None,
+                                "warning": None,
                                 "removed_files_total": 0, "removed_bytes_total": 0}
     record.saw("/x", kv_tier.Usage(3, 300, removed_files=2, removed_bytes=200))
     record.saw("/x", kv_tier.Usage(4, 400, removed_files=1, removed_bytes=100))
@@ -124,6 +125,37 @@ def test_status_shows_the_folder_its_last_look_and_what_the_looks_removed() -> N
     assert record.numbers(cfg) == (400.0, 2.0 * 2**30, 300.0)  # (the exporter's)
     assert record.numbers(engine()) == (None, None, None)
     assert kv_tier.Record().numbers(cfg) == (None, 2.0 * 2**30, 0.0)
+
+
+MOUNTS = """/dev/vda / ext4 rw,relatime 0 0
+tmpfs /dev/shm tmpfs rw,nosuid,nodev 0 0
+/dev/vdb /dev/shm/disk xfs rw 0 0
+"""
+
+
+def test_a_folder_in_memory_is_told_by_the_longest_mount_that_holds_it() -> None:
+    assert kv_tier.in_memory(Path("/dev/shm/vs/kv"), MOUNTS)
+    assert kv_tier.in_memory(Path("/dev/shm"), MOUNTS)
+    assert not kv_tier.in_memory(Path("/dev/shm/disk/kv"), MOUNTS)  # (a disk inside it)
+    assert not kv_tier.in_memory(Path("/dev/shmother"), MOUNTS)
+    assert not kv_tier.in_memory(Path("/var/kv"), MOUNTS) and not kv_tier.in_memory(
+        Path("/var/kv"), "")
+
+
+def test_a_tier_that_may_take_half_the_host_is_said_with_its_numbers() -> None:
+    cfg = engine(kv_tier="/dev/shm/vs/kv", kv_tier_cpu_gib=16.0, kv_tier_max_gib=32.0,
+                 standby="sleep")
+    gib = 2**30
+    # three engines' CPU tiers and the folder's bound, in memory: 80 GiB
+    assert kv_tier.host_worst_case(cfg, True) == 80 * gib
+    assert kv_tier.host_worst_case(cfg, False) == 48 * gib
+    assert kv_tier.host_worst_case(engine(kv_tier="/x", kv_tier_cpu_gib=4.0), False) == 8 * gib
+    said = kv_tier.host_warning(cfg, Path(cfg.kv_tier), MOUNTS, 128 * gib)
+    assert said is not None and "80.0 GiB" in said and "62%" in said, said
+    assert "kv_tier_max_gib 32" in said and "in memory" in said
+    assert kv_tier.host_warning(cfg, Path(cfg.kv_tier), MOUNTS, 256 * gib) is None
+    on_disk = kv_tier.host_warning(cfg, Path("/var/kv"), MOUNTS, 64 * gib)
+    assert on_disk is not None and "kv_tier_max_gib" not in on_disk  # (48 of 64 GiB)
 
 
 # ---- the settings ---------------------------------------------------------------------

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import structlog
 
 from supervisor.engine.effects.http_jobs import HttpJobs
@@ -54,6 +55,15 @@ log = structlog.get_logger("supervisor")
 
 # how long a start short of descriptors (nothing spawned yet) is tried again
 SHORTAGE_RETRY_S = 10.0
+def _host_warning(cfg: EngineConfig, folder: Path) -> str | None:
+    """kv_tier.host_warning with this host's mounts and memory (off the event loop)."""
+    try:
+        mounts = Path("/proc/mounts").read_text()
+    except OSError:
+        mounts = ""
+    return kv_tier.host_warning(cfg, folder, mounts, psutil.virtual_memory().total)
+
+
 # how often the KV tier's folder is measured and kept under its bound: a 128-stream
 # load of an 8B model wrote ~3 GiB/s to it on an H200
 KV_TIER_EVERY_S = 1.0
@@ -402,17 +412,21 @@ class JobEffects:
         engines still write to the old one until their next start, so both are kept
         under the bound, and `end` empties every one."""
         asked: Path | None = None  # the folder last asked for (refused: not again)
+        warning: str | None = None  # the asked folder's, on host memory
         while True:
             cfg = self.config().engine
             want = Path(cfg.kv_tier) if cfg.kv_tier else None
             if want != asked:
-                asked = want
+                asked, warning = want, None
                 if want is not None and want not in self._kv_tiers:
                     error = await asyncio.to_thread(kv_tier.clear, want)
                     if error is None:
                         self._kv_tiers.append(want)
                         log.info("KV tier ready", folder=str(want),
                                  max_gib=cfg.kv_tier_max_gib)
+                        warning = await asyncio.to_thread(_host_warning, cfg, want)
+                        if warning is not None:
+                            log.warning("KV tier: host memory", why=warning)
                     else:
                         log.error("KV tier refused", folder=str(want), error=error)
                         self.queue.put_nowait(KvTierSeen(str(want), kv_tier.Usage(
@@ -423,7 +437,8 @@ class JobEffects:
                 if usage.removed_files:
                     log.info("KV tier pruned", folder=str(folder), files=usage.removed_files,
                              bytes=usage.removed_bytes, left_bytes=usage.bytes)
-                self.queue.put_nowait(KvTierSeen(str(folder), usage))
+                self.queue.put_nowait(KvTierSeen(str(folder), dataclasses.replace(
+                    usage, warning=warning if folder == want else None)))
             await asyncio.sleep(KV_TIER_EVERY_S)
 
     async def _drain(self, engine: eng.EngineProcess, deadline: float) -> None:

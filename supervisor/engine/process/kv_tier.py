@@ -75,9 +75,11 @@ class Usage:
     removed_files: int = 0
     removed_bytes: int = 0
     error: str | None = None
+    warning: str | None = None  # `host_warning`'s, said with every look
 
     def fields(self) -> dict[str, object]:
-        return {"files": self.files, "bytes": self.bytes, "error": self.error}
+        return {"files": self.files, "bytes": self.bytes, "error": self.error,
+                "warning": self.warning}
 
 
 def _blocks(folder: Path) -> list[tuple[float, int, Path]]:
@@ -150,6 +152,54 @@ def clear(folder: Path) -> str | None:
     return None
 
 
+# what a tier may hold in host memory beside the engines, as a share of the host's, past
+# which the keeper warns (the H200 host ran out at 52 GB of shared memory in 128 GiB)
+HOST_SHARE_WARN = 0.5
+_MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def in_memory(folder: Path, mounts: str) -> bool:
+    """Whether `folder` is on a file system in memory (tmpfs, ramfs), by the longest
+    mount point of /proc/mounts that holds it."""
+    best, fstype = "", ""
+    target = str(folder)
+    for line in mounts.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > len(best):
+            best, fstype = point, parts[2]
+    return fstype in _MEMORY_FILESYSTEMS
+
+
+def host_worst_case(cfg: EngineConfig, folder_in_memory: bool) -> int:
+    """The host memory the tier may take at once: each engine's CPU tier (a file in
+    /dev/shm per engine: with a standby, three while a new engine starts beside the two
+    and the dead one's file is not yet removed; two without) and, on tmpfs, the
+    folder's bound."""
+    engines = 3 if cfg.standby != "none" else 2
+    return int(engines * cfg.kv_tier_cpu_gib * GIB
+               + (cfg.kv_tier_max_gib * GIB if folder_in_memory else 0))
+
+
+def host_warning(cfg: EngineConfig, folder: Path, mounts: str, host_bytes: int) -> str | None:
+    """A sentence when the tier's worst case passes HOST_SHARE_WARN of the host's memory
+    (beside it the engines need their own, and a sleeping standby keeps its weights in
+    host memory too); None otherwise."""
+    memory = in_memory(folder, mounts)
+    need = host_worst_case(cfg, memory)
+    if host_bytes <= 0 or need <= HOST_SHARE_WARN * host_bytes:
+        return None
+    parts = (f"{3 if cfg.standby != 'none' else 2} x kv_tier_cpu_gib "
+             f"{cfg.kv_tier_cpu_gib:g}" + (f" + kv_tier_max_gib {cfg.kv_tier_max_gib:g} "
+                                           "(the folder is in memory)" if memory else ""))
+    return (f"the KV tier may take {need / GIB:.1f} GiB of host memory ({parts}), "
+            f"{need / host_bytes:.0%} of the host's {host_bytes / GIB:.1f} GiB: an "
+            "unbounded tier ran an H200 host out of memory (docs/standby.md)")
+
+
 @dataclass
 class Record:
     """What the unit knows of its KV tier: the keeper's last look at each folder it keeps
@@ -173,7 +223,7 @@ class Record:
         return {"folder": cfg.kv_tier, "max_bytes": int(cfg.kv_tier_max_gib * GIB),
                 "chunk_tokens": cfg.kv_tier_chunk_tokens,
                 **(last.fields() if last is not None
-                   else {"files": None, "bytes": None, "error": None}),
+                   else {"files": None, "bytes": None, "error": None, "warning": None}),
                 "removed_files_total": self.removed_files,
                 "removed_bytes_total": self.removed_bytes}
 
