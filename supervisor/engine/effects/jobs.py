@@ -431,6 +431,7 @@ class JobEffects:
                         log.error("KV tier refused", folder=str(want), error=error)
                         self.queue.put_nowait(KvTierSeen(str(want), kv_tier.Usage(
                             0, 0, error=error)))
+            looked = self.clock.monotonic()
             for folder in self._kv_tiers:
                 usage = await asyncio.to_thread(kv_tier.prune, folder,
                                                 int(cfg.kv_tier_max_gib * kv_tier.GIB))
@@ -439,7 +440,9 @@ class JobEffects:
                              bytes=usage.removed_bytes, left_bytes=usage.bytes)
                 self.queue.put_nowait(KvTierSeen(str(folder), dataclasses.replace(
                     usage, warning=warning if folder == want else None)))
-            await asyncio.sleep(KV_TIER_EVERY_S)
+            # a folder of many small files takes a while to walk: at most a tenth of the
+            # time goes to it
+            await asyncio.sleep(max(KV_TIER_EVERY_S, 10 * (self.clock.monotonic() - looked)))
 
     async def _drain(self, engine: eng.EngineProcess, deadline: float) -> None:
         t0 = self.clock.monotonic()
