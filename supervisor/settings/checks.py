@@ -17,6 +17,7 @@ from supervisor.fleet.router import url_problem
 from supervisor.ops.exporter import parse_listen
 from supervisor.settings import engine_checks, weight_cache_argv
 from supervisor.settings.sections import EngineConfig, ExporterConfig, FleetConfig, ProxyConfig
+from supervisor.watchdog.relaunch import arg_value
 
 ListenerConfig = ProxyConfig | ExporterConfig  # a socket of the daemon's own, when enabled
 
@@ -65,6 +66,15 @@ def check_kv_tier(key: str, engine: EngineConfig, problems: list[str]) -> None:
         if any(a == flag or a.startswith(flag + "=") for a in engine.args):
             problems.append(f"{key}.args: {flag} sets vLLM's KV offloading, which "
                             f"{key}.kv_tier sets too; keep one of them")
+    # the tier's files are named by block hash: with a non-cryptographic algorithm vLLM
+    # seeds it at random in each process unless PYTHONHASHSEED says one seed (the default,
+    # sha256, needs none; the daemon sets none itself: a fixed seed also turns off
+    # Python's hash randomisation in the API server, which parses clients' JSON)
+    algo = arg_value(engine.args, "--prefix-caching-hash-algo") or "sha256"
+    if algo.startswith("xxhash") and "PYTHONHASHSEED" not in engine.env:
+        problems.append(f"{key}.env: --prefix-caching-hash-algo {algo} names a block "
+                        "differently in each engine unless PYTHONHASHSEED is set; set "
+                        f"{key}.env.PYTHONHASHSEED (one value for both) for {key}.kv_tier")
 
 
 def check_fleet(fleet: FleetConfig, proxy: ListenerConfig, problems: list[str]) -> None:

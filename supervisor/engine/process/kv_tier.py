@@ -58,14 +58,6 @@ def argv(cfg: EngineConfig) -> list[str]:
         separators=(",", ":"))]
 
 
-def env(cfg: EngineConfig) -> dict[str, str]:
-    """One hash seed for every engine that shares the folder: vLLM seeds its block hashes
-    from PYTHONHASHSEED when it hashes with a non-cryptographic algorithm, and a random
-    seed would name the same block differently in each engine (an operator's own value,
-    set in `engine.env`, wins); {} without a tier."""
-    return {"PYTHONHASHSEED": "0"} if cfg.kv_tier else {}
-
-
 @dataclass(frozen=True)
 class Usage:
     """The folder as one look saw it, and what that look removed."""

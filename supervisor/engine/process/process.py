@@ -94,8 +94,6 @@ def build_spawn_spec(cfg: EngineConfig, environ: Mapping[str, str]) -> SpawnSpec
     env.update(cfg.env)
     env.update(gpu_pinning(cfg.gpus))
     env.setdefault("PYTHONUNBUFFERED", "1")  # engine lines reach the journal as they happen
-    # the KV tier's hash seed over an inherited one; the operator's own `engine.env` wins
-    env.update({k: v for k, v in kv_tier.env(cfg).items() if k not in cfg.env})
     argv = [*cfg.command, "--host", cfg.host, "--port", str(cfg.port),
             "--shutdown-timeout", f"{cfg.drain_timeout_s:g}", *cfg.args, *kv_tier.argv(cfg)]
     if not cfg.access_log and not any(a.endswith("disable-uvicorn-access-log")
