@@ -80,14 +80,21 @@ def test_a_folder_over_its_bound_loses_its_oldest_blocks_down_to_the_low_water(t
     folder = tmp_path / "tier"
     assert kv_tier.clear(folder) is None
     paths = [block(folder, f"{i:04x}", 1000, 1_000_000 + i) for i in range(10)]
-    writing = folder / "m_0" / "000" / "ffff.tmp"  # (vLLM writing it: left alone)
+    writing = folder / "m_0" / "000" / "ffff.bin_123.tmp"  # (vLLM writing it)
     writing.write_bytes(b"\0" * 5000)
-    assert kv_tier.prune(folder, 20_000) == kv_tier.Usage(10, 10_000)  # under: nothing goes
-    usage = kv_tier.prune(folder, 5_000)
-    # past 5,000 bytes, the oldest go until 90 % of it is left: 6 of 10 removed
-    assert usage == kv_tier.Usage(4, 4_000, removed_files=6, removed_bytes=6_000)
+    os.utime(writing, (2_000_000, 2_000_000))
+    now = 2_000_030  # (the .tmp written 30 s ago: still being written)
+    # under the bound: nothing goes (the .tmp counted)
+    assert kv_tier.prune(folder, 20_000, now) == kv_tier.Usage(11, 15_000)
+    usage = kv_tier.prune(folder, 10_000, now)
+    # past 10,000 bytes, the oldest blocks go until 90 % of it is left: 6 of 10
+    assert usage == kv_tier.Usage(5, 9_000, removed_files=6, removed_bytes=6_000)
     assert [p.exists() for p in paths] == [False] * 6 + [True] * 4
     assert writing.exists()
+    # a .tmp older than a minute is one a killed engine left: removed, under the bound too
+    assert kv_tier.prune(folder, 20_000, now + 60) == kv_tier.Usage(
+        4, 4_000, removed_files=1, removed_bytes=5_000)
+    assert not writing.exists()
 
 
 def test_a_folder_that_is_not_the_daemons_is_never_emptied(tmp_path):
@@ -104,7 +111,31 @@ def test_a_folder_that_is_not_the_daemons_is_never_emptied(tmp_path):
     block(ours, "abcd", 10, 1.0)
     assert kv_tier.clear(ours) is None
     assert [p.name for p in ours.iterdir()] == [kv_tier.MARKER]
-    assert kv_tier.prune(tmp_path / "missing", 1) == kv_tier.Usage(0, 0)
+    gone = kv_tier.prune(tmp_path / "missing", 1, 0.0)
+    assert gone.files == 0 and gone.error is not None and "is gone" in gone.error
+
+    # a folder another user could replace or read: under a folder anyone may write to
+    # without the sticky bit (/dev/shm has it), or open to others itself
+    open_ = tmp_path / "open"
+    open_.mkdir()
+    os.chmod(open_, 0o777)
+    why = kv_tier.clear(open_ / "kv")
+    assert why is not None and "writable by anyone" in why, why
+    os.chmod(open_, 0o1777)  # (sticky, as /dev/shm: nobody else can replace what is ours)
+    assert kv_tier.clear(open_ / "kv") is None
+
+
+def test_the_folder_is_one_however_it_is_written() -> None:
+    assert kv_tier.folder_of(engine(kv_tier="/dev/shm/kv/")) == Path("/dev/shm/kv")
+    assert kv_tier.folder_of(engine(kv_tier="/dev/shm/./kv")) == Path("/dev/shm/kv")
+    assert kv_tier.folder_of(engine()) is None
+    record = kv_tier.Record()
+    record.saw("/dev/shm/kv", kv_tier.Usage(2, 200))
+    view = record.view(engine(kv_tier="/dev/shm/kv/"))
+    assert view is not None and view["folder"] == "/dev/shm/kv" and view["files"] == 2
+    argv = kv_tier.argv(engine(kv_tier="/dev/shm/kv/"))
+    assert '"root_dir":"/dev/shm/kv"' in argv[1]
+    assert kv_tier.without(["vllm", *argv, "--x"]) == ["vllm", "--x"]
 
 
 def test_status_shows_the_folder_its_last_look_and_what_the_looks_removed() -> None:
@@ -183,6 +214,17 @@ def test_a_relative_folder_and_a_second_way_to_set_the_tier_are_refused() -> Non
     said = problems('kv_tier = "/dev/shm/vs/kv"\nkv_tier_chunk_tokens = 8\n')
     assert "kv_tier_chunk_tokens" in said
     # a non-cryptographic block hash is seeded at random in each engine: one seed asked
+    said = problems('kv_tier = "/dev/shm/vs/kv"\nkv_tier_chunk_tokens = 100\n')
+    assert "kv_tier_chunk_tokens: 100 is not a multiple of the engine's KV block (16" in said
+    load('[engine]\ncommand = ["vllm", "serve", "m"]\nkv_tier = "/dev/shm/vs/kv"\n'
+         'kv_tier_chunk_tokens = 96\nargs = ["--block-size", "32"]\n')
+    assert "(32 tokens)" in problems('kv_tier = "/dev/shm/vs/kv"\nkv_tier_chunk_tokens = 48\n'
+                                     'args = ["--block-size", "32"]\n')
+    said = problems('kv_tier = "/dev/shm/vs/kv"\nargs = ["--kv_transfer_config", "{}"]\n'
+                    'standby_args = ["--kv-offloading-size", "4"]\n')
+    assert "engine.args: --kv-transfer-config" in said
+    assert "engine.standby_args: --kv-offloading-size" in said
+    assert "other programs use" in problems('kv_tier = "/tmp/."\n')
     xx = 'kv_tier = "/dev/shm/vs/kv"\nargs = ["--prefix-caching-hash-algo", "xxhash"]\n'
     said = problems(xx)
     assert "engine.env: --prefix-caching-hash-algo xxhash" in said and "PYTHONHASHSEED" in said
@@ -201,12 +243,23 @@ port = 8200
 kv_tier = "/dev/shm/vs/kv/"
 """)
     assert "engines.b.kv_tier" in str(err.value) and "engine a's" in str(err.value)
+    with pytest.raises(ConfigError) as err:  # one inside the other: two owners of it
+        load("""
+[engines.a]
+command = ["vllm", "serve", "a"]
+kv_tier = "/dev/shm/vs"
+[engines.b]
+command = ["vllm", "serve", "b"]
+port = 8200
+kv_tier = "/dev/shm/vs/b"
+""")
+    assert "engines.b.kv_tier" in str(err.value) and "inside" in str(err.value)
 
 
 # ---- through the daemon -----------------------------------------------------------------
 
 CHUNK = 16
-N = 120  # tokens a stream, at 0.02 s a token: in flight at the fault
+N = 250  # tokens a stream, at 0.02 s a token: in flight at the fault (5 s)
 
 
 def tier_lines(d: Any) -> list[tuple[int, int, int]]:
@@ -287,3 +340,24 @@ def test_after_a_kill_the_standby_loads_the_continued_prompts_from_the_tier(daem
     assert d.wait_exit(60) == 0
     for f in (folder, moved):  # both emptied at the stop
         assert [p.name for p in f.iterdir()] == [kv_tier.MARKER], f
+
+
+def test_an_engine_whose_folder_is_refused_is_started_without_a_tier(daemon_factory,
+                                                                     tmp_path):
+    """A folder the daemon may not keep (here: someone else's files in it) is never
+    handed to vLLM, which would write there with no bound: the engine serves without a
+    tier, and status and the log say why."""
+    cfg = proxy_config(tmp_path)
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    (folder / "someone-elses").write_text("x")
+    cfg["engine"].update(kv_tier=str(folder))
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    argvs = d.engine_argvs()
+    assert argvs and all("--kv-transfer-config" not in a for a in argvs), argvs
+    said = [e for e in d.log_records() if e.get("event") == "engine started without its KV tier"]
+    assert said and "did not put there" in said[0]["why"], said
+    st = wait_for(lambda: (v := d.status()["kv_tier"])["error"] and v, 10, "the refusal")
+    assert "did not put there" in st["error"] and st["files"] == 0
+    assert (folder / "someone-elses").exists() and not (folder / kv_tier.MARKER).exists()

@@ -348,13 +348,15 @@ def test_every_reloaded_engine_key_is_what_the_next_start_uses(tmp_path: Path) -
             "access_log": True, "models": ["m2"], "share_gpus": True, "standby": "awake",
             "standby_port": 18300, "standby_args": ["--max-num-seqs", "2"],
             # (the tier's folder is also kept from the reload on: test_kv_tier.py)
-            "kv_tier": str(tmp_path / "kv"), "kv_tier_max_gib": 2.0,
-            "kv_tier_cpu_gib": 1.0, "kv_tier_chunk_tokens": 32}
+            "kv_tier": str(tmp_path / "kv"), "kv_tier_cpu_gib": 1.0,
+            "kv_tier_chunk_tokens": 32}
         only_with_several = {"fallback"}  # ([engines.NAME] only)
         applied_now = {"rearm_window",  # (read at each tick, not at a start)
                        # the weight cache is started, restarted or taken down at once,
                        # and the next start maps it: tests/test_weight_cache_unit.py
-                       "weight_cache", "weight_cache_command", "weight_cache_args"}
+                       "weight_cache", "weight_cache_command", "weight_cache_args",
+                       # (the KV tier's keeper reads its bound at each look)
+                       "kv_tier_max_gib"}
         assert set(changed) | only_with_several | applied_now == {
             f.name for f in dataclasses.fields(EngineConfig)}, "a new [engine] key: add it"
         doc = {**w.doc, "engine": {**w.doc["engine"], **changed}}

@@ -10,6 +10,7 @@ reads the machine or resolves a name.
 from __future__ import annotations
 
 import ipaddress
+import os
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -52,20 +53,28 @@ _KV_TIER_FLAGS = ("--kv-transfer-config", "--kv-offloading-size", "--kv-offloadi
 
 
 def check_kv_tier(key: str, engine: EngineConfig, problems: list[str]) -> None:
-    """A KV tier's folder is one of its own, set in one place."""
+    """A KV tier's folder is one of its own, set in one place, in whole GPU blocks."""
     if not engine.kv_tier:
         return
-    folder = engine.kv_tier.rstrip("/") or "/"
+    folder = os.path.normpath(engine.kv_tier)
     if not engine.kv_tier.startswith("/"):
         problems.append(f"{key}.kv_tier: expected an absolute path, got {engine.kv_tier!r}")
     elif folder in _SHARED_FOLDERS:
         problems.append(f"{key}.kv_tier: {engine.kv_tier!r} is a folder other programs use, "
                         "and the daemon empties its KV tier's folder; name one of its own, "
                         'e.g. "/dev/shm/vllm-supervisor/kv-tier"')
-    for flag in _KV_TIER_FLAGS:
-        if any(a == flag or a.startswith(flag + "=") for a in engine.args):
-            problems.append(f"{key}.args: {flag} sets vLLM's KV offloading, which "
-                            f"{key}.kv_tier sets too; keep one of them")
+    for where, args in (("args", engine.args), ("standby_args", engine.standby_args)):
+        for flag in _KV_TIER_FLAGS:
+            spellings = (flag, "--" + flag[2:].replace("-", "_"))
+            if any(a == f or a.startswith(f + "=") for a in args for f in spellings):
+                problems.append(f"{key}.{where}: {flag} sets vLLM's KV offloading, which "
+                                f"{key}.kv_tier sets too; keep one of them")
+    # vLLM offloads whole GPU blocks: a chunk that is not a multiple of one is refused
+    # at the engine's start (vLLM's default block: 16 tokens)
+    block = arg_value(engine.args, "--block-size") or "16"
+    if block.isdigit() and int(block) and engine.kv_tier_chunk_tokens % int(block):
+        problems.append(f"{key}.kv_tier_chunk_tokens: {engine.kv_tier_chunk_tokens} is not a "
+                        f"multiple of the engine's KV block ({block} tokens)")
     # the tier's files are named by block hash: with a non-cryptographic algorithm vLLM
     # seeds it at random in each process unless PYTHONHASHSEED says one seed (the default,
     # sha256, needs none; the daemon sets none itself: a fixed seed also turns off
@@ -131,10 +140,13 @@ def check_engines(key: str, engines: Mapping[str, EngineConfig],
     names = list(engines)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            tier = engines[a].kv_tier.rstrip("/")
-            if tier and tier == engines[b].kv_tier.rstrip("/"):
-                problems.append(f"{key}.{b}.kv_tier: {engines[b].kv_tier!r} is engine {a}'s "
-                                "KV tier too; each engine needs a folder of its own")
+            ta, tb = (os.path.normpath(engines[n].kv_tier) if engines[n].kv_tier else ""
+                      for n in (a, b))
+            if ta and tb and (ta == tb or ta.startswith(tb.rstrip("/") + "/")
+                              or tb.startswith(ta.rstrip("/") + "/")):
+                problems.append(f"{key}.{b}.kv_tier: {engines[b].kv_tier!r} is, holds or is "
+                                f"inside engine {a}'s KV tier ({engines[a].kv_tier!r}); each "
+                                "engine needs a folder of its own (the daemon empties it)")
             shared = sorted(set(engines[a].gpus) & set(engines[b].gpus))
             if shared and not (engines[a].share_gpus and engines[b].share_gpus):
                 problems.append(f"{key}.{b}.gpus: GPU {shared[0]} is engine {a}'s too; set "

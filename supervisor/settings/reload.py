@@ -34,6 +34,10 @@ WHEN: tuple[tuple[str, str], ...] = (
     ("engine.weight_cache", NOW),
     ("engine.weight_cache_command", NOW),
     ("engine.weight_cache_args", NOW),
+    # the KV tier's keeper reads its bound at each look; a new folder is taken at once
+    # too, but the engines are given it (and the chunk size, the CPU tier) at their
+    # next start, until which the old folder is kept as well
+    ("engine.kv_tier_max_gib", NOW),
     ("engine.", NEXT_START),
     # the poller takes its settings when it starts with an engine
     ("metrics.", NEXT_START),

@@ -55,6 +55,13 @@ log = structlog.get_logger("supervisor")
 
 # how long a start short of descriptors (nothing spawned yet) is tried again
 SHORTAGE_RETRY_S = 10.0
+# how often the KV tier's folder is measured and kept under its bound: a 128-stream
+# load of an 8B model wrote ~3 GiB/s to it on an H200; a refused folder is tried again
+KV_TIER_EVERY_S = 1.0
+KV_TIER_MAX_EVERY_S = 2.0
+KV_TIER_RETRY_S = 30.0
+
+
 def _host_warning(cfg: EngineConfig, folder: Path) -> str | None:
     """kv_tier.host_warning with this host's mounts and memory (off the event loop)."""
     try:
@@ -62,11 +69,6 @@ def _host_warning(cfg: EngineConfig, folder: Path) -> str | None:
     except OSError:
         mounts = ""
     return kv_tier.host_warning(cfg, folder, mounts, psutil.virtual_memory().total)
-
-
-# how often the KV tier's folder is measured and kept under its bound: a 128-stream
-# load of an 8B model wrote ~3 GiB/s to it on an H200
-KV_TIER_EVERY_S = 1.0
 
 
 class JobEffects:
@@ -90,6 +92,8 @@ class JobEffects:
                      for b in (0, 1, WEIGHT_CACHE_BAY)]
         self._in_bay: dict[int, eng.EngineProcess] = {}  # watched, not yet forgotten
         self._kv_tiers: list[Path] = []  # the KV tier folders this daemon emptied and keeps
+        self._kv_refused: dict[Path, tuple[str, float]] = {}  # folder -> (why, when)
+        self._kv_lock = asyncio.Lock()  # (one taker of a folder at a time)
         self._jobs = Jobs()
         # the jobs that talk to the engine over HTTP, and the daemon's own requests to
         # each engine (engine/effects/http_jobs.py)
@@ -217,6 +221,11 @@ class JobEffects:
             [e.dumps.dir for b, e in self._in_bay.items() if b != bay and e.dumps],
             self.clock.monotonic)
         asked, spec = spec, dirs.spec
+        tier = kv_tier.argv(cfg)
+        if tier and tier[1] in spec.argv and (why := await self._take_kv_tier(cfg)) is not None:
+            # (served without a tier rather than with one nobody keeps under its bound)
+            log.warning("engine started without its KV tier", why=why)
+            spec = dataclasses.replace(spec, argv=kv_tier.without(spec.argv))
         shortage = Shortage("spawn")
         until = self.clock.monotonic() + SHORTAGE_RETRY_S
         while True:
@@ -405,44 +414,71 @@ class JobEffects:
             log.warning("the dead engine's shared-memory files not cleaned", pid=engine.pid,
                         error=repr(exc))
 
+    async def _take_kv_tier(self, cfg: EngineConfig) -> str | None:
+        """The tier's folder made this daemon's (emptied, marked, owner only): None once
+        it is, else why not. Asked by the keeper and by every spawn that names it (an
+        engine is given a tier only once its folder is kept); a refusal is tried again
+        after KV_TIER_RETRY_S, not at every ask."""
+        folder = kv_tier.folder_of(cfg)
+        if folder is None or folder in self._kv_tiers:
+            return None
+        async with self._kv_lock:
+            if folder in self._kv_tiers:
+                return None
+            refused = self._kv_refused.get(folder)
+            now = self.clock.monotonic()
+            if refused is not None and now - refused[1] < KV_TIER_RETRY_S:
+                return refused[0]
+            error = await asyncio.to_thread(kv_tier.clear, folder)
+            if error is None:
+                self._kv_tiers.append(folder)
+                self._kv_refused.pop(folder, None)
+                log.info("KV tier ready", folder=str(folder), max_gib=cfg.kv_tier_max_gib)
+                return None
+            if refused is None or refused[0] != error:
+                log.error("KV tier refused", folder=str(folder), error=error)
+            self._kv_refused[folder] = (error, now)
+            self.queue.put_nowait(KvTierSeen(str(folder), kv_tier.Usage(0, 0, error=error)))
+            return error
+
     async def _keep_kv_tier(self) -> None:
         """The engine's KV tier folder (`engine.kv_tier`, engine/process/kv_tier.py):
-        emptied when the daemon starts, then kept under its bound every KV_TIER_EVERY_S,
+        emptied when the daemon starts, then kept under its bound every second or two,
         each look reported. A reload that names another folder adds it: the running
         engines still write to the old one until their next start, so both are kept
-        under the bound, and `end` empties every one."""
-        asked: Path | None = None  # the folder last asked for (refused: not again)
-        warning: str | None = None  # the asked folder's, on host memory
+        under the bound, and `end` empties every one. Nothing that goes wrong in a look
+        ends the keeping."""
+        warned: tuple[Any, ...] | None = None  # the settings the host warning was for
+        warning: str | None = None
         while True:
-            cfg = self.config().engine
-            want = Path(cfg.kv_tier) if cfg.kv_tier else None
-            if want != asked:
-                asked, warning = want, None
-                if want is not None and want not in self._kv_tiers:
-                    error = await asyncio.to_thread(kv_tier.clear, want)
-                    if error is None:
-                        self._kv_tiers.append(want)
-                        log.info("KV tier ready", folder=str(want),
-                                 max_gib=cfg.kv_tier_max_gib)
+            looked = self.clock.monotonic()
+            try:
+                cfg = self.config().engine
+                want = kv_tier.folder_of(cfg)
+                if want is not None and await self._take_kv_tier(cfg) is None:
+                    key = (want, cfg.kv_tier_cpu_gib, cfg.kv_tier_max_gib, cfg.standby)
+                    if key != warned:
+                        warned = key
                         warning = await asyncio.to_thread(_host_warning, cfg, want)
                         if warning is not None:
                             log.warning("KV tier: host memory", why=warning)
-                    else:
-                        log.error("KV tier refused", folder=str(want), error=error)
-                        self.queue.put_nowait(KvTierSeen(str(want), kv_tier.Usage(
-                            0, 0, error=error)))
-            looked = self.clock.monotonic()
-            for folder in self._kv_tiers:
-                usage = await asyncio.to_thread(kv_tier.prune, folder,
-                                                int(cfg.kv_tier_max_gib * kv_tier.GIB))
-                if usage.removed_files:
-                    log.info("KV tier pruned", folder=str(folder), files=usage.removed_files,
-                             bytes=usage.removed_bytes, left_bytes=usage.bytes)
-                self.queue.put_nowait(KvTierSeen(str(folder), dataclasses.replace(
-                    usage, warning=warning if folder == want else None)))
-            # a folder of many small files takes a while to walk: at most a tenth of the
-            # time goes to it
-            await asyncio.sleep(max(KV_TIER_EVERY_S, 10 * (self.clock.monotonic() - looked)))
+                for folder in self._kv_tiers:
+                    usage = await asyncio.to_thread(
+                        kv_tier.prune, folder, int(cfg.kv_tier_max_gib * kv_tier.GIB),
+                        self.clock.wall())
+                    if usage.removed_files:
+                        log.info("KV tier pruned", folder=str(folder),
+                                 files=usage.removed_files, bytes=usage.removed_bytes,
+                                 left_bytes=usage.bytes)
+                    self.queue.put_nowait(KvTierSeen(str(folder), dataclasses.replace(
+                        usage, warning=warning if folder == want else None)))
+            except Exception:  # (logged; the next look tries again)
+                log.exception("KV tier look failed")
+            # a folder of many small files takes a while to walk: the looks are spaced
+            # by three times their own length, within 1-2 s (a soft bound: what the
+            # engines write meanwhile passes it)
+            took = self.clock.monotonic() - looked
+            await asyncio.sleep(min(KV_TIER_MAX_EVERY_S, max(KV_TIER_EVERY_S, 3 * took)))
 
     async def _drain(self, engine: eng.EngineProcess, deadline: float) -> None:
         t0 = self.clock.monotonic()

@@ -18,8 +18,15 @@ stops (`clear`). A block removed between vLLM's lookup and its load is computed 
 not failed: the daemon sets `kv_load_failure_policy` to "recompute" (vLLM's default,
 "fail", would end that request with an error).
 
-`argv` and `env` are pure; `prune`, `clear` and `usage` touch only the folder they are
-given (run them off the event loop: a folder can hold thousands of files).
+The bound is soft: the folder is walked every second or two (longer walks, slower
+looks), so it may pass the bound by what the engines write meanwhile (an H200's pair
+wrote ~3 GiB/s). Eviction is by write time, oldest first: vLLM does not write a block
+again that is already there, and a load does not touch its file, so a prefix every
+request shares (a system prompt) is evicted like any other and written again at its next
+use.
+
+`argv` and `folder_of` are pure; `prune` and `clear` touch only the folder they are given
+(run them off the event loop: a folder can hold thousands of files).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,20 +50,37 @@ THREADS = 32
 MARKER = ".vllm-supervisor-kv-tier"
 
 
+def folder_of(cfg: EngineConfig) -> Path | None:
+    """The tier's folder, normalised ("/dev/shm/kv/" and "/dev/shm/kv" are one); None
+    without a tier."""
+    return Path(os.path.normpath(cfg.kv_tier)) if cfg.kv_tier else None
+
+
 def argv(cfg: EngineConfig) -> list[str]:
     """The engine's `--kv-transfer-config` for its tier (the same for both engines of a
     pair: one folder, one chunk size); [] without one."""
-    if not cfg.kv_tier:
+    folder = folder_of(cfg)
+    if folder is None:
         return []
     extra = {"spec_name": "TieringOffloadingSpec",
              "cpu_bytes_to_use": int(cfg.kv_tier_cpu_gib * GIB),
              "block_size": cfg.kv_tier_chunk_tokens,
-             "secondary_tiers": [{"type": "fs", "root_dir": cfg.kv_tier,
+             "secondary_tiers": [{"type": "fs", "root_dir": str(folder),
                                   "n_read_threads": THREADS, "n_write_threads": THREADS}]}
     return ["--kv-transfer-config", json.dumps({
         "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra},
         separators=(",", ":"))]
+
+
+def without(argv_: list[str]) -> list[str]:
+    """`argv_` less the tier's argument (an engine started while its folder is refused:
+    served without a tier rather than with one nobody bounds)."""
+    out = list(argv_)
+    if "--kv-transfer-config" in out:
+        at = out.index("--kv-transfer-config")
+        del out[at:at + 2]
+    return out
 
 
 @dataclass(frozen=True)
@@ -74,13 +99,17 @@ class Usage:
                 "warning": self.warning}
 
 
-def _blocks(folder: Path) -> list[tuple[float, int, Path]]:
-    """(mtime, size, path) of every block file under `folder` (vLLM's `.bin` files; its
-    `.tmp` files are being written and are left alone)."""
+# a `.tmp` file older than this is one a killed engine left half written (vLLM writes a
+# block to `<name>.bin_<random>.tmp` and renames it)
+ORPHAN_TMP_S = 60.0
+
+
+def _files(folder: Path) -> list[tuple[float, int, Path]]:
+    """(mtime, size, path) of every block file under `folder`, and of every `.tmp` one."""
     out: list[tuple[float, int, Path]] = []
     for root, _dirs, names in os.walk(folder):
         for name in names:
-            if not name.endswith(".bin"):
+            if not (name.endswith(".bin") or name.endswith(".tmp")):
                 continue
             path = Path(root, name)
             try:
@@ -91,20 +120,24 @@ def _blocks(folder: Path) -> list[tuple[float, int, Path]]:
     return out
 
 
-def prune(folder: Path, max_bytes: int) -> Usage:
-    """Keep the folder's blocks under `max_bytes`: past it, the oldest written go until
-    `LOW_WATER` of it is left. Never raises; an error is in the result."""
+def prune(folder: Path, max_bytes: int, now: float) -> Usage:
+    """Keep the folder's files under `max_bytes`: past it, the oldest written blocks go
+    until `LOW_WATER` of it is left; and a `.tmp` file older than ORPHAN_TMP_S (at wall
+    time `now`) goes whatever the size. Never raises; an error is in the result."""
+    if not folder.is_dir():
+        return Usage(0, 0, error=f"{folder} is gone: the engines cannot write their tier")
     try:
-        blocks = _blocks(folder)
+        files = _files(folder)
     except OSError as exc:
         return Usage(0, 0, error=f"{type(exc).__name__}: {exc}")
-    total = sum(size for _, size, _ in blocks)
-    if total <= max_bytes:
-        return Usage(len(blocks), total)
+    total = sum(size for _, size, _ in files)
+    orphans = [f for f in files if f[2].name.endswith(".tmp") and now - f[0] > ORPHAN_TMP_S]
+    over = [] if total <= max_bytes else sorted(
+        (f for f in files if f[2].name.endswith(".bin")), key=lambda f: f[0])
     removed_files = removed_bytes = 0
     error = None
-    for _, size, path in sorted(blocks, key=lambda b: b[0]):
-        if total - removed_bytes <= max_bytes * LOW_WATER:
+    for i, (_, size, path) in enumerate([*orphans, *over]):
+        if i >= len(orphans) and total - removed_bytes <= max_bytes * LOW_WATER:
             break
         try:
             path.unlink()
@@ -115,8 +148,27 @@ def prune(folder: Path, max_bytes: int) -> Usage:
             break
         removed_files += 1
         removed_bytes += size
-    return Usage(len(blocks) - removed_files, total - removed_bytes, removed_files,
+    return Usage(len(files) - removed_files, total - removed_bytes, removed_files,
                  removed_bytes, error)
+
+
+def _unsafe(folder: Path) -> str | None:
+    """Why another user could read or replace what is in `folder` (None: nobody can): the
+    folder not this process's own or open to others, or a folder above it that another
+    user owns, or that anyone may write to without the sticky bit (/dev/shm has it)."""
+    me = os.getuid()
+    st = folder.lstat()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        return f"{folder} is not a folder"
+    if st.st_uid != me or st.st_mode & 0o077:
+        return f"{folder} is uid {st.st_uid}'s, mode {st.st_mode & 0o777:o}"
+    for up in folder.parents:
+        st = up.lstat()
+        if st.st_uid not in (0, me):
+            return f"{up}, above it, is uid {st.st_uid}'s: that user could replace it"
+        if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+            return f"{up}, above it, is writable by anyone (mode {st.st_mode & 0o7777:o})"
+    return None
 
 
 def clear(folder: Path) -> str | None:
@@ -137,7 +189,10 @@ def clear(folder: Path) -> str | None:
                 else:
                     child.unlink()
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(folder, 0o700)
+        if os.stat(folder).st_uid == os.getuid():
+            os.chmod(folder, 0o700)
+        if (why := _unsafe(folder)) is not None:
+            return f"not safe for the clients' prompts: {why}"
         marker.write_text("vLLM's KV tier, kept by vllm-supervisor (engine.kv_tier)\n")
     except OSError as exc:
         return f"{type(exc).__name__}: {exc}"
@@ -209,10 +264,11 @@ class Record:
 
     def view(self, cfg: EngineConfig) -> dict[str, object] | None:
         """None without a tier; its numbers null until the keeper looked at its folder."""
-        if not cfg.kv_tier:
+        folder = folder_of(cfg)
+        if folder is None:
             return None
-        last = self.looks.get(cfg.kv_tier)
-        return {"folder": cfg.kv_tier, "max_bytes": int(cfg.kv_tier_max_gib * GIB),
+        last = self.looks.get(str(folder))
+        return {"folder": str(folder), "max_bytes": int(cfg.kv_tier_max_gib * GIB),
                 "chunk_tokens": cfg.kv_tier_chunk_tokens,
                 **(last.fields() if last is not None
                    else {"files": None, "bytes": None, "error": None, "warning": None}),
@@ -222,8 +278,9 @@ class Record:
     def numbers(self, cfg: EngineConfig) -> tuple[float | None, float | None, float | None]:
         """The exporter's: the folder's bytes at the last look (None before one), its
         bound, the bytes removed in all; all None without a tier."""
-        if not cfg.kv_tier:
+        folder = folder_of(cfg)
+        if folder is None:
             return None, None, None
-        last = self.looks.get(cfg.kv_tier)
+        last = self.looks.get(str(folder))
         return (float(last.bytes) if last is not None else None,
                 float(int(cfg.kv_tier_max_gib * GIB)), float(self.removed_bytes))
