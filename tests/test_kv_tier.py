@@ -231,29 +231,22 @@ def test_a_relative_folder_and_a_second_way_to_set_the_tier_are_refused() -> Non
     load('[engine]\ncommand = ["vllm", "serve", "m"]\n' + xx + 'env = {PYTHONHASHSEED = "5"}\n')
 
 
-def test_two_engines_cannot_share_one_folder() -> None:
+@pytest.mark.parametrize(("a", "b", "said"), [
+    ("/dev/shm/vs/kv", "/dev/shm/vs/kv/", "engine a's"),  # (one folder, two spellings)
+    ("/dev/shm/vs", "/dev/shm/vs/b", "inside"),  # one inside the other: two owners of it
+])
+def test_two_engines_cannot_share_one_folder(a: str, b: str, said: str) -> None:
     with pytest.raises(ConfigError) as err:
-        load("""
+        load(f"""
 [engines.a]
 command = ["vllm", "serve", "a"]
-kv_tier = "/dev/shm/vs/kv"
+kv_tier = "{a}"
 [engines.b]
 command = ["vllm", "serve", "b"]
 port = 8200
-kv_tier = "/dev/shm/vs/kv/"
+kv_tier = "{b}"
 """)
-    assert "engines.b.kv_tier" in str(err.value) and "engine a's" in str(err.value)
-    with pytest.raises(ConfigError) as err:  # one inside the other: two owners of it
-        load("""
-[engines.a]
-command = ["vllm", "serve", "a"]
-kv_tier = "/dev/shm/vs"
-[engines.b]
-command = ["vllm", "serve", "b"]
-port = 8200
-kv_tier = "/dev/shm/vs/b"
-""")
-    assert "engines.b.kv_tier" in str(err.value) and "inside" in str(err.value)
+    assert "engines.b.kv_tier" in str(err.value) and said in str(err.value)
 
 
 # ---- through the daemon -----------------------------------------------------------------
