@@ -65,8 +65,7 @@ def check_kv_tier(key: str, engine: EngineConfig, problems: list[str]) -> None:
                         'e.g. "/dev/shm/vllm-supervisor/kv-tier"')
     for where, args in (("args", engine.args), ("standby_args", engine.standby_args)):
         for flag in _KV_TIER_FLAGS:
-            spellings = (flag, "--" + flag[2:].replace("-", "_"))
-            if any(a == f or a.startswith(f + "=") for a in args for f in spellings):
+            if weight_cache_argv.has_flag(args, flag):  # (either spelling, `=` or not)
                 problems.append(f"{key}.{where}: {flag} sets vLLM's KV offloading, which "
                                 f"{key}.kv_tier sets too; keep one of them")
     # vLLM offloads whole GPU blocks: a chunk that is not a multiple of one is refused

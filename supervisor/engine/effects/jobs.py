@@ -221,8 +221,8 @@ class JobEffects:
             [e.dumps.dir for b, e in self._in_bay.items() if b != bay and e.dumps],
             self.clock.monotonic)
         asked, spec = spec, dirs.spec
-        tier = kv_tier.argv(cfg)
-        if tier and tier[1] in spec.argv and (why := await self._take_kv_tier(cfg)) is not None:
+        if kv_tier.folder_of(cfg) is not None and "--kv-transfer-config" in spec.argv \
+                and (why := await self._take_kv_tier(cfg)) is not None:
             # (served without a tier rather than with one nobody keeps under its bound)
             log.warning("engine started without its KV tier", why=why)
             spec = dataclasses.replace(spec, argv=kv_tier.without(spec.argv))

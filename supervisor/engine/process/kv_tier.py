@@ -221,13 +221,17 @@ def in_memory(folder: Path, mounts: str) -> bool:
     return fstype in _MEMORY_FILESYSTEMS
 
 
+def _engines(cfg: EngineConfig) -> int:
+    """The engines whose CPU tiers may be in host memory at once (`host_worst_case`)."""
+    return 3 if cfg.standby != "none" else 2
+
+
 def host_worst_case(cfg: EngineConfig, folder_in_memory: bool) -> int:
     """The host memory the tier may take at once: each engine's CPU tier (a file in
     /dev/shm per engine: with a standby, three while a new engine starts beside the two
     and the dead one's file is not yet removed; two without) and, on tmpfs, the
     folder's bound."""
-    engines = 3 if cfg.standby != "none" else 2
-    return int(engines * cfg.kv_tier_cpu_gib * GIB
+    return int(_engines(cfg) * cfg.kv_tier_cpu_gib * GIB
                + (cfg.kv_tier_max_gib * GIB if folder_in_memory else 0))
 
 
@@ -239,7 +243,7 @@ def host_warning(cfg: EngineConfig, folder: Path, mounts: str, host_bytes: int) 
     need = host_worst_case(cfg, memory)
     if host_bytes <= 0 or need <= HOST_SHARE_WARN * host_bytes:
         return None
-    parts = (f"{3 if cfg.standby != 'none' else 2} x kv_tier_cpu_gib "
+    parts = (f"{_engines(cfg)} x kv_tier_cpu_gib "
              f"{cfg.kv_tier_cpu_gib:g}" + (f" + kv_tier_max_gib {cfg.kv_tier_max_gib:g} "
                                            "(the folder is in memory)" if memory else ""))
     return (f"the KV tier may take {need / GIB:.1f} GiB of host memory ({parts}), "
@@ -262,12 +266,16 @@ class Record:
         self.removed_files += usage.removed_files
         self.removed_bytes += usage.removed_bytes
 
+    def _last(self, cfg: EngineConfig) -> tuple[Path | None, Usage | None]:
+        """The tier's folder now, and the keeper's last look at it (None: not yet)."""
+        folder = folder_of(cfg)
+        return folder, self.looks.get(str(folder)) if folder is not None else None
+
     def view(self, cfg: EngineConfig) -> dict[str, object] | None:
         """None without a tier; its numbers null until the keeper looked at its folder."""
-        folder = folder_of(cfg)
+        folder, last = self._last(cfg)
         if folder is None:
             return None
-        last = self.looks.get(str(folder))
         return {"folder": str(folder), "max_bytes": int(cfg.kv_tier_max_gib * GIB),
                 "chunk_tokens": cfg.kv_tier_chunk_tokens,
                 **(last.fields() if last is not None
@@ -278,9 +286,8 @@ class Record:
     def numbers(self, cfg: EngineConfig) -> tuple[float | None, float | None, float | None]:
         """The exporter's: the folder's bytes at the last look (None before one), its
         bound, the bytes removed in all; all None without a tier."""
-        folder = folder_of(cfg)
+        folder, last = self._last(cfg)
         if folder is None:
             return None, None, None
-        last = self.looks.get(str(folder))
         return (float(last.bytes) if last is not None else None,
                 float(int(cfg.kv_tier_max_gib * GIB)), float(self.removed_bytes))
