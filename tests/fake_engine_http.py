@@ -245,7 +245,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 "type": "NotFoundError", "code": 404}}).encode(), 404
         elif generate:
             if req.get("priority"):
-                print(f"INFO request priority {req['priority']}", flush=True)
+                e.log("INFO", f"request priority {req['priority']}")  # (a whole line)
             with e.lock:
                 e.running[0] += 1
                 peak = max(e.running[1], e.running[0])
