@@ -5,8 +5,10 @@ Given the `--kv-transfer-config` the daemon adds (an `OffloadingConnector` whose
 `TieringOffloadingSpec` names an `fs` secondary tier), a prompt's full chunks of
 `block_size` token ids are named by a chained hash, as vLLM names its blocks: the chunks
 found as files in the tier's folder are "loaded", the others "computed" and written there
-(a `.tmp` file renamed into place, as vLLM writes them). Two engines given the same folder
-therefore find each other's chunks; a pruned file is computed again.
+(a `.tmp` file renamed into place, as vLLM writes them). The chain starts from
+`PYTHONHASHSEED`, or from random bytes without it, as vLLM's `init_none_hash` does. Two
+engines given the same folder and one seed therefore find each other's chunks; with two
+seeds, never; a pruned file is computed again.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 class FakeTier:
     def __init__(self, folder: str, chunk_tokens: int, failure_policy: str) -> None:
         self.folder, self.chunk, self.failure_policy = Path(folder), chunk_tokens, failure_policy
+        seed = os.environ.get("PYTHONHASHSEED")
+        self.seed = hashlib.sha256(seed.encode()).digest() if seed is not None else os.urandom(32)
 
     @classmethod
     def from_config(cls, raw: str | None) -> FakeTier | None:
@@ -42,7 +46,7 @@ class FakeTier:
     def take(self, prompt: list[int]) -> tuple[int, int]:
         """(chunks loaded from files, full chunks in all) for this prompt; the chunks
         not found are written."""
-        h, loaded, full = b"", 0, len(prompt) // self.chunk
+        h, loaded, full = self.seed, 0, len(prompt) // self.chunk
         for i in range(full):
             ids = prompt[i * self.chunk:(i + 1) * self.chunk]
             h = hashlib.sha256(h + json.dumps(ids).encode()).digest()

@@ -52,17 +52,26 @@ def test_the_tier_is_one_kv_transfer_config_with_an_fs_tier_in_the_folder() -> N
     assert kv_tier.argv(engine()) == []
 
 
-def test_every_engine_of_the_pair_gets_it_and_no_hash_seed_is_forced() -> None:
+def test_every_engine_of_the_pair_gets_it_and_one_hash_seed() -> None:
     cfg = engine(kv_tier="/dev/shm/vs/kv", args=["--max-num-seqs", "8"])
     spec = build_spawn_spec(cfg, {})
     at = spec.argv.index("--kv-transfer-config")
     assert spec.argv[at + 1] == kv_tier.argv(cfg)[1] and "--max-num-seqs" in spec.argv
     standby = build_spawn_spec(cfg.second(), {})
     assert kv_tier.argv(cfg)[1] in standby.argv  # the same folder, the same chunks
-    # vLLM's default block hash (sha256) is the same in every process: no PYTHONHASHSEED,
-    # which would also turn off the API server's hash randomisation
-    assert "PYTHONHASHSEED" not in spec.env
-    assert "--kv-transfer-config" not in build_spawn_spec(engine(), {}).argv
+    # vLLM seeds its block hash at random in each process unless PYTHONHASHSEED names
+    # one: both engines get the daemon's seed (drawn once per run, not a fixed one), over
+    # one the daemon itself inherited
+    seed = spec.env["PYTHONHASHSEED"]
+    assert seed == standby.env["PYTHONHASHSEED"] == kv_tier.SEED
+    assert 0 <= int(seed) < 2**32
+    assert build_spawn_spec(cfg, {"PYTHONHASHSEED": "random"}).env["PYTHONHASHSEED"] == seed
+    # the operator's own seed wins; without a tier the daemon sets none
+    own = engine(kv_tier="/dev/shm/vs/kv", env={"PYTHONHASHSEED": "7"})
+    assert build_spawn_spec(own, {}).env["PYTHONHASHSEED"] == "7"
+    assert build_spawn_spec(own.second(), {}).env["PYTHONHASHSEED"] == "7"
+    plain = build_spawn_spec(engine(), {})
+    assert "--kv-transfer-config" not in plain.argv and "PYTHONHASHSEED" not in plain.env
 
 
 # ---- the folder ---------------------------------------------------------------------------
@@ -225,10 +234,9 @@ def test_a_relative_folder_and_a_second_way_to_set_the_tier_are_refused() -> Non
     assert "engine.args: --kv-transfer-config" in said
     assert "engine.standby_args: --kv-offloading-size" in said
     assert "other programs use" in problems('kv_tier = "/tmp/."\n')
-    xx = 'kv_tier = "/dev/shm/vs/kv"\nargs = ["--prefix-caching-hash-algo", "xxhash"]\n'
-    said = problems(xx)
-    assert "engine.env: --prefix-caching-hash-algo xxhash" in said and "PYTHONHASHSEED" in said
-    load('[engine]\ncommand = ["vllm", "serve", "m"]\n' + xx + 'env = {PYTHONHASHSEED = "5"}\n')
+    # any hash algorithm: the daemon gives both engines one seed
+    load('[engine]\ncommand = ["vllm", "serve", "m"]\nkv_tier = "/dev/shm/vs/kv"\n'
+         'args = ["--prefix-caching-hash-algo", "xxhash"]\n')
 
 
 @pytest.mark.parametrize(("a", "b", "said"), [

@@ -74,15 +74,6 @@ def check_kv_tier(key: str, engine: EngineConfig, problems: list[str]) -> None:
     if block.isdigit() and int(block) and engine.kv_tier_chunk_tokens % int(block):
         problems.append(f"{key}.kv_tier_chunk_tokens: {engine.kv_tier_chunk_tokens} is not a "
                         f"multiple of the engine's KV block ({block} tokens)")
-    # the tier's files are named by block hash: with a non-cryptographic algorithm vLLM
-    # seeds it at random in each process unless PYTHONHASHSEED says one seed (the default,
-    # sha256, needs none; the daemon sets none itself: a fixed seed also turns off
-    # Python's hash randomisation in the API server, which parses clients' JSON)
-    algo = arg_value(engine.args, "--prefix-caching-hash-algo") or "sha256"
-    if algo.startswith("xxhash") and "PYTHONHASHSEED" not in engine.env:
-        problems.append(f"{key}.env: --prefix-caching-hash-algo {algo} names a block "
-                        "differently in each engine unless PYTHONHASHSEED is set; set "
-                        f"{key}.env.PYTHONHASHSEED (one value for both) for {key}.kv_tier")
 
 
 def check_fleet(fleet: FleetConfig, proxy: ListenerConfig, problems: list[str]) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import stat
 from dataclasses import dataclass, field
@@ -48,6 +49,9 @@ LOW_WATER = 0.9
 THREADS = 32
 # the file that says a folder is this daemon's to empty
 MARKER = ".vllm-supervisor-kv-tier"
+# the block-hash seed of every engine with a tier, once per daemon run (`env`); its tier
+# is emptied when the daemon starts, so no file outlives the seed that named it
+SEED = str(secrets.randbelow(2**32))
 
 
 def folder_of(cfg: EngineConfig) -> Path | None:
@@ -71,6 +75,14 @@ def argv(cfg: EngineConfig) -> list[str]:
         "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra},
         separators=(",", ":"))]
+
+
+def env(cfg: EngineConfig) -> dict[str, str]:
+    """What the engine's environment needs for its tier: one block-hash seed for both
+    engines of the pair (the operator's own `PYTHONHASHSEED` wins); {} without a tier."""
+    if folder_of(cfg) is None or "PYTHONHASHSEED" in cfg.env:
+        return {}
+    return {"PYTHONHASHSEED": SEED}
 
 
 def without(argv_: list[str]) -> list[str]:

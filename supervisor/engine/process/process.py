@@ -92,6 +92,7 @@ class Load:
 def build_spawn_spec(cfg: EngineConfig, environ: Mapping[str, str]) -> SpawnSpec:
     env = {k: v for k, v in environ.items() if k not in _PRIVATE_ENV} if cfg.inherit_env else {}
     env.update(cfg.env)
+    env.update(kv_tier.env(cfg))  # (one block-hash seed for the pair, over an inherited one)
     env.update(gpu_pinning(cfg.gpus))
     env.setdefault("PYTHONUNBUFFERED", "1")  # engine lines reach the journal as they happen
     argv = [*cfg.command, "--host", cfg.host, "--port", str(cfg.port),
