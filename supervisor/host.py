@@ -131,6 +131,7 @@ class Host:
         self.loop_lag = LoopLag(clock=self.clock.monotonic)  # how late this loop runs
         self._control: ControlServer | None = None
         self._exporter: Exporter | None = None
+        self._let_go = asyncio.Event()  # (set once only the control socket is left)
         self.audit = AuditTrail(self.config.audit.path, self.config.audit.max_bytes,
                                 self.config.audit.backups)
 
@@ -186,12 +187,21 @@ class Host:
             self._exporter = exporter
 
     async def _close_sockets(self) -> None:
-        if self._control is not None:
-            await self._control.close()
+        """The exporter and the front door, then the control socket last: a `stop`
+        waiting in `let_go` answers in between (its reply is in flight when the control
+        socket closes, which lets it reach its client)."""
         if self._exporter is not None:
             await self._exporter.close()
         if self.proxy is not None:
             await self.proxy.close()
+        self._let_go.set()
+        await asyncio.sleep(0)  # (the waiting `stop` replies)
+        if self._control is not None:
+            await self._control.close()
+
+    async def let_go(self) -> None:
+        """Until the daemon has closed everything but its control socket."""
+        await self._let_go.wait()
 
     def launch(self, coro: Coroutine[Any, Any, Any], what: str) -> None:
         self._jobs.launch(coro, what)

@@ -153,6 +153,31 @@ def test_stop_sigkills_an_engine_that_ignores_sigterm(daemon_factory, tmp_path):
     assert reaped["sigkilled"] is True
 
 
+def test_stop_answers_once_the_daemon_has_let_go_of_its_ports(daemon_factory, tmp_path):
+    """`vllm-supervisorctl stop` returns once the daemon's front door and exporter are
+    closed, so a daemon started right after it can listen on them (on a GPU host the next
+    daemon's start found the exporter's port still taken, the old one still closing its
+    proxy workers)."""
+    proxy = f"127.0.0.1:{free_port()}"
+    cfg = fake_engine_config(tmp_path, proxy={"enabled": True, "listen": proxy, "workers": 2})
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING", 20)
+    host, port = proxy.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as slow:
+        # a client half-way through its body: the front door gives it its grace at close
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        r = d.ctl("stop")
+    assert r.returncode == 0, r.stderr
+    for address in (cfg["exporter"]["listen"], proxy):
+        host, port = address.rsplit(":", 1)
+        with socket.socket() as s:  # (as a new daemon's listener binds: SO_REUSEADDR)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, int(port)))  # EADDRINUSE while the old daemon still listens
+            s.listen()
+    assert d.wait_exit(20) == 0
+
+
 def test_second_sigterm_skips_to_force(daemon_factory, tmp_path):
     d = daemon_factory(fake_engine_config(tmp_path, "--ignore-sigterm",
                                           engine={"drain_timeout_s": 60, "stop_grace_s": 60}))

@@ -39,6 +39,7 @@ class HostControl(Protocol):
     def live(self) -> list[str]: ...
     def launch(self, coro: Coroutine[Any, Any, Any], what: str) -> None: ...
     async def leave_fleet(self) -> None: ...
+    async def let_go(self) -> None: ...
     def summary_line(self, name: str, st: dict[str, Any]) -> dict[str, Any]: ...
     def front_address(self, name: str) -> dict[str, Any]: ...
     def daemon_uptime_s(self) -> float: ...
@@ -97,7 +98,10 @@ def stop(host: HostControl, req: ControlRequest) -> None:
 
 
 async def _stop(host: HostControl, reply: asyncio.Future[dict[str, Any]]) -> None:
-    """Out of the routers first (bounded), then every engine stops."""
+    """Out of the routers first (bounded), then every engine stops; the answer once the
+    daemon has let go of everything but the control socket (its engines' folders, the
+    front door's and the exporter's ports), so that a daemon started right after it finds
+    them free."""
     await host.leave_fleet()
     loop = asyncio.get_running_loop()
     futures = []
@@ -107,6 +111,7 @@ async def _stop(host: HostControl, reply: asyncio.Future[dict[str, Any]]) -> Non
         futures.append(fut)
     results = await asyncio.gather(*futures, return_exceptions=True)
     codes = [r.get("exit_code", 0) if isinstance(r, dict) else 70 for r in results]
+    await host.let_go()
     if not reply.done():
         reply.set_result({"state": "STOPPED", "exit_code": max(codes, default=0)})
 
