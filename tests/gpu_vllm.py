@@ -124,9 +124,15 @@ def ctl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
                           cwd=str(WORK))
 
 
-def wait(cond: Any, timeout: float, what: str) -> Any:
+def wait(cond: Any, timeout: float, what: str,
+         daemon: subprocess.Popen[bytes] | None = None) -> Any:
+    """`cond()` once true; `daemon`: the wait ends at once if that daemon exits (a daemon
+    that cannot start: its log says why)."""
     deadline = time.monotonic() + timeout
     while True:
+        if daemon is not None and daemon.poll() is not None:
+            raise AssertionError(f"the daemon exited ({daemon.returncode}) while waiting for "
+                                 f"{what}; its log: {WORK / 'daemon.log'}")
         try:
             v = cond()
             if v:
@@ -319,12 +325,12 @@ def phase_start(standby: str | None = None, share: str | None = None,
         demo["proxy"]["workers"] = int(os.environ["PROXY_WORKERS"])
     cfg = write_config(WORK / "config.toml", demo)
     t0 = time.monotonic()
-    subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
-                     stdout=(WORK / "daemon.log").open("ab"), stderr=subprocess.STDOUT,
-                     env={**os.environ, "PYTHONPATH": SUP_SITE}, cwd=str(WORK),
-                     start_new_session=True)
+    daemon = subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
+                              stdout=(WORK / "daemon.log").open("ab"), stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONPATH": SUP_SITE}, cwd=str(WORK),
+                              start_new_session=True)
     st = wait(lambda: status()["state"] == "RUNNING" and status(),
-              580 if SHAPE == "8b" else 540, "RUNNING")
+              580 if SHAPE == "8b" else 540, "RUNNING", daemon)
     startup_s = time.monotonic() - t0
     if not WEIGHT_CACHE:  # (no sleep mode beside a weight cache)
         wait(lambda: status()["remedies"]["kv_reset_unavailable"] is None
