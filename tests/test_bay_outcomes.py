@@ -44,7 +44,7 @@ def up(what: str) -> tuple[EngineSlot, EngineProcess, list[tuple[str, dict[str, 
     s, _, audits = slot(what)
     e = spawn(s)
     assert s.on(Spawned(e.generation, e), 1.0) == out.Up(e)
-    assert s.phase is Bay.ALIVE and s.engine is e
+    assert s.phase is Bay.STARTING and s.engine is e
     return s, e, audits
 
 
@@ -64,10 +64,10 @@ def test_a_spawn_ends_up_or_failed(what: str) -> None:
 def test_health_counts_only_while_awaited_and_not_taken_down(what: str) -> None:
     s, e, _ = up(what)
     assert s.on(HealthResult(e.generation, True), 5.0, awaits_health=False) is out.NOTHING
-    assert e.healthy_at is None
+    assert e.healthy_at is None and s.phase is Bay.STARTING
     assert s.on(HealthResult(e.generation + 99, True), 5.0) is out.NOTHING  # stale
     assert s.on(HealthResult(e.generation, True), 5.0) == out.Healthy(e)
-    assert e.healthy_at == 5.0
+    assert e.healthy_at == 5.0 and s.phase is Bay.HEALTHY
 
     s, e, _ = up(what)
     timed = s.on(HealthResult(e.generation, False), 5.0)
@@ -88,6 +88,9 @@ def test_an_exit_is_a_death_only_when_nobody_asked_for_it(what: str) -> None:
     died = s.on(Exited(e.generation, -9), 5.0)
     assert died == out.Died(e, "killed by SIGKILL without being asked", core=False)
     assert audits[-1][1]["asked"] is False
+    assert s.phase is Bay.EXITED  # (its tree still to be taken down and reaped)
+    s.take_down(False, None, 100.0)
+    assert s.phase is Bay.TAKING_DOWN
 
     s, e, audits = up(what)
     assert s.on(Exited(e.generation, 0), 5.0, exit_expected=True) is out.NOTHING
@@ -96,6 +99,7 @@ def test_an_exit_is_a_death_only_when_nobody_asked_for_it(what: str) -> None:
     s, e, audits = up(what)
     s.take_down(True, None, 100.0)
     assert s.on(Exited(e.generation, 0), 5.0) is out.NOTHING
+    assert s.phase is Bay.TAKING_DOWN  # (the take-down's own exit: it goes on)
     assert s.on(Exited(e.generation + 99, 0), 5.0) is out.NOTHING  # stale
 
 

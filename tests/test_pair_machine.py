@@ -70,6 +70,7 @@ from supervisor.engine.events import (
     Spawned,
     Woken,
 )
+from supervisor.engine.pair.pair_states import ROLE_BAYS, Bay
 from supervisor.engine.process.process import EngineProcess, TakeDown
 from supervisor.front.admission import Gate, Ticket
 from supervisor.settings.config import parse_config
@@ -634,6 +635,11 @@ class PairMachine(RuleBasedStateMachine):
         self.failing = True
         bays = [p.bay for p in self.live] + [d["bay"] for d in self.spawns.values()]
         self.expect(len(bays) == len(set(bays)) <= 2, "two_in_a_bay", self.describe)
+        # the standby's role and its bay's phase agree (pair_states.ROLE_BAYS)
+        standby = self.w.sup.handover.standby
+        role, bay = standby.state, standby.slot.phase
+        self.expect(bay in ROLE_BAYS[role], "role_and_bay", lambda: (
+            f"a {role.value} standby in a {bay.value} bay: {self.describe()}"))
         if self.gate.held_reason is None:
             e = self.following
             st_ = self.w.sup.status()
@@ -642,6 +648,9 @@ class PairMachine(RuleBasedStateMachine):
                         "open_to_unproven", lambda: (
                             f"requests let through to an engine not serving or not proven: "
                             f"{self.describe()}"))
+            serving = self.w.sup.slot.phase
+            self.expect(serving is Bay.HEALTHY, "open_to_unproven", lambda: (
+                f"requests let through to a {serving.value} bay: {self.describe()}"))
             if e is not None:
                 self.expect(not e.woken or e.proven, "open_to_unproven",
                             lambda: f"a woken standby serves unproven: {e}")

@@ -48,8 +48,8 @@ def test_every_state_is_reached_and_every_one_but_the_terminal_has_a_way_back(
 
 def test_a_change_the_table_does_not_allow_raises_naming_the_machine() -> None:
     check(BAY, Bay.EMPTY, Bay.SPAWNING)
-    with pytest.raises(TransitionError, match="bay transition alive -> spawning"):
-        check(BAY, Bay.ALIVE, Bay.SPAWNING)  # (never two processes in one bay)
+    with pytest.raises(TransitionError, match="bay transition healthy -> spawning"):
+        check(BAY, Bay.HEALTHY, Bay.SPAWNING)  # (never two processes in one bay)
     with pytest.raises(TransitionError, match="standby transition starting -> ready"):
         check(ROLE, Role.STARTING, Role.READY)  # (never ready unproven)
     with pytest.raises(TransitionError, match="handover transition waking -> proving"):

@@ -20,7 +20,7 @@ from supervisor.engine.steps import PairFacts
 from supervisor.settings.config import parse_config
 
 
-def facts(tmp: Path, state: State, phase: Bay = Bay.ALIVE, drain: str = "auto",
+def facts(tmp: Path, state: State, phase: Bay = Bay.HEALTHY, drain: str = "auto",
           fronted: bool = True, stop_deadline: float | None = None) -> PairFacts:
     doc: dict[str, dict[str, Any]] = {
         "engine": {"command": ["vllm", "serve", "m"], "port": 18100, "drain": drain},

@@ -72,6 +72,7 @@ def test_a_crash_and_a_restart_each_hand_over_to_the_standby(daemon_factory, tmp
     first = d.status()
     spare_pid = first["standby"]["pid"]
     assert first["standby"]["port"] == cfg["engine"]["port"] + 1
+    assert first["standby"]["bay"] == "healthy"  # (its process's phase: started, alive)
 
     # SIGKILL of the serving engine's main process
     answered_s = streams_under(cfg, lambda: os.kill(first["pid"], signal.SIGKILL))

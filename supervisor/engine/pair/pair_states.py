@@ -21,18 +21,27 @@ from supervisor.engine.states import TransitionError
 
 
 class Bay(enum.Enum):
-    """One engine's place (`EngineSlot`): a process in it, or on its way in or out."""
+    """One engine's place (`EngineSlot`): a process in it, or on its way in or out. The
+    bay's phases are the process's life as its events say it (`EngineSlot.on`); what the
+    engine does there (serves, waits asleep, is proven) is its role's."""
 
     EMPTY = "empty"  # no engine
     SPAWNING = "spawning"  # its spawn under way (a Spawned event ends it)
-    ALIVE = "alive"  # an engine, whatever its health (the role says what it does)
+    STARTING = "starting"  # spawned, its /health not 200 yet
+    HEALTHY = "healthy"  # it answered /health: started (its role and watchers judge it)
+    EXITED = "exited"  # its main process exited, its tree not yet taken down and reaped
     TAKING_DOWN = "taking_down"  # its take-down under way (a Down event ends it)
 
 
+# an engine in the bay (started or not, alive or exited): what a take-down ends
+IN_BAY = frozenset({Bay.STARTING, Bay.HEALTHY, Bay.EXITED})
+
 BAY: dict[Bay, frozenset[Bay]] = {
     Bay.EMPTY: frozenset({Bay.SPAWNING}),
-    Bay.SPAWNING: frozenset({Bay.ALIVE, Bay.EMPTY}),  # EMPTY: the spawn failed
-    Bay.ALIVE: frozenset({Bay.TAKING_DOWN}),
+    Bay.SPAWNING: frozenset({Bay.STARTING, Bay.EMPTY}),  # EMPTY: the spawn failed
+    Bay.STARTING: frozenset({Bay.HEALTHY, Bay.EXITED, Bay.TAKING_DOWN}),
+    Bay.HEALTHY: frozenset({Bay.EXITED, Bay.TAKING_DOWN}),
+    Bay.EXITED: frozenset({Bay.TAKING_DOWN}),  # (its tree is reaped by a take-down)
     Bay.TAKING_DOWN: frozenset({Bay.EMPTY}),  # (a tree not proven gone: the role says)
 }
 
@@ -73,6 +82,25 @@ ROLE: dict[Role, frozenset[Role]] = {
     # not within the drain's timeout, or it died, or the daemon stops
     Role.RETURNING: frozenset({Role.SLEEPING, Role.READY, Role.RETIRING}),
     Role.FAILED: frozenset(),  # until the daemon restarts (an operator's call)
+}
+
+
+# The joint table: the phases the standby's bay may be in for each of its roles, between
+# two events (tests/test_pair_machine.py holds every run to it). A role speaks of what
+# its engine does, the bay of the process: a ready standby is a healthy process, never an
+# exited one nobody took down.
+ROLE_BAYS: dict[Role, frozenset[Bay]] = {
+    Role.NONE: frozenset({Bay.EMPTY}),
+    Role.WAITING: frozenset({Bay.EMPTY}),
+    Role.NO_ROOM: frozenset({Bay.EMPTY}),
+    Role.STARTING: frozenset({Bay.SPAWNING, Bay.STARTING}),
+    Role.PROVING: frozenset({Bay.HEALTHY}),
+    Role.SLEEPING: frozenset({Bay.HEALTHY}),
+    Role.READY: frozenset({Bay.HEALTHY}),
+    # (drained first, already exited, or taken down once its spawn in flight ends)
+    Role.RETIRING: IN_BAY | {Bay.SPAWNING, Bay.TAKING_DOWN},
+    Role.RETURNING: frozenset({Bay.HEALTHY}),
+    Role.FAILED: frozenset({Bay.EMPTY}),
 }
 
 

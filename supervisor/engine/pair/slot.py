@@ -1,7 +1,7 @@
 """One engine process of a unit, from its spawn to its tree proven gone.
 
 `EngineSlot` keeps the facts of the engine in it (the process, its generation, its bay's
-phase: empty, spawning, alive, taking down, checked against
+phase: empty, spawning, starting, healthy, exited, taking down, checked against
 `supervisor/engine/pair/pair_states.py`; what its take-down must capture first) and starts
 that engine's jobs through the unit's effects. It decides nothing: the unit
 (`supervisor/engine/unit.py`) owns the lifecycle and calls the slot on its own task.
@@ -125,6 +125,8 @@ class EngineSlot(_BayReading):
                 if e is None or self.taking_down or not awaits_health:
                     return out.NOTHING
                 if ev.healthy:
+                    if self.phase is Bay.STARTING:  # (not after its exit was seen)
+                        self._set_phase(Bay.HEALTHY)
                     # (a weight cache serves no development routes of an engine's)
                     self.healthy(e, now, ev.routes if self.what == "engine" else None)
                     return out.Healthy(e)
@@ -153,7 +155,7 @@ class EngineSlot(_BayReading):
 
     def spawned(self, ev: Spawned) -> eng.EngineProcess | None:
         """The spawn ended: the engine now in the slot, or None (`ev.error` says why)."""
-        self._set_phase(Bay.ALIVE if ev.engine is not None else Bay.EMPTY)
+        self._set_phase(Bay.STARTING if ev.engine is not None else Bay.EMPTY)
         for line in ev.leftovers:
             log.warning("killed a process left by an earlier run", process=line)
             self._event("leftover_killed", process=line)
@@ -217,6 +219,8 @@ class EngineSlot(_BayReading):
         if engine is None:
             return None
         engine.exit_code = ev.code
+        if self.phase in (Bay.STARTING, Bay.HEALTHY):  # (a take-down's exit: it goes on)
+            self._set_phase(Bay.EXITED)
         self.last_exit = engine.describe_exit()
         fields: dict[str, Any] = {"exit_code": ev.code}
         if ev.code < 0:

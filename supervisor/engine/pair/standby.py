@@ -331,6 +331,9 @@ class Standby:
         alive = e is not None and e.exit_code is None
         unready = self.unready_since
         return {"state": self.state.value, "reason": self.why, "for_s": round(now - self.since, 3),
+                # its process's phase in its bay (pair_states.Bay): spawning, starting,
+                # healthy, exited, taking_down, empty
+                "bay": self.slot.phase.value,
                 # protected: the next crash or restart is a handover, not a cold start
                 "protected": unready is None,
                 "unprotected_for_s": round(now - unready, 3) if unready is not None else None,
