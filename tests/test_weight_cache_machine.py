@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from supervisor.engine.events import Down, Exited, HealthLost, HealthResult, Reloaded, Spawned
-from supervisor.engine.pair.pair_states import Cache
+from supervisor.engine.pair.pair_states import CACHE_BAYS, Cache
 from supervisor.engine.process.process import EngineProcess, SpawnSpec, TakeDown
 from supervisor.engine.process.proctree import ProcInfo
 from supervisor.engine.unit import EngineUnit
@@ -214,6 +214,11 @@ class CacheMachine(RuleBasedStateMachine):
         for bay in (0, CACHE_BAY):
             here = [g for g, d in self.pending.items() if d["bay"] == bay] + self._of(bay)
             assert len(here) <= 1, (bay, here)
+
+    @invariant()
+    def the_cache_and_its_bay_agree(self) -> None:
+        cache = self.w.sup.weights
+        assert cache.slot.phase in CACHE_BAYS[cache.state], (cache.state, cache.slot.phase)
 
     @invariant()
     def stopped_only_with_nothing_left(self) -> None:

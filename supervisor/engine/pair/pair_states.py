@@ -160,6 +160,18 @@ CACHE: dict[Cache, frozenset[Cache]] = {
     Cache.FAILED: frozenset({Cache.STARTING, Cache.OFF}),  # (a reload)
 }
 
+# The weight cache's states and its bay's phases, held together like ROLE_BAYS
+# (tests/test_weight_cache_machine.py): ready is a healthy process, never an exited one.
+CACHE_BAYS: dict[Cache, frozenset[Bay]] = {
+    Cache.OFF: frozenset({Bay.EMPTY}),
+    Cache.STARTING: frozenset({Bay.SPAWNING, Bay.STARTING}),
+    Cache.READY: frozenset({Bay.HEALTHY}),
+    # (taken down once its spawn in flight ends, drained of its engines first, or gone)
+    Cache.STOPPING: IN_BAY | {Bay.SPAWNING, Bay.TAKING_DOWN, Bay.EMPTY},
+    Cache.BACKOFF: frozenset({Bay.EMPTY}),
+    Cache.FAILED: frozenset({Bay.EMPTY}),
+}
+
 _NAMES = {Bay: "bay", Role: "standby", Phase: "handover", Cache: "weight cache"}
 S = TypeVar("S", Bay, Role, Phase, Cache)
 
