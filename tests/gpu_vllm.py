@@ -50,6 +50,10 @@ its 10-minute calls, the daemon living on between them in its own session:
     python3 tests/gpu_vllm.py plan cost-none-1536 cost-kill-1536 cost-restart-1536 \
         cost-kvreset-1536               # issue 51: what a fault costs at a prompt length,
                                         # the no-fault run first (`phase_cost`, `cost_row`)
+    SHAPE=8b KV_TIER=1 python3 tests/gpu_vllm.py plan cost-none-1536 cost-kill-1536 \
+        tier-off cost-none-1536 cost-kill-1536  # the same with and without the KV tier in
+                                        # one session (`tier-on`/`tier-off`: the daemon
+                                        # stopped and started again, `start thin`)
     python3 tests/gpu_vllm.py stop      # stopped; nothing left on the GPU
 
 TP=2 (with SHAPE=8b, on nvidia-h100-x2): both engines `--tensor-parallel-size 2`, gpus 0 and 1.
@@ -1081,6 +1085,7 @@ def phase_kills(n: int = 3) -> None:
 
 # a step's length as first guessed (s); once run, its last length
 PLAN_GUESS_S = {"kill": 200.0, "restart": 200.0, "kv-reset-streams": 200.0,
+                "tier-on": 330.0, "tier-off": 330.0,
                 "kill-swapback": 300.0,
                 "kill-twice": 480.0, "kv-info": 10.0, "stop": 60.0, "hang-rpc": 200.0}
 
@@ -1138,6 +1143,8 @@ def phase_plan(steps: list[str]) -> None:
                 phase_stop()
             elif step.startswith("cost-"):
                 phase_cost(*step.split("-")[1:])
+            elif step in ("tier-on", "tier-off"):
+                phase_restart_daemon(step.split("-")[1])
             else:
                 raise ValueError(f"no step {step!r}")
         except Exception as exc:  # recorded; the plan goes on only if the pair is armed
@@ -1176,8 +1183,25 @@ def phase_cost(fault: str, input_len: str) -> dict[str, Any]:
         out = phase_continue(fault, "late", tag=f"cost-{fault}-{n}",
                              prompts=COST_PROMPTS[fault], input_len=n)
     # (what the clients waited for at the gate: which of the fault's cost is admission's)
-    result("cost", fault=fault, input_len=n, **out["cost"], gate_waits=out.get("gate_waits"))
+    result("cost", fault=fault, input_len=n, kv_tier=status().get("kv_tier") is not None,
+           **out["cost"], gate_waits=out.get("gate_waits"))
     return out
+
+
+def phase_restart_daemon(tier: str) -> None:
+    """Plan steps `tier-on` and `tier-off` (issue 51): the daemon stopped and started
+    again as it was (`start thin`), with the KV tier (`engine.kv_tier`) on or off, so that
+    one session measures the same faults with and without it: `plan cost-none-1536
+    cost-kill-1536 tier-off cost-none-1536 cost-kill-1536`. A start of the same shapes
+    takes about 3 minutes once flashinfer's JIT is cached."""
+    phase_stop()
+    if tier == "on":
+        os.environ["KV_TIER"] = "1"
+    else:
+        os.environ.pop("KV_TIER", None)
+    phase_start("thin")
+    wait(lambda: protected_again(status()), 300, "protected again")
+    result("restart-daemon", kv_tier=status().get("kv_tier") is not None)
 
 
 def phase_kill_swapback(prompts: int = 8000) -> None:
