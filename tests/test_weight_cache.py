@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from supervisor.settings.weight_cache_argv import socket_dir
 from tests.harness import Daemon, alive, fake_engine_config, kill_if_alive, wait_for
 
 
@@ -73,6 +74,9 @@ def test_a_start_maps_the_cache_and_its_death_leaves_the_engine_serving(
         cache_start = next(e for e in d.events() if e["event"] == "weight_cache_spawn")
         first = preload_pids(d)
         assert cache_start["pid"] == wc["pid"] == first[0]
+        # its socket folder, made by its spawn: the daemon user's only
+        sockets = Path(socket_dir(cfg["daemon"]["runtime_dir"], "default"))
+        assert sockets.is_dir() and sockets.stat().st_mode & 0o777 == 0o700
 
         os.kill(wc["pid"], signal.SIGKILL)  # its launcher: the rank is orphaned, alive
         wait_for(lambda: cache(d)["state"] == "ready" and cache(d)["pid"] != wc["pid"],

@@ -27,7 +27,7 @@ from supervisor.engine.events import (
     Reloaded,
     Spawned,
 )
-from supervisor.engine.process.process import EngineProcess, TakeDown
+from supervisor.engine.process.process import EngineProcess, TakeDown, make_folders
 from supervisor.engine.process.proctree import ProcInfo
 from supervisor.settings import weight_cache_argv
 from supervisor.settings.config import ConfigError, parse_config
@@ -105,7 +105,8 @@ def test_the_cache_starts_first_the_engine_waits_for_it_then_maps_its_weights(
         assert "--max-num-seqs" not in cache_spec.argv  # (what does not: the engine's own)
         assert cache_spec.argv[-6:-2] == ["--weight-cache-socket-dir", sockets,
                                           "--weight-cache-health-host", "127.0.0.1"]
-        assert Path(sockets).stat().st_mode & 0o777 == 0o700  # the daemon's own folder
+        # its socket folder, made by the spawn (an effect), the daemon's own (0700)
+        assert cache_spec.folders == (sockets,)
         assert w.state == "STARTING" and w.sup.status()["weight_cache"]["state"] == "starting"
         cache = ready_cache(w)
         assert w.fx.last("watch_health") == {"pid": cache.pid}  # watched on, once healthy
@@ -420,3 +421,17 @@ def test_a_cache_whose_tree_was_not_proven_gone_stays_failed_through_reloads(
         st = w.sup.status()["weight_cache"]
         assert st["state"] == "failed" and "survived SIGKILL" in st["reason"]
     assert len(spawns(w, CACHE_BAY)) == 1  # never a second beside a live one
+
+
+def test_a_spawn_makes_its_folders_the_daemon_users_own(tmp_path: Path) -> None:
+    """`SpawnSpec.folders` (a weight cache's socket folder), made by the spawn effect:
+    missing ones made, a looser one tightened to 0700, one that cannot be made an OSError
+    (the spawn then fails, saying so, like a missing binary)."""
+    new, loose = tmp_path / "a" / "b", tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    make_folders([str(new), str(loose)])
+    assert [p.stat().st_mode & 0o777 for p in (new, loose)] == [0o700, 0o700]
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError):
+        make_folders([str(tmp_path / "file" / "sockets")])
+

@@ -25,7 +25,6 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -111,7 +110,9 @@ class WeightCache:
         argv = wc.preload_argv(cfg, self.sockets, port)
         own = dataclasses.replace(cfg, host=wc.HEALTH_HOST, port=port, health_path="/health",
                                   drain_timeout_s=0.0, args=[], standby="none")
-        return eng.SpawnSpec(argv=argv, env=env, cwd=cfg.cwd, host=own.host, port=port), own
+        # (its socket folder made by the spawn: the daemon's own, 0700)
+        return eng.SpawnSpec(argv=argv, env=env, cwd=cfg.cwd, host=own.host, port=port,
+                             folders=(self.sockets,)), own
 
     def _key_now(self) -> tuple[Any, ...]:
         spec, _ = self._spec(0)
@@ -224,9 +225,7 @@ class WeightCache:
         assert cfg is not None
         try:
             port = self._free_port(wc.HEALTH_HOST, {cfg.port, cfg.second().port})
-            os.makedirs(self.sockets, mode=0o700, exist_ok=True)
-            os.chmod(self.sockets, 0o700)
-        except OSError as exc:  # (no port, no folder: nothing to retry soon)
+        except OSError as exc:  # (no port: nothing to retry soon)
             self.last_error = self._gave_up = f"cannot start: {exc}"
             self._to(Cache.STARTING, why)
             self._then = Cache.FAILED

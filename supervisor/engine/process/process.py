@@ -69,6 +69,9 @@ class SpawnSpec:
     # () for vLLM's own load. Apart from `argv`, which says what the engine runs (a
     # standby fits, a golden baseline holds, whichever way its weights came)
     load: tuple[str, ...] = ()
+    # folders its spawn makes first, the daemon user's only (0700): a weight cache's
+    # socket folder. A folder that cannot be made fails the spawn, like a missing binary
+    folders: tuple[str, ...] = ()
 
     @property
     def command_line(self) -> list[str]:
@@ -102,6 +105,14 @@ def build_spawn_spec(cfg: EngineConfig, environ: Mapping[str, str]) -> SpawnSpec
         # (either spelling in the operator's args wins)
         argv.append("--disable-uvicorn-access-log")
     return SpawnSpec(argv=argv, env=env, cwd=cfg.cwd, host=cfg.host, port=cfg.port)
+
+
+def make_folders(folders: Sequence[str]) -> None:
+    """A spawn's `folders`, made if missing and the daemon user's only; OSError names the
+    one that could not be."""
+    for folder in folders:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        os.chmod(folder, 0o700)
 
 
 def gpu_pinning(gpus: Sequence[int]) -> dict[str, str]:
