@@ -15,7 +15,8 @@ from supervisor.engine.events import CoreExited, Down, Exited, HealthResult, Spa
 from supervisor.engine.pair import outcomes as out
 from supervisor.engine.pair.pair_states import Bay
 from supervisor.engine.pair.slot import EngineSlot
-from supervisor.engine.process.process import EngineProcess, TakeDown, build_spawn_spec
+from supervisor.engine.process.process import EngineProcess, build_spawn_spec
+from supervisor.engine.process.takedown import TakeDown
 from supervisor.settings.config import parse_config
 from supervisor.watchdog.devroutes import DevRoutes
 from tests.test_supervisor_unit import RecordingEffects

@@ -29,7 +29,7 @@ from structlog.testing import capture_logs
 from supervisor.engine.effects import http_jobs, jobs
 from supervisor.engine.events import CanaryDone, Event, MetricsSampled, TreeSeen
 from supervisor.engine.process import process as eng
-from supervisor.engine.process import proctree
+from supervisor.engine.process import proctree, takedown
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock
 from supervisor.ops import audit as audit_module
@@ -312,7 +312,7 @@ def test_a_take_down_out_of_descriptors_proves_the_tree_gone_without_proc(
             m.setattr(proctree, "psutil", NoProc)
             m.setattr(proctree, "port_busy", no_socket)
             with capture_logs() as logs:
-                result = await asyncio.wait_for(eng.take_down(
+                result = await asyncio.wait_for(takedown.take_down(
                     engine, cfg.engine, graceful=False, force=asyncio.Event(), gpu=NoGpu(),
                     budget_s=15.0), GUARD_S)
         assert result.survivors == [] and result.sigkilled
@@ -334,7 +334,7 @@ def test_survivors_by_signal_counts_a_live_tree_and_a_group_it_cannot_name() -> 
                 known, key=lambda i: i.pid)
             # the child is in the group, but not known: counted under the group's number
             os.kill(proc.pid, signal.SIGKILL)
-            await eng.wait_exit(proc)  # (not proc.wait(): the child holds the pipe)
+            await takedown.wait_exit(proc)  # (not proc.wait(): the child holds the pipe)
             left = proctree.survivors_by_signal(main_only, proc.pid)
             assert [i.pid for i in left] == [proc.pid] and "group" in left[0].name
         finally:

@@ -71,7 +71,8 @@ from supervisor.engine.events import (
     Woken,
 )
 from supervisor.engine.pair.pair_states import ROLE_BAYS, Bay
-from supervisor.engine.process.process import EngineProcess, TakeDown
+from supervisor.engine.process.process import EngineProcess
+from supervisor.engine.process.takedown import TakeDown
 from supervisor.front.admission import Gate, Ticket
 from supervisor.settings.config import parse_config
 from supervisor.settings.engine_checks import THIN_PAIR_MAX

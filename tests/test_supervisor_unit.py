@@ -34,7 +34,8 @@ from supervisor.engine.events import (
     Spawned,
 )
 from supervisor.engine.process import kv_tier
-from supervisor.engine.process.process import EngineProcess, SpawnSpec, TakeDown
+from supervisor.engine.process.process import EngineProcess, SpawnSpec
+from supervisor.engine.process.takedown import TakeDown
 from supervisor.engine.unit import EngineUnit
 from supervisor.loop import Clock
 from supervisor.ops.sdnotify import Notifier

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from supervisor.engine.process import process as eng
-from supervisor.engine.process import proctree
+from supervisor.engine.process import proctree, takedown
 from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog.gpu import NoGpu
 from tests.harness import FAKE_ENGINE, alive, free_port
@@ -42,12 +42,12 @@ async def spawn_running(cfg: EngineConfig) -> eng.EngineProcess:
 
 
 def test_take_down_waits_until_the_gpu_is_released():
-    async def run() -> tuple[eng.TakeDown, ScriptedGpu, list[int]]:
+    async def run() -> tuple[takedown.TakeDown, ScriptedGpu, list[int]]:
         cfg = engine_config("--child")
         e = await spawn_running(cfg)
         pids = [p.pid for p in e.known]
         gpu = ScriptedGpu({pids[-1]: 6 << 30, 999_999: 1 << 30}, polls=3)
-        r = await eng.take_down(e, cfg, graceful=True, force=asyncio.Event(), gpu=gpu)
+        r = await takedown.take_down(e, cfg, graceful=True, force=asyncio.Event(), gpu=gpu)
         return r, gpu, pids
 
     r, gpu, pids = asyncio.run(run())
@@ -57,11 +57,11 @@ def test_take_down_waits_until_the_gpu_is_released():
 
 
 def test_take_down_reports_gpu_memory_that_is_never_released():
-    async def run() -> tuple[eng.TakeDown, int]:
+    async def run() -> tuple[takedown.TakeDown, int]:
         cfg = engine_config(gpu_timeout=0.5)
         e = await spawn_running(cfg)
         gpu = ScriptedGpu({e.pid: 24 << 30}, polls=10**6)
-        return await eng.take_down(e, cfg, graceful=False, force=asyncio.Event(),
+        return await takedown.take_down(e, cfg, graceful=False, force=asyncio.Event(),
                                    gpu=gpu), e.pid
 
     r, pid = asyncio.run(run())
@@ -70,7 +70,7 @@ def test_take_down_reports_gpu_memory_that_is_never_released():
 
 
 def test_force_skips_the_drain_of_an_engine_ignoring_sigterm():
-    async def run() -> eng.TakeDown:
+    async def run() -> takedown.TakeDown:
         cfg = EngineConfig(command=[sys.executable, str(FAKE_ENGINE), "--ignore-sigterm"],
                            port=free_port(), cwd=str(Path.cwd()), drain_timeout_s=60,
                            stop_grace_s=60, reap_timeout_s=3)
@@ -80,7 +80,7 @@ def test_force_skips_the_drain_of_an_engine_ignoring_sigterm():
         loop.call_later(0.3, force.set)
         # Without the force this would wait out 120 s of drain + grace: the deadline fails it.
         return await asyncio.wait_for(
-            eng.take_down(e, cfg, graceful=True, force=force, gpu=NoGpu()), 60)
+            takedown.take_down(e, cfg, graceful=True, force=force, gpu=NoGpu()), 60)
 
     r = asyncio.run(run())
     assert r.sigkilled and r.exit_code == -9 and r.survivors == []
@@ -89,14 +89,15 @@ def test_force_skips_the_drain_of_an_engine_ignoring_sigterm():
 def test_the_stop_deadline_cuts_the_drain_of_an_engine_ignoring_sigterm():
     """A restart's one deadline: what is left of it bounds the engine's drain and grace
     (60 s + 60 s configured, 1 s left), and the kill is still made and proven."""
-    async def run() -> eng.TakeDown:
+    async def run() -> takedown.TakeDown:
         cfg = EngineConfig(command=[sys.executable, str(FAKE_ENGINE), "--ignore-sigterm"],
                            port=free_port(), cwd=str(Path.cwd()), drain_timeout_s=60,
                            stop_grace_s=60, reap_timeout_s=3)
-        assert eng.stop_budget_s(cfg, proxy_drain=True, evidence_s=6.0) == 60 + 6 + 60 + 60 + 9 + 60
+        budget = takedown.stop_budget_s(cfg, proxy_drain=True, evidence_s=6.0)
+        assert budget == 60 + 6 + 60 + 60 + 9 + 60
         e = await spawn_running(cfg)
         return await asyncio.wait_for(
-            eng.take_down(e, cfg, graceful=True, force=asyncio.Event(), gpu=NoGpu(),
+            takedown.take_down(e, cfg, graceful=True, force=asyncio.Event(), gpu=NoGpu(),
                           budget_s=1.0), 60)
 
     r = asyncio.run(run())
@@ -111,7 +112,7 @@ def test_a_sibling_engines_gpu_memory_is_neither_waited_for_nor_foreign() -> Non
     sibling, leftover = 4242, 4343
 
     async def check(gpu: ScriptedGpu, own: set[int], siblings: frozenset[int]) -> None:
-        await eng.check_gpus_free(gpu, own, 0, 5.0, siblings)
+        await takedown.check_gpus_free(gpu, own, 0, 5.0, siblings)
 
     gpu = ScriptedGpu({sibling: 5 << 30}, polls=1000)
     asyncio.run(check(gpu, set(), frozenset({sibling})))  # started beside it at once
@@ -121,7 +122,7 @@ def test_a_sibling_engines_gpu_memory_is_neither_waited_for_nor_foreign() -> Non
     assert gpu.calls == 5  # 3 with the leftover, 1 clear, then the listing for others
     try:
         asyncio.run(check(ScriptedGpu({sibling: 5 << 30}, polls=1000), set(), frozenset()))
-    except eng.GpuBusy as exc:
+    except takedown.GpuBusy as exc:
         assert f"pid {sibling}" in str(exc) and "5120 MiB" in str(exc)
     else:
         raise AssertionError("a process the daemon did not start was not refused")

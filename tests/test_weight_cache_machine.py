@@ -34,8 +34,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from supervisor.engine.events import Down, Exited, HealthLost, HealthResult, Reloaded, Spawned
 from supervisor.engine.pair.pair_states import CACHE_BAYS, Cache
-from supervisor.engine.process.process import EngineProcess, SpawnSpec, TakeDown
+from supervisor.engine.process.process import EngineProcess, SpawnSpec
 from supervisor.engine.process.proctree import ProcInfo
+from supervisor.engine.process.takedown import TakeDown
 from supervisor.engine.unit import EngineUnit
 from supervisor.settings.config import parse_config
 from tests.test_supervisor_unit import RecordingEffects, World

@@ -27,8 +27,9 @@ from supervisor.engine.events import (
     Reloaded,
     Spawned,
 )
-from supervisor.engine.process.process import EngineProcess, TakeDown, make_folders
+from supervisor.engine.process.process import EngineProcess, make_folders
 from supervisor.engine.process.proctree import ProcInfo
+from supervisor.engine.process.takedown import TakeDown
 from supervisor.settings import weight_cache_argv
 from supervisor.settings.config import ConfigError, parse_config
 from supervisor.settings.sections import EngineConfig

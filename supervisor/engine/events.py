@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
-from supervisor.engine.process import kv_tier, proctree
+from supervisor.engine.process import kv_tier, proctree, takedown
 from supervisor.engine.process import process as eng
 from supervisor.ops.exposition import ExporterView
 from supervisor.settings.config import Config
@@ -102,7 +102,7 @@ class EvidenceCaptured(Event):
 class Down(Event):
     name = "down"
     generation: int
-    result: eng.TakeDown | None
+    result: takedown.TakeDown | None
     error: str | None = None
 
 

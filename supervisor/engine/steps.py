@@ -21,6 +21,7 @@ from supervisor.engine.events import DecisionRecord, Event
 from supervisor.engine.intents import EvidenceFor
 from supervisor.engine.pair.slot import SlotView
 from supervisor.engine.process import process as eng
+from supervisor.engine.process import takedown
 from supervisor.engine.states import State
 from supervisor.settings.config import Config
 from supervisor.settings.sections import EngineConfig
@@ -65,13 +66,13 @@ class PairFacts:
         if self.stop_deadline is not None:
             return self.stop_deadline
         e = self.engine
-        return self.now + eng.stop_budget_s(e.config if e is not None else self.config.engine,
+        return self.now + takedown.stop_budget_s(e.config if e is not None else self.config.engine,
                                             proxy_drain=proxy_drain,
                                             evidence_s=self.evidence_s)
 
     def standby_deadline(self) -> float:
         """The deadline of a take-down in the standby's place, from now (no drain)."""
-        return self.now + eng.stop_budget_s(self.config.engine, proxy_drain=False,
+        return self.now + takedown.stop_budget_s(self.config.engine, proxy_drain=False,
                                             evidence_s=0.0)
 
     def spawn_spec(self, bay: int) -> eng.SpawnSpec:

@@ -35,6 +35,7 @@ from supervisor.engine.events import (
     Woken,
 )
 from supervisor.engine.process import process as eng
+from supervisor.engine.process import takedown
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock, http_client
 from supervisor.ops.descriptors import OutOfDescriptors, Shortage
@@ -104,7 +105,7 @@ class HttpJobs:
 
     async def watch_health(self, engine: eng.EngineProcess) -> None:
         cfg = engine.config
-        exited = asyncio.ensure_future(eng.wait_exit(engine.proc))
+        exited = asyncio.ensure_future(takedown.wait_exit(engine.proc))
         try:
             why = await eng.watch_health(cfg.base_url + cfg.health_path,
                                          max(cfg.health_interval_s, 1.0), HEALTH_MISSES,

@@ -37,7 +37,7 @@ from supervisor.engine.events import (
     Tick,
     TreeSeen,
 )
-from supervisor.engine.process import kv_tier, proctree, shm_files
+from supervisor.engine.process import kv_tier, proctree, shm_files, takedown
 from supervisor.engine.process import process as eng
 from supervisor.engine.process.corewatch import CoreWatch
 from supervisor.engine.startup import compile_cache, start_dirs
@@ -242,7 +242,7 @@ class JobEffects:
                     continue
                 error = str(exc) if isinstance(exc, OSError | RuntimeError) else repr(exc)
                 self.queue.put_nowait(Spawned(generation, None, error, tuple(leftovers),
-                                              gpu_busy=isinstance(exc, eng.GpuBusy)))
+                                              gpu_busy=isinstance(exc, takedown.GpuBusy)))
                 return
         shortage.ok()
         # (its spec stays the one asked for, which the unit compares with its config's;
@@ -260,12 +260,12 @@ class JobEffects:
                                bay: int, leftovers: list[str]) -> eng.EngineProcess:
         """The checks before a start (leftovers of an earlier run killed, the GPUs and
         the port free), then the spawn. Raises for a start refused or failed."""
-        found, own = await eng.clean_leftovers(self.bays[bay][0], cfg.reap_timeout_s)
+        found, own = await takedown.clean_leftovers(self.bays[bay][0], cfg.reap_timeout_s)
         leftovers.extend(found)
         # (a sibling engine's processes on a shared GPU are expected, not foreign; so
         # are those of this unit's engine in its other bay)
         beside = {p.pid for b, e in self._in_bay.items() if b != bay for p in e.known}
-        await eng.check_gpus_free(self.gpu, own, cfg.gpu_foreign_allowance_mib << 20,
+        await takedown.check_gpus_free(self.gpu, own, cfg.gpu_foreign_allowance_mib << 20,
                                   cfg.gpu_release_timeout_s,
                                   frozenset(self.siblings()) | beside)
         held = await asyncio.to_thread(proctree.port_holder, spec.host, spec.port)
@@ -282,7 +282,7 @@ class JobEffects:
         """Report the exit at once (asyncio wakes on SIGCHLD), the first health, and the
         tree as it grows, so that the tree can be proven gone later."""
         gen = engine.generation
-        exited: asyncio.Future[int] = asyncio.ensure_future(eng.wait_exit(engine.proc))
+        exited: asyncio.Future[int] = asyncio.ensure_future(takedown.wait_exit(engine.proc))
         exited.add_done_callback(
             lambda f: None if f.cancelled() else self.queue.put_nowait(Exited(gen, f.result())))
         health = asyncio.ensure_future(self.http.first_health(engine, exited))
@@ -385,7 +385,7 @@ class JobEffects:
             if req is not None:
                 await self._evidence(engine, req)
             # the engine's own config: a reload since its start does not change its stop
-            result = await eng.take_down(engine, engine.config, graceful=graceful,
+            result = await takedown.take_down(engine, engine.config, graceful=graceful,
                                          force=force, gpu=self.gpu,
                                          budget_s=deadline - self.clock.monotonic())
             # With the tree gone the pipes close: let the relays log the engine's last

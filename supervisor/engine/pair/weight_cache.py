@@ -37,7 +37,7 @@ from supervisor.engine.pair import outcomes as out
 from supervisor.engine.pair.pair_states import CACHE, Cache, check
 from supervisor.engine.pair.slot import EngineSlot
 from supervisor.engine.process import process as eng
-from supervisor.engine.process import proctree
+from supervisor.engine.process import proctree, takedown
 from supervisor.loop import Clock
 from supervisor.settings import weight_cache_argv as wc
 from supervisor.settings.sections import EngineConfig, RestartConfig
@@ -251,7 +251,7 @@ class WeightCache:
         out = self.cancel_timer()
         e = self.slot.engine
         if e is not None and not self.slot.taking_down:
-            deadline = self._clock.monotonic() + eng.stop_budget_s(
+            deadline = self._clock.monotonic() + takedown.stop_budget_s(
                 e.config, proxy_drain=False, evidence_s=0.0)
             out.append(do.TakeDownIn(self.slot.bay, True, deadline, evidence=False))
         return out  # (a spawn under way: taken down once it ends)
