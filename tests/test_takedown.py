@@ -62,7 +62,7 @@ def test_take_down_reports_gpu_memory_that_is_never_released():
         e = await spawn_running(cfg)
         gpu = ScriptedGpu({e.pid: 24 << 30}, polls=10**6)
         return await takedown.take_down(e, cfg, graceful=False, force=asyncio.Event(),
-                                   gpu=gpu), e.pid
+                                        gpu=gpu), e.pid
 
     r, pid = asyncio.run(run())
     assert r.gpu_holders == {pid: 24 << 30}  # only pids of the old tree; foreign ones are not ours

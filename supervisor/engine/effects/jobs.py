@@ -266,8 +266,8 @@ class JobEffects:
         # are those of this unit's engine in its other bay)
         beside = {p.pid for b, e in self._in_bay.items() if b != bay for p in e.known}
         await takedown.check_gpus_free(self.gpu, own, cfg.gpu_foreign_allowance_mib << 20,
-                                  cfg.gpu_release_timeout_s,
-                                  frozenset(self.siblings()) | beside)
+                                       cfg.gpu_release_timeout_s,
+                                       frozenset(self.siblings()) | beside)
         held = await asyncio.to_thread(proctree.port_holder, spec.host, spec.port)
         if held is not None:
             raise RuntimeError(f"engine port refused: {held}")
@@ -386,8 +386,8 @@ class JobEffects:
                 await self._evidence(engine, req)
             # the engine's own config: a reload since its start does not change its stop
             result = await takedown.take_down(engine, engine.config, graceful=graceful,
-                                         force=force, gpu=self.gpu,
-                                         budget_s=deadline - self.clock.monotonic())
+                                              force=force, gpu=self.gpu,
+                                              budget_s=deadline - self.clock.monotonic())
             # With the tree gone the pipes close: let the relays log the engine's last
             # words (a boot failure's traceback) before anyone reads them.
             if engine.relays:
