@@ -426,6 +426,18 @@ class RelaunchFinish:
     error: str | None
 
 
+def proof(engine: eng.EngineProcess, *, prove: bool, golden: bool = True,
+          warm: bool = False) -> list[Step]:
+    """Healthy, then proven: held requests go once `engine` answered a first generation
+    (`ProbeGate`, with the golden check unless `golden` is False; `warm`: after one sleep
+    and wake), or at once when nothing proves it (`prove` False: no canary, healthy is
+    all that is known). The one ending of a start's engine (`EngineUnit._healthy`) and of
+    a standby that took over (`Handover._serve`)."""
+    if prove:
+        return [ProbeGate(engine, golden=golden, warm=warm)]
+    return [Admit(), RelaunchFinish("ok", None)]
+
+
 Step = (SetState | Decide | Record | Audit | CountRestart | StartEngine | SpawnServing
         | RestartEngine | RestartReason | RestartFailed | FailOver | SwapOrTakeDown | Drain
         | ForceStop | EndBackoff | NotifyStopping | StopDeadline | TakeDown | TakeDownIn

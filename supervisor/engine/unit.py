@@ -271,15 +271,12 @@ class EngineUnit(UnitState):
         self.set_state(State.RUNNING,
                        f"/health answered 200 after {now - engine.started_at:.1f} s")
         self.notices.ready_once(f"RUNNING: engine pid {engine.pid} serving")
-        steps: list[do.Step] = [do.Serve(engine), *self.handover.arm(self.pair_facts())]
-        if self.fronted and self.config.canary.enabled:
-            # held requests go once one canary passed, after one sleep and wake of
-            # an engine with sleep mode (its first KV reset then pays no first sleep)
-            steps.append(do.ProbeGate(engine, warm=self.watch.wake_broken is None))
-        else:
-            # no canary to wait for: healthy is all we know, and nothing more is waited for
-            steps += [do.Admit(), do.RelaunchFinish("ok", None)]
-        self.run_steps(steps)
+        # held requests go once one canary passed, after one sleep and wake of an engine
+        # with sleep mode (its first KV reset then pays no first sleep); with no canary to
+        # wait for, healthy is all we know, and nothing more is waited for
+        self.run_steps([do.Serve(engine), *self.handover.arm(self.pair_facts()),
+                        *do.proof(engine, prove=self.fronted and self.config.canary.enabled,
+                                  warm=self.watch.wake_broken is None)])
 
     def _gone(self, engine: eng.EngineProcess, problem: str | None) -> None:
         self.stop_deadline = None

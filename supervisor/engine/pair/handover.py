@@ -420,10 +420,10 @@ class Handover:
         """The proxy's route goes to the engine that took over; held requests go once it
         answered a generation (a woken one always: a wake can leave a broken engine)."""
         out: list[Step] = [do.Follow(engine)] if f.fronted else []
-        out.append(do.Serve(engine))
-        if self.phase is Phase.PROVING_WOKEN or (f.fronted and f.config.canary.enabled):
-            return [*out, do.ProbeGate(engine, golden=self.phase is Phase.PROVING_WOKEN)]
-        return [*out, do.Admit(), do.RelaunchFinish("ok", None), *self.done(f)]
+        woken = self.phase is Phase.PROVING_WOKEN
+        prove = woken or (f.fronted and f.config.canary.enabled)
+        out += [do.Serve(engine), *do.proof(engine, prove=prove, golden=woken)]
+        return out if prove else [*out, *self.done(f)]  # (unproven: the handover is over)
 
     def drained_behind(self, f: PairFacts, ev: Drained) -> list[Step]:
         """The requests at the old engine after a swap have ended (or its drain timeout
