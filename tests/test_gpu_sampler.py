@@ -22,7 +22,7 @@ from supervisor.watchdog.gpu import (
     NvmlLister,
     NvmlSampler,
 )
-from supervisor.watchdog.xid import XID_ACTIONS, describe
+from supervisor.watchdog.xid import XID_ACTIONS, describe, rule_for
 
 FULL = {
     "temperature_c": 71, "slowdown_temperature_c": 89.0, "power_w": 650.5,
@@ -236,6 +236,14 @@ def test_xid_remedies_follow_the_catalogues_immediate_action(code: int, remedy: 
 def test_an_unknown_xid_is_named_and_needs_a_reset(code: int):
     x = describe(code)
     assert (x.code, x.name, x.remedy) == (code, f"unknown XID {code}", "reset")
+
+
+def test_each_remedy_has_its_one_rule():
+    """The mapping the signal window counts by and a start's XID check acts on (one table,
+    `xid.RULE_OF`): a restart clears it, a reset or reboot holds the engine down."""
+    assert {r: rule_for(r) for r in XID_ACTIONS} == {
+        "restart": "xid_restart", "reset": "xid_reset", "reboot": "xid_reset", "info": None}
+    assert rule_for("something new") == "xid_reset"  # (as an unknown code: the safe side)
 
 
 def test_xid_entries_are_frozen_values():

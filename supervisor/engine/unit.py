@@ -353,9 +353,7 @@ class EngineUnit(UnitState):
         p = self.config.policy
         by_rule: dict[str, list[str]] = {}
         for gpu, code in ev.reading.xids_by_gpu():
-            remedy = xid.describe(code).remedy
-            rule = "xid_restart" if remedy == "restart" else \
-                "xid_reset" if remedy != "info" else None
+            rule = xid.rule_for(xid.describe(code).remedy)
             cfg = p.rules.get(rule) if rule is not None else None
             if rule is not None and p.enabled and cfg is not None and cfg.enabled:
                 by_rule.setdefault(rule, []).append(xid_text(gpu, code))

@@ -37,6 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from supervisor.watchdog import xid
 from supervisor.watchdog.metrics import Snapshot
 
 if TYPE_CHECKING:
@@ -326,10 +327,10 @@ class SignalWindow:
             self._gpu_mem.add(now, engine_bytes, settled)
         for gpu, code in reading.xids_by_gpu():
             self.xids.append((gpu, code))
-            remedy = classify.get(code, "reset")
-            if remedy == "restart":
+            rule = xid.rule_for(classify.get(code, "reset"))
+            if rule == "xid_restart":
                 self._xid_restart += 1
-            elif remedy in ("reset", "reboot"):
+            elif rule == "xid_reset":
                 self._xid_reset += 1
 
     def worst_gpu(self, now: float) -> DeviceReading | None:

@@ -21,6 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 XID_ACTIONS = ("restart", "reset", "reboot", "info")
+# the policy rule (watchdog/rules.py) that acts on an XID of each remedy: a restart clears
+# it, a GPU reset or a reboot holds the engine down; "info" is only logged
+RULE_OF: dict[str, str | None] = {"restart": "xid_restart", "reset": "xid_reset",
+                                  "reboot": "xid_reset", "info": None}
 
 
 @dataclass(frozen=True)
@@ -97,3 +101,10 @@ def describe(code: int) -> Xid:
     down until an operator looks costs one engine's downtime."""
     name, remedy = _CATALOGUE.get(code, (f"unknown XID {code}", "reset"))
     return Xid(code, name, remedy)
+
+
+def rule_for(remedy: str) -> str | None:
+    """The rule that acts on an XID of `remedy` (an unknown remedy: a reset's, as an
+    unknown code is)."""
+    return RULE_OF.get(remedy, "xid_reset")
+
