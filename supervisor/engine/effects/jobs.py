@@ -230,7 +230,8 @@ class JobEffects:
         until = self.clock.monotonic() + SHORTAGE_RETRY_S
         while True:
             try:
-                await asyncio.to_thread(eng.make_folders, spec.folders)
+                if spec.folders:  # (a weight cache's; an engine has none)
+                    await asyncio.to_thread(eng.make_folders, spec.folders)
                 engine = await self._check_and_spawn(generation, spec, cfg, bay, leftovers)
                 break
             except Exception as exc:  # any failure here is a failed start, never a stuck one
