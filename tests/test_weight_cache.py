@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from supervisor.settings.weight_cache_argv import socket_dir
 from tests.harness import Daemon, alive, fake_engine_config, kill_if_alive, wait_for
@@ -77,6 +78,12 @@ def test_a_start_maps_the_cache_and_its_death_leaves_the_engine_serving(
         # its socket folder, made by its spawn: the daemon user's only
         sockets = Path(socket_dir(cfg["daemon"]["runtime_dir"], "default"))
         assert sockets.is_dir() and sockets.stat().st_mode & 0o777 == 0o700
+        # its health port, picked by its spawn: on its command line, none of the engine's
+        port = wc["port"]
+        assert port not in (None, 0, cfg["engine"]["port"])
+        assert psutil.Process(wc["pid"]).cmdline()[-2:] == ["--weight-cache-health-port",
+                                                            str(port)]
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
 
         os.kill(wc["pid"], signal.SIGKILL)  # its launcher: the rank is orphaned, alive
         wait_for(lambda: cache(d)["state"] == "ready" and cache(d)["pid"] != wc["pid"],

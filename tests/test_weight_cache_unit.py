@@ -27,7 +27,7 @@ from supervisor.engine.events import (
     Reloaded,
     Spawned,
 )
-from supervisor.engine.process.process import EngineProcess, make_folders
+from supervisor.engine.process.process import PORT, EngineProcess, make_folders
 from supervisor.engine.process.proctree import ProcInfo
 from supervisor.engine.process.takedown import TakeDown
 from supervisor.settings import weight_cache_argv
@@ -108,6 +108,14 @@ def test_the_cache_starts_first_the_engine_waits_for_it_then_maps_its_weights(
                                           "--weight-cache-health-host", "127.0.0.1"]
         # its socket folder, made by the spawn (an effect), the daemon's own (0700)
         assert cache_spec.folders == (sockets,)
+        # ... and its health port picked there too, none of the engine's
+        e_cfg = w.sup.config.engine
+        assert cache_spec.argv[-2:] == ["--weight-cache-health-port", PORT]
+        assert cache_spec.port == 0
+        assert set(cache_spec.pick_port or ()) == {e_cfg.port, e_cfg.second().port}
+        picked = cache_spec.on_port(41234)
+        assert picked.argv[-1] == "41234" and picked.port == 41234 \
+            and picked.pick_port is None and picked.argv[:-1] == cache_spec.argv[:-1]
         assert w.state == "STARTING" and w.sup.status()["weight_cache"]["state"] == "starting"
         cache = ready_cache(w)
         assert w.fx.last("watch_health") == {"pid": cache.pid}  # watched on, once healthy

@@ -135,11 +135,11 @@ def socket_dir(runtime_dir: str, engine: str) -> str:
     return str(Path(runtime_dir) / f"wc-{engine}")
 
 
-def preload_argv(engine: CachedEngine, sockets: str, port: int) -> list[str]:
+def preload_argv(engine: CachedEngine, sockets: str, port: int | str) -> list[str]:
     """The cache's command line: vLLM's CLI, `preload`, the model, the flags that shape
     the weights as the engine gives them, the operator's own, then the socket folder
-    and the health port the daemon chose. ValueError when the engine's settings do not
-    say them (refused at load: `check`)."""
+    and the health port (or the place where its spawn puts the one it picks).
+    ValueError when the engine's settings do not say them (refused at load: `check`)."""
     prefix = list(engine.weight_cache_command) or cli_prefix(engine.command)
     model = model_of(engine.command, engine.args)
     if prefix is None or model is None:

@@ -230,6 +230,9 @@ class JobEffects:
         until = self.clock.monotonic() + SHORTAGE_RETRY_S
         while True:
             try:
+                if spec.pick_port is not None:  # (a weight cache's health port)
+                    spec = spec.on_port(proctree.free_port(spec.host, set(spec.pick_port)))
+                    cfg = dataclasses.replace(cfg, port=spec.port)
                 if spec.folders:  # (a weight cache's; an engine has none)
                     await asyncio.to_thread(eng.make_folders, spec.folders)
                 engine = await self._check_and_spawn(generation, spec, cfg, bay, leftovers)

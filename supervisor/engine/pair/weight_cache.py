@@ -4,8 +4,8 @@
 `WeightCache` owns the cache's place (an `EngineSlot` in the weight cache's bay: its
 process tree in its own session, its state file and its guard), its state
 (`pair_states.Cache`), its failures (`RestartTracker`: a backoff after each, and after
-boot failures in a row it gives up), the health port it chose and the command line it
-runs, and decides how an engine started now gets its weights (`load`): mapped from the
+boot failures in a row it gives up), the health port its spawn picked and the command
+line it runs, and decides how an engine started now gets its weights (`load`): mapped from the
 cache while it answers healthy, vLLM's own load otherwise. The cache is started before
 the unit's engine, whose start waits while the cache is starting (bounded by the cache's
 startup timeout), and taken down after the unit's engines when the daemon stops. Like the
@@ -37,7 +37,7 @@ from supervisor.engine.pair import outcomes as out
 from supervisor.engine.pair.pair_states import CACHE, Cache, check
 from supervisor.engine.pair.slot import EngineSlot
 from supervisor.engine.process import process as eng
-from supervisor.engine.process import proctree, takedown
+from supervisor.engine.process import takedown
 from supervisor.loop import Clock
 from supervisor.settings import weight_cache_argv as wc
 from supervisor.settings.sections import EngineConfig, RestartConfig
@@ -55,9 +55,8 @@ class WeightCache:
     executor; it holds no effects."""
 
     def __init__(self, audit: Callable[..., None], clock: Clock,
-                 slot: EngineSlot, restart: RestartConfig,
-                 free_port: Callable[[str, set[int]], int] = proctree.free_port) -> None:
-        self._audit, self._clock, self._free_port = audit, clock, free_port
+                 slot: EngineSlot, restart: RestartConfig) -> None:
+        self._audit, self._clock = audit, clock
         self.slot = slot
         self.state = Cache.OFF
         self.why = "not configured"
@@ -71,7 +70,7 @@ class WeightCache:
         self._environ: Mapping[str, str] = {}
         self.sockets = ""  # its socket folder (`Config.weight_cache_dir`)
         self._key: tuple[Any, ...] | None = None  # what it runs, less its port
-        self.port: int | None = None  # its health port, chosen at each spawn
+        self.port: int | None = None  # its health port, chosen by each spawn
         self.spawns = 0
         self.holding = False  # the serving engine's start waits for it
         self.unproven: str | None = None  # its tree was not proven gone: no other one
@@ -101,21 +100,23 @@ class WeightCache:
                 self._clock.wall()
         self.why = why
 
-    def _spec(self, port: int) -> tuple[eng.SpawnSpec, EngineConfig]:
+    def _spec(self) -> tuple[eng.SpawnSpec, EngineConfig]:
         """What the cache runs: `vllm preload` with the engine's interpreter, environment
-        (its GPUs included) and folder; its health on loopback at `port`; no drain."""
+        (its GPUs included) and folder; its health on loopback, at a port its spawn
+        picks (none of the engine's); no drain."""
         cfg = self._cfg
         assert cfg is not None
         env = eng.build_spawn_spec(cfg, self._environ).env
-        argv = wc.preload_argv(cfg, self.sockets, port)
-        own = dataclasses.replace(cfg, host=wc.HEALTH_HOST, port=port, health_path="/health",
+        argv = wc.preload_argv(cfg, self.sockets, eng.PORT)
+        own = dataclasses.replace(cfg, host=wc.HEALTH_HOST, port=0, health_path="/health",
                                   drain_timeout_s=0.0, args=[], standby="none")
-        # (its socket folder made by the spawn: the daemon's own, 0700)
-        return eng.SpawnSpec(argv=argv, env=env, cwd=cfg.cwd, host=own.host, port=port,
-                             folders=(self.sockets,)), own
+        # (its socket folder and its port made and picked by the spawn: effects both)
+        return eng.SpawnSpec(argv=argv, env=env, cwd=cfg.cwd, host=own.host, port=0,
+                             folders=(self.sockets,),
+                             pick_port=(cfg.port, cfg.second().port)), own
 
     def _key_now(self) -> tuple[Any, ...]:
-        spec, _ = self._spec(0)
+        spec, _ = self._spec()
         return tuple(spec.argv), tuple(sorted(spec.env.items())), spec.cwd
 
     # ---- the unit asks -----------------------------------------------------------------
@@ -221,20 +222,11 @@ class WeightCache:
     # ---- its lifecycle -----------------------------------------------------------------
 
     def _start(self, why: str) -> list[do.Step]:
-        cfg = self._cfg
-        assert cfg is not None
-        try:
-            port = self._free_port(wc.HEALTH_HOST, {cfg.port, cfg.second().port})
-        except OSError as exc:  # (no port: nothing to retry soon)
-            self.last_error = self._gave_up = f"cannot start: {exc}"
-            self._to(Cache.STARTING, why)
-            self._then = Cache.FAILED
-            return self._after_down()
-        spec, own = self._spec(port)
-        self._key, self.port, self._gave_up = self._key_now(), port, None
+        spec, own = self._spec()
+        self._key, self.port, self._gave_up = self._key_now(), None, None
         self.spawns += 1
         self._to(Cache.STARTING, why)
-        log.info("weight cache starting", port=port, sockets=self.sockets, argv=spec.argv)
+        log.info("weight cache starting", sockets=self.sockets, argv=spec.argv)
         return [do.Spawn(self.slot.bay, spec, own)]
 
     def _off(self, why: str) -> list[do.Step]:
@@ -318,7 +310,8 @@ class WeightCache:
                 if self.state is Cache.STOPPING:
                     return self._after_down()
                 return self._failed(f"could not be started: {error}", None)
-            case out.Up():
+            case out.Up(e):
+                self.port = e.config.port  # (the one its spawn picked)
                 if stopping or self.state is Cache.STOPPING:  # (asked down while spawning)
                     return self._take_down(self.why if self.state is Cache.STOPPING
                                            else "the daemon is stopping", self._then)

@@ -19,7 +19,7 @@ import signal
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 import structlog
@@ -52,6 +52,8 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
            "error": logging.ERROR, "critical": logging.CRITICAL}
 _PR_SET_PDEATHSIG = 1
 _LINE_LIMIT = 1 << 20
+# where a port picked at the spawn goes in its command line (`SpawnSpec.pick_port`)
+PORT = "{port}"
 
 
 @dataclass(frozen=True)
@@ -69,11 +71,20 @@ class SpawnSpec:
     # folders its spawn makes first, the daemon user's only (0700): a weight cache's
     # socket folder. A folder that cannot be made fails the spawn, like a missing binary
     folders: tuple[str, ...] = ()
+    # a port chosen by its spawn, not by whoever asked for it (a weight cache's health
+    # port): any the kernel gives as free on `host`, none of these; `port` is then 0 and
+    # `argv` says `PORT` where the port goes (`on_port`)
+    pick_port: tuple[int, ...] | None = None
 
     @property
     def command_line(self) -> list[str]:
         """What is executed."""
         return [*self.argv, *self.load]
+
+    def on_port(self, port: int) -> SpawnSpec:
+        """The spec with its picked port in `port` and in `argv`'s place for it."""
+        return replace(self, port=port, pick_port=None,
+                       argv=[str(port) if a == PORT else a for a in self.argv])
 
 
 @dataclass(frozen=True)
