@@ -106,6 +106,22 @@ def test_a_folder_over_its_bound_loses_its_oldest_blocks_down_to_the_low_water(t
     assert not writing.exists()
 
 
+def test_the_keepers_prunes_are_said_summed_once_a_period() -> None:
+    """Under load a tier is pruned every few seconds: the log says it once every
+    `SAY_PRUNED_EVERY_S`, summed (each look at debug), and nothing when nothing went."""
+    every = kv_tier.SAY_PRUNED_EVERY_S
+    p = kv_tier.Pruned(since=100.0)
+    cut = kv_tier.Usage(10, 5_000, removed_files=3, removed_bytes=300)
+    assert p.add(cut, 101.0) is None and p.add(kv_tier.Usage(9, 4_000), 102.0) is None
+    assert p.add(cut, 100.0 + every - 1) is None  # (the period not over)
+    assert p.add(cut, 100.0 + every) == {"files": 9, "bytes": 900, "looks": 3,
+                                         "over_s": every, "left_bytes": 5_000}
+    assert p.add(kv_tier.Usage(9, 4_000), 100.0 + 3 * every) is None  # nothing went
+    assert p.add(cut, 100.0 + 3 * every + 1) == {"files": 3, "bytes": 300, "looks": 1,
+                                                 "over_s": 2 * every + 1,
+                                                 "left_bytes": 5_000}
+
+
 def test_a_folder_that_is_not_the_daemons_is_never_emptied(tmp_path):
     foreign = tmp_path / "shm"
     foreign.mkdir()

@@ -455,6 +455,7 @@ class JobEffects:
         ends the keeping."""
         warned: tuple[Any, ...] | None = None  # the settings the host warning was for
         warning: str | None = None
+        pruned: dict[Path, kv_tier.Pruned] = {}
         while True:
             looked = self.clock.monotonic()
             try:
@@ -472,9 +473,13 @@ class JobEffects:
                         kv_tier.prune, folder, int(cfg.kv_tier_max_gib * kv_tier.GIB),
                         self.clock.wall())
                     if usage.removed_files:
-                        log.info("KV tier pruned", folder=str(folder),
-                                 files=usage.removed_files, bytes=usage.removed_bytes,
-                                 left_bytes=usage.bytes)
+                        log.debug("KV tier pruned", folder=str(folder),
+                                  files=usage.removed_files, bytes=usage.removed_bytes,
+                                  left_bytes=usage.bytes)
+                    now = self.clock.monotonic()
+                    said = pruned.setdefault(folder, kv_tier.Pruned(now)).add(usage, now)
+                    if said is not None:
+                        log.info("KV tier kept under its bound", folder=str(folder), **said)
                     self.queue.put_nowait(KvTierSeen(str(folder), dataclasses.replace(
                         usage, warning=warning if folder == want else None)))
             except Exception:  # (logged; the next look tries again)

@@ -263,6 +263,35 @@ def host_warning(cfg: EngineConfig, folder: Path, mounts: str, host_bytes: int) 
             "unbounded tier ran an H200 host out of memory (docs/standby.md)")
 
 
+# the keeper's prunes said at info level at most this often, summed (each look's at debug:
+# under load a tier on /dev/shm is pruned every few seconds)
+SAY_PRUNED_EVERY_S = 300.0
+
+
+@dataclass
+class Pruned:
+    """The prunes since the keeper last said them, summed for one log line a period."""
+
+    since: float  # monotonic
+    files: int = 0
+    bytes: int = 0
+    looks: int = 0
+
+    def add(self, usage: Usage, now: float) -> dict[str, object] | None:
+        """One look's prune; the period's sums, once a period is over (then restarted)."""
+        if usage.removed_files:
+            self.files += usage.removed_files
+            self.bytes += usage.removed_bytes
+            self.looks += 1
+        if not self.files or now - self.since < SAY_PRUNED_EVERY_S:
+            return None
+        out: dict[str, object] = {"files": self.files, "bytes": self.bytes,
+                                  "looks": self.looks, "over_s": round(now - self.since, 1),
+                                  "left_bytes": usage.bytes}
+        self.since, self.files, self.bytes, self.looks = now, 0, 0, 0
+        return out
+
+
 @dataclass
 class Record:
     """What the unit knows of its KV tier: the keeper's last look at each folder it keeps
