@@ -41,6 +41,7 @@ class Executable(Protocol):
 
     act: Effects
     clock: Clock
+    exit_code: int
     failures: Failures
     gate: Gate
     handover: Handover
@@ -67,6 +68,7 @@ class Executable(Protocol):
     def take_down_in(self, slot: EngineSlot, graceful: bool, deadline: float) -> None: ...
     def serve_from(self) -> None: ...
     def maybe_finish_stop(self) -> None: ...
+    def engine_healthy(self, engine: eng.EngineProcess) -> None: ...
     def sync_gate(self, ended: bool = False) -> None: ...
 
 
@@ -135,6 +137,8 @@ class Executor:
             case do.StopDeadline(at):
                 if u.stop_deadline is None:
                     u.stop_deadline = at
+            case do.EndStopDeadline():
+                u.stop_deadline = None
             case do.TakeDown(graceful):
                 u.take_down(graceful)
             case do.TakeDownIn(bay, graceful, deadline, evidence):
@@ -161,8 +165,20 @@ class Executor:
                 u.serve_from()
             case do.ArmStandby():
                 self.run(u.handover.arm(u.pair_facts()))
-            case do.MaybeFinishStop():
+            case do.MaybeFinishStop(failed):
+                if failed:
+                    u.exit_code = 1
                 u.maybe_finish_stop()
+            case do.Started():
+                u.failures.started()
+            case do.StartRefused(why):
+                self.run(u.failures.start_refused(u.pair_facts(), why))
+            case do.EngineHealthy(engine):
+                u.engine_healthy(engine)
+            case do.ServingFailed():
+                u.handover.serving_failed(u.pair_facts())
+            case do.FailedDown(engine, problem):
+                self.run(u.failures.down(u.pair_facts(), engine, problem))
             case do.NotifyReady(text):
                 u.notices.ready_once(text)
             case do.Fail(reason, healthy_for):

@@ -45,7 +45,7 @@ def restart(f: PairFacts, reason: str, graceful: bool, in_flight: int,
     if e is None or f.slot.taking_down:
         # none spawned yet (its standby was starting first): started now; one spawning is
         # taken down when its spawn ends, and a take-down already running (a crash being
-        # reaped) ends in the unit's `_gone`
+        # reaped) ends in the serving role's `Gone` (engine/pair/serving.py)
         return [*out, do.StartEngine(reason)] if e is None and not f.slot.spawning else out
     if f.fronted:
         log.info("restart: new requests held", in_flight=in_flight)

@@ -206,6 +206,11 @@ class StopDeadline:
 
 
 @dataclass(frozen=True)
+class EndStopDeadline:
+    """The restart or stop under way has taken its engine down: its deadline is spent."""
+
+
+@dataclass(frozen=True)
 class TakeDown:
     """The serving engine taken down, within the restart's deadline."""
 
@@ -284,7 +289,44 @@ class ServeFrom:
 
 @dataclass(frozen=True)
 class MaybeFinishStop:
-    """STOPPED once both places are empty."""
+    """STOPPED once both places are empty; `failed`: the daemon then exits 1 (a tree
+    not proven gone)."""
+
+    failed: bool = False
+
+
+@dataclass(frozen=True)
+class Started:
+    """The serving engine was spawned: its GPUs were free (`Failures.started`)."""
+
+
+@dataclass(frozen=True)
+class StartRefused:
+    """Another program holds the engine's GPUs (`Failures.start_refused`)."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class EngineHealthy:
+    """The serving engine answered /health: its start recorded (its length, what its
+    development routes say a standby can do, where its weights came from)."""
+
+    engine: eng.EngineProcess
+
+
+@dataclass(frozen=True)
+class ServingFailed:
+    """The serving engine failed outside a failover: a handover to it under way is over
+    (`Handover.serving_failed`)."""
+
+
+@dataclass(frozen=True)
+class FailedDown:
+    """The failed engine's tree is gone, in BACKOFF or FATAL (`Failures.down`)."""
+
+    engine: eng.EngineProcess
+    problem: str | None
 
 
 @dataclass(frozen=True)
@@ -431,7 +473,7 @@ def proof(engine: eng.EngineProcess, *, prove: bool, golden: bool = True,
     """Healthy, then proven: held requests go once `engine` answered a first generation
     (`ProbeGate`, with the golden check unless `golden` is False; `warm`: after one sleep
     and wake), or at once when nothing proves it (`prove` False: no canary, healthy is
-    all that is known). The one ending of a start's engine (`EngineUnit._healthy`) and of
+    all that is known). The one ending of a start's engine (`serving.on_process`) and of
     a standby that took over (`Handover._serve`)."""
     if prove:
         return [ProbeGate(engine, golden=golden, warm=warm)]
@@ -440,9 +482,11 @@ def proof(engine: eng.EngineProcess, *, prove: bool, golden: bool = True,
 
 Step = (SetState | Decide | Record | Audit | CountRestart | StartEngine | SpawnServing
         | RestartEngine | RestartReason | RestartFailed | FailOver | SwapOrTakeDown | Drain
-        | ForceStop | EndBackoff | NotifyStopping | StopDeadline | TakeDown | TakeDownIn
+        | ForceStop | EndBackoff | NotifyStopping | StopDeadline | EndStopDeadline
+        | TakeDown | TakeDownIn
         | Spawn | Sleep | WatchHealth
         | ArmTimer | CancelTimer | ArmStandby | CaptureEvidence | ServeFrom
-        | MaybeFinishStop | NotifyReady | Fail | GiveUp | Abandon | Upgrade
+        | MaybeFinishStop | Started | StartRefused | EngineHealthy | ServingFailed
+        | FailedDown | NotifyReady | Fail | GiveUp | Abandon | Upgrade
         | Admit | Follow | Serve | ProbeGate | Wake | DrainBehind | SyncGate
         | PauseStreams | StartRemedy | Throttle | RelaunchBegin | Relaunch | RelaunchFinish)

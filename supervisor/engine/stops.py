@@ -4,7 +4,7 @@ the restart decider is (`supervisor/engine/restarts.py`).
 The first stop ends any backoff, says STOPPING (to systemd too), ends a relaunch under
 way, retires the standby, and takes the serving engine down gracefully within one
 deadline; with no engine to take down it ends at once, or when the spawn or take-down
-in flight ends (the unit's `_gone` and `_on_process` finish it). A second stop while
+in flight ends (the serving role finishes it: engine/pair/serving.py). A second stop while
 the first runs skips to SIGKILL; a third does nothing more.
 """
 

@@ -5,7 +5,8 @@ Everything that happens reaches `EngineUnit.handle` as a typed event
 take-down, a backoff timer, a signal, a control request, a reloaded config, a tick. The
 events of the serving engine's process are read once, by its bay's `EngineSlot.on`
 (`supervisor/engine/pair/outcomes.py`: the same reading as the standby's and the weight
-cache's), and acted on in `_on_process`; every other event by a `handle_<name>` method.
+cache's); what follows is the serving role's (`supervisor/engine/pair/serving.py`, a
+decider like the standby's), as steps; every other event by a `handle_<name>` method.
 Each may change state (only through `set_state`,
 which checks the transition table) and may start jobs through the effects protocol
 (`supervisor/engine/effects/protocol.py`): spawn, probe, take down, drain, follow at the proxy.
@@ -29,7 +30,7 @@ Invariants:
 - at most one engine process in each of its two bays (the serving one's and, with a
   standby, the standby's: `supervisor/engine/pair/pair_states.py`): a new one is spawned in a
   bay only after the previous one's take-down there has proven its tree gone
-  (`_gone`, `Standby.handle`);
+  (`serving.on_process`'s `Gone`, `Standby.handle`);
 - any exit the daemon did not ask for is a crash, whatever the exit code;
 - every wait is bounded (startup timeout, drain + grace, reap and GPU-release timeouts).
 """
@@ -71,6 +72,7 @@ from supervisor.engine.events import (
     Woken,
 )
 from supervisor.engine.pair import outcomes as out
+from supervisor.engine.pair import serving
 from supervisor.engine.process import process as eng
 from supervisor.engine.states import State
 from supervisor.engine.unit_state import UnitState
@@ -204,93 +206,22 @@ class EngineUnit(UnitState):
     # ---- the serving engine's process (read once for every bay: EngineSlot.on) --------
 
     def _on_process(self, ev: out.ProcessEvent) -> None:
+        """The serving engine's process, as its bay read it (`EngineSlot.on`), and what
+        its role says follows (`supervisor/engine/pair/serving.py`)."""
         live = self.state in (State.STARTING, State.RUNNING)
-        now = self.clock.monotonic()
-        match self.slot.on(ev, now,
-                           awaits_health=self.state is State.STARTING, exit_expected=not live):
-            case out.SpawnFailed(error, gpu_busy):
-                if self.state is State.STOPPING:
-                    self.maybe_finish_stop()
-                elif gpu_busy:
-                    self.run_steps(self.failures.start_refused(self.pair_facts(),
-                                                               error or "GPU busy"))
-                elif self.state is State.DRAINING:
-                    self.start_engine(self.restart_reason)
-                else:
-                    self.run_steps(self.failures.fail(
-                        self.pair_facts(), f"engine could not be started: {error}",
-                        healthy_for=None))
-            case out.Up(engine):
-                self.failures.started()
-                # the proxy's route for this engine goes to it now; a stop or restart that
-                # came while it spawned takes it down
-                steps: list[do.Step] = [do.Follow(engine)] if self.fronted else []
-                if self.state in (State.STOPPING, State.DRAINING):
-                    steps.append(do.TakeDown(graceful=True))
-                self.run_steps(steps)
-            case out.Healthy(engine):
-                self._healthy(engine, now)
-            case out.Unhealthy(_, why, timed_out):
-                self.run_steps(self.failures.fail(
-                    self.pair_facts(), f"engine {why}" if timed_out else why,
-                    healthy_for=None))
-            case out.Died(engine):
-                self._crashed(engine)
-            case out.Seen(_, tree, cpu):
-                self.watch.window.add_tree(tree.at, tree.rss_bytes, cpu,
-                                           tree.host_temperature_c,
-                                           self.facts().settled() and self.watch.remedy is None)
-            case out.Gone(engine, problem):
-                self._gone(engine, problem)
-
-    def _crashed(self, engine: eng.EngineProcess) -> None:
-        """The serving engine failed unasked (its exit, or its core's while the API server
-        is still up: crashed now, not when that exit comes seconds later): the standby
-        serves, or a cold start. vLLM may exit 0 after its core died: any unasked exit is
-        a crash."""
-        f = self.pair_facts()
-        why = f"engine {self.slot.last_exit} without being asked"
-        if self.state is State.RUNNING and self.handover.fits(f):
-            self.count_restart("crash")
-            self.run_steps(self.handover.fail_over(f, why, graceful=False))
+        outcome = self.slot.on(ev, self.clock.monotonic(),
+                               awaits_health=self.state is State.STARTING,
+                               exit_expected=not live)
+        if isinstance(outcome, out.Seen):  # (the watchdog's: into its signal window)
+            tree = outcome.tree
+            self.watch.window.add_tree(tree.at, tree.rss_bytes, outcome.cpu_percent,
+                                       tree.host_temperature_c,
+                                       self.facts().settled() and self.watch.remedy is None)
             return
-        healthy_for = f.now - engine.healthy_at if engine.healthy_at is not None else None
-        self.handover.serving_failed(f)  # (a handover to it under way is over)
-        self.run_steps(self.failures.fail(f, why, healthy_for=healthy_for))
-
-    def _healthy(self, engine: eng.EngineProcess, now: float) -> None:
-        self.handover.engine_probed(engine)  # (before a standby is armed below)
-        self.last_start_s = round(now - engine.started_at, 1)
-        if self.start_times.cold(engine.spec.command_line, engine.vllm_version):
-            log.info("a cold start: the engine runs another vLLM version than at its "
-                     "last start", version=engine.vllm_version,
-                     start_s=self.last_start_s)
-        self.start_times.record(engine.spec.command_line, engine.vllm_version,
-                                now - engine.started_at, engine.phases)
-        self.weights.engine_started(engine, self.slot.load)
-        self.set_state(State.RUNNING,
-                       f"/health answered 200 after {now - engine.started_at:.1f} s")
-        self.notices.ready_once(f"RUNNING: engine pid {engine.pid} serving")
-        # held requests go once one canary passed, after one sleep and wake of an engine
-        # with sleep mode (its first KV reset then pays no first sleep); with no canary to
-        # wait for, healthy is all we know, and nothing more is waited for
-        self.run_steps([do.Serve(engine), *self.handover.arm(self.pair_facts()),
-                        *do.proof(engine, prove=self.fronted and self.config.canary.enabled,
-                                  warm=self.watch.wake_broken is None)])
-
-    def _gone(self, engine: eng.EngineProcess, problem: str | None) -> None:
-        self.stop_deadline = None
-        self.relaunch.down()
-        if self.state is State.STOPPING:
-            if problem:
-                self.exit_code = 1
-            self.maybe_finish_stop()
-        elif problem is not None and self.state is not State.FATAL:
-            self.run_steps(self.failures.give_up(self.pair_facts(), problem, engine))
-        elif self.state is State.DRAINING:
-            self.start_engine(self.restart_reason)
-        elif self.state in (State.BACKOFF, State.FATAL):
-            self.run_steps(self.failures.down(self.pair_facts(), engine, problem))
+        f = self.pair_facts()
+        self.run_steps(serving.on_process(
+            f, outcome, standby_fits=isinstance(outcome, out.Died) and self.handover.fits(f),
+            warm=self.watch.wake_broken is None))
 
     def handle_backoff_elapsed(self, ev: BackoffElapsed) -> None:
         self.run_steps(self.failures.backoff_elapsed(self.pair_facts(), ev))

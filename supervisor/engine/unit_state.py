@@ -281,6 +281,21 @@ class UnitState:
             return
         self.spawn_serving()
 
+    def engine_healthy(self, engine: eng.EngineProcess) -> None:
+        """The serving engine answered /health (`EngineHealthy`): its start's length
+        kept, what its development routes say a standby so started can do, and where its
+        weights came from."""
+        self.handover.engine_probed(engine)  # (before a standby is armed)
+        now = engine.healthy_at if engine.healthy_at is not None else self.clock.monotonic()
+        self.last_start_s = round(now - engine.started_at, 1)
+        if self.start_times.cold(engine.spec.command_line, engine.vllm_version):
+            log.info("a cold start: the engine runs another vLLM version than at its "
+                     "last start", version=engine.vllm_version,
+                     start_s=self.last_start_s)
+        self.start_times.record(engine.spec.command_line, engine.vllm_version,
+                                now - engine.started_at, engine.phases)
+        self.weights.engine_started(engine, self.slot.load)
+
     def spawn_serving(self) -> None:
         if self.weights.holds_start():
             return  # (once the weight cache is ready or has failed: `cache_moved`)
