@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 
 from supervisor.engine import steps as do
-from supervisor.engine.events import TreeSeen
+from supervisor.engine.events import GateProbe, TreeSeen
 from supervisor.engine.pair import outcomes as out
 from supervisor.engine.pair import serving
 from supervisor.engine.process.process import EngineProcess
 from supervisor.engine.states import State
 from supervisor.engine.steps import PairFacts
+from supervisor.watchdog.warmup import Warmed
 from tests.test_supervisor_unit import World
 
 
@@ -128,3 +129,30 @@ def test_nothing_and_a_tree_look_ask_nothing(tmp_path: Path) -> None:
     assert decide(f, out.NOTHING) == []
     seen = TreeSeen(3, (), 1.0, 0, 0.0)
     assert decide(f, out.Seen(engine(), seen, None)) == []
+
+
+PASSED = [do.RelaunchFinish("ok", None), do.Admit(), do.HandoverDone()]
+
+
+def test_a_proof_that_passed_lets_the_held_requests_go() -> None:
+    assert serving.proved(GateProbe(3, ok=True, error=None), 1) == PASSED
+    # (checked against its golden answers: none failed in a row now)
+    checked = GateProbe(3, ok=True, error=None, golden="the answers")
+    assert serving.proved(checked, 1) == [do.GoldenPassed(), *PASSED]
+    # a canary that failed: released anyway, the relaunch saying why
+    assert serving.proved(GateProbe(3, ok=False, error="HTTP 500"), 0) == [
+        do.RelaunchFinish("ok", "the first canary failed: HTTP 500"), do.Admit(),
+        do.HandoverDone()]
+
+
+def test_a_proof_that_failed_restarts_the_engine_and_the_second_golden_one_holds_it_down(
+        ) -> None:
+    wrong = GateProbe(3, ok=True, error="answers changed", golden="x", golden_mismatch=True)
+    assert serving.proved(wrong, 0) == [do.GoldenFailed(), do.Fail("answers changed", None)]
+    assert serving.proved(wrong, 1) == [
+        do.GoldenFailed(), do.GiveUp("answers changed (twice in a row: held down)")]
+    woke = GateProbe(3, ok=False, error="wake failed", broken_by_wake=True)
+    assert serving.proved(woke, 0) == [
+        do.Fail("after its warm-up sleep and wake: wake failed", None)]
+    cold = GateProbe(3, ok=True, error=None, warmed=Warmed(error="/v1/chat silent"))
+    assert serving.proved(cold, 0) == [do.Fail("warm-up failed", None)]

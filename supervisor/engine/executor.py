@@ -42,6 +42,7 @@ class Executable(Protocol):
     act: Effects
     clock: Clock
     exit_code: int
+    golden_failures: int
     failures: Failures
     gate: Gate
     handover: Handover
@@ -175,6 +176,12 @@ class Executor:
                 self.run(u.failures.start_refused(u.pair_facts(), why))
             case do.EngineHealthy(engine):
                 u.engine_healthy(engine)
+            case do.GoldenFailed():
+                u.golden_failures += 1
+            case do.GoldenPassed():
+                u.golden_failures = 0
+            case do.HandoverDone():
+                self.run(u.handover.done(u.pair_facts()))
             case do.ServingFailed():
                 u.handover.serving_failed(u.pair_facts())
             case do.FailedDown(engine, problem):

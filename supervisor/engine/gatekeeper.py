@@ -44,8 +44,11 @@ class GateKeeper:
 
     def admit(self) -> None:
         """The engine was proven (or there is nothing to prove it with): held requests go
-        at the next `sync`."""
+        at the next `sync`, unless the operator holds them."""
         self._admitting = True
+        if self.drained_by_operator:
+            log.info("engine ready; requests stay held until `resume`",
+                     waiting=self.gate.waiting)
 
     def sync(self, state: State, reason: str, remedy_hold: str | None, level: int,
              ended: bool = False, suspect: str | None = None, swap: bool = False) -> None:

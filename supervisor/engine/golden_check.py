@@ -12,7 +12,7 @@ batch (every try) are no verdict unless they match. A mismatch turns the proof i
 failed one, with the evidence (expected against got) in the audit (`golden_mismatch`):
 a standby that fails it is not swapped in, a woken one is a failed takeover, and the
 unit restarts a serving engine once and then holds it down
-(`EngineUnit.handle_gate_probe`).
+(`supervisor/engine/pair/serving.py`, `proved`).
 """
 
 from __future__ import annotations

@@ -316,6 +316,21 @@ class EngineHealthy:
 
 
 @dataclass(frozen=True)
+class GoldenFailed:
+    """The serving engine's proof failed the golden check: one more in a row."""
+
+
+@dataclass(frozen=True)
+class GoldenPassed:
+    """The serving engine's proof passed the golden check: none in a row."""
+
+
+@dataclass(frozen=True)
+class HandoverDone:
+    """The serving engine was proven: a handover under way is over (`Handover.done`)."""
+
+
+@dataclass(frozen=True)
 class ServingFailed:
     """The serving engine failed outside a failover: a handover to it under way is over
     (`Handover.serving_failed`)."""
@@ -486,7 +501,8 @@ Step = (SetState | Decide | Record | Audit | CountRestart | StartEngine | SpawnS
         | TakeDown | TakeDownIn
         | Spawn | Sleep | WatchHealth
         | ArmTimer | CancelTimer | ArmStandby | CaptureEvidence | ServeFrom
-        | MaybeFinishStop | Started | StartRefused | EngineHealthy | ServingFailed
+        | MaybeFinishStop | Started | StartRefused | EngineHealthy | GoldenFailed
+        | GoldenPassed | HandoverDone | ServingFailed
         | FailedDown | NotifyReady | Fail | GiveUp | Abandon | Upgrade
         | Admit | Follow | Serve | ProbeGate | Wake | DrainBehind | SyncGate
         | PauseStreams | StartRemedy | Throttle | RelaunchBegin | Relaunch | RelaunchFinish)

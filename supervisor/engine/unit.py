@@ -328,44 +328,14 @@ class EngineUnit(UnitState):
             self.take_down(graceful=True)
 
     def handle_gate_probe(self, ev: GateProbe) -> None:
+        """The serving engine's proof: a failed one of a standby that took over is the
+        handover's; the rest its role's (`serving.proved`)."""
         if (self.engine is None or self.engine.generation != ev.generation
                 or self.state is not State.RUNNING):
             return
-        failed = self.handover.proof_failed(f := self.pair_facts(), ev)
-        if failed is not None:
-            self.run_steps(failed)
-            return
-        if ev.broken_by_wake:
-            # (no request may reach it) restarted; its successors neither warm up nor
-            # reset their KV cache: a wake breaks this engine
-            why = f"after its warm-up sleep and wake: {ev.error}"
-            log.error("a wake broke the engine: restarted, and no engine of this unit "
-                      "sleeps again until the daemon restarts", why=why)
-            self.run_steps([do.Fail(why, None)])
-            return
-        if ev.golden_mismatch:
-            # started, but not answering as it did: restarted once more, then held down
-            self.golden_failures += 1
-            why = ev.error or "golden check failed"
-            if self.golden_failures >= 2:
-                self.run_steps([do.GiveUp(f"{why} (twice in a row: held down)")])
-            else:
-                self.run_steps([do.Fail(why, None)])
-            return
-        if ev.warmed is not None and not ev.warmed.ok:
-            # silent past its whole warm-up budget: not a slow first step, a failed start
-            self.run_steps([do.Fail(ev.error or "warm-up failed", None)])
-            return
-        if ev.ok and ev.golden is not None:
-            self.golden_failures = 0
-        if not ev.ok:
-            log.warning("the first canary failed; releasing held requests anyway",
-                        error=ev.error, waiting=self.gate.waiting)
-        self.relaunch.finish("ok", None if ev.ok else f"the first canary failed: {ev.error}")
-        self.keeper.admit()  # (`sync_gate` lets the held requests go)
-        self.run_steps(self.handover.done(f))
-        if self.keeper.drained_by_operator:
-            log.info("engine ready; requests stay held until `resume`", waiting=self.gate.waiting)
+        failed = self.handover.proof_failed(self.pair_facts(), ev)
+        self.run_steps(failed if failed is not None
+                       else serving.proved(ev, self.golden_failures))
 
     def handle_view_request(self, ev: ViewRequest) -> None:
         if not ev.reply.done():

@@ -25,14 +25,29 @@ no state and acts on nothing. The unit's executor carries the steps out
 | | BACKOFF, FATAL | `FailedDown` |
 
 `Seen` is the watchdog's (the tree's memory and CPU, into its signal window), not a step.
+
+Its proof (`proved`: the first generation a new engine answered, `GateProbe`), once the
+handover has said whether it was a woken standby's that failed (`Handover.proof_failed`):
+
+| the proof | steps |
+|---|---|
+| a wake broke the engine | `Fail` (no engine of the unit sleeps again) |
+| not the answer it gave before (golden check) | `Fail`; the second in a row `GiveUp` |
+| silent past its warm-up's budget | `Fail` |
+| passed, or the canary failed (said) | `GoldenPassed`, `RelaunchFinish`, `Admit`, `HandoverDone` |
 """
 
 from __future__ import annotations
 
+import structlog
+
 from supervisor.engine import steps as do
+from supervisor.engine.events import GateProbe
 from supervisor.engine.pair import outcomes as out
 from supervisor.engine.states import State
 from supervisor.engine.steps import PairFacts
+
+log = structlog.get_logger("supervisor")
 
 
 def on_process(f: PairFacts, outcome: out.Outcome, *, standby_fits: bool,
@@ -92,3 +107,31 @@ def on_process(f: PairFacts, outcome: out.Outcome, *, standby_fits: bool,
                 steps.append(do.FailedDown(engine, problem))
             return steps
     return []
+
+
+def proved(ev: GateProbe, golden_failures: int) -> list[do.Step]:
+    """The steps that follow from the serving engine's proof; `golden_failures`: its
+    proofs in a row that the golden check failed before this one."""
+    if ev.broken_by_wake:
+        # (no request may reach it) restarted; its successors neither warm up nor reset
+        # their KV cache: a wake breaks this engine
+        why = f"after its warm-up sleep and wake: {ev.error}"
+        log.error("a wake broke the engine: restarted, and no engine of this unit "
+                  "sleeps again until the daemon restarts", why=why)
+        return [do.Fail(why, None)]
+    if ev.golden_mismatch:
+        # started, but not answering as it did: restarted once more, then held down
+        why = ev.error or "golden check failed"
+        if golden_failures + 1 >= 2:
+            return [do.GoldenFailed(), do.GiveUp(f"{why} (twice in a row: held down)")]
+        return [do.GoldenFailed(), do.Fail(why, None)]
+    if ev.warmed is not None and not ev.warmed.ok:
+        # silent past its whole warm-up budget: not a slow first step, a failed start
+        return [do.Fail(ev.error or "warm-up failed", None)]
+    steps: list[do.Step] = [do.GoldenPassed()] if ev.ok and ev.golden is not None else []
+    if not ev.ok:
+        log.warning("the first canary failed; releasing held requests anyway",
+                    error=ev.error)
+    return [*steps, do.RelaunchFinish("ok", None if ev.ok
+                                      else f"the first canary failed: {ev.error}"),
+            do.Admit(), do.HandoverDone()]
