@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.control.client import recv_line
+from supervisor.watchdog import hostmem
 from tests.harness import (
     ROOT,
     Daemon,
@@ -44,6 +45,11 @@ def test_starting_to_running_when_health_answers(daemon_factory, tmp_path):
     sig = wait_for(lambda: (s := d.status()["signals"])["engine_cpu_percent"] is not None
                    and s, 15, "two looks at the engine tree")
     assert sig["engine_rss_bytes"] > 1 << 20 and sig["engine_cpu_percent"] >= 0
+    # the host's memory pressure, read for real with each look (unknown without PSI)
+    if os.path.exists(hostmem.PSI_MEMORY):
+        assert 0.0 <= sig["host_memory_stall_percent"] <= 100.0
+    else:
+        assert sig["host_memory_stall_percent"] is None
 
 
 def test_running_to_backoff_when_engine_exits_zero_unasked(daemon_factory, tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.watchdog import signals
 from supervisor.watchdog.gpu import DeviceReading, GpuReading, summarise
 from supervisor.watchdog.metrics import Snapshot, parse_metrics
 from supervisor.watchdog.signals import (
@@ -518,3 +519,37 @@ def test_requests_the_daemon_has_at_the_engine_count_as_work_when_its_gauges_fro
     assert stalled(w, 8.0) == 6.0
     w.add_metrics(10.0, scrape("after-load.txt"), at_engine=0)
     assert stalled(w, 10.0) == 0.0
+
+
+def test_a_stall_while_the_host_is_starved_of_memory_is_the_hosts_for_a_bounded_time():
+    """The counters stand still while every task of the host stalls on memory (PSI's
+    `full avg10` at least `STARVED_PCT`, hostmem.py): not a hang of the engine, which a
+    restart would only make reload. Excused for `STARVED_EXCUSE_S` in a row, then timed
+    as any stall; unknown pressure (no PSI) excuses nothing."""
+    excuse = signals.STARVED_EXCUSE_S
+    w = SignalWindow(WindowConfig())
+    busy = dataclasses.replace(with_counters("kv-saturated.txt", 1000, 800),
+                               requests_running=4.0, requests_waiting=2.0)
+    w.add_tree(0.0, 1 << 30, 50.0, host_memory_stall_percent=42.0)
+    for t in range(0, int(excuse) + 1, 2):  # starved all along: excused
+        w.add_tree(float(t), 1 << 30, 50.0, host_memory_stall_percent=42.0)
+        w.add_metrics(float(t), busy)
+        assert stalled(w, float(t)) == 0.0
+    assert compute(w, excuse)["host_memory_stall_percent"] == 42.0
+    for t in (excuse + 2, excuse + 4, excuse + 6):  # starved past the excuse: counted
+        w.add_tree(t, 1 << 30, 50.0, host_memory_stall_percent=42.0)
+        w.add_metrics(t, busy)
+    assert stalled(w, excuse + 6) == 6.0
+    # the pressure gone, the next starved spell is excused afresh; a light one is not one
+    w.add_tree(excuse + 7, 1 << 30, 50.0, host_memory_stall_percent=signals.STARVED_PCT - 1)
+    w.add_metrics(excuse + 8, busy)
+    assert stalled(w, excuse + 8) == 8.0
+    w.add_tree(excuse + 9, 1 << 30, 50.0, host_memory_stall_percent=signals.STARVED_PCT)
+    w.add_metrics(excuse + 10, busy)
+    assert stalled(w, excuse + 10) == 0.0
+
+    plain = SignalWindow(WindowConfig())  # no PSI on this host: nothing excused
+    for t in (0.0, 2.0, 4.0, 6.0):
+        plain.add_tree(t, 1 << 30, 50.0, host_memory_stall_percent=None)
+        plain.add_metrics(t, busy)
+    assert stalled(plain, 6.0) == 6.0 and compute(plain, 6.0)["host_memory_stall_percent"] is None

@@ -88,6 +88,7 @@ class TreeSeen(Event):
     rss_bytes: int
     cpu_s: float  # CPU seconds used so far by the live processes
     host_temperature_c: float | None = None  # the hottest CPU/SoC sensor (hostheat.py)
+    host_memory_stall_percent: float | None = None  # PSI's memory `full avg10` (hostmem.py)
 
 
 @dataclass(frozen=True)

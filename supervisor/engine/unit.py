@@ -216,7 +216,8 @@ class EngineUnit(UnitState):
             tree = outcome.tree
             self.watch.window.add_tree(tree.at, tree.rss_bytes, outcome.cpu_percent,
                                        tree.host_temperature_c,
-                                       self.facts().settled() and self.watch.remedy is None)
+                                       self.facts().settled() and self.watch.remedy is None,
+                                       host_memory_stall_percent=tree.host_memory_stall_percent)
             return
         f = self.pair_facts()
         self.run_steps(serving.on_process(

@@ -83,6 +83,9 @@ SIGNALS: tuple[SignalSpec, ...] = (
     _s("gpu_temperature_c", "gpu_temperature_celsius", "hottest engine GPU"),
     _s("host_temperature_c", "host_temperature_celsius",
        "hottest CPU/SoC sensor of the host (psutil; unknown where it exposes none)"),
+    _s("host_memory_stall_percent", "host_memory_stall_percent",
+       "share of the last 10 s in which every task of the host stalled on memory "
+       "(PSI full avg10; unknown without PSI)"),
     _s("gpu_slowdown_temperature_c", "gpu_slowdown_temperature_celsius",
        "the card's own slowdown threshold (NVML), or the configured fallback"),
     _s("gpu_slowdown_margin_c", "gpu_slowdown_margin_celsius",
@@ -117,6 +120,14 @@ SIGNALS: tuple[SignalSpec, ...] = (
        "sleep-mode calls (sleep, wake) the engine's API server is in (vLLM 0.32+; unknown "
        "until its first)"),
 )
+
+# The host short of memory (PSI's `full avg10` at least this, hostmem.py): the engine's
+# counters standing still then is the host's stall, not a hang of the engine, excused from
+# `engine_stalled_s` for at most STARVED_EXCUSE_S in a row (a restart would free nothing
+# its next start does not need again; past the excuse a stall is timed as any other)
+STARVED_PCT = 10.0
+STARVED_EXCUSE_S = 60.0
+
 SIGNAL_NAMES: frozenset[str] = frozenset(s.name for s in SIGNALS)
 
 Signals = dict[str, float | None]
@@ -225,6 +236,8 @@ class SignalWindow:
         self._gpu_mem = _Growth(self.cfg.gpu_memory_growth_window_s)
         self._cpu_percent: float | None = None
         self._host_temperature_c: float | None = None
+        self._host_memory_stall_percent: float | None = None
+        self._starved_since: float | None = None  # first tree look of this starved spell
         self._gpu: _Gpu | None = None
         self.canary_failures = 0
         self.canary_latency_s: float | None = None
@@ -282,7 +295,8 @@ class SignalWindow:
         if moved is None or (snap.requests_running is None and snap.requests_waiting is None):
             self._moved_at = self._demand_since = self._stalled_s = None
             return
-        if prev is None or _progress(prev) != moved or self._moved_at is None or working:
+        if prev is None or _progress(prev) != moved or self._moved_at is None or working \
+                or self._host_starved(now):
             self._moved_at = now
         if (snap.requests_running or 0) + (snap.requests_waiting or 0) + at_engine > 0:
             self._demand_since = now if self._demand_since is None else self._demand_since
@@ -292,11 +306,23 @@ class SignalWindow:
             self._stalled_s = 0.0
 
     def add_tree(self, now: float, rss_bytes: int, cpu_percent: float | None,
-                 host_temperature_c: float | None = None, settled: bool = True) -> None:
+                 host_temperature_c: float | None = None, settled: bool = True,
+                 host_memory_stall_percent: float | None = None) -> None:
         """`settled`: the engine serves (its RSS a growth point, `_Growth`)."""
         self._rss.add(now, rss_bytes, settled)
         self._cpu_percent = cpu_percent
         self._host_temperature_c = host_temperature_c
+        self._host_memory_stall_percent = pct = host_memory_stall_percent
+        starved = pct is not None and pct >= STARVED_PCT
+        if not starved:
+            self._starved_since = None
+        elif self._starved_since is None:
+            self._starved_since = now
+
+    def _host_starved(self, now: float) -> bool:
+        """The host is short of memory, and has been for at most `STARVED_EXCUSE_S`: a
+        stall of the engine's counters now is the host's (hostmem.py)."""
+        return self._starved_since is not None and now - self._starved_since <= STARVED_EXCUSE_S
 
     def add_canary(self, ok: bool, latency_s: float | None, counted: bool | None,
                    started: float = 0.0) -> None:
@@ -446,6 +472,7 @@ class SignalWindow:
         out["engine_cpu_percent"] = self._cpu_percent
         out["engine_uptime_s"] = engine_uptime_s
         out["host_temperature_c"] = self._host_temperature_c
+        out["host_memory_stall_percent"] = self._host_memory_stall_percent
         self._gpu_signals(now, out)
         out["gpu_xid_restart_errors"] = float(self._xid_restart)
         out["gpu_xid_reset_errors"] = float(self._xid_reset)

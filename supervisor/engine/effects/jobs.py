@@ -47,7 +47,7 @@ from supervisor.loop import Clock, Jobs
 from supervisor.ops.descriptors import Shortage, exhausted
 from supervisor.settings.config import WEIGHT_CACHE_BAY, Config
 from supervisor.settings.sections import EngineConfig
-from supervisor.watchdog import evidence, hostheat, stackdumps
+from supervisor.watchdog import evidence, hostheat, hostmem, stackdumps
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
 
 log = structlog.get_logger("supervisor")
@@ -340,12 +340,13 @@ class JobEffects:
         self._shm.setdefault(engine.pid, {}).update(seen)
         rss, cpu = await asyncio.to_thread(proctree.tree_usage, procs)
         heat, _ = await asyncio.to_thread(hostheat.hottest)
+        starved = await asyncio.to_thread(hostmem.memory_stall_pct)
         dumps = engine.dumps  # (vLLM only appends to its files: they are bounded here)
         if dumps is not None and dumps.owned and (
                 cut := await asyncio.to_thread(stackdumps.trim, dumps.dir)):
             log.info("vLLM's stack dump files cut to their newest dumps", files=cut)
         self.queue.put_nowait(TreeSeen(engine.generation, tuple(procs),
-                                       self.clock.monotonic(), rss, cpu, heat))
+                                       self.clock.monotonic(), rss, cpu, heat, starved))
         merged = proctree.merge_known(recorded or engine.known, procs)
         if len(merged) > len(recorded):  # rewrite only when the tree grew
             try:
