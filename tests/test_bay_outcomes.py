@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from supervisor.engine import steps as do
 from supervisor.engine.events import CoreExited, Down, Exited, HealthResult, Spawned, TreeSeen
 from supervisor.engine.pair import outcomes as out
 from supervisor.engine.pair.pair_states import Bay
@@ -19,44 +20,43 @@ from supervisor.engine.process.process import EngineProcess, build_spawn_spec
 from supervisor.engine.process.takedown import TakeDown
 from supervisor.settings.config import parse_config
 from supervisor.watchdog.devroutes import DevRoutes
-from tests.test_supervisor_unit import RecordingEffects
 
 WHATS = ["engine", "weight cache"]
 
 
-def slot(what: str) -> tuple[EngineSlot, RecordingEffects, list[tuple[str, dict[str, Any]]]]:
-    fx, audits = RecordingEffects(), []
+def slot(what: str) -> tuple[EngineSlot, list[tuple[str, dict[str, Any]]]]:
+    audits: list[tuple[str, dict[str, Any]]] = []
     gens = itertools.count(1)
-    s = EngineSlot(fx, lambda name, **f: audits.append((name, f)),
+    s = EngineSlot(lambda name, **f: audits.append((name, f)),
                    lambda: next(gens), bay=1, what=what)
-    return s, fx, audits
+    return s, audits
 
 
 def spawn(s: EngineSlot) -> EngineProcess:
     cfg = parse_config({"engine": {"command": ["vllm", "serve", "m"], "port": 18000}}).engine
-    spec = build_spawn_spec(cfg, {})
-    s.spawn(spec, cfg)
+    spec = s.spawn(build_spawn_spec(cfg, {}))
     return EngineProcess(generation=s.generation, proc=None,  # type: ignore[arg-type]
                          pid=4242, started_at=0.0, spec=spec, config=cfg,
                          recent_errors=deque(maxlen=5))
 
 
 def up(what: str) -> tuple[EngineSlot, EngineProcess, list[tuple[str, dict[str, Any]]]]:
-    s, _, audits = slot(what)
+    s, audits = slot(what)
     e = spawn(s)
     assert s.on(Spawned(e.generation, e), 1.0) == out.Up(e)
+    assert do.lifecycle(out.Up(e)) == [do.WatchProcess(e)]  # (watched once up)
     assert s.phase is Bay.STARTING and s.engine is e
     return s, e, audits
 
 
 @pytest.mark.parametrize("what", WHATS)
 def test_a_spawn_ends_up_or_failed(what: str) -> None:
-    s, fx, audits = slot(what)
+    s, audits = slot(what)
     e = spawn(s)
-    assert s.on(Spawned(e.generation, None, "no such file", gpu_busy=True), 1.0) \
-        == out.SpawnFailed("no such file", True)
+    failed = s.on(Spawned(e.generation, None, "no such file", gpu_busy=True), 1.0)
+    assert failed == out.SpawnFailed("no such file", True)
     assert s.phase is Bay.EMPTY and s.engine is None
-    assert audits[-1][0].endswith("spawn_failed") and fx.names() == ["spawn"]  # not watched
+    assert audits[-1][0].endswith("spawn_failed") and do.lifecycle(failed) == []  # unwatched
     s2, e2, _ = up(what)
     assert s2.engine is e2
 
@@ -79,7 +79,7 @@ def test_health_counts_only_while_awaited_and_not_taken_down(what: str) -> None:
     assert s.on(HealthResult(e.generation, False), 5.0) is out.NOTHING
 
     s, e, _ = up(what)
-    s.take_down(True, None, 100.0)
+    s.take_down(True, None)
     assert s.on(HealthResult(e.generation, True), 5.0) is out.NOTHING
 
 
@@ -90,7 +90,7 @@ def test_an_exit_is_a_death_only_when_nobody_asked_for_it(what: str) -> None:
     assert died == out.Died(e, "killed by SIGKILL without being asked", core=False)
     assert audits[-1][1]["asked"] is False
     assert s.phase is Bay.EXITED  # (its tree still to be taken down and reaped)
-    s.take_down(False, None, 100.0)
+    s.take_down(False, None)
     assert s.phase is Bay.TAKING_DOWN
 
     s, e, audits = up(what)
@@ -98,7 +98,7 @@ def test_an_exit_is_a_death_only_when_nobody_asked_for_it(what: str) -> None:
     assert audits[-1][1]["asked"] is True
 
     s, e, audits = up(what)
-    s.take_down(True, None, 100.0)
+    s.take_down(True, None)
     assert s.on(Exited(e.generation, 0), 5.0) is out.NOTHING
     assert s.phase is Bay.TAKING_DOWN  # (the take-down's own exit: it goes on)
     assert s.on(Exited(e.generation + 99, 0), 5.0) is out.NOTHING  # stale
@@ -128,19 +128,21 @@ def test_a_tree_seen_and_a_take_down_ended(what: str) -> None:
     stale = TreeSeen(e.generation + 99, procs=(), at=12.0, rss_bytes=0, cpu_s=0.0)
     assert s.on(stale, 12.0) is out.NOTHING
 
-    s.take_down(False, None, 100.0)
+    s.take_down(False, None)
     result = TakeDown(exit_code=-9, survivors=[], gpu_holders={}, port_problem=None,
                       duration_s=0.5, sigkilled=True)
     assert s.on(Down(e.generation, result), 13.0) == out.Gone(e, None)
     assert s.phase is Bay.EMPTY and s.engine is None
+    assert do.lifecycle(out.Gone(e, None)) == [do.Forget(e)]  # (state file, guard dropped)
 
     s, e, _ = up(what)
-    s.take_down(False, None, 100.0)
+    s.take_down(False, None)
     held = TakeDown(exit_code=-9, survivors=[], gpu_holders={4243: 2**30}, port_problem=None,
                     duration_s=0.5, sigkilled=True)
     gone = s.on(Down(e.generation, held), 13.0)
     assert isinstance(gone, out.Gone) and gone.problem is not None
     assert "GPU memory still held" in gone.problem and "pid 4243 (1024 MiB)" in gone.problem
+    assert do.lifecycle(gone) == []  # (kept: the next start's leftover check finds it)
 
 
 def test_only_an_engines_bay_keeps_the_development_routes_it_was_found_serving() -> None:

@@ -31,6 +31,9 @@ from supervisor.engine.states import State
 from supervisor.engine.steps import PairFacts, Step
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock
+from supervisor.settings.sections import EngineConfig
+from supervisor.watchdog import evidence
+from supervisor.watchdog.gpu import GpuSampler
 
 log = structlog.get_logger("supervisor")
 
@@ -80,6 +83,29 @@ class Executor:
         # the weight cache's
         self._timers: dict[str, Timer] = {}
 
+    # ---- the unit's task: its jobs begun and ended with it ------------------------------
+
+    def begin(self, tick_s: float, sampler: GpuSampler | None) -> None:
+        """The unit's task begins: its jobs (ticks, the GPU sampler if any) with it."""
+        log.info("engine unit started", **self._unit.act.begin())
+        self._unit.act.tick_every(tick_s)
+        if sampler is not None:
+            self._unit.act.sample_gpu(sampler)
+
+    def kill_now(self, *engines: eng.EngineProcess | None) -> None:
+        """The unit's task is failing (a bug): no engine is left without its supervisor."""
+        for engine in engines:
+            if engine is not None:
+                self._unit.act.kill_now(engine)
+
+    async def end(self) -> None:
+        """The unit's task ends: its jobs cancelled and waited for, its guards disarmed."""
+        await self._unit.act.end()
+
+    def probes_in_flight(self) -> int:
+        """The daemon's own requests at the engines now (canaries, proofs)."""
+        return self._unit.act.probes_in_flight()
+
     def run(self, steps: list[Step]) -> None:
         for step in steps:
             self._carry_out(step)
@@ -91,6 +117,19 @@ class Executor:
             if slot.bay == bay:
                 return slot
         raise AssertionError(f"no bay {bay}")
+
+    def spawn_in(self, slot: EngineSlot, spec: eng.SpawnSpec, cfg: EngineConfig) -> None:
+        """An engine spawned in `slot` (`Spawned` answers)."""
+        spec = slot.spawn(spec)
+        self._unit.act.spawn(slot.generation, spec, cfg, slot.bay)
+
+    def take_down(self, slot: EngineSlot, graceful: bool,
+                  req: evidence.EvidenceRequest | None, deadline: float) -> None:
+        """The engine in `slot` taken down, capturing `req` first (`Down` answers)."""
+        engine = slot.engine
+        assert engine is not None
+        slot.take_down(graceful, req)
+        self._unit.act.take_down(engine, graceful, slot.force, req, deadline)
 
     def cancel_timer(self, key: str) -> None:
         timer = self._timers.pop(key, None)
@@ -148,9 +187,13 @@ class Executor:
                     if evidence:
                         u.take_down_in(slot, graceful, deadline)
                     else:
-                        slot.take_down(graceful, None, deadline)
+                        self.take_down(slot, graceful, None, deadline)
             case do.Spawn(bay, spec, cfg):
-                self.bay(bay).spawn(spec, cfg)
+                self.spawn_in(self.bay(bay), spec, cfg)
+            case do.WatchProcess(engine):
+                u.act.watch(engine)
+            case do.Forget(engine):
+                u.act.forget(engine)
             case do.Sleep(engine):
                 u.act.sleep(engine)
             case do.WatchHealth(engine):

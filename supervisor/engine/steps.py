@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from supervisor.engine.events import DecisionRecord, Event
 from supervisor.engine.intents import EvidenceFor
+from supervisor.engine.pair import outcomes as out
 from supervisor.engine.pair.slot import SlotView
 from supervisor.engine.process import process as eng
 from supervisor.engine.process import takedown
@@ -250,6 +251,34 @@ class Sleep:
     """`engine` put to sleep (`Slept` answers)."""
 
     engine: eng.EngineProcess
+
+
+@dataclass(frozen=True)
+class WatchProcess:
+    """`engine`'s process watched: its exit, its tree, its output (`Exited`, `TreeSeen`,
+    `CoreExited` answer)."""
+
+    engine: eng.EngineProcess
+
+
+@dataclass(frozen=True)
+class Forget:
+    """`engine`'s tree is proven gone: its state file and guard dropped."""
+
+    engine: eng.EngineProcess
+
+
+def lifecycle(outcome: out.Outcome) -> list[Step]:
+    """What every bay's process needs after its bay read an event (`EngineSlot.on`),
+    whatever its role: its jobs watched once it is up; its state file and guard dropped
+    once its tree is proven gone (one not proven keeps them: the next start's leftover
+    check finds it). The unit runs these before the role's own steps."""
+    match outcome:
+        case out.Up(engine):
+            return [WatchProcess(engine)]
+        case out.Gone(engine, None):
+            return [Forget(engine)]
+    return []
 
 
 @dataclass(frozen=True)
@@ -499,7 +528,7 @@ Step = (SetState | Decide | Record | Audit | CountRestart | StartEngine | SpawnS
         | RestartEngine | RestartReason | RestartFailed | FailOver | SwapOrTakeDown | Drain
         | ForceStop | EndBackoff | NotifyStopping | StopDeadline | EndStopDeadline
         | TakeDown | TakeDownIn
-        | Spawn | Sleep | WatchHealth
+        | Spawn | WatchProcess | Forget | Sleep | WatchHealth
         | ArmTimer | CancelTimer | ArmStandby | CaptureEvidence | ServeFrom
         | MaybeFinishStop | Started | StartRefused | EngineHealthy | GoldenFailed
         | GoldenPassed | HandoverDone | ServingFailed

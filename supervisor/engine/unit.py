@@ -3,14 +3,16 @@
 Everything that happens reaches `EngineUnit.handle` as a typed event
 (`supervisor/engine/events.py`) on one queue: the engine's exit, its health, the end of a
 take-down, a backoff timer, a signal, a control request, a reloaded config, a tick. The
-events of the serving engine's process are read once, by its bay's `EngineSlot.on`
-(`supervisor/engine/pair/outcomes.py`: the same reading as the standby's and the weight
-cache's); what follows is the serving role's (`supervisor/engine/pair/serving.py`, a
-decider like the standby's), as steps; every other event by a `handle_<name>` method.
-Each may change state (only through `set_state`,
-which checks the transition table) and may start jobs through the effects protocol
-(`supervisor/engine/effects/protocol.py`): spawn, probe, take down, drain, follow at the proxy.
-Jobs report back only by putting an event on the queue; no handler blocks.
+events of a process's life, whichever bay it is in, are read once here (`_on_process`:
+its bay's `EngineSlot.on`, `supervisor/engine/pair/outcomes.py`), what every process's life
+needs done (`steps.lifecycle`), and the outcome handed to the role in that bay: the
+serving engine's (`supervisor/engine/pair/serving.py`), the standby's, the weight cache's,
+each a decider that returns steps; every other event goes to a `handle_<name>` method.
+Each may change state (only through `set_state`, which checks the transition table);
+the jobs (spawn, probe, take down, drain, follow at the proxy) are started by the one
+executor (`supervisor/engine/executor.py`), the only caller of the effects protocol
+(`supervisor/engine/effects/protocol.py`). Jobs report back only by putting an event on
+the queue; no handler blocks.
 
 The unit's state and the one executor of the steps that change it are `UnitState`'s
 (`supervisor/engine/unit_state.py`); this class is the task that feeds it events. Its
@@ -94,10 +96,7 @@ class EngineUnit(UnitState):
         (supervisor/host.py) owns the signals, the sockets and the proxy around it."""
         if self.config.several:  # every line of this unit and its jobs names its engine
             structlog.contextvars.bind_contextvars(engine=self.name)
-        log.info("engine unit started", **self.act.begin())
-        self.act.tick_every(self.notices.tick_interval(self.tick_interval_s))
-        if self.sampler is not None:
-            self.act.sample_gpu(self.sampler)
+        self.executor.begin(self.notices.tick_interval(self.tick_interval_s), self.sampler)
         self.start("daemon started")
         try:
             while not self._done:
@@ -108,14 +107,12 @@ class EngineUnit(UnitState):
             if self.engine is not None:
                 log.critical("daemon failing; killing the engine's process group",
                              pid=self.engine.pid, exc_info=True)
-                self.act.kill_now(self.engine)
-            if self.weights.slot.engine is not None:
-                self.act.kill_now(self.weights.slot.engine)
+            self.executor.kill_now(self.engine, self.weights.slot.engine)
             self.exit_code = 70  # EX_SOFTWARE
             raise
         finally:
             self.sync_gate(ended=True)
-            await self.act.end()
+            await self.executor.end()
         return self.exit_code
 
     def handle(self, event: Event) -> None:
@@ -136,14 +133,14 @@ class EngineUnit(UnitState):
                     "until the daemon restarts")
         # (evidence and a remedy's end are the unit's whichever engine they were about:
         # an old engine's remedy must still end, and its operator be answered)
-        if self.weights.owns(event):
-            self.run_steps(self.weights.handle(event, stopping=self.state is State.STOPPING))
+        if isinstance(event, out.PROCESS_EVENTS):
+            self._on_process(event)
+        elif self.weights.owns(event):
+            self.run_steps(self.weights.handle(event))
             self.cache_moved()
         elif self.handover.standby.owns(event) \
                 and not isinstance(event, EvidenceCaptured | RemedyDone):
             self.run_steps(self.handover.on_event(self.pair_facts(), event))
-        elif isinstance(event, out.PROCESS_EVENTS):
-            self._on_process(event)
         else:
             handler: Callable[[Any], None] = getattr(self, f"handle_{event.name}")
             handler(event)
@@ -203,15 +200,36 @@ class EngineUnit(UnitState):
         self.queue.put_nowait(ViewRequest(reply))
         return await reply
 
-    # ---- the serving engine's process (read once for every bay: EngineSlot.on) --------
+    # ---- a process's life, in every bay (read once: EngineSlot.on) --------------------
 
     def _on_process(self, ev: out.ProcessEvent) -> None:
-        """The serving engine's process, as its bay read it (`EngineSlot.on`), and what
-        its role says follows (`supervisor/engine/pair/serving.py`)."""
+        """One event of a process's life, whichever bay it is in: read once by its bay
+        (`EngineSlot.on`, as the role there says it reads), what every process's life
+        needs carried out (`steps.lifecycle`), then the outcome handed to the role: the
+        weight cache, the standby (through the handover) or the serving engine
+        (`supervisor/engine/pair/serving.py`)."""
+        now = self.clock.monotonic()
+        stopping = self.state is State.STOPPING
+        if self.weights.owns(ev):
+            reads = self.weights.reads(ev)
+            if reads is not None:
+                outcome = self.weights.slot.on(ev, now, awaits_health=reads[0],
+                                               exit_expected=reads[1])
+                self.run_steps([*do.lifecycle(outcome),
+                                *self.weights.on_outcome(outcome, stopping)])
+            self.cache_moved()
+            return
+        standby = self.handover.standby
+        if standby.owns(ev):
+            awaits, expected = standby.reads()
+            outcome = standby.slot.on(ev, now, awaits_health=awaits, exit_expected=expected)
+            self.run_steps(do.lifecycle(outcome))
+            self.run_steps(self.handover.on_outcome(self.pair_facts(), outcome))
+            return
         live = self.state in (State.STARTING, State.RUNNING)
-        outcome = self.slot.on(ev, self.clock.monotonic(),
-                               awaits_health=self.state is State.STARTING,
+        outcome = self.slot.on(ev, now, awaits_health=self.state is State.STARTING,
                                exit_expected=not live)
+        self.run_steps(do.lifecycle(outcome))
         if isinstance(outcome, out.Seen):  # (the watchdog's: into its signal window)
             tree = outcome.tree
             self.watch.window.add_tree(tree.at, tree.rss_bytes, outcome.cpu_percent,

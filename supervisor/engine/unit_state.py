@@ -112,16 +112,16 @@ class UnitState:
         # the weight cache beside the engines, when it has one (engine/pair/weight_cache.py),
         # which says how each engine spawned gets its weights
         self.weights = WeightCache(self.audit, self.clock, EngineSlot(
-            self.act, self.audit, lambda: next(generations), bay=WEIGHT_CACHE_BAY,
+            self.audit, lambda: next(generations), bay=WEIGHT_CACHE_BAY,
             what="weight cache"), self.config.restart)
         load = self.weights.load
         # the serving engine's place, from spawn to reap
-        self.slot = EngineSlot(self.act, self.audit, lambda: next(generations), bay=0,
+        self.slot = EngineSlot(self.audit, lambda: next(generations), bay=0,
                                load=load)
         # the standby (its place: bay 1) and every handover to it (engine/pair/handover.py)
         self.handover = Handover(Standby(
             self.audit, self.clock.monotonic,
-            EngineSlot(self.act, self.audit, lambda: next(generations), bay=1, load=load)))
+            EngineSlot(self.audit, lambda: next(generations), bay=1, load=load)))
         # the golden check's baselines and verdicts (engine/golden_check.py)
         # the one executor of the deciders' steps (engine/executor.py)
         self.executor = Executor(self)
@@ -234,7 +234,7 @@ class UnitState:
     def facts(self) -> UnitFacts:
         """The unit's state as its watchdog half reads it."""
         return UnitFacts(self.state, self.engine, self.slot.taking_down, self.fronted,
-                         self.gate.in_flight + self.act.probes_in_flight(),
+                         self.gate.in_flight + self.executor.probes_in_flight(),
                          proving=self.state is State.RUNNING and not self.keeper.admitting)
 
     def serving(self) -> bool:
@@ -303,7 +303,7 @@ class UnitState:
         if cfg.args != self.config.engine.args:
             log.info("engine arguments overridden", overrides=self.watch.overrides(
                 self.fronted), throttle_level=self.watch.tuning.throttle_level)
-        self.slot.spawn(eng.build_spawn_spec(cfg, self.environ), cfg)
+        self.executor.spawn_in(self.slot, eng.build_spawn_spec(cfg, self.environ), cfg)
 
     def engine_config(self, bay: int) -> EngineConfig:
         """What an engine started now in `bay` runs with: the current config, its place's
@@ -351,7 +351,7 @@ class UnitState:
             self.config.evidence.enabled,
             self.watch.signals(self.clock.monotonic(), slot.engine),
             self.watch.window.gpu_snapshot(), self.clock.wall())
-        slot.take_down(graceful, req, deadline)
+        self.executor.take_down(slot, graceful, req, deadline)
 
     def begin_stop(self, reason: str,
                    reply: asyncio.Future[dict[str, Any]] | None = None) -> None:

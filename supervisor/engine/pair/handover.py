@@ -29,7 +29,8 @@ from typing import Any
 import structlog
 
 from supervisor.engine import steps as do
-from supervisor.engine.events import Down, Drained, Event, GateProbe, Woken
+from supervisor.engine.events import Drained, Event, GateProbe, Woken
+from supervisor.engine.pair import outcomes
 from supervisor.engine.pair.pair_states import HANDING_OVER, PHASE, Phase, Role, check
 from supervisor.engine.pair.standby import Standby
 from supervisor.engine.process import process as eng
@@ -194,13 +195,26 @@ class Handover:
 
     def on_event(self, f: PairFacts, ev: Event) -> list[Step]:
         """An event of the engine in the standby's place (the standby, or the old serving
-        engine being taken down there), and what follows from it."""
+        engine being taken down there) other than its process's (`on_outcome`), and what
+        follows from it."""
         if isinstance(ev, Drained):  # (the old engine's, behind a swap)
             return self.drained_behind(f, ev)
         free, out = self.standby.handle(ev, f.standby_deadline(),
-                                        stopping=f.state is State.STOPPING,
                                         awake_fits=engine_checks.side_by_side(f.config.engine))
-        if self.phase is Phase.WAKING_WHEN_DOWN and isinstance(ev, Down):
+        return self._followed(f, free, out, gone=False)
+
+    def on_outcome(self, f: PairFacts, outcome: outcomes.Outcome) -> list[Step]:
+        """The process of the engine in the standby's place, as its bay read it
+        (`EngineSlot.on`), and what follows from it."""
+        free, out = self.standby.on_outcome(outcome, f.standby_deadline(),
+                                            stopping=f.state is State.STOPPING)
+        return self._followed(f, free, out, gone=isinstance(outcome, outcomes.Gone))
+
+    def _followed(self, f: PairFacts, free: bool, out: list[Step], gone: bool) -> list[Step]:
+        """What follows the standby's own steps: a wake waiting for the old engine's
+        tree (`gone`: it is), the stop's end, a standby armed in a freed place, an
+        upgrade whose standby is ready."""
+        if self.phase is Phase.WAKING_WHEN_DOWN and gone:
             if f.state is not State.RUNNING or f.engine is None or f.slot.taking_down:
                 # a restart or a stop overtook the handover: nothing to wake, and the
                 # engine being taken down is theirs to finish

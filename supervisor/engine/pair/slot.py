@@ -2,9 +2,12 @@
 
 `EngineSlot` keeps the facts of the engine in it (the process, its generation, its bay's
 phase: empty, spawning, starting, healthy, exited, taking down, checked against
-`supervisor/engine/pair/pair_states.py`; what its take-down must capture first) and starts
-that engine's jobs through the unit's effects. It decides nothing: the unit
-(`supervisor/engine/unit.py`) owns the lifecycle and calls the slot on its own task.
+`supervisor/engine/pair/pair_states.py`; what its take-down must capture first). It acts
+on nothing and decides nothing: the unit's executor spawns and takes down its engine
+(`supervisor/engine/executor.py`), the unit reads each event of its process through it
+once (`on`), carries out what every process's life needs (`steps.lifecycle`: its jobs
+watched once up, its state file and guard dropped once gone) and hands the outcome to
+the role in the bay.
 """
 
 from __future__ import annotations
@@ -18,14 +21,12 @@ from typing import Any
 
 import structlog
 
-from supervisor.engine.effects.protocol import Effects
 from supervisor.engine.events import CoreExited, Down, Exited, HealthResult, Spawned, TreeSeen
 from supervisor.engine.intents import EvidenceFor
 from supervisor.engine.pair import outcomes as out
 from supervisor.engine.pair.pair_states import BAY, Bay, check
 from supervisor.engine.process import process as eng
 from supervisor.engine.process import proctree
-from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog import devroutes, evidence
 from supervisor.watchdog.devroutes import DevRoutes
 
@@ -65,11 +66,11 @@ class SlotView(_BayReading):
 
 
 class EngineSlot(_BayReading):
-    def __init__(self, act: Effects, audit: Callable[..., None],
+    def __init__(self, audit: Callable[..., None],
                  next_generation: Callable[[], int], bay: int = 0,
                  load: Callable[[], eng.Load | None] | None = None,
                  what: str = "engine") -> None:
-        self._act, self._audit, self._next = act, audit, next_generation
+        self._audit, self._next = audit, next_generation
         self.bay = bay  # its state file and guard (supervisor/engine/effects/jobs.py)
         # how each engine spawned here gets its weights (its weight cache's, when the
         # engine has one: `WeightCache.load`), decided at its spawn
@@ -95,7 +96,9 @@ class EngineSlot(_BayReading):
     def view(self) -> SlotView:
         return SlotView(self.bay, self.phase, self.generation, self.engine)
 
-    def spawn(self, spec: eng.SpawnSpec, cfg: EngineConfig) -> None:
+    def spawn(self, spec: eng.SpawnSpec) -> eng.SpawnSpec:
+        """A spawn begins here (the executor's): its generation drawn, its load decided;
+        the spec to spawn, with that load."""
         assert self.engine is None
         self._set_phase(Bay.SPAWNING)
         self.generation = self._next()  # unique across the unit's slots
@@ -104,7 +107,7 @@ class EngineSlot(_BayReading):
         self.load = self._load() if self._load is not None else None
         if self.load is not None:
             spec = dataclasses.replace(spec, load=self.load.args)
-        self._act.spawn(self.generation, spec, cfg, self.bay)
+        return spec
 
     def _event(self, name: str, **fields: Any) -> None:
         self._audit(self._prefix + name, **fields)
@@ -168,7 +171,6 @@ class EngineSlot(_BayReading):
         log.info(f"{self.what} spawned", pid=engine.pid, argv=engine.spec.argv,
                  **({"load": engine.spec.load} if engine.spec.load else {}), **load)
         self._event("spawn", pid=engine.pid, generation=engine.generation, **load)
-        self._act.watch(engine)
         return engine
 
     def healthy(self, engine: eng.EngineProcess, now: float,
@@ -242,15 +244,14 @@ class EngineSlot(_BayReading):
         self._event("core_exit", pid=engine.pid, core_pid=ev.pid)
         return engine
 
-    def take_down(self, graceful: bool, req: evidence.EvidenceRequest | None,
-                  deadline: float) -> None:
+    def take_down(self, graceful: bool, req: evidence.EvidenceRequest | None) -> None:
+        """A take-down begins here (the executor's, which starts its job)."""
         engine = self.engine
         assert engine is not None
         self._set_phase(Bay.TAKING_DOWN)
         self._event("take_down", pid=engine.pid, graceful=graceful,
                     evidence_for=req.rule if req is not None else None)
         log.info(f"taking the {self.what} down", pid=engine.pid, graceful=graceful)
-        self._act.take_down(engine, graceful, self.force, req, deadline)
 
     def evidence_request(self, enabled: bool, signals: Mapping[str, float | None],
                          gpu: Mapping[str, Any] | None,
@@ -293,9 +294,7 @@ class EngineSlot(_BayReading):
                 fields["port"] = r.port_problem
             log.info(f"{self.what} tree reaped", **fields, problem=problem)
             self._event("reaped", **fields, problem=problem)
-        if problem is None:
-            self._act.forget(engine)
-        else:
+        if problem is not None:
             log.error(f"{self.what} tree not proven gone", problem=problem)
         return engine, problem
 

@@ -228,14 +228,13 @@ class Standby:
         self._audit("standby_failed", why=why, failures=self.failures)
         return self.retire(why, graceful=False, deadline=deadline)
 
-    def handle(self, ev: Event, deadline: float, stopping: bool,
+    def handle(self, ev: Event, deadline: float,
                awake_fits: bool = True) -> tuple[bool, list[do.Step]]:
-        """One event of the standby's engine: whether its place is free again and a new
-        standby may start (the unit decides whether one should), and the steps for its
-        engine. `awake_fits`: an awake standby has room beside the serving engine (one
-        that cannot sleep is then kept awake; else it is refused)."""
-        if isinstance(ev, out.PROCESS_EVENTS):
-            return self._on_process(ev, deadline, stopping)
+        """One event of the standby's engine other than its process's (`on_outcome`):
+        whether its place is free again and a new standby may start (the unit decides
+        whether one should), and the steps for its engine. `awake_fits`: an awake
+        standby has room beside the serving engine (one that cannot sleep is then kept
+        awake; else it is refused)."""
         if isinstance(ev, GateProbe):
             return False, self._proved(ev, deadline, awake_fits)
         if isinstance(ev, Slept):
@@ -278,10 +277,17 @@ class Standby:
         self._ready(e, sleep_s=round(ev.seconds, 3), vllm_s=ev.vllm_s)
         return []
 
-    def _on_process(self, ev: out.ProcessEvent, deadline: float,
-                    stopping: bool) -> tuple[bool, list[do.Step]]:
-        """Its engine's process, as its bay read it (`EngineSlot.on`)."""
-        match self.slot.on(ev, self._monotonic(), awaits_health=self.state is Role.STARTING):
+    def reads(self) -> tuple[bool, bool]:
+        """How its bay reads its process's events (`EngineSlot.on`): whether a health
+        result counts (it is starting), whether an exit is expected (never: a standby's
+        unasked exit is a failure)."""
+        return self.state is Role.STARTING, False
+
+    def on_outcome(self, outcome: out.Outcome, deadline: float,
+                   stopping: bool) -> tuple[bool, list[do.Step]]:
+        """Its engine's process, as its bay read it (`EngineSlot.on`): whether its place
+        is free again, and the steps."""
+        match outcome:
             case out.SpawnFailed(error):
                 self.failures += 1
                 self._to(Role.NONE, f"could not be started: {error}")

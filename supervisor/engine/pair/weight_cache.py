@@ -9,8 +9,9 @@ line it runs, and decides how an engine started now gets its weights (`load`): m
 cache while it answers healthy, vLLM's own load otherwise. The cache is started before
 the unit's engine, whose start waits while the cache is starting (bounded by the cache's
 startup timeout), and taken down after the unit's engines when the daemon stops. Like the
-standby, it acts through the unit's effects and its slot, on the unit's task; the unit
-hands it the events of its process.
+standby, it is a decider on the unit's task: the unit hands it what its bay read of its
+process (`on_outcome`) and its health's loss (`handle`), and carries out the steps it
+returns.
 
 Invariants:
 - one cache process at most: the next one spawns only once the last one's tree is
@@ -286,26 +287,31 @@ class WeightCache:
             return self._start("its backoff is over")
         return []
 
-    def handle(self, ev: Event, stopping: bool) -> list[do.Step]:
-        """One event of the cache's process, and the steps that follow from it."""
+    def handle(self, ev: Event) -> list[do.Step]:
+        """One event of the cache's other than its process's (`on_outcome`): its health
+        lost; anything else comes from a job of a process already gone."""
         s = self.slot
-        now = self._clock.monotonic()
         if isinstance(ev, HealthLost):
             e = s.current(ev.generation)
             if e is not None and not s.taking_down and self.state is Cache.READY:
-                return self._failed(ev.why, now - e.healthy_at
+                return self._failed(ev.why, self._clock.monotonic() - e.healthy_at
                                     if e.healthy_at is not None else 0.0)
-        elif isinstance(ev, CoreExited):
-            pass  # (its exit follows: a cache serves no requests that a crash would hold)
-        elif isinstance(ev, out.PROCESS_EVENTS):
-            return self._on_process(ev, stopping, now)
-        return []  # (anything else: a job of a process already gone)
+        return []
 
-    def _on_process(self, ev: out.ProcessEvent, stopping: bool,
-                    now: float) -> list[do.Step]:
+    def reads(self, ev: out.ProcessEvent) -> tuple[bool, bool] | None:
+        """How its bay reads its process's events (`EngineSlot.on`): whether a health
+        result counts (it is starting), whether an exit is expected (it is neither
+        starting nor ready); None: not read at all (its core's death: a cache serves no
+        requests that a crash would hold, and its exit follows)."""
+        if isinstance(ev, CoreExited):
+            return None
+        return (self.state is Cache.STARTING,
+                self.state not in (Cache.STARTING, Cache.READY))
+
+    def on_outcome(self, outcome: out.Outcome, stopping: bool) -> list[do.Step]:
         """Its process, as its bay read it (`EngineSlot.on`)."""
-        match self.slot.on(ev, now, awaits_health=self.state is Cache.STARTING,
-                           exit_expected=self.state not in (Cache.STARTING, Cache.READY)):
+        now = self._clock.monotonic()
+        match outcome:
             case out.SpawnFailed(error):
                 if self.state is Cache.STOPPING:
                     return self._after_down()
