@@ -84,6 +84,8 @@ def test_a_start_maps_the_cache_and_its_death_leaves_the_engine_serving(
         assert psutil.Process(wc["pid"]).cmdline()[-2:] == ["--weight-cache-health-port",
                                                             str(port)]
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        said = next(r for r in d.log_records() if r.get("event") == "weight cache spawned")
+        assert said["argv"][-1] == str(port)  # (the log says the port it has)
 
         os.kill(wc["pid"], signal.SIGKILL)  # its launcher: the rank is orphaned, alive
         wait_for(lambda: cache(d)["state"] == "ready" and cache(d)["pid"] != wc["pid"],

@@ -231,8 +231,10 @@ class JobEffects:
         while True:
             try:
                 if spec.pick_port is not None:  # (a weight cache's health port)
-                    spec = spec.on_port(proctree.free_port(spec.host, set(spec.pick_port)))
-                    cfg = dataclasses.replace(cfg, port=spec.port)
+                    port = proctree.free_port(spec.host, set(spec.pick_port))
+                    # (the one asked for too: its log and status say the port it has)
+                    spec, asked = spec.on_port(port), asked.on_port(port)
+                    cfg = dataclasses.replace(cfg, port=port)
                 if spec.folders:  # (a weight cache's; an engine has none)
                     await asyncio.to_thread(eng.make_folders, spec.folders)
                 engine = await self._check_and_spawn(generation, spec, cfg, bay, leftovers)
