@@ -24,11 +24,13 @@ test: setup
 	.venv/bin/python -m pytest -q -m e2e --durations=25
 
 # Everything but the real engine: seconds, for every edit (tests/test_fleet.py runs the
-# real vllm-router, and the Prometheus rules' tests promtool: both set up here too).
+# real vllm-router, the Prometheus rules' tests promtool, the snapshot tests CRIU: all set
+# up here too).
 test-fast:
 	bash scripts/setup.sh supervisor
 	bash scripts/setup.sh prometheus
 	bash scripts/setup.sh router
+	bash scripts/setup.sh criu
 	.venv/bin/python -m pytest -q -m "not e2e" $(PARALLEL)
 
 lint:

@@ -9,7 +9,9 @@
 #   scripts/setup.sh router       .tools/vllm-router: vllm-router 0.1.17 (vLLM's Rust router,
 #                                 its PyPI wheel installed with pip --target; run it as
 #                                 PYTHONPATH=.tools/vllm-router .tools/vllm-router/bin/vllm-router)
-#   scripts/setup.sh all          all five (the default)
+#   scripts/setup.sh criu         .tools/criu: CRIU 4.2+ and its libraries from Debian sid,
+#                                 unpacked (run as .tools/criu/criu), for the snapshot tests
+#   scripts/setup.sh all          all six (the default)
 #   scripts/setup.sh nginx        Debian's nginx-light, the proxy benchmark's baseline
 #
 # The two virtualenvs stay apart on purpose: vLLM pulls in the PyPI package
@@ -108,6 +110,37 @@ setup_router() {
   echo "$want" > "$stamp"
 }
 
+# CRIU, which snapshots a standby (supervisor/engine/snapshot/): 4.2 or later on kernels
+# from 6.16 (bookworm's 3.17 cannot start on them, trixie's 4.1 cannot read a TCP socket's
+# options), so sid's packages with the C library they were built against, unpacked and
+# run through that library's own loader (`.tools/criu/criu`), nothing installed.
+CRIU_DEBS="criu libcompel1 libc6 libbsd0 libmd0 libgnutls30t64 libnet9 libnftables1 \
+  libnl-3-200 libprotobuf-c1 libuuid1 libjansson4 libmnl0 libnftnl11 libxtables12 libgmp10 \
+  libnettle8t64 libhogweed6t64 libp11-kit0 libtasn1-6 libidn2-0 libunistring5 libffi8 \
+  libedit2 libtinfo6"
+setup_criu() {
+  local dest=.tools/criu apt=.tools/criu-apt o lib
+  if [ -x "$dest/criu" ] && "$dest/criu" --version >/dev/null 2>&1; then return; fi
+  say "CRIU (Debian sid's packages, unpacked into $dest)"
+  rm -rf "$dest" "$apt"
+  mkdir -p "$apt/lists/partial" "$apt/etc" "$apt/cache/archives/partial" "$apt/debs" "$dest/root"
+  echo "deb http://deb.debian.org/debian sid main" > "$apt/etc/sources.list"
+  o="-q -oDir::Etc::SourceList=$PWD/$apt/etc/sources.list -oDir::Etc::SourceParts=/dev/null
+     -oDir::State::Lists=$PWD/$apt/lists -oDir::Cache=$PWD/$apt/cache
+     -oAPT::Sandbox::User=$(id -un)"
+  # shellcheck disable=SC2086
+  apt-get $o update >/dev/null
+  # shellcheck disable=SC2086
+  (cd "$apt/debs" && apt-get $o download $CRIU_DEBS >/dev/null)
+  for deb in "$apt"/debs/*.deb; do dpkg-deb -x "$deb" "$dest/root"; done
+  rm -rf "$apt"
+  lib=$PWD/$dest/root/usr/lib/x86_64-linux-gnu
+  printf '#!/bin/sh\nexec %s --library-path %s %s "$@"\n' "$lib/ld-linux-x86-64.so.2" "$lib" \
+    "$PWD/$dest/root/usr/sbin/criu" > "$dest/criu"
+  chmod +x "$dest/criu"
+  "$dest/criu" --version
+}
+
 setup_nginx() {
   if command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ]; then return; fi
   say "nginx (Debian's nginx-light), the proxy benchmark's baseline"
@@ -128,9 +161,10 @@ case "${1:-all}" in
   engine) setup_engine; setup_engine_name ;;
   model) setup_engine; setup_engine_name; setup_model ;;
   all) setup_supervisor; setup_engine; setup_engine_name; setup_model; setup_prometheus
-       setup_router ;;
+       setup_router; setup_criu ;;
+  criu) setup_criu ;;
   prometheus) setup_prometheus ;;
   router) setup_router ;;
   nginx) setup_nginx ;;
-  *) echo "usage: $0 [supervisor|engine|model|prometheus|router|all|nginx]" >&2; exit 2 ;;
+  *) echo "usage: $0 [supervisor|engine|model|prometheus|router|criu|all|nginx]" >&2; exit 2 ;;
 esac

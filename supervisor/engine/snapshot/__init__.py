@@ -1,0 +1,1 @@
+"""Engines kept as files and brought back as copies (docs/standby.md, "The snapshot route")."""

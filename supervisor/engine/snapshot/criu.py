@@ -1,0 +1,325 @@
+"""An engine's process tree kept as files and brought back as copies, through CRIU (issue
+49's route 3, docs/standby.md "The snapshot route"): the standby that needs the card only
+once.
+
+- `Criu`: how CRIU is run here, and why it cannot be (`refusal`): missing, too old for the
+  kernel (CRIU 4.2 from kernel 6.16: a TCP socket's options cannot be read by 4.1), without
+  the privilege (CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE), or its own `criu check` failing.
+- `dump`: a tree dumped into a folder of images (the tree ends: CRIU's default). The pipes
+  its output goes through are the daemon's (`external`): each copy gets its own instead.
+- `Copy`: the images restored beside whatever runs, in new PID, network and mount
+  namespaces, so that every copy has the dumped tree's pids and port while the engine it
+  was dumped from (or another copy) still has them outside. CRIU waits as the namespace's
+  init; a copy ends when that init is killed (the kernel then kills every process in the
+  namespace), by the pid this module spawned, never by a name.
+- `connect_in`: a socket connected inside a copy's network namespace (its loopback is not
+  the daemon's), made on a thread of its own moved there (`setns`): a socket keeps the
+  namespace it was made in, so the caller uses it from anywhere.
+
+Every call is bounded by a timeout and none blocks the event loop (CRIU runs as a child
+process, the namespace move on a thread that ends with the call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# what a dump and a restore need beyond CRIU's defaults: the engine's established loopback
+# connections (torch.distributed's store) kept, unix sockets to outside and file locks
+# taken as they are, files deleted while open linked back
+OPTS = ("--tcp-established", "--ext-unix-sk", "--file-locks", "--link-remap")
+# CRIU says a restore finished only from this verbosity up; a copy is seen restored by it
+RESTORED = "Restore finished successfully"
+MANIFEST = "snapshot.json"  # beside the images: what the dump was of
+CLONE_NEWNET = 0x40000000
+CAP_SYS_ADMIN, CAP_CHECKPOINT_RESTORE = 21, 40
+# the new network namespace's loopback up (SIOCSIFFLAGS with IFF_UP | IFF_RUNNING), by the
+# interpreter running the daemon: nothing else is needed inside the namespace
+LO_UP = ("import socket, fcntl, struct; fcntl.ioctl(socket.socket(), 0x8914, "
+         "struct.pack('16sH14s', b'lo', 0x41, b''))")
+TAIL_LINES = 8  # of a CRIU log, in an error
+
+
+class SnapshotError(RuntimeError):
+    """CRIU could not dump or restore; the message says what it said."""
+
+
+@dataclass(frozen=True)
+class Criu:
+    """CRIU as run here: its command line (a path, or a carried loader and its libraries
+    before it)."""
+
+    argv: tuple[str, ...]
+
+    @classmethod
+    def at(cls, path: str) -> Criu:
+        return cls((path,))
+
+
+def version_of(text: str) -> tuple[int, int] | None:
+    """`criu --version`'s "Version: 4.2.1" as (4, 2)."""
+    m = re.search(r"Version:\s*(\d+)\.(\d+)", text)
+    return (int(m[1]), int(m[2])) if m else None
+
+
+def kernel_of(release: str) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", release)
+    return (int(m[1]), int(m[2])) if m else None
+
+
+def too_old(criu: tuple[int, int], kernel: tuple[int, int]) -> str | None:
+    """Why this CRIU cannot dump an engine on this kernel: from 6.16 a TCP socket's options
+    are read as 4.2 reads them (CRIU issue 2705); None when it can."""
+    if kernel >= (6, 16) and criu < (4, 2):
+        return (f"CRIU {criu[0]}.{criu[1]} cannot dump an engine's TCP sockets on kernel "
+                f"{kernel[0]}.{kernel[1]} (4.2 or later is needed from 6.16)")
+    if criu < (3, 17):
+        return f"CRIU {criu[0]}.{criu[1]} is too old (3.17 or later)"
+    return None
+
+
+def privileged(status: str) -> bool:
+    """Whether /proc/self/status's effective capabilities allow a dump and a restore."""
+    m = re.search(r"^CapEff:\s*([0-9a-f]+)", status, re.M)
+    caps = int(m[1], 16) if m else 0
+    return bool(caps & (1 << CAP_SYS_ADMIN) or caps & (1 << CAP_CHECKPOINT_RESTORE))
+
+
+async def _run(argv: list[str], within_s: float,
+               pass_fds: tuple[int, ...] = ()) -> tuple[int, str]:
+    """A command's exit code and its output, killed after `within_s` (then -9)."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL, pass_fds=pass_fds, start_new_session=True)
+    except OSError as e:
+        return 127, f"{argv[0]}: {e.strerror or e}"
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), within_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        return -9, f"{argv[0]}: no answer within {within_s:g} s"
+    return proc.returncode or 0, out.decode(errors="replace")
+
+
+async def refusal(criu: Criu, within_s: float = 30.0) -> str | None:
+    """Why engines cannot be snapshotted here, in one sentence; None when they can."""
+    rc, out = await _run([*criu.argv, "--version"], within_s)
+    if rc != 0:
+        return f"CRIU does not run ({' '.join(criu.argv)}): {out.strip()[-200:]}"
+    have, kernel = version_of(out), kernel_of(os.uname().release)
+    if have is None or kernel is None:
+        return f"CRIU's version ({out.strip()[:80]!r}) or the kernel's is unreadable"
+    if (why := too_old(have, kernel)) is not None:
+        return why
+    if not privileged(await asyncio.to_thread(_read, Path("/proc/self/status"))):
+        return "the daemon has neither CAP_SYS_ADMIN nor CAP_CHECKPOINT_RESTORE"
+    rc, out = await _run([*criu.argv, "check"], within_s)
+    if rc != 0:
+        return f"`criu check` failed: {out.strip()[-300:]}"
+    return None
+
+
+def _tail(path: Path) -> str:
+    with contextlib.suppress(OSError):
+        return " | ".join(path.read_text(errors="replace").splitlines()[-TAIL_LINES:])
+    return "(no log)"
+
+
+def pipe_inode(fd: int) -> int:
+    """The inode CRIU names a pipe by (`pipe:[N]`)."""
+    return os.fstat(fd).st_ino
+
+
+def _emptied(images: Path) -> None:
+    images.mkdir(parents=True, exist_ok=True)
+    for old in images.iterdir():
+        if old.is_file():
+            old.unlink()
+
+
+async def dump(criu: Criu, pid: int, images: Path, pipes: tuple[int, ...] = (),
+               within_s: float = 600.0) -> float:
+    """The tree rooted at `pid` dumped into `images` (made empty first; the tree ends).
+    `pipes`: the inodes of the pipes it writes to whose other end is the daemon's, given
+    to each copy afresh. Seconds taken; SnapshotError with CRIU's last lines."""
+    await asyncio.to_thread(_emptied, images)
+    external = [a for ino in pipes for a in ("--external", f"pipe:[{ino}]")]
+    t0 = time.monotonic()
+    # (a sleeping standby has no traffic to lock out, and the image has no iptables)
+    rc, out = await _run([*criu.argv, "dump", "-t", str(pid), "-D", str(images), "-v2",
+                          "-o", "dump.log", "--network-lock", "skip", *OPTS, *external],
+                         within_s)
+    if rc != 0:
+        raise SnapshotError(f"criu dump of {pid} failed ({rc}): {_tail(images / 'dump.log')}"
+                            + (f" {out.strip()[-200:]}" if out.strip() else ""))
+    await asyncio.to_thread((images / MANIFEST).write_text,
+                            json.dumps({"pid": pid, "pipes": list(pipes)}))
+    return round(time.monotonic() - t0, 3)
+
+
+class Copy:
+    """The images restored in new PID, network and mount namespaces (`restore`): `proc`
+    is what this module spawned (`unshare`, whose child CRIU is the namespace's init and
+    the restored tree's parent), `pids` the restored tree as the daemon numbers it."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, log: Path,
+                 outputs: dict[int, int]) -> None:
+        self.proc = proc
+        self.log = log
+        # for each pipe the image named, the read end of the copy's own (the daemon's)
+        self.outputs = outputs
+        self.pids: list[int] = []
+
+    @property
+    def root(self) -> int:
+        """The restored engine's main process (as the daemon numbers it)."""
+        return self.pids[0]
+
+    async def end(self, within_s: float = 10.0) -> bool:
+        """Every process of the copy killed: `unshare` and the namespace's init (one
+        process group, spawned here), which makes the kernel kill the rest; True once
+        none is left within `within_s`."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for fd in self.outputs.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.outputs = {}
+        deadline = time.monotonic() + within_s
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.proc.wait(), within_s)
+        while time.monotonic() < deadline:
+            if not any(_alive(p) for p in self.pids):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+
+def _alive(pid: int) -> bool:
+    """Neither gone nor a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    with contextlib.suppress(OSError):
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return []
+
+
+def _restored(unshare: int) -> list[int]:
+    """The restored tree under `unshare` and its child CRIU (the namespace's init),
+    parents first."""
+    inits = {unshare, *_children(unshare)}
+    out, todo = [], [c for p in inits for c in _children(p) if c not in inits]
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo += _children(p)
+    return out
+
+
+async def restore(criu: Criu, images: Path, name: str, within_s: float = 300.0) -> Copy:
+    """A copy of the dumped tree, restored from `images` in namespaces of its own, each
+    pipe the dump named external given afresh (its read end in `Copy.outputs`). Returns
+    once CRIU says the restore finished; SnapshotError (the copy ended) otherwise."""
+    log = images / f"restore-{name}.log"
+    manifest = json.loads(await asyncio.to_thread(_read, images / MANIFEST) or "{}")
+    if "pipes" not in manifest:
+        raise SnapshotError(f"no snapshot in {images} (its {MANIFEST} is missing)")
+    await asyncio.to_thread(log.unlink, missing_ok=True)
+    ends = {ino: os.pipe() for ino in manifest["pipes"]}
+    inherit = [a for ino, (_, w) in ends.items() for a in ("--inherit-fd",
+                                                          f"fd[{w}]:pipe:[{ino}]")]
+    restore_argv = [*criu.argv, "restore", "-D", str(images), "-v3", "-o", log.name,
+                    *OPTS, *inherit]
+    # (exec: CRIU itself becomes the namespace's init, and waits as the tree's parent)
+    inner = f"{_quote(sys.executable)} -c {_quote(LO_UP)} && exec " + \
+        " ".join(_quote(a) for a in restore_argv)
+    writes = tuple(w for _, w in ends.values())
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            "unshare", "--pid", "--net", "--mount", "--fork", "--mount-proc", "sh", "-c",
+            inner, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL, pass_fds=writes, start_new_session=True)
+    finally:
+        for w in writes:
+            os.close(w)
+    copy = Copy(proc, log, {ino: r for ino, (r, _) in ends.items()})
+    deadline = time.monotonic() + within_s
+    while True:
+        if RESTORED in await asyncio.to_thread(_read, log):
+            break
+        if proc.returncode is not None or time.monotonic() > deadline:
+            why = ("ended" if proc.returncode is not None
+                   else f"not restored within {within_s:g} s")
+            await copy.end()
+            raise SnapshotError(f"criu restore of copy {name} {why}: {_tail(log)}")
+        await asyncio.sleep(0.05)
+    copy.pids = await asyncio.to_thread(_restored, proc.pid)
+    return copy
+
+
+def _read(path: Path) -> str:
+    with contextlib.suppress(OSError):
+        return path.read_text(errors="replace")
+    return ""
+
+
+def _quote(arg: str) -> str:
+    return "'" + arg.replace("'", "'\"'\"'") + "'"
+
+
+def _setns(pid: int) -> None:
+    fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns into {pid}'s network namespace: {os.strerror(errno)}")
+    finally:
+        os.close(fd)
+
+
+async def connect_in(pid: int, host: str, port: int, within_s: float = 5.0) -> socket.socket:
+    """A TCP socket connected to host:port inside `pid`'s network namespace (non-blocking,
+    for the caller's event loop). OSError when it cannot be."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[socket.socket] = loop.create_future()
+
+    def settle(sock: socket.socket | None, err: BaseException | None) -> None:
+        if done.cancelled():
+            if sock is not None:
+                sock.close()
+        elif err is not None:
+            done.set_exception(err)
+        else:
+            done.set_result(sock)  # type: ignore[arg-type]
+
+    def run() -> None:  # a thread of its own: it stays in the namespace, and ends here
+        try:
+            _setns(pid)
+            sock = socket.create_connection((host, port), timeout=within_s)
+            sock.setblocking(False)
+            loop.call_soon_threadsafe(settle, sock, None)
+        except OSError as e:
+            loop.call_soon_threadsafe(settle, None, e)
+
+    threading.Thread(target=run, name=f"netns-{pid}", daemon=True).start()
+    return await asyncio.wait_for(done, within_s + 1.0)

@@ -1,0 +1,187 @@
+"""The snapshot seam (supervisor/engine/snapshot/criu.py) with the real CRIU
+(`scripts/setup.sh criu`: .tools/criu/criu) on the fake engine: a sleeping engine of two
+processes (its API server and its "core") dumped, two copies of it restored at once in
+namespaces of their own (the same pids and port each), each answering inside its own
+network namespace, each writing to a pipe of its own, and each ended with nothing left;
+and what is refused: a CRIU that does not run or is too old, images that are not there or
+are broken (the copy ended, CRIU's words in the error)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from supervisor.engine.snapshot import criu
+
+ROOT = Path(__file__).resolve().parent.parent
+CRIU = ROOT / ".tools" / "criu" / "criu"
+FAKE = ROOT / "tests" / "fake_engine.py"
+GUARD_S = 30.0  # every wait below is bounded by this
+
+
+def carried() -> criu.Criu:
+    if not CRIU.exists():
+        pytest.fail("CRIU is not set up here: run `bash scripts/setup.sh criu`")
+    return criu.Criu.at(str(CRIU))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def ask(pid: int, port: int, method: str, path: str,
+              body: dict[str, object] | None = None) -> tuple[int, bytes]:
+    """One HTTP/1.1 request to 127.0.0.1:port inside `pid`'s network namespace."""
+    sock = await criu.connect_in(pid, "127.0.0.1", port)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    data = json.dumps(body).encode() if body is not None else b""
+    writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+                 .encode() + data)
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), GUARD_S)
+    writer.close()
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), rest
+
+
+async def healthy(port: int) -> None:
+    for _ in range(int(GUARD_S / 0.1)):
+        try:
+            _, w = await asyncio.open_connection("127.0.0.1", port)
+            w.close()
+            return
+        except OSError:
+            await asyncio.sleep(0.1)
+    raise AssertionError("the fake engine never listened")
+
+
+async def read_until(fd: int, needle: bytes) -> bytes:
+    """What the pipe's read end carries, until `needle` is in it."""
+    seen = b""
+    os.set_blocking(fd, False)
+    for _ in range(int(GUARD_S / 0.05)):
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            chunk = b""
+        seen += chunk
+        if needle in seen:
+            return seen
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{needle!r} never came through the copy's pipe: {seen[-300:]!r}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_versions_kernels_and_privilege_read_as_criu_and_linux_write_them() -> None:
+    assert criu.version_of("Version: 4.2.1\n") == (4, 2)
+    assert criu.version_of("GitID: v3.17\nVersion: 3.17.1") == (3, 17)
+    assert criu.version_of("criu: command not found") is None
+    assert criu.kernel_of("6.18.44-fc-v769") == (6, 18)
+    assert criu.too_old((4, 2), (6, 18)) is None
+    assert criu.too_old((4, 1), (6, 15)) is None
+    assert "4.2 or later is needed from 6.16" in (criu.too_old((4, 1), (6, 16)) or "")
+    assert "too old" in (criu.too_old((3, 16), (5, 10)) or "")
+    assert criu.privileged("Name:\tx\nCapEff:\t000001ffffffffff\n")
+    assert criu.privileged(f"CapEff:\t{1 << 40:016x}\n")  # CAP_CHECKPOINT_RESTORE alone
+    assert not criu.privileged("CapEff:\t0000000000000000\n")
+
+
+def test_a_criu_that_does_not_run_or_is_too_old_is_refused_saying_why(tmp_path: Path) -> None:
+    old = tmp_path / "old-criu"
+    old.write_text("#!/bin/sh\necho 'Version: 3.10'\n")
+    old.chmod(0o755)
+    missing = asyncio.run(criu.refusal(criu.Criu.at(str(tmp_path / "no-criu"))))
+    assert missing is not None and "CRIU does not run" in missing and "no-criu" in missing
+    why = asyncio.run(criu.refusal(criu.Criu.at(str(old))))
+    assert why is not None and "CRIU 3.10" in why
+    assert asyncio.run(criu.refusal(carried())) is None  # (this machine's, as set up)
+
+
+def test_images_that_are_not_there_or_broken_are_refused_and_leave_nothing(
+        tmp_path: Path) -> None:
+    with pytest.raises(criu.SnapshotError, match="no snapshot in"):
+        asyncio.run(criu.restore(carried(), tmp_path / "none", "a"))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / criu.MANIFEST).write_text(json.dumps({"pid": 1, "pipes": []}))
+    (broken / "inventory.img").write_bytes(b"not an image")
+    with pytest.raises(criu.SnapshotError, match="criu restore of copy a ended") as e:
+        asyncio.run(criu.restore(carried(), broken, "a", within_s=GUARD_S))
+    assert "Error" in str(e.value)  # (CRIU's own last lines)
+
+
+def test_a_dumped_engine_comes_back_twice_at_once_each_copy_in_its_own_namespaces(
+        tmp_path: Path) -> None:
+    port, tool = free_port(), carried()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"}
+    engine = subprocess.Popen(
+        [sys.executable, str(FAKE), "--port", str(port), "--child", "--enable-sleep-mode",
+         "--scheduling-policy", "priority"],  # (each request's priority in its log)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env=env, start_new_session=True)
+    try:
+        asyncio.run(two_copies(engine, port, tool, tmp_path / "images"))
+    finally:
+        if engine.poll() is None:
+            os.killpg(engine.pid, signal.SIGKILL)
+            engine.wait(GUARD_S)
+
+
+async def two_copies(engine: subprocess.Popen[bytes], port: int, tool: criu.Criu,
+                     images: Path) -> None:
+    copies: list[criu.Copy] = []
+    try:
+        await healthy(port)
+        assert engine.stdout is not None
+        pipe = criu.pipe_inode(engine.stdout.fileno())
+        took = await criu.dump(tool, engine.pid, images, pipes=(pipe,), within_s=GUARD_S)
+        assert took >= 0 and (images / "inventory.img").exists()
+        for _ in range(int(GUARD_S / 0.05)):  # (CRIU ends the dumped tree)
+            if engine.poll() is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert engine.returncode == -signal.SIGKILL
+
+        copies = list(await asyncio.gather(criu.restore(tool, images, "a", GUARD_S),
+                                           criu.restore(tool, images, "b", GUARD_S)))
+        a, b = copies
+        assert len(a.pids) == len(b.pids) == 2  # the API server and its core, each
+        assert not set(a.pids) & set(b.pids)
+        for n, copy in enumerate(copies):  # the same port, each in its own namespace
+            assert (await ask(copy.root, port, "GET", "/health"))[0] == 200
+            code, _ = await ask(copy.root, port, "POST", "/v1/completions", {
+                "model": "fake", "prompt": "hi", "max_tokens": 1, "priority": 7 + n})
+            assert code == 200
+            # its output through a pipe of its own, not the dumped engine's
+            assert b"request priority %d" % (7 + n) in await read_until(
+                copy.outputs[pipe], b"request priority %d" % (7 + n))
+        with pytest.raises(OSError):  # nothing of theirs listens in the daemon's namespace
+            await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), GUARD_S)
+
+        pids = [p for c in copies for p in c.pids]
+        assert await a.end(GUARD_S)
+        assert all(alive(p) for p in b.pids)  # (the other copy unharmed)
+        assert (await ask(b.root, port, "GET", "/health"))[0] == 200
+        assert await b.end(GUARD_S)
+        assert not any(alive(p) for p in pids)
+    finally:
+        for copy in copies:
+            await copy.end(GUARD_S)
