@@ -26,6 +26,15 @@ mode), one after another, alone on GPU 0:
    free a dying process's memory without waiting for its exit), opened by pidfd before
    the kill: does the memory come back sooner?
 
+Run with names (`woken_register woken_emptied_bg`) for the follow-ups instead:
+
+5. `woken_register`: as 2, with torch's pinned host memory allocated by malloc and
+   registered (`PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True`) rather than
+   by `cudaHostAlloc`: does the exit still wait on it?
+6. `woken_emptied_bg`: as 3, the emptying on a thread of its own in the core (the rpc
+   returns at once): how long a generation asked meanwhile takes, and when the core's
+   shared memory is down.
+
 For each: every process's memory just before the kill (VmRSS, RssAnon, RssFile, RssShmem,
 VmPin, VmLck, from /proc), and from the SIGKILL the seconds until the card's memory was
 back and until each process had exited. Each appends `RESULT {json}` to
@@ -64,7 +73,13 @@ class HostCache:
         gc.collect()
         torch._C._host_emptyCache()
         return True
+
+    def vs_empty_host_cache_bg(self) -> bool:
+        import threading
+        threading.Thread(target=torch._C._host_emptyCache, daemon=True).start()
+        return True
 '''
+REGISTER = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 MEM_KEYS = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmPin", "VmLck")
 SYS_PIDFD_OPEN, SYS_PROCESS_MRELEASE = 434, 448  # x86_64
 LIBC = ctypes.CDLL(None, use_errno=True)
@@ -146,18 +161,32 @@ def kill_and_time(engine: Engine, reap: bool, timeout: float = 60) -> dict[str, 
             "after": card()}
 
 
-def empty_host_cache(engine: Engine) -> float:
+def empty_host_cache(engine: Engine, method: str = "vs_empty_host_cache") -> float:
     t = time.monotonic()
-    body = json.dumps({"method": "vs_empty_host_cache"}).encode()
+    body = json.dumps({"method": method}).encode()
     req = urllib.request.Request(engine.url("/collective_rpc"), data=body,
                                  headers={"content-type": "application/json"})
     urllib.request.urlopen(req, timeout=120).read()
     return round(time.monotonic() - t, 3)
 
 
-def run(name: str, port: int, sleep_first: bool, reap: bool, empty: bool = False) -> None:
+def shmem_mib(engine: Engine) -> int:
+    return max((memory(p).get("RssShmem", 0) for p in tree(engine.proc.pid)), default=0)
+
+
+def run(name: str, port: int, sleep_first: bool, reap: bool, empty: bool = False,
+        background: bool = False, register: bool = False) -> None:
     ext = ["--worker-extension-cls", f"{EXT}.HostCache"] if empty else []
-    engine = Engine(name, port, [*FULL, *ext])
+    saved = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    if register:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = REGISTER
+    try:
+        engine = Engine(name, port, [*FULL, *ext])
+    finally:
+        if register:
+            os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+            if saved is not None:
+                os.environ["PYTORCH_CUDA_ALLOC_CONF"] = saved
     up = engine.wait_healthy()
     if not up:
         result(name, healthy_s=up, tail=engine.tail())
@@ -170,7 +199,15 @@ def run(name: str, port: int, sleep_first: bool, reap: bool, empty: bool = False
         steps["wake_s"] = engine.post("/wake_up")
         steps["answer_s"] = engine.complete()
         steps["woken"] = {str(p): memory(p) for p in tree(engine.proc.pid)}
-    if empty:
+    if empty and background:
+        t0 = time.monotonic()
+        steps["empty_rpc_s"] = empty_host_cache(engine, "vs_empty_host_cache_bg")
+        steps["answer_meanwhile_s"] = engine.complete()
+        while shmem_mib(engine) > 1024 and time.monotonic() - t0 < 60:
+            time.sleep(0.05)
+        steps["shmem_down_s"] = round(time.monotonic() - t0, 3)
+        steps["answer_after_s"] = engine.complete()
+    elif empty:
         steps["empty_s"] = empty_host_cache(engine)
     result(name, **steps, **engine.facts(), **kill_and_time(engine, reap))
 
@@ -182,6 +219,15 @@ def main() -> None:
     assert STAGED.exists()
     (Path(VLLM_SITE) / f"{EXT}.py").write_text(EXT_SOURCE)
     result("card", kernel=os.uname().release, **card())
+    asked = sys.argv[1:]
+    if asked:
+        if "woken_register" in asked:
+            run("woken_register", 8125, sleep_first=True, reap=False, register=True)
+        if "woken_emptied_bg" in asked:
+            run("woken_emptied_bg", 8126, sleep_first=True, reap=False, empty=True,
+                background=True)
+        result("done", **card())
+        return
     run("fresh", 8121, sleep_first=False, reap=False)
     run("woken", 8122, sleep_first=True, reap=False)
     run("woken_emptied", 8123, sleep_first=True, reap=False, empty=True)
