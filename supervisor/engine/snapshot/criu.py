@@ -28,21 +28,29 @@ import ctypes
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 # what a dump and a restore need beyond CRIU's defaults: the engine's established loopback
 # connections (torch.distributed's store) kept, unix sockets to outside and file locks
-# taken as they are, files deleted while open linked back
+# taken as they are; files deleted while open go in the image (up to GHOST_LIMIT each),
+# or, mapped shared (a semaphore's in /dev/shm), are linked back beside themselves as
+# `link_remap.N`: those are moved from /dev/shm into the copy's own at the dump
 OPTS = ("--tcp-established", "--ext-unix-sk", "--file-locks", "--link-remap")
+GHOST_LIMIT = "256M"
+REMAP = "link_remap."
 # CRIU says a restore finished only from this verbosity up; a copy is seen restored by it
 RESTORED = "Restore finished successfully"
 MANIFEST = "snapshot.json"  # beside the images: what the dump was of
+SHM = Path("/dev/shm")
+SHM_KEPT = "dev-shm"  # beside the images: the files the tree had open or mapped in SHM
 CLONE_NEWNET = 0x40000000
 CAP_SYS_ADMIN, CAP_CHECKPOINT_RESTORE = 21, 40
 # the new network namespace's loopback up (SIOCSIFFLAGS with IFF_UP | IFF_RUNNING), by the
@@ -147,23 +155,80 @@ def pipe_inode(fd: int) -> int:
 
 def _emptied(images: Path) -> None:
     images.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(images / SHM_KEPT, ignore_errors=True)
     for old in images.iterdir():
         if old.is_file():
             old.unlink()
 
 
+def _shm_used(pids: list[int]) -> set[str]:
+    """The files in /dev/shm the processes have mapped or open (vLLM's message queues
+    between its processes: each copy needs the tree's own, not another copy's)."""
+    names: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                path = fields[5] if len(fields) > 5 else ""
+                if path.startswith(f"{SHM}/") and not path.endswith(" (deleted)"):
+                    names.add(path[len(str(SHM)) + 1:])
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith(f"{SHM}/") and not target.endswith(" (deleted)"):
+                        names.add(target[len(str(SHM)) + 1:])
+    return {n for n in names if "/" not in n}
+
+
+def _remaps() -> set[str]:
+    with contextlib.suppress(OSError):
+        return {n for n in os.listdir(SHM) if n.startswith(REMAP)}
+    return set()
+
+
+def _keep_shm(names: set[str], remaps: set[str], images: Path) -> None:
+    """Those files as they are now (the tree stopped), beside the images, and the links
+    the dump made back to deleted ones moved there (nothing of the dump stays in the
+    host's /dev/shm)."""
+    kept = images / SHM_KEPT
+    kept.mkdir(exist_ok=True)
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            shutil.copy2(SHM / name, kept / name)
+    for name in remaps:
+        with contextlib.suppress(FileNotFoundError):
+            shutil.move(SHM / name, kept / name)
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 async def dump(criu: Criu, pid: int, images: Path, pipes: tuple[int, ...] = (),
                within_s: float = 600.0) -> float:
-    """The tree rooted at `pid` dumped into `images` (made empty first; the tree ends).
-    `pipes`: the inodes of the pipes it writes to whose other end is the daemon's, given
-    to each copy afresh. Seconds taken; SnapshotError with CRIU's last lines."""
+    """The tree rooted at `pid` dumped into `images` (made empty first), with the files
+    in /dev/shm it uses as they were at the dump; then the tree is killed. `pipes`: the
+    inodes of the pipes it writes to whose other end is the daemon's, given to each copy
+    afresh. Seconds taken; SnapshotError with CRIU's last lines."""
     await asyncio.to_thread(_emptied, images)
+    pids = await asyncio.to_thread(_tree, pid)
+    remaps = await asyncio.to_thread(_remaps)  # (others', before the dump)
     external = [a for ino in pipes for a in ("--external", f"pipe:[{ino}]")]
     t0 = time.monotonic()
-    # (a sleeping standby has no traffic to lock out, and the image has no iptables)
-    rc, out = await _run([*criu.argv, "dump", "-t", str(pid), "-D", str(images), "-v2",
-                          "-o", "dump.log", "--network-lock", "skip", *OPTS, *external],
-                         within_s)
+    # (a sleeping standby has no traffic to lock out, and the image has no iptables;
+    # left stopped, so that its files in /dev/shm are kept as the image has them)
+    try:
+        rc, out = await _run([*criu.argv, "dump", "-t", str(pid), "-D", str(images), "-v2",
+                              "-o", "dump.log", "--network-lock", "skip", "--leave-stopped",
+                              "--ghost-limit", GHOST_LIMIT, *OPTS, *external], within_s)
+        made = await asyncio.to_thread(_remaps) - remaps
+        shm = await asyncio.to_thread(_shm_used, pids) if rc == 0 else set()
+        await asyncio.to_thread(_keep_shm, shm, made, images)
+    finally:
+        await asyncio.to_thread(_kill, pids)
     if rc != 0:
         raise SnapshotError(f"criu dump of {pid} failed ({rc}): {_tail(images / 'dump.log')}"
                             + (f" {out.strip()[-200:]}" if out.strip() else ""))
@@ -224,6 +289,15 @@ def _children(pid: int) -> list[int]:
     return []
 
 
+def _tree(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo += _children(p)
+    return out
+
+
 def _restored(unshare: int) -> list[int]:
     """The restored tree under `unshare` and its child CRIU (the namespace's init),
     parents first."""
@@ -236,10 +310,14 @@ def _restored(unshare: int) -> list[int]:
     return out
 
 
-async def restore(criu: Criu, images: Path, name: str, within_s: float = 300.0) -> Copy:
+async def restore(criu: Criu, images: Path, name: str, within_s: float = 300.0,
+                  binds: Sequence[tuple[Path, Path]] = ()) -> Copy:
     """A copy of the dumped tree, restored from `images` in namespaces of its own, each
-    pipe the dump named external given afresh (its read end in `Copy.outputs`). Returns
-    once CRIU says the restore finished; SnapshotError (the copy ended) otherwise."""
+    pipe the dump named external given afresh (its read end in `Copy.outputs`). `binds`:
+    (a folder of the copy's own, the path the image has it at), mounted there in the
+    copy's mount namespace first: where the engine binds unix sockets (vLLM's
+    `VLLM_RPC_BASE_PATH`), two copies would otherwise bind the same files. Returns once
+    CRIU says the restore finished; SnapshotError (the copy ended) otherwise."""
     log = images / f"restore-{name}.log"
     manifest = json.loads(await asyncio.to_thread(_read, images / MANIFEST) or "{}")
     if "pipes" not in manifest:
@@ -251,7 +329,12 @@ async def restore(criu: Criu, images: Path, name: str, within_s: float = 300.0) 
     restore_argv = [*criu.argv, "restore", "-D", str(images), "-v3", "-o", log.name,
                     *OPTS, *inherit]
     # (exec: CRIU itself becomes the namespace's init, and waits as the tree's parent)
-    inner = f"{_quote(sys.executable)} -c {_quote(LO_UP)} && exec " + \
+    mounts = "".join(f"mount --bind {_quote(str(own))} {_quote(str(at))} && "
+                     for own, at in binds)
+    if await asyncio.to_thread((images / SHM_KEPT).is_dir):  # a /dev/shm of its own
+        mounts += (f"mount -t tmpfs -o mode=1777 tmpfs {SHM} && "
+                   f"cp -a {_quote(str(images / SHM_KEPT))}/. {SHM}/ && ")
+    inner = f"{mounts}{_quote(sys.executable)} -c {_quote(LO_UP)} && exec " + \
         " ".join(_quote(a) for a in restore_argv)
     writes = tuple(w for _, w in ends.values())
     try:

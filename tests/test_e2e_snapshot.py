@@ -1,0 +1,117 @@
+"""End-to-end: the real vLLM CPU engine (API server, core and worker: three processes, with
+their message queues in /dev/shm and their ZMQ sockets in a folder) snapshotted by the
+real CRIU and brought back twice at once, each copy in namespaces of its own with the
+dumped engine's pids and port (supervisor/engine/snapshot/criu.py; issue 49's route 3).
+
+Each copy answers a greedy completion with the tokens the engine gave before its dump
+(the same engine, not a new one), its output comes through a pipe of its own, and ending
+one leaves the other serving; in the end nothing of either is left. The engine starts as
+route 3's standby does: under a seccomp filter that refuses io_uring (CRIU cannot dump
+one), its own sockets on loopback (`VLLM_HOST_IP`; a copy's namespace has nothing else).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+import pytest
+
+from supervisor.engine.snapshot import criu
+from tests.harness import ROOT, cache_env, free_port, run_caches, wait_for
+from tests.test_e2e_vllm import ENGINE_VLLM, MODEL, START_TIMEOUT
+from tests.test_snapshot_criu import alive, carried, read_until
+
+pytestmark = pytest.mark.e2e
+
+GUARD_S = 120.0  # a dump or a restore of the CPU engine, at most (7-8 s measured)
+PROMPT = {"model": "tiny-llama", "prompt": "The snapshot of an engine", "max_tokens": 12,
+          "temperature": 0.0}
+
+
+async def complete_in(pid: int, port: int) -> dict[str, object]:
+    """A completion from the copy whose process is `pid`, inside its network namespace."""
+    sock = await criu.connect_in(pid, "127.0.0.1", port)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    data = json.dumps(PROMPT).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data)
+                 + data)
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), GUARD_S)
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.split()[1] == b"200", raw[:300]
+    doc: dict[str, object] = json.loads(body)
+    return doc
+
+
+def test_the_real_engine_snapshotted_comes_back_twice_at_once_as_itself(tmp_path: Path) -> None:
+    tool = carried()
+    port = free_port()
+    rpc = Path(tempfile.mkdtemp(prefix="vsr-", dir="/tmp"))  # (short: unix socket paths)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1",
+           "VLLM_HOST_IP": "127.0.0.1", "VLLM_RPC_BASE_PATH": str(rpc),
+           **cache_env(run_caches())}
+    argv = [sys.executable, str(ROOT / "tests" / "no_io_uring.py"), str(ENGINE_VLLM),
+            "serve", str(MODEL), "--served-model-name", "tiny-llama", "--max-model-len", "512",
+            "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1", "--port",
+            str(port)]
+    engine = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_for(lambda: engine.poll() is None and httpx.get(f"{base}/health", timeout=2)
+                 .status_code == 200, START_TIMEOUT, "the engine healthy")
+        before = httpx.post(f"{base}/v1/completions", json=PROMPT, timeout=60).json()
+        text = before["choices"][0]["text"]
+        assert text, before
+        assert engine.stdout is not None
+        asyncio.run(copies(tool, engine, port, rpc, tmp_path / "images", text))
+    finally:
+        if engine.poll() is None:
+            os.killpg(engine.pid, signal.SIGKILL)
+        engine.wait(30)
+
+
+async def copies(tool: criu.Criu, engine: subprocess.Popen[bytes], port: int, rpc: Path,
+                 images: Path, text: str) -> None:
+    assert engine.stdout is not None
+    pipe = criu.pipe_inode(engine.stdout.fileno())
+    took = await criu.dump(tool, engine.pid, images, pipes=(pipe,), within_s=GUARD_S)
+    print(f"dumped in {took} s")
+    assert (images / criu.SHM_KEPT).is_dir()  # (its message queues kept with it)
+    assert not [n for n in os.listdir(criu.SHM) if n in os.listdir(images / criu.SHM_KEPT)
+                and n.startswith(criu.REMAP)]  # (the dump's links moved, none left)
+    made: list[criu.Copy] = []
+    try:
+        for name in ("a", "b"):  # (one at a time: two restores at once on 2 cores)
+            own = rpc.parent / f"{rpc.name}-{name}"
+            own.mkdir()
+            made.append(await criu.restore(tool, images, name, GUARD_S, binds=[(own, rpc)]))
+        a, b = made
+        assert len(a.pids) >= 3 and len(a.pids) == len(b.pids)  # server, core, worker
+        for copy in made:
+            doc = await complete_in(copy.root, port)
+            assert doc["choices"][0]["text"] == text, (doc, text)  # type: ignore[index]
+        # each copy's log through its own pipe (vLLM's access log, one line per request)
+        assert b"POST /v1/completions" in await read_until(a.outputs[pipe],
+                                                           b"POST /v1/completions")
+        with pytest.raises(OSError):  # nothing of theirs listens in the daemon's namespace
+            await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
+        pids = [p for c in made for p in c.pids]
+        assert await a.end(30)
+        assert all(alive(p) for p in b.pids)  # (the other copy unharmed)
+        assert (await complete_in(b.root, port))["choices"][0]["text"] == text  # type: ignore[index]
+        assert await b.end(30)
+        assert not any(alive(p) for p in pids)
+    finally:
+        for copy in made:
+            await copy.end(30)
