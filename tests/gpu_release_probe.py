@@ -58,6 +58,7 @@ os.environ.setdefault("WORK", "/tmp/vs-release")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.gpu_kv_probe import MODEL, WORK, Engine, card, result
 from tests.gpu_shapes import STAGED, VLLM_SITE, make_m8b
+from tests.gpu_snapshot_probe import tree
 
 FULL = ["--gpu-memory-utilization", "0.88"]
 EXT = "vs_host_cache"  # the worker extension's module, written into the vLLM site
@@ -83,16 +84,6 @@ REGISTER = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 MEM_KEYS = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmPin", "VmLck")
 SYS_PIDFD_OPEN, SYS_PROCESS_MRELEASE = 434, 448  # x86_64
 LIBC = ctypes.CDLL(None, use_errno=True)
-
-
-def tree(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        with contextlib.suppress(OSError):
-            todo += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
-    return out
 
 
 def memory(pid: int) -> dict[str, Any]:
