@@ -32,7 +32,7 @@ def facts(tmp: Path, state: State, phase: Bay = Bay.HEALTHY, drain: str = "auto"
     cfg = parse_config(doc, str(tmp / "config.toml"), tmp)
     engine = None if phase in (Bay.EMPTY, Bay.SPAWNING) else \
         types.SimpleNamespace(config=cfg.engine, generation=1, pid=4242)
-    slot = SlotView(0, phase, 1, engine)  # type: ignore[arg-type]
+    slot = SlotView(0, phase, 1, engine, None)  # type: ignore[arg-type]
     return PairFacts(state, slot, cfg, {}, fronted, 100.0, stop_deadline, "",
                      (cfg.engine, cfg.engine), (cfg.engine, cfg.engine))
 

@@ -13,6 +13,7 @@ too, so the deciders never call each other. Frozen values; nothing here acts.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -80,7 +81,9 @@ class PairFacts:
         return eng.build_spawn_spec(self.engine_config(bay), self.environ)
 
     def standby_spec(self, bay: int) -> eng.SpawnSpec:
-        return eng.build_spawn_spec(self.standby_config(bay), self.environ)
+        """A standby's spawn: thin when the pair is asymmetric."""
+        spec = eng.build_spawn_spec(self.standby_config(bay), self.environ)
+        return dataclasses.replace(spec, thin=True) if self.thin_pair else spec
 
     @property
     def thin_pair(self) -> bool:

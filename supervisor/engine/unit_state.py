@@ -427,7 +427,7 @@ class UnitState:
         """While the thin standby of an asymmetric pair serves: its KV cache in tokens,
         as its core said at its start (None otherwise, or where it did not say)."""
         e = self.slot.engine
-        return e.kv_tokens if self.handover.thin_serves and e is not None else None
+        return e.kv_tokens if self.slot.thin and e is not None else None
 
     def sync_capacity(self) -> None:
         """The gate's token budget follows the engine that serves (issue 51). While a
@@ -442,7 +442,7 @@ class UnitState:
             log.info("admission follows the serving engine's KV cache",
                      max_tokens_in_flight=limits.tokens or None,
                      configured=self.config.proxy.max_tokens_in_flight or None,
-                     thin_serves=self.handover.thin_serves)
+                     thin_serves=self.slot.thin)
         self.gate.set_limits(limits)
 
     def reconfigure(self, new: Config) -> None:

@@ -55,9 +55,9 @@ class Handover:
         # not a phase: the engine serves until the swap, which is a failover like any)
         self._upgrade: tuple[str, str] | None = None
         self._rearmed_on: str | None = None  # the quiet window used (the day it began)
-        # an asymmetric pair (`engine.standby_args`): the thin standby serves (it took
-        # over); a full-size engine starts beside it and takes over again (an upgrade)
-        self.thin_serves = False
+        # (an asymmetric pair, `engine.standby_args`: while the thin standby serves, which
+        # the serving bay's spawn says, `f.slot.thin`, a full-size engine starts beside it
+        # and takes over again, as an upgrade)
 
     @property
     def first(self) -> bool:
@@ -78,7 +78,6 @@ class Handover:
         served) is taken down: the engine starting now is full-size."""
         self._set_phase(Phase.IDLE, f.now)
         self._upgrade = None
-        self.thin_serves = False
         st = self.standby
         if f.thin_pair and not st.thin and not st.idle and not st.slot.taking_down:
             return st.retire("a cold start: the standby's place is for a thin one",
@@ -136,7 +135,7 @@ class Handover:
         """A standby in its free place, when one is configured and the engine serves (or
         waits for it to sleep first); after a failure, once its backoff is `due`."""
         mode = f.config.engine.standby
-        if self.thin_serves and self._upgrade is None and mode != "none":
+        if f.slot.thin and self._upgrade is None and mode != "none":
             # the re-arm of an asymmetric pair: the full-size engine beside the thin one
             self._upgrade = ("re-arm: a full-size engine takes over from the thin standby "
                              "that serves", "rearm")
@@ -146,7 +145,7 @@ class Handover:
         if (mode == "none" or not self.standby.can_start() or self.phase in HANDING_OVER
                 or (f.state is not State.RUNNING and not self.first)):
             return []
-        full = self.thin_serves  # (else the standby's own arguments, thin or not)
+        full = f.slot.thin  # (else the standby's own arguments, thin or not)
         bay = self.standby.slot.bay
         cfg = f.engine_config(bay) if full else f.standby_config(bay)
         # (an awake standby's share was checked at load; on CPU no share is given)
@@ -169,8 +168,8 @@ class Handover:
             log.info("re-arm: a full-size engine starts beside the thin one that serves, "
                      "to take over from it")
         # (the full-size one awake: it serves as soon as it is proven)
-        return self.standby.start(eng.build_spawn_spec(cfg, f.environ), cfg,
-                                  "awake" if full else mode, thin=f.thin_pair and not full)
+        spec = f.spawn_spec(bay) if full else f.standby_spec(bay)
+        return self.standby.start(spec, cfg, "awake" if full else mode)
 
     def _replaced_if_out_of_date(self, f: PairFacts) -> list[Step] | None:
         """A ready standby started before a reload changed the arguments, when no upgrade
@@ -320,7 +319,7 @@ class Handover:
             return None
         cfg = f.engine_config(f.slot.bay)
         # (a thin standby serving runs the standby's arguments: a re-arm is under way)
-        spec = f.standby_spec(f.slot.bay) if self.thin_serves else f.spawn_spec(f.slot.bay)
+        spec = f.standby_spec(f.slot.bay) if f.slot.thin else f.spawn_spec(f.slot.bay)
         if (spec.argv, spec.env, spec.cwd) == (e.spec.argv, e.spec.env, e.spec.cwd):
             return None  # (nothing the engine runs changed: a timeout, a grace...)
         if cfg.standby == "sleep" and not engine_checks.side_by_side(cfg):
@@ -345,7 +344,7 @@ class Handover:
         """A ready standby that runs what a start now would run: a standby's arguments,
         or, while the thin standby of an asymmetric pair serves, the engine's."""
         bay = self.standby.slot.bay
-        return self.standby.fits(f.spawn_spec(bay) if self.thin_serves
+        return self.standby.fits(f.spawn_spec(bay) if f.slot.thin
                                  else f.standby_spec(bay))
 
     def swaps_at_once(self, f: PairFacts) -> bool:
@@ -362,7 +361,7 @@ class Handover:
         if self.fits(f):
             return self.fail_over(f, f.restart_reason, graceful)
         out: list[Step] = []
-        if self.standby.ready or (self.thin_serves and self.standby.on_its_way):
+        if self.standby.ready or (f.slot.thin and self.standby.on_its_way):
             # (a full-size engine starting beside the thin one: two would not fit)
             deadline = f.restart_deadline(proxy_drain=False)
             out.append(do.StopDeadline(deadline))
@@ -383,21 +382,21 @@ class Handover:
         old = f.slot
         # a thin engine handing back to a full-size one (an asymmetric pair's re-arm) is
         # kept, to be the standby again once its requests ended
-        keep = (self.thin_serves and graceful and old.engine is not None
+        keep = (old.thin and graceful and old.engine is not None
                 and old.engine.exit_code is None and not old.taking_down
                 and old.engine.spec.argv == f.standby_spec(old.bay).argv)
         # the old engine's take-down keeps within the restart's deadline (or one from now)
         take_down = (old.engine is not None and not old.taking_down and not drain_behind
                      and not keep)
         deadline = f.restart_deadline(proxy_drain=False) if take_down else 0.0
-        new, asleep, self.thin_serves = self.standby.take_over(old, keep=keep)
+        new, asleep = self.standby.take_over(old, keep=keep)
         engine = new.engine
         assert engine is not None
         self.failovers += 1
         old_pid = old.engine.pid if old.engine else None
         log.warning("failover: the standby serves", reason=reason, pid=engine.pid,
                     port=engine.spec.port, old_pid=old_pid, asleep=asleep,
-                    **({"thin": self.thin_serves, "old_kept": keep} if f.thin_pair else {}))
+                    **({"thin": new.thin, "old_kept": keep} if f.thin_pair else {}))
         out: list[Step] = [
             do.ServeFrom(),  # (the restart is over: its deadline with it)
             do.Audit("failover", {"reason": reason, "pid": engine.pid,
@@ -518,8 +517,9 @@ class Handover:
             return f"{why}: the standby is kept awake"
         return f"{why}: no standby (an awake one does not fit beside the engine)"
 
-    def status(self, now: float, mode: str) -> dict[str, Any]:
-        """`status`'s `standby`: `"ready"` when armed (awake or asleep, and proven)."""
+    def status(self, now: float, mode: str, thin_serves: bool) -> dict[str, Any]:
+        """`status`'s `standby`: `"ready"` when armed (awake or asleep, and proven);
+        `thin_serves`, the serving engine is an asymmetric pair's thin standby."""
         if mode == "none" and self.standby.idle:
             return {"state": "none"}
-        return {"mode": mode, **self.standby.status(now), "thin_serves": self.thin_serves}
+        return {"mode": mode, **self.standby.status(now), "thin_serves": thin_serves}

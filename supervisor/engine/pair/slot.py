@@ -38,6 +38,12 @@ class _BayReading:
 
     phase: Bay
     engine: eng.EngineProcess | None
+    spec: eng.SpawnSpec | None  # the engine's in the bay, or the spawn's under way
+
+    @property
+    def thin(self) -> bool:
+        """The engine in the bay (or coming) is an asymmetric pair's thin standby."""
+        return self.spec is not None and self.spec.thin
 
     @property
     def spawning(self) -> bool:
@@ -63,6 +69,7 @@ class SlotView(_BayReading):
     phase: Bay
     generation: int
     engine: eng.EngineProcess | None
+    spec: eng.SpawnSpec | None
 
 
 class EngineSlot(_BayReading):
@@ -81,6 +88,7 @@ class EngineSlot(_BayReading):
         self.what = what
         self._prefix = "" if what == "engine" else what.replace(" ", "_") + "_"
         self.engine: eng.EngineProcess | None = None
+        self.spec: eng.SpawnSpec | None = None
         self.generation = 0  # changes with every spawn
         self.phase = Bay.EMPTY
         self.last_exit: str | None = None  # how the last engine ended, for `status`
@@ -94,7 +102,7 @@ class EngineSlot(_BayReading):
         self.phase = new
 
     def view(self) -> SlotView:
-        return SlotView(self.bay, self.phase, self.generation, self.engine)
+        return SlotView(self.bay, self.phase, self.generation, self.engine, self.spec)
 
     def spawn(self, spec: eng.SpawnSpec) -> eng.SpawnSpec:
         """A spawn begins here (the executor's): its generation drawn, its load decided;
@@ -107,6 +115,7 @@ class EngineSlot(_BayReading):
         self.load = self._load() if self._load is not None else None
         if self.load is not None:
             spec = dataclasses.replace(spec, load=self.load.args)
+        self.spec = spec
         return spec
 
     def _event(self, name: str, **fields: Any) -> None:
@@ -164,6 +173,7 @@ class EngineSlot(_BayReading):
             self._event("leftover_killed", process=line)
         load = self.load.fields() if self.load is not None else {}
         if ev.engine is None:
+            self.spec = None
             log.error(f"{self.what} could not be started", error=ev.error)
             self._event("spawn_failed", error=ev.error, gpu_busy=ev.gpu_busy, **load)
             return None
@@ -273,7 +283,7 @@ class EngineSlot(_BayReading):
         engine = self.engine
         assert engine is not None
         self._set_phase(Bay.EMPTY)
-        self.engine = None
+        self.engine = self.spec = None
         problem = ev.error
         if ev.result is not None:
             r = ev.result

@@ -65,8 +65,6 @@ class Standby:
         # an awake one sleeps and wakes once before it is ready; off for good once a
         # wake broke an engine of the unit (set by `EngineUnit.handle`)
         self.warm_up = True
-        # the engine in its place runs the thinner standby's arguments (`standby_args`)
-        self.thin = False
         # why an engine of this unit cannot sleep (`devroutes.sleep_off`: a flag, a
         # development route it does not serve), for the command and environment it was
         # started with: learned from every engine's probe at its start (the serving
@@ -124,12 +122,17 @@ class Standby:
         """Started, not ready yet."""
         return self.state in ON_ITS_WAY and not self.slot.taking_down
 
-    def start(self, spec: eng.SpawnSpec, cfg: EngineConfig, mode: str,
-              thin: bool = False) -> list[do.Step]:
+    @property
+    def thin(self) -> bool:
+        """The engine in its place (or coming) runs the thinner standby's arguments
+        (`standby_args`): its spawn says so (`SpawnSpec.thin`)."""
+        return self.slot.thin
+
+    def start(self, spec: eng.SpawnSpec, cfg: EngineConfig, mode: str) -> list[do.Step]:
         self._to(Role.STARTING)
-        self.mode, self.asleep, self.thin = mode, False, thin
+        self.mode, self.asleep = mode, False
         log.info("standby starting", port=spec.port, mode=mode,
-                 **({"thin": thin} if cfg.standby_args else {}))
+                 **({"thin": spec.thin} if cfg.standby_args else {}))
         return [do.Spawn(self.slot.bay, spec, cfg)]
 
     def no_room(self, why: str) -> None:
@@ -163,21 +166,20 @@ class Standby:
         return self.ready and e is not None and e.spec.argv == spec.argv \
             and e.spec.env == spec.env and e.spec.cwd == spec.cwd
 
-    def take_over(self, old: SlotView, keep: bool = False) -> tuple[SlotView, bool, bool]:
-        """The ready standby's bay, to serve, whether its engine is asleep (to be woken
-        before anything reaches it) and thin; `old` (the serving one) takes its place (the
+    def take_over(self, old: SlotView, keep: bool = False) -> tuple[SlotView, bool]:
+        """The ready standby's bay, to serve, and whether its engine is asleep (to be
+        woken before anything reaches it); `old` (the serving one) takes its place (the
         unit swaps the two: `do.ServeFrom`), to be taken down by the caller, or with
         `keep` (a thin one, handing back to a full-size engine) to finish its requests
         and be the standby again."""
         new = self.slot.view()
         asleep, self.asleep = self.asleep, False
-        thin, self.thin = self.thin, keep
         self.failures = 0
         if keep:
             self._to(Role.RETURNING, "a full-size engine took over")
         else:
             self._to(Role.RETIRING if old.engine is not None else Role.NONE, "took over")
-        return new, asleep, thin
+        return new, asleep
 
     def keep(self, mode: str) -> list[do.Step]:
         """The thin engine back in the standby's place has no request left: put to

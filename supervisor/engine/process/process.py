@@ -75,6 +75,9 @@ class SpawnSpec:
     # port): any the kernel gives as free on `host`, none of these; `port` is then 0 and
     # `argv` says `PORT` where the port goes (`on_port`)
     pick_port: tuple[int, ...] | None = None
+    # started with the standby's thinner arguments (`engine.standby_args`: an asymmetric
+    # pair's thin standby): what the engine is, for as long as it lives, wherever it serves
+    thin: bool = False
 
     @property
     def command_line(self) -> list[str]:
