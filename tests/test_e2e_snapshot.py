@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from supervisor.engine.snapshot import criu
+from supervisor.engine.snapshot import criu, relay
 from tests.harness import ROOT, cache_env, free_port, run_caches, wait_for
 from tests.test_e2e_vllm import ENGINE_VLLM, MODEL, START_TIMEOUT
 from tests.test_snapshot_criu import alive, carried, read_until
@@ -109,7 +109,18 @@ async def copies(tool: criu.Criu, engine: subprocess.Popen[bytes], port: int, rp
         pids = [p for c in made for p in c.pids]
         assert await a.end(30)
         assert all(alive(p) for p in b.pids)  # (the other copy unharmed)
-        assert (await complete_in(b.root, port))["choices"][0]["text"] == text  # type: ignore[index]
+        # b on a port of the daemon's loopback, through its relay, as the proxy and the
+        # watchdog would reach it: a generation, and vLLM's /metrics page
+        listening = relay.bind_free()
+        await relay.start(b.root, listening, port)
+        here = listening.getsockname()[1]
+        listening.close()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{here}",
+                                     timeout=GUARD_S) as client:
+            r = await client.post("/v1/completions", json=PROMPT)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == text, r.text
+            metrics = (await client.get("/metrics")).text
+            assert "vllm:num_requests_running" in metrics
         assert await b.end(30)
         assert not any(alive(p) for p in pids)
     finally:

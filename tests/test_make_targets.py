@@ -41,9 +41,10 @@ def tools_of_the_tests_without_the_engine() -> dict[str, list[str]]:
 def test_test_fast_sets_up_every_tool_that_its_tests_need() -> None:
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     part_of = {folder: part for part, folder in SETUP.findall(setup)}
-    assert part_of == {"prometheus": "prometheus", "vllm-router": "router"}, part_of
+    assert part_of == {"prometheus": "prometheus", "vllm-router": "router", "criu": "criu"}, \
+        part_of
     needed = tools_of_the_tests_without_the_engine()
-    assert set(needed) == {"prometheus", "vllm-router"}, needed  # (the check sees them)
+    assert set(needed) == {"prometheus", "vllm-router", "criu"}, needed  # (it sees them)
     steps = recipe("test-fast")
     missing = {tool: users for tool, users in needed.items()
                if f"bash scripts/setup.sh {part_of[tool]}" not in steps}

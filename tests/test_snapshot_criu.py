@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.engine.snapshot import criu
+from supervisor.engine.snapshot import criu, relay
 
 ROOT = Path(__file__).resolve().parent.parent
 CRIU = ROOT / ".tools" / "criu" / "criu"
@@ -185,3 +185,54 @@ async def two_copies(engine: subprocess.Popen[bytes], port: int, tool: criu.Criu
     finally:
         for copy in copies:
             await copy.end(GUARD_S)
+
+
+def test_a_copy_is_reached_through_its_relay_on_the_daemons_loopback_and_ends_with_it(
+        tmp_path: Path) -> None:
+    port, tool = free_port(), carried()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"}
+    engine = subprocess.Popen(
+        [sys.executable, str(FAKE), "--port", str(port), "--child", "--token-delay", "0.05"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env=env, start_new_session=True)
+    try:
+        asyncio.run(relayed(engine, port, tool, tmp_path / "images"))
+    finally:
+        if engine.poll() is None:
+            os.killpg(engine.pid, signal.SIGKILL)
+            engine.wait(GUARD_S)
+
+
+async def relayed(engine: subprocess.Popen[bytes], port: int, tool: criu.Criu,
+                  images: Path) -> None:
+    import httpx
+
+    await healthy(port)
+    assert engine.stdout is not None
+    await criu.dump(tool, engine.pid, images, pipes=(criu.pipe_inode(engine.stdout.fileno()),),
+                    within_s=GUARD_S)
+    copy = await criu.restore(tool, images, "a", GUARD_S)
+    listening = relay.bind_free()
+    here = listening.getsockname()[1]
+    try:
+        proc = await relay.start(copy.root, listening, port)
+        listening.close()  # (the relay has it)
+        base = f"http://127.0.0.1:{here}"
+        async with httpx.AsyncClient(base_url=base, timeout=GUARD_S) as client:
+            assert (await client.get("/health")).status_code == 200
+            # a stream, token by token, through it
+            events = []
+            async with client.stream("POST", "/v1/completions", json={
+                    "model": "fake", "prompt": "hi", "max_tokens": 5, "stream": True}) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line)
+            assert len(events) == 6 and events[-1] == "data: [DONE]", events
+        assert await copy.end(GUARD_S)
+        # the relay lived in the copy's PID namespace: it went with it
+        assert await asyncio.wait_for(proc.wait(), GUARD_S) is not None
+        with pytest.raises(OSError):
+            await asyncio.wait_for(asyncio.open_connection("127.0.0.1", here), 5)
+    finally:
+        await copy.end(GUARD_S)
