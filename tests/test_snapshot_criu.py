@@ -236,3 +236,23 @@ async def relayed(engine: subprocess.Popen[bytes], port: int, tool: criu.Criu,
             await asyncio.wait_for(asyncio.open_connection("127.0.0.1", here), 5)
     finally:
         await copy.end(GUARD_S)
+
+
+def test_a_tree_that_cannot_be_dumped_runs_on_and_the_error_says_why(tmp_path: Path) -> None:
+    # an io_uring, which CRIU cannot dump (io_uring_setup: 425 on x86-64)
+    held = subprocess.Popen(
+        [sys.executable, "-c", "import ctypes, time; libc = ctypes.CDLL(None); "
+         "fd = libc.syscall(425, 8, ctypes.create_string_buffer(120)); assert fd >= 0; "
+         "print('ready', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert held.stdout is not None and held.stdout.readline() == b"ready\n"
+        with pytest.raises(criu.SnapshotError, match=f"criu dump of {held.pid} failed"):
+            asyncio.run(criu.dump(carried(), held.pid, tmp_path / "images",
+                                  within_s=GUARD_S))
+        assert alive(held.pid) and held.poll() is None
+        state = Path(f"/proc/{held.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert state in ("S", "R"), state  # (running on: not left stopped)
+    finally:
+        os.killpg(held.pid, signal.SIGKILL)
+        held.wait(GUARD_S)

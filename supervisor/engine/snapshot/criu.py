@@ -116,10 +116,12 @@ async def _run(argv: list[str], within_s: float,
         return 127, f"{argv[0]}: {e.strerror or e}"
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), within_s)
-    except TimeoutError:
+    except (TimeoutError, asyncio.CancelledError) as e:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
+        await asyncio.shield(proc.wait())
+        if isinstance(e, asyncio.CancelledError):
+            raise
         return -9, f"{argv[0]}: no answer within {within_s:g} s"
     return proc.returncode or 0, out.decode(errors="replace")
 
@@ -201,10 +203,10 @@ def _keep_shm(names: set[str], remaps: set[str], images: Path) -> None:
             shutil.move(SHM / name, kept / name)
 
 
-def _kill(pids: list[int]) -> None:
+def _signal(pids: list[int], sig: signal.Signals) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
 
 
 async def dump(criu: Criu, pid: int, images: Path, pipes: tuple[int, ...] = (),
@@ -212,7 +214,8 @@ async def dump(criu: Criu, pid: int, images: Path, pipes: tuple[int, ...] = (),
     """The tree rooted at `pid` dumped into `images` (made empty first), with the files
     in /dev/shm it uses as they were at the dump; then the tree is killed. `pipes`: the
     inodes of the pipes it writes to whose other end is the daemon's, given to each copy
-    afresh. Seconds taken; SnapshotError with CRIU's last lines."""
+    afresh. Seconds taken; SnapshotError with CRIU's last lines, the tree running on
+    (what becomes of it is the caller's)."""
     await asyncio.to_thread(_emptied, images)
     pids = await asyncio.to_thread(_tree, pid)
     remaps = await asyncio.to_thread(_remaps)  # (others', before the dump)
@@ -220,6 +223,7 @@ async def dump(criu: Criu, pid: int, images: Path, pipes: tuple[int, ...] = (),
     t0 = time.monotonic()
     # (a sleeping standby has no traffic to lock out, and the image has no iptables;
     # left stopped, so that its files in /dev/shm are kept as the image has them)
+    rc = -1
     try:
         rc, out = await _run([*criu.argv, "dump", "-t", str(pid), "-D", str(images), "-v2",
                               "-o", "dump.log", "--network-lock", "skip", "--leave-stopped",
@@ -228,7 +232,10 @@ async def dump(criu: Criu, pid: int, images: Path, pipes: tuple[int, ...] = (),
         shm = await asyncio.to_thread(_shm_used, pids) if rc == 0 else set()
         await asyncio.to_thread(_keep_shm, shm, made, images)
     finally:
-        await asyncio.to_thread(_kill, pids)
+        # dumped: the tree goes (copies are made of the image); else it runs on (CRIU
+        # resumes it, unless it was cut short)
+        await asyncio.to_thread(_signal, pids,
+                                signal.SIGKILL if rc == 0 else signal.SIGCONT)
     if rc != 0:
         raise SnapshotError(f"criu dump of {pid} failed ({rc}): {_tail(images / 'dump.log')}"
                             + (f" {out.strip()[-200:]}" if out.strip() else ""))
