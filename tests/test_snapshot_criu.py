@@ -104,6 +104,14 @@ def test_versions_kernels_and_privilege_read_as_criu_and_linux_write_them() -> N
     assert not criu.privileged("CapEff:\t0000000000000000\n")
 
 
+def test_images_of_another_command_line_or_version_are_stale_saying_which() -> None:
+    made = {"argv": "vllm serve m --port 8001", "vllm": "0.26.0", "kernel": "6.18.44"}
+    assert criu.stale(made, dict(made)) is None
+    why = criu.stale(made, {**made, "vllm": "0.33.0"})
+    assert why == "its vllm changed ('0.26.0' when it was made, '0.33.0' now)"
+    assert "its driver changed ('unknown'" in (criu.stale(made, {**made, "driver": "580"}) or "")
+
+
 def test_a_criu_that_does_not_run_or_is_too_old_is_refused_saying_why(tmp_path: Path) -> None:
     old = tmp_path / "old-criu"
     old.write_text("#!/bin/sh\necho 'Version: 3.10'\n")
@@ -152,8 +160,12 @@ async def two_copies(engine: subprocess.Popen[bytes], port: int, tool: criu.Criu
         await healthy(port)
         assert engine.stdout is not None
         pipe = criu.pipe_inode(engine.stdout.fileno())
-        took = await criu.dump(tool, engine.pid, images, pipes=(pipe,), within_s=GUARD_S)
+        made = {"argv": " ".join(engine.args), "kernel": os.uname().release}  # type: ignore[arg-type]
+        took = await criu.dump(tool, engine.pid, images, pipes=(pipe,), within_s=GUARD_S,
+                               made=made)
         assert took >= 0 and (images / "inventory.img").exists()
+        assert await criu.made_of(images) == made
+        assert await criu.made_of(images / "none") is None
         for _ in range(int(GUARD_S / 0.05)):  # (CRIU ends the dumped tree)
             if engine.poll() is not None:
                 break

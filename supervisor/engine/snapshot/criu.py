@@ -34,7 +34,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,13 +209,35 @@ def _signal(pids: list[int], sig: signal.Signals) -> None:
             os.kill(pid, sig)
 
 
+def stale(made_of: Mapping[str, str], now: Mapping[str, str]) -> str | None:
+    """Why images made of `made_of` (what `dump` was told the engine was: its command
+    line, its vLLM, the kernel, the driver...) are no copy of what would start `now`;
+    None when nothing of it changed."""
+    for key in sorted(set(made_of) | set(now)):
+        if made_of.get(key) != now.get(key):
+            return (f"its {key} changed ({made_of.get(key, 'unknown')!r} when it was made, "
+                    f"{now.get(key, 'unknown')!r} now)")
+    return None
+
+
+async def made_of(images: Path) -> dict[str, str] | None:
+    """What the images in `images` were made of; None when there are none."""
+    text = await asyncio.to_thread(_read, images / MANIFEST)
+    if not text:
+        return None
+    with contextlib.suppress(ValueError, AttributeError):
+        return {str(k): str(v) for k, v in json.loads(text).get("made_of", {}).items()}
+    return None
+
+
 async def dump(criu: Criu, pid: int, images: Path, pipes: tuple[int, ...] = (),
-               within_s: float = 600.0) -> float:
+               within_s: float = 600.0, made: Mapping[str, str] | None = None) -> float:
     """The tree rooted at `pid` dumped into `images` (made empty first), with the files
     in /dev/shm it uses as they were at the dump; then the tree is killed. `pipes`: the
     inodes of the pipes it writes to whose other end is the daemon's, given to each copy
-    afresh. Seconds taken; SnapshotError with CRIU's last lines, the tree running on
-    (what becomes of it is the caller's)."""
+    afresh; `made`, what the engine is (`stale` compares it with what a start would be).
+    Seconds taken; SnapshotError with CRIU's last lines, the tree running on (what
+    becomes of it is the caller's)."""
     await asyncio.to_thread(_emptied, images)
     pids = await asyncio.to_thread(_tree, pid)
     remaps = await asyncio.to_thread(_remaps)  # (others', before the dump)
@@ -228,9 +250,9 @@ async def dump(criu: Criu, pid: int, images: Path, pipes: tuple[int, ...] = (),
         rc, out = await _run([*criu.argv, "dump", "-t", str(pid), "-D", str(images), "-v2",
                               "-o", "dump.log", "--network-lock", "skip", "--leave-stopped",
                               "--ghost-limit", GHOST_LIMIT, *OPTS, *external], within_s)
-        made = await asyncio.to_thread(_remaps) - remaps
+        linked = await asyncio.to_thread(_remaps) - remaps
         shm = await asyncio.to_thread(_shm_used, pids) if rc == 0 else set()
-        await asyncio.to_thread(_keep_shm, shm, made, images)
+        await asyncio.to_thread(_keep_shm, shm, linked, images)
     finally:
         # dumped: the tree goes (copies are made of the image); else it runs on (CRIU
         # resumes it, unless it was cut short)
@@ -240,7 +262,8 @@ async def dump(criu: Criu, pid: int, images: Path, pipes: tuple[int, ...] = (),
         raise SnapshotError(f"criu dump of {pid} failed ({rc}): {_tail(images / 'dump.log')}"
                             + (f" {out.strip()[-200:]}" if out.strip() else ""))
     await asyncio.to_thread((images / MANIFEST).write_text,
-                            json.dumps({"pid": pid, "pipes": list(pipes)}))
+                            json.dumps({"pid": pid, "pipes": list(pipes),
+                                        "made_of": dict(made or {})}))
     return round(time.monotonic() - t0, 3)
 
 
