@@ -1,7 +1,7 @@
 # Two commands do everything from nothing: `make run` and `make test`.
 .PHONY: setup run test test-fast lint bench bench-lifecycle bench-watchdog bench-proxy soak \
 	bench-restart bench-failover bench-healthy-soak bench-proxy-routing bench-proxy-paced \
-	bench-host-cost bench-plane \
+	bench-host-cost bench-plane bench-relay \
 	bench-spec-decode clean
 
 setup:
@@ -60,6 +60,11 @@ bench-proxy: setup
 bench-plane: setup
 	bash scripts/setup.sh nginx
 	.venv/bin/python bench/plane_scale.py --out docs/benchmarks.md $(ARGS)
+
+# A copy's relay (issue 49's route 3: every token of a restored standby crosses it) under
+# streams paced as vLLM sends them, beside direct (about 2 minutes)
+bench-relay: setup
+	.venv/bin/python bench/relay_bench.py --out docs/benchmarks.md
 
 bench-proxy-paced: setup
 	bash scripts/setup.sh nginx

@@ -147,13 +147,14 @@ class Child:
     """A server process in its own session, its output in a log file; stopped by group."""
 
     def __init__(self, name: str, argv: list[str], tmp: Path,
-                 env: dict[str, str] | None = None, cwd: Path = ROOT) -> None:
+                 env: dict[str, str] | None = None, cwd: Path = ROOT,
+                 pass_fds: tuple[int, ...] = ()) -> None:
         self.name = name
         self.log = tmp / f"{name}.log"
         with open(self.log, "wb") as out:
             self.p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True,
-                                      cwd=cwd, env=env)
+                                      cwd=cwd, env=env, pass_fds=pass_fds)
 
     def wait_listening(self, timeout: float = 60) -> int:
         deadline = time.monotonic() + timeout

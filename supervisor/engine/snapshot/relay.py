@@ -34,15 +34,20 @@ def bind_free(host: str = "127.0.0.1") -> socket.socket:
     return sock
 
 
+def argv(root: int, fd: int, port: int) -> list[str]:
+    """The relay's command line: into `root`'s PID and network namespaces, `fd` (a
+    listening socket, handed down) to `port` there."""
+    return ["nsenter", f"--target={root}", "--net", "--pid", "--",
+            sys.executable, "-m", "supervisor.engine.snapshot.relay", str(fd), str(port)]
+
+
 async def start(root: int, listening: socket.socket, port: int
                 ) -> asyncio.subprocess.Process:
     """The relay for the copy whose process `root` is: `listening` (made here, handed
     down) to `port` inside the copy. Its `nsenter` ends when the relay does."""
     fd = listening.fileno()
     return await asyncio.create_subprocess_exec(
-        "nsenter", f"--target={root}", "--net", "--pid", "--",
-        sys.executable, "-m", "supervisor.engine.snapshot.relay", str(fd), str(port),
-        pass_fds=(fd,), stdin=asyncio.subprocess.DEVNULL,
+        *argv(root, fd, port), pass_fds=(fd,), stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
         start_new_session=True)
 
