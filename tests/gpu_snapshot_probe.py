@@ -13,7 +13,7 @@ libc's own loader; `apt-get download` with a sid sources list, see docs/standby.
 
 `criu`: steps 1-3 and 6-8 only (no serving engine, no failover). VLLM_HOST_IP keeps vLLM's
 own sockets on loopback (step 8's namespace has nothing else); the standby starts under
-tests/no_io_uring.py (CRIU cannot dump an io_uring).
+supervisor/engine/snapshot/no_io_uring.py (CRIU cannot dump an io_uring).
 
 Steps, each appending `RESULT {json}` to $WORK/results.jsonl (a step that fails records
 why and the next runs where it can):
@@ -78,7 +78,8 @@ DUMPED: list[int] = []  # the pids of the tree CRIU dumped
 FULL = ["--gpu-memory-utilization", "0.88"]
 # The engine started under a seccomp filter that answers io_uring_setup with ENOSYS: CRIU
 # cannot dump an io_uring, and the libraries that open one fall back without it.
-NO_IO_URING = [sys.executable, str(Path(__file__).resolve().parent / "no_io_uring.py")]
+NO_IO_URING = [sys.executable, str(Path(__file__).resolve().parent.parent / "supervisor"
+                                   / "engine" / "snapshot" / "no_io_uring.py")]
 
 
 def sh(*argv: str, timeout: float = 120, env: dict[str, str] | None = None) -> dict[str, Any]:

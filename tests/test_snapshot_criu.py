@@ -23,6 +23,7 @@ from supervisor.engine.snapshot import criu, relay
 ROOT = Path(__file__).resolve().parent.parent
 CRIU = ROOT / ".tools" / "criu" / "criu"
 FAKE = ROOT / "tests" / "fake_engine.py"
+NO_IO_URING = ROOT / "supervisor" / "engine" / "snapshot" / "no_io_uring.py"
 GUARD_S = 30.0  # every wait below is bounded by this
 
 
@@ -268,3 +269,16 @@ def test_a_tree_that_cannot_be_dumped_runs_on_and_the_error_says_why(tmp_path: P
     finally:
         os.killpg(held.pid, signal.SIGKILL)
         held.wait(GUARD_S)
+
+
+def test_a_command_under_the_io_uring_filter_runs_and_cannot_open_one() -> None:
+    probe = ("import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "
+             "fd = libc.syscall(425, 8, ctypes.create_string_buffer(120)); "
+             "print(fd, ctypes.get_errno(), os.getpid() > 0)")
+    out = subprocess.run([sys.executable, str(NO_IO_URING), sys.executable, "-c", probe],
+                         capture_output=True, text=True, timeout=GUARD_S)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["-1", "38", "True"]  # ENOSYS, and the rest runs
+    bare = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=GUARD_S)
+    assert bare.stdout.split()[0] != "-1"  # (this kernel has io_uring: the filter did it)

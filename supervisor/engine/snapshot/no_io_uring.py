@@ -1,7 +1,11 @@
 """Run a command under a seccomp filter that answers io_uring_setup with ENOSYS (issue 49,
-route 3: CRIU cannot dump an io_uring; the libraries that open one fall back without it).
+route 3: CRIU cannot dump an io_uring; the libraries that open one fall back without it:
+vLLM's API server opened one, and started and served as usual without).
 
-    python3 tests/no_io_uring.py COMMAND [ARGS...]
+    python3 supervisor/engine/snapshot/no_io_uring.py COMMAND [ARGS...]
+
+Standalone (nothing of the package imported): a Python without the daemon's site runs it
+by its path, as the GPU probes do.
 """
 
 from __future__ import annotations
