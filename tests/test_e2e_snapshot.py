@@ -62,7 +62,8 @@ def test_the_real_engine_snapshotted_comes_back_twice_at_once_as_itself(tmp_path
            "VLLM_HOST_IP": "127.0.0.1", "VLLM_RPC_BASE_PATH": str(rpc),
            **cache_env(run_caches())}
     argv = [sys.executable, str(ROOT / "supervisor" / "engine" / "snapshot" / "no_io_uring.py"),
-            str(ENGINE_VLLM), "serve", str(MODEL), "--served-model-name", "tiny-llama", "--max-model-len", "512",
+            str(ENGINE_VLLM), "serve", str(MODEL), "--served-model-name", "tiny-llama",
+            "--max-model-len", "512",
             "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1", "--port",
             str(port)]
     engine = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
