@@ -165,6 +165,35 @@ def machine_busy() -> tuple[float, float]:
     return sum(fields) - idle, sum(fields)
 
 
+def paced_rounds(client: Client, servers: dict[str, Child], ports: dict[str, int],
+                 rounds: int, scale: float) -> dict[str, Any]:
+    """Every configuration on every path, `rounds` times, the paths alternating within a
+    round and their order rotating: each run's result (with the server's CPU over it and
+    the machine's load), by configuration and path."""
+    paths = tuple(servers)
+    results: dict[str, Any] = {}
+    for rnd in range(rounds):
+        k = rnd % len(paths)
+        for step, conc, tokens, total in CONFIGS:
+            for path in paths[k:] + paths[:k]:
+                cpu0, busy0 = servers[path].cpu_s(), machine_busy()
+                r = client.run(url=f"http://127.0.0.1:{ports[path]}/v1/completions"
+                                   f"?step_ms={step}", concurrency=conc,
+                               tokens=tokens, total=max(conc, int(total * scale)))
+                r["server_cpu_s"] = servers[path].cpu_s() - cpu0
+                busy1 = machine_busy()
+                r["machine_busy"] = (busy1[0] - busy0[0]) / max(1.0, busy1[1] - busy0[1])
+                results.setdefault(f"{step}-{conc}", {}).setdefault(path, []).append(r)
+                print(f"round {rnd + 1} {step} ms x {conc:>3} {path:<12} "
+                      f"{r['events_per_s']:.0f} ev/s cpu/chunk "
+                      f"{r['server_cpu_s'] / max(1, r['events']) * 1e6:.1f} us gap p50 "
+                      f"{r['gap_p50_ms']:.2f} p99 {r['gap_p99_ms']:.2f} ms "
+                      f"reads {r['reads']} busy {r['machine_busy']:.0%} "
+                      f"errors {r['errors']} "
+                      f"short {r['short_streams']}", flush=True)
+    return results
+
+
 def measure(args: argparse.Namespace, tmp: Path) -> tuple[tuple[str, ...], dict[str, Any]]:
     children: list[Child] = []
     client = None
@@ -197,26 +226,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> tuple[tuple[str, ...], dict[
             servers["nginx"] = ng
         paths = tuple(servers)
         client = Client(__file__)
-        results: dict[str, Any] = {}
-        for rnd in range(args.rounds):
-            k = rnd % len(paths)
-            for step, conc, tokens, total in CONFIGS:
-                for path in paths[k:] + paths[:k]:
-                    cpu0, busy0 = servers[path].cpu_s(), machine_busy()
-                    r = client.run(url=f"http://127.0.0.1:{ports[path]}/v1/completions"
-                                       f"?step_ms={step}", concurrency=conc,
-                                   tokens=tokens, total=max(conc, int(total * args.scale)))
-                    r["server_cpu_s"] = servers[path].cpu_s() - cpu0
-                    busy1 = machine_busy()
-                    r["machine_busy"] = (busy1[0] - busy0[0]) / max(1.0, busy1[1] - busy0[1])
-                    results.setdefault(f"{step}-{conc}", {}).setdefault(path, []).append(r)
-                    print(f"round {rnd + 1} {step} ms x {conc:>3} {path:<12} "
-                          f"{r['events_per_s']:.0f} ev/s cpu/chunk "
-                          f"{r['server_cpu_s'] / max(1, r['events']) * 1e6:.1f} us gap p50 "
-                          f"{r['gap_p50_ms']:.2f} p99 {r['gap_p99_ms']:.2f} ms "
-                          f"reads {r['reads']} busy {r['machine_busy']:.0%} "
-                          f"errors {r['errors']} "
-                          f"short {r['short_streams']}", flush=True)
+        results = paced_rounds(client, servers, ports, args.rounds, args.scale)
         return paths, results
     finally:
         if client is not None:

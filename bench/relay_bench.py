@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.proxy_bench import PY, Child, Client, _output  # noqa: E402
-from bench.proxy_paced import CONFIGS, machine_busy  # noqa: E402
+from bench.proxy_paced import CONFIGS, paced_rounds  # noqa: E402
 from bench.report import write_section  # noqa: E402
 from supervisor.engine.snapshot import relay  # noqa: E402
 
@@ -61,23 +61,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         servers = {"direct": up, "relay": relayed}
         ports = {"direct": upstream, "relay": port}
         client = Client(str(ROOT / "bench" / "proxy_paced.py"))
-        results: dict[str, Any] = {}
-        for rnd in range(args.rounds):
-            k = rnd % len(PATHS)
-            for step, conc, tokens, total in CONFIGS:
-                for path in PATHS[k:] + PATHS[:k]:
-                    cpu0, busy0 = servers[path].cpu_s(), machine_busy()
-                    r = client.run(url=f"http://127.0.0.1:{ports[path]}/v1/completions"
-                                       f"?step_ms={step}", concurrency=conc,
-                                   tokens=tokens, total=max(conc, int(total * args.scale)))
-                    r["server_cpu_s"] = servers[path].cpu_s() - cpu0
-                    busy1 = machine_busy()
-                    r["machine_busy"] = (busy1[0] - busy0[0]) / max(1.0, busy1[1] - busy0[1])
-                    results.setdefault(f"{step}-{conc}", {}).setdefault(path, []).append(r)
-                    print(f"round {rnd + 1} {step} ms x {conc:>3} {path:<7} "
-                          f"{r['events_per_s']:.0f} ev/s gap p50 {r['gap_p50_ms']:.2f} "
-                          f"p99 {r['gap_p99_ms']:.2f} ms errors {r['errors']} "
-                          f"short {r['short_streams']}", flush=True)
+        results = paced_rounds(client, servers, ports, args.rounds, args.scale)
         return results
     finally:
         if client is not None:

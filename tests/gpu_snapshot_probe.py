@@ -55,10 +55,11 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 os.environ.setdefault("WORK", "/tmp/vs-snap")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from supervisor.engine.snapshot.cuda import LOCK_MS, LibCuda, open_driver
 from tests.gpu_kv_probe import MODEL, WORK, Engine, card, released, result
 from tests.gpu_shapes import STAGED, make_m8b
 
@@ -106,40 +107,14 @@ def criu(*args: str, timeout: float = 300) -> dict[str, Any]:
     return sh(*criu_argv(), *args, timeout=timeout)
 
 
-class CudaCheckpoint:
-    """The CUDA driver's process checkpoint API (CUDA 12.8+, driver 570+), by pid."""
-
-    STATES: ClassVar[dict[int, str]] = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
-
-    def __init__(self) -> None:
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        self.check("cuInit", self.lib.cuInit(0))
-
-    def check(self, what: str, rc: int) -> None:
-        if rc != 0:
-            name = ctypes.c_char_p()
-            self.lib.cuGetErrorName(rc, ctypes.byref(name))
-            raise RuntimeError(f"{what}: {rc} {name.value!r}")
-
-    def state(self, pid: int) -> str:
-        s = ctypes.c_int(-1)
-        rc = self.lib.cuCheckpointProcessGetState(ctypes.c_int(pid), ctypes.byref(s))
-        return self.STATES.get(s.value, str(s.value)) if rc == 0 else f"error {rc}"
-
-    def lock(self, pid: int, timeout_ms: int = 10_000) -> None:
-        args = (ctypes.c_uint * 16)()  # CUcheckpointLockArgs: timeoutMs, then reserved
-        args[0] = timeout_ms
-        self.check(f"lock {pid}", self.lib.cuCheckpointProcessLock(ctypes.c_int(pid), args))
-
-    def checkpoint(self, pid: int) -> None:
-        self.check(f"checkpoint {pid}",
-                   self.lib.cuCheckpointProcessCheckpoint(ctypes.c_int(pid), None))
-
-    def restore(self, pid: int) -> None:
-        self.check(f"restore {pid}", self.lib.cuCheckpointProcessRestore(ctypes.c_int(pid), None))
-
-    def unlock(self, pid: int) -> None:
-        self.check(f"unlock {pid}", self.lib.cuCheckpointProcessUnlock(ctypes.c_int(pid), None))
+def cuda_driver() -> LibCuda:
+    """The CUDA driver's process checkpoint API, as the daemon opens it
+    (supervisor/engine/snapshot/cuda.py): the probe runs the package's calls."""
+    driver, why = open_driver()
+    if driver is None:
+        raise RuntimeError(why)
+    assert isinstance(driver, LibCuda)
+    return driver
 
 
 def tree(pid: int) -> list[int]:
@@ -175,14 +150,14 @@ def compute_apps() -> list[str]:
     return out
 
 
-def take_off(cuda: CudaCheckpoint, engine: Engine) -> list[int]:
+def take_off(cuda: LibCuda, engine: Engine) -> list[int]:
     """Lock and checkpoint every process of the engine's tree that has the GPU open."""
     pids = list(gpu_open(tree(engine.proc.pid)))
     times: dict[str, Any] = {}
     for p in pids:
         t = time.monotonic()
         try:
-            cuda.lock(p)
+            cuda.lock(p, LOCK_MS)
             times[f"{p}_lock_s"] = round(time.monotonic() - t, 3)
             cuda.checkpoint(p)
             times[f"{p}_checkpoint_s"] = round(time.monotonic() - t, 3)
@@ -194,7 +169,7 @@ def take_off(cuda: CudaCheckpoint, engine: Engine) -> list[int]:
     return pids
 
 
-def bring_back(cuda: CudaCheckpoint, engine: Engine, pids: list[int], step: str,
+def bring_back(cuda: LibCuda, engine: Engine, pids: list[int], step: str,
                t0: float | None = None) -> None:
     """The GPU state restored, unlocked, the engine woken and asked once."""
     t = time.monotonic()
@@ -232,7 +207,7 @@ def step_env() -> None:
            shm=sh("df", "-h", "/dev/shm", "/tmp")["out"], **card())
 
 
-def step_dump(cuda: CudaCheckpoint, standby: Engine) -> bool:
+def step_dump(cuda: LibCuda, standby: Engine) -> bool:
     shutil.rmtree(IMAGES, ignore_errors=True)
     IMAGES.mkdir(parents=True)
     standby.post("/sleep?level=1")
@@ -252,7 +227,7 @@ def step_dump(cuda: CudaCheckpoint, standby: Engine) -> bool:
     return bool(out["rc"] == 0)
 
 
-def step_restore(cuda: CudaCheckpoint, standby: Engine) -> bool:
+def step_restore(cuda: LibCuda, standby: Engine) -> bool:
     with contextlib.suppress(ChildProcessError, subprocess.TimeoutExpired):
         standby.proc.wait(30)  # the dumped tree's root, reaped
     t = time.monotonic()  # every pid of the dumped tree free again (an exit takes a while)
@@ -344,7 +319,7 @@ class Copy:
                 "log": self.log.read_text(errors="replace").splitlines()[-12:]
                 if self.log.exists() else []}
 
-    def gpu_back(self, cuda: CudaCheckpoint) -> dict[str, Any]:
+    def gpu_back(self, cuda: LibCuda) -> dict[str, Any]:
         """Its GPU state restored (asleep: what a sleeping standby holds)."""
         t = time.monotonic()
         errors = {}
@@ -367,7 +342,7 @@ class Copy:
                 os.kill(p, signal.SIGKILL)
 
 
-def arm_copy(cuda: CudaCheckpoint, standby: Engine, name: str) -> Copy | None:
+def arm_copy(cuda: LibCuda, standby: Engine, name: str) -> Copy | None:
     """A copy restored beside the serving engine, its GPU state back (asleep), and its
     /health answered inside its namespace: armed."""
     copy = Copy(name)
@@ -383,7 +358,7 @@ def arm_copy(cuda: CudaCheckpoint, standby: Engine, name: str) -> Copy | None:
     return copy if "health_s" in doc else None
 
 
-def step_second(cuda: CudaCheckpoint, standby: Engine) -> None:
+def step_second(cuda: LibCuda, standby: Engine) -> None:
     """The re-arm beside a serving engine, then the fault onto it, then the re-arm again:
     copy B restored beside the serving A (in its namespaces); A's tree SIGKILLed; B woken
     and asked (the second fault at full capacity); copy C restored beside B."""
@@ -425,7 +400,7 @@ def kill_tree(pid: int) -> None:
             os.kill(p, 9)
 
 
-def snapshot(cuda: CudaCheckpoint, standby: Engine) -> None:
+def snapshot(cuda: LibCuda, standby: Engine) -> None:
     """Steps 6-8 on a serving standby; its tree ended whatever happens."""
     try:
         if step_dump(cuda, standby) and step_restore(cuda, standby):
@@ -444,7 +419,7 @@ def main() -> None:
         make_m8b(MODEL)
     assert STAGED.exists()
     step_env()
-    cuda = CudaCheckpoint()
+    cuda = cuda_driver()
     standby = Engine("standby", 8111, FULL, wrap=NO_IO_URING)
     up = standby.wait_healthy()
     result("standby", healthy_s=up, **standby.facts(), **card(),

@@ -9,11 +9,13 @@ are broken (the copy ended, CRIU's words in the error)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -137,21 +139,29 @@ def test_images_that_are_not_there_or_broken_are_refused_and_leave_nothing(
     assert "Error" in str(e.value)  # (CRIU's own last lines)
 
 
-def test_a_dumped_engine_comes_back_twice_at_once_each_copy_in_its_own_namespaces(
-        tmp_path: Path) -> None:
-    port, tool = free_port(), carried()
+@contextlib.contextmanager
+def fake_engine(port: int, *flags: str) -> Iterator[subprocess.Popen[bytes]]:
+    """The fake engine with a core (`--child`), its output through a pipe of ours; its
+    group killed at the end if anything of it is left."""
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"}
     engine = subprocess.Popen(
-        [sys.executable, str(FAKE), "--port", str(port), "--child", "--enable-sleep-mode",
-         "--scheduling-policy", "priority"],  # (each request's priority in its log)
+        [sys.executable, str(FAKE), "--port", str(port), "--child", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         env=env, start_new_session=True)
     try:
-        asyncio.run(two_copies(engine, port, tool, tmp_path / "images"))
+        yield engine
     finally:
         if engine.poll() is None:
             os.killpg(engine.pid, signal.SIGKILL)
             engine.wait(GUARD_S)
+
+
+def test_a_dumped_engine_comes_back_twice_at_once_each_copy_in_its_own_namespaces(
+        tmp_path: Path) -> None:
+    port, tool = free_port(), carried()
+    # (each request's priority in its log)
+    with fake_engine(port, "--enable-sleep-mode", "--scheduling-policy", "priority") as engine:
+        asyncio.run(two_copies(engine, port, tool, tmp_path / "images"))
 
 
 async def two_copies(engine: subprocess.Popen[bytes], port: int, tool: criu.Criu,
@@ -203,17 +213,8 @@ async def two_copies(engine: subprocess.Popen[bytes], port: int, tool: criu.Criu
 def test_a_copy_is_reached_through_its_relay_on_the_daemons_loopback_and_ends_with_it(
         tmp_path: Path) -> None:
     port, tool = free_port(), carried()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"}
-    engine = subprocess.Popen(
-        [sys.executable, str(FAKE), "--port", str(port), "--child", "--token-delay", "0.05"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        env=env, start_new_session=True)
-    try:
+    with fake_engine(port, "--token-delay", "0.05") as engine:
         asyncio.run(relayed(engine, port, tool, tmp_path / "images"))
-    finally:
-        if engine.poll() is None:
-            os.killpg(engine.pid, signal.SIGKILL)
-            engine.wait(GUARD_S)
 
 
 async def relayed(engine: subprocess.Popen[bytes], port: int, tool: criu.Criu,
