@@ -130,6 +130,11 @@ def test_images_that_are_not_there_or_broken_are_refused_and_leave_nothing(
         tmp_path: Path) -> None:
     with pytest.raises(criu.SnapshotError, match="no snapshot in"):
         asyncio.run(criu.restore(carried(), tmp_path / "none", "a"))
+    garbled = tmp_path / "garbled"
+    garbled.mkdir()
+    (garbled / criu.MANIFEST).write_text("{not json")
+    with pytest.raises(criu.SnapshotError, match="missing or unreadable"):
+        asyncio.run(criu.restore(carried(), garbled, "a"))
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / criu.MANIFEST).write_text(json.dumps({"pid": 1, "pipes": []}))

@@ -5,8 +5,11 @@ once.
 - `Criu`: how CRIU is run here, and why it cannot be (`refusal`): missing, too old for the
   kernel (CRIU 4.2 from kernel 6.16: a TCP socket's options cannot be read by 4.1), without
   the privilege (CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE), or its own `criu check` failing.
-- `dump`: a tree dumped into a folder of images (the tree ends: CRIU's default). The pipes
-  its output goes through are the daemon's (`external`): each copy gets its own instead.
+- `dump`: a tree dumped into a folder of images, left stopped while the files it uses in
+  /dev/shm are kept beside them (vLLM's queues between its processes: each copy gets its
+  own /dev/shm), then killed. The pipes its output goes through are the daemon's
+  (`external`): each copy gets its own instead. What the engine was made of is kept with
+  the images (`made_of`), and `stale` says what changed since.
 - `Copy`: the images restored beside whatever runs, in new PID, network and mount
   namespaces, so that every copy has the dumped tree's pids and port while the engine it
   was dumped from (or another copy) still has them outside. CRIU waits as the namespace's
@@ -349,11 +352,14 @@ async def restore(criu: Criu, images: Path, name: str, within_s: float = 300.0,
     `VLLM_RPC_BASE_PATH`), two copies would otherwise bind the same files. Returns once
     CRIU says the restore finished; SnapshotError (the copy ended) otherwise."""
     log = images / f"restore-{name}.log"
-    manifest = json.loads(await asyncio.to_thread(_read, images / MANIFEST) or "{}")
-    if "pipes" not in manifest:
-        raise SnapshotError(f"no snapshot in {images} (its {MANIFEST} is missing)")
+    try:
+        manifest = json.loads(await asyncio.to_thread(_read, images / MANIFEST) or "{}")
+        pipes = [int(ino) for ino in manifest["pipes"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise SnapshotError(f"no snapshot in {images} (its {MANIFEST} is missing or "
+                            f"unreadable: {e!r})") from None
     await asyncio.to_thread(log.unlink, missing_ok=True)
-    ends = {ino: os.pipe() for ino in manifest["pipes"]}
+    ends = {ino: os.pipe() for ino in pipes}
     inherit = [a for ino, (_, w) in ends.items() for a in ("--inherit-fd",
                                                           f"fd[{w}]:pipe:[{ino}]")]
     restore_argv = [*criu.argv, "restore", "-D", str(images), "-v3", "-o", log.name,
