@@ -167,6 +167,46 @@ def test_a_thin_engine_that_dies_while_the_full_size_one_starts_is_a_cold_start_
         w.loop.close()
 
 
+def test_a_cold_start_waits_for_a_thin_standby_being_taken_down_beside_it(
+        tmp_path: Path) -> None:
+    """The thin standby fails its proof (taken down) and the full-size engine crashes
+    meanwhile: the cold start waits until the thin one's tree is gone, as for a full-size
+    one (an engine starting while another releases the card fails vLLM's profiling),
+    and spawns once it is; a thin standby follows beside the new engine."""
+    w = World(tmp_path, fronted=True, engine=THIN)
+    try:
+        full = w.serving()
+        w.feed(GateProbe(full.generation, True, None))
+        thin = w.spawned()
+        assert share(thin) == "0.28" and w.sup.status()["standby"]["thin"] is True
+        w.feed(HealthResult(thin.generation, True))
+        w.feed(GateProbe(thin.generation, False, "HTTP 500"))  # its proof failed
+        assert w.fx.last("take_down")["pid"] == thin.pid
+        assert w.sup.status()["standby"]["state"] == "retiring"
+        w.feed(Exited(full.generation, 0))  # and the full-size engine crashes
+        w.down(full)
+        if w.state == "BACKOFF":
+            timer = w.fx.timers[-1]
+            w.now += timer.delay_s
+            w.feed(timer.event)
+        spawns = w.fx.names().count("spawn")
+        assert w.state == "STARTING" and w.sup.engine is None
+        assert w.fx.names().count("spawn") == spawns  # not while the thin one goes
+        w.down(thin)
+        assert w.fx.names().count("spawn") == spawns + 1
+        engine = w.serving()
+        assert share(engine) == "0.60"
+        w.feed(GateProbe(engine.generation, True, None))
+        assert w.sup.status()["standby"]["state"] == "waiting"  # (its backoff, after a failure)
+        timer = w.fx.timers[-1]
+        w.now += timer.delay_s
+        w.feed(timer.event)
+        standby = w.spawned()
+        assert share(standby) == "0.28" and w.sup.status()["standby"]["thin"] is True
+    finally:
+        w.loop.close()
+
+
 @pytest.mark.parametrize(("engine", "says"), [
     # (0.62 + 0.30 passed a check at 0.94 and ran the thin one out of memory on an H100)
     ({**THIN, "args": ["--enable-sleep-mode", "--gpu-memory-utilization", "0.62"],

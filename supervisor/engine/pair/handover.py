@@ -106,8 +106,11 @@ class Handover:
         it: proven, put to sleep, then the engine starts beside it (docs/standby.md).
         Whether the engine's spawn waits for that, and the steps that start it."""
         cfg = f.engine_config(self.standby.slot.bay)
-        if f.thin_pair and not self.standby.thin and not self.standby.idle:
-            # a full-size engine there still (being taken down): two do not fit
+        st = self.standby
+        if f.thin_pair and not st.idle and (not st.thin or st.state is Role.RETIRING):
+            # a full-size engine there still (being taken down): two do not fit; or any
+            # engine being taken down there (the thin one that served, after a fault):
+            # an engine starting while another releases the card fails vLLM's profiling
             self._set_phase(Phase.STANDBY_FIRST, f.now)
             return True, []
         if (cfg.standby != "sleep" or self.standby.ready
