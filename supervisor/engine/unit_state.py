@@ -423,11 +423,16 @@ class UnitState:
                           queue_max=p.hold_queue_max, max_wait_s=p.hold_timeout_s,
                           kv_high=p.kv_breaker_high, kv_low=p.kv_breaker_low)
 
+    @property
+    def thin_serves(self) -> bool:
+        """The serving engine is an asymmetric pair's thin standby (its spawn says so)."""
+        return self.slot.thin
+
     def capacity(self) -> int | None:
         """While the thin standby of an asymmetric pair serves: its KV cache in tokens,
         as its core said at its start (None otherwise, or where it did not say)."""
         e = self.slot.engine
-        return e.kv_tokens if self.slot.thin and e is not None else None
+        return e.kv_tokens if self.thin_serves and e is not None else None
 
     def sync_capacity(self) -> None:
         """The gate's token budget follows the engine that serves (issue 51). While a
@@ -442,7 +447,7 @@ class UnitState:
             log.info("admission follows the serving engine's KV cache",
                      max_tokens_in_flight=limits.tokens or None,
                      configured=self.config.proxy.max_tokens_in_flight or None,
-                     thin_serves=self.slot.thin)
+                     thin_serves=self.thin_serves)
         self.gate.set_limits(limits)
 
     def reconfigure(self, new: Config) -> None:

@@ -51,6 +51,8 @@ class Viewable(Protocol):
     @property
     def engine(self) -> EngineProcess | None: ...
     @property
+    def thin_serves(self) -> bool: ...
+    @property
     def generation(self) -> int: ...
     @property
     def gate(self) -> Gate: ...
@@ -210,9 +212,7 @@ def status(unit: Viewable) -> dict[str, Any]:
         "stop_deadline_in_s": (round(max(0.0, unit.stop_deadline - now), 3)
                                if unit.stop_deadline is not None else None),
         "fatal_reason": unit.failures.fatal_reason if unit.state is State.FATAL else None,
-        "standby": unit.handover.status(
-            now, unit.config.engine.standby,
-            thin_serves=unit.engine is not None and unit.engine.spec.thin),
+        "standby": unit.handover.status(now, unit.config.engine.standby, unit.thin_serves),
         # the weight cache beside it (engine/pair/weight_cache.py); None: none configured
         "weight_cache": unit.weights.status(now),
         # the KV tier both engines share (engine/process/kv_tier.py); None: none configured

@@ -41,6 +41,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
+from supervisor.engine.process import proctree
+
 # what a dump and a restore need beyond CRIU's defaults: the engine's established loopback
 # connections (torch.distributed's store) kept, unix sockets to outside and file locks
 # taken as they are; files deleted while open go in the image (up to GHOST_LIMIT each),
@@ -242,7 +246,7 @@ async def dump(criu: Criu, pid: int, images: Path, pipes: tuple[int, ...] = (),
     Seconds taken; SnapshotError with CRIU's last lines, the tree running on (what
     becomes of it is the caller's)."""
     await asyncio.to_thread(_emptied, images)
-    pids = await asyncio.to_thread(_tree, pid)
+    pids = await asyncio.to_thread(_pids, pid)
     remaps = await asyncio.to_thread(_remaps)  # (others', before the dump)
     external = [a for ino in pipes for a in ("--external", f"pipe:[{ino}]")]
     t0 = time.monotonic()
@@ -316,31 +320,20 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _children(pid: int) -> list[int]:
-    with contextlib.suppress(OSError):
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    return []
-
-
-def _tree(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop(0)
-        out.append(p)
-        todo += _children(p)
-    return out
+def _pids(root: int) -> list[int]:
+    """The tree rooted at `root`, root first (`proctree.snapshot_tree`)."""
+    return [p.pid for p in proctree.snapshot_tree(root)]
 
 
 def _restored(unshare: int) -> list[int]:
-    """The restored tree under `unshare` and its child CRIU (the namespace's init),
-    parents first."""
-    inits = {unshare, *_children(unshare)}
-    out, todo = [], [c for p in inits for c in _children(p) if c not in inits]
-    while todo:
-        p = todo.pop(0)
-        out.append(p)
-        todo += _children(p)
-    return out
+    """The restored tree: under `unshare`'s child CRIU (the namespace's init), its root
+    first."""
+    try:
+        inits = psutil.Process(unshare).children()
+        roots = [r.pid for i in inits for r in i.children()]
+    except psutil.NoSuchProcess:
+        return []
+    return [pid for root in roots for pid in _pids(root)]
 
 
 async def restore(criu: Criu, images: Path, name: str, within_s: float = 300.0,
