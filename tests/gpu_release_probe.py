@@ -34,6 +34,14 @@ Run with names (`woken_register woken_emptied_bg`) for the follow-ups instead:
 6. `woken_emptied_bg`: as 3, the emptying on a thread of its own in the core (the rpc
    returns at once): how long a generation asked meanwhile takes, and when the core's
    shared memory is down.
+7. `woken_register_thp`: as 5, with glibc's malloc asking for transparent huge pages
+   (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`): the registered backup in 2 MiB pages, 512
+   times fewer to unpin at the exit. Is the exit's wait the count of pages?
+8. `woken_unpinned`: as 2, with vLLM's sleep backup in ordinary (pageable) host memory
+   (the worker extension's module sets vLLM's cumem `PIN_MEMORY` off when
+   `VS_UNPINNED=1`): the exit unmaps plain memory; what does the wake cost instead?
+
+Each run also records the machine's THP settings and the core's AnonHugePages.
 
 For each: every process's memory just before the kill (VmRSS, RssAnon, RssFile, RssShmem,
 VmPin, VmLck, from /proc), and from the SIGKILL the seconds until the card's memory was
@@ -63,8 +71,17 @@ from tests.gpu_snapshot_probe import tree
 FULL = ["--gpu-memory-utilization", "0.88"]
 EXT = "vs_host_cache"  # the worker extension's module, written into the vLLM site
 EXT_SOURCE = '''import gc
+import os
 
 import torch
+
+if os.environ.get("VS_UNPINNED") == "1":  # imported by the worker at its start
+    import vllm.device_allocator.cumem as _cumem
+    if hasattr(_cumem, "PIN_MEMORY"):
+        _cumem.PIN_MEMORY = False
+    if hasattr(_cumem, "is_pin_memory_available"):
+        _cumem.is_pin_memory_available = lambda: False
+    print("vs_host_cache: sleep backup unpinned", flush=True)
 
 
 class HostCache:
@@ -81,6 +98,7 @@ class HostCache:
         return True
 '''
 REGISTER = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+THP = "glibc.malloc.hugetlb=1"
 MEM_KEYS = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmPin", "VmLck")
 SYS_PIDFD_OPEN, SYS_PROCESS_MRELEASE = 434, 448  # x86_64
 LIBC = ctypes.CDLL(None, use_errno=True)
@@ -97,6 +115,18 @@ def memory(pid: int) -> dict[str, Any]:
                 out[key] = round(int(value.split()[0]) / 1024)
             elif key == "Name":
                 out["name"] = value.strip()
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                out["AnonHugePages"] = round(int(line.split()[1]) / 1024)
+    return out
+
+
+def thp_settings() -> dict[str, str]:
+    out = {}
+    for name in ("enabled", "defrag", "shmem_enabled"):
+        with contextlib.suppress(OSError):
+            out[name] = Path(f"/sys/kernel/mm/transparent_hugepage/{name}").read_text().strip()
+    out["glibc"] = os.confstr("CS_GNU_LIBC_VERSION") or "?"
     return out
 
 
@@ -166,24 +196,31 @@ def shmem_mib(engine: Engine) -> int:
 
 
 def run(name: str, port: int, sleep_first: bool, reap: bool, empty: bool = False,
-        background: bool = False, register: bool = False) -> None:
-    ext = ["--worker-extension-cls", f"{EXT}.HostCache"] if empty else []
-    saved = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-    if register:
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = REGISTER
+        background: bool = False, register: bool = False, thp: bool = False,
+        unpinned: bool = False) -> None:
+    ext = ["--worker-extension-cls", f"{EXT}.HostCache"] if empty or unpinned else []
+    env = {"PYTORCH_CUDA_ALLOC_CONF": REGISTER} if register else {}
+    if thp:
+        env["GLIBC_TUNABLES"] = THP
+    if unpinned:
+        env["VS_UNPINNED"] = "1"
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
     try:
         engine = Engine(name, port, [*FULL, *ext])
     finally:
-        if register:
-            os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-            if saved is not None:
-                os.environ["PYTORCH_CUDA_ALLOC_CONF"] = saved
+        for key, value in saved.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
     up = engine.wait_healthy()
     if not up:
         result(name, healthy_s=up, tail=engine.tail())
         engine.kill()
         return
     steps: dict[str, Any] = {"healthy_s": up, "first_s": engine.complete()}
+    if unpinned:
+        steps["unpinned_said"] = "sleep backup unpinned" in engine.log.read_text(errors="replace")
     if sleep_first:
         steps["sleep_s"] = engine.post("/sleep?level=1")
         steps["asleep"] = {str(p): memory(p) for p in tree(engine.proc.pid)}
@@ -209,11 +246,16 @@ def main() -> None:
         make_m8b(MODEL)
     assert STAGED.exists()
     (Path(VLLM_SITE) / f"{EXT}.py").write_text(EXT_SOURCE)
-    result("card", kernel=os.uname().release, **card())
+    result("card", kernel=os.uname().release, thp=thp_settings(), **card())
     asked = sys.argv[1:]
     if asked:
         if "woken_register" in asked:
             run("woken_register", 8125, sleep_first=True, reap=False, register=True)
+        if "woken_register_thp" in asked:
+            run("woken_register_thp", 8127, sleep_first=True, reap=False, register=True,
+                thp=True)
+        if "woken_unpinned" in asked:
+            run("woken_unpinned", 8128, sleep_first=True, reap=False, unpinned=True)
         if "woken_emptied_bg" in asked:
             run("woken_emptied_bg", 8126, sleep_first=True, reap=False, empty=True,
                 background=True)
