@@ -84,6 +84,19 @@ def tree(pid: int | None) -> list[psutil.Process]:
     return [root, *root.children(recursive=True)]
 
 
+def shm_queues(procs: list[psutil.Process]) -> dict[str, int]:
+    """vLLM's message queues' files (Python's SharedMemory, /dev/shm/psm_*) these
+    processes hold open, with their sizes."""
+    out = {}
+    for p in procs:
+        fds = Path(f"/proc/{p.pid}/fd")
+        for fd in fds.iterdir():
+            target = os.readlink(fd)
+            if target.startswith("/dev/shm/psm_"):
+                out[target] = os.stat(fd).st_size
+    return out
+
+
 def ts(record: dict[str, object]) -> float:
     return datetime.fromisoformat(str(record["timestamp"])).timestamp()
 
@@ -155,6 +168,8 @@ def test_sigkill_of_engine_core_is_detected_and_the_engine_serves_again(served):
     st = d.status()
     old = tree(st["pid"])
     core = next(p for p in old if p.name().startswith("VLLM::EngineCor"))
+    queues = shm_queues(old)  # a SIGKILL leaves them (only their creator unlinks them)
+    print("the tree's message queues in /dev/shm:", queues)
     killed_at = time.time()
     core.send_signal(signal.SIGKILL)
     # the start's expected length, learned from the first one, as status says it
@@ -171,6 +186,8 @@ def test_sigkill_of_engine_core_is_detected_and_the_engine_serves_again(served):
     assert len(runs) == 2 and abs(expected - first) <= 0.11, (expected, first)
     gone = [p.pid for p in old]
     assert alive(gone) == [], "a process of the old tree survived"
+    # removed by the take-down, once the tree was gone (engine/process/shm_files.py)
+    assert queues and [q for q in queues if Path(q).exists()] == [], queues
     assert complete(cfg["engine"]["port"])  # served again, 8 tokens
     recs = d.log_records()
     # the core's death is the crash, seen at once (a pidfd on it), before the API server

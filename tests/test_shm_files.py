@@ -1,8 +1,8 @@
-"""vLLM's offload files (`/dev/shm/vllm_offload_{engine_id}.mmap`) of an engine that
-died: removed before a relaunch, those its tree held and no other
-(supervisor/engine/process/shm_files.py). Real processes hold real files, in a folder of the
-test's own in place of /dev/shm; an engine's whole path goes through the daemon's jobs:
-spawned, watched, killed, taken down."""
+"""vLLM's offload files (`/dev/shm/vllm_offload_{engine_id}.mmap`) and message queues'
+(`/dev/shm/psm_*`) of an engine that died: removed before a relaunch, those its tree
+held and no other (supervisor/engine/process/shm_files.py). Real processes hold real
+files, in a folder of the test's own in place of /dev/shm; an engine's whole path goes
+through the daemon's jobs: spawned, watched, killed, taken down."""
 
 from __future__ import annotations
 
@@ -49,8 +49,9 @@ HOLDER = textwrap.dedent("""
 
 # An engine as vLLM's CPU offload leaves its files: its API server creates its region's
 # file and holds it (O_EXCL: the creator), its core (a child, in its group) holds another
-# (SHM_TWIN, an engine_id another engine holds too); a third it creates and closes, and
-# says so as vLLM does. Then "ready", and it waits to be killed.
+# (SHM_TWIN, an engine_id another engine holds too) and a message queue's (psm_); a third
+# it creates and closes, and says so as vLLM does. Then "ready", and it waits to be
+# killed.
 ENGINE = textwrap.dedent("""
     import mmap, os, sys, time
     shm = os.environ["SHM"]
@@ -62,6 +63,7 @@ ENGINE = textwrap.dedent("""
     held, holds = os.pipe()
     if os.fork() == 0:
         twin = hold("vllm_offload_twin.mmap")
+        queue = hold("psm_0a1b2c3d", os.O_CREAT | os.O_EXCL | os.O_RDWR)
         os.write(holds, b"x")
         time.sleep(600)
     early = os.path.join(shm, "vllm_offload_early.mmap")
@@ -92,11 +94,13 @@ def test_held_names_the_offload_files_in_the_folder_its_processes_hold(tmp_path)
     shm.mkdir()
     elsewhere.mkdir()
     ours = shm / "vllm_offload_ours.mmap"
-    p = hold(ours, shm / "psm_1a2b", elsewhere / "vllm_offload_x.mmap",
+    queue = shm / "psm_1a2b"  # (a message queue's: Python's SharedMemory)
+    p = hold(ours, queue, shm / "other_1a2b", elsewhere / "vllm_offload_x.mmap",
              "--unlink", shm / "vllm_offload_gone.mmap")
     try:
         # not another prefix, not another folder, not one whose name is gone
-        assert shm_files.held([p.pid], shm) == {str(ours): ident(ours)}
+        assert shm_files.held([p.pid], shm) == {str(ours): ident(ours),
+                                                str(queue): ident(queue)}
         assert shm_files.held([p.pid + 10**7], shm) == {}  # (no such process)
     finally:
         p.kill()
@@ -148,6 +152,7 @@ def test_a_crashed_engines_files_go_at_its_take_down_and_no_other(tmp_path):
     shm.mkdir()
     names = ("ours", "twin", "early", "theirs", "stale")
     files = {n: shm / f"vllm_offload_{n}.mmap" for n in names}
+    files["queue"] = shm / "psm_0a1b2c3d"
     files["stale"].write_bytes(b"")  # (an engine's of another daemon, gone: not ours)
     # another engine of this host: its own file, and the twin (the same engine_id)
     other = hold(files["theirs"], files["twin"])
@@ -194,7 +199,8 @@ def test_a_crashed_engines_files_go_at_its_take_down_and_no_other(tmp_path):
     assert left == {"twin", "theirs", "stale"}, left
     removed = sorted((r["path"], r["bytes"]) for r in logs
                      if r["event"] == "shared-memory file of the dead engine removed")
-    assert removed == [(str(files["early"]), 0), (str(files["ours"]), 4 * mmap.PAGESIZE)]
+    assert removed == [(str(files["queue"]), 4 * mmap.PAGESIZE),
+                       (str(files["early"]), 0), (str(files["ours"]), 4 * mmap.PAGESIZE)]
     kept = [r["path"] for r in logs if r["event"].startswith(
         "a shared-memory file of the dead engine kept")]
     assert kept == [str(files["twin"])]

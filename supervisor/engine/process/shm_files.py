@@ -21,6 +21,15 @@ the tree is proven gone, such a file is removed (`remove`) if it is still the fi
 was seen (the same inode) and no live process holds it open (an engine of the same
 `engine_id` beside ours, a standby of the same arguments).
 
+vLLM's message queues between its processes (`ShmRingBuffer`: the broadcast from the
+core to its workers, each worker's answers) are Python's `SharedMemory` segments,
+`/dev/shm/psm_<8 hex>` of 160-240 MiB each, made by one process and opened by the others,
+each holding its descriptor while the queue lives. A SIGKILLed tree leaves them too:
+their pages once written stay taken (tmpfs) until the file goes, after every crash
+(seen on vLLM's CPU build: files of 160 and 240 MiB). They are chosen the same way:
+held by the tree, no live process holding them. (Its `sem.mp-*` semaphores, a few bytes
+each, are mapped without a descriptor kept, and are left.)
+
 Descriptors, not /proc/PID/maps: vLLM keeps its descriptor as long as its mapping, and
 reading a process's maps takes its memory map's lock, which a busy engine would feel
 at every look.
@@ -45,7 +54,8 @@ from supervisor.ops.descriptors import exhausted
 log = structlog.get_logger("supervisor.engine")
 
 SHM_DIR = Path("/dev/shm")
-PREFIX = "vllm_offload_"
+PREFIX = "vllm_offload_"  # the CPU KV offload's region
+QUEUE_PREFIX = "psm_"  # Python's SharedMemory: vLLM's message queues
 _DELETED = " (deleted)"  # readlink's mark for an open file that has no name any more
 # vLLM's own lines for its region's file (shared_offload_region.py, 0.32)
 _NAMED = re.compile(r"(?:Created|Opened existing) mmap file (/\S+)")
@@ -61,12 +71,19 @@ def is_offload_file(path: str, folder: Path) -> bool:
     return p.parent == folder and p.name.startswith(PREFIX)
 
 
+def is_engine_file(path: str, folder: Path) -> bool:
+    """Whether `path` names a shared-memory file of the kinds a vLLM tree leaves (its
+    offload region's, a message queue's) directly in `folder`."""
+    p = Path(path)
+    return p.parent == folder and p.name.startswith((PREFIX, QUEUE_PREFIX))
+
+
 def held(pids: Iterable[int], folder: Path) -> Seen:
-    """The offload files in `folder` that these processes hold open now. Raises OSError
-    when the daemon is out of descriptors."""
+    """The offload and message-queue files in `folder` that these processes hold open
+    now. Raises OSError when the daemon is out of descriptors."""
     out: Seen = {}
     for target, link in _open_files(pids):
-        if target.endswith(_DELETED) or not is_offload_file(target, folder):
+        if target.endswith(_DELETED) or not is_engine_file(target, folder):
             continue
         try:
             st = os.stat(link)  # (the open file itself, through its descriptor)
