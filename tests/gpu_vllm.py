@@ -53,7 +53,13 @@ its 10-minute calls, the daemon living on between them in its own session:
     SHAPE=8b KV_TIER=1 python3 tests/gpu_vllm.py plan cost-none-1536 cost-kill-1536 \
         tier-off cost-none-1536 cost-kill-1536  # the same with and without the KV tier in
                                         # one session (`tier-on`/`tier-off`: the daemon
-                                        # stopped and started again, `start thin`)
+                                        # stopped and started again as its last `start`)
+    SHAPE=8b python3 tests/gpu_vllm.py start  # issue 49: the sleeping pair at 0.88, then
+    python3 tests/gpu_vllm.py plan kv-reset cost-kill-32 backup-off kv-reset cost-kill-32
+                                        # a kill of an engine that slept and woke (three
+                                        # KV resets), with the daemon's sleep backup, then
+                                        # with torch's default (`SLEEP_BACKUP=off`: the
+                                        # operator's own environment)
     python3 tests/gpu_vllm.py stop      # stopped; nothing left on the GPU
 
 TP=2 (with SHAPE=8b, on nvidia-h100-x2): both engines `--tensor-parallel-size 2`, gpus 0 and 1.
@@ -261,6 +267,8 @@ def phase_start(standby: str | None = None, share: str | None = None,
     one ran out of memory in its warm-up beside the 8B engine: each vLLM engine holds
     2.5-3.2 GiB of the card beyond its share.)"""
     WORK.mkdir(parents=True, exist_ok=True)
+    # (what a plan's restart of the daemon starts again: `phase_restart_daemon`)
+    (WORK / "start.json").write_text(json.dumps([standby, share, thin_share]))
     demo = tomllib.loads((ROOT / "config.gpu.toml").read_text())
     thin: list[str] = []
     if standby == "thin":
@@ -296,6 +304,10 @@ def phase_start(standby: str | None = None, share: str | None = None,
         standby = "none"
         demo["engine"]["weight_cache"] = True
     env = {"PYTHONPATH": VLLM_SITE, "VLLM_SERVER_DEV_MODE": "1"}
+    if os.environ.get("SLEEP_BACKUP") == "off":  # torch's default pinned backup, as an
+        # operator's own environment says it (engine/process/sleep_backup.py: theirs wins)
+        env.update(PYTORCH_CUDA_ALLOC_CONF="pinned_use_cuda_host_register:False",
+                   GLIBC_TUNABLES="glibc.malloc.hugetlb=0")
     if os.environ.get("KV_TIER") == "1":  # issue 51: the pair on one fs KV tier (0.32+),
         # the daemon's (engine.kv_tier): on /dev/shm in 256-token chunks, kept under its bound
         root = Path("/dev/shm/vs-kv-tier")
@@ -504,6 +516,19 @@ def phase_protected(timeout: float = 540) -> None:
            kv_cache=kv_info())
 
 
+def host_memory(pid: int) -> dict[str, int]:
+    """A process's host memory in MiB: resident, its shared part (torch's default pinned
+    memory), and what of it is in transparent huge pages."""
+    out = {}
+    for name in (f"/proc/{pid}/status", f"/proc/{pid}/smaps_rollup"):
+        with contextlib.suppress(OSError):
+            for line in Path(name).read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "RssShmem", "AnonHugePages"):
+                    out[key] = int(value.split()[0]) // 1024
+    return out
+
+
 def phase_kv_reset() -> None:
     runs = []
     with Load() as load:
@@ -530,6 +555,7 @@ def phase_kv_reset() -> None:
     assert complete() == 200
     st = status()
     result("kv-reset", runs=runs, load=load.summary(), restarts=st["restarts"],
+           core_host_mib=host_memory(core.pid),
            core_gpu_mib={"before": round((full or 0) / 2**20),
                          "asleep": round((asleep or 0) / 2**20),
                          "awake": round((awake or 0) / 2**20)})
@@ -1094,9 +1120,14 @@ def phase_kills(n: int = 3) -> None:
 
 # a step's length as first guessed (s); once run, its last length
 PLAN_GUESS_S = {"kill": 200.0, "restart": 200.0, "kv-reset-streams": 200.0,
-                "tier-on": 330.0, "tier-off": 330.0,
+                "tier-on": 330.0, "tier-off": 330.0, "backup-on": 330.0,
+                "backup-off": 330.0, "kv-reset": 60.0,
                 "kill-swapback": 300.0,
                 "kill-twice": 480.0, "kv-info": 10.0, "stop": 60.0, "hang-rpc": 200.0}
+
+
+# steps that stop the daemon (no wait for the pair to be protected first)
+RESTARTS = ("stop", "tier-on", "tier-off", "backup-on", "backup-off")
 
 
 def phase_plan(steps: list[str]) -> None:
@@ -1129,7 +1160,7 @@ def phase_plan(steps: list[str]) -> None:
         if guess * 1.05 + 15 > left:
             result("plan", next=key, left_s=round(left), guess_s=guess, done=plan["done"])
             return
-        if step != "stop" and is_pair(status()):
+        if step not in RESTARTS and is_pair(status()):
             wait(lambda: protected_again(status()), max(30.0, left - guess), "protected again")
         t1 = time.monotonic()
         error = None
@@ -1152,8 +1183,10 @@ def phase_plan(steps: list[str]) -> None:
                 phase_stop()
             elif step.startswith("cost-"):
                 phase_cost(*step.split("-")[1:])
-            elif step in ("tier-on", "tier-off"):
-                phase_restart_daemon(step.split("-")[1])
+            elif step == "kv-reset":
+                phase_kv_reset()
+            elif step in RESTARTS[1:]:
+                phase_restart_daemon(*step.split("-"))
             else:
                 raise ValueError(f"no step {step!r}")
         except Exception as exc:  # recorded; the plan goes on only if the pair is armed
@@ -1197,20 +1230,25 @@ def phase_cost(fault: str, input_len: str) -> dict[str, Any]:
     return out
 
 
-def phase_restart_daemon(tier: str) -> None:
-    """Plan steps `tier-on` and `tier-off` (issue 51): the daemon stopped and started
-    again as it was (`start thin`), with the KV tier (`engine.kv_tier`) on or off, so that
-    one session measures the same faults with and without it: `plan cost-none-1536
-    cost-kill-1536 tier-off cost-none-1536 cost-kill-1536`. A start of the same shapes
-    takes about 3 minutes once flashinfer's JIT is cached."""
+def phase_restart_daemon(what: str, on: str) -> None:
+    """Plan steps `tier-on` and `tier-off` (issue 51), `backup-on` and `backup-off`
+    (issue 49): the daemon stopped and started again as its last `start` was, with the
+    KV tier (`engine.kv_tier`) on or off, or the sleep backup in registered huge pages
+    (the daemon's) or in torch's default pinned memory (`SLEEP_BACKUP=off`), so that one
+    session measures the same faults both ways: `plan cost-none-1536 cost-kill-1536
+    tier-off cost-none-1536 cost-kill-1536`. A start of the same shapes takes about 3
+    minutes once flashinfer's JIT is cached."""
     phase_stop()
-    if tier == "on":
-        os.environ["KV_TIER"] = "1"
+    name, value = {"tier": ("KV_TIER", "1"), "backup": ("SLEEP_BACKUP", "off")}[what]
+    if on == ("on" if what == "tier" else "off"):
+        os.environ[name] = value
     else:
-        os.environ.pop("KV_TIER", None)
-    phase_start("thin")
-    wait(lambda: protected_again(status()), 300, "protected again")
-    result("restart-daemon", kv_tier=status().get("kv_tier") is not None)
+        os.environ.pop(name, None)
+    phase_start(*json.loads((WORK / "start.json").read_text()))
+    if is_pair(status()):
+        wait(lambda: protected_again(status()), 300, "protected again")
+    result("restart-daemon", kv_tier=status().get("kv_tier") is not None,
+           sleep_backup=os.environ.get("SLEEP_BACKUP", "on"))
 
 
 def phase_kill_swapback(prompts: int = 8000) -> None:

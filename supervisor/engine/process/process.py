@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import httpx
 import structlog
 
-from supervisor.engine.process import kv_tier, proctree
+from supervisor.engine.process import kv_tier, proctree, sleep_backup
 from supervisor.engine.process.enginelog import (
     boot_failure_of,
     kv_tokens_of,
@@ -111,6 +111,7 @@ def build_spawn_spec(cfg: EngineConfig, environ: Mapping[str, str]) -> SpawnSpec
     env.setdefault("PYTHONUNBUFFERED", "1")  # engine lines reach the journal as they happen
     argv = [*cfg.command, "--host", cfg.host, "--port", str(cfg.port),
             "--shutdown-timeout", f"{cfg.drain_timeout_s:g}", *cfg.args, *kv_tier.argv(cfg)]
+    env.update(sleep_backup.env(argv, env))  # (a woken engine's exit frees the card at once)
     if not cfg.access_log and not any(a.endswith("disable-uvicorn-access-log")
                                       for a in cfg.args):
         # (either spelling in the operator's args wins)
