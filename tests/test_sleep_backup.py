@@ -82,3 +82,19 @@ def test_a_spawned_engine_runs_with_them_and_the_operators_env_wins(tmp_path) ->
     awake = EngineConfig(command=idle, cwd=str(tmp_path))
     env = asyncio.run(spawned(awake))
     assert "GLIBC_TUNABLES" not in env and "PYTORCH_CUDA_ALLOC_CONF" not in env
+
+
+def test_a_host_without_transparent_huge_pages_is_said(tmp_path) -> None:
+    assert sleep_backup.asks_huge_pages(OURS)
+    assert not sleep_backup.asks_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
+    assert not sleep_backup.asks_huge_pages({})
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    why = sleep_backup.refused(sleep_backup.thp_setting(setting))
+    assert why is not None and "enabled: never" in why and "madvise" in why
+    for given in ("always [madvise] never", "[always] madvise never"):
+        setting.write_text(given + "\n")
+        assert sleep_backup.refused(sleep_backup.thp_setting(setting)) is None
+    # a kernel without the feature: nothing to say
+    assert sleep_backup.thp_setting(tmp_path / "missing") == ""
+    assert sleep_backup.refused("") is None

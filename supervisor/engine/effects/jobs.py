@@ -37,7 +37,7 @@ from supervisor.engine.events import (
     Tick,
     TreeSeen,
 )
-from supervisor.engine.process import kv_tier, proctree, shm_files, takedown
+from supervisor.engine.process import kv_tier, proctree, shm_files, sleep_backup, takedown
 from supervisor.engine.process import process as eng
 from supervisor.engine.process.corewatch import CoreWatch
 from supervisor.engine.startup import compile_cache, start_dirs
@@ -87,6 +87,7 @@ class JobEffects:
         # once the tree is proven gone (engine/process/shm_files.py; the folder: tests use theirs)
         self.shm_dir = shm_dir
         self._shm: dict[int, shm_files.Seen] = {}
+        self._thp_said = False  # the host's huge pages setting looked at, for a sleep backup
         # each bay (0; 1 with a standby; 2: the weight cache) its own state file and guard
         self.bays = [(proctree.StateFile(config().state_file_of(b)), proctree.Guard())
                      for b in (0, 1, WEIGHT_CACHE_BAY)]
@@ -221,6 +222,11 @@ class JobEffects:
             [e.dumps.dir for b, e in self._in_bay.items() if b != bay and e.dumps],
             self.clock.monotonic)
         asked, spec = spec, dirs.spec
+        if not self._thp_said and sleep_backup.asks_huge_pages(spec.env):
+            self._thp_said = True  # (the host's setting, said once)
+            why = sleep_backup.refused(await asyncio.to_thread(sleep_backup.thp_setting))
+            if why is not None:
+                log.warning("sleep backup without huge pages", why=why)
         if kv_tier.folder_of(cfg) is not None and "--kv-transfer-config" in spec.argv \
                 and (why := await self._take_kv_tier(cfg)) is not None:
             # (served without a tier rather than with one nobody keeps under its bound)
