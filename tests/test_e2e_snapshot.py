@@ -5,14 +5,19 @@ dumped engine's pids and port (supervisor/engine/snapshot/criu.py; issue 49's ro
 
 Each copy answers a greedy completion with the tokens the engine gave before its dump
 (the same engine, not a new one), its output comes through a pipe of its own, and ending
-one leaves the other serving; in the end nothing of either is left. The engine starts as
-route 3's standby does: under a seccomp filter that refuses io_uring (CRIU cannot dump
-one), its own sockets on loopback (`VLLM_HOST_IP`; a copy's namespace has nothing else).
+one leaves the other serving; in the end nothing of either is left. A third copy is
+spawned by the daemon's own jobs, as a snapshot standby's spawn is
+(supervisor/engine/snapshot/copies.py): healthy through its relay, serving the same
+tokens, its log read as an engine's, and taken down by the daemon's take-down with
+nothing left. The engine starts as route 3's standby does: under a seccomp filter that
+refuses io_uring (CRIU cannot dump one), its own sockets on loopback (`VLLM_HOST_IP`; a
+copy's namespace has nothing else).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -24,9 +29,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+from structlog.testing import capture_logs
 
+from supervisor.engine.effects import jobs
+from supervisor.engine.events import Down, Event, HealthResult, Spawned
+from supervisor.engine.process import process as eng
 from supervisor.engine.snapshot import criu, relay
-from tests.harness import ROOT, cache_env, free_port, run_caches, wait_for
+from supervisor.front.admission import Gate
+from supervisor.loop import Clock
+from supervisor.settings.config import parse_config
+from supervisor.watchdog.gpu import NoGpu
+from tests.harness import ROOT, cache_env, free_port, next_event, run_caches, wait_for
 from tests.test_e2e_vllm import ENGINE_VLLM, MODEL, START_TIMEOUT
 from tests.test_snapshot_criu import alive, carried, read_until
 
@@ -133,6 +146,55 @@ async def copies(tool: criu.Criu, engine: subprocess.Popen[bytes], port: int, rp
             assert "vllm:num_requests_running" in metrics
         assert await b.end(30)
         assert not any(alive(p) for p in pids)
+        # a third, spawned by the daemon's own jobs as a snapshot standby's spawn will be
+        # (engine/snapshot/copies.py): healthy through its relay, serving, its output read
+        # as an engine's, taken down by the daemon's take-down with nothing left
+        await daemons_copy(tool, images, port, rpc, text)
     finally:
         for copy in made:
             await copy.end(30)
+
+
+async def daemons_copy(tool: criu.Criu, images: Path, port: int, rpc: Path, text: str) -> None:
+    runtime = Path(tempfile.mkdtemp(prefix="vsc-", dir="/tmp"))
+    cfg = parse_config({
+        "engine": {"command": [str(ENGINE_VLLM), "serve", str(MODEL)], "port": port,
+                   "startup_timeout_s": GUARD_S, "health_interval_s": 0.25,
+                   "stop_grace_s": 15.0, "reap_timeout_s": 15.0,
+                   "gpu_release_timeout_s": 1.0},
+        "daemon": {"runtime_dir": str(runtime)}}, "t.toml", runtime)
+    spec = dataclasses.replace(eng.build_spawn_spec(cfg.engine, os.environ),
+                               restore=eng.Restore(str(images), tool.argv[0], str(rpc)))
+    queue: asyncio.Queue[Event] = asyncio.Queue()
+    clock = Clock()
+    fx = jobs.JobEffects(queue=queue, config=lambda: cfg, clock=clock, environ={},
+                         gpu=NoGpu(), siblings=set, gate=Gate(), front=None, name="e")
+    engine = None
+    try:
+        fx.spawn(1, spec, cfg.engine, 1)
+        spawned = await next_event(queue, Spawned, GUARD_S)
+        assert spawned.error is None and spawned.engine is not None, spawned.error
+        engine = spawned.engine
+        pids = [p.pid for p in engine.known]
+        fx.watch(engine)
+        assert (await next_event(queue, HealthResult, GUARD_S)).healthy
+        async with httpx.AsyncClient(base_url=engine.config.base_url,
+                                     timeout=GUARD_S) as client:
+            r = await client.post("/v1/completions", json=PROMPT)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == text, r.text
+        for _ in range(int(GUARD_S / 0.05)):  # its access log line, read as an engine's
+            if any("POST /v1/completions" in line for line in engine.recent_lines):
+                break
+            await asyncio.sleep(0.05)
+        assert any(line.startswith("[stdout]") and "POST /v1/completions" in line
+                   for line in engine.recent_lines), list(engine.recent_lines)[-5:]
+        fx.take_down(engine, True, asyncio.Event(), None, clock.monotonic() + GUARD_S)
+        down = await next_event(queue, Down, GUARD_S)
+        assert down.error is None and down.result is not None
+        assert down.result.survivors == [] and not any(alive(p) for p in pids)
+    finally:
+        if engine is not None and engine.proc.returncode is None:
+            os.killpg(engine.proc.pid, signal.SIGKILL)
+        with capture_logs():
+            await fx.end()
+        shutil.rmtree(runtime, ignore_errors=True)

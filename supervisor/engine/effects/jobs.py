@@ -40,6 +40,7 @@ from supervisor.engine.events import (
 from supervisor.engine.process import kv_tier, proctree, shm_files, sleep_backup, takedown
 from supervisor.engine.process import process as eng
 from supervisor.engine.process.corewatch import CoreWatch
+from supervisor.engine.snapshot import copies
 from supervisor.engine.startup import compile_cache, start_dirs
 from supervisor.front.admission import Gate
 from supervisor.front.continuation import schedules_by_priority
@@ -131,12 +132,10 @@ class JobEffects:
     def watch(self, engine: eng.EngineProcess) -> None:
         self.bays[engine.bay][1].arm(engine.pgid)
         self._in_bay[engine.bay] = engine
-        assert engine.proc.stdout is not None and engine.proc.stderr is not None
+        stdout, stderr = engine.streams
         engine.relays = [
-            self._launch(eng.relay_output(engine, engine.proc.stdout, "stdout"),
-                         "relay stdout"),
-            self._launch(eng.relay_output(engine, engine.proc.stderr, "stderr"),
-                         "relay stderr")]
+            self._launch(eng.relay_output(engine, stdout, "stdout"), "relay stdout"),
+            self._launch(eng.relay_output(engine, stderr, "stderr"), "relay stderr")]
         self._launch(self._watch(engine), "watch engine")
 
     def watch_health(self, engine: eng.EngineProcess) -> None:
@@ -280,11 +279,16 @@ class JobEffects:
         await takedown.check_gpus_free(self.gpu, own, cfg.gpu_foreign_allowance_mib << 20,
                                        cfg.gpu_release_timeout_s,
                                        frozenset(self.siblings()) | beside)
-        held = await asyncio.to_thread(proctree.port_holder, spec.host, spec.port)
-        if held is not None:
-            raise RuntimeError(f"engine port refused: {held}")
-        engine = await eng.spawn_engine(spec, generation, self.clock.monotonic(), cfg,
-                                        self.config().evidence.log_lines)
+        if spec.restore is not None:  # a copy of a dumped engine (its port: its relay's)
+            engine = await copies.spawn_copy(spec, generation, self.clock.monotonic(), cfg,
+                                             self.config().daemon.runtime_dir,
+                                             self.config().evidence.log_lines)
+        else:
+            held = await asyncio.to_thread(proctree.port_holder, spec.host, spec.port)
+            if held is not None:
+                raise RuntimeError(f"engine port refused: {held}")
+            engine = await eng.spawn_engine(spec, generation, self.clock.monotonic(), cfg,
+                                            self.config().evidence.log_lines)
         engine.bay = bay
         if bay == WEIGHT_CACHE_BAY:
             engine.source = "weight_cache"
@@ -344,8 +348,10 @@ class JobEffects:
         if not procs:
             return recorded
         cores.add(procs)
-        seen = await asyncio.to_thread(shm_files.held, [p.pid for p in procs], self.shm_dir)
-        self._shm.setdefault(engine.pid, {}).update(seen)
+        if engine.spec.restore is None:  # (a copy's /dev/shm is its own: it goes with it)
+            seen = await asyncio.to_thread(shm_files.held, [p.pid for p in procs],
+                                           self.shm_dir)
+            self._shm.setdefault(engine.pid, {}).update(seen)
         rss, cpu = await asyncio.to_thread(proctree.tree_usage, procs)
         heat, _ = await asyncio.to_thread(hostheat.hottest)
         starved = await asyncio.to_thread(hostmem.memory_stall_pct)
@@ -407,6 +413,7 @@ class JobEffects:
                 await asyncio.wait(engine.relays, timeout=2.0)
             if not result.survivors:  # (before a relaunch could meet them)
                 await self._remove_shm_files(engine)
+                await copies.forget(engine)
         except Exception as exc:  # reported as an event: the lifecycle must not hang
             self.queue.put_nowait(Down(engine.generation, None, f"take-down failed: {exc!r}"))
             raise

@@ -51,7 +51,7 @@ _PRIVATE_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS",
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR, "critical": logging.CRITICAL}
 _PR_SET_PDEATHSIG = 1
-_LINE_LIMIT = 1 << 20
+LINE_LIMIT = 1 << 20
 # where a port picked at the spawn goes in its command line (`SpawnSpec.pick_port`)
 PORT = "{port}"
 
@@ -78,6 +78,10 @@ class SpawnSpec:
     # started with the standby's thinner arguments (`engine.standby_args`: an asymmetric
     # pair's thin standby): what the engine is, for as long as it lives, wherever it serves
     thin: bool = False
+    # a copy of a dumped engine restored instead of `argv` executed (its images: issue
+    # 49's route 3, engine/snapshot/copies.py); `argv` and `env` are then what the
+    # dumped engine ran with
+    restore: Restore | None = None
 
     @property
     def command_line(self) -> list[str]:
@@ -88,6 +92,18 @@ class SpawnSpec:
         """The spec with its picked port in `port` and in `argv`'s place for it."""
         return replace(self, port=port, pick_port=None,
                        argv=[str(port) if a == PORT else a for a in self.argv])
+
+
+@dataclass(frozen=True)
+class Restore:
+    """A spawn that restores a copy of a dumped engine (engine/snapshot/copies.py): the
+    folder of its images, the CRIU that made them, and where the dumped engine binds its
+    unix sockets (vLLM's `VLLM_RPC_BASE_PATH`: each copy gets a folder of its own
+    mounted there), if it does."""
+
+    images: str
+    criu: str
+    rpc_at: str | None = None
 
 
 @dataclass(frozen=True)
@@ -200,6 +216,10 @@ class EngineProcess:
     recent_errors: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     recent_lines: deque[str] = field(default_factory=lambda: deque(maxlen=200))  # evidence
     relays: list[asyncio.Task[None]] = field(default_factory=list)  # stdout, stderr readers
+    # a restored copy's output (the pipes its restore handed it), in place of `proc`'s:
+    # `proc` is then the `unshare` its copy runs under (engine/snapshot/copies.py)
+    outputs: tuple[asyncio.StreamReader, asyncio.StreamReader] | None = None
+    scratch: str | None = None  # a folder of its own, removed once its tree is gone
     bay: int = 0  # which of its unit's places (state file, guard) it occupies
     source: str = "engine"  # its lines' `source` in the log ("weight_cache": the cache's)
     # started to map a weight cache's weights: what its own lines said of them (vLLM's
@@ -212,6 +232,14 @@ class EngineProcess:
     @property
     def pgid(self) -> int:
         return self.pid  # start_new_session=True: the engine leads its own group
+
+    @property
+    def streams(self) -> tuple[asyncio.StreamReader, asyncio.StreamReader]:
+        """Its stdout and stderr, as the daemon reads them."""
+        if self.outputs is not None:
+            return self.outputs
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        return self.proc.stdout, self.proc.stderr
 
     def describe_exit(self) -> str:
         code = self.exit_code
@@ -233,7 +261,7 @@ async def spawn_engine(spec: SpawnSpec, generation: int, now: float,
     proc = await asyncio.create_subprocess_exec(
         *spec.command_line, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, env=spec.env, cwd=spec.cwd,
-        start_new_session=True, preexec_fn=_child_setup, limit=_LINE_LIMIT)
+        start_new_session=True, preexec_fn=_child_setup, limit=LINE_LIMIT)
     engine = EngineProcess(generation=generation, proc=proc, pid=proc.pid, started_at=now,
                            spec=spec, config=cfg, recent_lines=deque(maxlen=keep_lines))
     try:
@@ -254,7 +282,7 @@ async def relay_output(engine: EngineProcess, stream: asyncio.StreamReader, name
         try:
             raw = await stream.readline()
         except ValueError:  # a line longer than the limit: take what is buffered
-            raw = await stream.read(_LINE_LIMIT)
+            raw = await stream.read(LINE_LIMIT)
         if not raw:
             return
         text = raw.decode("utf-8", "replace")

@@ -1,0 +1,109 @@
+"""A copy of a dumped engine, restored as one of the daemon's engine processes: what a
+spawn whose spec says `restore` does in place of executing the engine (issue 49's
+route 3; `criu.py` restores, `relay.py` gives it a port).
+
+What the daemon then holds is an `EngineProcess` like any spawned engine's, so that the
+watch, the probes, the proxy and the take-down treat it as one (docs/standby.md, "How a
+copy maps onto the daemon's engine process"):
+- `proc` is the `unshare` it runs under: it ends when CRIU, the copy's PID namespace's
+  init, does, which is when the restored engine's main process exits (its code is
+  always 0: any exit the daemon did not ask for is a crash anyway);
+- `pid` is the restored main process, as the daemon numbers it; it leads its own process
+  group as a spawned engine does, so the usual take-down (SIGTERM to the group, then
+  SIGKILL) ends it, and with it the namespace;
+- its output is the pipes its restore handed it (`outputs`), read as a spawned engine's;
+- its port is its relay's, on the daemon's host: `config.port` says it, so that every
+  URL the daemon makes of the engine reaches the copy;
+- `scratch` is a folder of its own, mounted where the dumped engine bound its unix
+  sockets (two copies would otherwise bind the same files), removed once it is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shutil
+import tempfile
+from collections import deque
+from pathlib import Path
+
+import structlog
+
+from supervisor.engine.process import process as eng
+from supervisor.engine.process import proctree
+from supervisor.engine.snapshot import criu, relay
+from supervisor.settings.sections import EngineConfig
+
+log = structlog.get_logger("supervisor.engine")
+
+
+async def _reader(fd: int) -> asyncio.StreamReader:
+    """The event loop's reader of a pipe's read end (its file is the transport's)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=eng.LINE_LIMIT, loop=loop)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop),
+                                 os.fdopen(fd, "rb", buffering=0))
+    return reader
+
+
+def _ended() -> asyncio.StreamReader:
+    """A reader with nothing to read (an image that kept one pipe for both outputs)."""
+    reader = asyncio.StreamReader()
+    reader.feed_eof()
+    return reader
+
+
+async def spawn_copy(spec: eng.SpawnSpec, generation: int, now: float, cfg: EngineConfig,
+                     runtime_dir: str, keep_lines: int = 200) -> eng.EngineProcess:
+    """A copy of `spec.restore`'s images, running, reached on a port of the daemon's and
+    read through its own pipes (docstring above). Raises (SnapshotError, OSError) with
+    nothing of it left running."""
+    assert spec.restore is not None
+    r = spec.restore
+    scratch = await asyncio.to_thread(tempfile.mkdtemp, prefix=f"copy-{generation}-",
+                                      dir=runtime_dir or None)
+    binds = [(Path(scratch), Path(r.rpc_at))] if r.rpc_at else []
+    copy: criu.Copy | None = None
+    try:
+        copy = await criu.restore(criu.Criu.at(r.criu), Path(r.images), f"g{generation}",
+                                  within_s=cfg.startup_timeout_s, binds=binds)
+        listening = relay.bind_free(spec.host)
+        try:
+            port = int(listening.getsockname()[1])
+            await relay.start(copy.root, listening, spec.port)
+        finally:
+            listening.close()  # (the relay holds its own)
+        fds = list(copy.outputs.values())
+        copy.outputs = {}  # (the readers own them now)
+        readers = [await _reader(fd) for fd in fds]
+    except BaseException:
+        if copy is not None:
+            await copy.end()
+        await asyncio.to_thread(_remove, scratch)
+        raise
+    out = readers[0] if readers else _ended()
+    err = readers[1] if len(readers) > 1 else _ended()
+    engine = eng.EngineProcess(generation=generation, proc=copy.proc, pid=copy.root,
+                               started_at=now, spec=spec,
+                               config=dataclasses.replace(cfg, port=port),
+                               recent_lines=deque(maxlen=keep_lines), outputs=(out, err),
+                               scratch=scratch)
+    try:
+        engine.known = await asyncio.to_thread(proctree.snapshot_tree, copy.root)
+    except OSError as exc:  # (it runs: never lose it; the watch's first look fills this)
+        log.warning("cannot read the copy's tree yet", error=str(exc), pid=copy.root)
+    log.info("engine restored from its snapshot", pid=copy.root, port=port,
+             images=r.images, generation=generation)
+    return engine
+
+
+def _remove(folder: str) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+async def forget(engine: eng.EngineProcess) -> None:
+    """What a copy leaves once its tree is gone: its scratch folder."""
+    if engine.scratch is not None:
+        await asyncio.to_thread(_remove, engine.scratch)
+        engine.scratch = None
