@@ -98,6 +98,10 @@ class RecordingEffects:
     def wake(self, engine: EngineProcess) -> None:
         self.calls.append(("wake", {"pid": engine.pid}))
 
+    def dump(self, engine: EngineProcess, snapshot: Any, made: Any, deadline: float) -> None:
+        self.calls.append(("dump", {"pid": engine.pid, "images": snapshot.images}))
+        self.deadlines.append(deadline)
+
     def take_down(self, engine: EngineProcess, graceful: bool, force: asyncio.Event,
                   req: evidence.EvidenceRequest | None, deadline: float) -> None:
         self.calls.append(("take_down", {"pid": engine.pid, "graceful": graceful,

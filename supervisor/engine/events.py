@@ -105,6 +105,9 @@ class Down(Event):
     generation: int
     result: takedown.TakeDown | None
     error: str | None = None
+    # a take-down that was a dump (`Effects.dump`): its seconds, or why it failed
+    dumped_s: float | None = None
+    dump_error: str | None = None
 
 
 @dataclass(frozen=True)

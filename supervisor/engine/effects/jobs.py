@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +80,8 @@ class JobEffects:
     def __init__(self, *, queue: asyncio.Queue[Event], config: Callable[[], Config],
                  clock: Clock, environ: dict[str, str], gpu: GpuProcessLister,
                  siblings: Callable[[], set[int]], gate: Gate, front: Front | None,
-                 name: str, shm_dir: Path = shm_files.SHM_DIR) -> None:
+                 name: str, shm_dir: Path = shm_files.SHM_DIR,
+                 gpu_state: copies.GpuState = copies.REAL_GPU) -> None:
         self.queue, self.config, self.clock, self.environ = queue, config, clock, environ
         self.gpu, self.siblings, self.gate, self.front, self.name = (
             gpu, siblings, gate, front, name)
@@ -89,6 +90,7 @@ class JobEffects:
         self.shm_dir = shm_dir
         self._shm: dict[int, shm_files.Seen] = {}
         self._thp_said = False  # the host's huge pages setting looked at, for a sleep backup
+        self.gpu_state = gpu_state  # the CUDA driver's checkpoint API, for dumps and copies
         # each bay (0; 1 with a standby; 2: the weight cache) its own state file and guard
         self.bays = [(proctree.StateFile(config().state_file_of(b)), proctree.Guard())
                      for b in (0, 1, WEIGHT_CACHE_BAY)]
@@ -165,6 +167,10 @@ class JobEffects:
     def take_down(self, engine: eng.EngineProcess, graceful: bool, force: asyncio.Event,
                   req: evidence.EvidenceRequest | None, deadline: float) -> None:
         self._launch(self._take_down(engine, graceful, force, req, deadline), "take down")
+
+    def dump(self, engine: eng.EngineProcess, snapshot: eng.Restore, made: Mapping[str, str],
+             deadline: float) -> None:
+        self._launch(self._dump(engine, snapshot, dict(made), deadline), "dump")
 
     def forget(self, engine: eng.EngineProcess) -> None:
         self._shm.pop(engine.pid, None)
@@ -282,7 +288,8 @@ class JobEffects:
         if spec.restore is not None:  # a copy of a dumped engine (its port: its relay's)
             engine = await copies.spawn_copy(spec, generation, self.clock.monotonic(), cfg,
                                              self.config().daemon.runtime_dir,
-                                             self.config().evidence.log_lines)
+                                             self.config().evidence.log_lines,
+                                             self.gpu_state)
         else:
             held = await asyncio.to_thread(proctree.port_holder, spec.host, spec.port)
             if held is not None:
@@ -397,9 +404,26 @@ class JobEffects:
                                      f"the capture failed: {type(exc).__name__}: {exc}")
         self.queue.put_nowait(EvidenceCaptured(engine.generation, req, bundle))
 
+    async def _dump(self, engine: eng.EngineProcess, snapshot: eng.Restore,
+                    made: dict[str, str], deadline: float) -> None:
+        """A dump (engine/snapshot/copies.py), then the take-down that proves the tree
+        gone: a dump ends it, one that failed leaves it running to be taken down."""
+        took, error = None, None
+        try:
+            took = await copies.dump_engine(engine, snapshot, made, self.gpu_state,
+                                            max(1.0, deadline - self.clock.monotonic()))
+            log.info("engine dumped", pid=engine.pid, seconds=took, images=snapshot.images)
+        except Exception as exc:  # (said in its Down; the take-down goes on)
+            error = f"{type(exc).__name__}: {exc}"[:2000]
+            log.warning("engine not dumped", pid=engine.pid, images=snapshot.images,
+                        error=error)
+        await self._take_down(engine, error is not None, asyncio.Event(), None, deadline,
+                              dumped=(took, error))
+
     async def _take_down(self, engine: eng.EngineProcess, graceful: bool,
                          force: asyncio.Event, req: evidence.EvidenceRequest | None,
-                         deadline: float) -> None:
+                         deadline: float,
+                         dumped: tuple[float | None, str | None] = (None, None)) -> None:
         try:
             if req is not None:
                 await self._evidence(engine, req)
@@ -415,9 +439,10 @@ class JobEffects:
                 await self._remove_shm_files(engine)
                 await copies.forget(engine)
         except Exception as exc:  # reported as an event: the lifecycle must not hang
-            self.queue.put_nowait(Down(engine.generation, None, f"take-down failed: {exc!r}"))
+            self.queue.put_nowait(Down(engine.generation, None, f"take-down failed: {exc!r}",
+                                       *dumped))
             raise
-        self.queue.put_nowait(Down(engine.generation, result))
+        self.queue.put_nowait(Down(engine.generation, result, None, *dumped))
 
     async def _remove_shm_files(self, engine: eng.EngineProcess) -> None:
         """The shared-memory files of vLLM's that the tree, proven gone, left behind (a

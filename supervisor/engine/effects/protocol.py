@@ -14,10 +14,11 @@ count of the daemon's own generations at the engine (`probes_in_flight`).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from supervisor.engine.events import Event
-from supervisor.engine.process.process import EngineProcess, SpawnSpec
+from supervisor.engine.process.process import EngineProcess, Restore, SpawnSpec
 from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog import evidence
 from supervisor.watchdog.gpu import GpuSampler
@@ -83,6 +84,13 @@ class Effects(Protocol):
         """Evidence first when asked, then drain, SIGTERM, SIGKILL the group, reap and
         prove the tree gone (and its GPU memory released), by `deadline` (the unit's
         monotonic clock) as far as a kill allows: `EvidenceCaptured`, `Down`."""
+
+    def dump(self, engine: EngineProcess, snapshot: Restore, made: Mapping[str, str],
+             deadline: float) -> None:
+        """The engine's tree kept as images to restore copies of (`snapshot.images`;
+        its GPU state taken off first), which ends it; then its take-down proves it
+        gone: `Down` with `dumped_s`, or `dump_error` (the tree then taken down as it
+        ran)."""
 
     def forget(self, engine: EngineProcess) -> None:
         """Its tree is proven gone: drop the state file, disarm the guard."""

@@ -220,6 +220,9 @@ class EngineProcess:
     # `proc` is then the `unshare` its copy runs under (engine/snapshot/copies.py)
     outputs: tuple[asyncio.StreamReader, asyncio.StreamReader] | None = None
     scratch: str | None = None  # a folder of its own, removed once its tree is gone
+    # the inodes of the pipes its stdout and stderr write to (their read ends the
+    # daemon's), as its spawn found them: what a dump of it names external
+    pipes: tuple[int, ...] = ()
     bay: int = 0  # which of its unit's places (state file, guard) it occupies
     source: str = "engine"  # its lines' `source` in the log ("weight_cache": the cache's)
     # started to map a weight cache's weights: what its own lines said of them (vLLM's
@@ -266,9 +269,20 @@ async def spawn_engine(spec: SpawnSpec, generation: int, now: float,
                            spec=spec, config=cfg, recent_lines=deque(maxlen=keep_lines))
     try:
         engine.known = await asyncio.to_thread(proctree.snapshot_tree, proc.pid)
+        engine.pipes = await asyncio.to_thread(output_pipes, proc.pid)
     except OSError as exc:  # (it runs: never lose it; the watch's first look fills this)
         log.warning("cannot read the new engine's tree yet", error=str(exc), pid=proc.pid)
     return engine
+
+
+def output_pipes(pid: int) -> tuple[int, ...]:
+    """The inodes of the pipes process `pid`'s stdout and stderr write to."""
+    out = []
+    for fd in (1, 2):
+        link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        if link.startswith("pipe:["):
+            out.append(int(link[6:-1]))
+    return tuple(out)
 
 
 async def relay_output(engine: EngineProcess, stream: asyncio.StreamReader, name: str) -> None:

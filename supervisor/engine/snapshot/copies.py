@@ -15,7 +15,15 @@ copy maps onto the daemon's engine process"):
 - its port is its relay's, on the daemon's host: `config.port` says it, so that every
   URL the daemon makes of the engine reaches the copy;
 - `scratch` is a folder of its own, mounted where the dumped engine bound its unix
-  sockets (two copies would otherwise bind the same files), removed once it is gone.
+  sockets (two copies would otherwise bind the same files), removed once it is gone;
+- the GPU state its dump took off is brought back before it is handed over (a copy with
+  none, on CPU, needs no driver).
+
+`dump_engine` makes the images of an engine the daemon spawned: the GPU state of its
+processes that hold the card taken off first (`cuda.take_off`), then CRIU's dump, which
+ends the tree; a dump that fails leaves the tree running with its GPU state back.
+`GpuState` is the seam to the CUDA driver (which processes hold the card, the driver or
+why there is none): tests script it.
 """
 
 from __future__ import annotations
@@ -26,16 +34,56 @@ import os
 import shutil
 import tempfile
 from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
 from supervisor.engine.process import process as eng
 from supervisor.engine.process import proctree
-from supervisor.engine.snapshot import criu, relay
+from supervisor.engine.snapshot import criu, cuda, relay
 from supervisor.settings.sections import EngineConfig
 
 log = structlog.get_logger("supervisor.engine")
+
+
+@dataclass(frozen=True)
+class GpuState:
+    """Where a tree's GPU state is read and moved: which of its processes hold the card,
+    and the CUDA driver's checkpoint API (or why there is none)."""
+
+    holders: Callable[[Iterable[int]], list[int]] = cuda.gpu_holders
+    driver: Callable[[], tuple[cuda.Driver | None, str | None]] = cuda.open_driver
+
+    def opened(self) -> cuda.Driver:
+        driver, why = self.driver()
+        if driver is None:
+            raise criu.SnapshotError(f"the engine holds the GPU and {why}")
+        return driver
+
+
+REAL_GPU = GpuState()  # this machine's driver and device files
+
+async def dump_engine(engine: eng.EngineProcess, snapshot: eng.Restore,
+                      made: Mapping[str, str], gpu: GpuState, within_s: float) -> float:
+    """`engine`'s tree dumped to `snapshot.images` (docstring above): seconds taken.
+    Raises SnapshotError or CheckpointError, the tree running on."""
+    pids = [p.pid for p in await asyncio.to_thread(proctree.snapshot_tree, engine.pid)]
+    held = await asyncio.to_thread(gpu.holders, pids)
+    driver = gpu.opened() if held else None
+    taken = await asyncio.to_thread(cuda.take_off, driver, held) if driver else []
+    try:
+        return await criu.dump(criu.Criu.at(snapshot.criu), engine.pid, Path(snapshot.images),
+                               pipes=engine.pipes, within_s=within_s, made=made,
+                               gpu=taken)
+    except BaseException:
+        if driver is not None and taken:
+            left = await asyncio.to_thread(cuda.bring_back, driver, taken)
+            if left:
+                log.error("a dump that failed left GPU state not brought back",
+                          pid=engine.pid, errors=left)
+        raise
 
 
 async def _reader(fd: int) -> asyncio.StreamReader:
@@ -55,7 +103,8 @@ def _ended() -> asyncio.StreamReader:
 
 
 async def spawn_copy(spec: eng.SpawnSpec, generation: int, now: float, cfg: EngineConfig,
-                     runtime_dir: str, keep_lines: int = 200) -> eng.EngineProcess:
+                     runtime_dir: str, keep_lines: int = 200,
+                     gpu: GpuState = REAL_GPU) -> eng.EngineProcess:
     """A copy of `spec.restore`'s images, running, reached on a port of the daemon's and
     read through its own pipes (docstring above). Raises (SnapshotError, OSError) with
     nothing of it left running."""
@@ -68,6 +117,11 @@ async def spawn_copy(spec: eng.SpawnSpec, generation: int, now: float, cfg: Engi
     try:
         copy = await criu.restore(criu.Criu.at(r.criu), Path(r.images), f"g{generation}",
                                   within_s=cfg.startup_timeout_s, binds=binds)
+        if copy.gpu:  # (its GPU state, as the dump took it off)
+            left = await asyncio.to_thread(cuda.bring_back, gpu.opened(), copy.gpu)
+            if left:
+                raise criu.SnapshotError("the copy's GPU state not brought back: "
+                                         + "; ".join(left.values()))
         listening = relay.bind_free(spec.host)
         try:
             port = int(listening.getsockname()[1])

@@ -238,11 +238,14 @@ async def made_of(images: Path) -> dict[str, str] | None:
 
 
 async def dump(criu: Criu, pid: int, images: Path, pipes: tuple[int, ...] = (),
-               within_s: float = 600.0, made: Mapping[str, str] | None = None) -> float:
+               within_s: float = 600.0, made: Mapping[str, str] | None = None,
+               gpu: Sequence[int] = ()) -> float:
     """The tree rooted at `pid` dumped into `images` (made empty first), with the files
     in /dev/shm it uses as they were at the dump; then the tree is killed. `pipes`: the
     inodes of the pipes it writes to whose other end is the daemon's, given to each copy
-    afresh; `made`, what the engine is (`stale` compares it with what a start would be).
+    afresh; `made`, what the engine is (`stale` compares it with what a start would be);
+    `gpu`, its processes whose GPU state was taken off (`cuda.take_off`), which each copy
+    brings back (`Copy.gpu`: the same processes in the copy).
     Seconds taken; SnapshotError with CRIU's last lines, the tree running on (what
     becomes of it is the caller's)."""
     await asyncio.to_thread(_emptied, images)
@@ -270,7 +273,7 @@ async def dump(criu: Criu, pid: int, images: Path, pipes: tuple[int, ...] = (),
                             + (f" {out.strip()[-200:]}" if out.strip() else ""))
     await asyncio.to_thread((images / MANIFEST).write_text,
                             json.dumps({"pid": pid, "pipes": list(pipes),
-                                        "made_of": dict(made or {})}))
+                                        "made_of": dict(made or {}), "gpu": list(gpu)}))
     return round(time.monotonic() - t0, 3)
 
 
@@ -286,6 +289,8 @@ class Copy:
         # for each pipe the image named, the read end of the copy's own (the daemon's)
         self.outputs = outputs
         self.pids: list[int] = []
+        # those of `pids` whose GPU state the dump took off: to bring back
+        self.gpu: list[int] = []
 
     @property
     def root(self) -> int:
@@ -348,6 +353,7 @@ async def restore(criu: Criu, images: Path, name: str, within_s: float = 300.0,
     try:
         manifest = json.loads(await asyncio.to_thread(_read, images / MANIFEST) or "{}")
         pipes = [int(ino) for ino in manifest["pipes"]]
+        gpu = {int(pid) for pid in manifest.get("gpu", [])}
     except (ValueError, KeyError, TypeError) as e:
         raise SnapshotError(f"no snapshot in {images} (its {MANIFEST} is missing or "
                             f"unreadable: {e!r})") from None
@@ -386,7 +392,17 @@ async def restore(criu: Criu, images: Path, name: str, within_s: float = 300.0,
             raise SnapshotError(f"criu restore of copy {name} {why}: {_tail(log)}")
         await asyncio.sleep(0.05)
     copy.pids = await asyncio.to_thread(_restored, proc.pid)
+    # (a restored process keeps its pid inside the copy's namespace: the dumped one's)
+    copy.gpu = [p for p in copy.pids if await asyncio.to_thread(_pid_inside, p) in gpu]
     return copy
+
+
+def _pid_inside(pid: int) -> int | None:
+    """The pid process `pid` has in its own (innermost) PID namespace."""
+    for line in _read(Path(f"/proc/{pid}/status")).splitlines():
+        if line.startswith("NSpid:"):
+            return int(line.split()[-1])
+    return None
 
 
 def _read(path: Path) -> str:
