@@ -399,7 +399,13 @@ def protected_again(st: dict[str, Any]) -> bool:
 
 
 def is_pair(st: dict[str, Any]) -> bool:
-    return "thin" in (st.get("standby") or {})
+    """The asymmetric pair (`start thin`), as the last start was made; else its standby
+    thin now. (Not the `thin` key of status, which every standby has: a plan on the
+    sleeping pair at 0.88 waited 480 s for a thin standby that never comes, twice.)"""
+    started = WORK / "start.json"
+    if started.exists():
+        return bool(json.loads(started.read_text())[0] == "thin")
+    return bool((st.get("standby") or {}).get("thin"))
 
 
 class Timeline:
