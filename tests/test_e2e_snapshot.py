@@ -31,17 +31,15 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
-from supervisor.engine.effects import jobs
 from supervisor.engine.events import Down, Event, HealthResult, Spawned
 from supervisor.engine.process import process as eng
 from supervisor.engine.snapshot import criu, relay
-from supervisor.front.admission import Gate
 from supervisor.loop import Clock
 from supervisor.settings.config import parse_config
-from supervisor.watchdog.gpu import NoGpu
 from tests.harness import ROOT, cache_env, free_port, next_event, run_caches, wait_for
 from tests.test_e2e_vllm import ENGINE_VLLM, MODEL, START_TIMEOUT
 from tests.test_snapshot_criu import alive, carried, read_until
+from tests.test_snapshot_spawn import effects, line_seen
 
 pytestmark = pytest.mark.e2e
 
@@ -167,8 +165,7 @@ async def daemons_copy(tool: criu.Criu, images: Path, port: int, rpc: Path, text
                                restore=eng.Restore(str(images), tool.argv[0], str(rpc)))
     queue: asyncio.Queue[Event] = asyncio.Queue()
     clock = Clock()
-    fx = jobs.JobEffects(queue=queue, config=lambda: cfg, clock=clock, environ={},
-                         gpu=NoGpu(), siblings=set, gate=Gate(), front=None, name="e")
+    fx = effects(cfg, queue, clock)
     engine = None
     try:
         fx.spawn(1, spec, cfg.engine, 1)
@@ -182,12 +179,7 @@ async def daemons_copy(tool: criu.Criu, images: Path, port: int, rpc: Path, text
                                      timeout=GUARD_S) as client:
             r = await client.post("/v1/completions", json=PROMPT)
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == text, r.text
-        for _ in range(int(GUARD_S / 0.05)):  # its access log line, read as an engine's
-            if any("POST /v1/completions" in line for line in engine.recent_lines):
-                break
-            await asyncio.sleep(0.05)
-        assert any(line.startswith("[stdout]") and "POST /v1/completions" in line
-                   for line in engine.recent_lines), list(engine.recent_lines)[-5:]
+        await line_seen(engine, "POST /v1/completions")  # (its access log, read as an engine's)
         fx.take_down(engine, True, asyncio.Event(), None, clock.monotonic() + GUARD_S)
         down = await next_event(queue, Down, GUARD_S)
         assert down.error is None and down.result is not None

@@ -36,9 +36,21 @@ from tests.test_snapshot_criu import FAKE, GUARD_S, alive, carried, healthy
 from tests.test_snapshot_cuda import Scripted
 
 
-def effects(cfg, queue: asyncio.Queue[Event], clock: Clock) -> jobs.JobEffects:
+def effects(cfg, queue: asyncio.Queue[Event], clock: Clock,
+            gpu: copies.GpuState = copies.REAL_GPU) -> jobs.JobEffects:
     return jobs.JobEffects(queue=queue, config=lambda: cfg, clock=clock, environ={},
-                           gpu=NoGpu(), siblings=set, gate=Gate(), front=None, name="e")
+                           gpu=NoGpu(), siblings=set, gate=Gate(), front=None, name="e",
+                           gpu_state=gpu)
+
+
+async def line_seen(engine: eng.EngineProcess, needle: str) -> None:
+    """Until the daemon has read a line of the engine's stdout with `needle` in it."""
+    for _ in range(int(GUARD_S / 0.05)):
+        if any(line.startswith("[stdout]") and needle in line for line in engine.recent_lines):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{needle!r} never read from its stdout: "
+                         f"{list(engine.recent_lines)[-5:]}")
 
 
 def config(tmp_path: Path, port: int):
@@ -107,12 +119,7 @@ def test_a_copy_is_spawned_watched_served_and_taken_down_as_any_engine(tmp_path)
                 r = await client.post(f"http://127.0.0.1:{relay_port}/v1/completions", json={
                     "model": "fake", "prompt": "hi", "max_tokens": 2, "priority": 5})
                 assert r.status_code == 200
-            for _ in range(int(GUARD_S / 0.05)):  # its line, through its own stdout
-                if any("request priority 5" in line for line in engine.recent_lines):
-                    break
-                await asyncio.sleep(0.05)
-            assert any(line.startswith("[stdout]") and "request priority 5" in line
-                       for line in engine.recent_lines), list(engine.recent_lines)[-5:]
+            await line_seen(engine, "request priority 5")  # (through its own stdout)
 
             fx.take_down(engine, True, asyncio.Event(), None, clock.monotonic() + GUARD_S)
             down = await next_event(queue, Down, GUARD_S)
@@ -200,9 +207,7 @@ def test_an_engine_the_daemon_spawned_is_dumped_by_its_effect_and_comes_back(tmp
     async def main() -> None:
         queue: asyncio.Queue[Event] = asyncio.Queue()
         clock = Clock()
-        fx = jobs.JobEffects(queue=queue, config=lambda: cfg, clock=clock, environ={},
-                             gpu=NoGpu(), siblings=set, gate=Gate(), front=None, name="e",
-                             gpu_state=gpu)
+        fx = effects(cfg, queue, clock, gpu)
         engines = []
         try:
             fx.spawn(1, spec, cfg.engine, 1)
@@ -234,11 +239,7 @@ def test_an_engine_the_daemon_spawned_is_dumped_by_its_effect_and_comes_back(tmp
                 r = await client.post(f"{copy.config.base_url}/v1/completions", json={
                     "model": "fake", "prompt": "hi", "max_tokens": 2, "priority": 9})
                 assert r.status_code == 200
-            for _ in range(int(GUARD_S / 0.05)):
-                if any("request priority 9" in line for line in copy.recent_lines):
-                    break
-                await asyncio.sleep(0.05)
-            assert any("request priority 9" in line for line in copy.recent_lines)
+            await line_seen(copy, "request priority 9")
             fx.take_down(copy, True, asyncio.Event(), None, clock.monotonic() + GUARD_S)
             down = await next_event(queue, Down, GUARD_S)
             assert down.result is not None and down.result.survivors == []
@@ -278,9 +279,7 @@ def test_a_dump_that_fails_brings_the_gpu_state_back_and_takes_the_engine_down(
     async def main() -> Down:
         queue: asyncio.Queue[Event] = asyncio.Queue()
         clock = Clock()
-        fx = jobs.JobEffects(queue=queue, config=lambda: cfg, clock=clock, environ={},
-                             gpu=NoGpu(), siblings=set, gate=Gate(), front=None, name="e",
-                             gpu_state=gpu)
+        fx = effects(cfg, queue, clock, gpu)
         engine = None
         try:
             fx.spawn(1, eng.build_spawn_spec(cfg.engine, os.environ), cfg.engine, 0)
