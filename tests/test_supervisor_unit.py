@@ -354,7 +354,9 @@ def test_every_reloaded_engine_key_is_what_the_next_start_uses(tmp_path: Path) -
             "standby_port": 18300, "standby_args": ["--max-num-seqs", "2"],
             # (the tier's folder is also kept from the reload on: test_kv_tier.py)
             "kv_tier": str(tmp_path / "kv"), "kv_tier_cpu_gib": 1.0,
-            "kv_tier_chunk_tokens": 32}
+            "kv_tier_chunk_tokens": 32,
+            # (a snapshot standby's images and CRIU: its next dump and restore)
+            "snapshot_dir": str(tmp_path / "snapshots"), "criu": "/usr/sbin/criu"}
         only_with_several = {"fallback"}  # ([engines.NAME] only)
         applied_now = {"rearm_window",  # (read at each tick, not at a start)
                        # the weight cache is started, restarted or taken down at once,

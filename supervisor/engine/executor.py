@@ -188,6 +188,12 @@ class Executor:
                         u.take_down_in(slot, graceful, deadline)
                     else:
                         self.take_down(slot, graceful, None, deadline)
+            case do.DumpIn(bay, snapshot, made, deadline):
+                slot = self.bay(bay)
+                engine = slot.engine
+                if engine is not None and not slot.taking_down:
+                    slot.take_down(False, None)
+                    u.act.dump(engine, snapshot, made, deadline)
             case do.Spawn(bay, spec, cfg):
                 self.spawn_in(self.bay(bay), spec, cfg)
             case do.WatchProcess(engine):

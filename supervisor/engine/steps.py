@@ -222,6 +222,18 @@ class TakeDown:
 
 
 @dataclass(frozen=True)
+class DumpIn:
+    """The engine in `bay` (a sleeping standby, `standby = "snapshot"`) kept as images
+    in `snapshot.images`, which ends it; its take-down follows (`Effects.dump`: `Down`
+    says how the dump went). `made`: what it is, kept with the images."""
+
+    bay: int
+    snapshot: eng.Restore
+    made: Mapping[str, str]
+    deadline: float
+
+
+@dataclass(frozen=True)
 class TakeDownIn:
     """The engine in `bay` taken down (the standby's place: a failed standby, the old
     serving engine behind a failover), with the evidence its fault asked for unless
@@ -530,7 +542,7 @@ def proof(engine: eng.EngineProcess, *, prove: bool, golden: bool = True,
 Step = (SetState | Decide | Record | Audit | CountRestart | StartEngine | SpawnServing
         | RestartEngine | RestartReason | RestartFailed | FailOver | SwapOrTakeDown | Drain
         | ForceStop | EndBackoff | NotifyStopping | StopDeadline | EndStopDeadline
-        | TakeDown | TakeDownIn
+        | TakeDown | TakeDownIn | DumpIn
         | Spawn | WatchProcess | Forget | Sleep | WatchHealth
         | ArmTimer | CancelTimer | ArmStandby | CaptureEvidence | ServeFrom
         | MaybeFinishStop | Started | StartRefused | EngineHealthy | GoldenFailed

@@ -170,7 +170,7 @@ def capabilities(unit: Viewable) -> dict[str, bool]:
     facts = unit.watch.facts(unit.facts())
     out = {"reset_prefix_cache": facts.can_reset_prefix_cache,
            "kv_reset": facts.can_kv_reset}
-    if unit.config.engine.standby == "sleep":
+    if unit.config.engine.standby in ("sleep", "snapshot"):
         out["sleeping_standby"] = unit.handover.sleeping_standby_off(
             unit.config.engine) is None
     return out

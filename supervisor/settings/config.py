@@ -261,13 +261,15 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
     if problems:
         raise ConfigError(source, problems)
 
-    resolved = {name: dataclasses.replace(
-        e, command=_resolve_argv(base, e.command), cwd=_resolve(base, e.cwd or "."),
-        weight_cache_command=_resolve_argv(base, e.weight_cache_command))
-        for name, e in engines.items()}
     control: ControlConfig = sections["control"]
     audit: AuditConfig = sections["audit"]
     audit_path = _resolve(base, audit.path or str(Path(_default_state_dir()) / "events.jsonl"))
+    resolved = {name: dataclasses.replace(
+        e, command=_resolve_argv(base, e.command), cwd=_resolve(base, e.cwd or "."),
+        weight_cache_command=_resolve_argv(base, e.weight_cache_command),
+        snapshot_dir=_resolve(base, e.snapshot_dir or str(
+            Path(audit_path).parent / "snapshots" / name)))
+        for name, e in engines.items()}
     evidence: EvidenceConfig = sections["evidence"]
     return Config(
         engine=next(iter(resolved.values())),

@@ -40,6 +40,8 @@ THIN_PAIR_MAX = 0.88
 # the most a serving engine beside a sleeping standby may take (the standby keeps its
 # CUDA context and graphs: 1.8 GiB of 80 for an 8B model, more for larger ones)
 BESIDE_SLEEPING_MAX = 0.92
+# the standby designs that keep it asleep (a snapshot's copies are restored asleep)
+SLEEPING = ("sleep", "snapshot")
 
 
 class CheckedEngine(Protocol):
@@ -170,17 +172,22 @@ def check_standby(key: str, engine: CheckedEngine, problems: list[str]) -> None:
         if raw is not None and gpu_share(line) is None:
             problems.append(f"{where}: --gpu-memory-utilization {raw!r} is not a number")
             return
+    if engine.standby_args and engine.standby == "snapshot":
+        problems.append(f'{key}.standby_args: not with standby = "snapshot" (its copies '
+                        f'are of the engine\'s own arguments)')
+        return
     if engine.standby_args:
         _check_thin(key, engine, problems)
         return
-    if engine.standby == "sleep":
+    if engine.standby in SLEEPING:
         _check_sleep_mode(key, engine, problems)
         used = share if share is not None else DEFAULT_GPU_SHARE
         if used > BESIDE_SLEEPING_MAX:
             problems.append(f"{key}.args: --gpu-memory-utilization {used:g}"
                             f"{'' if share is not None else ' (vLLM default)'} leaves no "
                             f"room for the sleeping standby's CUDA context and graphs; "
-                            f"at most {BESIDE_SLEEPING_MAX:g} with standby = \"sleep\"")
+                            f"at most {BESIDE_SLEEPING_MAX:g} with standby = "
+                            f"\"{engine.standby}\"")
     elif share is not None and 2 * share > SIDE_BY_SIDE_MAX:
         # (an awake standby holds its share all the time; on CPU the flag is not given)
         problems.append(f"{key}.args: --gpu-memory-utilization {share:g} twice is "
@@ -210,11 +217,11 @@ def _check_sleep_mode(key: str, engine: CheckedEngine, problems: list[str]) -> N
     args = argv(engine)
     if not any(a == "--enable-sleep-mode" or a.startswith("--enable-sleep-mode=")
                for a in args):
-        problems.append(f'{key}.args: standby = "sleep" needs --enable-sleep-mode '
-                        "(vLLM's sleep mode keeps the standby asleep)")
+        problems.append(f'{key}.args: standby = "{engine.standby}" needs '
+                        "--enable-sleep-mode (vLLM's sleep mode keeps the standby asleep)")
     if engine.env.get("VLLM_SERVER_DEV_MODE") != "1":
-        problems.append(f'{key}.env.VLLM_SERVER_DEV_MODE: standby = "sleep" needs "1" '
-                        "(vLLM serves /sleep and /wake_up only then)")
+        problems.append(f'{key}.env.VLLM_SERVER_DEV_MODE: standby = "{engine.standby}" '
+                        'needs "1" (vLLM serves /sleep and /wake_up only then)')
 
 
 # ---- a daily window (`engine.rearm_window`) -------------------------------------------

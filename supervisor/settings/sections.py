@@ -74,8 +74,16 @@ class EngineConfig:
     # a second engine of the same command and arguments on the same GPUs and its own
     # port takes over when this one fails or is restarted (docs/standby.md): "awake",
     # kept loaded and idle; "sleep", kept asleep through vLLM's sleep mode (GPUs only);
-    # "none": every fault costs a cold start
-    standby: str = spec("none", choices=("none", "sleep", "awake"))
+    # "snapshot", asleep, then kept as CRIU images and restored as a copy beside the
+    # serving engine after every fault (docs/standby.md: the snapshot route); "none":
+    # every fault costs a cold start
+    standby: str = spec("none", choices=("none", "sleep", "awake", "snapshot"))
+    # standby = "snapshot": the folder of the standby's images (~20 GiB for an 8B model
+    # on a GPU); "": snapshots/<engine> beside the audit trail
+    snapshot_dir: str = spec("")
+    # standby = "snapshot": the CRIU that dumps and restores it (4.2 or later on a
+    # kernel from 6.16)
+    criu: str = spec("criu")
     # the standby's internal port; 0: this engine's port + 1
     standby_port: int = spec(0, lo=0, hi=65535)
     # flags that replace the engine's own in its standby (`--flag value` pairs): a

@@ -113,8 +113,10 @@ class Handover:
             # an engine starting while another releases the card fails vLLM's profiling
             self._set_phase(Phase.STANDBY_FIRST, f.now)
             return True, []
-        if (cfg.standby != "sleep" or self.standby.ready
-                or engine_checks.side_by_side(cfg)):
+        if (cfg.standby not in engine_checks.SLEEPING or self.standby.ready
+                or engine_checks.side_by_side(cfg)
+                or self.standby.restorable(f.standby_spec(self.standby.slot.bay))):
+            # (a copy of the kept images is restored beside the engine, asleep)
             return False, []
         why = self.standby.no_sleep(cfg)
         if why is not None:
@@ -151,9 +153,11 @@ class Handover:
         full = f.slot.thin  # (else the standby's own arguments, thin or not)
         bay = self.standby.slot.bay
         cfg = f.engine_config(bay) if full else f.standby_config(bay)
-        # (an awake standby's share was checked at load; on CPU no share is given)
-        if mode == "sleep" and not self.first \
-                and not engine_checks.side_by_side(f.config.engine):
+        # (an awake standby's share was checked at load; on CPU no share is given; a
+        # copy of a snapshot's images is restored asleep beside the engine)
+        if mode in engine_checks.SLEEPING and not self.first \
+                and not engine_checks.side_by_side(f.config.engine) \
+                and not (mode == "snapshot" and self.standby.restorable(f.standby_spec(bay))):
             share = engine_checks.gpu_share(engine_checks.argv(cfg)) \
                 or engine_checks.DEFAULT_GPU_SHARE
             why = self.standby.no_sleep(cfg)
@@ -172,6 +176,8 @@ class Handover:
                      "to take over from it")
         # (the full-size one awake: it serves as soon as it is proven)
         spec = f.spawn_spec(bay) if full else f.standby_spec(bay)
+        if mode == "snapshot":  # (a copy of its images, or one to be dumped)
+            spec = self.standby.snapshot_spec(spec, cfg)
         return self.standby.start(spec, cfg, "awake" if full else mode)
 
     def _replaced_if_out_of_date(self, f: PairFacts) -> list[Step] | None:
@@ -233,7 +239,10 @@ class Handover:
         if f.state is State.STOPPING:
             out.append(do.MaybeFinishStop())
         elif self.first and not self.standby.on_its_way:
-            if self.standby.ready or self.standby.idle:
+            if self.standby.copy_next and self.standby.idle:
+                # (just dumped: its copy is restored before the engine starts beside it)
+                out += self.arm(f, due=True)
+            if not self.standby.on_its_way and (self.standby.ready or self.standby.idle):
                 self._set_phase(Phase.IDLE, f.now)
                 if (f.state is State.STARTING and f.engine is None
                         and not f.slot.spawning):
@@ -325,7 +334,7 @@ class Handover:
         spec = f.standby_spec(f.slot.bay) if f.slot.thin else f.spawn_spec(f.slot.bay)
         if (spec.argv, spec.env, spec.cwd) == (e.spec.argv, e.spec.env, e.spec.cwd):
             return None  # (nothing the engine runs changed: a timeout, a grace...)
-        if cfg.standby == "sleep" and not engine_checks.side_by_side(cfg):
+        if cfg.standby in engine_checks.SLEEPING and not engine_checks.side_by_side(cfg):
             log.info("no room for a standby beside the engine: no upgrade through one",
                      why=why)
             return None
@@ -513,7 +522,7 @@ class Handover:
         """With `standby = "sleep"` in `cfg` (the engine's): why no standby sleeps (kept
         awake, or none), as the last probe of an engine of the unit said; None when one
         can, or nothing says otherwise."""
-        why = self.standby.no_sleep(cfg) if cfg.standby == "sleep" else None
+        why = self.standby.no_sleep(cfg) if cfg.standby in engine_checks.SLEEPING else None
         if why is None:
             return None
         if engine_checks.side_by_side(cfg):

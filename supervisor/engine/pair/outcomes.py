@@ -87,10 +87,13 @@ class Seen:
 @dataclass(frozen=True)
 class Gone:
     """The take-down ended: the engine left the bay. `problem`: why its tree is not proven
-    gone (None: it is)."""
+    gone (None: it is). A take-down that was a dump (`DumpIn`) says how it went:
+    `dumped_s`, or `dump_error`."""
 
     engine: eng.EngineProcess
     problem: str | None
+    dumped_s: float | None = None
+    dump_error: str | None = None
 
 
 Outcome = Nothing | SpawnFailed | Up | Healthy | Unhealthy | Died | Seen | Gone

@@ -56,6 +56,8 @@ class Role(enum.Enum):
     PROVING = "proving"  # healthy, its first generation under way
     SLEEPING = "sleeping"  # being put to sleep
     READY = "ready"  # proven (and asleep, with "sleep"), idle: a failover may take it
+    DUMPING = "dumping"  # ("snapshot") asleep, being kept as images, which ends it: a
+    # copy restored from them is the standby next
     RETIRING = "retiring"  # an engine in its bay (a failed standby, the old serving one)
     # being taken down
     RETURNING = "returning"  # the thinner engine that served until a full-size one took
@@ -63,7 +65,7 @@ class Role(enum.Enum):
     FAILED = "failed"  # a tree not proven gone: no new standby in this bay until a restart
 
 
-ON_ITS_WAY = frozenset({Role.STARTING, Role.PROVING, Role.SLEEPING})
+ON_ITS_WAY = frozenset({Role.STARTING, Role.PROVING, Role.SLEEPING, Role.DUMPING})
 
 ROLE: dict[Role, frozenset[Role]] = {
     Role.NONE: frozenset({Role.STARTING, Role.WAITING, Role.NO_ROOM}),
@@ -73,7 +75,10 @@ ROLE: dict[Role, frozenset[Role]] = {
     # its bay to take down; -> NONE: the same with nothing there (a failed spawn)
     Role.STARTING: frozenset({Role.PROVING, Role.RETIRING, Role.NONE}),
     Role.PROVING: frozenset({Role.SLEEPING, Role.READY, Role.RETIRING, Role.NONE}),
-    Role.SLEEPING: frozenset({Role.READY, Role.RETIRING, Role.NONE}),
+    Role.SLEEPING: frozenset({Role.READY, Role.DUMPING, Role.RETIRING, Role.NONE}),
+    # DUMPING -> NONE: its tree gone (dumped or not: its bay free for a copy, or for a
+    # standby that is not dumped); -> FAILED: not proven gone
+    Role.DUMPING: frozenset({Role.NONE, Role.FAILED}),
     # READY -> RETIRING: it took over, the old serving engine now in its bay to be taken
     # down (-> NONE when there was none)
     Role.READY: frozenset({Role.RETIRING, Role.NONE, Role.RETURNING}),
@@ -97,6 +102,7 @@ ROLE_BAYS: dict[Role, frozenset[Bay]] = {
     Role.PROVING: frozenset({Bay.HEALTHY}),
     Role.SLEEPING: frozenset({Bay.HEALTHY}),
     Role.READY: frozenset({Bay.HEALTHY}),
+    Role.DUMPING: frozenset({Bay.TAKING_DOWN}),  # (the dump is its take-down)
     # (drained first, already exited, or taken down once its spawn in flight ends)
     Role.RETIRING: IN_BAY | {Bay.SPAWNING, Bay.TAKING_DOWN},
     Role.RETURNING: frozenset({Bay.HEALTHY}),

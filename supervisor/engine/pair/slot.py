@@ -163,7 +163,7 @@ class EngineSlot(_BayReading):
                 return out.Seen(e, ev, cpu) if e is not None else out.NOTHING
             case Down():
                 engine, problem = self.down(ev)
-                return out.Gone(engine, problem)
+                return out.Gone(engine, problem, ev.dumped_s, ev.dump_error)
 
     def spawned(self, ev: Spawned) -> eng.EngineProcess | None:
         """The spawn ended: the engine now in the slot, or None (`ev.error` says why)."""

@@ -19,6 +19,7 @@ that cannot sleep (`devroutes.sleep_off`) is kept awake where it fits, else refu
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -29,6 +30,7 @@ from supervisor.engine.pair import outcomes as out
 from supervisor.engine.pair.pair_states import ON_ITS_WAY, ROLE, Role, check
 from supervisor.engine.pair.slot import EngineSlot, SlotView
 from supervisor.engine.process import process as eng
+from supervisor.settings.engine_checks import SLEEPING
 from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog import devroutes
 
@@ -45,6 +47,13 @@ def _key(cfg: EngineConfig) -> _Key:
 
 # the key of the standby's backoff timer, held by the unit's executor
 TIMER = "standby"
+
+
+def made_of(spec: eng.SpawnSpec) -> dict[str, str]:
+    """What a standby of `spec` is, as kept with its images (`standby = "snapshot"`): a
+    copy restored from them serves only while a start would run the same."""
+    env = " ".join(f"{k}={v}" for k, v in sorted(spec.env.items()))
+    return {"argv": " ".join(spec.argv), "env": env, "cwd": spec.cwd}
 
 
 class Standby:
@@ -73,6 +82,13 @@ class Standby:
         # since when no standby is ready (monotonic; None while one is): the next fault
         # costs a cold start until one is
         self.unready_since: float | None = self.since
+        # `standby = "snapshot"`: what its images were made of (None: none made by this
+        # daemon run), why no dump is tried any more (one failed: a sleeping standby
+        # then), and whether a copy is the next standby (one was just dumped)
+        self.image: dict[str, str] | None = None
+        self.no_snapshot: str | None = None
+        self.copy_next = False
+        self._dumping: dict[str, str] = {}  # what the one being dumped is
 
     def learned(self, engine: eng.EngineProcess) -> str | None:
         """An engine of this unit (either role) was probed at its start: whether engines
@@ -128,9 +144,22 @@ class Standby:
         (`standby_args`): its spawn says so (`SpawnSpec.thin`)."""
         return self.slot.thin
 
+    def restorable(self, spec: eng.SpawnSpec) -> bool:
+        """A copy of the kept images would be the standby a start of `spec` would be."""
+        return self.no_snapshot is None and self.image is not None \
+            and self.image == made_of(spec)
+
+    def snapshot_spec(self, spec: eng.SpawnSpec, cfg: EngineConfig) -> eng.SpawnSpec:
+        """The standby's spawn with `standby = "snapshot"`: a copy restored from its images
+        when they are of `spec`; else `spec` itself (a standby to dump once asleep)."""
+        if not self.restorable(spec):
+            return spec
+        return replace(spec, restore=eng.Restore(
+            cfg.snapshot_dir, cfg.criu, spec.env.get("VLLM_RPC_BASE_PATH")))
+
     def start(self, spec: eng.SpawnSpec, cfg: EngineConfig, mode: str) -> list[do.Step]:
         self._to(Role.STARTING)
-        self.mode, self.asleep = mode, False
+        self.mode, self.asleep, self.copy_next = mode, False, False
         log.info("standby starting", port=spec.port, mode=mode,
                  **({"thin": spec.thin} if cfg.standby_args else {}))
         return [do.Spawn(self.slot.bay, spec, cfg)]
@@ -249,10 +278,10 @@ class Standby:
         e = self.slot.current(ev.generation)
         if e is None or self.slot.taking_down or self.state is not Role.PROVING:
             return []
-        why = self.learned(e) if self.mode == "sleep" else None
+        why = self.learned(e) if self.mode in SLEEPING else None
         if not ev.ok:
             return self._failed(f"its first generation failed: {ev.error}", deadline)
-        if self.mode == "sleep" and why is None:
+        if self.mode in SLEEPING and why is None:
             self._to(Role.SLEEPING)
             return [do.Sleep(e)]
         if why is None:
@@ -275,6 +304,16 @@ class Standby:
         if ev.error is not None:
             return self._failed(f"it could not be put to sleep: {ev.error}", deadline)
         self.asleep = True
+        if self.mode == "snapshot" and self.no_snapshot is None:
+            # kept as images (its GPU state taken off first), which ends it; a copy of
+            # it is the standby next (`on_outcome`'s Gone)
+            self._to(Role.DUMPING, "asleep: kept as images")
+            self._dumping = made_of(e.spec)
+            log.info("standby asleep: kept as images", pid=e.pid,
+                     images=e.config.snapshot_dir, sleep_s=round(ev.seconds, 3))
+            return [do.DumpIn(self.slot.bay, eng.Restore(e.config.snapshot_dir,
+                                                         e.config.criu), self._dumping,
+                              deadline)]
         # (the daemon's calls, and what vLLM measured of its sleep)
         self._ready(e, sleep_s=round(ev.seconds, 3), vllm_s=ev.vllm_s)
         return []
@@ -299,6 +338,12 @@ class Standby:
                     self._to(Role.RETIRING,
                              "the daemon is stopping" if stopping else self.why)
                     return False, [do.TakeDownIn(self.slot.bay, True, deadline, evidence=False)]
+            case out.Healthy(e) if e.spec.restore is not None:
+                # a copy of the standby as it was dumped: proven and asleep (a request
+                # to a sleeping vLLM can crash it: nothing but its wake reaches it)
+                self.asleep = True
+                self._ready(e, "restored from its images")
+                return False, []
             case out.Healthy(e):
                 self._to(Role.PROVING)
                 # a real generation proves it; one to be kept awake sleeps and wakes
@@ -308,15 +353,36 @@ class Standby:
                 return False, self._failed(why, deadline)
             case out.Died(_, why):
                 return False, self._gone_unasked(f"it {why}", deadline)
-            case out.Gone(_, problem):
+            case out.Gone(e, problem, dumped_s, dump_error):
                 if problem is not None:
                     self._to(Role.FAILED, problem)
                     self._audit("standby_failed", why=problem, failures=self.failures)
                     return False, []
-                if self.state is Role.RETIRING:
+                if self.state is Role.DUMPING:
+                    self._dumped(e, dumped_s, dump_error)
+                elif self.state is Role.RETIRING:
                     self._to(Role.NONE, self.why)
                 return True, []
         return False, []
+
+    def _dumped(self, e: eng.EngineProcess, dumped_s: float | None,
+                dump_error: str | None) -> None:
+        """The standby's dump ended, and its tree is gone: a copy of it is the standby
+        next; or, the dump failed, no dump is tried again (a sleeping standby from now,
+        said in status) until the daemon restarts."""
+        if dump_error is None:
+            self.image, self.copy_next = self._dumping, True
+            log.info("standby kept as images", pid=e.pid, seconds=dumped_s,
+                     images=e.config.snapshot_dir)
+            self._audit("standby_dumped", pid=e.pid, seconds=dumped_s,
+                        images=e.config.snapshot_dir)
+            self._to(Role.NONE, "kept as images: a copy of it is the standby next")
+            return
+        self.image, self.no_snapshot = None, dump_error
+        log.error("standby not kept as images: a sleeping standby from now",
+                  pid=e.pid, error=dump_error)
+        self._audit("standby_not_dumped", pid=e.pid, error=dump_error)
+        self._to(Role.NONE, f"not kept as images ({dump_error}): a sleeping standby")
 
     def _kept_awake(self, e: eng.EngineProcess, why: str) -> str:
         """A standby configured to sleep that cannot: kept awake (it fits beside)."""
@@ -351,5 +417,10 @@ class Standby:
                 # what it can carry of streams after a failover (a thin one: less than
                 # the engine's), as its core said at its start; None: not said yet
                 "kv_tokens": e.kv_tokens if alive and e is not None else None,
+                # `standby = "snapshot"`: its images, whether they are made, and why no
+                # dump is tried (one failed); None for other designs
+                "snapshot": {"made": self.image is not None, "off": self.no_snapshot,
+                             "copy": e is not None and e.spec.restore is not None}
+                if self.mode == "snapshot" else None,
                 # the tree's host memory as last seen (asleep at level 1: its weights)
                 "rss_bytes": e.rss_bytes if alive and e is not None else None}

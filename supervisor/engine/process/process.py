@@ -16,10 +16,12 @@ import logging
 import os
 import re
 import signal
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import httpx
 import structlog
@@ -33,6 +35,7 @@ from supervisor.engine.process.enginelog import (
     route_of,
     weights_of,
 )
+from supervisor.engine.snapshot import no_io_uring
 from supervisor.engine.startup.compile_cache import CacheInfo
 from supervisor.loop import http_client
 from supervisor.ops.descriptors import Shortage, exhausted
@@ -132,7 +135,24 @@ def build_spawn_spec(cfg: EngineConfig, environ: Mapping[str, str]) -> SpawnSpec
                                       for a in cfg.args):
         # (either spelling in the operator's args wins)
         argv.append("--disable-uvicorn-access-log")
-    return SpawnSpec(argv=argv, env=env, cwd=cfg.cwd, host=cfg.host, port=cfg.port)
+    folders: tuple[str, ...] = ()
+    if cfg.standby == "snapshot":  # every engine of the unit as a dumped one must be
+        argv, rpc = dumpable(argv, env, cfg.snapshot_dir)
+        folders = (rpc,)
+    return SpawnSpec(argv=argv, env=env, cwd=cfg.cwd, host=cfg.host, port=cfg.port,
+                     folders=folders)
+
+
+def dumpable(argv: list[str], env: dict[str, str], snapshot_dir: str
+             ) -> tuple[list[str], str]:
+    """An engine as CRIU can dump it (docs/standby.md, the snapshot route): under a
+    seccomp filter that refuses io_uring, its own sockets on loopback (a copy's network
+    namespace has nothing else), its unix sockets in a folder of the snapshot's (each
+    copy gets its own there). `env` is changed in place, the operator's values kept;
+    the argv to run, and the folder."""
+    env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    rpc = env.setdefault("VLLM_RPC_BASE_PATH", str(Path(snapshot_dir) / "rpc"))
+    return [sys.executable, no_io_uring.__file__, *argv], rpc
 
 
 def make_folders(folders: Sequence[str]) -> None:

@@ -1,0 +1,94 @@
+"""`standby = "snapshot"` through the real daemon, its proxy, fake engines and the real
+CRIU (issue 49's route 3): the standby is proven, put to sleep, kept as images (which
+ends it) and a copy restored from them is the standby, asleep; a crash of the serving
+engine's core wakes the copy and the streams go on there token-exact; the next standby
+is another copy of the same images, restored beside the engine that serves, with no
+dump. A dump that cannot be made leaves a sleeping standby, said in status."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tests.harness import wait_for
+from tests.test_snapshot_criu import CRIU, carried
+from tests.test_standby import sleep_config, standby_ready, streams_under
+
+
+def snapshot_config(tmp_path: Path, criu: str) -> dict[str, Any]:
+    cfg = sleep_config(tmp_path)
+    cfg["engine"].update(standby="snapshot", criu=criu,
+                         snapshot_dir=str(tmp_path / "snapshot"))
+    return cfg
+
+
+def in_a_namespace(pid: int) -> bool:
+    """The process has a PID namespace of its own (a restored copy's)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return len(next(line for line in status.splitlines()
+                    if line.startswith("NSpid:")).split()) > 2
+
+
+def audit(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in
+            Path(cfg["audit"]["path"]).read_text().splitlines() if line.strip()]
+
+
+def test_the_standby_is_a_copy_of_its_images_before_and_after_a_failover(daemon_factory,
+                                                                          tmp_path):
+    carried()  # (CRIU set up here)
+    cfg = snapshot_config(tmp_path, str(CRIU))
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: standby_ready(d), 60, "the standby ready")
+    first = d.status()
+    sb = first["standby"]
+    assert sb["mode"] == "snapshot" and sb["asleep"] is True
+    assert sb["snapshot"] == {"made": True, "off": None, "copy": True}
+    copy = sb["pid"]
+    assert in_a_namespace(copy) and copy != first["pid"]
+    assert (tmp_path / "snapshot" / "snapshot.json").exists()
+    names = [e["event"] for e in audit(cfg)]
+    assert names.count("standby_dumped") == 1
+
+    # a crash of the serving engine's core: the copy woken, the streams go on there
+    main, core = d.engine_pids()[:2]
+    answered_s = streams_under(cfg, lambda: os.kill(core, signal.SIGKILL))
+    print(f"a new request answered {answered_s:.2f} s after the kill")
+    st = d.status()
+    assert st["state"] == "RUNNING" and st["pid"] == copy and st["restarts"] == 1
+    events = audit(cfg)
+    names = [e["event"] for e in events]
+    assert names.index("failover") < names.index("standby_woken") \
+        < names.index("failover_done")
+    assert next(e for e in events if e["event"] == "standby_woken")["pid"] == copy
+
+    # the next standby: another copy of the same images, beside the copy that serves
+    wait_for(lambda: standby_ready(d) and d.status()["standby"]["pid"] not in (copy, main),
+             60, "another copy, the standby")
+    again = d.status()["standby"]
+    assert again["asleep"] is True and again["snapshot"]["copy"] is True
+    assert in_a_namespace(again["pid"])
+    assert [e["event"] for e in audit(cfg)].count("standby_dumped") == 1  # (no new dump)
+    pids = [copy, again["pid"]]
+    d.stop()
+    assert not [p for p in pids if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_dump_that_cannot_be_made_leaves_a_sleeping_standby(daemon_factory, tmp_path):
+    cfg = snapshot_config(tmp_path, str(tmp_path / "no-criu"))
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: standby_ready(d), 60, "a sleeping standby")
+    sb = d.status()["standby"]
+    assert sb["asleep"] is True and sb["snapshot"]["made"] is False
+    assert sb["snapshot"]["copy"] is False and "no-criu" in sb["snapshot"]["off"]
+    assert not in_a_namespace(sb["pid"])
+    failed = next(e for e in audit(cfg) if e["event"] == "standby_not_dumped")
+    assert "no-criu" in failed["error"]
