@@ -76,7 +76,9 @@ def test_the_standby_is_a_copy_of_its_images_before_and_after_a_failover(daemon_
     assert in_a_namespace(again["pid"])
     assert [e["event"] for e in audit(cfg)].count("standby_dumped") == 1  # (no new dump)
     pids = [copy, again["pid"]]
-    d.stop()
+    stopped = d.ctl("stop")
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert d.proc.wait(timeout=60) == 0
     assert not [p for p in pids if psutil.pid_exists(p)
                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 

@@ -26,6 +26,7 @@ from supervisor.engine.events import (
     Woken,
 )
 from supervisor.engine.process.process import EngineProcess
+from supervisor.engine.process.takedown import TakeDown
 from supervisor.settings.config import parse_config
 from tests.test_supervisor_unit import World
 
@@ -674,3 +675,96 @@ def test_the_quiet_window_rearms_once_a_window(tmp_path: Path) -> None:
     finally:
         w.loop.close()
 
+
+
+SNAPSHOT = {"standby": "snapshot", "env": {"VLLM_SERVER_DEV_MODE": "1"}, "criu": "criu"}
+
+
+def dumped(w: World, spare: EngineProcess, error: str | None = None) -> None:
+    """The standby's dump ended (its take-down with it): kept as images, or not."""
+    w.feed(Down(spare.generation, TakeDown(exit_code=-9, survivors=[], gpu_holders={},
+                                           port_problem=None, duration_s=0.1,
+                                           sigkilled=True),
+                None, None if error else 0.5, error))
+
+
+def test_a_snapshot_standby_on_a_full_card_is_dumped_then_a_copy_of_it_first(
+        tmp_path: Path) -> None:
+    """`standby = "snapshot"` at vLLM's default share (two engines do not fit side by
+    side): the standby starts first (under the io_uring filter, its own sockets on
+    loopback), is proven, put to sleep and dumped; a copy of its images is restored in
+    its place before the engine starts beside it, ready at once (asleep, proven before
+    its dump: no generation reaches it); after a crash the copy is woken once the old
+    engine is gone, and the next standby is another copy, restored beside it (no room
+    for a new engine, room for a copy) with no dump."""
+    w = World(tmp_path, fronted=True, engine={**SNAPSHOT, "args": ["--enable-sleep-mode"]})
+    try:
+        w.sup.start("test")
+        first_spawn = w.fx.last("spawn")
+        assert first_spawn["bay"] == 1 and first_spawn["spec"].restore is None
+        assert first_spawn["spec"].argv[1].endswith("no_io_uring.py")
+        assert first_spawn["spec"].env["VLLM_HOST_IP"] == "127.0.0.1"
+        spare = w.spawned()
+        w.feed(HealthResult(spare.generation, True))
+        w.feed(GateProbe(spare.generation, True, None))
+        w.feed(Slept(spare.generation, None, 0.2))
+        assert w.fx.last("dump")["pid"] == spare.pid
+        assert w.sup.status()["standby"]["state"] == "dumping"
+        assert w.fx.names().count("spawn") == 1  # the engine waits
+        dumped(w, spare)
+        restore = w.fx.last("spawn")
+        assert restore["bay"] == 1 and restore["spec"].restore is not None
+        assert restore["spec"].restore.port == spare.spec.port
+        assert w.fx.names().count("spawn") == 2  # (the copy first, not the engine)
+        copy = w.spawned()
+        w.feed(HealthResult(copy.generation, True))
+        st = w.sup.status()["standby"]
+        assert st["state"] == "ready" and st["asleep"] is True
+        assert st["snapshot"] == {"made": True, "off": None, "copy": True}
+        assert w.fx.last("gate_probe") != {"pid": copy.pid}  # (nothing reached it)
+        assert w.fx.last("spawn")["bay"] == 0  # now the engine, beside the copy
+        first = w.serving()
+        w.feed(GateProbe(first.generation, True, None))
+        assert w.sup.gate.held_reason is None
+
+        w.feed(Exited(first.generation, 0))  # a crash: the copy takes over
+        assert w.sup.engine is copy and "wake" not in w.fx.names()
+        w.down(first)  # the old engine's memory released: now the wake
+        assert w.fx.last("wake") == {"pid": copy.pid}
+        w.feed(Woken(copy.generation, None, 0.6))
+        w.feed(GateProbe(copy.generation, True, None))
+        assert w.sup.gate.held_reason is None
+        again = w.fx.last("spawn")
+        assert again["bay"] == 0 and again["spec"].restore is not None  # another copy
+        assert w.fx.names().count("dump") == 1
+    finally:
+        w.loop.close()
+
+
+def test_a_snapshot_standby_whose_dump_fails_is_a_sleeping_standby(tmp_path: Path) -> None:
+    """The dump failed (CRIU missing, say): said in status and the audit, and from then
+    on the standby is a sleeping one (no dump tried again until the daemon restarts);
+    on a full card the engine starts once that one sleeps."""
+    w = World(tmp_path, fronted=True, engine={**SNAPSHOT, "args": ["--enable-sleep-mode"]})
+    try:
+        w.sup.start("test")
+        spare = w.spawned()
+        w.feed(HealthResult(spare.generation, True))
+        w.feed(GateProbe(spare.generation, True, None))
+        w.feed(Slept(spare.generation, None, 0.2))
+        dumped(w, spare, "SnapshotError: CRIU does not run")
+        st = w.sup.status()["standby"]
+        assert st["snapshot"]["off"] == "SnapshotError: CRIU does not run"
+        # (the standby first again, this time to stay asleep: the engine still waits)
+        nxt = w.fx.last("spawn")
+        assert nxt["bay"] == 1 and nxt["spec"].restore is None
+        second = w.spawned()
+        w.feed(HealthResult(second.generation, True))
+        w.feed(GateProbe(second.generation, True, None))
+        w.feed(Slept(second.generation, None, 0.2))
+        st = w.sup.status()["standby"]
+        assert st["state"] == "ready" and st["asleep"] is True
+        assert w.fx.names().count("dump") == 1
+        assert w.fx.last("spawn")["bay"] == 0  # the engine, beside the sleeping one
+    finally:
+        w.loop.close()

@@ -239,8 +239,9 @@ class Handover:
         if f.state is State.STOPPING:
             out.append(do.MaybeFinishStop())
         elif self.first and not self.standby.on_its_way:
-            if self.standby.copy_next and self.standby.idle:
-                # (just dumped: its copy is restored before the engine starts beside it)
+            if self.standby.next_now and self.standby.idle:
+                # (just dumped: its copy is restored before the engine starts beside it;
+                # the dump failed: a sleeping standby first, as with "sleep")
                 out += self.arm(f, due=True)
             if not self.standby.on_its_way and (self.standby.ready or self.standby.idle):
                 self._set_phase(Phase.IDLE, f.now)

@@ -73,7 +73,8 @@ ROLE: dict[Role, frozenset[Role]] = {
     Role.NO_ROOM: frozenset({Role.STARTING, Role.WAITING, Role.NONE}),
     # -> RETIRING: it failed (or went out of date, or the daemon stops) with an engine in
     # its bay to take down; -> NONE: the same with nothing there (a failed spawn)
-    Role.STARTING: frozenset({Role.PROVING, Role.RETIRING, Role.NONE}),
+    # STARTING -> READY: a copy of a snapshot's images, proven and asleep when dumped
+    Role.STARTING: frozenset({Role.PROVING, Role.READY, Role.RETIRING, Role.NONE}),
     Role.PROVING: frozenset({Role.SLEEPING, Role.READY, Role.RETIRING, Role.NONE}),
     Role.SLEEPING: frozenset({Role.READY, Role.DUMPING, Role.RETIRING, Role.NONE}),
     # DUMPING -> NONE: its tree gone (dumped or not: its bay free for a copy, or for a

@@ -51,9 +51,13 @@ TIMER = "standby"
 
 def made_of(spec: eng.SpawnSpec) -> dict[str, str]:
     """What a standby of `spec` is, as kept with its images (`standby = "snapshot"`): a
-    copy restored from them serves only while a start would run the same."""
+    copy restored from them serves only while a start would run the same. Its port
+    aside: a copy listens on the dumped one's inside its namespace, whichever bay it is
+    restored in, and is reached through its relay."""
+    argv = ["PORT" if i and spec.argv[i - 1] == "--port" else a
+            for i, a in enumerate(spec.argv)]
     env = " ".join(f"{k}={v}" for k, v in sorted(spec.env.items()))
-    return {"argv": " ".join(spec.argv), "env": env, "cwd": spec.cwd}
+    return {"argv": " ".join(argv), "env": env, "cwd": spec.cwd}
 
 
 class Standby:
@@ -84,11 +88,13 @@ class Standby:
         self.unready_since: float | None = self.since
         # `standby = "snapshot"`: what its images were made of (None: none made by this
         # daemon run), why no dump is tried any more (one failed: a sleeping standby
-        # then), and whether a copy is the next standby (one was just dumped)
+        # then), and whether the next standby starts at once (one was just dumped: a
+        # copy of it, or a sleeping one if the dump failed)
         self.image: dict[str, str] | None = None
         self.no_snapshot: str | None = None
-        self.copy_next = False
+        self.next_now = False
         self._dumping: dict[str, str] = {}  # what the one being dumped is
+        self.image_port = 0  # the port its copies listen on inside their namespaces
 
     def learned(self, engine: eng.EngineProcess) -> str | None:
         """An engine of this unit (either role) was probed at its start: whether engines
@@ -155,11 +161,12 @@ class Standby:
         if not self.restorable(spec):
             return spec
         return replace(spec, restore=eng.Restore(
-            cfg.snapshot_dir, cfg.criu, spec.env.get("VLLM_RPC_BASE_PATH")))
+            cfg.snapshot_dir, cfg.criu, spec.env.get("VLLM_RPC_BASE_PATH"),
+            self.image_port))
 
     def start(self, spec: eng.SpawnSpec, cfg: EngineConfig, mode: str) -> list[do.Step]:
         self._to(Role.STARTING)
-        self.mode, self.asleep, self.copy_next = mode, False, False
+        self.mode, self.asleep, self.next_now = mode, False, False
         log.info("standby starting", port=spec.port, mode=mode,
                  **({"thin": spec.thin} if cfg.standby_args else {}))
         return [do.Spawn(self.slot.bay, spec, cfg)]
@@ -371,14 +378,14 @@ class Standby:
         next; or, the dump failed, no dump is tried again (a sleeping standby from now,
         said in status) until the daemon restarts."""
         if dump_error is None:
-            self.image, self.copy_next = self._dumping, True
+            self.image, self.next_now, self.image_port = self._dumping, True, e.spec.port
             log.info("standby kept as images", pid=e.pid, seconds=dumped_s,
                      images=e.config.snapshot_dir)
             self._audit("standby_dumped", pid=e.pid, seconds=dumped_s,
                         images=e.config.snapshot_dir)
             self._to(Role.NONE, "kept as images: a copy of it is the standby next")
             return
-        self.image, self.no_snapshot = None, dump_error
+        self.image, self.no_snapshot, self.next_now = None, dump_error, True
         log.error("standby not kept as images: a sleeping standby from now",
                   pid=e.pid, error=dump_error)
         self._audit("standby_not_dumped", pid=e.pid, error=dump_error)

@@ -85,6 +85,9 @@ class SpawnSpec:
     # 49's route 3, engine/snapshot/copies.py); `argv` and `env` are then what the
     # dumped engine ran with
     restore: Restore | None = None
+    # its output through pipes of the daemon's own making (one to be dumped: under uvloop
+    # a subprocess's stdout is a socketpair, which CRIU cannot dump half of)
+    pipes: bool = False
 
     @property
     def command_line(self) -> list[str]:
@@ -107,6 +110,7 @@ class Restore:
     images: str
     criu: str
     rpc_at: str | None = None
+    port: int = 0  # the dumped engine's port, inside each copy (0: the spec's)
 
 
 @dataclass(frozen=True)
@@ -140,7 +144,7 @@ def build_spawn_spec(cfg: EngineConfig, environ: Mapping[str, str]) -> SpawnSpec
         argv, rpc = dumpable(argv, env, cfg.snapshot_dir)
         folders = (rpc,)
     return SpawnSpec(argv=argv, env=env, cwd=cfg.cwd, host=cfg.host, port=cfg.port,
-                     folders=folders)
+                     folders=folders, pipes=cfg.standby == "snapshot")
 
 
 def dumpable(argv: list[str], env: dict[str, str], snapshot_dir: str
@@ -281,18 +285,41 @@ class EngineProcess:
 async def spawn_engine(spec: SpawnSpec, generation: int, now: float,
                        cfg: EngineConfig, keep_lines: int = 200) -> EngineProcess:
     """Start the engine in its own session. Raises OSError if it cannot be executed."""
-    proc = await asyncio.create_subprocess_exec(
-        *spec.command_line, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env=spec.env, cwd=spec.cwd,
-        start_new_session=True, preexec_fn=_child_setup, limit=LINE_LIMIT)
+    ends = (os.pipe(), os.pipe()) if spec.pipes else None
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *spec.command_line, stdin=asyncio.subprocess.DEVNULL,
+            stdout=ends[0][1] if ends else asyncio.subprocess.PIPE,
+            stderr=ends[1][1] if ends else asyncio.subprocess.PIPE, env=spec.env,
+            cwd=spec.cwd, start_new_session=True, preexec_fn=_child_setup, limit=LINE_LIMIT)
+    except BaseException:
+        for r, w in ends or ():
+            os.close(r)
+            os.close(w)
+        raise
+    outputs = None
+    if ends:
+        for _, w in ends:
+            os.close(w)  # (the engine's, now)
+        outputs = (await pipe_reader(ends[0][0]), await pipe_reader(ends[1][0]))
     engine = EngineProcess(generation=generation, proc=proc, pid=proc.pid, started_at=now,
-                           spec=spec, config=cfg, recent_lines=deque(maxlen=keep_lines))
+                           spec=spec, config=cfg, recent_lines=deque(maxlen=keep_lines),
+                           outputs=outputs)
     try:
         engine.known = await asyncio.to_thread(proctree.snapshot_tree, proc.pid)
         engine.pipes = await asyncio.to_thread(output_pipes, proc.pid)
     except OSError as exc:  # (it runs: never lose it; the watch's first look fills this)
         log.warning("cannot read the new engine's tree yet", error=str(exc), pid=proc.pid)
     return engine
+
+
+async def pipe_reader(fd: int) -> asyncio.StreamReader:
+    """The event loop's reader of a pipe's read end (its file is the transport's)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=LINE_LIMIT, loop=loop)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop),
+                                 os.fdopen(fd, "rb", buffering=0))
+    return reader
 
 
 def output_pipes(pid: int) -> tuple[int, ...]:

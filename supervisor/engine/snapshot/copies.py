@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import shutil
 import tempfile
 from collections import deque
@@ -86,15 +85,6 @@ async def dump_engine(engine: eng.EngineProcess, snapshot: eng.Restore,
         raise
 
 
-async def _reader(fd: int) -> asyncio.StreamReader:
-    """The event loop's reader of a pipe's read end (its file is the transport's)."""
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=eng.LINE_LIMIT, loop=loop)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop),
-                                 os.fdopen(fd, "rb", buffering=0))
-    return reader
-
-
 def _ended() -> asyncio.StreamReader:
     """A reader with nothing to read (an image that kept one pipe for both outputs)."""
     reader = asyncio.StreamReader()
@@ -125,12 +115,12 @@ async def spawn_copy(spec: eng.SpawnSpec, generation: int, now: float, cfg: Engi
         listening = relay.bind_free(spec.host)
         try:
             port = int(listening.getsockname()[1])
-            await relay.start(copy.root, listening, spec.port)
+            await relay.start(copy.root, listening, r.port or spec.port)
         finally:
             listening.close()  # (the relay holds its own)
         fds = list(copy.outputs.values())
         copy.outputs = {}  # (the readers own them now)
-        readers = [await _reader(fd) for fd in fds]
+        readers = [await eng.pipe_reader(fd) for fd in fds]
     except BaseException:
         if copy is not None:
             await copy.end()
