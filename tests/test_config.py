@@ -242,6 +242,13 @@ SLEEPY = {"env": {"VLLM_SERVER_DEV_MODE": "1"}}
      "engine.args: --gpu-memory-utilization 0.6 twice is 1.2 of the card"),
     ({"standby": "awake", "args": ["--gpu-memory-utilization", "lots"]},
      "engine.args: --gpu-memory-utilization 'lots' is not a number"),
+    ({"standby": "snapshot", **SLEEPY},
+     'engine.args: standby = "snapshot" needs --enable-sleep-mode'),
+    ({"standby": "snapshot", "args": ["--enable-sleep-mode"]},
+     'engine.env.VLLM_SERVER_DEV_MODE: standby = "snapshot" needs "1"'),
+    ({"standby": "snapshot", **SLEEPY, "args": ["--enable-sleep-mode"],
+      "standby_args": ["--gpu-memory-utilization", "0.3"]},
+     'engine.standby_args: not with standby = "snapshot"'),
 ])
 def test_a_standby_that_cannot_be_kept_is_refused_with_the_numbers(engine, expected):
     found = problems(with_engine(**engine))
