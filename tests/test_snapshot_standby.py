@@ -52,7 +52,7 @@ def test_the_standby_is_a_copy_of_its_images_before_and_after_a_failover(daemon_
     assert sb["snapshot"] == {"made": True, "off": None, "copy": True}
     copy = sb["pid"]
     assert in_a_namespace(copy) and copy != first["pid"]
-    assert (tmp_path / "snapshot" / "snapshot.json").exists()
+    assert (tmp_path / "snapshot" / "images" / "snapshot.json").exists()
     names = [e["event"] for e in audit(cfg)]
     assert names.count("standby_dumped") == 1
 

@@ -768,3 +768,24 @@ def test_a_snapshot_standby_whose_dump_fails_is_a_sleeping_standby(tmp_path: Pat
         assert w.fx.last("spawn")["bay"] == 0  # the engine, beside the sleeping one
     finally:
         w.loop.close()
+
+
+def test_a_stop_while_the_standby_is_dumped_waits_for_the_dump(tmp_path: Path) -> None:
+    """The dump is the standby's take-down: a stop during it retires the standby and
+    ends once the dump's take-down has proven its tree gone, with no copy restored."""
+    w = World(tmp_path, fronted=True, engine={**SNAPSHOT, "args": ["--enable-sleep-mode"]})
+    try:
+        w.sup.start("test")
+        spare = w.spawned()
+        w.feed(HealthResult(spare.generation, True))
+        w.feed(GateProbe(spare.generation, True, None))
+        w.feed(Slept(spare.generation, None, 0.2))
+        assert w.sup.status()["standby"]["state"] == "dumping"
+        reply = w.control("stop")
+        assert w.sup.status()["standby"]["state"] == "retiring"
+        assert not reply.done()
+        dumped(w, spare)
+        assert w.state == "STOPPED" and reply.done()
+        assert w.fx.names().count("spawn") == 1  # (no copy, no engine)
+    finally:
+        w.loop.close()

@@ -78,8 +78,9 @@ ROLE: dict[Role, frozenset[Role]] = {
     Role.PROVING: frozenset({Role.SLEEPING, Role.READY, Role.RETIRING, Role.NONE}),
     Role.SLEEPING: frozenset({Role.READY, Role.DUMPING, Role.RETIRING, Role.NONE}),
     # DUMPING -> NONE: its tree gone (dumped or not: its bay free for a copy, or for a
-    # standby that is not dumped); -> FAILED: not proven gone
-    Role.DUMPING: frozenset({Role.NONE, Role.FAILED}),
+    # standby that is not dumped); -> FAILED: not proven gone; -> RETIRING: the daemon
+    # stops, or a restart retires it, while the dump (its take-down) goes on
+    Role.DUMPING: frozenset({Role.NONE, Role.FAILED, Role.RETIRING}),
     # READY -> RETIRING: it took over, the old serving engine now in its bay to be taken
     # down (-> NONE when there was none)
     Role.READY: frozenset({Role.RETIRING, Role.NONE, Role.RETURNING}),

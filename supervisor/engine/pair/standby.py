@@ -161,7 +161,7 @@ class Standby:
         if not self.restorable(spec):
             return spec
         return replace(spec, restore=eng.Restore(
-            cfg.snapshot_dir, cfg.criu, spec.env.get("VLLM_RPC_BASE_PATH"),
+            eng.snapshot_images(cfg.snapshot_dir), cfg.criu, spec.env.get("VLLM_RPC_BASE_PATH"),
             self.image_port))
 
     def start(self, spec: eng.SpawnSpec, cfg: EngineConfig, mode: str) -> list[do.Step]:
@@ -317,10 +317,11 @@ class Standby:
             self._to(Role.DUMPING, "asleep: kept as images")
             self._dumping = made_of(e.spec)
             log.info("standby asleep: kept as images", pid=e.pid,
-                     images=e.config.snapshot_dir, sleep_s=round(ev.seconds, 3))
-            return [do.DumpIn(self.slot.bay, eng.Restore(e.config.snapshot_dir,
-                                                         e.config.criu), self._dumping,
-                              deadline)]
+                     images=eng.snapshot_images(e.config.snapshot_dir),
+                     sleep_s=round(ev.seconds, 3))
+            images = eng.snapshot_images(e.config.snapshot_dir)
+            return [do.DumpIn(self.slot.bay, eng.Restore(images, e.config.criu),
+                              self._dumping, deadline)]
         # (the daemon's calls, and what vLLM measured of its sleep)
         self._ready(e, sleep_s=round(ev.seconds, 3), vllm_s=ev.vllm_s)
         return []
@@ -379,10 +380,9 @@ class Standby:
         said in status) until the daemon restarts."""
         if dump_error is None:
             self.image, self.next_now, self.image_port = self._dumping, True, e.spec.port
-            log.info("standby kept as images", pid=e.pid, seconds=dumped_s,
-                     images=e.config.snapshot_dir)
-            self._audit("standby_dumped", pid=e.pid, seconds=dumped_s,
-                        images=e.config.snapshot_dir)
+            images = eng.snapshot_images(e.config.snapshot_dir)
+            log.info("standby kept as images", pid=e.pid, seconds=dumped_s, images=images)
+            self._audit("standby_dumped", pid=e.pid, seconds=dumped_s, images=images)
             self._to(Role.NONE, "kept as images: a copy of it is the standby next")
             return
         self.image, self.no_snapshot, self.next_now = None, dump_error, True

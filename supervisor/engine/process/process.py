@@ -147,6 +147,11 @@ def build_spawn_spec(cfg: EngineConfig, environ: Mapping[str, str]) -> SpawnSpec
                      folders=folders, pipes=cfg.standby == "snapshot")
 
 
+def snapshot_images(snapshot_dir: str) -> str:
+    """Where a snapshot standby's images are kept, beside its socket folder (`rpc`)."""
+    return str(Path(snapshot_dir) / "images")
+
+
 def dumpable(argv: list[str], env: dict[str, str], snapshot_dir: str
              ) -> tuple[list[str], str]:
     """An engine as CRIU can dump it (docs/standby.md, the snapshot route): under a
