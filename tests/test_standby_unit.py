@@ -680,6 +680,16 @@ def test_the_quiet_window_rearms_once_a_window(tmp_path: Path) -> None:
 SNAPSHOT = {"standby": "snapshot", "env": {"VLLM_SERVER_DEV_MODE": "1"}, "criu": "criu"}
 
 
+def asleep_first(w: World) -> EngineProcess:
+    """A start on a full card: its standby first, proven and put to sleep."""
+    w.sup.start("test")
+    spare = w.spawned()
+    w.feed(HealthResult(spare.generation, True))
+    w.feed(GateProbe(spare.generation, True, None))
+    w.feed(Slept(spare.generation, None, 0.2))
+    return spare
+
+
 def dumped(w: World, spare: EngineProcess, error: str | None = None) -> None:
     """The standby's dump ended (its take-down with it): kept as images, or not."""
     w.feed(Down(spare.generation, TakeDown(exit_code=-9, survivors=[], gpu_holders={},
@@ -747,11 +757,7 @@ def test_a_snapshot_standby_whose_dump_fails_is_a_sleeping_standby(tmp_path: Pat
     on a full card the engine starts once that one sleeps."""
     w = World(tmp_path, fronted=True, engine={**SNAPSHOT, "args": ["--enable-sleep-mode"]})
     try:
-        w.sup.start("test")
-        spare = w.spawned()
-        w.feed(HealthResult(spare.generation, True))
-        w.feed(GateProbe(spare.generation, True, None))
-        w.feed(Slept(spare.generation, None, 0.2))
+        spare = asleep_first(w)
         dumped(w, spare, "SnapshotError: CRIU does not run")
         st = w.sup.status()["standby"]
         assert st["snapshot"]["off"] == "SnapshotError: CRIU does not run"
@@ -775,11 +781,7 @@ def test_a_stop_while_the_standby_is_dumped_waits_for_the_dump(tmp_path: Path) -
     ends once the dump's take-down has proven its tree gone, with no copy restored."""
     w = World(tmp_path, fronted=True, engine={**SNAPSHOT, "args": ["--enable-sleep-mode"]})
     try:
-        w.sup.start("test")
-        spare = w.spawned()
-        w.feed(HealthResult(spare.generation, True))
-        w.feed(GateProbe(spare.generation, True, None))
-        w.feed(Slept(spare.generation, None, 0.2))
+        spare = asleep_first(w)
         assert w.sup.status()["standby"]["state"] == "dumping"
         reply = w.control("stop")
         assert w.sup.status()["standby"]["state"] == "retiring"
