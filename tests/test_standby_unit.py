@@ -791,3 +791,24 @@ def test_a_stop_while_the_standby_is_dumped_waits_for_the_dump(tmp_path: Path) -
         assert w.fx.names().count("spawn") == 1  # (no copy, no engine)
     finally:
         w.loop.close()
+
+
+def test_a_copy_that_cannot_be_restored_drops_the_images(tmp_path: Path) -> None:
+    """The images are not trusted once a copy of them failed: on a full card the engine
+    then starts (no room for a fresh standby beside it until its next cold start, which
+    begins with one to dump again)."""
+    w = World(tmp_path, fronted=True, engine={**SNAPSHOT, "args": ["--enable-sleep-mode"]})
+    try:
+        spare = asleep_first(w)
+        dumped(w, spare)
+        restore = w.fx.last("spawn")
+        assert restore["spec"].restore is not None
+        w.feed(Spawned(restore["generation"], None, "criu restore of copy g3 ended"))
+        st = w.sup.status()["standby"]
+        assert st["snapshot"]["made"] is False
+        events = [json.loads(x)["event"] for x in
+                  (tmp_path / "events.jsonl").read_text().splitlines()]
+        assert "standby_images_dropped" in events
+        assert w.fx.last("spawn")["bay"] == 0  # the engine, alone
+    finally:
+        w.loop.close()

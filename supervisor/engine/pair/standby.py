@@ -94,6 +94,7 @@ class Standby:
         self.no_snapshot: str | None = None
         self.next_now = False
         self._dumping: dict[str, str] = {}  # what the one being dumped is
+        self._copy = False  # the engine in its place (or coming) is a copy of the images
         self.image_port = 0  # the port its copies listen on inside their namespaces
 
     def learned(self, engine: eng.EngineProcess) -> str | None:
@@ -167,6 +168,8 @@ class Standby:
     def start(self, spec: eng.SpawnSpec, cfg: EngineConfig, mode: str) -> list[do.Step]:
         self._to(Role.STARTING)
         self.mode, self.asleep, self.next_now = mode, False, False
+        self._copy = spec.restore is not None  # (a copy of the images: one that fails
+        # drops them, and the next standby is a fresh one, dumped again)
         log.info("standby starting", port=spec.port, mode=mode,
                  **({"thin": spec.thin} if cfg.standby_args else {}))
         return [do.Spawn(self.slot.bay, spec, cfg)]
@@ -260,8 +263,18 @@ class Standby:
             return self.retire(self.why or why, graceful=False, deadline=deadline)
         return self._failed(why, deadline)
 
+    def _drop_image(self, why: str) -> None:
+        """A copy of the images failed: they are not trusted again (the next standby is
+        a fresh one, dumped again once asleep)."""
+        if self._copy and self.image is not None:
+            log.warning("a copy of the standby's images failed: they are made again",
+                        why=why)
+            self._audit("standby_images_dropped", why=why)
+            self.image = None
+
     def _failed(self, why: str, deadline: float) -> list[do.Step]:
         self.failures += 1
+        self._drop_image(why)
         log.warning("standby failed", why=why, failures=self.failures)
         self._audit("standby_failed", why=why, failures=self.failures)
         return self.retire(why, graceful=False, deadline=deadline)
@@ -339,6 +352,7 @@ class Standby:
         match outcome:
             case out.SpawnFailed(error):
                 self.failures += 1
+                self._drop_image(f"could not be restored: {error}")
                 self._to(Role.NONE, f"could not be started: {error}")
                 return True, []
             case out.Up():
