@@ -93,7 +93,6 @@ class Standby:
         self.image: dict[str, str] | None = None
         self.no_snapshot: str | None = None
         self.next_now = False
-        self._dumping: dict[str, str] = {}  # what the one being dumped is
         self._copy = False  # the engine in its place (or coming) is a copy of the images
         self.image_port = 0  # the port its copies listen on inside their namespaces
 
@@ -328,13 +327,11 @@ class Standby:
             # kept as images (its GPU state taken off first), which ends it; a copy of
             # it is the standby next (`on_outcome`'s Gone)
             self._to(Role.DUMPING, "asleep: kept as images")
-            self._dumping = made_of(e.spec)
-            log.info("standby asleep: kept as images", pid=e.pid,
-                     images=eng.snapshot_images(e.config.snapshot_dir),
-                     sleep_s=round(ev.seconds, 3))
             images = eng.snapshot_images(e.config.snapshot_dir)
+            log.info("standby asleep: kept as images", pid=e.pid, images=images,
+                     sleep_s=round(ev.seconds, 3))
             return [do.DumpIn(self.slot.bay, eng.Restore(images, e.config.criu),
-                              self._dumping, deadline)]
+                              made_of(e.spec), deadline)]
         # (the daemon's calls, and what vLLM measured of its sleep)
         self._ready(e, sleep_s=round(ev.seconds, 3), vllm_s=ev.vllm_s)
         return []
@@ -393,7 +390,8 @@ class Standby:
         next; or, the dump failed, no dump is tried again (a sleeping standby from now,
         said in status) until the daemon restarts."""
         if dump_error is None:
-            self.image, self.next_now, self.image_port = self._dumping, True, e.spec.port
+            # (what it was made of: the dumped engine's own spawn)
+            self.image, self.next_now, self.image_port = made_of(e.spec), True, e.spec.port
             images = eng.snapshot_images(e.config.snapshot_dir)
             log.info("standby kept as images", pid=e.pid, seconds=dumped_s, images=images)
             self._audit("standby_dumped", pid=e.pid, seconds=dumped_s, images=images)

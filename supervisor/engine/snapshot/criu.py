@@ -393,8 +393,13 @@ async def restore(criu: Criu, images: Path, name: str, within_s: float = 300.0,
         await asyncio.sleep(0.05)
     copy.pids = await asyncio.to_thread(_restored, proc.pid)
     # (a restored process keeps its pid inside the copy's namespace: the dumped one's)
-    copy.gpu = [p for p in copy.pids if await asyncio.to_thread(_pid_inside, p) in gpu]
+    copy.gpu = await asyncio.to_thread(_inside, copy.pids, gpu)
     return copy
+
+
+def _inside(pids: list[int], wanted: set[int]) -> list[int]:
+    """Those of `pids` whose pid in their own PID namespace is one of `wanted`."""
+    return [p for p in pids if _pid_inside(p) in wanted]
 
 
 def _pid_inside(pid: int) -> int | None:
