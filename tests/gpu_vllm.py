@@ -60,6 +60,13 @@ its 10-minute calls, the daemon living on between them in its own session:
                                         # KV resets), with the daemon's sleep backup, then
                                         # with torch's default (`SLEEP_BACKUP=off`: the
                                         # operator's own environment)
+    SHAPE=8b python3 tests/gpu_vllm.py start snapshot  # issue 49's route 3 in the daemon:
+                                        # both at 0.88, `standby = "snapshot"` (the standby
+                                        # started first, asleep, dumped to /dev/shm/vs-snap
+                                        # by .tools/criu, carried; a copy restored as the
+                                        # standby, the engine beside it); then `plan kv-info
+                                        # kill kill kill restart kv-reset-streams stop`: each
+                                        # fault re-armed by a copy (`protected_again`)
     python3 tests/gpu_vllm.py stop      # stopped; nothing left on the GPU
 
 TP=2 (with SHAPE=8b, on nvidia-h100-x2): both engines `--tensor-parallel-size 2`, gpus 0 and 1.
@@ -134,6 +141,11 @@ def ctl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
                           cwd=str(WORK))
 
 
+class Hopeless(AssertionError):
+    """What a wait's condition raises when it can no longer come true (a wait would only
+    burn the machine's minutes)."""
+
+
 def wait(cond: Any, timeout: float, what: str,
          daemon: subprocess.Popen[bytes] | None = None) -> Any:
     """`cond()` once true; `daemon`: the wait ends at once if that daemon exits (a daemon
@@ -147,6 +159,8 @@ def wait(cond: Any, timeout: float, what: str,
             v = cond()
             if v:
                 return v
+        except Hopeless:
+            raise
         except Exception:  # the daemon may be between states
             pass
         if time.monotonic() > deadline:
@@ -339,14 +353,20 @@ def phase_start(standby: str | None = None, share: str | None = None,
     demo["proxy"].update({"listen": PROXY})
     if os.environ.get("PROXY_WORKERS"):  # the front door over N processes (issue 38)
         demo["proxy"]["workers"] = int(os.environ["PROXY_WORKERS"])
+    snapshot = standby == "snapshot"
+    if snapshot:  # issue 49's route 3 in the daemon: the standby's images on tmpfs
+        # (~20 GiB for the 8B shape), dumped and restored by sid's CRIU 4.2.1, carried
+        shutil.rmtree(SNAPSHOTS, ignore_errors=True)
+        demo["engine"].update(criu=str(criu_wrapper()), snapshot_dir=str(SNAPSHOTS))
     cfg = write_config(WORK / "config.toml", demo)
     t0 = time.monotonic()
     daemon = subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
                               stdout=(WORK / "daemon.log").open("ab"), stderr=subprocess.STDOUT,
                               env={**os.environ, "PYTHONPATH": SUP_SITE}, cwd=str(WORK),
                               start_new_session=True)
+    # (a snapshot pair serves once its standby started, slept, was dumped and restored)
     st = wait(lambda: status()["state"] == "RUNNING" and status(),
-              580 if SHAPE == "8b" else 540, "RUNNING", daemon)
+              900 if snapshot else 580 if SHAPE == "8b" else 540, "RUNNING", daemon)
     startup_s = time.monotonic() - t0
     if not WEIGHT_CACHE:  # (no sleep mode beside a weight cache)
         wait(lambda: status()["remedies"]["kv_reset_unavailable"] is None
@@ -355,8 +375,8 @@ def phase_start(standby: str | None = None, share: str | None = None,
     standby_s = None
     if standby != "none":
         t1 = time.monotonic()
-        if thin:  # (ready and asleep)
-            wait(lambda: protected_again(status()), 540, "the thin standby ready")
+        if thin or snapshot:  # (ready and asleep; a snapshot pair's a copy)
+            wait(lambda: protected_again(status()), 540, "the thin standby or copy ready")
         else:
             wait(lambda: status()["standby"]["state"] == "ready", 540, "the standby ready")
         standby_s = round(time.monotonic() - t1, 1)
@@ -384,27 +404,75 @@ def phase_start(standby: str | None = None, share: str | None = None,
            nvml_processes_mib={str(p): round(b / 2**20) for p, b in procs.items()},
            engine_tree=tree, engine_cuda_env=pinning, exporter=exported,
            remedies=st["remedies"], standby_args=thin or None,
-           kv_cache=kv_info() if thin else None, weight_cache=st.get("weight_cache"),
+           kv_cache=kv_info() if thin or snapshot else None,
+           snapshot=snapshot_facts() if snapshot else None,
+           weight_cache=st.get("weight_cache"),
            dev_routes=st.get("dev_routes"), off=st.get("off"),
            stack_dumps=st.get("stack_dumps"))
 
 
+SNAPSHOTS = Path("/dev/shm/vs-snap")  # `start snapshot`: engine.snapshot_dir
+
+
+def criu_wrapper() -> Path:
+    """`scripts/setup.sh criu`'s CRIU (sid's 4.2.1 and its libraries in .tools/criu/root,
+    carried to the machine), run through its own loader from where the checkout is."""
+    root = ROOT / ".tools" / "criu" / "root"
+    lib = root / "usr" / "lib" / "x86_64-linux-gnu"
+    if not (root / "usr" / "sbin" / "criu").exists():
+        raise Hopeless(f"no CRIU at {root}: carry .tools/criu (scripts/setup.sh criu)")
+    path = WORK / "criu"
+    path.write_text(f"#!/bin/sh\nexec {lib}/ld-linux-x86-64.so.2 --library-path {lib} "
+                    f'{root}/usr/sbin/criu "$@"\n')
+    path.chmod(0o755)
+    return path
+
+
+def snapshot_facts() -> dict[str, Any]:
+    """The snapshot pair's images (their size on tmpfs), the dump's and the copies'
+    audit lines, and the host memory of the standby's tree (a copy, asleep)."""
+    size = sum(f.stat().st_size for f in SNAPSHOTS.rglob("*") if f.is_file()) \
+        if SNAPSHOTS.exists() else 0
+    names = ("standby_dumped", "standby_not_dumped", "standby_images_dropped",
+             "standby_ready", "standby_failed")
+    sb = status().get("standby") or {}
+    tree = engine_tree(sb["pid"]) if sb.get("pid") else []
+    return {"images_gib": round(size / 2**30, 2),
+            "audit": [e for e in events() if e.get("event") in names][-8:],
+            "standby_host_mib": {str(p.pid): host_memory(p.pid) for p in tree},
+            "standby_nvml_mib": {str(pid): round(b / 2**20) for pid, b in
+                                 nvml_processes().items() if pid in {q.pid for q in tree}}}
+
+
 def protected_again(st: dict[str, Any]) -> bool:
-    """An asymmetric pair armed (issue 35): RUNNING, its thin standby ready (proven) and
-    not the one serving, no re-arm under way, nothing held at the proxy."""
+    """A pair that re-arms after every fault, armed: RUNNING, its standby ready (proven),
+    no re-arm under way, nothing held at the proxy; the asymmetric pair's (issue 35) thin
+    standby not the one serving, the snapshot pair's (issue 49) standby a copy of its
+    images. A snapshot pair whose dump failed never re-arms: `Hopeless`, at once."""
     sb = st.get("standby") or {}
-    return bool(st["state"] == "RUNNING" and sb.get("state") == "ready"
-                and sb.get("protected") and sb.get("thin") and not sb.get("thin_serves")
-                and (st.get("admission") or {}).get("held") is None)
+    snap = sb.get("snapshot")
+    if snap and snap.get("off"):
+        raise Hopeless(f"the standby is not dumped: {snap['off']}")
+    armed = bool(st["state"] == "RUNNING" and sb.get("state") == "ready"
+                 and sb.get("protected") and (st.get("admission") or {}).get("held") is None)
+    if snap is not None:
+        return armed and bool(snap.get("copy"))
+    return armed and bool(sb.get("thin")) and not sb.get("thin_serves")
+
+
+def started_as() -> str | None:
+    """The standby design the last `start` was given ("thin", "snapshot", ...)."""
+    started = WORK / "start.json"
+    return json.loads(started.read_text())[0] if started.exists() else None
 
 
 def is_pair(st: dict[str, Any]) -> bool:
-    """The asymmetric pair (`start thin`), as the last start was made; else its standby
-    thin now. (Not the `thin` key of status, which every standby has: a plan on the
-    sleeping pair at 0.88 waited 480 s for a thin standby that never comes, twice.)"""
-    started = WORK / "start.json"
-    if started.exists():
-        return bool(json.loads(started.read_text())[0] == "thin")
+    """A pair that re-arms after every fault: the asymmetric one (`start thin`) or the
+    snapshot one (`start snapshot`), as the last start was made; else its standby thin
+    now. (Not the `thin` key of status, which every standby has: a plan on the sleeping
+    pair at 0.88 waited 480 s for a thin standby that never comes, twice.)"""
+    if (WORK / "start.json").exists():
+        return started_as() in ("thin", "snapshot")
     return bool((st.get("standby") or {}).get("thin"))
 
 
@@ -1410,11 +1478,15 @@ def phase_rearm() -> None:
 
 def phase_stop() -> None:
     st = status()
-    pids = [p.pid for p in engine_tree(st["pid"])]
+    spare = (st.get("standby") or {}).get("pid")
+    pids = [p.pid for p in engine_tree(st["pid"])] + (
+        [p.pid for p in engine_tree(spare)] if spare else [])
     r = ctl("stop")
     left = {p: b for p, b in nvml_processes().items() if p in pids}
     alive = [p for p in pids if running(p)]
-    result("stop", rc=r.returncode, out=r.stdout.strip(), nvml_left=left, alive=alive)
+    # (anything on the card at all: a copy's processes are in a namespace of their own)
+    result("stop", rc=r.returncode, out=r.stdout.strip(), nvml_left=left, alive=alive,
+           nvml_any={str(p): round(b / 2**20) for p, b in nvml_processes().items()})
     assert r.returncode == 0 and not left and not alive
 
 
