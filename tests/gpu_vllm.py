@@ -376,7 +376,13 @@ def phase_start(standby: str | None = None, share: str | None = None,
     if standby != "none":
         t1 = time.monotonic()
         if thin or snapshot:  # (ready and asleep; a snapshot pair's a copy)
-            wait(lambda: protected_again(status()), 540, "the thin standby or copy ready")
+            try:
+                wait(lambda: protected_again(status()), 540, "the thin standby or copy ready")
+            except AssertionError as exc:  # (what the daemon says of it, then the error)
+                result("start-standby", error=str(exc), standby=status().get("standby"),
+                       startup_s=round(startup_s, 1),
+                       snapshot=snapshot_facts() if snapshot else None)
+                raise
         else:
             wait(lambda: status()["standby"]["state"] == "ready", 540, "the standby ready")
         standby_s = round(time.monotonic() - t1, 1)
