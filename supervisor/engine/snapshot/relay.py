@@ -27,8 +27,13 @@ CHUNK = 1 << 16
 
 
 def bind_free(host: str = "127.0.0.1") -> socket.socket:
-    """A listening socket on a port the kernel gives as free, in the caller's namespace."""
+    """A listening socket on a port the kernel gives as free, in the caller's namespace.
+    SO_REUSEADDR, which the connections it accepts inherit: once the relay is gone, their
+    ends linger on the port (closed first, by the relay's death, while the proxy's ends
+    stay open), and without it they hold the port against the take-down's check that it
+    is free (on the H200 that check waited out its 10 s at every fault of a copy)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     sock.listen(512)
     return sock
