@@ -255,6 +255,20 @@ def test_a_standby_that_cannot_be_kept_is_refused_with_the_numbers(engine, expec
     assert any(p.startswith(expected) for p in found), found
 
 
+def test_snapshot_images_in_dev_shm_are_refused_naming_the_key(tmp_path):
+    """Each copy of the standby gets a /dev/shm of its own, which hides images kept
+    there from their own restore (on the H200 every copy failed, saying nothing)."""
+    engine = {"standby": "snapshot", **SLEEPY, "args": ["--enable-sleep-mode"]}
+    with pytest.raises(ConfigError) as e:
+        parse_config(with_engine(**engine, snapshot_dir="/dev/shm/vs/snaps"), "t.toml",
+                     tmp_path)
+    assert "engine.snapshot_dir: /dev/shm/vs/snaps is in /dev/shm" in str(e.value)
+    cfg = parse_config(with_engine(**engine, snapshot_dir="snaps"), "t.toml", tmp_path)
+    assert cfg.engine.snapshot_dir == str(tmp_path / "snaps")
+    parse_config(with_engine(standby="sleep", **SLEEPY, args=["--enable-sleep-mode"],
+                             snapshot_dir="/dev/shm/x"), "t.toml", tmp_path)  # (unused)
+
+
 @pytest.mark.parametrize(("engine", "expected"), [
     ({"standby": "awake", "rearm_window": "3am"},
      "engine.rearm_window: '3am' is not HH:MM-HH:MM"),

@@ -142,6 +142,12 @@ def test_images_that_are_not_there_or_broken_are_refused_and_leave_nothing(
     with pytest.raises(criu.SnapshotError, match="criu restore of copy a ended") as e:
         asyncio.run(criu.restore(carried(), broken, "a", within_s=GUARD_S))
     assert "Error" in str(e.value)  # (CRIU's own last lines)
+    # a copy whose shell fails before CRIU runs (here a folder to mount that is not
+    # there; on the H200, images in /dev/shm hidden by the copy's own) says what it said
+    with pytest.raises(criu.SnapshotError, match=r"before CRIU: .*mount") as e:
+        asyncio.run(criu.restore(carried(), broken, "b", within_s=GUARD_S,
+                                 binds=[(tmp_path / "not-there", tmp_path / "garbled")]))
+    assert "(no log)" in str(e.value)
 
 
 @contextlib.contextmanager

@@ -146,6 +146,12 @@ def _resolve(base: Path, path: str) -> str:
     return os.path.normpath(p if p.is_absolute() else base / p)
 
 
+def _within(path: str, folder: str) -> bool:
+    """`path` is `folder` or inside it, links followed (/dev/shm is /run/shm on some)."""
+    real, top = os.path.realpath(path), os.path.realpath(folder)
+    return real == top or real.startswith(top.rstrip("/") + "/")
+
+
 def _resolve_argv(base: Path, argv: list[str]) -> list[str]:
     """A command's program resolved against the config's folder when it is a path."""
     if not argv:
@@ -270,6 +276,13 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
         snapshot_dir=_resolve(base, e.snapshot_dir or str(
             Path(audit_path).parent / "snapshots" / name)))
         for name, e in engines.items()}
+    in_shm = [f"{'engine' if key == 'engine' else f'engines.{name}'}.snapshot_dir: "
+              f"{e.snapshot_dir} is in /dev/shm, which each copy of the standby gets "
+              f"afresh, hiding the images from their own restore: put them on another "
+              f"tmpfs (or a disk)" for name, e in resolved.items()
+              if e.standby == "snapshot" and _within(e.snapshot_dir, "/dev/shm")]
+    if in_shm:
+        raise ConfigError(source, in_shm)
     evidence: EvidenceConfig = sections["evidence"]
     return Config(
         engine=next(iter(resolved.values())),

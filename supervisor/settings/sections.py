@@ -78,8 +78,9 @@ class EngineConfig:
     # serving engine after every fault (docs/standby.md: the snapshot route); "none":
     # every fault costs a cold start
     standby: str = spec("none", choices=("none", "sleep", "awake", "snapshot"))
-    # standby = "snapshot": the folder of the standby's images (~20 GiB for an 8B model
-    # on a GPU); "": snapshots/<engine> beside the audit trail
+    # standby = "snapshot": the folder of the standby's images (~22 GiB for an 8B model
+    # on a GPU; a tmpfs restores fastest, but not /dev/shm, which each copy gets afresh);
+    # "": snapshots/<engine> beside the audit trail
     snapshot_dir: str = spec("")
     # standby = "snapshot": the CRIU that dumps and restores it (4.2 or later on a
     # kernel from 6.16)

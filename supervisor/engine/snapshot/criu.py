@@ -151,6 +151,12 @@ async def refusal(criu: Criu, within_s: float = 30.0) -> str | None:
     return None
 
 
+def _before_criu(path: Path) -> str:
+    """What a copy's shell said on its stderr (a mount that failed), if anything."""
+    words = _tail(path)
+    return "" if words in ("", "(no log)") else f"; before CRIU: {words}"
+
+
 def _tail(path: Path) -> str:
     with contextlib.suppress(OSError):
         return " | ".join(path.read_text(errors="replace").splitlines()[-TAIL_LINES:])
@@ -372,13 +378,22 @@ async def restore(criu: Criu, images: Path, name: str, within_s: float = 300.0,
     inner = f"{mounts}{_quote(sys.executable)} -c {_quote(LO_UP)} && exec " + \
         " ".join(_quote(a) for a in restore_argv)
     writes = tuple(w for _, w in ends.values())
+    # (what the shell and its mounts say before CRIU writes a log of its own)
+    said = images / f"restore-{name}.err"
+    try:
+        said_fd = await asyncio.to_thread(os.open, said,
+                                          os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    except OSError:
+        for fd in (*writes, *(r for r, _ in ends.values())):
+            os.close(fd)
+        raise
     try:
         proc = await asyncio.create_subprocess_exec(
             "unshare", "--pid", "--net", "--mount", "--fork", "--mount-proc", "sh", "-c",
             inner, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL, pass_fds=writes, start_new_session=True)
+            stderr=said_fd, pass_fds=writes, start_new_session=True)
     finally:
-        for w in writes:
+        for w in (*writes, said_fd):
             os.close(w)
     copy = Copy(proc, log, {ino: r for ino, (r, _) in ends.items()})
     deadline = time.monotonic() + within_s
@@ -389,7 +404,8 @@ async def restore(criu: Criu, images: Path, name: str, within_s: float = 300.0,
             why = ("ended" if proc.returncode is not None
                    else f"not restored within {within_s:g} s")
             await copy.end()
-            raise SnapshotError(f"criu restore of copy {name} {why}: {_tail(log)}")
+            words = await asyncio.to_thread(lambda: _tail(log) + _before_criu(said))
+            raise SnapshotError(f"criu restore of copy {name} {why}: {words}")
         await asyncio.sleep(0.05)
     copy.pids = await asyncio.to_thread(_restored, proc.pid)
     # (a restored process keeps its pid inside the copy's namespace: the dumped one's)
