@@ -62,7 +62,7 @@ its 10-minute calls, the daemon living on between them in its own session:
                                         # operator's own environment)
     SHAPE=8b python3 tests/gpu_vllm.py start snapshot  # issue 49's route 3 in the daemon:
                                         # both at 0.88, `standby = "snapshot"` (the standby
-                                        # started first, asleep, dumped to /dev/shm/vs-snap
+                                        # started first, asleep, dumped to /tmp/vs-snap
                                         # by .tools/criu, carried; a copy restored as the
                                         # standby, the engine beside it); then `plan kv-info
                                         # kill kill kill restart kv-reset-streams stop`: each
@@ -355,8 +355,8 @@ def phase_start(standby: str | None = None, share: str | None = None,
         demo["proxy"]["workers"] = int(os.environ["PROXY_WORKERS"])
     snapshot = standby == "snapshot"
     if snapshot:  # issue 49's route 3 in the daemon: the standby's images on tmpfs
-        # (~20 GiB for the 8B shape), dumped and restored by sid's CRIU 4.2.1, carried
-        shutil.rmtree(SNAPSHOTS, ignore_errors=True)
+        # (~22 GiB for the 8B shape), dumped and restored by sid's CRIU 4.2.1, carried
+        snapshot_tmpfs()
         demo["engine"].update(criu=str(criu_wrapper()), snapshot_dir=str(SNAPSHOTS))
     cfg = write_config(WORK / "config.toml", demo)
     t0 = time.monotonic()
@@ -417,7 +417,19 @@ def phase_start(standby: str | None = None, share: str | None = None,
            stack_dumps=st.get("stack_dumps"))
 
 
-SNAPSHOTS = Path("/dev/shm/vs-snap")  # `start snapshot`: engine.snapshot_dir
+# `start snapshot`: engine.snapshot_dir, a tmpfs of its own (not in /dev/shm, which each
+# copy gets afresh: the daemon refuses it since the H200 run where every copy failed so)
+SNAPSHOTS = Path("/tmp/vs-snap")
+
+
+def snapshot_tmpfs() -> None:
+    """SNAPSHOTS emptied, on a tmpfs mounted there (the machine's root)."""
+    SNAPSHOTS.mkdir(parents=True, exist_ok=True)
+    if not os.path.ismount(SNAPSHOTS):
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100g", "tmpfs", str(SNAPSHOTS)],
+                       check=True)
+    for old in SNAPSHOTS.iterdir():
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
 def criu_wrapper() -> Path:
