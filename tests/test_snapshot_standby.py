@@ -13,6 +13,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 
 from tests.harness import wait_for
@@ -52,6 +53,9 @@ def test_the_standby_is_a_copy_of_its_images_before_and_after_a_failover(daemon_
     assert sb["snapshot"] == {"made": True, "off": None, "copy": True}
     copy = sb["pid"]
     assert in_a_namespace(copy) and copy != first["pid"]
+    # its port is where it is reached (its relay's), not the one inside its namespace
+    assert sb["port"] not in (cfg["engine"]["port"], cfg["engine"]["port"] + 1)
+    assert httpx.get(f"http://127.0.0.1:{sb['port']}/health", timeout=10).status_code == 200
     assert (tmp_path / "snapshot" / "images" / "snapshot.json").exists()
     names = [e["event"] for e in audit(cfg)]
     assert names.count("standby_dumped") == 1

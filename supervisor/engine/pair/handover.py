@@ -408,12 +408,12 @@ class Handover:
         self.failovers += 1
         old_pid = old.engine.pid if old.engine else None
         log.warning("failover: the standby serves", reason=reason, pid=engine.pid,
-                    port=engine.spec.port, old_pid=old_pid, asleep=asleep,
+                    port=engine.config.port, old_pid=old_pid, asleep=asleep,
                     **({"thin": new.thin, "old_kept": keep} if f.thin_pair else {}))
         out: list[Step] = [
             do.ServeFrom(),  # (the restart is over: its deadline with it)
             do.Audit("failover", {"reason": reason, "pid": engine.pid,
-                                  "port": engine.spec.port, "old_pid": old_pid,
+                                  "port": engine.config.port, "old_pid": old_pid,
                                   "graceful": graceful, "asleep": asleep}),
             do.Decide("failover", reason)]
         if f.state is State.DRAINING:

@@ -195,7 +195,7 @@ class EngineSlot(_BayReading):
             return
         spec = engine.spec
         fields: dict[str, Any] = {
-            "pid": engine.pid, "port": spec.port, "routes": routes.as_dict(),
+            "pid": engine.pid, "port": engine.config.port, "routes": routes.as_dict(),
             "off": devroutes.off(routes, spec.argv, spec.env),
             "unknown": dict(routes.errors) or None}
         missing = devroutes.missing_asked(routes, spec.argv, spec.env)

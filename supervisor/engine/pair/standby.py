@@ -412,7 +412,7 @@ class Standby:
     def _ready(self, e: eng.EngineProcess, why: str | None = None, **fields: Any) -> None:
         self._to(Role.READY, why)
         self.failures = 0  # (a later failure begins a new streak)
-        fields = {"pid": e.pid, "port": e.spec.port, "asleep": self.asleep,
+        fields = {"pid": e.pid, "port": e.config.port, "asleep": self.asleep,
                   "start_s": round(self._monotonic() - e.started_at, 3), **fields}
         if why is not None:
             fields["reason"] = why
@@ -431,7 +431,7 @@ class Standby:
                 "protected": unready is None,
                 "unprotected_for_s": round(now - unready, 3) if unready is not None else None,
                 "pid": e.pid if alive and e is not None else None,
-                "port": e.spec.port if e is not None else None,
+                "port": e.config.port if e is not None else None,
                 "asleep": self.asleep, "thin": self.thin,
                 # what it can carry of streams after a failover (a thin one: less than
                 # the engine's), as its core said at its start; None: not said yet
