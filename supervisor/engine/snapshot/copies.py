@@ -16,8 +16,11 @@ copy maps onto the daemon's engine process"):
   URL the daemon makes of the engine reaches the copy;
 - `scratch` is a folder of its own, mounted where the dumped engine bound its unix
   sockets (two copies would otherwise bind the same files), removed once it is gone;
-- the GPU state its dump took off is brought back before it is handed over (a copy with
-  none, on CPU, needs no driver).
+- its large anonymous memory is collapsed into huge pages first (`huge_pages`: CRIU
+  restores it in 4 KiB pages, and a copy's exit then took 2.4 s on the H200 where a
+  spawned engine's takes 0.66 s), before the GPU state its dump took off is brought back
+  (CUDA pins that memory again) and it is handed over (a copy with none, on CPU, needs no
+  driver). A collapse that cannot be done is logged, never the copy's failure.
 
 `dump_engine` makes the images of an engine the daemon spawned: the GPU state of its
 processes that hold the card taken off first (`cuda.take_off`), then CRIU's dump, which
@@ -41,7 +44,7 @@ import structlog
 
 from supervisor.engine.process import process as eng
 from supervisor.engine.process import proctree
-from supervisor.engine.snapshot import criu, cuda, relay
+from supervisor.engine.snapshot import criu, cuda, huge_pages, relay
 from supervisor.settings.sections import EngineConfig
 
 log = structlog.get_logger("supervisor.engine")
@@ -107,6 +110,7 @@ async def spawn_copy(spec: eng.SpawnSpec, generation: int, now: float, cfg: Engi
     try:
         copy = await criu.restore(criu.Criu.at(r.criu), Path(r.images), f"g{generation}",
                                   within_s=cfg.startup_timeout_s, binds=binds)
+        await _into_huge_pages(copy)
         if copy.gpu:  # (its GPU state, as the dump took it off)
             left = await asyncio.to_thread(cuda.bring_back, gpu.opened(), copy.gpu)
             if left:
@@ -140,6 +144,34 @@ async def spawn_copy(spec: eng.SpawnSpec, generation: int, now: float, cfg: Engi
     log.info("engine restored from its snapshot", pid=copy.root, port=port,
              images=r.images, generation=generation)
     return engine
+
+
+async def _into_huge_pages(copy: criu.Copy) -> None:
+    """The copy's processes' large anonymous memory collapsed into huge pages, and one
+    line saying how it went; never raises (but a cancellation)."""
+    try:
+        done = await asyncio.to_thread(huge_pages.collapse, copy.pids)
+        huge = await asyncio.to_thread(_anon_huge, copy.pids)
+    except Exception as exc:  # (a copy is worth more than how its pages are mapped)
+        log.warning("copy's memory not collapsed into huge pages", pid=copy.root,
+                    error=repr(exc))
+        return
+    if done.why_not is not None:
+        log.warning("copy's memory not collapsed into huge pages", pid=copy.root,
+                    why=done.why_not)
+        return
+    log.info("copy's memory collapsed into huge pages", pid=copy.root,
+             asked_mib=done.asked >> 20, advised_mib=done.advised >> 20,
+             refused_ranges=done.refused, seconds=done.seconds,
+             anon_huge_mib=huge >> 20 if huge is not None else None,
+             errors={str(p): e for p, e in done.errors.items()} or None)
+
+
+def _anon_huge(pids: list[int]) -> int | None:
+    """The processes' anonymous memory in huge pages, all told; None when one's is
+    unreadable."""
+    held = [huge_pages.anon_huge_bytes(p) for p in pids]
+    return None if None in held else sum(h for h in held if h is not None)
 
 
 def _remove(folder: str) -> None:
