@@ -14,6 +14,9 @@ script a fault:
   --metrics-file PATH   serve /metrics from this file, read afresh on every request
   --gpu-mib N           that child holds N MiB of GPU memory (torch, CUDA), as EngineCore
                         does; the engine serves only once it is allocated
+  --hold-mib N          that child holds N MiB of anonymous host memory, every page touched,
+                        mapped with MADV_HUGEPAGE (as glibc.malloc.hugetlb=1 maps vLLM's
+                        sleeping weights' backup): huge pages where the host's THP allows
   --hang-file PATH      while PATH exists, completions hang (a frozen engine: /health
                         and /metrics still answer, as vLLM's do with EngineCore stopped)
   --watchdog-config J   vLLM 0.33's stack-dump watchdog ({"timeout": T, "check_interval":
@@ -133,6 +136,19 @@ def set_title(title: str) -> None:
         ctypes.CDLL(None).prctl(15, title.encode()[:15], 0, 0, 0)
 
 
+def hold_host_memory(mib: int) -> object:
+    """N MiB of private anonymous memory, MADV_HUGEPAGE, every page touched: the mapping,
+    kept by the caller."""
+    import mmap
+
+    held = mmap.mmap(-1, mib << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    held.madvise(mmap.MADV_HUGEPAGE)
+    page = b"\1" * mmap.PAGESIZE
+    for at in range(0, mib << 20, mmap.PAGESIZE):
+        held[at:at + mmap.PAGESIZE] = page
+    return held
+
+
 def main() -> None:
     if sys.argv[1:2] == ["preload"]:  # `vllm preload`: the weight cache's stand-in
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -162,6 +178,7 @@ def main() -> None:
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--child", action="store_true")
     p.add_argument("--gpu-mib", type=int, default=0)
+    p.add_argument("--hold-mib", type=int, default=0)
     p.add_argument("--metrics-file", default=None)
     p.add_argument("--hang-file", default=None)
     p.add_argument("--token-delay", type=float, default=0.01)
@@ -224,7 +241,7 @@ def main() -> None:
         while True:
             time.sleep(3600)
     child_pid = None
-    if a.child or a.gpu_mib:
+    if a.child or a.gpu_mib or a.hold_mib:
         ready_r, ready_w = os.pipe()
         child_pid = os.fork()
         if child_pid == 0:  # the "engine core": holds its memory, sleeps until killed
@@ -245,6 +262,8 @@ def main() -> None:
 
                 held.append(torch.empty(a.gpu_mib << 20, dtype=torch.uint8, device="cuda"))
                 torch.cuda.synchronize()
+            if a.hold_mib:
+                held.append(hold_host_memory(a.hold_mib))
             os.write(ready_w, b"1")
             while held is not None:
                 time.sleep(3600)
