@@ -294,3 +294,18 @@ def test_a_command_under_the_io_uring_filter_runs_and_cannot_open_one() -> None:
     bare = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=GUARD_S)
     assert bare.stdout.split()[0] != "-1"  # (this kernel has io_uring: the filter did it)
+
+
+def test_images_are_kept_for_a_restarted_daemon_only_within_one_boot(tmp_path: Path) -> None:
+    made = {"argv": "vllm serve m --port PORT", "env": "", "cwd": "/"}
+    manifest = {"pid": 1, "pipes": [], "made_of": made, "gpu": [], "port": 8101,
+                "boot": criu.BOOT_ID.read_text().strip()}
+    (tmp_path / criu.MANIFEST).write_text(json.dumps(manifest))
+    assert criu.kept(tmp_path) == criu.Kept(made, 8101)
+    (tmp_path / criu.MANIFEST).write_text(json.dumps({**manifest, "boot": "another boot"}))
+    assert criu.kept(tmp_path) is None  # (the driver, the kernel, the GPU may differ)
+    (tmp_path / criu.MANIFEST).write_text(json.dumps({**manifest, "port": 0}))
+    assert criu.kept(tmp_path) is None
+    (tmp_path / criu.MANIFEST).write_text("{not json")
+    assert criu.kept(tmp_path) is None
+    assert criu.kept(tmp_path / "none") is None

@@ -98,3 +98,48 @@ def test_a_dump_that_cannot_be_made_leaves_a_sleeping_standby(daemon_factory, tm
     assert not in_a_namespace(sb["pid"])
     failed = next(e for e in audit(cfg) if e["event"] == "standby_not_dumped")
     assert "no-criu" in failed["error"]
+
+
+def test_a_restarted_daemon_restores_its_standby_from_the_images_it_left(daemon_factory,
+                                                                         tmp_path):
+    """Images an earlier run left in this boot of the host: the next run's first standby
+    is a copy of them, restored before the engine starts (no start of a standby, no
+    dump). Images that cannot be restored leave the card to a fresh standby first,
+    dumped again, and the engine starts beside its copy as on a first start."""
+    carried()
+    cfg = snapshot_config(tmp_path, str(CRIU))
+    # a full card: two awake engines do not fit (the standby first, as on a GPU at 0.88)
+    line = cfg["engine"]["command"]
+    line[line.index("--gpu-memory-utilization") + 1] = "0.88"
+    first = daemon_factory(cfg)
+    first.wait_state("RUNNING")
+    wait_for(lambda: standby_ready(first), 60, "the standby ready")
+    assert first.ctl("stop").returncode == 0 and first.proc.wait(timeout=60) == 0
+
+    def run(sub: str) -> tuple[list[str], list[dict[str, Any]], dict[str, Any]]:
+        at = len(audit(cfg))
+        d = daemon_factory(cfg)  # (the same folder: an engine's cwd is the config's)
+        d.wait_state("RUNNING")
+        wait_for(lambda: standby_ready(d) and d.status()["standby"]["snapshot"]["copy"],
+                 90, "a copy the standby")
+        st = d.status()
+        assert d.ctl("stop").returncode == 0 and d.proc.wait(timeout=60) == 0
+        events = audit(cfg)[at:]
+        return [e["event"] for e in events], events, st
+
+    names, events, st = run("second")
+    assert st["standby"]["snapshot"] == {"made": True, "off": None, "copy": True}
+    assert "standby_images_kept" in names and "standby_dumped" not in names, names
+    # the copy first, on a card still free: ready before the engine was spawned
+    engine_spawn = next(i for i, e in enumerate(events)
+                        if e["event"] == "spawn" and e.get("pid") == st["pid"])
+    assert names.index("standby_ready") < engine_spawn, names
+
+    (tmp_path / "snapshot" / "images" / "inventory.img").write_bytes(b"not an image")
+    names, events, st = run("third")
+    assert st["state"] == "RUNNING" and st["standby"]["snapshot"]["copy"] is True
+    kept, dropped = names.index("standby_images_kept"), names.index("standby_images_dropped")
+    dumped = names.index("standby_dumped")
+    engine_spawn = next(i for i, e in enumerate(events)
+                        if e["event"] == "spawn" and e.get("pid") == st["pid"])
+    assert kept < dropped < dumped < engine_spawn, names  # (a fresh standby, first)

@@ -44,6 +44,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -76,6 +77,7 @@ from supervisor.engine.events import (
 from supervisor.engine.pair import outcomes as out
 from supervisor.engine.pair import serving
 from supervisor.engine.process import process as eng
+from supervisor.engine.snapshot import criu
 from supervisor.engine.states import State
 from supervisor.engine.unit_state import UnitState
 from supervisor.engine.watch import xid_text
@@ -83,6 +85,8 @@ from supervisor.ops.exposition import ExporterView
 from supervisor.watchdog import remedy, warmup, xid
 
 log = structlog.get_logger("supervisor")
+
+KEPT_READ_S = 10.0  # how long the start waits to read the standby's kept images' manifest
 
 
 
@@ -97,6 +101,7 @@ class EngineUnit(UnitState):
         if self.config.several:  # every line of this unit and its jobs names its engine
             structlog.contextvars.bind_contextvars(engine=self.name)
         self.executor.begin(self.notices.tick_interval(self.tick_interval_s), self.sampler)
+        await self._kept_images()
         self.start("daemon started")
         try:
             while not self._done:
@@ -114,6 +119,24 @@ class EngineUnit(UnitState):
             self.sync_gate(ended=True)
             await self.executor.end()
         return self.exit_code
+
+    async def _kept_images(self) -> None:
+        """`standby = "snapshot"`: the images an earlier run of the daemon left in this
+        boot of the host, adopted by the standby (a copy of them, not a start and a dump,
+        when they are of what a start would run). A read that hangs is given up."""
+        cfg = self.config.engine
+        if cfg.standby != "snapshot":
+            return
+        images = eng.snapshot_images(cfg.snapshot_dir)
+        try:
+            found = await asyncio.wait_for(asyncio.to_thread(criu.kept, Path(images)),
+                                           KEPT_READ_S)
+        except TimeoutError:
+            log.warning("the standby's kept images not read in time: made afresh",
+                        images=images, within_s=KEPT_READ_S)
+            return
+        if found is not None:
+            self.handover.standby.adopt(found.made_of, found.port, images)
 
     def handle(self, event: Event) -> None:
         """One event, by its `handle_<name>` method (the standby's engine's, by the

@@ -95,6 +95,10 @@ class Standby:
         self.next_now = False
         self._copy = False  # the engine in its place (or coming) is a copy of the images
         self.image_port = 0  # the port its copies listen on inside their namespaces
+        # the images are an earlier daemon run's (`adopt`), no copy of them ready yet in
+        # this one: the first copy is restored before the engine starts (on a free card),
+        # and one that fails leaves room for a fresh standby to start first and be dumped
+        self.adopted = False
 
     def learned(self, engine: eng.EngineProcess) -> str | None:
         """An engine of this unit (either role) was probed at its start: whether engines
@@ -149,6 +153,14 @@ class Standby:
         """The engine in its place (or coming) runs the thinner standby's arguments
         (`standby_args`): its spawn says so (`SpawnSpec.thin`)."""
         return self.slot.thin
+
+    def adopt(self, made: dict[str, str], port: int, images: str) -> None:
+        """Images an earlier run of the daemon left in this boot of the host
+        (`criu.kept`): a copy of them is the first standby when they are of what a
+        start would run (`restorable`), with no vLLM start and no dump."""
+        self.image, self.image_port, self.adopted = made, port, True
+        log.info("standby images kept from an earlier run", images=images)
+        self._audit("standby_images_kept", images=images)
 
     def restorable(self, spec: eng.SpawnSpec) -> bool:
         """A copy of the kept images would be the standby a start of `spec` would be."""
@@ -270,6 +282,8 @@ class Standby:
                         why=why)
             self._audit("standby_images_dropped", why=why)
             self.image = None
+            if self.adopted:  # (an earlier run's, at the start: a fresh standby first)
+                self.adopted, self.next_now = False, True
 
     def _failed(self, why: str, deadline: float) -> list[do.Step]:
         self.failures += 1
@@ -360,7 +374,7 @@ class Standby:
             case out.Healthy(e) if e.spec.restore is not None:
                 # a copy of the standby as it was dumped: proven and asleep (a request
                 # to a sleeping vLLM can crash it: nothing but its wake reaches it)
-                self.asleep = True
+                self.asleep, self.adopted = True, False
                 self._ready(e, "restored from its images")
                 return False, []
             case out.Healthy(e):
@@ -392,6 +406,7 @@ class Standby:
         if dump_error is None:
             # (what it was made of: the dumped engine's own spawn)
             self.image, self.next_now, self.image_port = made_of(e.spec), True, e.spec.port
+            self.adopted = False
             images = eng.snapshot_images(e.config.snapshot_dir)
             log.info("standby kept as images", pid=e.pid, seconds=dumped_s, images=images)
             self._audit("standby_dumped", pid=e.pid, seconds=dumped_s, images=images)

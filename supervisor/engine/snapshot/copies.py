@@ -78,7 +78,7 @@ async def dump_engine(engine: eng.EngineProcess, snapshot: eng.Restore,
     try:
         return await criu.dump(criu.Criu.at(snapshot.criu), engine.pid, Path(snapshot.images),
                                pipes=engine.pipes, within_s=within_s, made=made,
-                               gpu=taken)
+                               gpu=taken, port=engine.spec.port)
     except BaseException:
         if driver is not None and taken:
             left = await asyncio.to_thread(cuda.bring_back, driver, taken)

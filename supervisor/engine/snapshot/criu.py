@@ -245,13 +245,15 @@ async def made_of(images: Path) -> dict[str, str] | None:
 
 async def dump(criu: Criu, pid: int, images: Path, pipes: tuple[int, ...] = (),
                within_s: float = 600.0, made: Mapping[str, str] | None = None,
-               gpu: Sequence[int] = ()) -> float:
+               gpu: Sequence[int] = (), port: int = 0) -> float:
     """The tree rooted at `pid` dumped into `images` (made empty first), with the files
     in /dev/shm it uses as they were at the dump; then the tree is killed. `pipes`: the
     inodes of the pipes it writes to whose other end is the daemon's, given to each copy
     afresh; `made`, what the engine is (`stale` compares it with what a start would be);
     `gpu`, its processes whose GPU state was taken off (`cuda.take_off`), which each copy
-    brings back (`Copy.gpu`: the same processes in the copy).
+    brings back (`Copy.gpu`: the same processes in the copy); `port`, the one it listens
+    on (each copy's, inside its namespace). The manifest also says which boot of the host
+    made them (`kept`).
     Seconds taken; SnapshotError with CRIU's last lines, the tree running on (what
     becomes of it is the caller's)."""
     await asyncio.to_thread(_emptied, images)
@@ -279,8 +281,40 @@ async def dump(criu: Criu, pid: int, images: Path, pipes: tuple[int, ...] = (),
                             + (f" {out.strip()[-200:]}" if out.strip() else ""))
     await asyncio.to_thread((images / MANIFEST).write_text,
                             json.dumps({"pid": pid, "pipes": list(pipes),
-                                        "made_of": dict(made or {}), "gpu": list(gpu)}))
+                                        "made_of": dict(made or {}), "gpu": list(gpu),
+                                        "port": port, "boot": _boot_id()}))
     return round(time.monotonic() - t0, 3)
+
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")  # Linux's, new at each boot
+
+
+def _boot_id() -> str:
+    return _read(BOOT_ID).strip()
+
+
+@dataclass(frozen=True)
+class Kept:
+    """Images an earlier run of the daemon left: what the dumped engine was made of and
+    the port it listened on."""
+
+    made_of: dict[str, str]
+    port: int
+
+
+def kept(images: Path) -> Kept | None:
+    """The images in `images`, if a dump of this boot of the host made them (a daemon
+    restarted since can restore its standby from them; after a reboot the driver, the
+    kernel and the GPU's state may differ, and a start dumps afresh); None when there
+    are none, or their manifest is unreadable. Blocking: through a thread."""
+    try:
+        manifest = json.loads(_read(images / MANIFEST) or "{}")
+        made, port, boot = manifest["made_of"], int(manifest["port"]), manifest["boot"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not boot or boot != _boot_id() or not isinstance(made, dict) or not port:
+        return None
+    return Kept({str(k): str(v) for k, v in made.items()}, port)
 
 
 class Copy:
