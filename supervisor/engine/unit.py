@@ -136,7 +136,7 @@ class EngineUnit(UnitState):
                         images=images, within_s=KEPT_READ_S)
             return
         if found is not None:
-            self.handover.standby.adopt(found.made_of, found.port, images)
+            self.handover.standby.adopt(found.made_of, found.port, images, found.warmed)
 
     def handle(self, event: Event) -> None:
         """One event, by its `handle_<name>` method (the standby's engine's, by the

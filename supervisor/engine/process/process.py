@@ -111,6 +111,9 @@ class Restore:
     criu: str
     rpc_at: str | None = None
     port: int = 0  # the dumped engine's port, inside each copy (0: the spec's)
+    # its client paths were warmed before its dump (`watchdog/warmup.py`): each copy
+    # carries what that built, and its first proof does not ask them again
+    warmed: bool = False
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from supervisor.engine.process import process as eng
 from supervisor.engine.process import proctree
 from supervisor.engine.snapshot import criu, cuda, huge_pages, relay
 from supervisor.settings.sections import EngineConfig
+from supervisor.watchdog import warmup
 
 log = structlog.get_logger("supervisor.engine")
 
@@ -78,7 +79,8 @@ async def dump_engine(engine: eng.EngineProcess, snapshot: eng.Restore,
     try:
         return await criu.dump(criu.Criu.at(snapshot.criu), engine.pid, Path(snapshot.images),
                                pipes=engine.pipes, within_s=within_s, made=made,
-                               gpu=taken, port=engine.spec.port)
+                               gpu=taken, port=engine.spec.port,
+                               warmed=engine.warmed is not None)
     except BaseException:
         if driver is not None and taken:
             left = await asyncio.to_thread(cuda.bring_back, driver, taken)
@@ -136,13 +138,15 @@ async def spawn_copy(spec: eng.SpawnSpec, generation: int, now: float, cfg: Engi
                                started_at=now, spec=spec,
                                config=dataclasses.replace(cfg, port=port),
                                recent_lines=deque(maxlen=keep_lines), outputs=(out, err),
-                               scratch=scratch)
+                               scratch=scratch,
+                               # (what its warm-up built, it has: its proof asks none)
+                               warmed=warmup.Warmed() if r.warmed else None)
     try:
         engine.known = await asyncio.to_thread(proctree.snapshot_tree, copy.root)
     except OSError as exc:  # (it runs: never lose it; the watch's first look fills this)
         log.warning("cannot read the copy's tree yet", error=str(exc), pid=copy.root)
     log.info("engine restored from its snapshot", pid=copy.root, port=port,
-             images=r.images, generation=generation)
+             images=r.images, generation=generation, warmed_before_its_dump=r.warmed)
     return engine
 
 

@@ -245,15 +245,16 @@ async def made_of(images: Path) -> dict[str, str] | None:
 
 async def dump(criu: Criu, pid: int, images: Path, pipes: tuple[int, ...] = (),
                within_s: float = 600.0, made: Mapping[str, str] | None = None,
-               gpu: Sequence[int] = (), port: int = 0) -> float:
+               gpu: Sequence[int] = (), port: int = 0, warmed: bool = False) -> float:
     """The tree rooted at `pid` dumped into `images` (made empty first), with the files
     in /dev/shm it uses as they were at the dump; then the tree is killed. `pipes`: the
     inodes of the pipes it writes to whose other end is the daemon's, given to each copy
     afresh; `made`, what the engine is (`stale` compares it with what a start would be);
     `gpu`, its processes whose GPU state was taken off (`cuda.take_off`), which each copy
     brings back (`Copy.gpu`: the same processes in the copy); `port`, the one it listens
-    on (each copy's, inside its namespace). The manifest also says which boot of the host
-    made them (`kept`).
+    on (each copy's, inside its namespace); `warmed`, its client paths were warmed (each
+    copy carries what that built). The manifest also says which boot of the host made
+    them (`kept`).
     Seconds taken; SnapshotError with CRIU's last lines, the tree running on (what
     becomes of it is the caller's)."""
     await asyncio.to_thread(_emptied, images)
@@ -282,7 +283,8 @@ async def dump(criu: Criu, pid: int, images: Path, pipes: tuple[int, ...] = (),
     await asyncio.to_thread((images / MANIFEST).write_text,
                             json.dumps({"pid": pid, "pipes": list(pipes),
                                         "made_of": dict(made or {}), "gpu": list(gpu),
-                                        "port": port, "boot": _boot_id()}))
+                                        "port": port, "warmed": warmed,
+                                        "boot": _boot_id()}))
     return round(time.monotonic() - t0, 3)
 
 
@@ -295,11 +297,12 @@ def _boot_id() -> str:
 
 @dataclass(frozen=True)
 class Kept:
-    """Images an earlier run of the daemon left: what the dumped engine was made of and
-    the port it listened on."""
+    """Images an earlier run of the daemon left: what the dumped engine was made of, the
+    port it listened on, whether its client paths were warmed."""
 
     made_of: dict[str, str]
     port: int
+    warmed: bool = False
 
 
 def kept(images: Path) -> Kept | None:
@@ -314,7 +317,8 @@ def kept(images: Path) -> Kept | None:
         return None
     if not boot or boot != _boot_id() or not isinstance(made, dict) or not port:
         return None
-    return Kept({str(k): str(v) for k, v in made.items()}, port)
+    return Kept({str(k): str(v) for k, v in made.items()}, port,
+                bool(manifest.get("warmed")))
 
 
 class Copy:
