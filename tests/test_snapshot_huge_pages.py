@@ -25,8 +25,8 @@ from structlog.testing import capture_logs
 
 from supervisor.engine.process import process as eng
 from supervisor.engine.snapshot import copies, criu, huge_pages
-from tests.test_snapshot_criu import FAKE, GUARD_S, carried, free_port, healthy
-from tests.test_snapshot_spawn import config
+from tests.test_snapshot_criu import GUARD_S, carried, free_port
+from tests.test_snapshot_spawn import config, dumped
 
 HOLD_MIB = 64
 MIB = 1 << 20
@@ -132,30 +132,15 @@ def test_no_permission_or_no_syscall_says_why_not_and_a_process_gone_says_so() -
 def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The fake engine, its core holding HOLD_MIB in huge pages, dumped (its stdout and
     stderr two pipes of ours, as the daemon's)."""
-    tool, port = carried(), free_port()
-    images = tmp_path_factory.mktemp("huge") / "images"
-    engine = subprocess.Popen(
-        [sys.executable, str(FAKE), "--port", str(port), "--child",
-         "--hold-mib", str(HOLD_MIB)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-    try:
-        assert engine.stdout is not None and engine.stderr is not None
-        asyncio.run(healthy(port))
-        core = core_of(engine.pid)
-        held = huge_pages.anon_huge_bytes(core)
+    def held_huge(pid: int) -> None:
+        held = huge_pages.anon_huge_bytes(core_of(pid))
         # (THP `never` would leave even the fake's own memory in 4 KiB pages)
         assert held is not None and held >= HOLD_MIB * MIB * 3 // 4, (
             f"the fake engine's core holds {held} bytes in huge pages before the dump "
             f"(THP: {THP.read_text().strip()})")
-        pipes = (criu.pipe_inode(engine.stdout.fileno()), criu.pipe_inode(engine.stderr.fileno()))
-        asyncio.run(criu.dump(tool, engine.pid, images, pipes=pipes, within_s=GUARD_S))
-        engine.wait(GUARD_S)
-    finally:
-        if engine.poll() is None:
-            os.killpg(engine.pid, signal.SIGKILL)
-            engine.wait(GUARD_S)
-    return images
+
+    return dumped(tmp_path_factory.mktemp("huge"), free_port(), carried(),
+                  ("--hold-mib", str(HOLD_MIB)), held_huge)
 
 
 def core_of(root: int) -> int:

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -63,18 +64,21 @@ def config(tmp_path: Path, port: int):
         "audit": {"path": str(tmp_path / "events.jsonl")}}, "t.toml", tmp_path)
 
 
-def dumped(tmp_path: Path, port: int, tool: criu.Criu) -> Path:
-    """The fake engine (and its core) started as the daemon starts one, its stdout and
-    stderr two pipes of ours, dumped: the images."""
+def dumped(tmp_path: Path, port: int, tool: criu.Criu,
+           flags: tuple[str, ...] = ("--scheduling-policy", "priority"),
+           healthy_then: Callable[[int], None] = lambda pid: None) -> Path:
+    """The fake engine (and its core) started as the daemon starts one, with `flags`, its
+    stdout and stderr two pipes of ours, dumped: the images. `healthy_then`: a look at
+    it (its pid) once healthy, before the dump."""
     images = tmp_path / "images"
     engine = subprocess.Popen(
-        [sys.executable, str(FAKE), "--port", str(port), "--child",
-         "--scheduling-policy", "priority"],
+        [sys.executable, str(FAKE), "--port", str(port), "--child", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
         env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     try:
         assert engine.stdout is not None and engine.stderr is not None
         asyncio.run(healthy(port))
+        healthy_then(engine.pid)
         pipes = (criu.pipe_inode(engine.stdout.fileno()), criu.pipe_inode(engine.stderr.fileno()))
         asyncio.run(criu.dump(tool, engine.pid, images, pipes=pipes, within_s=GUARD_S))
         engine.wait(GUARD_S)
