@@ -121,6 +121,8 @@ def test_a_restarted_daemon_restores_its_standby_from_the_images_it_left(daemon_
     wait_for(lambda: standby_ready(first), 60, "the standby ready")
     assert first.ctl("stop").returncode == 0 and first.proc.wait(timeout=60) == 0
 
+    said: list[str] = []  # (each run's log)
+
     def run(sub: str) -> tuple[list[str], list[dict[str, Any]], dict[str, Any]]:
         at = len(audit(cfg))
         d = daemon_factory(cfg)  # (the same folder: an engine's cwd is the config's)
@@ -129,6 +131,7 @@ def test_a_restarted_daemon_restores_its_standby_from_the_images_it_left(daemon_
                  90, "a copy the standby")
         st = d.status()
         assert d.ctl("stop").returncode == 0 and d.proc.wait(timeout=60) == 0
+        said.append(d.log_path.read_text(errors="replace"))
         events = audit(cfg)[at:]
         return [e["event"] for e in events], events, st
 
@@ -148,3 +151,10 @@ def test_a_restarted_daemon_restores_its_standby_from_the_images_it_left(daemon_
     engine_spawn = next(i for i, e in enumerate(events)
                         if e["event"] == "spawn" and e.get("pid") == st["pid"])
     assert kept < dropped < dumped < engine_spawn, names  # (a fresh standby, first)
+
+    # images of another start (an engine's environment changed since): not adopted,
+    # saying why, and made afresh
+    cfg["engine"]["env"] = {**cfg["engine"]["env"], "SOMETHING_NEW": "1"}
+    names, events, st = run("fourth")
+    assert "standby_images_kept" not in names and "standby_dumped" in names, names
+    assert "kept images are of another start" in said[-1] and "its env changed" in said[-1]

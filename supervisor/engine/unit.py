@@ -76,6 +76,7 @@ from supervisor.engine.events import (
 )
 from supervisor.engine.pair import outcomes as out
 from supervisor.engine.pair import serving
+from supervisor.engine.pair.standby import made_of
 from supervisor.engine.process import process as eng
 from supervisor.engine.snapshot import criu
 from supervisor.engine.states import State
@@ -135,8 +136,16 @@ class EngineUnit(UnitState):
             log.warning("the standby's kept images not read in time: made afresh",
                         images=images, within_s=KEPT_READ_S)
             return
-        if found is not None:
-            self.handover.standby.adopt(found.made_of, found.port, images, found.warmed)
+        if found is None:
+            return
+        standby = self.handover.standby
+        why = criu.stale(found.made_of, made_of(self.pair_facts().standby_spec(
+            standby.slot.bay)))
+        if why is not None:  # (a start dumps afresh, over them)
+            log.info("the standby's kept images are of another start: made afresh",
+                     images=images, why=why)
+            return
+        standby.adopt(found.made_of, found.port, images, found.warmed)
 
     def handle(self, event: Event) -> None:
         """One event, by its `handle_<name>` method (the standby's engine's, by the
