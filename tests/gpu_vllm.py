@@ -455,8 +455,15 @@ def snapshot_facts() -> dict[str, Any]:
              "standby_ready", "standby_failed")
     sb = status().get("standby") or {}
     tree = engine_tree(sb["pid"]) if sb.get("pid") else []
+    lines = (WORK / "daemon.log").read_bytes().decode(errors="replace").splitlines() \
+        if (WORK / "daemon.log").exists() else []
+    said = ("copy's memory collapsed into huge pages", "copy's memory not collapsed",
+            "engine restored from its snapshot", "standby images kept from an earlier run",
+            "kept images are of another start")
     return {"images_gib": round(size / 2**30, 2),
             "audit": [e for e in events() if e.get("event") in names][-8:],
+            # each copy's collapse into huge pages (its seconds for ~18 GiB) and restore
+            "logged": [line[:600] for line in lines if any(x in line for x in said)][-8:],
             "standby_host_mib": {str(p.pid): host_memory(p.pid) for p in tree},
             "standby_nvml_mib": {str(pid): round(b / 2**20) for pid, b in
                                  nvml_processes().items() if pid in {q.pid for q in tree}}}
