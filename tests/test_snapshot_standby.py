@@ -123,12 +123,12 @@ def test_a_restarted_daemon_restores_its_standby_from_the_images_it_left(daemon_
 
     said: list[str] = []  # (each run's log)
 
-    def run(sub: str) -> tuple[list[str], list[dict[str, Any]], dict[str, Any]]:
+    def run(which: str) -> tuple[list[str], list[dict[str, Any]], dict[str, Any]]:
         at = len(audit(cfg))
         d = daemon_factory(cfg)  # (the same folder: an engine's cwd is the config's)
         d.wait_state("RUNNING")
         wait_for(lambda: standby_ready(d) and d.status()["standby"]["snapshot"]["copy"],
-                 90, "a copy the standby")
+                 90, f"a copy the standby, the {which} run")
         st = d.status()
         assert d.ctl("stop").returncode == 0 and d.proc.wait(timeout=60) == 0
         said.append(d.log_path.read_text(errors="replace"))
