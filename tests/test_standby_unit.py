@@ -338,6 +338,19 @@ def test_a_sleeping_standby_beside_the_engine_is_woken_then_proven_on_a_crash(
         w.loop.close()
 
 
+def crash_then_wake(w: World, first: Any, spare: Any) -> None:
+    """On a full card: the serving engine crashes, the sleeping standby takes its place
+    but is woken only once the old engine's tree (and its memory) is gone; proven, it
+    serves and the gate opens."""
+    w.feed(Exited(first.generation, 0))
+    assert w.sup.engine is spare and "wake" not in w.fx.names()
+    w.down(first)  # the old engine's memory released: now the wake
+    assert w.fx.last("wake") == {"pid": spare.pid}
+    w.feed(Woken(spare.generation, None, 0.6))
+    w.feed(GateProbe(spare.generation, True, None))
+    assert w.sup.gate.held_reason is None
+
+
 def test_a_standby_without_room_beside_starts_first_and_wakes_once_the_old_is_gone(
         tmp_path: Path) -> None:
     """vLLM's default share (0.9): two engines do not fit side by side. The standby
@@ -347,13 +360,7 @@ def test_a_standby_without_room_beside_starts_first_and_wakes_once_the_old_is_go
     w = World(tmp_path, fronted=True, engine={**SLEEP, "args": ["--enable-sleep-mode"]})
     try:
         first, spare = armed_asleep(w, side_by_side=False)
-        w.feed(Exited(first.generation, 0))
-        assert w.sup.engine is spare and "wake" not in w.fx.names()
-        w.down(first)  # the old engine's memory released: now the wake
-        assert w.fx.last("wake") == {"pid": spare.pid}
-        w.feed(Woken(spare.generation, None, 0.6))
-        w.feed(GateProbe(spare.generation, True, None))
-        assert w.sup.gate.held_reason is None
+        crash_then_wake(w, first, spare)
         st = w.sup.status()["standby"]
         assert st["state"] == "no_room" and "0.9" in st["reason"]
         spawns = w.fx.names().count("spawn")
@@ -737,13 +744,7 @@ def test_a_snapshot_standby_on_a_full_card_is_dumped_then_a_copy_of_it_first(
         w.feed(GateProbe(first.generation, True, None))
         assert w.sup.gate.held_reason is None
 
-        w.feed(Exited(first.generation, 0))  # a crash: the copy takes over
-        assert w.sup.engine is copy and "wake" not in w.fx.names()
-        w.down(first)  # the old engine's memory released: now the wake
-        assert w.fx.last("wake") == {"pid": copy.pid}
-        w.feed(Woken(copy.generation, None, 0.6))
-        w.feed(GateProbe(copy.generation, True, None))
-        assert w.sup.gate.held_reason is None
+        crash_then_wake(w, first, copy)  # a crash: the copy takes over
         again = w.fx.last("spawn")
         assert again["bay"] == 0 and again["spec"].restore is not None  # another copy
         assert w.fx.names().count("dump") == 1

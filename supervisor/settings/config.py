@@ -193,10 +193,11 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
                             f"{', '.join(sorted([*_SECTIONS, 'engines']))})")
     tables = _engine_tables(doc, problems)
     key = "engine" if "engine" in doc else "engines"
+    # each engine's table as an error names it
+    where = {name: "engine" if key == "engine" else f"engines.{name}" for name in tables}
     engines: dict[str, EngineConfig] = {}
     for name, table in tables.items():
-        where = "engine" if key == "engine" else f"engines.{name}"
-        engine = build_section(where, EngineConfig, table, problems)
+        engine = build_section(where[name], EngineConfig, table, problems)
         if engine is not None:
             engines[name] = engine
     sections: dict[str, Any] = {}
@@ -211,8 +212,7 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
         raise ConfigError(source, problems)
 
     for name, engine in engines.items():
-        checks.check_engine("engine" if key == "engine" else f"engines.{name}",
-                            engine, problems)
+        checks.check_engine(where[name], engine, problems)
     if key == "engine" and engines[DEFAULT_ENGINE].fallback:
         problems.append("engine.fallback: a fallback is another engine: name the engines "
                         "in [engines.NAME] tables")
@@ -262,8 +262,7 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
     for name, e in engines.items():
         if e.weight_cache:
             weight_cache_argv.check_socket_dir(
-                "engine" if key == "engine" else f"engines.{name}",
-                weight_cache_argv.socket_dir(runtime_dir, name), problems)
+                where[name], weight_cache_argv.socket_dir(runtime_dir, name), problems)
     if problems:
         raise ConfigError(source, problems)
 
@@ -276,7 +275,7 @@ def parse_config(doc: Mapping[str, Any], source: str = "<config>",
         snapshot_dir=_resolve(base, e.snapshot_dir or str(
             Path(audit_path).parent / "snapshots" / name)))
         for name, e in engines.items()}
-    in_shm = [f"{'engine' if key == 'engine' else f'engines.{name}'}.snapshot_dir: "
+    in_shm = [f"{where[name]}.snapshot_dir: "
               f"{e.snapshot_dir} is in /dev/shm, which each copy of the standby gets "
               f"afresh, hiding the images from their own restore: put them on another "
               f"tmpfs (or a disk)" for name, e in resolved.items()

@@ -154,8 +154,7 @@ async def _into_huge_pages(copy: criu.Copy) -> None:
     """The copy's processes' large anonymous memory collapsed into huge pages, and one
     line saying how it went; never raises (but a cancellation)."""
     try:
-        done = await asyncio.to_thread(huge_pages.collapse, copy.pids)
-        huge = await asyncio.to_thread(_anon_huge, copy.pids)
+        done, huge = await asyncio.to_thread(_collapsed, copy.pids)
     except Exception as exc:  # (a copy is worth more than how its pages are mapped)
         log.warning("copy's memory not collapsed into huge pages", pid=copy.root,
                     error=repr(exc))
@@ -171,11 +170,12 @@ async def _into_huge_pages(copy: criu.Copy) -> None:
              errors={str(p): e for p, e in done.errors.items()} or None)
 
 
-def _anon_huge(pids: list[int]) -> int | None:
-    """The processes' anonymous memory in huge pages, all told; None when one's is
-    unreadable."""
+def _collapsed(pids: list[int]) -> tuple[huge_pages.Collapsed, int | None]:
+    """The processes' memory collapsed, then their anonymous memory in huge pages, all
+    told (None when one's is unreadable): one trip to a thread."""
+    done = huge_pages.collapse(pids)
     held = [huge_pages.anon_huge_bytes(p) for p in pids]
-    return None if None in held else sum(h for h in held if h is not None)
+    return done, None if None in held else sum(h for h in held if h is not None)
 
 
 def _remove(folder: str) -> None:
