@@ -12,9 +12,11 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -261,6 +263,54 @@ async def relayed(engine: subprocess.Popen[bytes], port: int, tool: criu.Criu,
             await asyncio.wait_for(asyncio.open_connection("127.0.0.1", here), 5)
     finally:
         await copy.end(GUARD_S)
+
+
+def test_a_copy_writes_its_kv_tier_to_the_hosts_folder_under_its_own_dev_shm(
+        tmp_path: Path) -> None:
+    # a copy mounts a /dev/shm of its own (vLLM's queues); a KV tier folder there must
+    # still be the host's, which the next engine reads (issue 51 on the snapshot pair)
+    port, tool = free_port(), carried()
+    top = Path(tempfile.mkdtemp(prefix="vs-tier-test-", dir="/dev/shm"))
+    tier = top / "kv-tier"
+    tier.mkdir()
+    config = json.dumps({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
+        "block_size": 16, "secondary_tiers": [{"type": "fs", "root_dir": str(tier)}]}})
+    try:
+        with fake_engine(port, "--kv-transfer-config", config) as engine:
+            asyncio.run(tiered(engine, port, tool, tmp_path / "images", tier))
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+async def tiered(engine: subprocess.Popen[bytes], port: int, tool: criu.Criu,
+                 images: Path, tier: Path) -> None:
+    def blocks() -> set[str]:
+        return {p.name for p in tier.rglob("*.bin")}
+
+    await healthy(port)
+    assert engine.stdout is not None
+    await criu.dump(tool, engine.pid, images, pipes=(criu.pipe_inode(engine.stdout.fileno()),),
+                    within_s=GUARD_S)
+    assert (images / criu.SHM_KEPT).is_dir()  # (so each copy gets a /dev/shm of its own)
+    with pytest.raises(criu.SnapshotError, match="nowhere"):  # a folder that is not there
+        await criu.restore(tool, images, "gone", GUARD_S, shared=[tier.parent / "nowhere"])
+    shared = await criu.restore(tool, images, "shared", GUARD_S, shared=[tier])
+    own = await criu.restore(tool, images, "own", GUARD_S)
+    try:
+        assert blocks() == set()
+        code, _ = await ask(shared.root, port, "POST", "/v1/completions", {
+            "model": "fake", "prompt": "a" * 40, "max_tokens": 1, "stream": True})
+        assert code == 200
+        written = blocks()
+        assert len(written) == 2  # its two full 16-token chunks, in the host's folder
+        # a copy not given the folder writes to the /dev/shm of its own: nothing here
+        code, _ = await ask(own.root, port, "POST", "/v1/completions", {
+            "model": "fake", "prompt": "b" * 40, "max_tokens": 1, "stream": True})
+        assert code == 200
+        assert blocks() == written
+    finally:
+        for copy in (shared, own):
+            await copy.end(GUARD_S)
 
 
 def test_a_tree_that_cannot_be_dumped_runs_on_and_the_error_says_why(tmp_path: Path) -> None:

@@ -13,9 +13,11 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -197,14 +199,18 @@ def test_an_engine_the_daemon_spawned_is_dumped_by_its_effect_and_comes_back(tmp
     scripted driver: the fake engine's core holds it), the tree dumped with both of its
     output pipes and so ended, its take-down's `Down` saying the dump's seconds; a copy
     of it spawned from the images gets its GPU state back, by the pid it has inside, and
-    writes to pipes of its own."""
+    writes to pipes of its own. Its KV tier in /dev/shm is the host's folder still, under
+    the /dev/shm of the copy's own."""
     port, tool = free_port(), carried()
+    top = Path(tempfile.mkdtemp(prefix="vs-tier-test-", dir="/dev/shm"))
+    tier = top / "kv-tier"
     cfg = parse_config({
         "engine": {"command": [sys.executable, str(FAKE), "--child",
                                "--scheduling-policy", "priority"], "port": port,
                    "reap_timeout_s": 10.0, "gpu_release_timeout_s": 1.0,
                    "stop_grace_s": 10.0, "startup_timeout_s": GUARD_S,
-                   "health_interval_s": 0.1},
+                   "health_interval_s": 0.1, "kv_tier": str(tier),
+                   "kv_tier_chunk_tokens": 16},
         "daemon": {"runtime_dir": str(tmp_path / "run")},
         "audit": {"path": str(tmp_path / "events.jsonl")}}, "t.toml", tmp_path)
     (tmp_path / "run").mkdir()
@@ -250,6 +256,12 @@ def test_an_engine_the_daemon_spawned_is_dumped_by_its_effect_and_comes_back(tmp
                     "model": "fake", "prompt": "hi", "max_tokens": 2, "priority": 9})
                 assert r.status_code == 200
             await line_seen(copy, "request priority 9")
+            async with httpx.AsyncClient(timeout=GUARD_S) as client:
+                r = await client.post(f"{copy.config.base_url}/v1/completions", json={
+                    "model": "fake", "prompt": "a" * 40, "max_tokens": 1, "stream": True})
+                assert r.status_code == 200
+            # its two full chunks, written where the next engine reads them
+            assert len(list(tier.rglob("*.bin"))) == 2
             fx.take_down(copy, True, asyncio.Event(), None, clock.monotonic() + GUARD_S)
             down = await next_event(queue, Down, GUARD_S)
             assert down.result is not None and down.result.survivors == []
@@ -262,7 +274,10 @@ def test_an_engine_the_daemon_spawned_is_dumped_by_its_effect_and_comes_back(tmp
             with capture_logs():
                 await fx.end()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 async def until_two(engine: eng.EngineProcess) -> list[int]:

@@ -42,8 +42,8 @@ from pathlib import Path
 
 import structlog
 
+from supervisor.engine.process import kv_tier, proctree
 from supervisor.engine.process import process as eng
-from supervisor.engine.process import proctree
 from supervisor.engine.snapshot import criu, cuda, huge_pages, relay
 from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog import warmup
@@ -108,10 +108,13 @@ async def spawn_copy(spec: eng.SpawnSpec, generation: int, now: float, cfg: Engi
     scratch = await asyncio.to_thread(tempfile.mkdtemp, prefix=f"copy-{generation}-",
                                       dir=runtime_dir or None)
     binds = [(Path(scratch), Path(r.rpc_at))] if r.rpc_at else []
+    # its KV tier, the host's folder both engines read, not one of its own /dev/shm
+    tier = kv_tier.folder_of(cfg) if "--kv-transfer-config" in spec.argv else None
     copy: criu.Copy | None = None
     try:
         copy = await criu.restore(criu.Criu.at(r.criu), Path(r.images), f"g{generation}",
-                                  within_s=cfg.startup_timeout_s, binds=binds)
+                                  within_s=cfg.startup_timeout_s, binds=binds,
+                                  shared=[tier] if tier else [])
         await _into_huge_pages(copy)
         if copy.gpu:  # (its GPU state, as the dump took it off)
             left = await asyncio.to_thread(cuda.bring_back, gpu.opened(), copy.gpu)

@@ -58,6 +58,9 @@ RESTORED = "Restore finished successfully"
 MANIFEST = "snapshot.json"  # beside the images: what the dump was of
 SHM = Path("/dev/shm")
 SHM_KEPT = "dev-shm"  # beside the images: the files the tree had open or mapped in SHM
+# beside the images: where a copy holds the host's shared folders under SHM while its own
+# SHM is mounted (`_shared_mounts`; empty folders, mounted only in copies' namespaces)
+SHARED_HELD = "shared-held"
 CLONE_NEWNET = 0x40000000
 CAP_SYS_ADMIN, CAP_CHECKPOINT_RESTORE = 21, 40
 # the new network namespace's loopback up (SIOCSIFFLAGS with IFF_UP | IFF_RUNNING), by the
@@ -174,6 +177,22 @@ def _emptied(images: Path) -> None:
     for old in images.iterdir():
         if old.is_file():
             old.unlink()
+
+
+def _shared_mounts(shared: Sequence[Path], hold: Path) -> tuple[str, str]:
+    """The copy's shell commands that keep the host's `shared` folders under /dev/shm
+    through the tmpfs mounted over it: each bound first to a folder of `hold` (outside
+    /dev/shm), then moved to its own path on the copy's /dev/shm (a mount namespace of
+    `unshare`'s own is private, so the move stays in it). Folders outside /dev/shm need
+    nothing: the copy sees the host's mounts. (before the tmpfs, after it)."""
+    under = [f for f in shared if f.is_relative_to(SHM) and f != SHM]
+    held = "".join(f"mkdir -p {_quote(str(hold / str(i)))} && "
+                   f"mount --bind {_quote(str(f))} {_quote(str(hold / str(i)))} && "
+                   for i, f in enumerate(under))
+    moved = "".join(f"mkdir -p {_quote(str(f))} && "
+                    f"mount --move {_quote(str(hold / str(i)))} {_quote(str(f))} && "
+                    for i, f in enumerate(under))
+    return held, moved
 
 
 def _shm_used(pids: list[int]) -> set[str]:
@@ -386,13 +405,17 @@ def _restored(unshare: int) -> list[int]:
 
 
 async def restore(criu: Criu, images: Path, name: str, within_s: float = 300.0,
-                  binds: Sequence[tuple[Path, Path]] = ()) -> Copy:
+                  binds: Sequence[tuple[Path, Path]] = (),
+                  shared: Sequence[Path] = ()) -> Copy:
     """A copy of the dumped tree, restored from `images` in namespaces of its own, each
     pipe the dump named external given afresh (its read end in `Copy.outputs`). `binds`:
     (a folder of the copy's own, the path the image has it at), mounted there in the
     copy's mount namespace first: where the engine binds unix sockets (vLLM's
-    `VLLM_RPC_BASE_PATH`), two copies would otherwise bind the same files. Returns once
-    CRIU says the restore finished; SnapshotError (the copy ended) otherwise."""
+    `VLLM_RPC_BASE_PATH`), two copies would otherwise bind the same files. `shared`:
+    the host's folders the copy must write to as they are, even under the /dev/shm of
+    its own (a KV tier both engines read: `_shared_mounts`); a folder that is not there
+    ends the copy, saying so. Returns once CRIU says the restore finished; SnapshotError
+    (the copy ended) otherwise."""
     log = images / f"restore-{name}.log"
     try:
         manifest = json.loads(await asyncio.to_thread(_read, images / MANIFEST) or "{}")
@@ -411,8 +434,9 @@ async def restore(criu: Criu, images: Path, name: str, within_s: float = 300.0,
     mounts = "".join(f"mount --bind {_quote(str(own))} {_quote(str(at))} && "
                      for own, at in binds)
     if await asyncio.to_thread((images / SHM_KEPT).is_dir):  # a /dev/shm of its own
-        mounts += (f"mount -t tmpfs -o mode=1777 tmpfs {SHM} && "
-                   f"cp -a {_quote(str(images / SHM_KEPT))}/. {SHM}/ && ")
+        held, moved = _shared_mounts(shared, images / SHARED_HELD)
+        mounts += (f"{held}mount -t tmpfs -o mode=1777 tmpfs {SHM} && "
+                   f"cp -a {_quote(str(images / SHM_KEPT))}/. {SHM}/ && {moved}")
     inner = f"{mounts}{_quote(sys.executable)} -c {_quote(LO_UP)} && exec " + \
         " ".join(_quote(a) for a in restore_argv)
     writes = tuple(w for _, w in ends.values())
