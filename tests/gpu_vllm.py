@@ -638,7 +638,8 @@ def phase_kv_reset() -> None:
             assert r.returncode == 0, r.stdout + r.stderr
             ev = [e for e in events() if e["event"] == "remedy"][-1]
             runs.append({"duration_s": ev["duration_s"], "steps_s": ev["steps_s"],
-                         "held": ev["held"], "engine_gpu_mib_before":
+                         "held": ev["held"], "idle_counts": ev.get("idle_counts"),
+                         "engine_gpu_mib_before":
                          round(before / 2**20) if before else None})
             time.sleep(3)
     # memory actually dropped while asleep: sleep alone, read NVML, wake
@@ -1440,7 +1441,7 @@ def phase_kv_reset_streams(conc: int = 256, prompts: int = 3000, resets: int = 3
                 row["out"] = (r.stdout + r.stderr)[-500:]
             if len(ev) > i:
                 row.update({k: ev[i].get(k) for k in ("outcome", "duration_s", "steps_s",
-                                                      "held", "error")})
+                                                      "held", "error", "idle_counts")})
             runs.append(row)
             time.sleep(3.0)
         marks["done"] = time.monotonic()

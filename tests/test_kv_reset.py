@@ -86,6 +86,20 @@ def test_the_engine_sleeps_only_once_its_own_count_reads_zero(short_bounds: None
     assert e.reads_before_sleep() == 4  # the last of them read 0
     assert e.calls[-4:] == ["POST /sleep?level=1", "POST /wake_up", "GET /is_sleeping",
                             "POST /v1/completions"]
+    # the wait's reads, each change once: 6, then 3 (2 running, 1 waiting), 1, 0
+    assert out.idle_counts is not None
+    assert [c for _, c in out.idle_counts] == [6, 3, 1, 0]
+    seconds = [t for t, _ in out.idle_counts]
+    assert seconds == sorted(seconds) and seconds[0] >= 0
+
+
+def test_the_idle_trace_keeps_its_first_reads_and_always_the_last() -> None:
+    trace = remedy.IdleTrace()
+    for n in [256.0, 256.0, None, *range(255, -1, -1)]:
+        trace.read(n)
+    counts = [c for _, c in trace.points]
+    assert len(counts) == remedy.IDLE_TRACE_MAX
+    assert counts[:3] == [256, 255, 254] and counts[-1] == 0
 
 
 def test_an_engine_that_publishes_no_count_is_not_waited_on(short_bounds: None) -> None:
@@ -119,6 +133,8 @@ def test_an_engine_whose_count_stays_up_is_not_put_to_sleep(
     assert out.error is not None and why in out.error and "not touched" in out.error
     assert list(out.steps) == ["engine_idle"] and 0.3 <= out.steps["engine_idle"] < 5
     assert not any(c.startswith("POST") for c in e.calls)  # never told to sleep
+    # what it read, for the operator: the count that stayed up, or nothing read
+    assert [c for _, c in out.idle_counts or ()] == ([3] if pages == [page(3)] else [])
 
 
 def test_the_wait_is_at_least_its_floor_whatever_the_drain_left(

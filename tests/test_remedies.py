@@ -62,6 +62,8 @@ def test_kv_reset_holds_new_requests_sleeps_a_drained_engine_and_releases_them(
     assert ev["rung"] == "kv_reset" and ev["outcome"] == "ok" and ev["error"] is None
     assert list(ev["steps_s"]) == ["drain", "engine_idle", "sleep", "wake_up", "canary"]
     assert ev["duration_s"] >= sum(ev["steps_s"].values()) - 1e-3
+    # the engine's count as the idle wait read it, in the audit: it ended at 0
+    assert ev["idle_counts"] and ev["idle_counts"][-1][1] == 0, ev
     st = d.status()
     assert st["restarts"] == 0 and st["admission"]["held"] is None
     assert st["remedies"]["running"] is None

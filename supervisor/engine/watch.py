@@ -401,6 +401,9 @@ class EngineWatch:
             "held": held if ev.rung == "kv_reset" else None}
         if ev.rung == "kv_reset":  # (beside the daemon's steps: vLLM's own sleep and wake)
             fields["vllm_s"] = o.vllm_s
+            # (the engine's count of requests as the idle wait read it: [seconds, count])
+            fields["idle_counts"] = [list(p) for p in o.idle_counts] \
+                if o.idle_counts is not None else None
         remedy_ended(self._audit, fields)
         if not unit.serving_engine(ev.generation) or o.ok or not o.attempted:
             # (the engine went meanwhile: its restart holds and releases requests)

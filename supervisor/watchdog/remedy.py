@@ -16,6 +16,7 @@ restores them, in a fraction of a second against a cold start of minutes; `GET
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +36,9 @@ class RemedyOutcome:
     attempted: bool = True  # False: not started (requests did not drain in time)
     # what vLLM itself measured of its sleep and wake, by its operation; None: unknown
     vllm_s: dict[str, float] | None = None
+    # a KV reset's wait for the engine to go idle, as its count read: (seconds into the
+    # wait, requests) at the first read and at each change (`IdleTrace`); None: no wait
+    idle_counts: tuple[tuple[float, float], ...] | None = None
 
 
 async def is_sleeping(client: httpx.AsyncClient, base_url: str,
@@ -182,19 +186,46 @@ async def engine_requests(client: httpx.AsyncClient, metrics_url: str,
     return (snap.requests_running or 0.0) + (snap.requests_waiting or 0.0), None
 
 
+class IdleTrace:
+    """The engine's count as a wait for it to go idle read it: the first read and each
+    change, at most IDLE_TRACE_MAX of them (the last change always kept). On the H200 a
+    copy's count took 0.4-4.9 s to read 0 after 256 streams were paused, where a CPU
+    engine's takes 0.01-0.11 s through the relay or not: whether it falls step by step
+    (vLLM aborting slowly) or sits on a few (a page not refreshed) says which."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.points: list[tuple[float, float]] = []
+
+    def read(self, count: float | None) -> None:
+        if count is None or (self.points and self.points[-1][1] == count):
+            return
+        point = (round(time.monotonic() - self.t0, 3), count)
+        if len(self.points) >= IDLE_TRACE_MAX:
+            self.points[-1] = point
+        else:
+            self.points.append(point)
+
+
+# changes kept by an IdleTrace (a count falling from 256 by ones would have 256)
+IDLE_TRACE_MAX = 24
+
+
 async def wait_engine_idle(client: httpx.AsyncClient, metrics_url: str,
-                           timeout_s: float) -> str | None:
+                           timeout_s: float, trace: IdleTrace | None = None) -> str | None:
     """Wait, up to `timeout_s`, until the engine's own count of its requests reads 0:
     a request leaves the proxy (paused, its connection closed) before vLLM aborts it,
     and a sleep must not meet it (vLLM 0.32's /sleep aborts it, its `mode` defaulting to
     "abort"; a request that meets a sleeping engine can crash or hang it). None once it
     reads 0, or at once when the engine publishes no count (nothing to wait on); else
-    what it read last."""
+    what it read last. Each count read goes to `trace`."""
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()
         count, why = await engine_requests(client, metrics_url,
                                            max(min(left, SLEEP_METRICS_TIMEOUT_S), 0.1))
+        if trace is not None:
+            trace.read(count)
         if count == 0 or (count is None and why is None):
             return None
         left = deadline - time.monotonic()
@@ -218,13 +249,26 @@ async def kv_reset(client: httpx.AsyncClient, base_url: str, model: str | None,
     sleep (`attempted` False: nothing was touched)."""
     steps: dict[str, float] = {}
     t = time.monotonic()
+    counts = None
     if metrics_url is not None:
+        trace = IdleTrace()
         busy = await wait_engine_idle(client, metrics_url,
-                                      max(idle_within_s, ENGINE_IDLE_MIN_S))
+                                      max(idle_within_s, ENGINE_IDLE_MIN_S), trace)
         steps["engine_idle"] = time.monotonic() - t
+        counts = tuple(trace.points)
         if busy is not None:
             return RemedyOutcome(False, steps, f"{busy}: the KV cache was not touched",
-                                 attempted=False)
+                                 attempted=False, idle_counts=counts)
+    out = await _sleep_wake_prove(client, base_url, model, prompt, timeout_s,
+                                  canary_timeout_s, steps)
+    return dataclasses.replace(out, idle_counts=counts)
+
+
+async def _sleep_wake_prove(client: httpx.AsyncClient, base_url: str, model: str | None,
+                            prompt: str, timeout_s: float, canary_timeout_s: float,
+                            steps: dict[str, float]) -> RemedyOutcome:
+    """A KV reset's sleep, wake, awake check and canary, each step's seconds added to
+    `steps`."""
     t = time.monotonic()
     error = await _post(client, f"{base_url}/sleep?level=1", timeout_s)
     steps["sleep"] = time.monotonic() - t
