@@ -235,6 +235,9 @@ def test_a_dying_engine_streams_wait_with_keepalives_and_go_on_after_its_restart
     access = [e for e in events if e.get("event") == "request"
               and e.get("path") == "/v1/completions" and e.get("continuations")]
     assert access and access[0]["tokens"] == TOKENS
+    # from its continuation's answer beginning to its first token: within the request,
+    # and apart from the restart's wait before it was sent
+    assert 0 <= access[0]["resumed_s"] < access[0]["duration_s"] - 0.9, access[0]
 
 
 def test_a_stream_with_no_engine_to_come_back_ends_with_an_error(fronted, tmp_path):

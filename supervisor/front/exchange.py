@@ -91,6 +91,11 @@ class Exchange:
     last_write_at: float = 0.0  # bytes of any kind (keep-alive lines too)
     last_data_at: float = 0.0  # answer bytes
     gap_from: float | None = None  # a broken stream's last answer bytes, until it goes on
+    # its continuations: when the last one's answer began (its headers), and the longest
+    # wait from such a beginning to its first answer bytes (the engine's re-prefill and
+    # queue, apart from the hold before it was sent)
+    continued_at: float | None = None
+    resumed_s: float = 0.0
     transcript: Transcript | None = None  # a continuable stream's record
     backend: Backend | None = None  # the engine it was sent to (a continuation stays there)
     # the engine start it went to last, and when it was sent there

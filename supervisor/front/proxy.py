@@ -448,6 +448,8 @@ class FrontProxy:
             fields["tokens"] = len(ex.transcript.delivered)
             if ex.transcript.attempt:
                 fields["continuations"] = ex.transcript.attempt
+                # (the longest from a continuation's answer beginning to its first token)
+                fields["resumed_s"] = round(ex.resumed_s, 4)
         elif (m := USAGE_TOKENS.search(ex.tail)) is not None:
             fields["tokens"] = int(m[1])
         elif ex.stream:

@@ -137,6 +137,8 @@ class StreamRelay:
         elif ex.gap_from is not None:  # the first answer bytes after a fault
             self.latency.observe("continuation_gap", label, now - ex.gap_from)
             ex.gap_from = None
+            if ex.continued_at is not None:
+                ex.resumed_s = max(ex.resumed_s, now - ex.continued_at)
         else:
             self.latency.observe("stream_gap", label, now - ex.last_data_at)
         ex.last_write_at = ex.last_data_at = now
@@ -398,7 +400,7 @@ class StreamRelay:
                                               f"{up.status}: {text}")
                             if t.events:
                                 t.begin_attempt()
-                                ex.gap_from = broke_at
+                                ex.gap_from, ex.continued_at = broke_at, time.monotonic()
                                 log.info("stream continued", id=t.id, attempt=t.attempt,
                                          tokens_before=t.base, cause=str(cause)[:300],
                                          waited_s=round(time.monotonic() - broke_at, 3))
