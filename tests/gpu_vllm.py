@@ -957,7 +957,18 @@ def served_summary(doc: dict[str, Any], served: list[dict[str, Any]],
         "continuations": {k: v - before.get(k, 0.0) for k, v in after.items()
                           if v - before.get(k, 0.0)},
         "continued_logged": len(continued),
-        "max_gap_s": max((e.get("waited_s", 0) for e in continued), default=None)}
+        "max_gap_s": max((e.get("waited_s", 0) for e in continued), default=None),
+        # from a continuation's answer beginning to its first token (the engine's part)
+        "resumed_s": quantiles([e["resumed_s"] for e in served if "resumed_s" in e])}
+
+
+def quantiles(xs: list[float]) -> dict[str, float] | None:
+    """Median, p90 and max of `xs`; None when there are none."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return {"n": len(xs), "median": xs[len(xs) // 2], "p90": xs[int(0.9 * (len(xs) - 1))],
+            "max": xs[-1]}
 
 
 HANDOVER_EVENTS = ("core_exit", "failover", "standby_woken", "failover_done",
