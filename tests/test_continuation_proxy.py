@@ -518,3 +518,20 @@ def test_an_engine_without_priority_scheduling_gets_continuations_without_one(
     assert seen[0].complete, seen
     metrics_once(cfg, CONTINUED, 1)
     assert priorities(d) == []
+
+
+def test_a_continuations_wait_for_its_first_token_counts_once_and_its_break_too() -> None:
+    """`resumed_s` (the access line's): the longest from a continuation's answer
+    beginning to its first token; a continuation broken before its first token (paused
+    again by the next KV reset) waited that long too."""
+    from supervisor.front.exchange import Exchange
+
+    ex = Exchange(0.0)
+    ex.resumed(5.0)  # (no continuation yet: nothing)
+    assert ex.resumed_s == 0.0
+    ex.continued_at = 10.0
+    ex.resumed(14.3)  # broken again before a token: 4.3 s at the engine
+    ex.resumed(20.0)  # (its wait already counted)
+    ex.continued_at = 30.0
+    ex.resumed(30.5)  # the next one's first token after 0.5 s
+    assert ex.resumed_s == pytest.approx(4.3) and ex.continued_at is None

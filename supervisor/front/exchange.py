@@ -92,8 +92,8 @@ class Exchange:
     last_data_at: float = 0.0  # answer bytes
     gap_from: float | None = None  # a broken stream's last answer bytes, until it goes on
     # its continuations: when the last one's answer began (its headers), and the longest
-    # wait from such a beginning to its first answer bytes (the engine's re-prefill and
-    # queue, apart from the hold before it was sent)
+    # wait from such a beginning to its first answer bytes, or to its break when it broke
+    # before them (the engine's re-prefill and queue, apart from the hold before it)
     continued_at: float | None = None
     resumed_s: float = 0.0
     transcript: Transcript | None = None  # a continuable stream's record
@@ -109,6 +109,14 @@ class Exchange:
     # its engine's streams were paused (a KV reset, a drained restart with continue)
     # before its answer began: its request was cut there, to go again once it serves
     cut_by_pause: bool = False
+
+    def resumed(self, now: float) -> None:
+        """Its continuation's wait ended at `now`: its first answer bytes came, or it broke
+        before them (counted too: a stream paused again before its first token waited
+        that long at the engine). Once per continuation."""
+        if self.continued_at is not None:
+            self.resumed_s = max(self.resumed_s, now - self.continued_at)
+            self.continued_at = None
 
     def sent(self, backend: Backend) -> None:
         self.left()

@@ -137,8 +137,7 @@ class StreamRelay:
         elif ex.gap_from is not None:  # the first answer bytes after a fault
             self.latency.observe("continuation_gap", label, now - ex.gap_from)
             ex.gap_from = None
-            if ex.continued_at is not None:
-                ex.resumed_s = max(ex.resumed_s, now - ex.continued_at)
+            ex.resumed(now)
         else:
             self.latency.observe("stream_gap", label, now - ex.last_data_at)
         ex.last_write_at = ex.last_data_at = now
@@ -317,6 +316,8 @@ class StreamRelay:
                     await self._attempt(request, resp, ex, t, cause)
                 except Broken as again:
                     cause = again.cause
+                    if ex.gap_from is not None:  # (broken again before its first token)
+                        ex.resumed(time.monotonic())
                     if not isinstance(cause, Paused):
                         faults += 1
                         self._fault(ex, t, cause)

@@ -186,6 +186,10 @@ async def engine_requests(client: httpx.AsyncClient, metrics_url: str,
     return (snap.requests_running or 0.0) + (snap.requests_waiting or 0.0), None
 
 
+# changes kept by an IdleTrace (a count falling from 256 by ones would have 256)
+IDLE_TRACE_MAX = 24
+
+
 class IdleTrace:
     """The engine's count as a wait for it to go idle read it: the first read and each
     change, at most IDLE_TRACE_MAX of them (the last change always kept). On the H200 a
@@ -205,10 +209,6 @@ class IdleTrace:
             self.points[-1] = point
         else:
             self.points.append(point)
-
-
-# changes kept by an IdleTrace (a count falling from 256 by ones would have 256)
-IDLE_TRACE_MAX = 24
 
 
 async def wait_engine_idle(client: httpx.AsyncClient, metrics_url: str,
