@@ -316,8 +316,7 @@ class StreamRelay:
                     await self._attempt(request, resp, ex, t, cause)
                 except Broken as again:
                     cause = again.cause
-                    if ex.gap_from is not None:  # (broken again before its first token)
-                        ex.resumed(time.monotonic())
+                    ex.resumed(time.monotonic())  # (broken again before its first token)
                     if not isinstance(cause, Paused):
                         faults += 1
                         self._fault(ex, t, cause)
