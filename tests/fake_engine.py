@@ -44,6 +44,12 @@ script a fault:
                         vllm:sleep_mode_operation_duration_seconds
                         {operation} (a histogram of each call's seconds) and
                         vllm:sleep_mode_operations_in_flight{operation}
+  --vllm-version V      says "vLLM API server version V" as it starts and serves GET
+                        /version; from 0.26 its sleep is vLLM's since then (`mode=abort`,
+                        the default): the requests at it aborted (a stream ended with
+                        finish_reason "abort", each counted in <pidfile dir>/aborts) and
+                        completions arriving while it sleeps queued until its wake,
+                        instead of the 503
   --wake-fails          POST /wake_up answers 500 (and the engine stays asleep)
   --dev-routes LIST     which of vLLM's development routes it serves with
                         VLLM_SERVER_DEV_MODE=1 (comma-separated paths; default "all":
@@ -186,6 +192,7 @@ def main() -> None:
     p.add_argument("--answer-delay", type=float, default=0)
     p.add_argument("--enable-sleep-mode", action="store_true")
     p.add_argument("--wake-fails", action="store_true")
+    p.add_argument("--vllm-version", default=None)
     p.add_argument("--dev-routes", default="all")
     p.add_argument("--first-sleep-delay", type=float, default=0)
     p.add_argument("--logprobs", action="store_true")  # answers them (a greedy golden)
@@ -298,6 +305,8 @@ def main() -> None:
         signal.signal(signal.SIGTERM, sigterm)
 
     # vLLM's start, as it tells it: a phase line, then the wait, then its route table
+    if a.vllm_version:
+        log("INFO", f"vLLM API server version {a.vllm_version}")
     log("INFO", "Starting to load model fake...", tag="EngineCore_DP0")
     if "--load-format" in sys.argv:  # (a weight cache's: tests/fake_preload.py)
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

@@ -12,6 +12,7 @@ import argparse
 import http.server
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -43,6 +44,12 @@ class FakeEngine:
         self.dev = dev
         self.sleep_mode = a.enable_sleep_mode and "/sleep" in dev
         self.asleep = threading.Event()
+        self.awake = threading.Event()  # (asleep's opposite: what queued requests wait on)
+        self.awake.set()
+        # vLLM 0.26+: a sleep aborts what is at the engine and queues new requests
+        m = re.match(r"(\d+)\.(\d+)", a.vllm_version or "")
+        self.sleep_aborts = m is not None and (int(m[1]), int(m[2])) >= (0, 26)
+        self.sleeps = 0  # how many sleeps began: a stream begun before one is aborted
         self.slept_once = threading.Event()
         self.wrong = threading.Event()  # a wake broke it: other tokens from then on
         self.drafts_broken = threading.Event()  # a wake zeroed its draft model
@@ -176,6 +183,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         e = self.engine
         code = 503 if e.a.never_healthy or e.dying.is_set() else 200
         body = b"{}" if self.path == "/health" else b'{"fake": true}'
+        if self.path == "/version" and e.a.vllm_version:
+            body = json.dumps({"version": e.a.vllm_version}).encode()
         if self.path == "/v1/models":
             body = json.dumps({"object": "list", "data": [
                 {"id": e.a.served_model_name, "object": "model"}]}).encode()
@@ -234,7 +243,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             threading.Timer(0.3, os._exit, args=(1,)).start()
         if generate and e.dying.is_set():
             body, code = b'{"error": {"message": "EngineDeadError", "code": 500}}', 500
-        elif generate and e.asleep.is_set():
+        elif generate and e.asleep.is_set() and not e.sleep_aborts:
             body, code = b'{"error": "the engine is asleep"}', 503
         elif generate and req.get("priority", 0) and e.a.scheduling_policy != "priority":
             # as vLLM's request schema documents it: "Any priority other than 0 will raise
@@ -248,6 +257,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 "message": f"The model `{req['model']}` does not exist.",
                 "type": "NotFoundError", "code": 404}}).encode(), 404
         elif generate:
+            while not e.awake.wait(0.05) and not e.stopping.is_set():
+                pass  # (vLLM 0.26+ queues what arrives while it sleeps)
             if req.get("priority"):
                 e.log("INFO", f"request priority {req['priority']}")  # (a whole line)
             with e.lock:
@@ -296,10 +307,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
         elif self.path.startswith("/sleep") and "/sleep" in e.dev and not e.sleep_mode:
             # (vLLM without --enable-sleep-mode: the engine refuses)
             body, code = b'{"error": "sleep mode is not enabled"}', 500
-        elif self.path == "/sleep?level=1" and e.sleep_mode:
+        elif self.path in ("/sleep?level=1", "/sleep?level=1&mode=abort") and e.sleep_mode:
+            with e.lock:
+                running = e.running[0]
+                e.sleeps += 1  # (0.26+: the streams begun before it end at their next token)
+                if e.sleep_aborts:
+                    e.awake.clear()
             if e.pidfile:  # (what a sleep meets as it arrives: vLLM would lose them)
-                with e.lock:
-                    running = e.running[0]
                 with open(os.path.join(os.path.dirname(e.pidfile), "sleeps"), "a") as f:
                     f.write(f"{running}\n")
             with e.sleep_metrics.record("sleep"):
@@ -319,6 +333,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 time.sleep(0.01)
             if not fails:
                 e.asleep.clear()
+                e.awake.set()
                 if e.a.wrong_after_wake or fault == "wrong":
                     e.wrong.set()
                 if e.a.drafts_broken_after_wake or fault == "drafts":
@@ -354,6 +369,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         with e.lock:
             e.streams.add(me)
+            began = e.sleeps
 
         def send(doc: dict[str, Any]) -> None:
             self.wfile.write(f"data: {json.dumps(doc)}\n\n".encode())
@@ -371,6 +387,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
             e.prefill(prompt)
             time.sleep(e.a.first_token_delay)
             for i in range(tokens):
+                if e.sleep_aborts and e.sleeps != began:  # (aborted by a sleep, as vLLM)
+                    send({**head, "choices": [{"index": 0, "text": "", "logprobs": None,
+                                               "finish_reason": "abort"}]})
+                    self.wfile.write(b"data: [DONE]\n\n")
+                    self.wfile.flush()
+                    raise ConnectionResetError("aborted by the engine's sleep")
                 fault = e.fault_for(me)
                 if fault == "cut":
                     self.connection.shutdown(socket.SHUT_RDWR)

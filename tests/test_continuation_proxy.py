@@ -479,6 +479,49 @@ def test_a_kv_reset_under_long_streams_with_the_default_drain_is_done_and_loses_
     assert d.status()["restarts"] == 0
 
 
+def test_a_kv_reset_of_an_engine_whose_sleep_aborts_does_not_wait_for_its_count(
+        daemon_factory, tmp_path):
+    """vLLM 0.26+ (as its start lines say): its sleep aborts the requests at it and
+    queues new ones until its wake, so the paused streams' requests are not waited out
+    of its count (on the H200 that wait took 2-5 s of a reset): the sleep is sent at
+    once, `mode=abort` said, and every stream still goes on token-exact after the wake.
+    The engine notices a client gone only at its next token (0.15 s here), so the sleep
+    meets the paused requests (as a rule) and aborts them."""
+    cfg = proxy_config(tmp_path, "--token-delay", "0.15", "--enable-sleep-mode",
+                       "--vllm-version", "0.26.0")
+    cfg["engine"]["env"]["VLLM_SERVER_DEV_MODE"] = "1"
+    cfg["engine"]["drain_timeout_s"] = 2.0  # (shorter than the streams: they are paused)
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: d.status()["remedies"]["kv_reset"], 10, "sleep mode to be probed")
+    wait_for(lambda: d.status()["admission"]["held"] is None, 30, "the gate to open")
+    n = 20
+    bodies = [comp(prompt=f"abort {i}", max_tokens=n) for i in range(4)]
+    threads, results = start_streams(cfg, bodies)
+    r = d.ctl("kv-reset", timeout=60)
+    for t in threads:
+        t.join(90)
+    assert r.returncode == 0 and "KV reset ok" in r.stdout, (r.stdout, r.stderr)
+    for i, s in enumerate(results):
+        assert s is not None and s.complete and s.finish == "length", s
+        assert sum(1 for t in s.texts if t) == n  # every token, once
+        assert "".join(s.texts) == expected_text(prompt_ids(bodies[i], False), n)
+    (ev,) = d.remedies()
+    assert ev["rung"] == "kv_reset" and ev["outcome"] == "ok", ev
+    assert list(ev["steps_s"]) == ["drain", "sleep", "wake_up", "canary"], ev
+    assert ev["idle_counts"] is None and ev["vllm_version"] == "0.26.0", ev
+    calls = (tmp_path / "requests").read_text().splitlines()
+    assert "POST /sleep?level=1&mode=abort" in calls
+    assert "GET /version" not in calls  # (its start lines said it)
+    # the requests the sleep met (the warm-up's sleep met none) were aborted by it
+    met = [int(x) for x in (tmp_path / "sleeps").read_text().split()]
+    assert met[0] == 0 and len(met) == 2, met
+    assert paused_streams(d)[0] == 4
+    print("kv reset of a 0.26 engine under 4 streams:", json.dumps(
+        {"duration_s": ev["duration_s"], "steps_s": ev["steps_s"], "sleep_met": met[1]}))
+    assert d.status()["restarts"] == 0
+
+
 def priorities(d: Any) -> list[int]:
     """The priorities the fake engine took, from its lines in the daemon's log."""
     return sorted(int(str(r.get("event")).rsplit(" ", 1)[1]) for r in d.log_records()

@@ -1,7 +1,8 @@
 """The KV reset's calls to an engine (`supervisor/watchdog/remedy.py`), in order, through
-httpx.MockTransport: the engine is told to sleep only once its own count of requests
-(running and waiting, on its /metrics) reads 0, waited for within a bound; an engine
-that publishes no count is not waited on; one whose count stays up is not put to sleep.
+httpx.MockTransport: an engine older than vLLM 0.26 is told to sleep only once its own
+count of requests (running and waiting, on its /metrics) reads 0, waited for within a
+bound; one that publishes no count is not waited on; one whose count stays up is not put
+to sleep. A vLLM 0.26+ engine (its sleep aborts what is at it) is told to sleep at once.
 The daemon's side, through the proxy and the fake engine, is in
 tests/test_continuation_proxy.py (issue 48)."""
 
@@ -32,8 +33,9 @@ class Engine:
     """vLLM's routes as a KV reset meets them; its /metrics pages, one per read (the last
     one repeated), and every call in order."""
 
-    def __init__(self, pages: list[str | int]) -> None:
+    def __init__(self, pages: list[str | int], version: str | None = None) -> None:
         self.pages = pages  # a page's text, or an HTTP status to answer instead
+        self.version = version  # what GET /version says (None: 404, as before 0.2)
         self.calls: list[str] = []
         self.asleep = False
 
@@ -44,7 +46,9 @@ class Engine:
             p = self.pages.pop(0) if len(self.pages) > 1 else self.pages[0]
             return httpx.Response(p, text="") if isinstance(p, int) else \
                 httpx.Response(200, text=p)
-        if path == "/sleep?level=1":
+        if path == "/version" and self.version is not None:
+            return httpx.Response(200, json={"version": self.version})
+        if path in ("/sleep?level=1", "/sleep?level=1&mode=abort"):
             self.asleep = True
             return httpx.Response(200)
         if path == "/wake_up":
@@ -61,11 +65,12 @@ class Engine:
 
 
 def reset(engine: Callable[[httpx.Request], httpx.Response], metrics: str | None,
-          within_s: float) -> remedy.RemedyOutcome:
+          within_s: float, version: str | None = None) -> remedy.RemedyOutcome:
     async def go() -> remedy.RemedyOutcome:
         async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
             return await remedy.kv_reset(client, BASE, "m", "hi", 5.0, 5.0,
-                                         metrics_url=metrics, idle_within_s=within_s)
+                                         metrics_url=metrics, idle_within_s=within_s,
+                                         version=version)
     return asyncio.run(go())
 
 
@@ -147,3 +152,51 @@ def test_the_wait_is_at_least_its_floor_whatever_the_drain_left(
     out = reset(e, METRICS, -2.0)  # (drain_timeout_s minus a longer drain)
     assert out.ok, out
     assert e.reads_before_sleep() == 3
+
+
+AFTER_SLEEP = ["POST /wake_up", "GET /is_sleeping", "POST /v1/completions"]
+
+
+def test_an_engine_whose_sleep_aborts_its_requests_is_told_to_sleep_at_once(
+        short_bounds: None) -> None:
+    """vLLM 0.26+ (its /version read, its start lines having said none: a restored
+    copy's): its sleep aborts every request at it and queues new ones until its wake, so
+    its count of the paused streams' requests is not waited out; `mode=abort` is said
+    rather than left to the default."""
+    e = Engine([page(256)], version="0.26.0")
+    out = reset(e, METRICS, 10.0)
+    assert out.ok and out.error is None, out
+    assert e.calls == ["GET /version", "POST /sleep?level=1&mode=abort", *AFTER_SLEEP]
+    assert list(out.steps) == ["sleep", "wake_up", "canary"]
+    assert out.idle_counts is None and out.vllm_version == "0.26.0"
+
+
+def test_a_version_known_from_the_start_lines_is_not_asked_again(short_bounds: None) -> None:
+    e = Engine([page(3)], version="0.1.0")  # (what /version would say: never asked)
+    out = reset(e, METRICS, 10.0, version="0.33.0")
+    assert out.ok, out
+    assert e.calls == ["POST /sleep?level=1&mode=abort", *AFTER_SLEEP]
+    assert out.vllm_version == "0.33.0"
+
+
+@pytest.mark.parametrize("version", ["0.25.1", None, "garbage"])
+def test_an_older_or_unknown_version_waits_for_the_count_and_says_no_mode(
+        short_bounds: None, version: str | None) -> None:
+    """0.25 and before, a /version that is not there, or one that does not read: the
+    wait, then the plain sleep of every vLLM."""
+    e = Engine([page(2), page(0)], version=version)
+    out = reset(e, METRICS, 10.0)
+    assert out.ok, out
+    assert e.calls[0] == "GET /version" and e.reads_before_sleep() == 2
+    assert "POST /sleep?level=1" in e.calls
+    assert list(out.steps) == ["engine_idle", "sleep", "wake_up", "canary"]
+    assert out.vllm_version == version
+
+
+@pytest.mark.parametrize(("version", "aborts"), [
+    ("0.26.0", True), ("0.26.1.dev12+g3f5e1a", True), ("0.33.0", True), ("1.0.0", True),
+    ("v0.27.0rc1", True), ("0.25.9", False), ("0.3.3", False), ("0.2", False), ("", False),
+    (None, False), ("dev", False), ("0.x", False),
+])
+def test_which_versions_abort_at_their_sleep(version: str | None, aborts: bool) -> None:
+    assert remedy.sleep_aborts(version) is aborts

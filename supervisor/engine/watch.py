@@ -404,6 +404,8 @@ class EngineWatch:
             # (the engine's count of requests as the idle wait read it: [seconds, count])
             fields["idle_counts"] = [list(p) for p in o.idle_counts] \
                 if o.idle_counts is not None else None
+            # (whose sleep aborts its requests: no idle wait, `idle_counts` None)
+            fields["vllm_version"] = o.vllm_version
         remedy_ended(self._audit, fields)
         if not unit.serving_engine(ev.generation) or o.ok or not o.attempted:
             # (the engine went meanwhile: its restart holds and releases requests)

@@ -10,13 +10,18 @@ What vLLM offers (see the brief): with VLLM_SERVER_DEV_MODE=1 the API server has
 `POST /reset_prefix_cache`; started with `--enable-sleep-mode` as well, `POST
 /sleep?level=1` drops the KV cache (and offloads the weights) and `POST /wake_up`
 restores them, in a fraction of a second against a cold start of minutes; `GET
-/is_sleeping` says which. Neither sleep mode nor CUDA exist on the CPU backend.
+/is_sleeping` says which. Neither sleep mode nor CUDA exist on the CPU backend. From
+vLLM 0.26 a sleep pauses the engine's scheduler first (`mode=abort`, the default: every
+request at it aborted, new ones queued until the wake); before, a request that met a
+sleeping engine could crash or hang it, so a KV reset waits for the engine's own count of
+requests to read 0 before it sleeps an older engine (`sleep_aborts`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -39,6 +44,9 @@ class RemedyOutcome:
     # a KV reset's wait for the engine to go idle, as its count read: (seconds into the
     # wait, requests) at the first read and at each change (`IdleTrace`); None: no wait
     idle_counts: tuple[tuple[float, float], ...] | None = None
+    # the engine's vLLM version as the KV reset knew it (its start lines, else its
+    # /version); a version whose sleep aborts its requests is not waited on (`sleep_aborts`)
+    vllm_version: str | None = None
 
 
 async def is_sleeping(client: httpx.AsyncClient, base_url: str,
@@ -236,20 +244,55 @@ async def wait_engine_idle(client: httpx.AsyncClient, metrics_url: str,
         await asyncio.sleep(min(ENGINE_IDLE_POLL_S, left))
 
 
+# the first vLLM whose sleep pauses its scheduler before it sleeps (`mode=abort`, the
+# default: every request at the engine aborted, new ones queued until the wake; read in
+# the 0.26.0 wheel's vllm/v1/engine/core.py, `EngineCore.sleep` and `pause_scheduler`)
+SLEEP_ABORTS_FROM = (0, 26)
+VERSION_TIMEOUT_S = 2.0
+_RELEASE = re.compile(r"v?(?P<major>\d+)\.(?P<minor>\d+)")
+
+
+def sleep_aborts(version: str | None) -> bool:
+    """Whether a vLLM of this version aborts the requests at it when told to sleep (and
+    queues new ones until it wakes): then nothing needs to leave it before its sleep. An
+    unknown or unreadable version: no."""
+    m = _RELEASE.match(version or "")
+    return m is not None and (int(m["major"]), int(m["minor"])) >= SLEEP_ABORTS_FROM
+
+
+async def engine_version(client: httpx.AsyncClient, base_url: str,
+                         timeout_s: float) -> str | None:
+    """The vLLM version the engine's `GET /version` names; None if it names none or does
+    not answer in time."""
+    try:
+        r = await client.get(f"{base_url}/version", timeout=timeout_s)
+        value = r.json().get("version") if r.status_code == 200 else None
+    except (httpx.HTTPError, OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
 async def kv_reset(client: httpx.AsyncClient, base_url: str, model: str | None,
                    prompt: str, timeout_s: float, canary_timeout_s: float, *,
                    metrics_url: str | None = None,
-                   idle_within_s: float = ENGINE_IDLE_MIN_S) -> RemedyOutcome:
-    """Wait for the engine's own count of requests to read 0 (`wait_engine_idle`, up to
-    `idle_within_s` and at least ENGINE_IDLE_MIN_S; not without `metrics_url`), sleep
-    (level 1: the KV cache dropped), wake, check awake, then one canary. The caller has
-    drained the proxy (its streams finished, or paused for continuation: their
-    connections closed, so vLLM aborts them) and holds new requests: a request arriving
-    now would meet a sleeping engine. An engine whose count stays above 0 is not put to
-    sleep (`attempted` False: nothing was touched)."""
+                   idle_within_s: float = ENGINE_IDLE_MIN_S,
+                   version: str | None = None) -> RemedyOutcome:
+    """Sleep (level 1: the KV cache dropped), wake, check awake, then one canary. The
+    caller has drained the proxy (its streams finished, or paused for continuation: their
+    connections closed, so vLLM aborts them) and holds new requests. An engine whose
+    sleep aborts what is at it (`sleep_aborts` of `version`, else of its `/version`) is
+    told to sleep at once, `mode=abort` said; an older one only once its own count of
+    requests reads 0 (`wait_engine_idle`, up to `idle_within_s` and at least
+    ENGINE_IDLE_MIN_S; not without `metrics_url`), and not at all if its count stays
+    above 0 (`attempted` False: nothing was touched)."""
     steps: dict[str, float] = {}
     t = time.monotonic()
     counts = None
+    version = version or await engine_version(client, base_url, VERSION_TIMEOUT_S)
+    if sleep_aborts(version):
+        out = await _sleep_wake_prove(client, base_url, model, prompt, timeout_s,
+                                      canary_timeout_s, steps, abort=True)
+        return dataclasses.replace(out, vllm_version=version)
     if metrics_url is not None:
         trace = IdleTrace()
         busy = await wait_engine_idle(client, metrics_url,
@@ -258,19 +301,21 @@ async def kv_reset(client: httpx.AsyncClient, base_url: str, model: str | None,
         counts = tuple(trace.points)
         if busy is not None:
             return RemedyOutcome(False, steps, f"{busy}: the KV cache was not touched",
-                                 attempted=False, idle_counts=counts)
+                                 attempted=False, idle_counts=counts, vllm_version=version)
     out = await _sleep_wake_prove(client, base_url, model, prompt, timeout_s,
                                   canary_timeout_s, steps)
-    return dataclasses.replace(out, idle_counts=counts)
+    return dataclasses.replace(out, idle_counts=counts, vllm_version=version)
 
 
 async def _sleep_wake_prove(client: httpx.AsyncClient, base_url: str, model: str | None,
                             prompt: str, timeout_s: float, canary_timeout_s: float,
-                            steps: dict[str, float]) -> RemedyOutcome:
-    """A KV reset's sleep, wake, awake check and canary, each step's seconds added to
+                            steps: dict[str, float], abort: bool = False) -> RemedyOutcome:
+    """A KV reset's sleep (`abort`: saying `mode=abort`, which vLLM 0.26+ takes to abort
+    every request at it), wake, awake check and canary, each step's seconds added to
     `steps`."""
     t = time.monotonic()
-    error = await _post(client, f"{base_url}/sleep?level=1", timeout_s)
+    error = await _post(client, f"{base_url}/sleep?level=1" + ("&mode=abort" if abort else ""),
+                        timeout_s)
     steps["sleep"] = time.monotonic() - t
     if error is not None:
         return RemedyOutcome(False, steps, error)

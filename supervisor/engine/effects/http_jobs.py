@@ -306,7 +306,8 @@ class HttpJobs:
                         outcome, _, took = await self._vllm_timed(client, engine, remedy.kv_reset(
                             client, base, c.model or None, c.prompt, 60.0,
                             max(c.timeout_s, 10.0), metrics_url=base + m.path if m.enabled
-                            else None, idle_within_s=cfg.drain_timeout_s - waited))
+                            else None, idle_within_s=cfg.drain_timeout_s - waited,
+                            version=engine.vllm_version))
                         outcome = dataclasses.replace(outcome, vllm_s=took)
                         if outcome.ok and c.golden:  # (right after its wake, not just alive)
                             answers = await self.probes.golden_unlocked(client, engine)
