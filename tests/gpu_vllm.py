@@ -1245,7 +1245,7 @@ def phase_plan(steps: list[str]) -> None:
     """Steps run in order across calls (the machine's calls last 10 minutes, and it is
     given back 30 s after one ends: no time to choose the next between calls). The same
     command again goes on where the last stopped: WORK/plan.json keeps the steps done and
-    each step's last length; a step begins only if, by that length, it ends within
+    each step's last length (a plan of other steps begins afresh, the lengths kept); a step begins only if, by that length, it ends within
     CALL_BUDGET_S (default 560) of the call's start. With an asymmetric pair each step
     begins once it is protected again. A step that fails is recorded; the plan goes on
     only if the pair is protected again within 3 minutes, else it stops for good with the
@@ -1255,6 +1255,8 @@ def phase_plan(steps: list[str]) -> None:
     path = WORK / "plan.json"
     plan: dict[str, Any] = (json.loads(path.read_text()) if path.exists()
                             else {"done": [], "seconds": {}, "failed": {}})
+    if plan.get("steps") != steps:  # another plan: only its lengths are kept, as guesses
+        plan = {"steps": steps, "done": [], "seconds": plan["seconds"], "failed": {}}
     kills = 0
     for i, step in enumerate(steps):
         key = f"{i}:{step}"
