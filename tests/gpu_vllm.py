@@ -1245,11 +1245,12 @@ def phase_plan(steps: list[str]) -> None:
     """Steps run in order across calls (the machine's calls last 10 minutes, and it is
     given back 30 s after one ends: no time to choose the next between calls). The same
     command again goes on where the last stopped: WORK/plan.json keeps the steps done and
-    each step's last length (a plan of other steps begins afresh, the lengths kept); a step begins only if, by that length, it ends within
-    CALL_BUDGET_S (default 560) of the call's start. With an asymmetric pair each step
-    begins once it is protected again. A step that fails is recorded; the plan goes on
-    only if the pair is protected again within 3 minutes, else it stops for good with the
-    daemon's status and log tail (`plan-stopped`)."""
+    each step's last length (a plan of other steps begins afresh, the lengths kept); a
+    step begins only if, by that length, it ends within CALL_BUDGET_S (default 560) of
+    the call's start. With an asymmetric pair each step begins once it is protected
+    again. A step that fails is recorded; the plan goes on only if the pair is protected
+    again within 3 minutes, else it stops for good with the daemon's status and log tail
+    (`plan-stopped`)."""
     budget = float(os.environ.get("CALL_BUDGET_S", "560"))
     t0 = time.monotonic()
     path = WORK / "plan.json"

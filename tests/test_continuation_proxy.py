@@ -437,24 +437,24 @@ def test_a_stream_whose_answer_begins_during_a_kv_reset_is_paused_too(daemon_fac
         {"duration_s": ev["duration_s"], "steps_s": ev["steps_s"]}))
 
 
-def test_a_kv_reset_under_long_streams_with_the_default_drain_is_done_and_loses_nothing(
-        daemon_factory, tmp_path):
-    """Issue 48: with `engine.drain` left at its default, `vllm-supervisorctl kv-reset`
-    under six streams longer than the drain's timeout was not attempted (rc 1, after the
-    whole timeout). Now the streams are paused and continued token-exact, the reset is
-    done well within that timeout, and the engine is told to sleep only once its own
-    count of running requests is 0: the paused streams leave the proxy at once, the
-    engine some time later (the fake notices a client gone at the stream's next token)."""
-    cfg = proxy_config(tmp_path, "--token-delay", "0.05", "--enable-sleep-mode")
+def sleep_mode_daemon(daemon_factory: Any, tmp_path: Path, drain_timeout_s: float,
+                      *engine_args: str) -> tuple[dict[str, Any], Any]:
+    """A daemon over a fake engine with sleep mode and its development routes, its KV
+    reset probed and its gate open: (its config, the daemon)."""
+    cfg = proxy_config(tmp_path, "--enable-sleep-mode", *engine_args)
     cfg["engine"]["env"]["VLLM_SERVER_DEV_MODE"] = "1"
-    cfg["engine"]["drain_timeout_s"] = 10.0
-    assert "drain" not in cfg["engine"]  # (the default's test)
+    cfg["engine"]["drain_timeout_s"] = drain_timeout_s
     d = daemon_factory(cfg)
     d.wait_state("RUNNING")
     wait_for(lambda: d.status()["remedies"]["kv_reset"], 10, "sleep mode to be probed")
-    wait_for(lambda: d.status()["admission"]["held"] is None, 10, "the gate to open")
-    n = 300  # 15 s a stream at the fake's pace: longer than the drain's 10 s
-    bodies = [comp(prompt=f"long {i}", max_tokens=n) for i in range(6)]
+    wait_for(lambda: d.status()["admission"]["held"] is None, 30, "the gate to open")
+    return cfg, d
+
+
+def kv_reset_under_streams(d: Any, cfg: dict[str, Any], bodies: list[dict[str, Any]],
+                           n: int) -> dict[str, Any]:
+    """`vllm-supervisorctl kv-reset` while `bodies` stream (`n` tokens each): every
+    stream whole, token-exact, and the reset ok; its audit entry."""
     threads, results = start_streams(cfg, bodies)
     r = d.ctl("kv-reset", timeout=60)
     for t in threads:
@@ -466,7 +466,23 @@ def test_a_kv_reset_under_long_streams_with_the_default_drain_is_done_and_loses_
         assert "".join(s.texts) == expected_text(prompt_ids(bodies[i], False), n)
         assert s.usage is not None and s.usage["completion_tokens"] == n
     (ev,) = d.remedies()
-    assert ev["rung"] == "kv_reset" and ev["outcome"] == "ok"
+    assert ev["rung"] == "kv_reset" and ev["outcome"] == "ok", ev
+    return ev
+
+
+def test_a_kv_reset_under_long_streams_with_the_default_drain_is_done_and_loses_nothing(
+        daemon_factory, tmp_path):
+    """Issue 48: with `engine.drain` left at its default, `vllm-supervisorctl kv-reset`
+    under six streams longer than the drain's timeout was not attempted (rc 1, after the
+    whole timeout). Now the streams are paused and continued token-exact, the reset is
+    done well within that timeout, and the engine is told to sleep only once its own
+    count of running requests is 0: the paused streams leave the proxy at once, the
+    engine some time later (the fake notices a client gone at the stream's next token)."""
+    cfg, d = sleep_mode_daemon(daemon_factory, tmp_path, 10.0, "--token-delay", "0.05")
+    assert "drain" not in cfg["engine"]  # (the default's test)
+    n = 300  # 15 s a stream at the fake's pace: longer than the drain's 10 s
+    ev = kv_reset_under_streams(d, cfg, [comp(prompt=f"long {i}", max_tokens=n)
+                                         for i in range(6)], n)
     # a generous bound: it did not wait out the streams, nor the drain's timeout
     assert ev["duration_s"] < cfg["engine"]["drain_timeout_s"], ev
     paused, during = paused_streams(d)
@@ -487,27 +503,12 @@ def test_a_kv_reset_of_an_engine_whose_sleep_aborts_does_not_wait_for_its_count(
     once, `mode=abort` said, and every stream still goes on token-exact after the wake.
     The engine notices a client gone only at its next token (0.15 s here), so the sleep
     meets the paused requests (as a rule) and aborts them."""
-    cfg = proxy_config(tmp_path, "--token-delay", "0.15", "--enable-sleep-mode",
-                       "--vllm-version", "0.26.0")
-    cfg["engine"]["env"]["VLLM_SERVER_DEV_MODE"] = "1"
-    cfg["engine"]["drain_timeout_s"] = 2.0  # (shorter than the streams: they are paused)
-    d = daemon_factory(cfg)
-    d.wait_state("RUNNING")
-    wait_for(lambda: d.status()["remedies"]["kv_reset"], 10, "sleep mode to be probed")
-    wait_for(lambda: d.status()["admission"]["held"] is None, 30, "the gate to open")
+    # (the drain's bound shorter than the streams: they are paused)
+    cfg, d = sleep_mode_daemon(daemon_factory, tmp_path, 2.0, "--token-delay", "0.15",
+                               "--vllm-version", "0.26.0")
     n = 20
-    bodies = [comp(prompt=f"abort {i}", max_tokens=n) for i in range(4)]
-    threads, results = start_streams(cfg, bodies)
-    r = d.ctl("kv-reset", timeout=60)
-    for t in threads:
-        t.join(90)
-    assert r.returncode == 0 and "KV reset ok" in r.stdout, (r.stdout, r.stderr)
-    for i, s in enumerate(results):
-        assert s is not None and s.complete and s.finish == "length", s
-        assert sum(1 for t in s.texts if t) == n  # every token, once
-        assert "".join(s.texts) == expected_text(prompt_ids(bodies[i], False), n)
-    (ev,) = d.remedies()
-    assert ev["rung"] == "kv_reset" and ev["outcome"] == "ok", ev
+    ev = kv_reset_under_streams(d, cfg, [comp(prompt=f"abort {i}", max_tokens=n)
+                                         for i in range(4)], n)
     assert list(ev["steps_s"]) == ["drain", "sleep", "wake_up", "canary"], ev
     assert ev["idle_counts"] is None and ev["vllm_version"] == "0.26.0", ev
     calls = (tmp_path / "requests").read_text().splitlines()
