@@ -200,3 +200,39 @@ def test_an_older_or_unknown_version_waits_for_the_count_and_says_no_mode(
 ])
 def test_which_versions_abort_at_their_sleep(version: str | None, aborts: bool) -> None:
     assert remedy.sleep_aborts(version) is aborts
+
+
+class RefusesMode(Engine):
+    """A 0.26+ engine behind a front end that refuses `mode` on /sleep, as a validating
+    API answers a parameter it does not take."""
+
+    def __call__(self, req: httpx.Request) -> httpx.Response:
+        if req.url.query and b"mode=" in req.url.query:
+            self.calls.append(f"{req.method} {req.url.path}?{req.url.query.decode()}")
+            return httpx.Response(422, json={"detail": "unknown parameter: mode"})
+        return super().__call__(req)
+
+
+def test_a_sleep_whose_mode_is_refused_is_asked_again_the_older_way(
+        short_bounds: None) -> None:
+    """The refusal touched nothing: no restart for it, but the wait and the plain sleep."""
+    e = RefusesMode([page(2), page(0)], version="0.33.0")
+    out = reset(e, METRICS, 10.0)
+    assert out.ok and out.error is None, out
+    assert e.calls[:2] == ["GET /version", "POST /sleep?level=1&mode=abort"]
+    assert e.calls[-4:] == ["POST /sleep?level=1", *AFTER_SLEEP]
+    assert e.reads_before_sleep() == 2
+    assert list(out.steps) == ["sleep_mode_refused", "engine_idle", "sleep", "wake_up",
+                               "canary"]
+    assert [c for _, c in out.idle_counts or ()] == [2, 0]
+
+
+def test_a_sleep_that_fails_otherwise_is_a_failed_reset(short_bounds: None) -> None:
+    """A 500 (or no answer) may have left the engine asleep or broken: failed, attempted,
+    for the daemon's restart to follow."""
+    def engine(req: httpx.Request) -> httpx.Response:
+        if req.url.path == "/sleep":
+            return httpx.Response(500, text="EngineDeadError")
+        return Engine([page(0)], version="0.26.0")(req)
+    out = reset(engine, METRICS, 10.0)
+    assert not out.ok and out.attempted and "HTTP 500" in (out.error or ""), out

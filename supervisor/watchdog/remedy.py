@@ -69,16 +69,23 @@ async def is_sleeping(client: httpx.AsyncClient, base_url: str,
 
 async def _post(client: httpx.AsyncClient, url: str, timeout_s: float) -> str | None:
     """None on 200, else what went wrong, naming the call."""
+    return (await _post_answer(client, url, timeout_s))[1]
+
+
+async def _post_answer(client: httpx.AsyncClient, url: str,
+                       timeout_s: float) -> tuple[int | None, str | None]:
+    """(the HTTP status, None on 200 else what went wrong, naming the call); no status
+    when there was no answer."""
     what = "POST /" + url.split("/", 3)[-1]
     try:
         r = await client.post(url, timeout=timeout_s)
     except httpx.TimeoutException:
-        return f"{what}: no answer within {timeout_s:g} s"
+        return None, f"{what}: no answer within {timeout_s:g} s"
     except (httpx.HTTPError, OSError) as exc:  # (httpx lets a bare OSError through)
-        return f"{what}: {_failure(exc)}"
+        return None, f"{what}: {_failure(exc)}"
     if r.status_code != 200:
-        return f"{what}: HTTP {r.status_code}: {r.text[:200]}"
-    return None
+        return r.status_code, f"{what}: HTTP {r.status_code}: {r.text[:200]}"
+    return 200, None
 
 
 def _failure(exc: BaseException) -> str:
@@ -249,6 +256,9 @@ async def wait_engine_idle(client: httpx.AsyncClient, metrics_url: str,
 # the 0.26.0 wheel's vllm/v1/engine/core.py, `EngineCore.sleep` and `pause_scheduler`)
 SLEEP_ABORTS_FROM = (0, 26)
 VERSION_TIMEOUT_S = 2.0
+# what a front end answers a sleep whose `mode` it does not take (FastAPI's validation
+# error, a plain bad request): the engine was not touched
+SLEEP_MODE_REFUSED = (400, 422)
 _RELEASE = re.compile(r"v?(?P<major>\d+)\.(?P<minor>\d+)")
 
 
@@ -284,7 +294,9 @@ async def kv_reset(client: httpx.AsyncClient, base_url: str, model: str | None,
     told to sleep at once, `mode=abort` said; an older one only once its own count of
     requests reads 0 (`wait_engine_idle`, up to `idle_within_s` and at least
     ENGINE_IDLE_MIN_S; not without `metrics_url`), and not at all if its count stays
-    above 0 (`attempted` False: nothing was touched)."""
+    above 0 (`attempted` False: nothing was touched). A sleep whose `mode` is refused
+    (HTTP 400 or 422: the engine untouched) is asked again the older way, step
+    `sleep_mode_refused` beside the others."""
     steps: dict[str, float] = {}
     t = time.monotonic()
     counts = None
@@ -292,7 +304,12 @@ async def kv_reset(client: httpx.AsyncClient, base_url: str, model: str | None,
     if sleep_aborts(version):
         out = await _sleep_wake_prove(client, base_url, model, prompt, timeout_s,
                                       canary_timeout_s, steps, abort=True)
-        return dataclasses.replace(out, vllm_version=version)
+        if out.attempted:
+            return dataclasses.replace(out, vllm_version=version)
+        # its sleep refused the mode (a front end that takes no `mode`), the engine
+        # untouched: the wait, then the plain sleep, as for an older vLLM
+        steps = {"sleep_mode_refused": steps["sleep"]}
+        t = time.monotonic()
     if metrics_url is not None:
         trace = IdleTrace()
         busy = await wait_engine_idle(client, metrics_url,
@@ -314,11 +331,12 @@ async def _sleep_wake_prove(client: httpx.AsyncClient, base_url: str, model: str
     every request at it), wake, awake check and canary, each step's seconds added to
     `steps`."""
     t = time.monotonic()
-    error = await _post(client, f"{base_url}/sleep?level=1" + ("&mode=abort" if abort else ""),
-                        timeout_s)
+    status, error = await _post_answer(
+        client, f"{base_url}/sleep?level=1" + ("&mode=abort" if abort else ""), timeout_s)
     steps["sleep"] = time.monotonic() - t
-    if error is not None:
-        return RemedyOutcome(False, steps, error)
+    if error is not None:  # (a request refused as malformed did not sleep the engine)
+        return RemedyOutcome(False, steps, error,
+                             attempted=not (abort and status in SLEEP_MODE_REFUSED))
     t = time.monotonic()
     error = await _post(client, f"{base_url}/wake_up", timeout_s)
     steps["wake_up"] = time.monotonic() - t
