@@ -21,8 +21,8 @@ from tests.test_snapshot_criu import CRIU, carried
 from tests.test_standby import sleep_config, standby_ready, streams_under
 
 
-def snapshot_config(tmp_path: Path, criu: str) -> dict[str, Any]:
-    cfg = sleep_config(tmp_path)
+def snapshot_config(tmp_path: Path, criu: str, *fake: str) -> dict[str, Any]:
+    cfg = sleep_config(tmp_path, *fake)
     cfg["engine"].update(standby="snapshot", criu=criu,
                          snapshot_dir=str(tmp_path / "snapshot"))
     return cfg
@@ -43,7 +43,7 @@ def audit(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 def test_the_standby_is_a_copy_of_its_images_before_and_after_a_failover(daemon_factory,
                                                                           tmp_path):
     carried()  # (CRIU set up here)
-    cfg = snapshot_config(tmp_path, str(CRIU))
+    cfg = snapshot_config(tmp_path, str(CRIU), "--vllm-version", "0.26.0")
     d = daemon_factory(cfg)
     d.wait_state("RUNNING")
     wait_for(lambda: standby_ready(d), 60, "the standby ready")
@@ -76,6 +76,15 @@ def test_the_standby_is_a_copy_of_its_images_before_and_after_a_failover(daemon_
     manifest = json.loads((tmp_path / "snapshot" / "images" / "snapshot.json").read_text())
     warmed = [e["pid"] for e in events if e["event"] == "paths_warmed"]
     assert manifest["warmed"] is True and main in warmed and copy not in warmed, warmed
+
+    # a copy prints no start lines: it knows its vLLM from its images, and a KV reset
+    # of it sleeps it at once (0.26+), asking the engine nothing about its version
+    assert manifest["vllm_version"] == "0.26.0"
+    r = d.ctl("kv-reset", timeout=60)
+    assert r.returncode == 0 and "KV reset ok" in r.stdout, (r.stdout, r.stderr)
+    reset = [e for e in audit(cfg) if e["event"] == "remedy"][-1]
+    assert reset["vllm_version"] == "0.26.0" and reset["idle_counts"] is None, reset
+    assert "GET /version" not in (tmp_path / "requests").read_text().splitlines()
 
     # the next standby: another copy of the same images, beside the copy that serves
     wait_for(lambda: standby_ready(d) and d.status()["standby"]["pid"] not in (copy, main),

@@ -145,7 +145,8 @@ class EngineUnit(UnitState):
             log.info("the standby's kept images are of another start: made afresh",
                      images=images, why=why)
             return
-        standby.adopt(found.made_of, found.port, images, found.warmed)
+        standby.adopt(found.made_of, found.port, images, found.warmed,
+                      found.vllm_version)
 
     def handle(self, event: Event) -> None:
         """One event, by its `handle_<name>` method (the standby's engine's, by the

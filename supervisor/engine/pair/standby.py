@@ -100,6 +100,7 @@ class Standby:
         # and one that fails leaves room for a fresh standby to start first and be dumped
         self.adopted = False
         self.image_warmed = False  # the dumped engine's client paths were warmed
+        self.image_version: str | None = None  # the dumped engine's vLLM (None: unknown)
 
     def learned(self, engine: eng.EngineProcess) -> str | None:
         """An engine of this unit (either role) was probed at its start: whether engines
@@ -155,12 +156,14 @@ class Standby:
         (`standby_args`): its spawn says so (`SpawnSpec.thin`)."""
         return self.slot.thin
 
-    def adopt(self, made: dict[str, str], port: int, images: str, warmed: bool) -> None:
+    def adopt(self, made: dict[str, str], port: int, images: str, warmed: bool,
+              vllm_version: str | None = None) -> None:
         """Images an earlier run of the daemon left in this boot of the host
         (`criu.kept`): a copy of them is the first standby when they are of what a
         start would run (`restorable`), with no vLLM start and no dump."""
         self.image, self.image_port, self.adopted = made, port, True
         self.image_warmed = warmed
+        self.image_version = vllm_version
         log.info("standby images kept from an earlier run", images=images)
         self._audit("standby_images_kept", images=images)
 
@@ -176,7 +179,7 @@ class Standby:
             return spec
         return replace(spec, restore=eng.Restore(
             eng.snapshot_images(cfg.snapshot_dir), cfg.criu, spec.env.get("VLLM_RPC_BASE_PATH"),
-            self.image_port, self.image_warmed))
+            self.image_port, self.image_warmed, self.image_version))
 
     def start(self, spec: eng.SpawnSpec, cfg: EngineConfig, mode: str) -> list[do.Step]:
         self._to(Role.STARTING)
@@ -409,6 +412,7 @@ class Standby:
             # (what it was made of: the dumped engine's own spawn)
             self.image, self.next_now, self.image_port = made_of(e.spec), True, e.spec.port
             self.adopted, self.image_warmed = False, e.warmed is not None
+            self.image_version = e.vllm_version
             images = eng.snapshot_images(e.config.snapshot_dir)
             log.info("standby kept as images", pid=e.pid, seconds=dumped_s, images=images)
             self._audit("standby_dumped", pid=e.pid, seconds=dumped_s, images=images)

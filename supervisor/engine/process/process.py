@@ -114,6 +114,9 @@ class Restore:
     # its client paths were warmed before its dump (`watchdog/warmup.py`): each copy
     # carries what that built, and its first proof does not ask them again
     warmed: bool = False
+    # the dumped engine's vLLM version, as its start lines said (a copy prints none):
+    # each copy's, for what depends on it (a KV reset's sleep); None: unknown
+    vllm_version: str | None = None
 
 
 @dataclass(frozen=True)

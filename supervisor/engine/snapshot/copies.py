@@ -80,7 +80,8 @@ async def dump_engine(engine: eng.EngineProcess, snapshot: eng.Restore,
         return await criu.dump(criu.Criu.at(snapshot.criu), engine.pid, Path(snapshot.images),
                                pipes=engine.pipes, within_s=within_s, made=made,
                                gpu=taken, port=engine.spec.port,
-                               warmed=engine.warmed is not None)
+                               warmed=engine.warmed is not None,
+                               vllm_version=engine.vllm_version)
     except BaseException:
         if driver is not None and taken:
             left = await asyncio.to_thread(cuda.bring_back, driver, taken)
@@ -143,7 +144,8 @@ async def spawn_copy(spec: eng.SpawnSpec, generation: int, now: float, cfg: Engi
                                recent_lines=deque(maxlen=keep_lines), outputs=(out, err),
                                scratch=scratch,
                                # (what its warm-up built, it has: its proof asks none)
-                               warmed=warmup.Warmed() if r.warmed else None)
+                               warmed=warmup.Warmed() if r.warmed else None,
+                               vllm_version=r.vllm_version)
     try:
         engine.known = await asyncio.to_thread(proctree.snapshot_tree, copy.root)
     except OSError as exc:  # (it runs: never lose it; the watch's first look fills this)
