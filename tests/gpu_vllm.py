@@ -80,6 +80,9 @@ standby at 0.28 (both fit awake: the engine starts first, the standby beside it,
 with it `continue` waits for "protected again" before the fault and times the fault to it.
 
 PROXY_WORKERS=N: `start` runs the proxy over N processes (tests/gpu_plane.py measures it).
+SPY=1: each KV reset of `kv-reset-streams` and `cost-kvreset-N` is recorded by py-spy in
+the engine's API server and core for 8 s (`tests/gpu_spy.py`; WORK/spy-*.txt, the top
+stacks in the reset's row).
 Environment: SUP_SITE (the supervisor's --target site), VLLM_SITE (vLLM's, kept apart:
 vLLM's dependencies bring the PyPI package `supervisor`), MODEL (the staged model), OUT
 (where results go). Each phase prints `RESULT {json}` and appends it to
@@ -125,7 +128,7 @@ sys.path.append(str(ROOT))
 
 import supervisor  # noqa: E402
 from supervisor.control.client import call  # noqa: E402
-from tests import gpu_waits  # noqa: E402
+from tests import gpu_spy, gpu_waits  # noqa: E402
 from tests.gpu_shapes import make_m8b  # noqa: E402
 from tests.harness import write_config  # noqa: E402
 
@@ -201,6 +204,15 @@ def running(pid: int) -> bool:
         return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return False
+
+
+def spy(name: str) -> list[Any]:
+    """With SPY=1, py-spy records the serving engine's API server and core for
+    `gpu_spy.SPY_S` seconds from now (`gpu_spy.finish` sums them up); else nothing."""
+    exe = shutil.which("py-spy") or str(Path(SUP_SITE) / "bin" / "py-spy")
+    if os.environ.get("SPY") != "1" or not Path(exe).exists():
+        return []
+    return gpu_spy.start(exe, gpu_spy.targets(engine_tree(status()["pid"])), WORK, name)
 
 
 def core_of(pid: int) -> Any:
@@ -1428,6 +1440,7 @@ def phase_kv_reset_streams(conc: int = 256, prompts: int = 3000, resets: int = 3
     before = exporter_series("vllm_supervisor_proxy_continuations_total")
     waits_before = exporter_series(gpu_waits.SERIES)
     runs: list[dict[str, Any]] = []
+    spied: list[list[Any]] = []
     marks: dict[str, float] = {}
 
     def resets_during() -> None:
@@ -1443,6 +1456,7 @@ def phase_kv_reset_streams(conc: int = 256, prompts: int = 3000, resets: int = 3
             running = engine_running()
             t0 = time.monotonic()
             marks.setdefault("first", t0)
+            spying = spy(f"{tag}-{i}")
             r = ctl("kv-reset")
             wall = time.monotonic() - t0
             # (the KV resets' own entries: a policy remedy meanwhile is not one of them)
@@ -1457,8 +1471,12 @@ def phase_kv_reset_streams(conc: int = 256, prompts: int = 3000, resets: int = 3
                 row.update({k: ev[i].get(k) for k in ("outcome", "duration_s", "steps_s",
                                                       "held", "error", "idle_counts")})
             runs.append(row)
+            spied.append(spying)
             time.sleep(3.0)
         marks["done"] = time.monotonic()
+        for row, spying in zip(runs, spied, strict=True):
+            if spying:  # (SPY=1: where the API server and the core spent the reset)
+                row["spy"] = gpu_spy.finish(spying)
 
     watcher = threading.Thread(target=resets_during, daemon=True)
     watcher.start()
