@@ -47,7 +47,8 @@ script a fault:
   --vllm-version V      says "vLLM API server version V" as it starts and serves GET
                         /version; from 0.26 its sleep is vLLM's since then (`mode=abort`,
                         the default): the requests at it aborted (a stream ended with
-                        finish_reason "abort", each counted in <pidfile dir>/aborts) and
+                        finish_reason "abort", each counted in <pidfile dir>/sleep-aborts
+                        and /aborts) and
                         completions arriving while it sleeps queued until its wake,
                         instead of the 503
   --wake-fails          POST /wake_up answers 500 (and the engine stays asleep)

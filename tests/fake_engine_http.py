@@ -167,6 +167,8 @@ class FakeServer(http.server.ThreadingHTTPServer):
 class Handler(http.server.BaseHTTPRequestHandler):
     """vLLM's routes, as the fake engine answers them."""
 
+    began = 0  # the engine's sleeps when its completion was let in (one since: aborted)
+
     @property
     def engine(self) -> FakeEngine:
         return cast(FakeServer, self.server).engine
@@ -257,14 +259,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 "message": f"The model `{req['model']}` does not exist.",
                 "type": "NotFoundError", "code": 404}}).encode(), 404
         elif generate:
-            while not e.awake.wait(0.05) and not e.stopping.is_set():
-                pass  # (vLLM 0.26+ queues what arrives while it sleeps)
             if req.get("priority"):
                 e.log("INFO", f"request priority {req['priority']}")  # (a whole line)
-            with e.lock:
-                e.running[0] += 1
-                peak = max(e.running[1], e.running[0])
-                e.running[1] = peak
+            while True:  # (vLLM 0.26+ queues what arrives while it sleeps)
+                with e.lock:
+                    if e.awake.is_set() or e.stopping.is_set():
+                        e.running[0] += 1
+                        peak = max(e.running[1], e.running[0])
+                        e.running[1] = peak
+                        self.began = e.sleeps  # (a sleep from now on aborts it)
+                        break
+                e.awake.wait(0.05)
             if e.pidfile:
                 with open(os.path.join(os.path.dirname(e.pidfile), "max-running"), "w") as f:
                     f.write(str(peak))
@@ -369,7 +374,6 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         with e.lock:
             e.streams.add(me)
-            began = e.sleeps
 
         def send(doc: dict[str, Any]) -> None:
             self.wfile.write(f"data: {json.dumps(doc)}\n\n".encode())
@@ -387,7 +391,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
             e.prefill(prompt)
             time.sleep(e.a.first_token_delay)
             for i in range(tokens):
-                if e.sleep_aborts and e.sleeps != began:  # (aborted by a sleep, as vLLM)
+                if e.sleep_aborts and e.sleeps != self.began:  # (a sleep aborted it)
+                    if e.pidfile:
+                        with open(os.path.join(os.path.dirname(e.pidfile), "sleep-aborts"),
+                                  "a") as f:
+                            f.write("1\n")
                     send({**head, "choices": [{"index": 0, "text": "", "logprobs": None,
                                                "finish_reason": "abort"}]})
                     self.wfile.write(b"data: [DONE]\n\n")

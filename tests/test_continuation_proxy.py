@@ -506,7 +506,7 @@ def test_a_kv_reset_of_an_engine_whose_sleep_aborts_does_not_wait_for_its_count(
     # (the drain's bound shorter than the streams: they are paused)
     cfg, d = sleep_mode_daemon(daemon_factory, tmp_path, 2.0, "--token-delay", "0.15",
                                "--vllm-version", "0.26.0")
-    n = 20
+    n = 60  # 9 s a stream: paused, however late the reset comes
     ev = kv_reset_under_streams(d, cfg, [comp(prompt=f"abort {i}", max_tokens=n)
                                          for i in range(4)], n)
     assert list(ev["steps_s"]) == ["drain", "sleep", "wake_up", "canary"], ev
@@ -517,6 +517,8 @@ def test_a_kv_reset_of_an_engine_whose_sleep_aborts_does_not_wait_for_its_count(
     # the requests the sleep met (the warm-up's sleep met none) were aborted by it
     met = [int(x) for x in (tmp_path / "sleeps").read_text().split()]
     assert met[0] == 0 and len(met) == 2, met
+    aborted = tmp_path / "sleep-aborts"  # (each one the sleep met, at its next token)
+    assert (len(aborted.read_text().split()) if aborted.exists() else 0) == met[1], met
     assert paused_streams(d)[0] == 4
     print("kv reset of a 0.26 engine under 4 streams:", json.dumps(
         {"duration_s": ev["duration_s"], "steps_s": ev["steps_s"], "sleep_met": met[1]}))

@@ -230,8 +230,8 @@ async def wait_engine_idle(client: httpx.AsyncClient, metrics_url: str,
                            timeout_s: float, trace: IdleTrace | None = None) -> str | None:
     """Wait, up to `timeout_s`, until the engine's own count of its requests reads 0:
     a request leaves the proxy (paused, its connection closed) before vLLM aborts it,
-    and a sleep must not meet it (vLLM 0.32's /sleep aborts it, its `mode` defaulting to
-    "abort"; a request that meets a sleeping engine can crash or hang it). None once it
+    and before vLLM 0.26 a sleep must not meet it (a request that meets a sleeping
+    engine can crash or hang it; from 0.26 the sleep aborts it: `sleep_aborts`). None once it
     reads 0, or at once when the engine publishes no count (nothing to wait on); else
     what it read last. Each count read goes to `trace`."""
     deadline = time.monotonic() + timeout_s
@@ -252,8 +252,11 @@ async def wait_engine_idle(client: httpx.AsyncClient, metrics_url: str,
 
 
 # the first vLLM whose sleep pauses its scheduler before it sleeps (`mode=abort`, the
-# default: every request at the engine aborted, new ones queued until the wake; read in
-# the 0.26.0 wheel's vllm/v1/engine/core.py, `EngineCore.sleep` and `pause_scheduler`)
+# default: every request at the engine aborted, new ones queued until the wake), and
+# puts its executor to sleep only once no step is left in flight (`EngineCoreProc`'s
+# pause completes when `has_work()` is false, its batch queue included: no batch on the
+# GPU while its memory is unmapped); read in the 0.26.0 wheel's vllm/v1/engine/core.py,
+# `EngineCore.sleep`, `EngineCoreProc.pause_scheduler` and `_pause_complete`
 SLEEP_ABORTS_FROM = (0, 26)
 VERSION_TIMEOUT_S = 2.0
 # what a front end answers a sleep whose `mode` it does not take (FastAPI's validation
@@ -298,7 +301,7 @@ async def kv_reset(client: httpx.AsyncClient, base_url: str, model: str | None,
     (HTTP 400 or 422: the engine untouched) is asked again the older way, step
     `sleep_mode_refused` beside the others."""
     steps: dict[str, float] = {}
-    t = time.monotonic()
+    t0 = time.monotonic()
     counts = None
     version = version or await engine_version(client, base_url, VERSION_TIMEOUT_S)
     if sleep_aborts(version):
@@ -309,11 +312,11 @@ async def kv_reset(client: httpx.AsyncClient, base_url: str, model: str | None,
         # its sleep refused the mode (a front end that takes no `mode`), the engine
         # untouched: the wait, then the plain sleep, as for an older vLLM
         steps = {"sleep_mode_refused": steps["sleep"]}
-        t = time.monotonic()
     if metrics_url is not None:
-        trace = IdleTrace()
-        busy = await wait_engine_idle(client, metrics_url,
-                                      max(idle_within_s, ENGINE_IDLE_MIN_S), trace)
+        t = time.monotonic()
+        trace = IdleTrace()  # (within what the drain left, less what was spent here)
+        busy = await wait_engine_idle(client, metrics_url, round(max(
+            idle_within_s - (t - t0), ENGINE_IDLE_MIN_S), 2), trace)
         steps["engine_idle"] = time.monotonic() - t
         counts = tuple(trace.points)
         if busy is not None:

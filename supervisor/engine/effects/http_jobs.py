@@ -309,6 +309,8 @@ class HttpJobs:
                             else None, idle_within_s=cfg.drain_timeout_s - waited,
                             version=engine.vllm_version))
                         outcome = dataclasses.replace(outcome, vllm_s=took)
+                        # (a copy's, read from its /version: not asked again)
+                        engine.vllm_version = engine.vllm_version or outcome.vllm_version
                         if outcome.ok and c.golden:  # (right after its wake, not just alive)
                             answers = await self.probes.golden_unlocked(client, engine)
                     finally:

@@ -235,7 +235,8 @@ class EngineProcess:
     phase: str | None = None
     phase_since: float | None = None
     phases: list[tuple[str, float]] = field(default_factory=list)  # (phase, s after spawn)
-    vllm_version: str | None = None  # as its first lines say
+    # as its first lines say (a copy: its images', else its /version at its first KV reset)
+    vllm_version: str | None = None
     kv_tokens: int | None = None  # its KV cache in tokens, as its core said at its start
     # while it starts: when a line of its said that its core failed to start, and that line
     boot_failed_at: float | None = None  # monotonic
