@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
+from supervisor.ops import vllm_versions
 from supervisor.ops.descriptors import OutOfDescriptors, exhausted
 from supervisor.watchdog import canary
 from supervisor.watchdog.metrics import SleepOps
@@ -262,15 +262,13 @@ VERSION_TIMEOUT_S = 2.0
 # what a front end answers a sleep whose `mode` it does not take (FastAPI's validation
 # error, a plain bad request): the engine was not touched
 SLEEP_MODE_REFUSED = (400, 422)
-_RELEASE = re.compile(r"v?(?P<major>\d+)\.(?P<minor>\d+)")
 
 
 def sleep_aborts(version: str | None) -> bool:
     """Whether a vLLM of this version aborts the requests at it when told to sleep (and
     queues new ones until it wakes): then nothing needs to leave it before its sleep. An
     unknown or unreadable version: no."""
-    m = _RELEASE.match(version or "")
-    return m is not None and (int(m["major"]), int(m["minor"])) >= SLEEP_ABORTS_FROM
+    return vllm_versions.at_least(version, SLEEP_ABORTS_FROM)
 
 
 async def engine_version(client: httpx.AsyncClient, base_url: str,

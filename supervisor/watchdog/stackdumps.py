@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from supervisor.ops import vllm_versions
 from supervisor.watchdog.conditions import parse_condition
 from supervisor.watchdog.rules import RuleConfig
 from supervisor.watchdog.signals import SIGNAL_NAMES
@@ -56,8 +57,7 @@ _TAKES_DOWN = ("restart", "restart_now", "hold_down")
 def has_watchdog(version: str | None) -> bool:
     """Whether vLLM `version` (as installed: `0.33.0`, `0.33.1rc1`, `0.34.0+cu130`) takes
     `--watchdog-config`. Unknown: no (an older vLLM would refuse to start with it)."""
-    m = re.match(r"(\d+)\.(\d+)", version or "")
-    return m is not None and (int(m.group(1)), int(m.group(2))) >= FIRST_VERSION
+    return vllm_versions.at_least(version, FIRST_VERSION)
 
 
 def operator_config(argv: Sequence[str]) -> dict[str, Any] | None:
