@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.gpu_vllm import PROXY, WORK, bench, events, phase_start, result, status, wait
+from tests.gpu_daemon import PROXY, WORK, events, result, status, wait
+from tests.gpu_load import bench
+from tests.gpu_start import phase_start
 
 OUT_TOKENS = 256  # bench()'s --random-output-len
 CACHES = ("/tmp/torchinductor_root", "~/.triton", "~/.cache/flashinfer", "~/.cache/vllm",

@@ -53,10 +53,10 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-# (both import tests.gpu_vllm, which puts the installed wheel before the checkout on
+# (both import tests.gpu_daemon, which puts the installed wheel before the checkout on
 # sys.path, before anything here imports supervisor)
-from tests import gpu_plane, gpu_vllm
-from tests.gpu_vllm import (
+from tests import gpu_load, gpu_plane
+from tests.gpu_daemon import (
     EXPORTER,
     MODEL,
     PROXY,
@@ -66,7 +66,6 @@ from tests.gpu_vllm import (
     WORK,
     call,
     core_of,
-    cost_row,
     ctl,
     engine_tree,
     result,
@@ -74,6 +73,7 @@ from tests.gpu_vllm import (
     running_at,
     wait,
 )
+from tests.gpu_load import cost_row
 
 LAYOUT = [int(x) for x in os.environ.get("LAYOUT", "1,1,1,1").split(",")]
 INPUT_LEN = int(os.environ.get("INPUT_LEN", "1024"))
@@ -104,7 +104,7 @@ def host_status() -> dict[str, dict[str, Any]]:
 
 
 def armed(st: dict[str, Any]) -> bool:
-    """One engine serving and protected (gpu_vllm.protected_again, for one engine of many)."""
+    """One engine serving and protected (gpu_daemon.protected_again, for one engine of many)."""
     sb = st.get("standby") or {}
     return bool(st.get("state") == "RUNNING" and sb.get("state") == "ready"
                 and sb.get("protected") and not sb.get("thin_serves")
@@ -320,7 +320,7 @@ def addr_of(st: dict[str, Any]) -> str:
 def bench(base: str, model: str, prompts: int, tag: str) -> dict[str, Any]:
     """vLLM's own benchmark client at 128 streams of INPUT_LEN random tokens and 256 out,
     against one model; its saved detailed JSON (its output in WORK/TAG.log)."""
-    return gpu_vllm.bench(base, CONC, prompts, tag, detailed=True, timeout=900,
+    return gpu_load.bench(base, CONC, prompts, tag, detailed=True, timeout=900,
                           input_len=INPUT_LEN, model=model, tokenizer=TOKENIZER,
                           python=BENCH_PYTHON, env=dict(os.environ) if DRY else None)
 

@@ -26,17 +26,8 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.gpu_vllm import (
-    PROXY,
-    ROOT,
-    SUP_SITE,
-    WORK,
-    bench,
-    engine_addr,
-    result,
-    status,
-    wait,
-)
+from tests.gpu_daemon import PROXY, ROOT, SUP_SITE, WORK, engine_addr, result, status, wait
+from tests.gpu_load import bench
 
 
 def front_procs(daemon_pid: int) -> list[psutil.Process]:
