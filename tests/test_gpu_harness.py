@@ -24,7 +24,7 @@ def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_each_harness_script_imports_as_the_gpu_machine_runs_it(tmp_path: Path) -> None:
-    code = ("import sys; sys.path.insert(0, %r)\n" % str(ROOT)
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
             + "".join(f"import tests.{m}\n" for m in SCRIPTS)
             + "import supervisor; print(supervisor.__file__)")
     r = _run(["-c", code], tmp_path)
