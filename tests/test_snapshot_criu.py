@@ -353,8 +353,9 @@ def test_images_are_kept_for_a_restarted_daemon_only_within_one_boot(tmp_path: P
     (tmp_path / criu.MANIFEST).write_text(json.dumps(manifest))
     assert criu.kept(tmp_path) == criu.Kept(made, 8101)
     (tmp_path / criu.MANIFEST).write_text(json.dumps({**manifest, "warmed": True,
-                                                      "vllm_version": "0.26.0"}))
-    assert criu.kept(tmp_path) == criu.Kept(made, 8101, True, "0.26.0")
+                                                      "vllm_version": "0.26.0",
+                                                      "weights_bytes": 16_653_909_279}))
+    assert criu.kept(tmp_path) == criu.Kept(made, 8101, True, "0.26.0", 16_653_909_279)
     (tmp_path / criu.MANIFEST).write_text(json.dumps({**manifest, "boot": "another boot"}))
     assert criu.kept(tmp_path) is None  # (the driver, the kernel, the GPU may differ)
     (tmp_path / criu.MANIFEST).write_text(json.dumps({**manifest, "port": 0}))

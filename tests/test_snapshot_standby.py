@@ -43,7 +43,8 @@ def audit(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 def test_the_standby_is_a_copy_of_its_images_before_and_after_a_failover(daemon_factory,
                                                                           tmp_path):
     carried()  # (CRIU set up here)
-    cfg = snapshot_config(tmp_path, str(CRIU), "--vllm-version", "0.26.0")
+    cfg = snapshot_config(tmp_path, str(CRIU), "--vllm-version", "0.26.0",
+                          "--weights-gib", "2")
     d = daemon_factory(cfg)
     d.wait_state("RUNNING")
     wait_for(lambda: standby_ready(d), 60, "the standby ready")
@@ -80,6 +81,7 @@ def test_the_standby_is_a_copy_of_its_images_before_and_after_a_failover(daemon_
     # a copy prints no start lines: it knows its vLLM from its images, and a KV reset
     # of it sleeps it at once (0.26+), asking the engine nothing about its version
     assert manifest["vllm_version"] == "0.26.0"
+    assert manifest["weights_bytes"] == 2 * 2**30  # (as its sleep said: an early wake's)
     r = d.ctl("kv-reset", timeout=60)
     assert r.returncode == 0 and "KV reset ok" in r.stdout, (r.stdout, r.stderr)
     reset = [e for e in audit(cfg) if e["event"] == "remedy"][-1]

@@ -146,7 +146,7 @@ class EngineUnit(UnitState):
                      images=images, why=why)
             return
         standby.adopt(found.made_of, found.port, images, found.warmed,
-                      found.vllm_version)
+                      found.vllm_version, found.weights_bytes)
 
     def handle(self, event: Event) -> None:
         """One event, by its `handle_<name>` method (the standby's engine's, by the

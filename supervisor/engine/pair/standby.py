@@ -101,6 +101,7 @@ class Standby:
         self.adopted = False
         self.image_warmed = False  # the dumped engine's client paths were warmed
         self.image_version: str | None = None  # the dumped engine's vLLM (None: unknown)
+        self.image_weights: int | None = None  # ... its weights' backup (None: unknown)
 
     def learned(self, engine: eng.EngineProcess) -> str | None:
         """An engine of this unit (either role) was probed at its start: whether engines
@@ -157,13 +158,13 @@ class Standby:
         return self.slot.thin
 
     def adopt(self, made: dict[str, str], port: int, images: str, warmed: bool,
-              vllm_version: str | None = None) -> None:
+              vllm_version: str | None = None, weights_bytes: int | None = None) -> None:
         """Images an earlier run of the daemon left in this boot of the host
         (`criu.kept`): a copy of them is the first standby when they are of what a
         start would run (`restorable`), with no vLLM start and no dump."""
         self.image, self.image_port, self.adopted = made, port, True
         self.image_warmed = warmed
-        self.image_version = vllm_version
+        self.image_version, self.image_weights = vllm_version, weights_bytes
         log.info("standby images kept from an earlier run", images=images)
         self._audit("standby_images_kept", images=images)
 
@@ -179,7 +180,7 @@ class Standby:
             return spec
         return replace(spec, restore=eng.Restore(
             eng.snapshot_images(cfg.snapshot_dir), cfg.criu, spec.env.get("VLLM_RPC_BASE_PATH"),
-            self.image_port, self.image_warmed, self.image_version))
+            self.image_port, self.image_warmed, self.image_version, self.image_weights))
 
     def start(self, spec: eng.SpawnSpec, cfg: EngineConfig, mode: str) -> list[do.Step]:
         self._to(Role.STARTING)
@@ -412,7 +413,7 @@ class Standby:
             # (what it was made of: the dumped engine's own spawn)
             self.image, self.next_now, self.image_port = made_of(e.spec), True, e.spec.port
             self.adopted, self.image_warmed = False, e.warmed is not None
-            self.image_version = e.vllm_version
+            self.image_version, self.image_weights = e.vllm_version, e.weights_bytes
             images = eng.snapshot_images(e.config.snapshot_dir)
             log.info("standby kept as images", pid=e.pid, seconds=dumped_s, images=images)
             self._audit("standby_dumped", pid=e.pid, seconds=dumped_s, images=images)

@@ -121,6 +121,20 @@ def boot_failure_of(message: str) -> bool:
     return _BOOT_FAILED.search(message) is not None
 
 
+# its weights' backup in host memory at a level-1 sleep, as vLLM's allocator says it
+# ("CuMemAllocator: sleep freed 23.86 GiB memory in total, of which 15.51 GiB is backed up
+# in CPU and the rest 8.35 GiB is discarded directly.": vLLM 0.26, 0.32 and 0.33; each
+# tensor-parallel worker says its own): what a wake of its weights alone needs on a GPU
+_BACKED_UP = re.compile(r"CuMemAllocator: sleep freed .* of which (?P<gib>\d+(?:\.\d+)?) GiB"
+                        r" is backed up in CPU")
+
+
+def weights_backup_of(message: str) -> int | None:
+    """The bytes of weights a sleep line of the engine's says it backed up, if it says."""
+    m = _BACKED_UP.search(message)
+    return int(float(m["gib"]) * 2**30) if m else None
+
+
 def weights_of(message: str) -> str | None:
     """Where an engine started on a weight cache says its weights came from: "cache:
     ..." or "disk: ..." (the line itself), None when this line does not say."""

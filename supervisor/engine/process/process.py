@@ -33,6 +33,7 @@ from supervisor.engine.process.enginelog import (
     parse_engine_line,
     phase_of,
     route_of,
+    weights_backup_of,
     weights_of,
 )
 from supervisor.engine.snapshot import no_io_uring
@@ -117,6 +118,7 @@ class Restore:
     # the dumped engine's vLLM version, as its start lines said (a copy prints none):
     # each copy's, for what depends on it (a KV reset's sleep); None: unknown
     vllm_version: str | None = None
+    weights_bytes: int | None = None  # ... and its weights' backup, as its sleep said
 
 
 @dataclass(frozen=True)
@@ -238,6 +240,9 @@ class EngineProcess:
     # as its first lines say (a copy: its images', else its /version at its first KV reset)
     vllm_version: str | None = None
     kv_tokens: int | None = None  # its KV cache in tokens, as its core said at its start
+    # its weights on one GPU, as its sleeps say (a copy: its images'): what a wake of its
+    # weights alone needs free there; None: it has not slept
+    weights_bytes: int | None = None
     # while it starts: when a line of its said that its core failed to start, and that line
     boot_failed_at: float | None = None  # monotonic
     boot_failure: str | None = None
@@ -378,6 +383,9 @@ async def relay_output(engine: EngineProcess, stream: asyncio.StreamReader, name
             routes.clear()
         log.log(level, line.message, source=engine.source, stream=name,
                 generation=engine.generation, **fields)
+        backup = weights_backup_of(line.message)
+        if backup is not None:  # (each worker of a TP engine says its own: the largest)
+            engine.weights_bytes = max(backup, engine.weights_bytes or 0)
         if engine.healthy_at is None:
             if engine.boot_failed_at is None:  # (the traceback after it names no phase)
                 _note_phase(engine, phase_of(line.message))

@@ -81,7 +81,8 @@ async def dump_engine(engine: eng.EngineProcess, snapshot: eng.Restore,
                                pipes=engine.pipes, within_s=within_s, made=made,
                                gpu=taken, port=engine.spec.port,
                                warmed=engine.warmed is not None,
-                               vllm_version=engine.vllm_version)
+                               vllm_version=engine.vllm_version,
+                               weights_bytes=engine.weights_bytes)
     except BaseException:
         if driver is not None and taken:
             left = await asyncio.to_thread(cuda.bring_back, driver, taken)
@@ -145,7 +146,7 @@ async def spawn_copy(spec: eng.SpawnSpec, generation: int, now: float, cfg: Engi
                                scratch=scratch,
                                # (what its warm-up built, it has: its proof asks none)
                                warmed=warmup.Warmed() if r.warmed else None,
-                               vllm_version=r.vllm_version)
+                               vllm_version=r.vllm_version, weights_bytes=r.weights_bytes)
     try:
         engine.known = await asyncio.to_thread(proctree.snapshot_tree, copy.root)
     except OSError as exc:  # (it runs: never lose it; the watch's first look fills this)

@@ -265,7 +265,7 @@ async def made_of(images: Path) -> dict[str, str] | None:
 async def dump(criu: Criu, pid: int, images: Path, pipes: tuple[int, ...] = (),
                within_s: float = 600.0, made: Mapping[str, str] | None = None,
                gpu: Sequence[int] = (), port: int = 0, warmed: bool = False,
-               vllm_version: str | None = None) -> float:
+               vllm_version: str | None = None, weights_bytes: int | None = None) -> float:
     """The tree rooted at `pid` dumped into `images` (made empty first), with the files
     in /dev/shm it uses as they were at the dump; then the tree is killed. `pipes`: the
     inodes of the pipes it writes to whose other end is the daemon's, given to each copy
@@ -273,7 +273,8 @@ async def dump(criu: Criu, pid: int, images: Path, pipes: tuple[int, ...] = (),
     `gpu`, its processes whose GPU state was taken off (`cuda.take_off`), which each copy
     brings back (`Copy.gpu`: the same processes in the copy); `port`, the one it listens
     on (each copy's, inside its namespace); `warmed`, its client paths were warmed (each
-    copy carries what that built); `vllm_version`, its vLLM's, as its start lines said.
+    copy carries what that built); `vllm_version`, its vLLM's, as its start lines said;
+    `weights_bytes`, its weights' backup, as its sleep said.
     The manifest also says which boot of the host made them (`kept`).
     Seconds taken; SnapshotError with CRIU's last lines, the tree running on (what
     becomes of it is the caller's)."""
@@ -305,6 +306,7 @@ async def dump(criu: Criu, pid: int, images: Path, pipes: tuple[int, ...] = (),
                                         "made_of": dict(made or {}), "gpu": list(gpu),
                                         "port": port, "warmed": warmed,
                                         "vllm_version": vllm_version,
+                                        "weights_bytes": weights_bytes,
                                         "boot": _boot_id()}))
     return round(time.monotonic() - t0, 3)
 
@@ -319,12 +321,14 @@ def _boot_id() -> str:
 @dataclass(frozen=True)
 class Kept:
     """Images an earlier run of the daemon left: what the dumped engine was made of, the
-    port it listened on, whether its client paths were warmed, its vLLM's version."""
+    port it listened on, whether its client paths were warmed, its vLLM's version, its
+    weights' backup."""
 
     made_of: dict[str, str]
     port: int
     warmed: bool = False
     vllm_version: str | None = None
+    weights_bytes: int | None = None
 
 
 def kept(images: Path) -> Kept | None:
@@ -339,9 +343,10 @@ def kept(images: Path) -> Kept | None:
         return None
     if not boot or boot != _boot_id() or not isinstance(made, dict) or not port:
         return None
-    version = manifest.get("vllm_version")
+    version, weights = manifest.get("vllm_version"), manifest.get("weights_bytes")
     return Kept({str(k): str(v) for k, v in made.items()}, port,
-                bool(manifest.get("warmed")), version if isinstance(version, str) else None)
+                bool(manifest.get("warmed")), version if isinstance(version, str) else None,
+                weights if isinstance(weights, int) and weights > 0 else None)
 
 
 class Copy:
