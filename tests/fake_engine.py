@@ -52,6 +52,10 @@ script a fault:
                         completions arriving while it sleeps queued until its wake,
                         instead of the 503
   --wake-fails          POST /wake_up answers 500 (and the engine stays asleep)
+                        (`POST /wake_up?tags=weights` wakes that memory alone, as vLLM's:
+                        it sleeps on until `tags=kv_cache`; each wake's tags, or "all",
+                        appended to <pidfile dir>/wakes)
+  --weights-gib G       each sleep says, as vLLM's allocator does, that it backed up G GiB
   --dev-routes LIST     which of vLLM's development routes it serves with
                         VLLM_SERVER_DEV_MODE=1 (comma-separated paths; default "all":
                         /reset_prefix_cache, /sleep, /wake_up, /is_sleeping,
@@ -196,6 +200,7 @@ def main() -> None:
     p.add_argument("--vllm-version", default=None)
     p.add_argument("--dev-routes", default="all")
     p.add_argument("--first-sleep-delay", type=float, default=0)
+    p.add_argument("--weights-gib", type=float, default=0)  # each sleep says it backed up
     p.add_argument("--logprobs", action="store_true")  # answers them (a greedy golden)
     p.add_argument("--first-logprobs-s", type=float, default=0)  # the first such request
     p.add_argument("--first-logprobs-idle", action="store_true")  # ... waits, burns nothing

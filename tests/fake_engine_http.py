@@ -46,6 +46,9 @@ class FakeEngine:
         self.asleep = threading.Event()
         self.awake = threading.Event()  # (asleep's opposite: what queued requests wait on)
         self.awake.set()
+        # what a sleep put to sleep and no wake has brought back yet (vLLM's allocator
+        # tags: a wake may ask for some, `/wake_up?tags=weights`; it is awake once none)
+        self.asleep_tags: set[str] = set()
         # vLLM 0.26+: a sleep aborts what is at the engine and queues new requests
         m = re.match(r"(\d+)\.(\d+)", a.vllm_version or "")
         self.sleep_aborts = m is not None and (int(m[1]), int(m[2])) >= (0, 26)
@@ -326,9 +329,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
                     e.slept_once.set()
                     time.sleep(e.a.first_sleep_delay)
                 time.sleep(0.02)  # (vLLM's own sleep takes its time, too)
+            with e.lock:
+                e.asleep_tags = {"weights", "kv_cache"}
             e.asleep.set()
+            if e.a.weights_gib:  # (vLLM's allocator says what it backed up: its weights)
+                e.log("INFO", f"CuMemAllocator: sleep freed {e.a.weights_gib + 1:.2f} GiB "
+                      f"memory in total, of which {e.a.weights_gib:.2f} GiB is backed up in "
+                      "CPU and the rest 1.00 GiB is discarded directly.", tag="EngineCore_DP0")
             body, code = b"", 200
-        elif self.path == "/wake_up" and e.sleep_mode and "/wake_up" in e.dev:
+        elif (self.path == "/wake_up" or self.path.startswith("/wake_up?tags=")) \
+                and e.sleep_mode and "/wake_up" in e.dev:
+            tags = [t.removeprefix("tags=") for t in self.path.partition("?")[2].split("&")
+                    if t]
+            if e.pidfile:  # (each wake asked, in order: which memory it asked back)
+                with open(os.path.join(os.path.dirname(e.pidfile), "wakes"), "a") as f:
+                    f.write(f"{','.join(tags) or 'all'}\n")
             fault = ""
             if e.a.wake_fault_file and os.path.exists(e.a.wake_fault_file):
                 with open(e.a.wake_fault_file) as f:
@@ -336,7 +351,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
             fails = e.a.wake_fails or fault == "fail"
             with e.sleep_metrics.record("wake"):
                 time.sleep(0.01)
-            if not fails:
+            with e.lock:
+                if not fails:
+                    e.asleep_tags -= set(tags) if tags else e.asleep_tags
+                awake = not fails and not e.asleep_tags
+            if awake:
                 e.asleep.clear()
                 e.awake.set()
                 if e.a.wrong_after_wake or fault == "wrong":

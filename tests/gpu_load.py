@@ -220,7 +220,8 @@ def quantiles(xs: list[float]) -> dict[str, float] | None:
             "max": xs[-1]}
 
 
-HANDOVER_EVENTS = ("core_exit", "failover", "standby_woken", "failover_done",
+HANDOVER_EVENTS = ("core_exit", "failover", "standby_weights_woken", "standby_woken",
+                   "failover_done",
                    "failover_failed", "drained", "take_down", "reaped", "remedy",
                    # an asymmetric pair's re-arm: a full-size engine spawned, ready, the
                    # swap back to it (an upgrade), the thin one asleep again
@@ -244,9 +245,14 @@ def handover_times(audit: list[dict[str, Any]]) -> dict[str, Any]:
     fo = first.get("failover")
     if fo is not None:
         out["failover_at"] = fo["time"]
-        for name in ("standby_woken", "failover_done", "take_down", "reaped"):
+        out["weights_early"] = bool(fo.get("weights_early"))
+        for name in ("standby_weights_woken", "standby_woken", "failover_done", "take_down",
+                     "reaped"):
             if name in first:
                 out[f"{name}_after_failover_s"] = round(at(first[name]) - at(fo), 3)
+    if "standby_weights_woken" in first:  # (the weights alone, while the old engine went)
+        w = first["standby_weights_woken"]
+        out["weights_wake_s"], out["weights_wake_vllm_s"] = w.get("seconds"), w.get("vllm_s")
     if "standby_woken" in first:
         out["wake_s"] = first["standby_woken"].get("seconds")
     if "failover_done" in first:

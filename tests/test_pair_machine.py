@@ -64,6 +64,7 @@ from supervisor.engine.events import (
     Event,
     Exited,
     GateProbe,
+    GpuSampled,
     HealthResult,
     Reloaded,
     Slept,
@@ -76,6 +77,8 @@ from supervisor.engine.process.takedown import TakeDown
 from supervisor.front.admission import Gate, Ticket
 from supervisor.settings.config import parse_config
 from supervisor.settings.engine_checks import THIN_PAIR_MAX
+from supervisor.watchdog.gpu import GpuReading
+from supervisor.watchdog.remedy import REST, WEIGHTS
 from tests.test_supervisor_unit import FakeTimer, World
 
 SLEEP_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
@@ -98,10 +101,19 @@ CARD = THIN_PAIR_MAX  # what an asymmetric pair's engines awake on one card may 
 
 
 def share_of(argv: list[str] | tuple[str, ...]) -> float:
-    """An engine's --gpu-memory-utilization (the last one given)."""
+    """An engine's --gpu-memory-utilization (the last one given; vLLM's 0.9 if none)."""
     args = list(argv)
+    if "--gpu-memory-utilization" not in args:
+        return 0.9
     at = len(args) - 1 - args[::-1].index("--gpu-memory-utilization")
     return float(args[at + 1])
+
+
+# the card's memory as NVML reads it (`gpu_reads`): an engine holds its share once healthy
+# (half of it while it starts), a sleeping one ASLEEP (and its weights, once woken alone)
+GIB = 2**30
+CARD_BYTES = 80 * GIB
+ASLEEP_BYTES = GIB
 BACKOFF_MAX_S = 8.0  # World's restart.backoff_max_s
 DEADLINE_MAX_S = 10_000.0  # far above any stop budget of World's config
 ANSWERS_TO_REST = 300  # answers fed to bring the pair to rest at the end of a run
@@ -143,6 +155,7 @@ class Proc:
     answered: bool = False  # a proof fed since its last health or wake
     proven: bool = False  # ... an ok one
     ever_proven: bool = False
+    weights: bool = False  # asleep, its weights woken alone (`/wake_up?tags=weights`)
 
     @property
     def gen(self) -> int:
@@ -204,6 +217,7 @@ class PairMachine(RuleBasedStateMachine):
         self.known_seen: set[str] = set()
         self.crashed = False  # the unit raised a known bug's exception: the run ends
         self.event: Event | None = None  # the one being fed
+        self.weights_bytes = 4 * GIB  # each engine's, as its sleep says (`start` draws it)
 
     # ---- the world ----------------------------------------------------------------------
 
@@ -228,8 +242,20 @@ class PairMachine(RuleBasedStateMachine):
         """The card's share that engines hold now: each live one not asleep (or being
         woken), and each spawn under way."""
         held = [share_of(p.engine.spec.argv) for p in self.live
-                if not p.asleep or ("wake", p.gen) in self.pending]
+                if not p.asleep or ("wake", p.gen) in self.pending
+                or ("wake_rest", p.gen) in self.pending]
         return sum(held) + sum(share_of(d["spec"].argv) for d in self.spawns.values())
+
+    def card_used(self) -> int:
+        """The card's memory the engines hold now (every one whose tree is not gone)."""
+        used = 0
+        for p in self.live:
+            if p.asleep:
+                used += ASLEEP_BYTES + (self.weights_bytes if p.weights else 0)
+            else:
+                share = share_of(p.engine.spec.argv) * CARD_BYTES
+                used += int(share if p.healthy else share / 2)
+        return used
 
     def pending_of(self, *kinds: str) -> list[int]:
         return sorted({g for k, g in self.pending if k in kinds})
@@ -328,10 +354,16 @@ class PairMachine(RuleBasedStateMachine):
         elif isinstance(ev, Slept):
             self.pending.remove(("sleep", p.gen))
             p.asleep = p.asleep or ev.error is None
+            if ev.error is None:  # (its sleep's line says its weights: process.py)
+                p.engine.weights_bytes = self.weights_bytes
         elif isinstance(ev, Woken):
-            self.pending.remove(("wake", p.gen))
-            if ev.error is None:
+            kind = {WEIGHTS: "wake_weights", REST: "wake_rest"}.get(ev.tags, "wake")
+            self.pending.remove((kind, p.gen))
+            if ev.error is None and kind == "wake_weights":
+                p.weights = True
+            elif ev.error is None:
                 p.asleep, p.woken, p.answered, p.proven = False, True, False, False
+                p.weights = False
         elif isinstance(ev, Exited):
             p.exited, p.exit_code = True, ev.code
         elif isinstance(ev, CoreExited):
@@ -404,6 +436,17 @@ class PairMachine(RuleBasedStateMachine):
 
     def asked_wake(self, d: dict[str, Any]) -> None:
         p = self.proc(d)
+        tags = tuple(d.get("tags", ()))
+        if tags == WEIGHTS:  # (while the old engine's memory may be held still)
+            free = CARD_BYTES - self.card_used()
+            self.expect(p.alive and p.asleep and not p.weights, "wake_of_unready",
+                        lambda: f"weights wake asked of {p}: {self.describe()}")
+            self.expect(free >= self.weights_bytes, "weights_wake_past_the_card", lambda: (
+                f"weights of {self.weights_bytes} woken with {free} free: {self.describe()}"))
+            self.pending.append(("wake_weights", p.gen))
+            return
+        self.expect(tags != REST or p.weights, "rest_before_weights",
+                    lambda: f"the rest of {p} woken before its weights: {self.describe()}")
         if not (p.alive and p.asleep):
             ev = self.event
             overtaken = isinstance(ev, Down) and ev.generation != p.gen
@@ -415,7 +458,7 @@ class PairMachine(RuleBasedStateMachine):
         if not ROOM_BESIDE[self.mode] and p.alive:
             self.expect(self.live == [p] and not self.spawns, "wake_beside_no_room", lambda: (
                 f"a wake beside another engine, with no room for both: {self.describe()}"))
-        self.pending.append(("wake", p.gen))
+        self.pending.append(("wake_rest" if tags == REST else "wake", p.gen))
 
     def asked_take_down(self, d: dict[str, Any]) -> None:
         p = self.proc(d)
@@ -457,9 +500,10 @@ class PairMachine(RuleBasedStateMachine):
 
     # ---- the pair's shapes ----------------------------------------------------------
 
-    @initialize(mode=st.sampled_from(sorted(MODES)))
-    def start(self, mode: str) -> None:
-        self.mode = mode
+    @initialize(mode=st.sampled_from(sorted(MODES)), weights_gib=st.sampled_from([4, 8]))
+    def start(self, mode: str, weights_gib: int) -> None:
+        # (4 GiB fit beside a 0.9 engine and a sleeping one on the card, 8 do not)
+        self.mode, self.weights_bytes = mode, weights_gib * GIB
         self._w = world(self.tmp, mode)
         self.failing = True
         self.w.sup.start("test")
@@ -495,6 +539,7 @@ class PairMachine(RuleBasedStateMachine):
         gen = data.draw(st.sampled_from(self.unhealthy_yet()), label="generation")
         p = self.procs[gen]
         self.feed(HealthResult(gen, healthy and not p.dead and not p.down))
+        self.gpu_reads()  # (the sampler reads the card soon after)
 
     @precondition(lambda self: self.running and bool(self.pending_of("gate_probe")))
     @rule(data=st.data(), ok=st.booleans())
@@ -511,14 +556,32 @@ class PairMachine(RuleBasedStateMachine):
         p = self.procs[gen]
         ok = ok and not p.dead and not p.down
         self.feed(Slept(gen, None if ok else "POST /sleep?level=1: HTTP 500", 0.2))
+        self.gpu_reads()
 
-    @precondition(lambda self: self.running and bool(self.pending_of("wake")))
+    @precondition(lambda self: self.running and bool(self.wakes()))
     @rule(data=st.data(), ok=st.booleans())
     def wake_answers(self, data: st.DataObject, ok: bool) -> None:
-        gen = data.draw(st.sampled_from(self.pending_of("wake")), label="generation")
+        kind, gen = data.draw(st.sampled_from(self.wakes()), label="wake")
+        self.feed(self.woken(kind, gen, ok))
+
+    def wakes(self) -> list[tuple[str, int]]:
+        return sorted((k, g) for k, g in self.pending if k.startswith("wake"))
+
+    def woken(self, kind: str, gen: int, ok: bool) -> Woken:
         p = self.procs[gen]
         ok = ok and not p.dead and not p.down
-        self.feed(Woken(gen, None if ok else "POST /wake_up: HTTP 500: CUDA OOM", 0.6))
+        tags = {"wake_weights": WEIGHTS, "wake_rest": REST}.get(kind, ())
+        return Woken(gen, None if ok else "POST /wake_up: HTTP 500: CUDA OOM", 0.6, None, tags)
+
+    @precondition(lambda self: self.running)
+    @rule()
+    def gpu_reads(self) -> None:
+        """NVML's reading of the card now (the GPU sampler's, every `gpu.period_s`)."""
+        if not self.running:
+            return
+        used = self.card_used()
+        self.feed(GpuSampled(GpuReading(memory_used_bytes=used,
+                                        memory_total_bytes=CARD_BYTES), self.w.now))
 
     @precondition(lambda self: self.running and any(not p.exited for p in self.live))
     @rule(data=st.data(), code=st.sampled_from([0, 1, -9, -15]))
@@ -679,14 +742,15 @@ class PairMachine(RuleBasedStateMachine):
         if unhealthy := self.unhealthy_yet():
             p = self.procs[unhealthy[0]]
             return lambda: self.feed(HealthResult(p.gen, not p.dead and not p.down))
-        for kind in ("gate_probe", "sleep", "wake"):
+        if wakes := self.wakes():
+            return lambda: self.feed(self.woken(*wakes[0], ok=True))
+        for kind in ("gate_probe", "sleep"):
             if gens := self.pending_of(kind):
                 p = self.procs[gens[0]]
                 ok = not p.dead and not p.down and not (kind == "gate_probe" and p.asleep)
                 err = None if ok else "dead"
                 ev: Event = (GateProbe(p.gen, ok, err) if kind == "gate_probe"
-                             else Slept(p.gen, err, 0.2) if kind == "sleep"
-                             else Woken(p.gen, err, 0.6))
+                             else Slept(p.gen, err, 0.2))
                 return lambda: self.feed(ev)
         live = self.live_timers()
         return (lambda: self.fire(min(live, key=lambda t: t.due))) if live else None

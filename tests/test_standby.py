@@ -361,3 +361,46 @@ def test_a_standby_that_wakes_answering_otherwise_is_refused_by_the_golden_check
         == golden["mismatches"]
     assert m[("vllm_supervisor_golden_checks_total", (("verdict", "passed"),))] \
         == golden["passed"] >= 2
+
+
+@pytest.mark.parametrize("free_gib", [20, 2], ids=["room_for_the_weights", "no_room"])
+def test_a_kill_on_a_full_card_wakes_the_standbys_weights_while_the_old_engine_goes(
+        daemon_factory, tmp_path, free_gib):
+    """Both engines at 0.88 (the standby first, asleep; its sleep says 4 GiB of weights
+    backed up). NVML's reading (scripted) leaves `free_gib` free with the engine serving:
+    with room for the weights and the margin, a core SIGKILL wakes the standby's weights
+    at once (`/wake_up?tags=weights`) and the rest once the old tree is gone
+    (`tags=kv_cache`); without room, the whole standby once the old tree is gone. The
+    streams go on whole either way."""
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(json.dumps({"memory_used_bytes": (80 - free_gib) * 2**30,
+                               "memory_total_bytes": 80 * 2**30}))
+    cfg = proxy_config(tmp_path, "--token-delay", "0.02", "--enable-sleep-mode",
+                       "--gpu-memory-utilization", "0.88", "--weights-gib", "4",
+                       keepalive_s=0.5)
+    cfg["engine"].update(standby="sleep", drain="continue",
+                         env={**cfg["engine"].get("env", {}), "VLLM_SERVER_DEV_MODE": "1"})
+    cfg["gpu"] = {"sampler": "file", "file": str(gpu), "period_s": 0.5}
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: standby_ready(d), 30, "the standby ready")
+    wait_for(lambda: any(e["event"] == "warmed_up" for e in d.events()), 10, "warmed up")
+    spare = d.status()["standby"]["pid"]
+    wakes = tmp_path / "wakes"
+    assert wakes.read_text().split() == ["all"]  # (the engine's warm-up: a whole wake)
+    time.sleep(1.5)  # (a reading of the card with the engine healthy: every 0.5 s)
+    pids = d.engine_pids()  # (each fake's own, then its core's: the standby's first)
+    core = pids[pids.index(d.status()["pid"]) + 1]
+    streams_under(cfg, lambda: os.kill(core, signal.SIGKILL))
+    st = d.status()
+    assert st["state"] == "RUNNING" and st["pid"] == spare
+    early = free_gib == 20
+    assert wakes.read_text().split()[1:] == (["weights", "kv_cache"] if early else ["all"])
+    names = [e["event"] for e in d.events()]
+    failover = next(e for e in d.events() if e["event"] == "failover")
+    assert failover.get("weights_early", False) is early
+    if early:
+        assert names.index("failover") < names.index("standby_weights_woken") \
+            < names.index("standby_woken") < names.index("failover_done")
+    else:
+        assert "standby_weights_woken" not in names

@@ -95,8 +95,8 @@ class RecordingEffects:
     def sleep(self, engine: EngineProcess) -> None:
         self.calls.append(("sleep", {"pid": engine.pid}))
 
-    def wake(self, engine: EngineProcess) -> None:
-        self.calls.append(("wake", {"pid": engine.pid}))
+    def wake(self, engine: EngineProcess, tags: tuple[str, ...] = ()) -> None:
+        self.calls.append(("wake", {"pid": engine.pid, **({"tags": list(tags)} if tags else {})}))
 
     def dump(self, engine: EngineProcess, snapshot: Any, made: Any, deadline: float) -> None:
         self.calls.append(("dump", {"pid": engine.pid, "images": snapshot.images}))

@@ -238,12 +238,14 @@ class Slept(Event):
 
 @dataclass(frozen=True)
 class Woken(Event):
-    """A sleeping standby woken (`POST /wake_up`, then `/is_sleeping` says awake)."""
+    """A sleeping standby woken (`POST /wake_up`, then `/is_sleeping` says awake), or the
+    memory of `tags` alone (`/wake_up?tags=weights`: it still sleeps after)."""
     name = "woken"
     generation: int
-    error: str | None  # None: awake
+    error: str | None  # None: awake (with `tags`: that memory back)
     seconds: float  # the daemon's calls
     vllm_s: Mapping[str, float] | None = None  # vLLM's own (`wake`); None: unknown
+    tags: tuple[str, ...] = ()  # (): the whole engine
 
 
 @dataclass(frozen=True)

@@ -254,8 +254,8 @@ class Executor:
                 u.act.serve(engine)
             case do.ProbeGate(engine, golden, warm):
                 u.act.gate_probe(engine, golden, warm=warm)
-            case do.Wake(engine):
-                u.act.wake(engine)
+            case do.Wake(engine, tags):
+                u.act.wake(engine, tags)
             case do.DrainBehind(engine, deadline):
                 u.act.drain_behind(engine, deadline)
             case do.SyncGate():

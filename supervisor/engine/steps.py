@@ -47,6 +47,9 @@ class PairFacts:
     # ... and a standby started now there (`standby_args` applied: a thinner one)
     standby_configs: tuple[EngineConfig, ...]
     evidence_s: float = 0.0  # the evidence a take-down captures first, its budget
+    # the least memory free on one of the engine's GPUs, as NVML's last fresh reading
+    # said (None: no fresh reading, or no GPU)
+    card_free_bytes: int | None = None
 
     def engine_config(self, bay: int) -> EngineConfig:
         return self.engine_configs[bay]
@@ -466,7 +469,12 @@ class ProbeGate:
 
 @dataclass(frozen=True)
 class Wake:
+    """Wake a sleeping `engine`: all of it, or only the memory of `tags` (vLLM's
+    `/wake_up?tags=`: "weights" alone while the old engine's memory is still being
+    released, then "kv_cache")."""
+
     engine: eng.EngineProcess
+    tags: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

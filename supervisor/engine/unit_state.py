@@ -206,10 +206,15 @@ class UnitState:
         evidence_s = self.config.evidence.timeout_s + 1.0 \
             if self.slot.evidence_for is not None and self.config.evidence.enabled else 0.0
         bays = (0, 1)  # the serving engine's and the standby's (they swap on a failover)
+        now, serving = self.clock.monotonic(), self.slot.engine
+        # (the card as NVML last saw it with the serving engine healthy: all its memory
+        # taken, none of it being released)
+        free = self.watch.window.least_free_bytes(now, since=serving.healthy_at) \
+            if serving is not None and serving.healthy_at is not None else None
         return PairFacts(self.state, self.slot.view(), self.config, self.environ, self.fronted,
-                         self.clock.monotonic(), self.stop_deadline, self.restart_reason,
+                         now, self.stop_deadline, self.restart_reason,
                          tuple(self.engine_config(b) for b in bays),
-                         tuple(self.standby_config(b) for b in bays), evidence_s)
+                         tuple(self.standby_config(b) for b in bays), evidence_s, free)
 
     def carry_out(self, intents: list[Intent]) -> None:
         """What the watchdog asks (`supervisor/engine/remedies.py`)."""

@@ -116,19 +116,27 @@ async def sleep_ops(client: httpx.AsyncClient, metrics_url: str,
 SLEEP_TIMEOUT_S = 60.0
 
 
+# a wake of the weights alone (vLLM's allocator tags, 0.26+): the engine still sleeps
+# after it, until a wake of the rest (`REST`) or of everything
+WEIGHTS = ("weights",)
+REST = ("kv_cache",)
+
+
 async def set_asleep(client: httpx.AsyncClient, base_url: str, asleep: bool,
-                     timeout_s: float) -> str | None:
-    """Sleep (level 1: KV cache dropped, weights to host RAM) or wake, then check that
-    `/is_sleeping` agrees. None when it does, else what went wrong."""
-    call = f"{base_url}/sleep?level=1" if asleep else f"{base_url}/wake_up"
+                     timeout_s: float, tags: tuple[str, ...] = ()) -> str | None:
+    """Sleep (level 1: KV cache dropped, weights to host RAM) or wake (`tags`: only that
+    memory, `/wake_up?tags=...`), then check that `/is_sleeping` agrees (after a wake of
+    the weights alone, it still sleeps). None when it does, else what went wrong."""
+    call = f"{base_url}/sleep?level=1" if asleep else f"{base_url}/wake_up" + (
+        "?" + "&".join(f"tags={t}" for t in tags) if tags else "")
     error = await _post(client, call, timeout_s)
     if error is not None:
         return error
     now, why = await is_sleeping(client, base_url, timeout_s)
     if now is None:
         return why
-    if now != asleep:
-        return f"the engine still reports it is {'awake' if asleep else 'asleep'}"
+    if now != (asleep or tags == WEIGHTS):
+        return f"the engine still reports it is {'asleep' if now else 'awake'}"
     return None
 
 

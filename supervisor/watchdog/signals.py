@@ -359,6 +359,18 @@ class SignalWindow:
             elif rule == "xid_reset":
                 self._xid_reset += 1
 
+    def least_free_bytes(self, now: float, since: float) -> int | None:
+        """The least memory free on any of the engine's GPUs in the last fresh reading,
+        if it was taken at `since` or after (None: no such reading, or one without the
+        memory figures). A reading with no per-GPU part is one GPU's."""
+        g = self._gpu
+        if g is None or now - g.at > self.cfg.gpu_stale_s or g.at < since:
+            return None
+        parts = g.reading.devices or (g.reading,)
+        free = [p.memory_total_bytes - p.memory_used_bytes for p in parts
+                if p.memory_total_bytes is not None and p.memory_used_bytes is not None]
+        return min(free) if len(free) == len(parts) else None
+
     def worst_gpu(self, now: float) -> DeviceReading | None:
         """The engine's GPU nearest its own slowdown threshold in the last fresh reading
         (None: no per-GPU reading, or a GPU's temperature unknown)."""

@@ -245,14 +245,18 @@ class HttpJobs:
                 why = "the engine reports it is asleep"
         self.queue.put_nowait(SleepModeProbed(engine.generation, why is None, why))
 
-    async def sleep_or_wake(self, engine: eng.EngineProcess, asleep: bool) -> None:
+    async def sleep_or_wake(self, engine: eng.EngineProcess, asleep: bool,
+                            tags: tuple[str, ...] = ()) -> None:
         """Bounded by `remedy.SLEEP_TIMEOUT_S` a call: the first sleep pins the weights in
-        host RAM (11-13 s for an 8B model on the H100)."""
+        host RAM (11-13 s for an 8B model on the H100). `tags`: a wake of only that
+        memory (`remedy.set_asleep`)."""
         async with http_client() as client:
             error, seconds, took = await self._vllm_timed(client, engine, remedy.set_asleep(
-                client, engine.config.base_url, asleep, remedy.SLEEP_TIMEOUT_S))
-        event = Slept if asleep else Woken
-        self.queue.put_nowait(event(engine.generation, error, seconds, took))
+                client, engine.config.base_url, asleep, remedy.SLEEP_TIMEOUT_S, tags))
+        if asleep:
+            self.queue.put_nowait(Slept(engine.generation, error, seconds, took))
+        else:
+            self.queue.put_nowait(Woken(engine.generation, error, seconds, took, tags))
 
     async def _vllm_timed(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
                           call: Awaitable[T]) -> tuple[T, float, dict[str, float] | None]:

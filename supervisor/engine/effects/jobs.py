@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -63,13 +64,26 @@ KV_TIER_MAX_EVERY_S = 2.0
 KV_TIER_RETRY_S = 30.0
 
 
-def _host_warning(cfg: EngineConfig, folder: Path) -> str | None:
-    """kv_tier.host_warning with this host's mounts and memory (off the event loop)."""
+def _host_warning(cfg: EngineConfig, folder: Path) -> tuple[str | None, bool]:
+    """kv_tier.host_warning with this host's mounts and memory, and whether the folder is
+    in memory (off the event loop)."""
     try:
         mounts = Path("/proc/mounts").read_text()
     except OSError:
         mounts = ""
-    return kv_tier.host_warning(cfg, folder, mounts, psutil.virtual_memory().total)
+    return (kv_tier.host_warning(cfg, folder, mounts, psutil.virtual_memory().total),
+            kv_tier.in_memory(folder, mounts))
+
+
+def host_short() -> int:
+    """What this host lacks of the floor a KV tier in memory leaves it (`kv_tier.host_short`),
+    from its MemAvailable now."""
+    m = psutil.virtual_memory()
+    return kv_tier.host_short(int(m.available), int(m.total))
+
+
+# the keeper's prunes for the host's memory said at warning level at most this often
+SAY_SHORT_EVERY_S = 30.0
 
 
 class JobEffects:
@@ -81,7 +95,8 @@ class JobEffects:
                  clock: Clock, environ: dict[str, str], gpu: GpuProcessLister,
                  siblings: Callable[[], set[int]], gate: Gate, front: Front | None,
                  name: str, shm_dir: Path = shm_files.SHM_DIR,
-                 gpu_state: copies.GpuState = copies.REAL_GPU) -> None:
+                 gpu_state: copies.GpuState = copies.REAL_GPU,
+                 host_short: Callable[[], int] = host_short) -> None:
         self.queue, self.config, self.clock, self.environ = queue, config, clock, environ
         self.gpu, self.siblings, self.gate, self.front, self.name = (
             gpu, siblings, gate, front, name)
@@ -91,6 +106,8 @@ class JobEffects:
         self._shm: dict[int, shm_files.Seen] = {}
         self._thp_said = False  # the host's huge pages setting looked at, for a sleep backup
         self.gpu_state = gpu_state  # the CUDA driver's checkpoint API, for dumps and copies
+        # what the host lacks of a KV tier's floor, now (blocking: through a thread)
+        self.host_short = host_short
         # each bay (0; 1 with a standby; 2: the weight cache) its own state file and guard
         self.bays = [(proctree.StateFile(config().state_file_of(b)), proctree.Guard())
                      for b in (0, 1, WEIGHT_CACHE_BAY)]
@@ -161,8 +178,8 @@ class JobEffects:
     def sleep(self, engine: eng.EngineProcess) -> None:
         self._launch(self.http.sleep_or_wake(engine, asleep=True), "sleep")
 
-    def wake(self, engine: eng.EngineProcess) -> None:
-        self._launch(self.http.sleep_or_wake(engine, asleep=False), "wake up")
+    def wake(self, engine: eng.EngineProcess, tags: tuple[str, ...] = ()) -> None:
+        self._launch(self.http.sleep_or_wake(engine, asleep=False, tags=tags), "wake up")
 
     def take_down(self, engine: eng.EngineProcess, graceful: bool, force: asyncio.Event,
                   req: evidence.EvidenceRequest | None, deadline: float) -> None:
@@ -496,6 +513,8 @@ class JobEffects:
         ends the keeping."""
         warned: tuple[Any, ...] | None = None  # the settings the host warning was for
         warning: str | None = None
+        in_memory: set[Path] = set()  # the folders on tmpfs (their files host memory)
+        said_short = -math.inf
         pruned: dict[Path, kv_tier.Pruned] = {}
         while True:
             looked = self.clock.monotonic()
@@ -506,13 +525,23 @@ class JobEffects:
                     key = (want, cfg.kv_tier_cpu_gib, cfg.kv_tier_max_gib, cfg.standby)
                     if key != warned:
                         warned = key
-                        warning = await asyncio.to_thread(_host_warning, cfg, want)
+                        warning, memory = await asyncio.to_thread(_host_warning, cfg, want)
+                        in_memory.discard(want)
+                        if memory:
+                            in_memory.add(want)
                         if warning is not None:
                             log.warning("KV tier: host memory", why=warning)
                 for folder in self._kv_tiers:
+                    short = (await asyncio.to_thread(self.host_short)
+                             if folder in in_memory else 0)
                     usage = await asyncio.to_thread(
                         kv_tier.prune, folder, int(cfg.kv_tier_max_gib * kv_tier.GIB),
-                        self.clock.wall())
+                        self.clock.wall(), short)
+                    if short and self.clock.monotonic() - said_short >= SAY_SHORT_EVERY_S:
+                        said_short = self.clock.monotonic()
+                        log.warning("KV tier pruned for the host's memory", folder=str(folder),
+                                    short_bytes=short, removed_bytes=usage.removed_bytes,
+                                    left_bytes=usage.bytes)
                     if usage.removed_files:
                         log.debug("KV tier pruned", folder=str(folder),
                                   files=usage.removed_files, bytes=usage.removed_bytes,

@@ -76,8 +76,9 @@ class Effects(Protocol):
     def sleep(self, engine: EngineProcess) -> None:
         """Put a proven standby to sleep (vLLM's sleep mode, level 1): `Slept`."""
 
-    def wake(self, engine: EngineProcess) -> None:
-        """Wake a sleeping standby: `Woken` (its generation proves it afterwards)."""
+    def wake(self, engine: EngineProcess, tags: tuple[str, ...] = ()) -> None:
+        """Wake a sleeping standby (only the memory of `tags`, when given): `Woken` (its
+        generation proves it afterwards)."""
 
     def take_down(self, engine: EngineProcess, graceful: bool, force: asyncio.Event,
                   req: evidence.EvidenceRequest | None, deadline: float) -> None:

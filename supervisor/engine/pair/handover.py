@@ -38,8 +38,14 @@ from supervisor.engine.states import State
 from supervisor.engine.steps import PairFacts, Step
 from supervisor.settings import engine_checks
 from supervisor.settings.sections import EngineConfig
+from supervisor.watchdog.remedy import REST, WEIGHTS
 
 log = structlog.get_logger("supervisor")
+
+# what a sleeping standby's weights leave free on a GPU at the least, for them to be woken
+# while the old engine's memory is still being released (a wake that runs out of memory
+# fails, and can leave the engine wedged)
+EARLY_WAKE_MARGIN_BYTES = 2**30
 
 
 class Handover:
@@ -55,6 +61,9 @@ class Handover:
         # not a phase: the engine serves until the swap, which is a failover like any)
         self._upgrade: tuple[str, str] | None = None
         self._rearmed_on: str | None = None  # the quiet window used (the day it began)
+        # a failover that woke the standby's weights before the old engine's memory was
+        # released: "asked", then "back" (None: none, or its whole wake waits for that)
+        self._weights: str | None = None
         # (an asymmetric pair, `engine.standby_args`: while the thin standby serves, which
         # the serving bay's spawn says, `f.slot.thin`, a full-size engine starts beside it
         # and takes over again, as an upgrade)
@@ -69,6 +78,8 @@ class Handover:
         self.phase = new
         if new not in HANDING_OVER:
             self.since = None
+        if new in (Phase.IDLE, Phase.PROVING_WOKEN):
+            self._weights = None
         elif self.since is None:
             self.since = now
 
@@ -237,7 +248,8 @@ class Handover:
                     f"not waking the standby")]
             else:
                 self._set_phase(Phase.WAKING, f.now)  # the old engine's memory released
-                out.append(do.Wake(f.engine))
+                if self._weights != "asked":  # (else once they are: `_weights_woken`)
+                    out.append(do.Wake(f.engine, REST if self._weights == "back" else ()))
         if f.state is State.STOPPING:
             out.append(do.MaybeFinishStop())
         elif self.first and not self.standby.on_its_way:
@@ -412,11 +424,17 @@ class Handover:
         log.warning("failover: the standby serves", reason=reason, pid=engine.pid,
                     port=engine.config.port, old_pid=old_pid, asleep=asleep,
                     **({"thin": new.thin, "old_kept": keep} if f.thin_pair else {}))
+        # a sleeping standby woken once the old engine's memory is released: its weights
+        # meanwhile, where they fit beside it
+        when_down = asleep and old.engine is not None \
+            and not engine_checks.side_by_side(f.config.engine)
+        early = when_down and self.weights_fit(f, engine)
         out: list[Step] = [
             do.ServeFrom(),  # (the restart is over: its deadline with it)
             do.Audit("failover", {"reason": reason, "pid": engine.pid,
                                   "port": engine.config.port, "old_pid": old_pid,
-                                  "graceful": graceful, "asleep": asleep}),
+                                  "graceful": graceful, "asleep": asleep,
+                                  **({"weights_early": True} if early else {})}),
             do.Decide("failover", reason)]
         if f.state is State.DRAINING:
             out.append(do.SetState(State.RUNNING, f"the standby took over ({reason})"))
@@ -426,13 +444,16 @@ class Handover:
         if not asleep:
             self._set_phase(Phase.PROVING, f.now)
             out += self._serve(f, engine)
-        elif old.engine is not None and not engine_checks.side_by_side(f.config.engine):
+        elif when_down:
             self._set_phase(Phase.WAKING_WHEN_DOWN, f.now)  # (woken in `on_event`)
             # every client waits for the old engine's memory now: its requests are done,
             # paused for continuation or past the drain's timeout (vLLM's own SIGTERM
             # would abort them too), so it is killed, not waited for (a graceful exit of
             # an 8B engine took 4.6 s on the H100; its memory, once killed, 0.3 s)
             graceful = False
+            if early:
+                self._weights = "asked"
+                out.append(do.Wake(engine, WEIGHTS))
         else:
             self._set_phase(Phase.WAKING, f.now)
             out.append(do.Wake(engine))
@@ -443,6 +464,16 @@ class Handover:
                      pid=old.engine.pid, generation=old.engine.generation)
             out.append(do.DrainBehind(old.engine, f.standby_deadline()))
         return [*out, do.Relaunch("taken_down"), do.Relaunch("down")]
+
+    @staticmethod
+    def weights_fit(f: PairFacts, engine: eng.EngineProcess) -> bool:
+        """A sleeping standby's weights fit on the card beside the old engine, before its
+        memory is released: NVML's last reading since the old engine was healthy leaves
+        them room on every GPU, with `EARLY_WAKE_MARGIN_BYTES` to spare (an engine that
+        has not slept says nothing of its weights: no)."""
+        need = engine.weights_bytes
+        return (need is not None and f.card_free_bytes is not None
+                and f.card_free_bytes >= need + EARLY_WAKE_MARGIN_BYTES)
 
     def _serve(self, f: PairFacts, engine: eng.EngineProcess) -> list[Step]:
         """The proxy's route goes to the engine that took over; held requests go once it
@@ -478,6 +509,8 @@ class Handover:
 
     def woken(self, f: PairFacts, ev: Woken) -> list[Step]:
         engine = f.slot.current(ev.generation)
+        if ev.tags == WEIGHTS:
+            return self._weights_woken(f, ev, engine)
         if engine is None or f.slot.taking_down or self.phase is not Phase.WAKING:
             return []
         if ev.error is not None:
@@ -487,6 +520,24 @@ class Handover:
         log.info("standby woken", **woken)
         self._set_phase(Phase.PROVING_WOKEN, f.now)
         return [do.Audit("standby_woken", woken), *self._serve(f, engine)]
+
+    def _weights_woken(self, f: PairFacts, ev: Woken,
+                       engine: eng.EngineProcess | None) -> list[Step]:
+        """The standby's weights are back (or not) while the old engine's memory was
+        being released: the rest of it wakes once that is (at once if it is already)."""
+        if (engine is None or f.slot.taking_down or self._weights != "asked"
+                or self.phase not in (Phase.WAKING_WHEN_DOWN, Phase.WAKING)):
+            return []  # (the handover ended meanwhile)
+        if ev.error is not None:
+            return self.takeover_failed(f, f"the standby's weights did not wake: {ev.error}")
+        self._weights = "back"
+        woken = {"pid": engine.pid, "seconds": round(ev.seconds, 3), "vllm_s": ev.vllm_s}
+        log.info("standby's weights woken while the old engine's memory is released",
+                 **woken)
+        out: list[Step] = [do.Audit("standby_weights_woken", woken)]
+        if self.phase is Phase.WAKING:  # (the old engine's tree went first)
+            out.append(do.Wake(engine, REST))
+        return out
 
     def proof_failed(self, f: PairFacts, ev: GateProbe) -> list[Step] | None:
         """The first generation after a handover answered: the steps when it was a woken
