@@ -8,9 +8,11 @@ CPU run of the real engine; the H200 runs: docs/standby.md, "The KV tier".)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import threading
 import tomllib
@@ -18,11 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
+from supervisor.engine.effects import jobs
+from supervisor.engine.events import Event, KvTierSeen
 from supervisor.engine.process import kv_tier
 from supervisor.engine.process.process import build_spawn_spec
+from supervisor.front.admission import Gate
+from supervisor.loop import Clock
 from supervisor.settings.config import ConfigError, parse_config
 from supervisor.settings.sections import EngineConfig
+from supervisor.watchdog.gpu import NoGpu
 from tests.fake_tokens import prompt_ids
 from tests.harness import wait_for, write_config
 from tests.test_continuation_proxy import Seen, comp, expected_text, metrics, run
@@ -104,6 +112,67 @@ def test_a_folder_over_its_bound_loses_its_oldest_blocks_down_to_the_low_water(t
     assert kv_tier.prune(folder, 20_000, now + 60) == kv_tier.Usage(
         4, 4_000, removed_files=1, removed_bytes=5_000)
     assert not writing.exists()
+
+
+def test_a_host_short_of_memory_takes_the_oldest_blocks_past_the_bound(tmp_path):
+    """A tier in memory is the one consumer of the host's memory the daemon can give
+    back: with the host `short` of its floor, that many bytes of the oldest blocks go
+    too, whatever the bound (and LOW_WATER of what is left then)."""
+    folder = tmp_path / "tier"
+    assert kv_tier.clear(folder) is None
+    paths = [block(folder, f"{i:04x}", 1000, 1_000_000 + i) for i in range(10)]
+    usage = kv_tier.prune(folder, 20_000, 2_000_000, short=4_000)
+    assert usage == kv_tier.Usage(5, 5_000, removed_files=5, removed_bytes=5_000,
+                                  host_short_bytes=4_000)
+    assert [p.exists() for p in paths] == [False] * 5 + [True] * 5
+    assert usage.fields()["host_short_bytes"] == 4_000  # (in status)
+    # a host short of more than the folder holds: the whole folder goes
+    assert kv_tier.prune(folder, 20_000, 2_000_000, short=10**9).bytes == 0
+
+
+def test_the_hosts_floor_is_eight_gib_or_a_share_of_its_memory() -> None:
+    gib = kv_tier.GIB
+    assert kv_tier.host_short(available=12 * gib, total=128 * gib) == 0
+    floor = int(kv_tier.HOST_FLOOR_SHARE * 128 * gib)  # 10.24 GiB on 128 GiB
+    assert kv_tier.host_short(available=9 * gib, total=128 * gib) == floor - 9 * gib
+    assert kv_tier.host_short(available=7 * gib, total=64 * gib) == gib  # (the 8 GiB floor)
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this host")
+def test_the_keeper_prunes_a_tier_in_memory_while_the_host_is_short(tmp_path):
+    """The keeper's look, on a folder on tmpfs (/dev/shm, its own): with the host short
+    of its floor (the seam `host_short`), the oldest blocks go past the bound, status
+    says how short, and the log says it at warning level."""
+    folder = Path("/dev/shm") / f"vs-test-tier-{os.getpid()}-{tmp_path.name}"
+    cfg = parse_config({"engine": {"command": ["true"], "port": 18999,
+                                   "kv_tier": str(folder), "kv_tier_max_gib": 1},
+                        "daemon": {"runtime_dir": str(tmp_path)}}, "t.toml", tmp_path)
+    queue: asyncio.Queue[Event] = asyncio.Queue()
+    fx = jobs.JobEffects(queue=queue, config=lambda: cfg, clock=Clock(), environ={},
+                         gpu=NoGpu(), siblings=set, gate=Gate(), front=None, name="e",
+                         host_short=lambda: 4_000)
+
+    async def one_look() -> KvTierSeen:
+        assert await fx._take_kv_tier(cfg.engine) is None  # (emptied, marked)
+        for i in range(10):
+            block(folder, f"{i:04x}", 1000, 1_000_000 + i)
+        keeper = asyncio.create_task(fx._keep_kv_tier())
+        try:
+            while True:
+                ev = await asyncio.wait_for(queue.get(), 10)
+                if isinstance(ev, KvTierSeen) and ev.usage.removed_files:
+                    return ev
+        finally:
+            keeper.cancel()
+
+    try:
+        with capture_logs() as logs:
+            seen = asyncio.run(one_look())
+        assert seen.usage.host_short_bytes == 4_000 and seen.usage.bytes == 5_000
+        said = [e for e in logs if e["event"] == "KV tier pruned for the host's memory"]
+        assert said and said[0]["short_bytes"] == 4_000 and said[0]["log_level"] == "warning"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_the_keepers_prunes_are_said_summed_once_a_period() -> None:

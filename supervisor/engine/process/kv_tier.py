@@ -105,10 +105,13 @@ class Usage:
     removed_bytes: int = 0
     error: str | None = None
     warning: str | None = None  # `host_warning`'s, said with every look
+    # what the host lacked of its floor at this look (`host_short`), the tier in memory:
+    # the oldest blocks went for it, past what the bound asked
+    host_short_bytes: int = 0
 
     def fields(self) -> dict[str, object]:
         return {"files": self.files, "bytes": self.bytes, "error": self.error,
-                "warning": self.warning}
+                "warning": self.warning, "host_short_bytes": self.host_short_bytes}
 
 
 # a `.tmp` file older than this is one a killed engine left half written (vLLM writes a
@@ -132,10 +135,26 @@ def _files(folder: Path) -> list[tuple[float, int, Path]]:
     return out
 
 
-def prune(folder: Path, max_bytes: int, now: float) -> Usage:
+# the host memory a tier in memory leaves free at the least (MemAvailable): below it its
+# oldest blocks go, whatever its bound (on an H200 host of 128 GiB the tier on /dev/shm,
+# a snapshot's images on tmpfs, a sleeping copy and the serving engine filled it, and
+# engine cores died without a word, 2026-11-30); a floor of a few seconds of writes
+HOST_FLOOR_MIN = 8 * GIB
+HOST_FLOOR_SHARE = 0.08  # of the host's memory, where that is more
+
+
+def host_short(available: int, total: int) -> int:
+    """The bytes a tier in host memory gives back now for the host to keep its floor
+    (0: none), from the host's MemAvailable and MemTotal."""
+    return max(0, max(HOST_FLOOR_MIN, int(HOST_FLOOR_SHARE * total)) - available)
+
+
+def prune(folder: Path, max_bytes: int, now: float, short: int = 0) -> Usage:
     """Keep the folder's files under `max_bytes`: past it, the oldest written blocks go
     until `LOW_WATER` of it is left; and a `.tmp` file older than ORPHAN_TMP_S (at wall
-    time `now`) goes whatever the size. Never raises; an error is in the result."""
+    time `now`) goes whatever the size. `short` (`host_short`): the host lacks that much
+    memory, so that many bytes of the oldest blocks go too (and LOW_WATER of what is
+    left then). Never raises; an error is in the result."""
     if not folder.is_dir():
         return Usage(0, 0, error=f"{folder} is gone: the engines cannot write their tier")
     try:
@@ -143,13 +162,14 @@ def prune(folder: Path, max_bytes: int, now: float) -> Usage:
     except OSError as exc:
         return Usage(0, 0, error=f"{type(exc).__name__}: {exc}")
     total = sum(size for _, size, _ in files)
+    bound = min(max_bytes, max(0, total - short)) if short > 0 else max_bytes
     orphans = [f for f in files if f[2].name.endswith(".tmp") and now - f[0] > ORPHAN_TMP_S]
-    over = [] if total <= max_bytes else sorted(
+    over = [] if total <= bound else sorted(
         (f for f in files if f[2].name.endswith(".bin")), key=lambda f: f[0])
     removed_files = removed_bytes = 0
     error = None
     for i, (_, size, path) in enumerate([*orphans, *over]):
-        if i >= len(orphans) and total - removed_bytes <= max_bytes * LOW_WATER:
+        if i >= len(orphans) and total - removed_bytes <= bound * LOW_WATER:
             break
         try:
             path.unlink()
@@ -161,7 +181,7 @@ def prune(folder: Path, max_bytes: int, now: float) -> Usage:
         removed_files += 1
         removed_bytes += size
     return Usage(len(files) - removed_files, total - removed_bytes, removed_files,
-                 removed_bytes, error)
+                 removed_bytes, error, host_short_bytes=short)
 
 
 def _unsafe(folder: Path) -> str | None:
