@@ -49,6 +49,7 @@ from tests.gpu_load import (
     complete,
     cost_row,
     handover_times,
+    main_run_began,
     served_summary,
 )
 
@@ -246,11 +247,7 @@ def phase_continue(fault: str, when: str, tag: str | None = None, prompts: int =
     timeline: list[Timeline] = []
 
     def fault_once() -> None:
-        log_path = WORK / f"{tag}.log"
-        wait(lambda: log_path.exists()
-             and b"Starting main benchmark run" in log_path.read_bytes(), 300,
-             "the client's main run")
-        fired["main"] = time.monotonic()
+        fired["main"] = main_run_began(tag)
         if when == "early":
             wait(lambda: engine_running() >= conc - 8, 60, "the 128 running at the engine")
             taps.extend(Tap(f"fresh{i}", want).start() for i in range(2))
@@ -468,11 +465,7 @@ def phase_kv_reset_streams(conc: int = 256, prompts: int = 3000, resets: int = 3
     marks: dict[str, float] = {}
 
     def resets_during() -> None:
-        log_path = WORK / f"{tag}.log"
-        wait(lambda: log_path.exists()
-             and b"Starting main benchmark run" in log_path.read_bytes(), 300,
-             "the client's main run")
-        marks["main"] = time.monotonic()
+        marks["main"] = main_run_began(tag)
         wait(lambda: engine_running() >= min(conc, 256) * 3 // 4, 120,
              "most streams running at the engine")
         time.sleep(4.0)

@@ -22,6 +22,7 @@ from tests.gpu_daemon import (
     VLLM_SITE,
     WORK,
     engine_addr,
+    wait,
 )
 
 
@@ -104,6 +105,15 @@ def bench(base: str, concurrency: int, prompts: int, tag: str, detailed: bool = 
                              f"{log_path.read_text(errors='replace')[-2000:]}")
     doc: dict[str, Any] = json.loads((out / name).read_text())
     return doc
+
+
+def main_run_began(tag: str) -> float:
+    """Once `bench`'s client (its output in WORK/TAG.log) says its main run started: when
+    (monotonic)."""
+    log_path = WORK / f"{tag}.log"
+    wait(lambda: log_path.exists() and b"Starting main benchmark run" in log_path.read_bytes(),
+         300, "the client's main run")
+    return time.monotonic()
 
 
 def capture_sse() -> dict[str, Any]:
