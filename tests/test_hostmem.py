@@ -40,3 +40,32 @@ def test_a_host_without_psi_is_unknown(tmp_path: Path) -> None:
 def test_this_hosts_own_pressure_reads_as_a_percent() -> None:
     pct = hostmem.memory_stall_pct()
     assert pct is not None and 0.0 <= pct <= 100.0
+
+
+# ---- the kernel's OOM killer ------------------------------------------------------------
+
+VMSTAT = "nr_free_pages 123\nnr_zone_inactive_anon 5\noom_kill 7\nnuma_hit 99\n"
+
+
+def test_the_oom_kills_since_boot_are_read_from_vmstat(tmp_path: Path) -> None:
+    assert hostmem.parse_oom_kills(VMSTAT) == 7
+    assert hostmem.parse_oom_kills("nr_free_pages 1\n") is None  # (a kernel before 4.13)
+    assert hostmem.parse_oom_kills("oom_kill many\n") is None
+    f = tmp_path / "vmstat"
+    f.write_text(VMSTAT)
+    assert hostmem.oom_kills(str(f)) == 7
+    assert hostmem.oom_kills(str(tmp_path / "none")) is None
+
+
+def test_this_hosts_own_oom_kills_read_as_a_count() -> None:
+    if not os.path.exists(hostmem.VMSTAT):
+        pytest.skip("no /proc/vmstat on this host")
+    n = hostmem.oom_kills()
+    assert n is not None and n >= 0
+
+
+@pytest.mark.parametrize(("before", "after", "killed"), [
+    (3, 4, True), (3, 3, False), (None, 4, None), (3, None, None)])
+def test_an_oom_kill_between_two_counts(before: int | None, after: int | None,
+                                        killed: bool | None) -> None:
+    assert hostmem.oom_killed(before, after) is killed

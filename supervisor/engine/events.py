@@ -47,6 +47,7 @@ class Exited(Event):
     name = "exited"
     generation: int
     code: int
+    oom_kills: int | None = None  # the host's OOM kills as the exit was seen (hostmem.py)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class CoreExited(Event):
     name = "core_exited"
     generation: int
     pid: int
+    oom_kills: int | None = None  # the host's OOM kills as the exit was seen (hostmem.py)
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class TreeSeen(Event):
     cpu_s: float  # CPU seconds used so far by the live processes
     host_temperature_c: float | None = None  # the hottest CPU/SoC sensor (hostheat.py)
     host_memory_stall_percent: float | None = None  # PSI's memory `full avg10` (hostmem.py)
+    oom_kills: int | None = None  # the host's OOM kills since boot, at this look (hostmem.py)
 
 
 @dataclass(frozen=True)

@@ -324,7 +324,8 @@ class JobEffects:
         gen = engine.generation
         exited: asyncio.Future[int] = asyncio.ensure_future(takedown.wait_exit(engine.proc))
         exited.add_done_callback(
-            lambda f: None if f.cancelled() else self.queue.put_nowait(Exited(gen, f.result())))
+            lambda f: None if f.cancelled() else self.queue.put_nowait(
+                Exited(gen, f.result(), hostmem.oom_kills())))
         health = asyncio.ensure_future(self.http.first_health(engine, exited))
         # An error in the probe counts as "not healthy": STARTING must never outlive its bound.
         health.add_done_callback(
@@ -335,7 +336,7 @@ class JobEffects:
         recorded: list[proctree.ProcInfo] = []
         # the core's death is a crash the moment it happens, not when its API server exits
         cores = CoreWatch(lambda pid: None if exited.done()
-                          else self.queue.put_nowait(CoreExited(gen, pid)))
+                          else self.queue.put_nowait(CoreExited(gen, pid, hostmem.oom_kills())))
         shortage = Shortage("watch engine", pid=engine.pid)
         try:
             while not exited.done():
@@ -379,12 +380,14 @@ class JobEffects:
         rss, cpu = await asyncio.to_thread(proctree.tree_usage, procs)
         heat, _ = await asyncio.to_thread(hostheat.hottest)
         starved = await asyncio.to_thread(hostmem.memory_stall_pct)
+        killed = await asyncio.to_thread(hostmem.oom_kills)
         dumps = engine.dumps  # (vLLM only appends to its files: they are bounded here)
         if dumps is not None and dumps.owned and (
                 cut := await asyncio.to_thread(stackdumps.trim, dumps.dir)):
             log.info("vLLM's stack dump files cut to their newest dumps", files=cut)
         self.queue.put_nowait(TreeSeen(engine.generation, tuple(procs),
-                                       self.clock.monotonic(), rss, cpu, heat, starved))
+                                       self.clock.monotonic(), rss, cpu, heat, starved,
+                                       killed))
         merged = proctree.merge_known(recorded or engine.known, procs)
         if len(merged) > len(recorded):  # rewrite only when the tree grew
             try:

@@ -27,7 +27,7 @@ from supervisor.engine.pair import outcomes as out
 from supervisor.engine.pair.pair_states import BAY, Bay, check
 from supervisor.engine.process import process as eng
 from supervisor.engine.process import proctree
-from supervisor.watchdog import devroutes, evidence
+from supervisor.watchdog import devroutes, evidence, hostmem
 from supervisor.watchdog.devroutes import DevRoutes
 
 log = structlog.get_logger("supervisor")
@@ -217,6 +217,8 @@ class EngineSlot(_BayReading):
             return None
         e.known = proctree.merge_known(e.known, list(ev.procs))
         e.live_processes = len(ev.procs)
+        if ev.oom_kills is not None:
+            e.oom_kills_seen = ev.oom_kills
         e.rss_bytes = ev.rss_bytes
         if e.cpu_seen is not None and ev.at > e.cpu_seen[0]:
             # a process that exited takes its CPU seconds with it: never below zero
@@ -233,11 +235,15 @@ class EngineSlot(_BayReading):
         engine.exit_code = ev.code
         if self.phase in (Bay.STARTING, Bay.HEALTHY):  # (a take-down's exit: it goes on)
             self._set_phase(Bay.EXITED)
+        if not asked and engine.core_lost is None:
+            _oom_seen(engine, ev.oom_kills)
         self.last_exit = engine.describe_exit()
         fields: dict[str, Any] = {"exit_code": ev.code}
         if ev.code < 0:
             with contextlib.suppress(ValueError):
                 fields = {"signal": signal.Signals(-ev.code).name}
+        if engine.oom_killed is not None and engine.core_lost is None:
+            fields["oom_killed"] = engine.oom_killed
         log.info(f"{self.what} exited", pid=engine.pid, asked=asked, **fields)
         self._event("exit", pid=engine.pid, asked=asked, **fields)
         return engine
@@ -249,9 +255,11 @@ class EngineSlot(_BayReading):
         if engine is None or engine.exit_code is not None or self.taking_down:
             return None
         engine.core_lost = ev.pid
+        _oom_seen(engine, ev.oom_kills)
         self.last_exit = engine.describe_exit()
-        log.warning("engine core exited", pid=engine.pid, core_pid=ev.pid)
-        self._event("core_exit", pid=engine.pid, core_pid=ev.pid)
+        oom = {"oom_killed": engine.oom_killed} if engine.oom_killed is not None else {}
+        log.warning("engine core exited", pid=engine.pid, core_pid=ev.pid, **oom)
+        self._event("core_exit", pid=engine.pid, core_pid=ev.pid, **oom)
         return engine
 
     def take_down(self, graceful: bool, req: evidence.EvidenceRequest | None) -> None:
@@ -308,3 +316,12 @@ class EngineSlot(_BayReading):
             log.error(f"{self.what} tree not proven gone", problem=problem)
         return engine, problem
 
+
+def _oom_seen(engine: eng.EngineProcess, oom_kills: int | None) -> None:
+    """Whether the kernel's OOM killer ran between the last look at the engine's tree and
+    its death, now seen (said at error level when it did: the host is out of memory)."""
+    engine.oom_killed = hostmem.oom_killed(engine.oom_kills_seen, oom_kills)
+    if engine.oom_killed:
+        log.error("the kernel's OOM killer ran as the engine died: most likely it was the "
+                  "one killed (the host is out of memory)", pid=engine.pid,
+                  oom_kills_before=engine.oom_kills_seen, oom_kills_after=oom_kills)

@@ -233,6 +233,10 @@ class EngineProcess:
     healthy_at: float | None = None
     exit_code: int | None = None  # as asyncio reports it: negative = killed by that signal
     core_lost: int | None = None  # the pid of its core, when that died first (a crash)
+    # the host's OOM kills at the last look at its tree, and whether the kernel's OOM
+    # killer ran between that look and its unasked death (None: unknown)
+    oom_kills_seen: int | None = None
+    oom_killed: bool | None = None
     # while it starts: the phase its last lines announced (enginelog.PHASES), since when
     phase: str | None = None
     phase_since: float | None = None
@@ -286,17 +290,19 @@ class EngineProcess:
         return self.proc.stdout, self.proc.stderr
 
     def describe_exit(self) -> str:
+        oom = " (the kernel's OOM killer ran as it died: the host is out of memory)" \
+            if self.oom_killed else ""
         code = self.exit_code
         if self.core_lost is not None:  # (what ended it; the API server's exit followed)
-            return f"lost its core (pid {self.core_lost})"
+            return f"lost its core (pid {self.core_lost}){oom}"
         if code is None:
             return "still running"
         if code < 0:
             try:
-                return f"killed by {signal.Signals(-code).name}"
+                return f"killed by {signal.Signals(-code).name}{oom}"
             except ValueError:
-                return f"killed by signal {-code}"
-        return f"exited with code {code}"
+                return f"killed by signal {-code}{oom}"
+        return f"exited with code {code}{oom}"
 
 
 async def spawn_engine(spec: SpawnSpec, generation: int, now: float,
