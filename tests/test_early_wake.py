@@ -1,12 +1,13 @@
 """A sleeping standby's weights woken while the old engine's memory is released
-(`Handover.weights_fit`, docs/standby.md "Waking the weights early"): with no room beside
+(`Handover.weights_fit`, docs/standby.md "Its weights wake while the old engine's memory
+is released"): with no room beside
 the serving engine for a whole standby, a failover wakes the standby once the old
 engine's tree is gone. When NVML's last reading, taken with the old engine healthy, leaves
 room on the card for the standby's weights (as its sleep said them) with a margin, their
 wake (`/wake_up?tags=weights`) is asked at once, and only the rest (`tags=kv_cache`) once
 the tree is gone. Decided over the recording effects and the driven clock of
-tests/test_supervisor_unit.py; the HTTP and the fake engine's side in
-tests/test_continuation_proxy.py."""
+tests/test_supervisor_unit.py; the HTTP and the fake engine's side through the daemon in
+tests/test_standby.py."""
 
 from __future__ import annotations
 
@@ -36,9 +37,12 @@ def reading(free: int, devices: int = 1) -> GpuReading:
                       memory_total_bytes=CARD * devices, devices=parts)
 
 
-def armed(w: World, weights: int | None = WEIGHTS) -> tuple[EngineProcess, EngineProcess]:
+def armed(w: World, weights: int | None = WEIGHTS, proving: int | None = None
+          ) -> tuple[EngineProcess, EngineProcess]:
     """No room beside (vLLM's default share): the standby started first, slept (saying
-    its weights' backup) and the engine serves beside it. (first, standby)"""
+    its weights' backup) and the engine serves beside it. (first, standby) `proving`:
+    a reading of that much free taken while the engine is healthy but not yet proven (in
+    its warm-up's sleep, all its memory not taken)."""
     w.sup.start("test")
     spare = w.spawned()
     w.feed(HealthResult(spare.generation, True))
@@ -46,6 +50,8 @@ def armed(w: World, weights: int | None = WEIGHTS) -> tuple[EngineProcess, Engin
     w.feed(Slept(spare.generation, None, 0.2))
     spare.weights_bytes = weights  # (as its sleep's line said: process.py reads it)
     first = w.serving()
+    if proving is not None:
+        w.feed(GpuSampled(reading(proving), w.now))
     w.feed(GateProbe(first.generation, True, None))
     assert w.state == "RUNNING" and w.sup.engine is first
     return first, spare
@@ -101,12 +107,13 @@ def test_weights_back_after_the_tree_went_wake_the_rest_then(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("case", ["no_room", "reading_before_healthy", "never_slept",
-                                  "no_reading", "two_gpus_one_full"])
+                                  "no_reading", "two_gpus_one_full", "reading_while_proving"])
 def test_without_room_for_the_weights_the_whole_standby_wakes_once_the_tree_is_gone(
         tmp_path: Path, case: str) -> None:
     w = world(tmp_path, "sleep_first")
     try:
-        first, spare = armed(w, weights=None if case == "never_slept" else WEIGHTS)
+        first, spare = armed(w, weights=None if case == "never_slept" else WEIGHTS,
+                             proving=40 * GIB if case == "reading_while_proving" else None)
         if case == "reading_before_healthy":
             # (taken while the engine was still starting: its memory not all taken yet)
             w.feed(GpuSampled(reading(40 * GIB), first.healthy_at - 1.0))  # type: ignore[operator]

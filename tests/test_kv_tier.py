@@ -116,15 +116,17 @@ def test_a_folder_over_its_bound_loses_its_oldest_blocks_down_to_the_low_water(t
 
 def test_a_host_short_of_memory_takes_the_oldest_blocks_past_the_bound(tmp_path):
     """A tier in memory is the one consumer of the host's memory the daemon can give
-    back: with the host `short` of its floor, that many bytes of the oldest blocks go
-    too, whatever the bound (and LOW_WATER of what is left then)."""
+    back: with the host `short` of its floor, the oldest blocks go until that much is
+    given back, whatever the bound (or what the bound asks, when that is more)."""
     folder = tmp_path / "tier"
     assert kv_tier.clear(folder) is None
     paths = [block(folder, f"{i:04x}", 1000, 1_000_000 + i) for i in range(10)]
     usage = kv_tier.prune(folder, 20_000, 2_000_000, short=4_000)
-    assert usage == kv_tier.Usage(5, 5_000, removed_files=5, removed_bytes=5_000,
+    assert usage == kv_tier.Usage(6, 6_000, removed_files=4, removed_bytes=4_000,
                                   host_short_bytes=4_000)
-    assert [p.exists() for p in paths] == [False] * 5 + [True] * 5
+    assert [p.exists() for p in paths] == [False] * 4 + [True] * 6
+    # past the bound by more than the host lacks: the bound's prune, as without it
+    assert kv_tier.prune(folder, 4_000, 2_000_000, short=1_000).bytes == 3_000
     assert usage.fields()["host_short_bytes"] == 4_000  # (in status)
     # a host short of more than the folder holds: the whole folder goes
     assert kv_tier.prune(folder, 20_000, 2_000_000, short=10**9).bytes == 0
@@ -168,7 +170,7 @@ def test_the_keeper_prunes_a_tier_in_memory_while_the_host_is_short(tmp_path):
     try:
         with capture_logs() as logs:
             seen = asyncio.run(one_look())
-        assert seen.usage.host_short_bytes == 4_000 and seen.usage.bytes == 5_000
+        assert seen.usage.host_short_bytes == 4_000 and seen.usage.bytes == 6_000
         said = [e for e in logs if e["event"] == "KV tier pruned for the host's memory"]
         assert said and said[0]["short_bytes"] == 4_000 and said[0]["log_level"] == "warning"
     finally:

@@ -206,10 +206,11 @@ class UnitState:
         evidence_s = self.config.evidence.timeout_s + 1.0 \
             if self.slot.evidence_for is not None and self.config.evidence.enabled else 0.0
         bays = (0, 1)  # the serving engine's and the standby's (they swap on a failover)
-        now, serving = self.clock.monotonic(), self.slot.engine
-        # (the card as NVML last saw it with the serving engine healthy: all its memory
-        # taken, none of it being released)
-        free = self.watch.window.least_free_bytes(now, since=serving.healthy_at) \
+        now, serving, standby = self.clock.monotonic(), self.slot.engine, self.handover.standby
+        # (the card as NVML last saw it with the serving engine serving, all its memory
+        # taken, none of it being released, and the standby as it is now: ready since)
+        free = self.watch.window.least_free_bytes(
+            now, since=max(serving.healthy_at, standby.since if standby.ready else 0.0)) \
             if serving is not None and serving.healthy_at is not None else None
         return PairFacts(self.state, self.slot.view(), self.config, self.environ, self.fronted,
                          now, self.stop_deadline, self.restart_reason,

@@ -183,6 +183,7 @@ class _Gpu:
     at: float
     reading: GpuReading
     engine_bytes: int | None
+    settled: bool = True  # taken while the engine served, no remedy under way
 
 
 def _rate(first: float | None, last: float | None, dt: float) -> float | None:
@@ -348,7 +349,7 @@ class SignalWindow:
         procs = reading.process_memory
         engine_bytes = (sum(b for p, b in procs.items() if p in pids)
                         if procs is not None else None)
-        self._gpu = _Gpu(now, reading, engine_bytes)
+        self._gpu = _Gpu(now, reading, engine_bytes, settled)
         if engine_bytes is not None:
             self._gpu_mem.add(now, engine_bytes, settled)
         for gpu, code in reading.xids_by_gpu():
@@ -361,10 +362,12 @@ class SignalWindow:
 
     def least_free_bytes(self, now: float, since: float) -> int | None:
         """The least memory free on any of the engine's GPUs in the last fresh reading,
-        if it was taken at `since` or after (None: no such reading, or one without the
-        memory figures). A reading with no per-GPU part is one GPU's."""
+        if it was taken at `since` or after, while the engine served with no remedy under
+        way (its memory all taken: not in its warm-up's sleep, nor a KV reset's); None:
+        no such reading, or one without the memory figures. A reading with no per-GPU
+        part is one GPU's."""
         g = self._gpu
-        if g is None or now - g.at > self.cfg.gpu_stale_s or g.at < since:
+        if g is None or now - g.at > self.cfg.gpu_stale_s or g.at < since or not g.settled:
             return None
         parts = g.reading.devices or (g.reading,)
         free = [p.memory_total_bytes - p.memory_used_bytes for p in parts

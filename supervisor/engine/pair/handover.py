@@ -78,10 +78,10 @@ class Handover:
         self.phase = new
         if new not in HANDING_OVER:
             self.since = None
-        if new in (Phase.IDLE, Phase.PROVING_WOKEN):
-            self._weights = None
         elif self.since is None:
             self.since = now
+        if new in (Phase.IDLE, Phase.PROVING_WOKEN):
+            self._weights = None
 
     def cold_start(self, f: PairFacts) -> list[Step]:
         """A cold start ends any handover, and applies any upgrade. A full-size engine in

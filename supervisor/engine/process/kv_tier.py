@@ -153,8 +153,8 @@ def prune(folder: Path, max_bytes: int, now: float, short: int = 0) -> Usage:
     """Keep the folder's files under `max_bytes`: past it, the oldest written blocks go
     until `LOW_WATER` of it is left; and a `.tmp` file older than ORPHAN_TMP_S (at wall
     time `now`) goes whatever the size. `short` (`host_short`): the host lacks that much
-    memory, so that many bytes of the oldest blocks go too (and LOW_WATER of what is
-    left then). Never raises; an error is in the result."""
+    memory, so the oldest blocks go until that much is given back, or what the bound
+    asks, whichever is more. Never raises; an error is in the result."""
     if not folder.is_dir():
         return Usage(0, 0, error=f"{folder} is gone: the engines cannot write their tier")
     try:
@@ -162,14 +162,17 @@ def prune(folder: Path, max_bytes: int, now: float, short: int = 0) -> Usage:
     except OSError as exc:
         return Usage(0, 0, error=f"{type(exc).__name__}: {exc}")
     total = sum(size for _, size, _ in files)
-    bound = min(max_bytes, max(0, total - short)) if short > 0 else max_bytes
+    # what is left once done: LOW_WATER of the bound past it, less the host's shortfall
+    left = max_bytes * LOW_WATER if total > max_bytes else total
+    if short > 0:
+        left = min(left, max(0, total - short))
     orphans = [f for f in files if f[2].name.endswith(".tmp") and now - f[0] > ORPHAN_TMP_S]
-    over = [] if total <= bound else sorted(
+    over = [] if total <= left else sorted(
         (f for f in files if f[2].name.endswith(".bin")), key=lambda f: f[0])
     removed_files = removed_bytes = 0
     error = None
     for i, (_, size, path) in enumerate([*orphans, *over]):
-        if i >= len(orphans) and total - removed_bytes <= bound * LOW_WATER:
+        if i >= len(orphans) and total - removed_bytes <= left:
             break
         try:
             path.unlink()
