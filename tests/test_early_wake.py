@@ -158,3 +158,16 @@ def test_vllms_sleep_line_says_the_weights_backup() -> None:
     assert weights_backup_of(line) == int(15.51 * GIB)
     assert weights_backup_of("Sleep mode freed 23.86 GiB memory, 0.77 GiB memory is "
                              "still in use.") is None
+
+
+def test_the_standby_started_first_is_no_handover_under_way(tmp_path: Path) -> None:
+    """(A regression of this change, found in review: `STANDBY_FIRST` took a clock as a
+    handover does, and a late `done` would have ended it as a failover.)"""
+    w = world(tmp_path, "sleep_first")
+    try:
+        w.sup.start("test")
+        h = w.sup.handover
+        assert h.first and h.since is None
+        assert h.done(w.sup.pair_facts()) == []  # (nothing to end)
+    finally:
+        w.loop.close()
