@@ -80,6 +80,7 @@ standby at 0.28 (both fit awake: the engine starts first, the standby beside it,
 with it `continue` waits for "protected again" before the fault and times the fault to it.
 
 PROXY_WORKERS=N: `start` runs the proxy over N processes (tests/gpu_plane.py measures it).
+SNAP_ON_DISK=1: `start snapshot` keeps the images on the disk, not a tmpfs (host memory).
 SPY=1: each KV reset of `kv-reset-streams` and `cost-kvreset-N` is recorded by py-spy in
 the engine's API server and core for 8 s (`tests/gpu_spy.py`; WORK/spy-*.txt, the top
 stacks in the reset's row).
