@@ -71,7 +71,9 @@ def test_the_weights_wake_as_the_old_engine_goes_and_the_rest_once_it_is_gone(
     w = world(tmp_path, "sleep_first")
     try:
         first, spare = armed(w)
+        assert w.sup.status()["standby"]["early_wake"] is False  # (no reading yet)
         w.feed(GpuSampled(reading(WEIGHTS + EARLY_WAKE_MARGIN_BYTES), w.now))
+        assert w.sup.status()["standby"]["early_wake"] is True  # (what a failover would do)
         w.feed(Exited(first.generation, -9))
         assert w.sup.engine is spare
         assert wakes(w) == [{"pid": spare.pid, "tags": ["weights"]}]  # before the tree went
@@ -125,6 +127,7 @@ def test_without_room_for_the_weights_the_whole_standby_wakes_once_the_tree_is_g
             r = reading(40 * GIB, devices=2)
             full = DeviceReading(1, memory_used_bytes=CARD - GIB, memory_total_bytes=CARD)
             w.feed(GpuSampled(GpuReading(devices=(r.devices[0], full)), w.now))
+        assert w.sup.status()["standby"]["early_wake"] is False
         w.feed(Exited(first.generation, -9))
         assert wakes(w) == []
         assert "weights_early" not in audited(tmp_path, "failover")[-1]

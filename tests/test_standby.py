@@ -392,7 +392,10 @@ def test_a_kill_on_a_full_card_wakes_the_standbys_weights_while_the_old_engine_g
     spare = d.status()["standby"]["pid"]
     wakes = tmp_path / "wakes"
     assert wakes.read_text().split() == ["all"]  # (the engine's warm-up: a whole wake)
-    time.sleep(1.5)  # (a reading of the card with the engine healthy: every 0.5 s)
+    # (a reading of the card with the engine serving, every 0.5 s: status says what a
+    # failover would do now)
+    wait_for(lambda: d.status()["standby"]["early_wake"] is (free_gib == 20), 10,
+             "status to say whether the weights would wake early")
     pids = d.engine_pids()  # (each fake's own, then its core's: the standby's first)
     core = pids[pids.index(d.status()["pid"]) + 1]
     streams_under(cfg, lambda: os.kill(core, signal.SIGKILL))

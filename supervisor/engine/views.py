@@ -18,6 +18,7 @@ from supervisor.engine.process.kv_tier import Record as KvTierRecord
 from supervisor.engine.process.process import EngineProcess
 from supervisor.engine.startup.start_times import Expected
 from supervisor.engine.states import State
+from supervisor.engine.steps import PairFacts
 from supervisor.engine.watch import EngineWatch, UnitFacts
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock
@@ -90,6 +91,8 @@ class Viewable(Protocol):
     def serving(self) -> bool: ...
 
     def facts(self) -> UnitFacts: ...
+
+    def pair_facts(self) -> PairFacts: ...
 
 
 def admission(unit: Viewable) -> dict[str, Any] | None:
@@ -212,7 +215,8 @@ def status(unit: Viewable) -> dict[str, Any]:
         "stop_deadline_in_s": (round(max(0.0, unit.stop_deadline - now), 3)
                                if unit.stop_deadline is not None else None),
         "fatal_reason": unit.failures.fatal_reason if unit.state is State.FATAL else None,
-        "standby": unit.handover.status(now, unit.config.engine.standby, unit.thin_serves),
+        "standby": unit.handover.status(now, unit.config.engine.standby, unit.thin_serves,
+                                        unit.pair_facts()),
         # the weight cache beside it (engine/pair/weight_cache.py); None: none configured
         "weight_cache": unit.weights.status(now),
         # the KV tier both engines share (engine/process/kv_tier.py); None: none configured

@@ -583,9 +583,24 @@ class Handover:
             return f"{why}: the standby is kept awake"
         return f"{why}: no standby (an awake one does not fit beside the engine)"
 
-    def status(self, now: float, mode: str, thin_serves: bool) -> dict[str, Any]:
+    def status(self, now: float, mode: str, thin_serves: bool,
+               f: PairFacts) -> dict[str, Any]:
         """`status`'s `standby`: `"ready"` when armed (awake or asleep, and proven);
-        `thin_serves`, the serving engine is an asymmetric pair's thin standby."""
+        `thin_serves`, the serving engine is an asymmetric pair's thin standby;
+        `early_wake` (`early_wake`)."""
         if mode == "none" and self.standby.idle:
             return {"state": "none"}
-        return {"mode": mode, **self.standby.status(now), "thin_serves": thin_serves}
+        return {"mode": mode, **self.standby.status(now), "thin_serves": thin_serves,
+                "early_wake": self.early_wake(f)}
+
+    def early_wake(self, f: PairFacts) -> bool | None:
+        """Whether a failover now would wake the ready standby's weights at once, beside
+        the old engine (`weights_fit`: the card's last reading leaves them room); None
+        where a failover would not wait for the old engine's memory (an awake standby,
+        room beside) or no standby is ready."""
+        st = self.standby
+        e = st.slot.engine
+        if not st.ready or e is None or not st.asleep \
+                or engine_checks.side_by_side(f.config.engine):
+            return None
+        return self.weights_fit(f, e)
