@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.engine.events import CoreExited, Exited, TreeSeen
+from supervisor.engine.events import CoreExited, Exited, GateProbe, HealthResult, Slept, TreeSeen
 from supervisor.engine.process.process import EngineProcess
+from supervisor.engine.views import exporter_view
+from tests.test_pair_machine import world
 from tests.test_supervisor_unit import World
 
 
@@ -40,6 +42,7 @@ def test_a_core_lost_while_the_oom_killer_ran_says_so(tmp_path: Path, before: in
         assert core_exit.get("oom_killed") is killed
         said = "OOM killer ran as it died" in w.sup.status()["reason"]
         assert said is bool(killed), w.sup.status()["reason"]
+        assert exporter_view(w.sup).oom_deaths == (1 if killed else 0)
     finally:
         w.loop.close()
 
@@ -53,5 +56,26 @@ def test_an_engine_that_exits_while_the_oom_killer_ran_says_so(tmp_path: Path) -
         (exit_,) = audit(tmp_path, "exit")
         assert exit_["oom_killed"] is True and exit_["signal"] == "SIGKILL"
         assert "killed by SIGKILL (the kernel's OOM killer ran" in w.sup.status()["reason"]
+    finally:
+        w.loop.close()
+
+
+def test_a_sleeping_standby_the_oom_killer_took_is_counted_too(tmp_path: Path) -> None:
+    """The standby's bay reads its process as the serving bay does: its unasked death
+    while the OOM killer ran is counted for the exporter (`engine_oom_deaths_total`)."""
+    w = world(tmp_path, "sleep_first")
+    try:
+        w.sup.start("test")
+        spare = w.spawned()
+        w.feed(HealthResult(spare.generation, True))
+        w.feed(GateProbe(spare.generation, True, None))
+        w.feed(Slept(spare.generation, None, 0.2))
+        first = w.serving()
+        w.feed(GateProbe(first.generation, True, None))
+        looked(w, spare, 40)
+        w.feed(Exited(spare.generation, -9, 41))
+        assert audit(tmp_path, "exit")[-1]["oom_killed"] is True
+        assert exporter_view(w.sup).oom_deaths == 1
+        assert w.sup.engine is first and w.state == "RUNNING"  # (the engine serves on)
     finally:
         w.loop.close()

@@ -51,6 +51,7 @@ class Executable(Protocol):
     handover: Handover
     keeper: GateKeeper
     notices: SystemdNotices
+    oom_deaths: int
     relaunch: RelaunchLog
     restart_reason: str
     slot: EngineSlot
@@ -149,6 +150,8 @@ class Executor:
                 u.audit(event, **fields)
             case do.CountRestart(reason):
                 u.count_restart(reason)
+            case do.CountOomDeath():
+                u.oom_deaths += 1
             case do.StartEngine(reason):
                 u.start_engine(reason)
             case do.SpawnServing():

@@ -129,6 +129,11 @@ class CountRestart:
 
 
 @dataclass(frozen=True)
+class CountOomDeath:
+    """An engine of the unit died unasked while the kernel's OOM killer ran."""
+
+
+@dataclass(frozen=True)
 class StartEngine:
     """A cold start (STARTING; its standby first when two do not fit)."""
 
@@ -296,6 +301,8 @@ def lifecycle(outcome: out.Outcome) -> list[Step]:
             return [WatchProcess(engine)]
         case out.Gone(engine, None):
             return [Forget(engine)]
+        case out.Died(engine) if engine.oom_killed:
+            return [CountOomDeath()]
     return []
 
 
@@ -547,7 +554,8 @@ def proof(engine: eng.EngineProcess, *, prove: bool, golden: bool = True,
     return [Admit(), RelaunchFinish("ok", None)]
 
 
-Step = (SetState | Decide | Record | Audit | CountRestart | StartEngine | SpawnServing
+Step = (SetState | Decide | Record | Audit | CountRestart | CountOomDeath | StartEngine
+        | SpawnServing
         | RestartEngine | RestartReason | RestartFailed | FailOver | SwapOrTakeDown | Drain
         | ForceStop | EndBackoff | NotifyStopping | StopDeadline | EndStopDeadline
         | TakeDown | TakeDownIn | DumpIn

@@ -131,6 +131,8 @@ class UnitState:
         self.last_decision: DecisionRecord | None = None  # the latest, lifecycle steps included
         self.exit_code = 0
         self.restarts_by_reason: dict[str, int] = {}
+        # its engines (either role) that died unasked while the kernel's OOM killer ran
+        self.oom_deaths = 0
         # the backoff after a failure, a start refused, giving up (engine/failures.py)
         self.failures = Failures(self.config.restart)
         # a restart or stop under way ends by this (monotonic); None: none under way

@@ -79,6 +79,8 @@ class Viewable(Protocol):
     @property
     def restarts(self) -> int: ...
     @property
+    def oom_deaths(self) -> int: ...
+    @property
     def handover(self) -> Handover: ...
     @property
     def golden(self) -> GoldenCheck: ...
@@ -284,6 +286,7 @@ def exporter_view(unit: Viewable) -> ExporterView:
         weight_cache_ready=(float(unit.weights.state is Cache.READY)
                             if unit.weights.configured else None),
         failovers=unit.handover.failovers, last_failover_s=unit.handover.last_failover_s,
+        oom_deaths=unit.oom_deaths,
         kv_tier_bytes=(tier := unit.kv_tier.numbers(unit.config.engine))[0],
         kv_tier_max_bytes=tier[1], kv_tier_removed_bytes=tier[2],
         golden_checks={"passed": unit.golden.passed, "mismatch": unit.golden.mismatches},

@@ -64,6 +64,7 @@ class ExporterView:
     # with a weight cache configured: 1.0 while it answers healthy, 0.0 while not
     weight_cache_ready: float | None = None
     failovers: int = 0  # handovers to the standby
+    oom_deaths: int = 0  # engines that died unasked while the kernel's OOM killer ran
     # with a KV tier configured (engine.kv_tier): its folder's block bytes at the last
     # look, its bound, and the bytes removed to keep it there; None without one
     kv_tier_bytes: float | None = None
@@ -224,6 +225,12 @@ class _ViewCollector(Collector):
                 for key, n in sorted(get_counts(e).items()):
                     counter.add_metric(lv(name, key), float(n))
             yield counter
+        oom = _counter("engine_oom_deaths", "engines (serving or standby) that died "
+                       "without being asked while the kernel's OOM killer ran: the host "
+                       "out of memory", views)
+        for name, e in views:
+            oom.add_metric(lv(name), float(e.oom_deaths))
+        yield oom
         if any(e.standby_ready is not None for _, e in views):
             failovers = _counter("failovers", "handovers of an engine's requests to its "
                                  "standby (a crash, a hang, a restart)", views)
