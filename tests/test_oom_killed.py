@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.engine.events import CoreExited, Exited, GateProbe, HealthResult, Slept, TreeSeen
+from supervisor.engine.events import CoreExited, Exited, TreeSeen
 from supervisor.engine.process.process import EngineProcess
 from supervisor.engine.views import exporter_view
+from tests.test_early_wake import armed
 from tests.test_pair_machine import world
 from tests.test_supervisor_unit import World
 
@@ -65,13 +66,7 @@ def test_a_sleeping_standby_the_oom_killer_took_is_counted_too(tmp_path: Path) -
     while the OOM killer ran is counted for the exporter (`engine_oom_deaths_total`)."""
     w = world(tmp_path, "sleep_first")
     try:
-        w.sup.start("test")
-        spare = w.spawned()
-        w.feed(HealthResult(spare.generation, True))
-        w.feed(GateProbe(spare.generation, True, None))
-        w.feed(Slept(spare.generation, None, 0.2))
-        first = w.serving()
-        w.feed(GateProbe(first.generation, True, None))
+        first, spare = armed(w)
         looked(w, spare, 40)
         w.feed(Exited(spare.generation, -9, 41))
         assert audit(tmp_path, "exit")[-1]["oom_killed"] is True
