@@ -138,6 +138,11 @@ def test_status_says_where_the_standby_stands_and_why_it_is_not_ready() -> None:
         "reason": None, "asleep": True, "rss_bytes": 18 * 2**30}})
     assert "standby    ready, asleep (pid 11, port 8101) for 65 s, 18.0 GiB host memory" \
         in asleep
+    early = format_status({**base, "standby": {
+        "mode": "snapshot", "state": "ready", "pid": 11, "port": 8101, "for_s": 65,
+        "reason": None, "asleep": True, "early_wake": True}})
+    assert "standby    ready, asleep (its weights wake early) (pid 11, port 8101) for 65 s" \
+        in early
     # a thin standby: what it carries of streams after a failover, against the engine
     thin = format_status({**base, "engine": {**base["engine"], "kv_tokens": 255_744},
                           "standby": {"mode": "sleep", "state": "ready", "pid": 11,

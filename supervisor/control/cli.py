@@ -225,6 +225,8 @@ def format_status(st: dict[str, Any]) -> str:
         where = f" (pid {sb['pid']}, port {sb['port']})" if sb.get("pid") else ""
         why = f": {sb['reason']}" if sb.get("reason") else ""  # (ready: kept awake)
         asleep = ", asleep" if sb.get("asleep") else ""
+        if sb.get("early_wake"):  # (a failover wakes its weights while the old engine goes)
+            asleep += " (its weights wake early)"
         rss = f", {sb['rss_bytes'] / 2**30:.1f} GiB host memory" if sb.get("rss_bytes") else ""
         kv = _carries(sb.get("kv_tokens"), (st.get("engine") or {}).get("kv_tokens"))
         lines.append(f"standby    {sb['state']}{asleep}{where} for {sb.get('for_s', 0):.0f} s"
