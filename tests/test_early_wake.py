@@ -1,5 +1,5 @@
 """A sleeping standby's weights woken while the old engine's memory is released
-(`Handover.weights_fit`, docs/standby.md "Its weights wake while the old engine's memory
+(`early_wake.weights_fit`, docs/standby.md "Its weights wake while the old engine's memory
 is released"): with no room beside
 the serving engine for a whole standby, a failover wakes the standby once the old
 engine's tree is gone. When NVML's last reading, taken with the old engine healthy, leaves
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.engine.events import Exited, GateProbe, GpuSampled, HealthResult, Slept, Woken
-from supervisor.engine.pair.handover import EARLY_WAKE_MARGIN_BYTES
+from supervisor.engine.pair.early_wake import EARLY_WAKE_MARGIN_BYTES
 from supervisor.engine.process.enginelog import weights_backup_of
 from supervisor.engine.process.process import EngineProcess
 from supervisor.watchdog.gpu import DeviceReading, GpuReading

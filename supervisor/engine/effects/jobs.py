@@ -379,8 +379,8 @@ class JobEffects:
             self._shm.setdefault(engine.pid, {}).update(seen)
         rss, cpu = await asyncio.to_thread(proctree.tree_usage, procs)
         heat, _ = await asyncio.to_thread(hostheat.hottest)
-        starved = await asyncio.to_thread(hostmem.memory_stall_pct)
-        killed = await asyncio.to_thread(hostmem.oom_kills)
+        starved, killed = await asyncio.to_thread(
+            lambda: (hostmem.memory_stall_pct(), hostmem.oom_kills()))
         dumps = engine.dumps  # (vLLM only appends to its files: they are bounded here)
         if dumps is not None and dumps.owned and (
                 cut := await asyncio.to_thread(stackdumps.trim, dumps.dir)):

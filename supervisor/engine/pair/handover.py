@@ -30,7 +30,7 @@ import structlog
 
 from supervisor.engine import steps as do
 from supervisor.engine.events import Drained, Event, GateProbe, Woken
-from supervisor.engine.pair import outcomes
+from supervisor.engine.pair import early_wake, outcomes
 from supervisor.engine.pair.pair_states import HANDING_OVER, PHASE, Phase, Role, check
 from supervisor.engine.pair.standby import Standby
 from supervisor.engine.process import process as eng
@@ -41,11 +41,6 @@ from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog.remedy import REST, WEIGHTS
 
 log = structlog.get_logger("supervisor")
-
-# what a sleeping standby's weights leave free on a GPU at the least, for them to be woken
-# while the old engine's memory is still being released (a wake that runs out of memory
-# fails, and can leave the engine wedged)
-EARLY_WAKE_MARGIN_BYTES = 2**30
 
 
 class Handover:
@@ -428,7 +423,7 @@ class Handover:
         # meanwhile, where they fit beside it
         when_down = asleep and old.engine is not None \
             and not engine_checks.side_by_side(f.config.engine)
-        early = when_down and self.weights_fit(f, engine)
+        early = when_down and early_wake.weights_fit(f, engine)
         out: list[Step] = [
             do.ServeFrom(),  # (the restart is over: its deadline with it)
             do.Audit("failover", {"reason": reason, "pid": engine.pid,
@@ -464,16 +459,6 @@ class Handover:
                      pid=old.engine.pid, generation=old.engine.generation)
             out.append(do.DrainBehind(old.engine, f.standby_deadline()))
         return [*out, do.Relaunch("taken_down"), do.Relaunch("down")]
-
-    @staticmethod
-    def weights_fit(f: PairFacts, engine: eng.EngineProcess) -> bool:
-        """A sleeping standby's weights fit on the card beside the old engine, before its
-        memory is released: NVML's last reading since the old engine was healthy leaves
-        them room on every GPU, with `EARLY_WAKE_MARGIN_BYTES` to spare (an engine that
-        has not slept says nothing of its weights: no)."""
-        need = engine.weights_bytes
-        return (need is not None and f.card_free_bytes is not None
-                and f.card_free_bytes >= need + EARLY_WAKE_MARGIN_BYTES)
 
     def _serve(self, f: PairFacts, engine: eng.EngineProcess) -> list[Step]:
         """The proxy's route goes to the engine that took over; held requests go once it
@@ -587,20 +572,8 @@ class Handover:
                f: PairFacts) -> dict[str, Any]:
         """`status`'s `standby`: `"ready"` when armed (awake or asleep, and proven);
         `thin_serves`, the serving engine is an asymmetric pair's thin standby;
-        `early_wake` (`early_wake`)."""
+        `early_wake` (`early_wake.armed`)."""
         if mode == "none" and self.standby.idle:
             return {"state": "none"}
         return {"mode": mode, **self.standby.status(now), "thin_serves": thin_serves,
-                "early_wake": self.early_wake(f)}
-
-    def early_wake(self, f: PairFacts) -> bool | None:
-        """Whether a failover now would wake the ready standby's weights at once, beside
-        the old engine (`weights_fit`: the card's last reading leaves them room); None
-        where a failover would not wait for the old engine's memory (an awake standby,
-        room beside) or no standby is ready."""
-        st = self.standby
-        e = st.slot.engine
-        if not st.ready or e is None or not st.asleep \
-                or engine_checks.side_by_side(f.config.engine):
-            return None
-        return self.weights_fit(f, e)
+                "early_wake": early_wake.armed(self.standby, f)}
