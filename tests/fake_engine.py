@@ -228,6 +228,8 @@ def main() -> None:
     p.add_argument("--kv-transfer-config", default=None)
     # a prompt's chunks not found in the tier cost this long each before the first token
     p.add_argument("--chunk-compute-s", type=float, default=0.0)
+    # a token's KV bytes in the tier's CPU part (Llama-3.1-8B's: 128 KiB)
+    p.add_argument("--tier-token-bytes", type=int, default=128 << 10)
     a, _engine_args = p.parse_known_args()  # the rest: engine flags, e.g. --max-num-seqs
     watchdog = watchdog_config(a.watchdog_config)
     if watchdog is not None and watchdog["dump_dir"]:

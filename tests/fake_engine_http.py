@@ -67,16 +67,20 @@ class FakeEngine:
         self.dying = threading.Event()
         self.logprobs_built = threading.Event()  # --first-logprobs-s: built once
         self.building = threading.Lock()
-        self.tier = FakeTier.from_config(a.kv_transfer_config)  # vLLM's fs KV tier, faked
+        # vLLM's fs KV tier, faked
+        self.tier = FakeTier.from_config(a.kv_transfer_config, a.tier_token_bytes)
 
     def prefill(self, prompt: list[int]) -> None:
         """The prompt before its first token: with a KV tier, its chunks found there
         loaded and the others computed (`--chunk-compute-s` each), said in a line."""
         if self.tier is None:
             return
-        loaded, full = self.tier.take(prompt)
+        with self.lock:  # (its counters: /metrics reads them)
+            loaded, full, refused = self.tier.take(prompt)
         self.log("INFO", f"KV tier: {loaded} of {full} chunks loaded from files",
                  tag="EngineCore_DP0")
+        if refused:  # (vLLM's words, at the scheduler's line)
+            self.log("WARNING", "Request fake: cannot store chunks", tag="EngineCore_DP0")
         time.sleep((full - loaded) * self.a.chunk_compute_s)
 
     def build_logprobs_helper(self) -> None:
@@ -221,6 +225,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
                          f"{e.a.served_model_name}\"}} {running}\n"
                          f"vllm:num_requests_waiting{{engine=\"0\",model_name=\""
                          f"{e.a.served_model_name}\"}} 0\n").encode()
+            if e.tier is not None and not e.a.metrics_file:
+                with e.lock:
+                    body += e.tier.page(e.a.served_model_name).encode()
             series = e.sleep_metrics.page().encode()  # (the API server's, at the end)
             if series:
                 body += (b"" if body.endswith(b"\n") else b"\n") + series

@@ -239,6 +239,7 @@ def phase_cost(fault: str, input_len: str) -> dict[str, Any]:
     kvreset: one KV reset) 5 s after 64 run. Plan steps `cost-FAULT-LEN`, the no-fault
     run first at each length: `plan cost-none-1536 cost-kill-1536 ...`."""
     n = int(input_len)
+    tier_before = (status().get("kv_tier") or {}).get("store_refusals_total")
     if fault == "kvreset":
         out = phase_kv_reset_streams(128, COST_PROMPTS["kvreset"], 1, input_len=n,
                                      tag=f"cost-kvreset-{n}")
@@ -246,7 +247,16 @@ def phase_cost(fault: str, input_len: str) -> dict[str, Any]:
         out = phase_continue(fault, "late", tag=f"cost-{fault}-{n}",
                              prompts=COST_PROMPTS[fault], input_len=n)
     # (what the clients waited for at the gate: which of the fault's cost is admission's)
-    result("cost", fault=fault, input_len=n, kv_tier=status().get("kv_tier") is not None,
+    st = status()
+    tier = st.get("kv_tier")
+    # with a tier: the stores vLLM refused during the run (its CPU part full: those blocks
+    # were computed again after the fault), and its rates over the last minute
+    refused = (tier["store_refusals_total"] - (tier_before or 0)
+               if tier and tier.get("store_refusals_total") is not None else None)
+    result("cost", fault=fault, input_len=n, kv_tier=tier is not None,
+           kv_tier_refused=refused,
+           kv_tier_rates={k: v for k, v in st["signals"].items() if k.startswith("kv_tier")}
+           if tier else None,
            **out["cost"], gate_waits=out.get("gate_waits"))
     return out
 

@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import threading
+import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -242,15 +243,37 @@ def test_status_shows_the_folder_its_last_look_and_what_the_looks_removed() -> N
     assert record.view(cfg) == {"folder": "/x", "max_bytes": 2 * 2**30, "chunk_tokens": 256,
                                 "files": None, "bytes": None, "error": None,
                                 "warning": None,
-                                "removed_files_total": 0, "removed_bytes_total": 0}
+                                "removed_files_total": 0, "removed_bytes_total": 0,
+                                "store_refusals_total": 0}
     record.saw("/x", kv_tier.Usage(3, 300, removed_files=2, removed_bytes=200))
     record.saw("/x", kv_tier.Usage(4, 400, removed_files=1, removed_bytes=100))
     view = record.view(cfg)
     assert view is not None and (view["files"], view["bytes"]) == (4, 400)
     assert (view["removed_files_total"], view["removed_bytes_total"]) == (3, 300)
-    assert record.numbers(cfg) == (400.0, 2.0 * 2**30, 300.0)  # (the exporter's)
-    assert record.numbers(engine()) == (None, None, None)
-    assert kv_tier.Record().numbers(cfg) == (None, 2.0 * 2**30, 0.0)
+    record.refused.saw(1, 5.0, 0.0)
+    assert record.view(cfg)["store_refusals_total"] == 5  # type: ignore[index]
+    assert record.numbers(cfg) == (400.0, 2.0 * 2**30, 300.0, 5.0)  # (the exporter's)
+    assert record.numbers(engine()) == (None, None, None, None)
+    assert kv_tier.Record().numbers(cfg) == (None, 2.0 * 2**30, 0.0, 0.0)
+
+
+def test_vllms_refused_stores_are_summed_over_the_engines_and_said_once_a_period() -> None:
+    r = kv_tier.Refused()
+    assert r.saw(1, 0.0, 0.0) is None and r.total == 0  # (none refused: nothing said)
+    assert r.saw(1, 3.0, 10.0) == 3  # the first refusals: said at once
+    assert r.saw(1, 7.0, 20.0) is None  # then summed for a period
+    assert r.saw(1, 7.0, 30.0) is None
+    # a failover: the standby's own count, from 0, taken whole
+    assert r.saw(2, 2.0, 40.0) is None and r.total == 9
+    assert r.saw(2, 2.0, 10.0 + kv_tier.SAY_REFUSED_EVERY_S) == 6  # the period's sum
+    # the first engine serves again (the thin pair's returning one): what it added since
+    assert r.saw(1, 8.0, 400.0) is None and r.total == 10
+    assert r.saw(1, 1.0, 500.0) is None and r.total == 11  # (a counter that went back)
+    assert r.saw(1, 1.0, 10.0 + 2 * kv_tier.SAY_REFUSED_EVERY_S) == 2
+    for generation in range(3, 9):  # (the engines gone are forgotten)
+        r.saw(generation, 0.0, 700.0)
+    assert len(r._engines) == 4
+    assert "engine.kv_tier_cpu_gib = 8 GiB" in kv_tier.refused_warning(engine(), 3)
 
 
 MOUNTS = """/dev/vda / ext4 rw,relatime 0 0
@@ -449,3 +472,46 @@ def test_an_engine_whose_folder_is_refused_is_started_without_a_tier(daemon_fact
     st = wait_for(lambda: (v := d.status()["kv_tier"])["error"] and v, 10, "the refusal")
     assert "did not put there" in st["error"] and st["files"] == 0
     assert (folder / "someone-elses").exists() and not (folder / kv_tier.MARKER).exists()
+
+
+def test_stores_the_tiers_cpu_part_refuses_are_counted_said_and_exported(daemon_factory,
+                                                                          tmp_path):
+    """vLLM 0.33 counts a store its KV tier could not place (its CPU part full of blocks
+    still being written): those blocks are not in the tier, and a fault computes them
+    again. The fake engine's CPU part holds 2 chunks a prompt here (0.25 GiB at 8 MiB a
+    token, 16-token chunks); a prompt that fits is no refusal and no warning, a longer
+    one is: status, the exporter and one warning that names the setting to raise."""
+    cfg = proxy_config(tmp_path, "--tier-token-bytes", str(8 << 20))
+    cfg["engine"].update(kv_tier=str(tmp_path / "kv-tier"), kv_tier_chunk_tokens=CHUNK,
+                         kv_tier_cpu_gib=0.25)
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    short = "a prompt of two chunks"  # (22 tokens: one full chunk)
+    seen = run(cfg, comp(prompt=short, max_tokens=4))
+    assert seen.complete, seen
+    done = time.monotonic()
+
+    def scraped_since() -> bool:  # (a scrape of the engine's page after that request)
+        age = d.status()["signals"]["metrics_age_s"]
+        return age is not None and age + 0.2 < time.monotonic() - done
+
+    wait_for(scraped_since, 20, "a scrape after the short prompt")
+    assert d.status()["kv_tier"]["store_refusals_total"] == 0
+    assert not [e for e in d.log_records() if e.get("event") == "KV tier refused stores"]
+
+    long = "a prompt of six chunks of sixteen tokens each, " * 2  # (96 tokens)
+    for _ in range(2):
+        seen = run(cfg, comp(prompt=long, max_tokens=4))
+        assert seen.complete, seen  # (a refused store fails no request)
+    st = wait_for(lambda: (v := d.status()["kv_tier"])["store_refusals_total"] == 2 and v,
+                  20, "both refusals counted")
+    said = [e for e in d.log_records() if e.get("event") == "KV tier refused stores"]
+    assert len(said) == 1 and said[0]["refused"] >= 1, said  # (then summed for a period)
+    assert "engine.kv_tier_cpu_gib = 0.25 GiB" in said[0]["detail"]
+    assert said[0]["level"] == "warning"
+    assert st["error"] is None
+    m = metrics(cfg)
+    assert m[("vllm_supervisor_kv_tier_store_refusals_total", ())] == 2
+    # the engine's own line, as vLLM's scheduler says it, passes through its log
+    assert any("cannot store chunks" in str(e.get("event")) for e in d.log_records()
+               if e.get("source") == "engine")

@@ -115,6 +115,19 @@ def test_the_constructed_pages_print_the_series_as_the_real_engine_does():
     assert _sleep_block_shape(made) == _sleep_block_shape(real)
 
 
+def test_the_kv_tiers_refused_stores_and_its_bytes_from_vllm_033s_counters():
+    s = scrape("vllm-0.33-constructed/kv-tier-refusing.txt")
+    assert s.kv_offload_refusals_total == 3075.0
+    assert s.kv_offload_stored_bytes_total == 24 * 2**30
+    assert s.kv_offload_loaded_bytes_total == 11 * 2**30
+    assert s.engines == 1  # (the connector's series carry the engine's label)
+    # a page without a tier (or before its first count: each series is created at its
+    # first) knows none of them
+    idle = scrape("vllm-0.32-cpu-metrics/idle.txt")
+    assert (idle.kv_offload_refusals_total, idle.kv_offload_stored_bytes_total,
+            idle.kv_offload_loaded_bytes_total) == (None, None, None)
+
+
 def test_sleep_operations_in_flight_are_summed_and_never_count_as_an_engine():
     page = """# TYPE vllm:sleep_mode_operations_in_flight gauge
 vllm:sleep_mode_operations_in_flight{operation="sleep"} 0.0
@@ -189,7 +202,8 @@ vllm:gpu_prefix_cache_hit_rate{engine="0",} 0.25
     "vllm-0.32-cpu-metrics/after-load.txt", "vllm-0.32-cpu-metrics/spec-decode-ngram.txt",
     "vllm-0.32-cpu-metrics/after-sleep-wake.txt",
     "vllm-0.26-h100-metrics/idle.txt", "vllm-0.33-constructed/after-warm-up.txt",
-    "vllm-0.33-constructed/after-kv-reset.txt", "vllm-0.33-h100/after-one-request.txt",
+    "vllm-0.33-constructed/after-kv-reset.txt", "vllm-0.33-constructed/kv-tier-refusing.txt",
+    "vllm-0.33-h100/after-one-request.txt",
     "vllm-0.33-h100/weight-cache-after-one-request.txt", "old names"])
 def test_the_line_reader_reads_what_prometheus_clients_parser_reads(page, monkeypatch):
     from supervisor.watchdog import metrics

@@ -80,6 +80,7 @@ def test_every_alert_is_tested_firing_and_silent() -> None:
     ("p99_5m > 10", "p99_5m > 9.9"),
     ("> 0.05", "> 0.039"),
     ("[1h])) > 3", "[1h])) > 2"),
+    ("refusals_total[30m]) > 10", "refusals_total[30m]) > 4"),  # 5 in a burst fires
 ])
 def test_the_unit_tests_fail_when_a_threshold_moves_under_them(tmp_path: Path, before: str,
                                                              after: str) -> None:

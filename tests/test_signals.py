@@ -553,3 +553,21 @@ def test_a_stall_while_the_host_is_starved_of_memory_is_the_hosts_for_a_bounded_
         plain.add_tree(t, 1 << 30, 50.0, host_memory_stall_percent=None)
         plain.add_metrics(t, busy)
     assert stalled(plain, 6.0) == 6.0 and compute(plain, 6.0)["host_memory_stall_percent"] is None
+
+
+def test_the_kv_tiers_counters_count_from_zero_once_they_appear():
+    """vLLM shows each KV tier counter from its first count on: a window that begins
+    without it and ends with it counted from 0; a window with none knows nothing."""
+    w = SignalWindow(WindowConfig(rate_window_s=60))
+    feed(w, range(0, 31, 10), generation_tokens_total=lambda t: float(t))
+    feed(w, [40.0, 50.0, 60.0], kv_offload_refusals_total=lambda t: (t - 30) * 2,
+         kv_offload_stored_bytes_total=lambda t: t * 1e6,
+         kv_offload_loaded_bytes_total=lambda t: (t - 40) * 1e6)
+    s = compute(w, 60.0)
+    assert s["kv_tier_store_refusals_per_s"] == pytest.approx(60 / 60)
+    assert s["kv_tier_stored_bytes_per_s"] == pytest.approx(60e6 / 60)
+    assert s["kv_tier_loaded_bytes_per_s"] == pytest.approx(20e6 / 60)
+    none = SignalWindow(WindowConfig(rate_window_s=60))
+    feed(none, range(0, 61, 10), generation_tokens_total=lambda t: float(t))
+    s = compute(none, 60.0)
+    assert s["kv_tier_store_refusals_per_s"] is None and s["kv_tier_loaded_bytes_per_s"] is None

@@ -77,6 +77,7 @@ from supervisor.engine.events import (
 from supervisor.engine.pair import outcomes as out
 from supervisor.engine.pair import serving
 from supervisor.engine.pair.standby import made_of
+from supervisor.engine.process import kv_tier
 from supervisor.engine.process import process as eng
 from supervisor.engine.snapshot import criu
 from supervisor.engine.states import State
@@ -316,6 +317,14 @@ class EngineUnit(UnitState):
         if ev.snapshot is not None and self.engine is not None \
                 and self.engine.generation == ev.generation:
             self.gate.set_kv_usage(ev.snapshot.kv_cache_usage)
+            refusals = ev.snapshot.kv_offload_refusals_total
+            if refusals is not None and self.config.engine.kv_tier:
+                said = self.kv_tier.refused.saw(ev.generation, refusals,
+                                                self.clock.monotonic())
+                if said:
+                    log.warning("KV tier refused stores", refused=said,
+                                total=self.kv_tier.refused.total,
+                                detail=kv_tier.refused_warning(self.config.engine, said))
 
     def handle_canary_done(self, ev: CanaryDone) -> None:
         self.watch.on_canary_done(ev, self.facts())

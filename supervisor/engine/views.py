@@ -289,6 +289,7 @@ def exporter_view(unit: Viewable) -> ExporterView:
         oom_deaths=unit.oom_deaths,
         kv_tier_bytes=(tier := unit.kv_tier.numbers(unit.config.engine))[0],
         kv_tier_max_bytes=tier[1], kv_tier_removed_bytes=tier[2],
+        kv_tier_store_refusals=tier[3],
         golden_checks={"passed": unit.golden.passed, "mismatch": unit.golden.mismatches},
         eta_s=expected.left_s if (expected := unit.expected_start()) is not None else None,
         capabilities=capabilities(unit),

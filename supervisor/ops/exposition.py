@@ -70,6 +70,7 @@ class ExporterView:
     kv_tier_bytes: float | None = None
     kv_tier_max_bytes: float | None = None
     kv_tier_removed_bytes: float | None = None
+    kv_tier_store_refusals: float | None = None  # stores vLLM's tier refused (0.33+)
     last_failover_s: float | None = None  # the last one: fault seen to requests released
     # [fleet]: each router's URL -> whether this daemon is its worker; None: no routers
     fleet: Mapping[str, bool] | None = None
@@ -245,6 +246,14 @@ class _ViewCollector(Collector):
                 if e.kv_tier_removed_bytes is not None:
                     removed.add_metric(lv(name), e.kv_tier_removed_bytes)
             yield removed
+        if any(e.kv_tier_store_refusals is not None for _, e in views):
+            refused = _counter("kv_tier_store_refusals", "stores vLLM's KV tier refused, its "
+                               "CPU part full (vLLM 0.33+: those blocks are computed again "
+                               "after a fault)", views)
+            for name, e in views:
+                if e.kv_tier_store_refusals is not None:
+                    refused.add_metric(lv(name), e.kv_tier_store_refusals)
+            yield refused
         more: list[tuple[str, str, Callable[[ExporterView], float | None]]] = [
                 ("throttle_level", "throttle level in force (0: none)",
                  lambda e: float(e.throttle_level)),
@@ -301,7 +310,7 @@ class _ViewCollector(Collector):
             taken |= {PREFIX + n, PREFIX + n + "_total", PREFIX + n + "_created",
                       PREFIX + n + "_bucket", PREFIX + n + "_count", PREFIX + n + "_sum"}
         for n in ("engine_restarts", "policy_trips", "policy_actions", "failovers",
-                  "golden_checks", "kv_tier_removed_bytes"):
+                  "golden_checks", "kv_tier_removed_bytes", "kv_tier_store_refusals"):
             taken |= {PREFIX + n, PREFIX + n + "_total", PREFIX + n + "_created"}
         families: dict[str, GaugeMetricFamily] = {}
         for engine, view in views:

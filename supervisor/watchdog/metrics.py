@@ -62,6 +62,12 @@ class Snapshot:
     # the page has; and how many run now (None: no such series)
     sleep_ops: SleepOps = ()
     sleep_ops_in_flight: float | None = None
+    # vLLM's KV offloading (0.33+; engine.kv_tier): blocks it could not store because its
+    # CPU part had no room (its `cannot store chunks`), and the bytes it stored from the
+    # GPU and loaded back into it
+    kv_offload_refusals_total: float | None = None
+    kv_offload_stored_bytes_total: float | None = None
+    kv_offload_loaded_bytes_total: float | None = None
 
     @property
     def has_vllm_series(self) -> bool:
@@ -83,6 +89,12 @@ _SUMMED = {
                                        "vllm:spec_decode_num_draft_tokens"),
     "spec_decode_accepted_tokens_total": ("vllm:spec_decode_num_accepted_tokens_total",
                                           "vllm:spec_decode_num_accepted_tokens"),
+    "kv_offload_refusals_total": ("vllm:kv_offload_allocation_failure_total",
+                                  "vllm:kv_offload_allocation_failure"),
+    "kv_offload_stored_bytes_total": ("vllm:kv_offload_store_bytes_total",
+                                      "vllm:kv_offload_store_bytes"),
+    "kv_offload_loaded_bytes_total": ("vllm:kv_offload_load_bytes_total",
+                                      "vllm:kv_offload_load_bytes"),
 }
 _MAXED = {
     "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),

@@ -116,6 +116,13 @@ SIGNALS: tuple[SignalSpec, ...] = (
        "seconds the engine's step and token counters have not moved while it had requests "
        "running or waiting (0 when they move or it is idle)"),
     _s("scrape_failures_total", "scrape_failures", "failed /metrics scrapes, this daemon"),
+    _s("kv_tier_store_refusals_per_s", "kv_tier_store_refusals_per_second",
+       "stores per second that vLLM's KV tier refused, its CPU part full (vLLM 0.33+, "
+       "engine.kv_tier; each a request's new blocks, computed again after a fault)"),
+    _s("kv_tier_stored_bytes_per_s", "kv_tier_stored_bytes_per_second",
+       "bytes per second vLLM stored from the GPU into its KV tier (vLLM 0.33+)"),
+    _s("kv_tier_loaded_bytes_per_s", "kv_tier_loaded_bytes_per_second",
+       "bytes per second vLLM loaded from its KV tier instead of computing them (0.33+)"),
     _s("sleep_ops_in_flight", "sleep_mode_operations_in_flight",
        "sleep-mode calls (sleep, wake) the engine's API server is in (vLLM 0.32+; unknown "
        "until its first)"),
@@ -190,6 +197,13 @@ def _rate(first: float | None, last: float | None, dt: float) -> float | None:
     if first is None or last is None or dt <= 0 or last < first:  # a reset: unknown
         return None
     return (last - first) / dt
+
+
+def _rate_from_zero(first: float | None, last: float | None, dt: float) -> float | None:
+    """`_rate` of a counter that vLLM's page shows only from its first count on (a
+    labelled child of prometheus_client, as the KV tier's): absent at the window's start
+    and present at its end, it counted from 0 in between."""
+    return _rate(0.0 if first is None and last is not None else first, last, dt)
 
 
 def histogram_quantile(q: float, first: Iterable[tuple[float, float]],
@@ -465,6 +479,12 @@ class SignalWindow:
             out["preemption_rate"] = _rate(a.preemptions_total, b.preemptions_total, dt)
             out["generation_tokens_per_s"] = _rate(a.generation_tokens_total,
                                                    b.generation_tokens_total, dt)
+            out["kv_tier_store_refusals_per_s"] = _rate_from_zero(
+                a.kv_offload_refusals_total, b.kv_offload_refusals_total, dt)
+            out["kv_tier_stored_bytes_per_s"] = _rate_from_zero(
+                a.kv_offload_stored_bytes_total, b.kv_offload_stored_bytes_total, dt)
+            out["kv_tier_loaded_bytes_per_s"] = _rate_from_zero(
+                a.kv_offload_loaded_bytes_total, b.kv_offload_loaded_bytes_total, dt)
             out["prefix_cache_hit_rate"] = _ratio(
                 a.prefix_cache_hits_total, b.prefix_cache_hits_total,
                 a.prefix_cache_queries_total, b.prefix_cache_queries_total,

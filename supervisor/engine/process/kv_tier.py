@@ -315,15 +315,59 @@ class Pruned:
         return out
 
 
+# vLLM's refused stores said at warning level at most this often, summed (the first at once)
+SAY_REFUSED_EVERY_S = 300.0
+
+
+@dataclass
+class Refused:
+    """vLLM's own count of the stores its KV tier refused (each a request's new blocks at
+    one step, its CPU part full: `vllm:kv_offload_allocation_failure`, 0.33+, its log's
+    `cannot store chunks`), summed over the unit's engines: each
+    engine counts from 0, so its first count is taken whole, then what it added (an
+    engine may serve again after another did: the thin pair's returning one)."""
+
+    total: int = 0
+    _engines: dict[int, float] = field(default_factory=dict)  # generation -> last count
+    _unsaid: int = 0
+    _said_at: float | None = None  # monotonic
+
+    def saw(self, generation: int, count: float, now: float) -> int | None:
+        """An engine's count at a scrape; the refusals to say now (None: none, or said
+        less than SAY_REFUSED_EVERY_S ago: summed into the next)."""
+        last = self._engines.pop(generation, 0.0)
+        added = count - last if count >= last else count  # (below: a counter reset)
+        self._engines[generation] = count
+        while len(self._engines) > 4:  # (the pair's engines, and one or two gone)
+            del self._engines[next(iter(self._engines))]
+        self.total += int(added)
+        self._unsaid += int(added)
+        if not self._unsaid or (self._said_at is not None
+                                and now - self._said_at < SAY_REFUSED_EVERY_S):
+            return None
+        said, self._unsaid, self._said_at = self._unsaid, 0, now
+        return said
+
+
+def refused_warning(cfg: EngineConfig, refused: int) -> str:
+    """The log's sentence for `refused` stores vLLM's KV tier could not make."""
+    return (f"vLLM's KV tier refused {refused} stores (each a request's new blocks): its "
+            f"CPU part (engine.kv_tier_cpu_gib = {cfg.kv_tier_cpu_gib:g} GiB) had no room, "
+            "full of blocks still being written to the folder. Those blocks are not in the "
+            "tier: after a fault they are computed again. Raise kv_tier_cpu_gib if the "
+            "host's memory allows (docs/standby.md, \"The KV tier\")")
+
+
 @dataclass
 class Record:
     """What the unit knows of its KV tier: the keeper's last look at each folder it keeps
-    (one; two after a reload moved it), and what the looks removed in all (status's
-    `kv_tier`)."""
+    (one; two after a reload moved it), what the looks removed in all, and the blocks
+    vLLM could not store (status's `kv_tier`)."""
 
     looks: dict[str, Usage] = field(default_factory=dict)
     removed_files: int = 0
     removed_bytes: int = 0
+    refused: Refused = field(default_factory=Refused)
 
     def saw(self, folder: str, usage: Usage) -> None:
         self.looks[folder] = usage
@@ -345,13 +389,16 @@ class Record:
                 **(last.fields() if last is not None
                    else {"files": None, "bytes": None, "error": None, "warning": None}),
                 "removed_files_total": self.removed_files,
-                "removed_bytes_total": self.removed_bytes}
+                "removed_bytes_total": self.removed_bytes,
+                "store_refusals_total": self.refused.total}
 
-    def numbers(self, cfg: EngineConfig) -> tuple[float | None, float | None, float | None]:
+    def numbers(self, cfg: EngineConfig) -> tuple[float | None, ...]:
         """The exporter's: the folder's bytes at the last look (None before one), its
-        bound, the bytes removed in all; all None without a tier."""
+        bound, the bytes removed in all, the stores vLLM refused in all; all None
+        without a tier."""
         folder, last = self._last(cfg)
         if folder is None:
-            return None, None, None
+            return None, None, None, None
         return (float(last.bytes) if last is not None else None,
-                float(int(cfg.kv_tier_max_gib * GIB)), float(self.removed_bytes))
+                float(int(cfg.kv_tier_max_gib * GIB)), float(self.removed_bytes),
+                float(self.refused.total))
