@@ -512,6 +512,8 @@ def test_stores_the_tiers_cpu_part_refuses_are_counted_said_and_exported(daemon_
     assert st["error"] is None
     m = metrics(cfg)
     assert m[("vllm_supervisor_kv_tier_store_refusals_total", ())] == 2
+    text = d.ctl("status").stdout  # (the operator's command, over the control socket)
+    assert "2 stores refused (its CPU part full: raise engine.kv_tier_cpu_gib)" in text, text
     # the engine's own line, as vLLM's scheduler says it, passes through its log
     assert any("cannot store chunks" in str(e.get("event")) for e in d.log_records()
                if e.get("source") == "engine")

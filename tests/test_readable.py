@@ -107,6 +107,8 @@ def test_the_access_line_is_the_line_structlog_writes_and_follows_the_level(caps
     ("gpu_thermal_throttled", 1.0, "yes"),
     ("prefix_cache_hit_rate_ratio", 0.5, "0.50 x its baseline"),
     ("kv_blocks_held", 12, "12 blocks"),
+    ("kv_tier_store_refusals_per_s", 2.5, "2.5 stores refused/s"),  # (not a time)
+    ("kv_tier_loaded_bytes_per_s", 3 * 2**30, "3.0 GiB/s"),
 ])
 def test_signals_print_in_human_units(name: str, value: float, shown: str) -> None:
     assert format_signal(name, value) == shown
@@ -165,6 +167,26 @@ def test_status_says_where_the_compile_cache_is_and_its_size() -> None:
                                                        "vllm_version": None, "bytes": None}})
     assert "cache      /c/unknown (vLLM unknown, size not yet measured)" in unknown
     assert "cache " not in format_status(base)
+
+
+def test_status_says_how_full_the_kv_tier_is_and_what_vllm_refused() -> None:
+    base = {"state": "RUNNING", "reason": "healthy", "pid": 10, "restarts": 0,
+            "engine": {"processes": 3, "host": "127.0.0.1", "port": 8100}}
+    tier = {"folder": "/dev/shm/kv", "max_bytes": 24 * 2**30, "chunk_tokens": 256,
+            "files": 4096, "bytes": 12 * 2**30, "error": None, "warning": None,
+            "removed_files_total": 0, "removed_bytes_total": 0, "store_refusals_total": 0}
+    assert "kv tier    /dev/shm/kv: 12.0 GiB of 24.0 GiB (4,096 files)\n" in format_status(
+        {**base, "kv_tier": tier})
+    busy = format_status({**base, "kv_tier": {
+        **tier, "removed_bytes_total": 5 * 2**30, "store_refusals_total": 3075,
+        "warning": "the KV tier may take 40.0 GiB of host memory"}})
+    assert ("kv tier    /dev/shm/kv: 12.0 GiB of 24.0 GiB (4,096 files), 5.0 GiB removed to "
+            "keep it there; 3,075 stores refused (its CPU part full: raise "
+            "engine.kv_tier_cpu_gib)\n           warning: the KV tier may take 40.0 GiB of "
+            "host memory") in busy
+    unseen = format_status({**base, "kv_tier": {**tier, "files": None, "bytes": None}})
+    assert "kv tier    /dev/shm/kv: not yet looked at" in unseen
+    assert "kv tier" not in format_status(base)
 
 
 def test_status_says_where_vllm_writes_its_own_stack_dumps() -> None:

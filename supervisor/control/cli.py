@@ -133,6 +133,10 @@ def format_signal(name: str, value: float | int | bool) -> str:
         return f"{value:.2f} x its baseline"
     if name.startswith("kv_blocks"):
         return f"{value:.4g} blocks"
+    if name == "kv_tier_store_refusals_per_s":
+        return f"{value:.3g} stores refused/s"
+    if name.endswith("_bytes_per_s"):
+        return human_bytes(value) + "/s"
     if name.endswith("_bytes_per_h"):
         return human_bytes(value) + "/h"
     if name.endswith("_bytes"):
@@ -250,6 +254,9 @@ def format_status(st: dict[str, Any]) -> str:
                          + (f": {last['why']}" if last.get("why") else ""))
         if wc.get("last_error"):
             lines.append(f"           last error: {wc['last_error']}")
+    tier = st.get("kv_tier")
+    if tier:
+        lines.append(format_kv_tier(tier))
     if st.get("backoff_remaining_s") is not None:
         lines.append(f"backoff    next start in {st['backoff_remaining_s']:.1f} s")
     if st.get("stop_deadline_in_s") is not None:
@@ -265,6 +272,23 @@ def format_status(st: dict[str, Any]) -> str:
     lines.append(f"daemon     pid {st.get('daemon_pid')}, "
                  f"up {_duration(st.get('daemon_uptime_s'))}")
     return "\n".join(lines)
+
+
+def format_kv_tier(t: dict[str, Any]) -> str:
+    """The KV tier's line (docs/standby.md, "The KV tier"): its folder, how full, what
+    the keeper removed, and the stores vLLM refused; then its error or warning."""
+    used = (f"{human_bytes(t['bytes'])} of {human_bytes(t['max_bytes'])} "
+            f"({t['files']:,} files)" if t.get("bytes") is not None else "not yet looked at")
+    line = f"kv tier    {t['folder']}: {used}"
+    if t.get("removed_bytes_total"):
+        line += f", {human_bytes(t['removed_bytes_total'])} removed to keep it there"
+    if t.get("store_refusals_total"):
+        line += (f"; {t['store_refusals_total']:,} stores refused (its CPU part full: raise "
+                 "engine.kv_tier_cpu_gib)")
+    for key in ("error", "warning"):
+        if t.get(key):
+            line += f"\n           {key}: {t[key]}"
+    return line
 
 
 def format_gpu(g: dict[str, Any]) -> str:
