@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import types
 from pathlib import Path
 
 from supervisor.engine.process import process as eng
@@ -54,6 +55,40 @@ def test_take_down_waits_until_the_gpu_is_released():
     assert r.gpu_holders == {} and gpu.calls == 4  # polled until the old tree left the GPU
     assert r.survivors == [] and alive(pids) == []
     assert r.exit_code == 0 and not r.sigkilled
+
+
+def test_the_release_is_looked_at_quickly_at_first_then_at_the_usual_interval(monkeypatch):
+    """On a full card the standby's wake waits for the proof that the old engine's memory
+    is back (0.27-0.71 s after a kill on the H200): every 20 ms for the first 2 s, then
+    every `interval_s`, within the timeout; on a driven clock."""
+    clock = [100.0]
+    slept: list[float] = []
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+        clock[0] += s
+
+    monkeypatch.setattr(takedown, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(takedown, "asyncio", types.SimpleNamespace(
+        sleep=sleep, to_thread=asyncio.to_thread))
+    calls = []
+
+    def held() -> dict[int, int]:
+        calls.append(clock[0])
+        return {7: 1 << 30} if clock[0] < 102.5 else {}
+
+    left = asyncio.run(takedown.poll_until_clear(held, 10.0, interval_s=0.25,
+                                                 quick_for_s=takedown.QUICK_FOR_S))
+    assert left == {}
+    quick = [s for s in slept if s == takedown.QUICK_INTERVAL_S]
+    n = round(takedown.QUICK_FOR_S / takedown.QUICK_INTERVAL_S)
+    assert n <= len(quick) <= n + 1  # (2 s of them, to a float's rounding)
+    assert slept[len(quick):] == [0.25, 0.25]  # (then the usual interval, until clear)
+    # without `quick_for_s`: the usual interval from the first look, and the timeout holds
+    slept.clear()
+    clock[0] = 0.0
+    assert asyncio.run(takedown.poll_until_clear(lambda: [1], 1.0, interval_s=0.25)) == [1]
+    assert slept == [0.25] * 4
 
 
 def test_take_down_reports_gpu_memory_that_is_never_released():

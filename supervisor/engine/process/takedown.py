@@ -42,17 +42,29 @@ class TakeDown:
     sigkilled: bool
 
 
+# A dying engine's tree and its card's memory are looked at this often for the first
+# seconds, then at the usual interval: on a full card the standby's wake waits on that
+# proof, and the card came back 0.27-0.71 s after a kill (docs/standby.md, "Why a woken
+# engine's memory comes back slowly"): a 0.25 s poll alone added up to a quarter second.
+QUICK_INTERVAL_S = 0.02
+QUICK_FOR_S = 2.0
+
+
 async def poll_until_clear(check: Callable[[], T], timeout_s: float,
                            interval_s: float = 0.1,
-                           settled: Callable[[T], bool] = lambda value: not value) -> T:
+                           settled: Callable[[T], bool] = lambda value: not value,
+                           quick_for_s: float = 0.0) -> T:
     """Call `check` in a worker thread until its value is `settled` (by default: falsy)
-    or time runs out; return the last value."""
-    deadline = time.monotonic() + timeout_s
+    or time runs out; return the last value. Every `QUICK_INTERVAL_S` for the first
+    `quick_for_s`, then every `interval_s`."""
+    start = time.monotonic()
+    deadline = start + timeout_s
     while True:
         value = await asyncio.to_thread(check)
-        if settled(value) or time.monotonic() >= deadline:
+        now = time.monotonic()
+        if settled(value) or now >= deadline:
             return value
-        await asyncio.sleep(interval_s)
+        await asyncio.sleep(QUICK_INTERVAL_S if now - start < quick_for_s else interval_s)
 
 
 async def wait_exit(proc: asyncio.subprocess.Process) -> int:
@@ -153,7 +165,8 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
             proctree.kill_group(engine.pgid, left)
         return left
 
-    survivors = await poll_until_clear(still_there, within(cfg.reap_timeout_s, 1.0))
+    survivors = await poll_until_clear(still_there, within(cfg.reap_timeout_s, 1.0),
+                                       quick_for_s=QUICK_FOR_S)
     tree_pids = {i.pid for i in known} | {engine.pid}
 
     def gpu_held() -> dict[int, int]:
@@ -161,7 +174,7 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
         return {pid: mem for pid, mem in listed.items() if pid in tree_pids}
 
     gpu_holders = await poll_until_clear(gpu_held, within(cfg.gpu_release_timeout_s),
-                                         interval_s=0.25)
+                                         interval_s=0.25, quick_for_s=QUICK_FOR_S)
     # (a port the daemon has no descriptor to check is unknown: reported, not waited for)
     port_problem = await poll_until_clear(
         lambda: _port_busy(cfg.host, cfg.port), within(cfg.reap_timeout_s),
