@@ -69,6 +69,7 @@ from supervisor.engine.events import (
     Reloaded,
     Slept,
     Spawned,
+    Tick,
     Woken,
 )
 from supervisor.engine.pair.pair_states import ROLE_BAYS, Bay
@@ -405,6 +406,12 @@ class PairMachine(RuleBasedStateMachine):
                         "spawn_past_the_card", lambda: (
                             f"a spawn at {share_of(d['spec'].argv)} beside "
                             f"{self.awake_share():g} awake: {self.describe()}"))
+        if self.mode in ("sleep_first", "sleep_beside"):  # (vLLM's check at its start:
+            # its share of the card free; a standby's weights woken ahead take from it)
+            need = share_of(d["spec"].argv) * CARD_BYTES
+            self.expect(CARD_BYTES - self.card_used() >= need, "spawn_past_the_free_card",
+                        lambda: f"a spawn needing {need / GIB:g} GiB with "
+                        f"{(CARD_BYTES - self.card_used()) / GIB:g} free: {self.describe()}")
         if not ROOM_BESIDE[self.mode]:
             self.expect(not self.spawns and all(
                 p.asleep and ("wake", p.gen) not in self.pending for p in self.live),
@@ -504,11 +511,14 @@ class PairMachine(RuleBasedStateMachine):
 
     # ---- the pair's shapes ----------------------------------------------------------
 
-    @initialize(mode=st.sampled_from(sorted(MODES)), weights_gib=st.sampled_from([4, 8]))
-    def start(self, mode: str, weights_gib: int) -> None:
-        # (4 GiB fit beside a 0.9 engine and a sleeping one on the card, 8 do not)
+    @initialize(mode=st.sampled_from(sorted(MODES)), weights_gib=st.sampled_from([4, 8]),
+                ahead=st.booleans())
+    def start(self, mode: str, weights_gib: int, ahead: bool) -> None:
+        # (4 GiB fit beside a 0.9 engine and a sleeping one on the card, 8 do not);
+        # `ahead`: a sleeping standby's weights woken ahead of a fault where they fit
         self.mode, self.weights_bytes = mode, weights_gib * GIB
-        self._w = world(self.tmp, mode)
+        gpu = ahead and mode in ("sleep_first", "sleep_beside")
+        self._w = world(self.tmp, mode, "gpu" if gpu else "host")
         self.failing = True
         self.w.sup.start("test")
         self.absorb()
@@ -638,6 +648,12 @@ class PairMachine(RuleBasedStateMachine):
     def cancelled_timer_had_fired(self) -> None:
         """A timer cancelled by the last event, whose event was queued already."""
         self.fire(self.racing[0])
+
+    @precondition(lambda self: self.running)
+    @rule()
+    def tick(self) -> None:
+        """The unit's own tick (the watchdog's evaluation, the standby's weights ahead)."""
+        self.feed(Tick())
 
     @rule(dt=st.sampled_from([0.5, 5.0, 40.0, 200.0, 1000.0]))
     def time_passes(self, dt: float) -> None:
@@ -857,10 +873,13 @@ def reloaded_arguments(w: World, tmp: Path, mode: str, revision: str) -> None:
     assert reply.result()["next_engine_start"] == ["engine.args"]
 
 
-def world(tmp: Path, mode: str) -> World:
-    """A unit of this shape of the pair, fronted by the proxy (its gate in the loop)."""
+def world(tmp: Path, mode: str, standby_weights: str = "host") -> World:
+    """A unit of this shape of the pair, fronted by the proxy (its gate in the loop);
+    `standby_weights` "gpu": a sleeping standby's weights woken ahead where they fit."""
     engine = {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
               for k, v in MODES[mode].items()}
+    if standby_weights != "host":
+        engine["standby_weights"] = standby_weights
     return World(tmp, fronted=True, engine=engine)
 
 

@@ -411,3 +411,44 @@ def test_a_kill_on_a_full_card_wakes_the_standbys_weights_while_the_old_engine_g
             < names.index("standby_woken") < names.index("failover_done")
     else:
         assert "standby_weights_woken" not in names
+
+
+def test_with_standby_weights_on_the_gpu_a_kill_wakes_only_the_kv_cache(daemon_factory,
+                                                                         tmp_path):
+    """`engine.standby_weights = "gpu"` (pair/weights_ahead.py): both engines at 0.88, the
+    standby first and asleep (4 GiB of weights, as its sleep says). With the card's reading
+    (scripted NVML) leaving room for them and 2 GiB more, the standby's weights are woken
+    ahead (`/wake_up?tags=weights`: it sleeps on), and a core SIGKILL later wakes only its
+    KV cache (`tags=kv_cache`) once the old tree is gone; every stream whole."""
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(json.dumps({"memory_used_bytes": 60 * 2**30,
+                               "memory_total_bytes": 80 * 2**30}))
+    cfg = proxy_config(tmp_path, "--token-delay", "0.02", "--enable-sleep-mode",
+                       "--gpu-memory-utilization", "0.88", "--weights-gib", "4",
+                       keepalive_s=0.5)
+    cfg["engine"].update(standby="sleep", drain="continue", standby_weights="gpu",
+                         env={**cfg["engine"].get("env", {}), "VLLM_SERVER_DEV_MODE": "1"})
+    cfg["gpu"] = {"sampler": "file", "file": str(gpu), "period_s": 0.5}
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    wait_for(lambda: standby_ready(d), 30, "the standby ready")
+    st = wait_for(lambda: (s := d.status())["standby"]["weights"] == "gpu" and s, 20,
+                  "the standby's weights on the card")
+    spare = st["standby"]["pid"]
+    assert st["standby"]["asleep"] is True and st["standby"]["state"] == "ready"
+    wakes = tmp_path / "wakes"
+    assert wakes.read_text().split() == ["all", "weights"]  # (the engine's warm-up, then)
+    assert "(its weights on the GPU)" in d.ctl("status").stdout
+    on_card = next(e for e in d.events() if e["event"] == "standby_weights_on_card")
+    assert on_card["pid"] == spare and on_card["weights_bytes"] == 4 * 2**30
+    pids = d.engine_pids()
+    core = pids[pids.index(st["pid"]) + 1]
+    streams_under(cfg, lambda: os.kill(core, signal.SIGKILL))
+    st = d.status()
+    assert st["state"] == "RUNNING" and st["pid"] == spare
+    assert wakes.read_text().split()[2:] == ["kv_cache"]  # the rest only
+    failover = next(e for e in d.events() if e["event"] == "failover")
+    assert failover["weights_ahead"] == "back" and "weights_early" not in failover
+    names = [e["event"] for e in d.events()]
+    assert names.index("failover") < names.index("standby_woken") \
+        < names.index("failover_done")

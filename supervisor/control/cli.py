@@ -229,7 +229,10 @@ def format_status(st: dict[str, Any]) -> str:
         where = f" (pid {sb['pid']}, port {sb['port']})" if sb.get("pid") else ""
         why = f": {sb['reason']}" if sb.get("reason") else ""  # (ready: kept awake)
         asleep = ", asleep" if sb.get("asleep") else ""
-        if sb.get("early_wake"):  # (a failover wakes its weights while the old engine goes)
+        if sb.get("weights") in ("gpu", "waking"):  # (engine.standby_weights = "gpu")
+            asleep += (" (its weights on the GPU)" if sb["weights"] == "gpu"
+                       else " (its weights waking onto the GPU)")
+        elif sb.get("early_wake"):  # (a failover wakes its weights while the old one goes)
             asleep += " (its weights wake early)"
         rss = f", {sb['rss_bytes'] / 2**30:.1f} GiB host memory" if sb.get("rss_bytes") else ""
         kv = _carries(sb.get("kv_tokens"), (st.get("engine") or {}).get("kv_tokens"))

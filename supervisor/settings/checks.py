@@ -43,6 +43,14 @@ def check_engine(key: str, engine: EngineConfig, problems: list[str]) -> None:
                             f'local time, e.g. "03:00-04:00")')
         if engine.standby == "none":
             problems.append(f'{key}.rearm_window: needs a standby ({key}.standby is "none")')
+    if engine.standby_weights == "gpu" and engine.standby not in ("sleep", "snapshot"):
+        problems.append(f'{key}.standby_weights: "gpu" keeps a sleeping standby\'s weights '
+                        f'on the card; {key}.standby is "{engine.standby}" (needs "sleep" '
+                        'or "snapshot")')
+    elif engine.standby_weights == "gpu" and engine.standby_args:
+        problems.append(f'{key}.standby_weights: "gpu" is not for an asymmetric pair '
+                        f'({key}.standby_args): its thin standby fits beside the engine '
+                        'awake, and its wake does not wait for the old engine\'s memory')
 
 
 # folders that other programs use: never a KV tier's (the daemon empties it)

@@ -38,6 +38,9 @@ WHEN: tuple[tuple[str, str], ...] = (
     # too, but the engines are given it (and the chunk size, the CPU tier) at their
     # next start, until which the old folder is kept as well
     ("engine.kv_tier_max_gib", NOW),
+    # read at each tick: "gpu" wakes a ready standby's weights ahead from then on; "host"
+    # replaces a standby whose weights are on the card (they cannot sleep again)
+    ("engine.standby_weights", NOW),
     ("engine.", NEXT_START),
     # the poller takes its settings when it starts with an engine
     ("metrics.", NEXT_START),

@@ -85,6 +85,13 @@ class EngineConfig:
     # standby = "snapshot": the CRIU that dumps and restores it (4.2 or later on a
     # kernel from 6.16)
     criu: str = spec("criu")
+    # where a sleeping standby (standby = "sleep" or "snapshot") keeps its weights
+    # between faults: "host", vLLM's level-1 sleep (a failover copies them back, ~0.5 s
+    # for 8B, more beside a dying engine); "gpu", woken back onto the card ahead of a
+    # fault once NVML's readings leave them room and 2 GiB more beside the serving engine
+    # (vLLM 0.26+: its wake by tag), so a failover wakes only the KV cache. The card's
+    # spare memory is then the standby's: docs/standby.md, "Its weights on the card"
+    standby_weights: str = spec("host", choices=("host", "gpu"))
     # the standby's internal port; 0: this engine's port + 1
     standby_port: int = spec(0, lo=0, hi=65535)
     # flags that replace the engine's own in its standby (`--flag value` pairs): a

@@ -31,7 +31,7 @@ def armed(standby: Standby, f: PairFacts) -> bool | None:
     standby's weights at once (`weights_fit`); None where a failover would not wait for
     the old engine's memory (an awake standby, room beside) or no standby is ready."""
     e = standby.slot.engine
-    if not standby.ready or e is None or not standby.asleep \
+    if not standby.ready or e is None or not standby.asleep or standby.weights is not None \
             or engine_checks.side_by_side(f.config.engine):
-        return None
+        return None  # (its weights on the card, or on their way: nothing to wake early)
     return weights_fit(f, e)

@@ -30,7 +30,7 @@ import structlog
 
 from supervisor.engine import steps as do
 from supervisor.engine.events import Drained, Event, GateProbe, Woken
-from supervisor.engine.pair import early_wake, outcomes
+from supervisor.engine.pair import early_wake, outcomes, weights_ahead
 from supervisor.engine.pair.pair_states import HANDING_OVER, PHASE, Phase, Role, check
 from supervisor.engine.pair.standby import Standby
 from supervisor.engine.process import process as eng
@@ -85,6 +85,7 @@ class Handover:
         self._set_phase(Phase.IDLE, f.now)
         self._upgrade = None
         st = self.standby
+        st.weights_off = None  # (a new serving engine: its room is measured afresh)
         if f.thin_pair and not st.thin and not st.idle and not st.slot.taking_down:
             return st.retire("a cold start: the standby's place is for a thin one",
                              graceful=False, deadline=f.standby_deadline())
@@ -215,6 +216,9 @@ class Handover:
         follows from it."""
         if isinstance(ev, Drained):  # (the old engine's, behind a swap)
             return self.drained_behind(f, ev)
+        if isinstance(ev, Woken):  # (a ready standby's weights, woken ahead of a fault)
+            return self._followed(f, False, weights_ahead.woken(self.standby, f, ev),
+                                  gone=False)
         free, out = self.standby.handle(ev, f.standby_deadline(),
                                         awake_fits=engine_checks.side_by_side(f.config.engine))
         return self._followed(f, free, out, gone=False)
@@ -317,15 +321,16 @@ class Handover:
     def tick(self, f: PairFacts, local: datetime) -> list[Step]:
         """The quiet window (`engine.rearm_window`): a standby with no room beside the
         serving engine is re-armed once per window."""
+        out = weights_ahead.steps(self.standby, f, idle=self.phase is Phase.IDLE)
         text = f.config.engine.rearm_window
         if not text or self.standby.state is not Role.NO_ROOM:
-            return []
+            return out
         day = engine_checks.DailyWindow.parse(text).occurrence(local)
         if day is None or day == self._rearmed_on or f.state is not State.RUNNING \
                 or self.phase is not Phase.IDLE:
-            return []
+            return out
         self._rearmed_on = day
-        return self.rearm(f, f"the quiet window {text}")[1]
+        return [*out, *self.rearm(f, f"the quiet window {text}")[1]]
 
     # ---- an upgrade -----------------------------------------------------------------
 
@@ -411,6 +416,8 @@ class Handover:
         take_down = (old.engine is not None and not old.taking_down and not drain_behind
                      and not keep)
         deadline = f.restart_deadline(proxy_drain=False) if take_down else 0.0
+        # its weights on the card already, or on their way there (pair/weights_ahead.py)
+        ahead = self.standby.weights
         new, asleep = self.standby.take_over(old, keep=keep)
         engine = new.engine
         assert engine is not None
@@ -423,13 +430,14 @@ class Handover:
         # meanwhile, where they fit beside it
         when_down = asleep and old.engine is not None \
             and not engine_checks.side_by_side(f.config.engine)
-        early = when_down and early_wake.weights_fit(f, engine)
+        early = when_down and ahead is None and early_wake.weights_fit(f, engine)
         out: list[Step] = [
             do.ServeFrom(),  # (the restart is over: its deadline with it)
             do.Audit("failover", {"reason": reason, "pid": engine.pid,
                                   "port": engine.config.port, "old_pid": old_pid,
                                   "graceful": graceful, "asleep": asleep,
-                                  **({"weights_early": True} if early else {})}),
+                                  **({"weights_early": True} if early else {}),
+                                  **({"weights_ahead": ahead} if ahead else {})}),
             do.Decide("failover", reason)]
         if f.state is State.DRAINING:
             out.append(do.SetState(State.RUNNING, f"the standby took over ({reason})"))
@@ -449,9 +457,15 @@ class Handover:
             if early:
                 self._weights = "asked"
                 out.append(do.Wake(engine, WEIGHTS))
+            elif ahead is not None:  # (the rest once the tree is gone and they are back)
+                self._weights = ahead
         else:
             self._set_phase(Phase.WAKING, f.now)
-            out.append(do.Wake(engine))
+            self._weights = ahead
+            if ahead is None:
+                out.append(do.Wake(engine))
+            elif ahead == "back":  # (else the rest once they are: `_weights_woken`)
+                out.append(do.Wake(engine, REST))
         if take_down:
             out.append(do.TakeDownIn(old.bay, graceful, deadline))
         elif (drain_behind or keep) and old.engine is not None and not old.taking_down:

@@ -102,6 +102,11 @@ class Standby:
         self.image_warmed = False  # the dumped engine's client paths were warmed
         self.image_version: str | None = None  # the dumped engine's vLLM (None: unknown)
         self.image_weights: int | None = None  # ... its weights' backup (None: unknown)
+        # `engine.standby_weights = "gpu"` (pair/weights_ahead.py): its weights woken onto
+        # the card ahead of a fault, the rest asleep: None (on the host), "asked", "back";
+        # and why none is woken ahead (until the serving engine's next cold start)
+        self.weights: str | None = None
+        self.weights_off: str | None = None
 
     def learned(self, engine: eng.EngineProcess) -> str | None:
         """An engine of this unit (either role) was probed at its start: whether engines
@@ -185,6 +190,7 @@ class Standby:
     def start(self, spec: eng.SpawnSpec, cfg: EngineConfig, mode: str) -> list[do.Step]:
         self._to(Role.STARTING)
         self.mode, self.asleep, self.next_now = mode, False, False
+        self.weights = None
         self._copy = spec.restore is not None  # (a copy of the images: one that fails
         # drops them, and the next standby is a fresh one, dumped again)
         log.info("standby starting", port=spec.port, mode=mode,
@@ -230,6 +236,7 @@ class Standby:
         and be the standby again."""
         new = self.slot.view()
         asleep, self.asleep = self.asleep, False
+        self.weights = None  # (the handover's now: `Handover.fail_over`)
         self.failures = 0
         if keep:
             self._to(Role.RETURNING, "a full-size engine took over")
@@ -455,6 +462,12 @@ class Standby:
                 "pid": e.pid if alive and e is not None else None,
                 "port": e.config.port if e is not None else None,
                 "asleep": self.asleep, "thin": self.thin,
+                # where a sleeping one's weights are (`engine.standby_weights`): "host",
+                # "waking" (onto the card, ahead of a fault), "gpu"; and why none is
+                # woken ahead (None: nothing keeps them off the card)
+                "weights": ({"asked": "waking", "back": "gpu"}.get(self.weights or "", "host")
+                            if self.asleep else None),
+                "weights_off": self.weights_off,
                 # what it can carry of streams after a failover (a thin one: less than
                 # the engine's), as its core said at its start; None: not said yet
                 "kv_tokens": e.kv_tokens if alive and e is not None else None,
