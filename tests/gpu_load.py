@@ -256,6 +256,7 @@ def handover_times(audit: list[dict[str, Any]]) -> dict[str, Any]:
     if fo is not None:
         out["failover_at"] = fo["time"]
         out["weights_early"] = bool(fo.get("weights_early"))
+        out["weights_ahead"] = fo.get("weights_ahead")  # (on the card before the fault)
         for name in ("standby_weights_woken", "standby_woken", "failover_done", "take_down",
                      "reaped"):
             if name in first:

@@ -97,6 +97,9 @@ def phase_start(standby: str | None = None, share: str | None = None,
         # operator's own environment says it (engine/process/sleep_backup.py: theirs wins)
         env.update(PYTORCH_CUDA_ALLOC_CONF="pinned_use_cuda_host_register:False",
                    GLIBC_TUNABLES="glibc.malloc.hugetlb=0")
+    if os.environ.get("STANDBY_WEIGHTS"):  # a sleeping standby's weights on the card
+        # ahead of a fault ("gpu": pair/weights_ahead.py) or on the host ("host")
+        demo["engine"]["standby_weights"] = os.environ["STANDBY_WEIGHTS"]
     if os.environ.get("KV_TIER") == "1":  # issue 51: the pair on one fs KV tier (0.32+),
         # the daemon's (engine.kv_tier): on /dev/shm in 256-token chunks, kept under its bound
         root = Path("/dev/shm/vs-kv-tier")
