@@ -417,7 +417,7 @@ def test_with_standby_weights_on_the_gpu_a_kill_wakes_only_the_kv_cache(daemon_f
                                                                          tmp_path):
     """`engine.standby_weights = "gpu"` (pair/weights_ahead.py): both engines at 0.88, the
     standby first and asleep (4 GiB of weights, as its sleep says). With the card's reading
-    (scripted NVML) leaving room for them and 2 GiB more, the standby's weights are woken
+    (scripted NVML) leaving room for them and 1 GiB more, the standby's weights are woken
     ahead (`/wake_up?tags=weights`: it sleeps on), and a core SIGKILL later wakes only its
     KV cache (`tags=kv_cache`) once the old tree is gone; every stream whole."""
     gpu = tmp_path / "gpu.json"

@@ -1,6 +1,6 @@
 """A sleeping standby's weights on the card ahead of a fault (`engine.standby_weights =
 "gpu"`, supervisor/engine/pair/weights_ahead.py, docs/standby.md "Its weights on the card
-ahead of a fault"): where NVML's settled reading leaves room for its weights and 2 GiB
+ahead of a fault"): where NVML's settled reading leaves room for its weights and 1 GiB
 more beside the serving engine, a ready standby's weights are woken (`tags=weights`: it
 sleeps on) long before any fault, and a failover then wakes only its KV cache once the old
 engine's tree is gone. A card that runs short takes them back (the standby replaced: woken

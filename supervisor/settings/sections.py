@@ -88,7 +88,7 @@ class EngineConfig:
     # where a sleeping standby (standby = "sleep" or "snapshot") keeps its weights
     # between faults: "host", vLLM's level-1 sleep (a failover copies them back, ~0.5 s
     # for 8B, more beside a dying engine); "gpu", woken back onto the card ahead of a
-    # fault once NVML's readings leave them room and 2 GiB more beside the serving engine
+    # fault once NVML's readings leave them room and 1 GiB more beside the serving engine
     # (vLLM 0.26+: its wake by tag), so a failover wakes only the KV cache. The card's
     # spare memory is then the standby's: docs/standby.md, "Its weights on the card"
     standby_weights: str = spec("host", choices=("host", "gpu"))

@@ -37,9 +37,11 @@ log = structlog.get_logger("supervisor")
 
 GIB = 2**30
 # what the standby's weights leave free on each GPU at the least, for them to be woken
-# ahead beside a serving engine (its own allocations past its share: ~0.75 GiB on the
-# H200, docs/gpu-validation.md)
-AHEAD_MARGIN_BYTES = 2 * GIB
+# ahead beside a serving engine: the early wake's margin. (A serving engine's memory is
+# taken at its start, its allocations past its share included: ~0.75 GiB on the H200.
+# A woken copy that serves holds a little more than a fresh engine, and 2 GiB kept the
+# weights of a copy re-armed after a failover at 0.85 off the card: docs/standby.md.)
+AHEAD_MARGIN_BYTES = GIB
 # below this free on a GPU with the weights there, they are taken back (the standby down)
 FLOOR_BYTES = GIB // 2
 
