@@ -363,7 +363,10 @@ def test_every_reloaded_engine_key_is_what_the_next_start_uses(tmp_path: Path) -
                        # and the next start maps it: tests/test_weight_cache_unit.py
                        "weight_cache", "weight_cache_command", "weight_cache_args",
                        # (the KV tier's keeper reads its bound at each look)
-                       "kv_tier_max_gib"}
+                       "kv_tier_max_gib",
+                       # (a ready standby's weights woken ahead or taken back at each
+                       # tick: tests/test_weights_ahead.py)
+                       "standby_weights"}
         assert set(changed) | only_with_several | applied_now == {
             f.name for f in dataclasses.fields(EngineConfig)}, "a new [engine] key: add it"
         doc = {**w.doc, "engine": {**w.doc["engine"], **changed}}
