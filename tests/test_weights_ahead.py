@@ -16,6 +16,7 @@ import pytest
 
 from supervisor.engine.events import Exited, GateProbe, GpuSampled, Tick, Woken
 from supervisor.engine.pair.weights_ahead import AHEAD_MARGIN_BYTES, FLOOR_BYTES
+from supervisor.engine.process.process import EngineProcess
 from supervisor.settings.config import ConfigError, parse_config
 from tests.test_early_wake import GIB, WEIGHTS, armed, audited, reading, wakes
 from tests.test_pair_machine import MODES
@@ -27,6 +28,22 @@ ROOM = WEIGHTS + AHEAD_MARGIN_BYTES
 def gpu_world(tmp: Path, weights: str = "gpu") -> World:
     return World(tmp, fronted=True, engine={**MODES["sleep_first"], "env": dict(
         MODES["sleep_first"]["env"]), "standby_weights": weights})
+
+
+def asked_ahead(w: World) -> tuple[EngineProcess, EngineProcess]:
+    """Armed (`test_early_wake.armed`), the card read with room for the standby's weights,
+    then a tick: their wake ahead asked. (first, standby)"""
+    first, spare = armed(w)
+    w.feed(GpuSampled(reading(ROOM), w.now))
+    w.feed(Tick())
+    return first, spare
+
+
+def on_card(w: World) -> tuple[EngineProcess, EngineProcess]:
+    """... and answered: the standby's weights on the card. (first, standby)"""
+    first, spare = asked_ahead(w)
+    w.feed(Woken(spare.generation, None, 0.45, None, ("weights",)))
+    return first, spare
 
 
 def test_the_weights_wake_ahead_and_a_failover_wakes_only_the_kv_cache(tmp_path: Path) -> None:
@@ -71,9 +88,7 @@ def test_a_fault_while_the_weights_wake_ahead_waits_for_them_then_the_rest(
         tmp_path: Path) -> None:
     w = gpu_world(tmp_path)
     try:
-        first, spare = armed(w)
-        w.feed(GpuSampled(reading(ROOM), w.now))
-        w.feed(Tick())
+        first, spare = asked_ahead(w)
         w.feed(Exited(first.generation, -9))  # before the weights' answer
         assert audited(tmp_path, "failover")[-1]["weights_ahead"] == "asked"
         w.down(first)
@@ -103,10 +118,7 @@ def test_a_card_that_runs_short_takes_the_weights_back_and_none_wake_ahead_again
         tmp_path: Path) -> None:
     w = gpu_world(tmp_path)
     try:
-        first, spare = armed(w)
-        w.feed(GpuSampled(reading(ROOM), w.now))
-        w.feed(Tick())
-        w.feed(Woken(spare.generation, None, 0.45, None, ("weights",)))
+        first, spare = on_card(w)
         w.feed(GpuSampled(reading(FLOOR_BYTES - 1), w.now))  # the serving engine grew
         w.feed(Tick())
         assert w.fx.last("take_down")["pid"] == spare.pid  # (they cannot sleep again)
@@ -122,9 +134,7 @@ def test_a_failed_wake_ahead_replaces_the_standby_and_is_not_tried_again(
         tmp_path: Path) -> None:
     w = gpu_world(tmp_path)
     try:
-        first, spare = armed(w)
-        w.feed(GpuSampled(reading(ROOM), w.now))
-        w.feed(Tick())
+        first, spare = asked_ahead(w)
         w.feed(Woken(spare.generation, "POST /wake_up: HTTP 500: CUDA out of memory", 0.3,
                      None, ("weights",)))
         assert w.fx.last("take_down")["pid"] == spare.pid  # (it may be wedged)
@@ -140,10 +150,7 @@ def test_a_reload_back_to_host_replaces_a_standby_whose_weights_are_on_the_card(
         tmp_path: Path) -> None:
     w = gpu_world(tmp_path)
     try:
-        _, spare = armed(w)
-        w.feed(GpuSampled(reading(ROOM), w.now))
-        w.feed(Tick())
-        w.feed(Woken(spare.generation, None, 0.45, None, ("weights",)))
+        _, spare = on_card(w)
         doc = dict(w.doc)
         doc["engine"] = {**doc["engine"], "standby_weights": "host"}
         w.sup.config = parse_config(doc, str(tmp_path / "config.toml"), tmp_path)
