@@ -145,6 +145,17 @@ def test_status_says_where_the_standby_stands_and_why_it_is_not_ready() -> None:
         "reason": None, "asleep": True, "early_wake": True}})
     assert "standby    ready, asleep (its weights wake early) (pid 11, port 8101) for 65 s" \
         in early
+    on_card = format_status({**base, "standby": {
+        "mode": "snapshot", "state": "ready", "pid": 11, "port": 8101, "for_s": 65,
+        "reason": None, "asleep": True, "weights": "gpu", "early_wake": None}})
+    assert "standby    ready, asleep (its weights on the GPU) (pid 11, port 8101)" in on_card
+    host = format_status({**base, "standby": {
+        "mode": "snapshot", "state": "ready", "pid": 11, "port": 8101, "for_s": 65,
+        "reason": None, "asleep": True, "weights": "host", "early_wake": True,
+        "weights_off": "the card leaves 15.50 GiB free; they need 15.51 GiB and 1 GiB more"}})
+    assert "(its weights wake early)" in host
+    assert ("\n           its weights stay on the host: the card leaves 15.50 GiB free; "
+            "they need 15.51 GiB and 1 GiB more") in host
     # a thin standby: what it carries of streams after a failover, against the engine
     thin = format_status({**base, "engine": {**base["engine"], "kv_tokens": 255_744},
                           "standby": {"mode": "sleep", "state": "ready", "pid": 11,

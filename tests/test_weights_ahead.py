@@ -52,6 +52,9 @@ def test_the_weights_wake_ahead_and_a_failover_wakes_only_the_kv_cache(tmp_path:
         first, spare = armed(w)
         w.feed(Tick())
         assert wakes(w) == []  # (no reading of the card yet: nothing is woken blind)
+        w.feed(GpuSampled(reading(ROOM - 1), w.now))
+        w.feed(Tick())
+        assert wakes(w) == []  # (a byte short of the margin)
         w.feed(GpuSampled(reading(ROOM), w.now))
         w.feed(Tick())
         assert wakes(w) == [{"pid": spare.pid, "tags": ["weights"]}]
@@ -61,6 +64,7 @@ def test_the_weights_wake_ahead_and_a_failover_wakes_only_the_kv_cache(tmp_path:
         w.feed(Woken(spare.generation, None, 0.45, 0.41, ("weights",)))
         st = w.sup.status()["standby"]
         assert (st["weights"], st["state"], st["asleep"]) == ("gpu", "ready", True)
+        assert st["weights_off"] is None
         assert st["early_wake"] is None  # (nothing left to wake early)
         on_card = audited(tmp_path, "standby_weights_on_card")[-1]
         assert on_card["pid"] == spare.pid and on_card["weights_bytes"] == WEIGHTS
@@ -100,16 +104,25 @@ def test_a_fault_while_the_weights_wake_ahead_waits_for_them_then_the_rest(
         w.loop.close()
 
 
-@pytest.mark.parametrize("case", ["host", "no_room", "never_slept"])
-def test_no_weights_ahead_without_the_setting_room_or_their_size(tmp_path: Path,
-                                                                  case: str) -> None:
+@pytest.mark.parametrize(("case", "said"), [
+    ("host", None),  # (the operator's choice: nothing to explain)
+    ("no_room", "the card leaves 15.50 GiB free; they need 15.00 GiB and 1 GiB more"),
+    ("never_slept", "their size is not known yet"),
+    ("no_reading", "no settled reading of the card yet"),
+])
+def test_no_weights_ahead_without_the_setting_room_or_their_size_and_status_says_why(
+        tmp_path: Path, case: str, said: str | None) -> None:
     w = gpu_world(tmp_path, "host" if case == "host" else "gpu")
     try:
         armed(w, weights=None if case == "never_slept" else WEIGHTS)
-        w.feed(GpuSampled(reading(ROOM - 1 if case == "no_room" else 40 * GIB), w.now))
+        if case != "no_reading":
+            free = ROOM - GIB // 2 if case == "no_room" else 40 * GIB
+            w.feed(GpuSampled(reading(free), w.now))
         w.feed(Tick())
         assert wakes(w) == []
-        assert w.sup.status()["standby"]["weights"] == "host"
+        st = w.sup.status()["standby"]
+        assert st["weights"] == "host"
+        assert st["weights_off"] is None if said is None else said in st["weights_off"]
     finally:
         w.loop.close()
 

@@ -238,6 +238,8 @@ def format_status(st: dict[str, Any]) -> str:
         kv = _carries(sb.get("kv_tokens"), (st.get("engine") or {}).get("kv_tokens"))
         lines.append(f"standby    {sb['state']}{asleep}{where} for {sb.get('for_s', 0):.0f} s"
                      f"{rss}{kv}{why}")
+        if sb.get("weights_off"):  # (engine.standby_weights = "gpu", and why not now)
+            lines.append(f"           its weights stay on the host: {sb['weights_off']}")
         if sb.get("unprotected_for_s") is not None:
             lines.append(f"protected  no, for {_duration(sb['unprotected_for_s'])}: the next "
                          f"crash or restart is a cold start (`rearm` brings a standby back)")

@@ -586,8 +586,10 @@ class Handover:
                f: PairFacts) -> dict[str, Any]:
         """`status`'s `standby`: `"ready"` when armed (awake or asleep, and proven);
         `thin_serves`, the serving engine is an asymmetric pair's thin standby;
-        `early_wake` (`early_wake.armed`)."""
+        `early_wake` (`early_wake.armed`); `weights_off` (`weights_ahead.why_not`)."""
         if mode == "none" and self.standby.idle:
             return {"state": "none"}
         return {"mode": mode, **self.standby.status(now), "thin_serves": thin_serves,
-                "early_wake": early_wake.armed(self.standby, f)}
+                "early_wake": early_wake.armed(self.standby, f),
+                "weights_off": weights_ahead.why_not(self.standby, f,
+                                                     idle=self.phase is Phase.IDLE)}

@@ -463,11 +463,10 @@ class Standby:
                 "port": e.config.port if e is not None else None,
                 "asleep": self.asleep, "thin": self.thin,
                 # where a sleeping one's weights are (`engine.standby_weights`): "host",
-                # "waking" (onto the card, ahead of a fault), "gpu"; and why none is
-                # woken ahead (None: nothing keeps them off the card)
+                # "waking" (onto the card, ahead of a fault), "gpu" (and why not:
+                # `Handover.status`)
                 "weights": ({"asked": "waking", "back": "gpu"}.get(self.weights or "", "host")
                             if self.asleep else None),
-                "weights_off": self.weights_off,
                 # what it can carry of streams after a failover (a thin one: less than
                 # the engine's), as its core said at its start; None: not said yet
                 "kv_tokens": e.kv_tokens if alive and e is not None else None,

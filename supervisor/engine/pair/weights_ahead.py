@@ -17,9 +17,10 @@ to sleep: its allocator's sleep unmaps every allocation again), a new one starts
 weights on the host, and none is woken ahead again until the serving engine's next cold
 start. A wake that fails takes the standby down the same way.
 
-A decider over the standby (its `weights`: None, "asked", "back"; `weights_off`): the
-handover (`supervisor/engine/pair/handover.py`) calls it at each tick and with each
-answer, and carries its steps out.
+A decider over the standby (its `weights`: None, "asked", "back"; `weights_off`, why none
+is woken ahead until the next cold start; `why_not`, what status says): the handover
+(`supervisor/engine/pair/handover.py`) calls it at each tick and with each answer, and
+carries its steps out.
 """
 
 from __future__ import annotations
@@ -55,16 +56,38 @@ def steps(standby: Standby, f: PairFacts, idle: bool) -> list[do.Step]:
     if standby.weights == "back":
         why = _why_back(f, idle)
         return _take_back(standby, f, why) if why is not None else []
-    free = f.card_free_bytes
     if (f.config.engine.standby_weights != "gpu" or standby.weights is not None
-            or standby.weights_off is not None or not idle or f.state is not State.RUNNING
-            or f.thin_pair or e.weights_bytes is None or free is None
-            or free < e.weights_bytes + AHEAD_MARGIN_BYTES):
+            or f.thin_pair or why_not(standby, f, idle) is not None):
         return []
     standby.weights = "asked"
     log.info("standby's weights woken onto the card ahead of a fault", pid=e.pid,
-             weights_bytes=e.weights_bytes, free_bytes=free)
+             weights_bytes=e.weights_bytes, free_bytes=f.card_free_bytes)
     return [do.Wake(e, WEIGHTS)]
+
+
+def why_not(standby: Standby, f: PairFacts, idle: bool) -> str | None:
+    """With `standby_weights = "gpu"`: why the ready sleeping standby's weights are not on
+    the card now, nor on their way (`status`'s `standby.weights_off`); None when they are,
+    when they go at the next tick, or where the setting or the standby says nothing."""
+    e = standby.slot.engine
+    if f.config.engine.standby_weights != "gpu":
+        return None
+    if standby.weights_off is not None:  # (until the next cold start, whatever standby)
+        return standby.weights_off
+    if e is None or not standby.ready or not standby.asleep or standby.weights is not None:
+        return None
+    if e.weights_bytes is None:
+        return "their size is not known yet (the standby's sleep says it)"
+    free = f.card_free_bytes
+    if free is None:
+        return ("no settled reading of the card yet (NVML, taken with the engine serving "
+                "since the standby became ready)")
+    if free < e.weights_bytes + AHEAD_MARGIN_BYTES:
+        return (f"the card leaves {free / GIB:.2f} GiB free; they need "
+                f"{e.weights_bytes / GIB:.2f} GiB and {AHEAD_MARGIN_BYTES / GIB:g} GiB more")
+    if not idle or f.state is not State.RUNNING:
+        return "a handover or a start is under way"
+    return None
 
 
 def _why_back(f: PairFacts, idle: bool) -> str | None:
