@@ -167,6 +167,44 @@ def test_a_thin_engine_that_dies_while_the_full_size_one_starts_is_a_cold_start_
         w.loop.close()
 
 
+def test_a_full_size_engine_that_dies_before_its_takeover_is_proven_fails_over_again(
+        tmp_path: Path) -> None:
+    """The full-size engine of the re-arm takes over from the thin one, which finishes
+    its requests and is asleep again (the standby) before the takeover's proof answers;
+    then the full-size engine dies. The thin standby is ready: it takes over in turn (a
+    second handover), it is not a crash. (Found by tests/test_pair_machine.py: the
+    handover refused to go from proving to waking.)"""
+    w = World(tmp_path, fronted=True, engine=THIN)
+    try:
+        full, thin = armed_asleep(w, side_by_side=True)
+        w.feed(Exited(full.generation, 0))
+        w.feed(Woken(thin.generation, None, 0.5))
+        w.feed(GateProbe(thin.generation, True, None))
+        w.down(full)
+        new = w.spawned()
+        w.feed(HealthResult(new.generation, True))
+        w.feed(GateProbe(new.generation, True, None))  # proven, awake: it takes over
+        assert w.sup.engine is new
+        w.feed(Drained(thin.generation, True, 0.2))  # the thin one: to sleep
+        w.feed(Slept(thin.generation, None, 0.3))
+        assert w.sup.status()["standby"]["state"] == "ready"
+        assert w.sup.gate.held_reason is not None  # (the takeover's proof not in yet)
+        w.now += 2
+        w.feed(Exited(new.generation, 0))
+        assert w.state == "RUNNING" and w.sup.engine is thin
+        assert w.fx.last("wake") == {"pid": thin.pid}
+        w.feed(GateProbe(new.generation, False, "connection refused"))  # (stale: ignored)
+        assert w.state == "RUNNING" and w.sup.engine is thin
+        w.feed(Woken(thin.generation, None, 0.5))
+        w.feed(GateProbe(thin.generation, True, None))
+        assert w.sup.gate.held_reason is None
+        events = [json.loads(x)["event"] for x in
+                  (tmp_path / "events.jsonl").read_text().splitlines()]
+        assert events.count("failover_failed") == 0 and events.count("failover") == 3
+    finally:
+        w.loop.close()
+
+
 def test_a_cold_start_waits_for_a_thin_standby_being_taken_down_beside_it(
         tmp_path: Path) -> None:
     """The thin standby fails its proof (taken down) and the full-size engine crashes

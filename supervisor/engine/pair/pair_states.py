@@ -138,7 +138,11 @@ PHASE: dict[Phase, frozenset[Phase]] = {
     Phase.STANDBY_FIRST: frozenset({Phase.IDLE}),
     Phase.WAKING_WHEN_DOWN: frozenset({Phase.WAKING, Phase.IDLE}),
     Phase.WAKING: frozenset({Phase.PROVING_WOKEN, Phase.IDLE}),
-    Phase.PROVING: frozenset({Phase.IDLE}),
+    # PROVING -> a handover again: the engine that took over died before its proof, and a
+    # ready standby takes over in turn (an asymmetric pair's thin engine, kept and asleep
+    # again behind the full-size one's swap)
+    Phase.PROVING: frozenset({Phase.IDLE, Phase.WAKING_WHEN_DOWN, Phase.WAKING,
+                              Phase.PROVING}),
     Phase.PROVING_WOKEN: frozenset({Phase.IDLE}),
 }
 
