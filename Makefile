@@ -1,5 +1,5 @@
 # Two commands do everything from nothing: `make run` and `make test`.
-.PHONY: setup run test test-fast lint bench bench-lifecycle bench-watchdog bench-proxy soak \
+.PHONY: explore setup run test test-fast lint bench bench-lifecycle bench-watchdog bench-proxy soak \
 	bench-restart bench-failover bench-healthy-soak bench-proxy-routing bench-proxy-paced \
 	bench-host-cost bench-plane bench-relay \
 	bench-spec-decode clean
@@ -32,6 +32,14 @@ test-fast:
 	bash scripts/setup.sh router
 	bash scripts/setup.sh criu
 	.venv/bin/python -m pytest -q -m "not e2e" $(PARALLEL)
+
+# The property tests and the state machines on fresh random draws, five times as many as
+# the suite's fixed ones (tests/hypothesis_profiles.py): to find new bugs, not to gate a
+# change. A failure prints its steps and a blob to replay; make it a regression test.
+explore: setup
+	.venv/bin/python -m pytest -q -p no:cacheprovider --hypothesis-profile=explore $(PARALLEL) \
+		tests/test_pair_machine.py tests/test_weight_cache_machine.py \
+		tests/test_continuation.py tests/test_plane_codec.py tests/test_policy.py
 
 lint:
 	.venv/bin/ruff check supervisor tests bench

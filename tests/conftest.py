@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from tests import hypothesis_profiles  # noqa: F401  (the suite's profile, loaded)
 from tests.harness import PROXY_WORKERS, Daemon
 
 # the modules whose daemons run their front door over one process and over two

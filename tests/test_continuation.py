@@ -16,6 +16,7 @@ from supervisor.front import continuable, continuation
 from supervisor.front.continuable import REFUSALS, plan, refusal
 from supervisor.front.continuation import StreamBroken, Transcript
 from supervisor.front.sse import DONE, EventReader, error_event
+from tests.hypothesis_profiles import examples
 
 COMP = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -434,7 +435,7 @@ def _runs(draw: st.DrawFn) -> tuple[bool, bool, list[bytes]]:
 @pytest.mark.parametrize(("run_min", "per_event"), [(continuation._RUN_MIN, False),
                                                      (0, False),
                                                      (continuation._RUN_MIN, True)])
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(st.one_of(_stream(), _runs()))
 def test_the_fast_path_reads_every_stream_exactly_as_take_does(
         run_min: int, per_event: bool, stream: tuple[bool, bool, list[bytes]]) -> None:

@@ -80,6 +80,7 @@ from supervisor.settings.config import parse_config
 from supervisor.settings.engine_checks import THIN_PAIR_MAX
 from supervisor.watchdog.gpu import GpuReading
 from supervisor.watchdog.remedy import REST, WEIGHTS
+from tests.hypothesis_profiles import examples
 from tests.test_supervisor_unit import FakeTimer, World
 
 SLEEP_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
@@ -855,7 +856,7 @@ class PairMachine(RuleBasedStateMachine):
 
 
 PairMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=30, deadline=None,
+    max_examples=examples(200), stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestPair = PairMachine.TestCase
 

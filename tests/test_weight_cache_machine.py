@@ -39,6 +39,7 @@ from supervisor.engine.process.proctree import ProcInfo
 from supervisor.engine.process.takedown import TakeDown
 from supervisor.engine.unit import EngineUnit
 from supervisor.settings.config import parse_config
+from tests.hypothesis_profiles import examples
 from tests.test_supervisor_unit import RecordingEffects, World
 
 CACHE_BAY = 2
@@ -301,7 +302,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 CacheMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=30, deadline=None,
+    max_examples=examples(150), stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 
 
