@@ -8,6 +8,7 @@ import pytest
 
 from supervisor.front import deadlines
 from supervisor.front.deadlines import Deadline
+from supervisor.settings.bays import BAYS, ENGINE_BAYS
 from supervisor.settings.config import ConfigError, diff_keys, load_config, parse_config
 from tests.harness import ROOT
 
@@ -158,6 +159,22 @@ def test_one_engine_table_is_the_engine_named_default_with_todays_files():
     cfg = parse_config(MIN, "t.toml", Path("/base"))
     assert list(cfg.engines) == ["default"] and not cfg.several
     assert cfg.state_file.name == "engine-tree.json"
+
+
+def test_each_bay_has_its_own_port_and_state_file():
+    """The unit's places are numbered (settings/bays.py): each engine bay its port (the
+    standby's `standby_port`, or the engine's + 1; a further bay the port after), each
+    bay its own state file, the weight cache's named for it."""
+    cfg = parse_config(with_engine(port=8100), "t.toml", Path("/base"))
+    e = cfg.engine
+    assert [e.in_bay(b).port for b in (0, 1, 2)] == [8100, 8101, 8102]
+    assert e.in_bay(0) is e and e.in_bay(1).args == e.args
+    moved = parse_config(with_engine(port=8100, standby="awake", standby_port=9000),
+                         "t.toml", Path("/base")).engine
+    assert [moved.in_bay(b).port for b in ENGINE_BAYS] == [8100, 9000]
+    files = [cfg.state_file_of(b).name for b in BAYS]
+    assert files == ["engine-tree.json", "engine-tree.bay1.json",
+                     "engine-tree.weight-cache.json"]
 
 
 @pytest.mark.parametrize(("doc", "expected"), [

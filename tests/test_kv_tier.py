@@ -66,7 +66,7 @@ def test_every_engine_of_the_pair_gets_it_and_one_hash_seed() -> None:
     spec = build_spawn_spec(cfg, {})
     at = spec.argv.index("--kv-transfer-config")
     assert spec.argv[at + 1] == kv_tier.argv(cfg)[1] and "--max-num-seqs" in spec.argv
-    standby = build_spawn_spec(cfg.second(), {})
+    standby = build_spawn_spec(cfg.in_bay(1), {})
     assert kv_tier.argv(cfg)[1] in standby.argv  # the same folder, the same chunks
     # vLLM seeds its block hash at random in each process unless PYTHONHASHSEED names
     # one: both engines get the daemon's seed (drawn once per run, not a fixed one), over
@@ -78,7 +78,7 @@ def test_every_engine_of_the_pair_gets_it_and_one_hash_seed() -> None:
     # the operator's own seed wins; without a tier the daemon sets none
     own = engine(kv_tier="/dev/shm/vs/kv", env={"PYTHONHASHSEED": "7"})
     assert build_spawn_spec(own, {}).env["PYTHONHASHSEED"] == "7"
-    assert build_spawn_spec(own.second(), {}).env["PYTHONHASHSEED"] == "7"
+    assert build_spawn_spec(own.in_bay(1), {}).env["PYTHONHASHSEED"] == "7"
     plain = build_spawn_spec(engine(), {})
     assert "--kv-transfer-config" not in plain.argv and "PYTHONHASHSEED" not in plain.env
 

@@ -112,7 +112,7 @@ def test_the_cache_starts_first_the_engine_waits_for_it_then_maps_its_weights(
         e_cfg = w.sup.config.engine
         assert cache_spec.argv[-2:] == ["--weight-cache-health-port", PORT]
         assert cache_spec.port == 0
-        assert set(cache_spec.pick_port or ()) == {e_cfg.port, e_cfg.second().port}
+        assert set(cache_spec.pick_port or ()) == {e_cfg.port, e_cfg.in_bay(1).port}
         picked = cache_spec.on_port(41234)
         assert picked.argv[-1] == "41234" and picked.port == 41234 \
             and picked.pick_port is None and picked.argv[:-1] == cache_spec.argv[:-1]

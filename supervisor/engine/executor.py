@@ -55,6 +55,7 @@ class Executable(Protocol):
     relaunch: RelaunchLog
     restart_reason: str
     slot: EngineSlot
+    bays: dict[int, EngineSlot]  # every place of the unit, by number (settings/bays.py)
     stop_deadline: float | None
     weights: WeightCache
 
@@ -113,11 +114,7 @@ class Executor:
 
     def bay(self, bay: int) -> EngineSlot:
         """The place numbered `bay`, whichever role holds it now."""
-        u = self._unit
-        for slot in (u.slot, u.handover.standby.slot, u.weights.slot):
-            if slot.bay == bay:
-                return slot
-        raise AssertionError(f"no bay {bay}")
+        return self._unit.bays[bay]
 
     def spawn_in(self, slot: EngineSlot, spec: eng.SpawnSpec, cfg: EngineConfig) -> None:
         """An engine spawned in `slot` (`Spawned` answers)."""

@@ -56,7 +56,8 @@ from supervisor.ops.audit import AuditTrail
 from supervisor.ops.logs import set_level
 from supervisor.ops.sdnotify import Notifier
 from supervisor.settings import engine_checks
-from supervisor.settings.config import DEFAULT_ENGINE, WEIGHT_CACHE_BAY, Config
+from supervisor.settings.bays import ENGINE_BAYS, WEIGHT_CACHE_BAY
+from supervisor.settings.config import DEFAULT_ENGINE, Config
 from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog import relaunch
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
@@ -114,14 +115,16 @@ class UnitState:
         self.weights = WeightCache(self.audit, self.clock, EngineSlot(
             self.audit, lambda: next(generations), bay=WEIGHT_CACHE_BAY,
             what="weight cache"), self.config.restart)
-        load = self.weights.load
+        # the unit's places (settings/bays.py), by number: the roles below hold them
+        self.bays: dict[int, EngineSlot] = {WEIGHT_CACHE_BAY: self.weights.slot, **{
+            b: EngineSlot(self.audit, lambda: next(generations), bay=b,
+                          load=self.weights.load) for b in ENGINE_BAYS}}
+        serving, standby = ENGINE_BAYS
         # the serving engine's place, from spawn to reap
-        self.slot = EngineSlot(self.audit, lambda: next(generations), bay=0,
-                               load=load)
-        # the standby (its place: bay 1) and every handover to it (engine/pair/handover.py)
-        self.handover = Handover(Standby(
-            self.audit, self.clock.monotonic,
-            EngineSlot(self.audit, lambda: next(generations), bay=1, load=load)))
+        self.slot = self.bays[serving]
+        # the standby and every handover to it (engine/pair/handover.py)
+        self.handover = Handover(Standby(self.audit, self.clock.monotonic,
+                                         self.bays[standby]))
         # the golden check's baselines and verdicts (engine/golden_check.py)
         # the one executor of the deciders' steps (engine/executor.py)
         self.executor = Executor(self)
@@ -207,7 +210,6 @@ class UnitState:
         """The unit's state as its deciders read it, now (`supervisor/engine/steps.py`)."""
         evidence_s = self.config.evidence.timeout_s + 1.0 \
             if self.slot.evidence_for is not None and self.config.evidence.enabled else 0.0
-        bays = (0, 1)  # the serving engine's and the standby's (they swap on a failover)
         now, serving, standby = self.clock.monotonic(), self.slot.engine, self.handover.standby
         # (the card as NVML last saw it with the serving engine serving, all its memory
         # taken, none of it being released, and the standby as it is now: ready since)
@@ -216,8 +218,8 @@ class UnitState:
             if serving is not None and serving.healthy_at is not None else None
         return PairFacts(self.state, self.slot.view(), self.config, self.environ, self.fronted,
                          now, self.stop_deadline, self.restart_reason,
-                         tuple(self.engine_config(b) for b in bays),
-                         tuple(self.standby_config(b) for b in bays), evidence_s, free)
+                         tuple(self.engine_config(b) for b in ENGINE_BAYS),
+                         tuple(self.standby_config(b) for b in ENGINE_BAYS), evidence_s, free)
 
     def carry_out(self, intents: list[Intent]) -> None:
         """What the watchdog asks (`supervisor/engine/remedies.py`)."""
@@ -315,9 +317,9 @@ class UnitState:
 
     def engine_config(self, bay: int) -> EngineConfig:
         """What an engine started now in `bay` runs with: the current config, its place's
-        port (bay 1: the standby's), the watchdog's overrides (throttle, batch,
+        port (`EngineConfig.in_bay`), the watchdog's overrides (throttle, batch,
         speculative tokens)."""
-        cfg = self.config.engine if bay == 0 else self.config.engine.second()
+        cfg = self.config.engine.in_bay(bay)
         overrides = self.watch.overrides(self.fronted)
         return dataclasses.replace(cfg, args=relaunch.apply(cfg.args, overrides)) \
             if overrides else cfg

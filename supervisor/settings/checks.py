@@ -226,11 +226,11 @@ def check_listeners(key: str, engines: Mapping[str, EngineConfig], proxy: Listen
         if e.standby == "none":
             continue
         how = "" if e.standby_port else f"{where}.port + 1, as standby_port is 0"
-        if e.second().port > 65535:
+        if e.in_bay(1).port > 65535:
             problems.append(f"{where}.standby_port: required when {where}.port is 65535 "
                             f"(the standby's port is {where}.port + 1 by default)")
             continue
-        mine.append(_Listener(f"{where}.standby_port", e.host, e.second().port, how))
+        mine.append(_Listener(f"{where}.standby_port", e.host, e.in_bay(1).port, how))
     # (the later one is named first: an engine's port before the proxy's or the
     # exporter's, a standby's before its engine's)
     for i, this in enumerate(mine):

@@ -23,6 +23,7 @@ from typing import Any
 from supervisor.front.routes import route_problem
 from supervisor.ops.exporter import parse_listen
 from supervisor.settings import checks, weight_cache_argv
+from supervisor.settings.bays import WEIGHT_CACHE_BAY
 from supervisor.settings.schema import ConfigError as ConfigError  # raised by load_config
 from supervisor.settings.schema import build_section, spec
 from supervisor.settings.sections import (
@@ -46,9 +47,6 @@ from supervisor.settings.sections import (
 
 EX_CONFIG = 78  # sysexits.h: configuration error
 DEFAULT_ENGINE = "default"  # the name of the one engine of an [engine] table
-# the place of an engine's weight cache process beside its two engine bays (its state
-# file and guard: supervisor/engine/effects/jobs.py)
-WEIGHT_CACHE_BAY = 2
 ENGINE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}")
 
 
@@ -111,9 +109,9 @@ class Config:
         return weight_cache_argv.socket_dir(self.daemon.runtime_dir, self.engine_name)
 
     def state_file_of(self, bay: int) -> Path:
-        """The state file of an engine in bay 0 (today's file) or bay 1 (the second
-        engine a standby keeps: `engine-tree.bay1.json`), or of the weight cache's
-        process tree (`WEIGHT_CACHE_BAY`: `engine-tree.weight-cache.json`)."""
+        """The state file of the process tree in `bay` (settings/bays.py): bay 0
+        today's file, another engine bay `engine-tree.bayN.json`, the weight cache's
+        `engine-tree.weight-cache.json`."""
         if bay == WEIGHT_CACHE_BAY:
             return self.state_file.with_suffix(".weight-cache.json")
         return self.state_file if bay == 0 else self.state_file.with_suffix(f".bay{bay}.json")

@@ -138,10 +138,14 @@ class EngineConfig:
         host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
         return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
-    def second(self) -> EngineConfig:
-        """The config of the standby's engine: this one's, on the standby's port. The two
-        engines take turns serving: each start uses the port of its place."""
-        return dataclasses.replace(self, port=self.standby_port or self.port + 1)
+    def in_bay(self, bay: int) -> EngineConfig:
+        """The config of an engine started in engine bay `bay` (settings/bays.py): this
+        one's, on that place's port: bay 0 `port`, bay 1 `standby_port` (0: `port` + 1),
+        each further bay the port after. The engines take turns serving: each start
+        uses the port of its place."""
+        if bay == 0:
+            return self
+        return dataclasses.replace(self, port=(self.standby_port or self.port + 1) + bay - 1)
 
     @property
     def models_open(self) -> bool:

@@ -47,7 +47,8 @@ from supervisor.front.admission import Gate
 from supervisor.front.continuation import schedules_by_priority
 from supervisor.loop import Clock, Jobs
 from supervisor.ops.descriptors import Shortage, exhausted
-from supervisor.settings.config import WEIGHT_CACHE_BAY, Config
+from supervisor.settings.bays import BAYS, WEIGHT_CACHE_BAY
+from supervisor.settings.config import Config
 from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog import evidence, hostheat, hostmem, stackdumps
 from supervisor.watchdog.gpu import GpuProcessLister, GpuSampler
@@ -108,9 +109,9 @@ class JobEffects:
         self.gpu_state = gpu_state  # the CUDA driver's checkpoint API, for dumps and copies
         # what the host lacks of a KV tier's floor, now (blocking: through a thread)
         self.host_short = host_short
-        # each bay (0; 1 with a standby; 2: the weight cache) its own state file and guard
-        self.bays = [(proctree.StateFile(config().state_file_of(b)), proctree.Guard())
-                     for b in (0, 1, WEIGHT_CACHE_BAY)]
+        # each bay (settings/config.py `BAYS`) its own state file and guard
+        self.bays = {b: (proctree.StateFile(config().state_file_of(b)), proctree.Guard())
+                     for b in BAYS}
         self._in_bay: dict[int, eng.EngineProcess] = {}  # watched, not yet forgotten
         self._kv_tiers: list[Path] = []  # the KV tier folders this daemon emptied and keeps
         self._kv_refused: dict[Path, tuple[str, float]] = {}  # folder -> (why, when)
@@ -132,7 +133,7 @@ class JobEffects:
 
     async def end(self) -> None:
         await self._jobs.cancel_all()
-        for _, guard in self.bays:
+        for _, guard in self.bays.values():
             guard.close()
         for folder in self._kv_tiers:  # (the engines are gone: their blocks with them)
             await asyncio.to_thread(kv_tier.clear, folder)

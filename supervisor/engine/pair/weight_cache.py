@@ -41,6 +41,7 @@ from supervisor.engine.process import process as eng
 from supervisor.engine.process import takedown
 from supervisor.loop import Clock
 from supervisor.settings import weight_cache_argv as wc
+from supervisor.settings.bays import ENGINE_BAYS
 from supervisor.settings.sections import EngineConfig, RestartConfig
 
 log = structlog.get_logger("supervisor")
@@ -114,7 +115,7 @@ class WeightCache:
         # (its socket folder and its port made and picked by the spawn: effects both)
         return eng.SpawnSpec(argv=argv, env=env, cwd=cfg.cwd, host=own.host, port=0,
                              folders=(self.sockets,),
-                             pick_port=(cfg.port, cfg.second().port)), own
+                             pick_port=tuple(cfg.in_bay(b).port for b in ENGINE_BAYS)), own
 
     def _key_now(self) -> tuple[Any, ...]:
         spec, _ = self._spec()
