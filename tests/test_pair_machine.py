@@ -72,7 +72,7 @@ from supervisor.engine.events import (
     Tick,
     Woken,
 )
-from supervisor.engine.pair.pair_states import ROLE_BAYS, Bay
+from supervisor.engine.pair.pair_states import ROLE_BAYS, SERVING_BAYS, Bay
 from supervisor.engine.process.process import EngineProcess
 from supervisor.engine.process.takedown import TakeDown
 from supervisor.front.admission import Gate, Ticket
@@ -720,7 +720,10 @@ class PairMachine(RuleBasedStateMachine):
         self.failing = True
         bays = [p.bay for p in self.live] + [d["bay"] for d in self.spawns.values()]
         self.expect(len(bays) == len(set(bays)) <= 2, "two_in_a_bay", self.describe)
-        # the standby's role and its bay's phase agree (pair_states.ROLE_BAYS)
+        # each role and its bay's phase agree (pair_states.SERVING_BAYS, ROLE_BAYS)
+        unit, serving = self.w.sup.state, self.w.sup.slot.phase
+        self.expect(serving in SERVING_BAYS[unit], "state_and_bay", lambda: (
+            f"{unit.value} with the serving bay {serving.value}: {self.describe()}"))
         standby = self.w.sup.handover.standby
         role, bay = standby.state, standby.slot.phase
         self.expect(bay in ROLE_BAYS[role], "role_and_bay", lambda: (

@@ -12,15 +12,18 @@ import pytest
 from supervisor.engine.pair.pair_states import (
     BAY,
     CACHE,
+    CACHE_BAYS,
     PHASE,
     ROLE,
+    ROLE_BAYS,
+    SERVING_BAYS,
     Bay,
     Cache,
     Phase,
     Role,
     check,
 )
-from supervisor.engine.states import TransitionError
+from supervisor.engine.states import State, TransitionError
 
 
 def reachable(table: Mapping[enum.Enum, frozenset[enum.Enum]], start: enum.Enum) -> set:
@@ -57,3 +60,16 @@ def test_a_change_the_table_does_not_allow_raises_naming_the_machine() -> None:
         check(PHASE, Phase.WAKING, Phase.PROVING)  # (a woken standby is proven as woken)
     with pytest.raises(TransitionError, match="weight cache transition ready -> starting"):
         check(CACHE, Cache.READY, Cache.STARTING)  # (never two caches: the old one goes)
+
+
+@pytest.mark.parametrize(("joint", "roles"), [
+    (SERVING_BAYS, State), (ROLE_BAYS, Role), (CACHE_BAYS, Cache)], ids=["serving", "standby",
+                                                                        "weight_cache"])
+def test_each_role_table_says_which_bay_phases_each_of_its_states_allows(joint, roles) -> None:
+    """The joint tables (the machines check every run against them): a row for each state
+    of the role, each naming some of the bay's phases; none keeps an exited process but
+    one on its way out (a standby being retired, a weight cache being stopped)."""
+    assert set(joint) == set(roles)
+    for state, phases in joint.items():
+        assert phases and phases <= set(Bay), state
+        assert Bay.EXITED not in phases or state in (Role.RETIRING, Cache.STOPPING), state

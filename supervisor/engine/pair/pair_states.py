@@ -17,7 +17,7 @@ import enum
 from collections.abc import Mapping
 from typing import TypeVar
 
-from supervisor.engine.states import TransitionError
+from supervisor.engine.states import State, TransitionError
 
 
 class Bay(enum.Enum):
@@ -109,6 +109,24 @@ ROLE_BAYS: dict[Role, frozenset[Bay]] = {
     Role.RETIRING: IN_BAY | {Bay.SPAWNING, Bay.TAKING_DOWN},
     Role.RETURNING: frozenset({Bay.HEALTHY}),
     Role.FAILED: frozenset({Bay.EMPTY}),
+}
+
+
+# The serving role's joint table: the phases the serving engine's bay may be in for each
+# state of the unit (`supervisor/engine/states.py`), between two events. RUNNING is a
+# healthy process and nothing else (a dead one is failed over or taken down at once);
+# STARTING may wait with the bay empty (for the weight cache, a standby to sleep first, or
+# an old tree to be gone); no state keeps an exited engine nobody took down.
+SERVING_BAYS: dict[State, frozenset[Bay]] = {
+    State.STOPPED: frozenset({Bay.EMPTY}),
+    State.STARTING: frozenset({Bay.EMPTY, Bay.SPAWNING, Bay.STARTING}),
+    State.RUNNING: frozenset({Bay.HEALTHY}),
+    # (finishing its requests, taken down, or the restart's spawn: a restart that came
+    # while it spawned takes it down once it is up)
+    State.DRAINING: frozenset({Bay.HEALTHY, Bay.TAKING_DOWN, Bay.EMPTY, Bay.SPAWNING}),
+    State.STOPPING: frozenset({Bay.EMPTY, Bay.SPAWNING, Bay.TAKING_DOWN}),
+    State.BACKOFF: frozenset({Bay.EMPTY, Bay.TAKING_DOWN}),
+    State.FATAL: frozenset({Bay.EMPTY, Bay.TAKING_DOWN}),
 }
 
 
