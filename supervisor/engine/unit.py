@@ -260,7 +260,9 @@ class EngineUnit(UnitState):
             self.run_steps(do.lifecycle(outcome))
             self.run_steps(self.handover.on_outcome(self.pair_facts(), outcome))
             return
-        live = self.state in (State.STARTING, State.RUNNING)
+        # (a restart's drain asks nothing of the engine itself: its death then is news,
+        # and ends the drain: `serving.on_process`)
+        live = self.state in (State.STARTING, State.RUNNING, State.DRAINING)
         outcome = self.slot.on(ev, now, awaits_health=self.state is State.STARTING,
                                exit_expected=not live)
         self.run_steps(do.lifecycle(outcome))

@@ -17,6 +17,7 @@ no state and acts on nothing. The unit's executor carries the steps out
 | Healthy | | `EngineHealthy`, RUNNING, systemd told, `Serve`, `ArmStandby`, proof |
 | Unhealthy | | `Fail` |
 | Died | RUNNING, the standby fits | `CountRestart`, `FailOver` (not graceful) |
+| | DRAINING (a restart's drain) | `SwapOrTakeDown` (not graceful): the restart goes on now |
 | | otherwise | `ServingFailed`, `Fail` |
 | Gone | (always first) | `EndStopDeadline`, the relaunch's `down` |
 | | STOPPING | `MaybeFinishStop` (failed when not proven gone) |
@@ -92,6 +93,10 @@ def on_process(f: PairFacts, outcome: out.Outcome, *, standby_fits: bool,
             why = f"engine {engine.describe_exit()} without being asked"
             if f.state is State.RUNNING and standby_fits:
                 return [do.CountRestart("crash"), do.FailOver(why, graceful=False)]
+            # a drain's requests can no longer finish at a dead engine: waiting for them
+            # would hold every client up to the drain's timeout for nothing
+            if f.state is State.DRAINING:
+                return [do.SwapOrTakeDown(graceful=False)]
             healthy_for = f.now - engine.healthy_at if engine.healthy_at is not None \
                 else None
             return [do.ServingFailed(), do.Fail(why, healthy_for)]
