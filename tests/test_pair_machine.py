@@ -1,6 +1,7 @@
-"""The engine pair (the serving engine and its standby) as a Hypothesis state machine:
-events fed in any order the world allows, over the recording effects and the driven clock
-of tests/test_supervisor_unit.py, with no process.
+"""An engine unit's bays (the serving engine, its standby, and the weight cache beside
+them: supervisor/settings/bays.py) as a Hypothesis state machine: events fed in any order
+the world allows, over the recording effects and the driven clock of
+tests/test_supervisor_unit.py, with no process.
 
 The world is modelled from the effects log alone: a spawn asked and not yet answered, an
 engine spawned and not yet taken down (its health, proof, sleep, wake, exit, core),
@@ -8,15 +9,19 @@ the take-downs, drains, probes, sleeps and wakes asked and not yet answered, the
 set and not cancelled. A rule feeds only what that world could report now: a pending
 spawn completes or fails, a watched engine answers its health or times out, a proof
 passes or fails, a sleep or a wake works or not, any live engine (serving, standby,
-starting, asleep, retiring) exits or loses its core unasked, a take-down ends (its tree
-proven gone or not), a drain ends, a timer fires (or, just cancelled, had fired
-already), requests arrive and end, the clock moves; and the operator restarts, reloads
-(new arguments or not) and stops.
+starting, asleep, retiring) exits or loses its core unasked, a weight cache loses its
+health, a take-down ends (its tree proven gone or not), a drain ends, a timer fires (or,
+just cancelled, had fired already), requests arrive and end, the clock moves; and the
+operator restarts, reloads (new arguments or not; the weight cache on or off) and stops.
 
 After every step:
-- never two engines (live or being spawned) in one bay, never three at all, and with no
-  room beside each other (`standby = "sleep"` at vLLM's default share) a spawn or a wake
-  only while every other engine sleeps;
+- never two processes (live or being spawned) in one bay, never three engines at all,
+  and with no room beside each other (`standby = "sleep"` at vLLM's default share) a
+  spawn or a wake only while every other engine sleeps;
+- each role and its bay's phase agree (pair_states' joint tables: the unit's state and
+  the serving bay, the standby's role and its bay, the weight cache's state and its bay);
+- an engine spawns on the weight cache exactly when the cache is ready, and the serving
+  one never while the cache starts or stops;
 - the proxy follows a standby that took over only once it was proven and awake; nothing
   but its proof and its sleep reach a standby before that; held requests are released
   only by a proof of the engine the proxy follows (answered since its last health or
@@ -26,8 +31,8 @@ After every step:
 - the unit never raises.
 At the end of every run: with every pending effect answered well and every timer fired,
 the pair comes to rest (RUNNING with its gate open and its standby ready or out of room,
-FATAL, or STOPPED) with no dead engine left in a place; then a stop ends STOPPED with
-nothing left running.
+FATAL, or STOPPED) with no dead engine left in a place and a weight cache ready (or given
+up); then a stop ends STOPPED with nothing left running.
 
 Each bug it found is kept below as its shortest sequence: a regression test once fixed,
 a strict xfail while open (its check tolerated in the machine, `KNOWN_BUGS`, so that the
@@ -65,6 +70,7 @@ from supervisor.engine.events import (
     Exited,
     GateProbe,
     GpuSampled,
+    HealthLost,
     HealthResult,
     Reloaded,
     Slept,
@@ -72,10 +78,11 @@ from supervisor.engine.events import (
     Tick,
     Woken,
 )
-from supervisor.engine.pair.pair_states import ROLE_BAYS, SERVING_BAYS, Bay
+from supervisor.engine.pair.pair_states import CACHE_BAYS, ROLE_BAYS, SERVING_BAYS, Bay, Cache
 from supervisor.engine.process.process import EngineProcess
 from supervisor.engine.process.takedown import TakeDown
 from supervisor.front.admission import Gate, Ticket
+from supervisor.settings.bays import BAYS, ENGINE_BAYS, WEIGHT_CACHE_BAY
 from supervisor.settings.config import parse_config
 from supervisor.settings.engine_checks import THIN_PAIR_MAX
 from supervisor.watchdog.gpu import GpuReading
@@ -98,7 +105,11 @@ MODES: dict[str, dict[str, Any]] = {
              "args": ["--enable-sleep-mode", "--gpu-memory-utilization", "0.60"],
              "standby_args": ["--gpu-memory-utilization", "0.28"]},
 }
-ROOM_BESIDE = {"awake": True, "sleep_beside": True, "sleep_first": False, "thin": True}
+# an awake standby and a weight cache (`vllm preload`) beside both engines, in the third
+# bay (a cache rules out sleep mode)
+MODES["cached"] = {**MODES["awake"], "weight_cache": True}
+ROOM_BESIDE = {"awake": True, "sleep_beside": True, "sleep_first": False, "thin": True,
+               "cached": True}
 CARD = THIN_PAIR_MAX  # what an asymmetric pair's engines awake on one card may add up to
 
 
@@ -220,6 +231,7 @@ class PairMachine(RuleBasedStateMachine):
         self.crashed = False  # the unit raised a known bug's exception: the run ends
         self.event: Event | None = None  # the one being fed
         self.weights_bytes = 4 * GIB  # each engine's, as its sleep says (`start` draws it)
+        self.cache_on = False  # `engine.weight_cache`, as the last config said
 
     # ---- the world ----------------------------------------------------------------------
 
@@ -237,21 +249,28 @@ class PairMachine(RuleBasedStateMachine):
         return [p for p in self.procs.values() if not p.down]
 
     @property
+    def engines(self) -> list[Proc]:
+        """The live engines (the weight cache's process aside: its weights are counted in
+        each engine's share of the card)."""
+        return [p for p in self.live if p.bay in ENGINE_BAYS]
+
+    @property
     def running(self) -> bool:
         return self._w is not None and self.w.state != "STOPPED" and not self.crashed
 
     def awake_share(self) -> float:
         """The card's share that engines hold now: each live one not asleep (or being
         woken), and each spawn under way."""
-        held = [share_of(p.engine.spec.argv) for p in self.live
+        held = [share_of(p.engine.spec.argv) for p in self.engines
                 if not p.asleep or ("wake", p.gen) in self.pending
                 or ("wake_rest", p.gen) in self.pending]
-        return sum(held) + sum(share_of(d["spec"].argv) for d in self.spawns.values())
+        return sum(held) + sum(share_of(d["spec"].argv) for d in self.spawns.values()
+                               if d["bay"] in ENGINE_BAYS)
 
     def card_used(self) -> int:
         """The card's memory the engines hold now (every one whose tree is not gone)."""
         used = 0
-        for p in self.live:
+        for p in self.engines:
             if p.asleep:
                 used += ASLEEP_BYTES + (self.weights_bytes if p.weights else 0)
             else:
@@ -281,7 +300,7 @@ class PairMachine(RuleBasedStateMachine):
         args = list(MODES[self.mode]["args"])
         if self.revision:
             args += ["--revision", f"v{self.revision}"]
-        doc["engine"] = {**doc["engine"], "args": args}
+        doc["engine"] = {**doc["engine"], "args": args, "weight_cache": self.cache_on}
         return doc
 
     def expect(self, ok: bool, check: str, why: Callable[[], str]) -> None:
@@ -399,9 +418,14 @@ class PairMachine(RuleBasedStateMachine):
     def asked_spawn(self, d: dict[str, Any]) -> None:
         bay = d["bay"]
         taken = [p.bay for p in self.live] + [s["bay"] for s in self.spawns.values()]
-        self.expect(bay not in taken, "two_in_a_bay", lambda: (
-            f"a spawn in bay {bay}, which holds an engine or a spawn: {self.describe()}"))
-        self.expect(len(taken) < 2, "a_third_engine", self.describe)
+        self.expect(bay in BAYS and bay not in taken, "two_in_a_bay", lambda: (
+            f"a spawn in bay {bay}, which holds a process or a spawn: {self.describe()}"))
+        if bay == WEIGHT_CACHE_BAY:
+            self.expect(self.cache_on, "cache_not_configured", self.describe)
+            self.spawns[d["generation"]] = d
+            return
+        self.expect(sum(b in ENGINE_BAYS for b in taken) < 2, "a_third_engine", self.describe)
+        self.on_the_cache(d)
         if self.mode == "thin":
             self.expect(self.awake_share() + share_of(d["spec"].argv) <= CARD,
                         "spawn_past_the_card", lambda: (
@@ -420,6 +444,24 @@ class PairMachine(RuleBasedStateMachine):
                     f"a spawn beside an engine that is not asleep, with no room for both: "
                     f"{self.describe()}"))
         self.spawns[d["generation"]] = d
+
+    def on_the_cache(self, d: dict[str, Any]) -> None:
+        """An engine spawns on the weight cache exactly when the cache is ready (its
+        process up and not going), the serving one never while the cache starts or
+        stops (it waits for the cache's end: `WeightCache.holds_start`)."""
+        wc = self.w.sup.weights
+        cache = wc.slot.engine
+        ready = (wc.state is Cache.READY and cache is not None and cache.exit_code is None
+                 and not wc.slot.taking_down)
+        load = d["spec"].load
+        self.expect(bool(load) == ready, "load_without_cache", lambda: (
+            f"an engine spawned with load {load!r}, the cache {wc.state.value}: "
+            f"{self.describe()}"))
+        serving = d["bay"] == self.w.sup.slot.bay
+        self.expect(not (serving and wc.configured and wc.state in (
+            Cache.STARTING, Cache.STOPPING)), "spawn_beside_a_moving_cache", lambda: (
+            f"the serving engine spawned while its cache was {wc.state.value}: "
+            f"{self.describe()}"))
 
     def asked_watch(self, d: dict[str, Any]) -> None:
         self.proc(d).watched = True
@@ -518,6 +560,7 @@ class PairMachine(RuleBasedStateMachine):
         # (4 GiB fit beside a 0.9 engine and a sleeping one on the card, 8 do not);
         # `ahead`: a sleeping standby's weights woken ahead of a fault where they fit
         self.mode, self.weights_bytes = mode, weights_gib * GIB
+        self.cache_on = bool(MODES[mode].get("weight_cache"))
         gpu = ahead and mode in ("sleep_first", "sleep_beside")
         self._w = world(self.tmp, mode, "gpu" if gpu else "host")
         self.failing = True
@@ -605,12 +648,24 @@ class PairMachine(RuleBasedStateMachine):
                         label="generation")
         self.feed(Exited(gen, code))
 
-    @precondition(lambda self: self.running and any(not p.dead for p in self.live))
+    @precondition(lambda self: self.running and any(not p.dead for p in self.engines))
     @rule(data=st.data())
     def engine_core_exits(self, data: st.DataObject) -> None:
-        gen = data.draw(st.sampled_from(sorted(p.gen for p in self.live if not p.dead)),
+        """(an engine's: the weight cache's process serves no requests, and its exit
+        follows its core's, which `engine_exits` feeds)"""
+        gen = data.draw(st.sampled_from(sorted(p.gen for p in self.engines if not p.dead)),
                         label="generation")
         self.feed(CoreExited(gen, self.procs[gen].pid + 1))
+
+    def healthy_cache(self) -> list[int]:
+        return [p.gen for p in self.live if p.bay == WEIGHT_CACHE_BAY and p.healthy
+                and not p.dead and not p.down_asked]
+
+    @precondition(lambda self: self.running and bool(self.healthy_cache()))
+    @rule()
+    def cache_loses_its_health(self) -> None:
+        """The weight cache's /health fails in a row, while it is up."""
+        self.feed(HealthLost(self.healthy_cache()[0], "/health answered 503 (3 times)"))
 
     @precondition(lambda self: self.running and bool(self.pending_of("take_down")))
     @rule(data=st.data(), proven_gone=st.booleans())
@@ -692,10 +747,13 @@ class PairMachine(RuleBasedStateMachine):
         self.failing = False
 
     @precondition(lambda self: self.running)
-    @rule(action=st.sampled_from(["restart", "stop", "reload_new_arguments", "reload_same"]))
+    @rule(action=st.sampled_from(["restart", "stop", "reload_new_arguments", "reload_same",
+                                  "reload_cache"]))
     def operator(self, action: str) -> None:
         """`vllm-supervisorctl restart` or `stop`, or a reload (SIGHUP) that changes the
-        engine's arguments (a new revision) or only what it does not run (a grace)."""
+        engine's arguments (a new revision) or only what it does not run (a grace), or
+        turns the weight cache on or off (where the standby is awake: a cache rules out
+        sleep mode)."""
         self.racing = []
         if action in ("restart", "stop"):
             self.stop_asked = self.stop_asked or action == "stop"
@@ -703,6 +761,10 @@ class PairMachine(RuleBasedStateMachine):
             return
         if action == "reload_new_arguments":
             self.revision += 1
+        if action == "reload_cache":
+            if MODES[self.mode]["standby"] != "awake":
+                return
+            self.cache_on = not self.cache_on
         doc = self.config_doc()
         if action == "reload_same":
             doc["engine"]["stop_grace_s"] = 5.0 + len(self.replies) % 7
@@ -719,7 +781,8 @@ class PairMachine(RuleBasedStateMachine):
             return
         self.failing = True
         bays = [p.bay for p in self.live] + [d["bay"] for d in self.spawns.values()]
-        self.expect(len(bays) == len(set(bays)) <= 2, "two_in_a_bay", self.describe)
+        self.expect(len(bays) == len(set(bays)) and set(bays) <= set(BAYS), "two_in_a_bay",
+                    self.describe)
         # each role and its bay's phase agree (pair_states.SERVING_BAYS, ROLE_BAYS)
         unit, serving = self.w.sup.state, self.w.sup.slot.phase
         self.expect(serving in SERVING_BAYS[unit], "state_and_bay", lambda: (
@@ -728,6 +791,10 @@ class PairMachine(RuleBasedStateMachine):
         role, bay = standby.state, standby.slot.phase
         self.expect(bay in ROLE_BAYS[role], "role_and_bay", lambda: (
             f"a {role.value} standby in a {bay.value} bay: {self.describe()}"))
+        wc = self.w.sup.weights
+        self.expect(wc.slot.phase in CACHE_BAYS[wc.state], "cache_and_bay", lambda: (
+            f"a {wc.state.value} weight cache in a {wc.slot.phase.value} bay: "
+            f"{self.describe()}"))
         if self.gate.held_reason is None:
             e = self.following
             st_ = self.w.sup.status()
@@ -834,8 +901,16 @@ class PairMachine(RuleBasedStateMachine):
                     and share_of(spare.engine.spec.argv) == 0.28
                     and share_of(self.following.engine.spec.argv) == 0.60),
                     "thin_pair_not_rearmed", self.describe)
-        if state == "FATAL":
-            self.expect(not self.live, "fatal_with_engines", self.describe)
+        if state == "FATAL":  # (a weight cache stays up for the operator's restart)
+            self.expect(not self.engines, "fatal_with_engines", self.describe)
+        wc = self.w.sup.weights
+        self.expect(not self.cache_on or state == "STOPPED"
+                    or wc.state in (Cache.READY, Cache.FAILED),
+                    "cache_not_at_rest", lambda: f"a {wc.state.value} weight cache at rest: "
+                    f"{self.describe()}")
+        self.expect((self.cache_on and state != "STOPPED") or wc.state is Cache.OFF,
+                    "cache_left_on",
+                    lambda: f"a {wc.state.value} cache turned off: {self.describe()}")
 
     def teardown(self) -> None:
         try:
