@@ -79,6 +79,18 @@ def crash_to_thin_and_back(w: World, full: EngineProcess, thin: EngineProcess) -
     return new
 
 
+def thin_serves_and_rearms(w: World) -> tuple[EngineProcess, EngineProcess, EngineProcess]:
+    """Armed, then the full-size engine crashes: the thin standby is woken and serves,
+    the crashed tree goes, and a full-size engine spawns beside the thin one (the
+    re-arm). (the crashed engine, the thin one, the re-arm's)"""
+    full, thin = armed_asleep(w, side_by_side=True)
+    w.feed(Exited(full.generation, 0))
+    w.feed(Woken(thin.generation, None, 0.5))
+    w.feed(GateProbe(thin.generation, True, None))
+    w.down(full)
+    return full, thin, w.spawned()
+
+
 def test_an_asymmetric_pair_is_protected_again_after_each_crash_without_holding_clients(
         tmp_path: Path) -> None:
     """`standby_args` makes the standby thinner (0.28 beside 0.60): after a crash it
@@ -138,12 +150,7 @@ def test_a_thin_engine_that_dies_while_the_full_size_one_starts_is_a_cold_start_
     follows beside the new engine."""
     w = World(tmp_path, fronted=True, engine=THIN)
     try:
-        full, thin = armed_asleep(w, side_by_side=True)
-        w.feed(Exited(full.generation, 0))
-        w.feed(Woken(thin.generation, None, 0.5))
-        w.feed(GateProbe(thin.generation, True, None))
-        w.down(full)
-        rearm = w.spawned()
+        _, thin, rearm = thin_serves_and_rearms(w)
         assert share(rearm) == "0.60"
         w.feed(Exited(thin.generation, 0))  # the thin one dies meanwhile
         assert w.state == "BACKOFF"
@@ -176,12 +183,7 @@ def test_a_full_size_engine_that_dies_before_its_takeover_is_proven_fails_over_a
     handover refused to go from proving to waking.)"""
     w = World(tmp_path, fronted=True, engine=THIN)
     try:
-        full, thin = armed_asleep(w, side_by_side=True)
-        w.feed(Exited(full.generation, 0))
-        w.feed(Woken(thin.generation, None, 0.5))
-        w.feed(GateProbe(thin.generation, True, None))
-        w.down(full)
-        new = w.spawned()
+        _, thin, new = thin_serves_and_rearms(w)
         w.feed(HealthResult(new.generation, True))
         w.feed(GateProbe(new.generation, True, None))  # proven, awake: it takes over
         assert w.sup.engine is new
