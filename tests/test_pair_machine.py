@@ -908,8 +908,9 @@ class PairMachine(RuleBasedStateMachine):
                     or wc.state in (Cache.READY, Cache.FAILED),
                     "cache_not_at_rest", lambda: f"a {wc.state.value} weight cache at rest: "
                     f"{self.describe()}")
-        self.expect((self.cache_on and state != "STOPPED") or wc.state is Cache.OFF,
-                    "cache_left_on",
+        # (off, or failed: its tree not proven gone, until the daemon restarts)
+        self.expect((self.cache_on and state != "STOPPED")
+                    or wc.state in (Cache.OFF, Cache.FAILED), "cache_left_on",
                     lambda: f"a {wc.state.value} cache turned off: {self.describe()}")
 
     def teardown(self) -> None:
