@@ -10,7 +10,8 @@ set and not cancelled. A rule feeds only what that world could report now: a pen
 spawn completes or fails, a watched engine answers its health or times out, a proof
 passes or fails, a sleep or a wake works or not, any live engine (serving, standby,
 starting, asleep, retiring) exits or loses its core unasked, a weight cache loses its
-health, a take-down ends (its tree proven gone or not), a drain ends, a timer fires (or,
+health, a take-down or a snapshot standby's dump ends (its tree proven gone or not, its
+images made or not), a drain ends, a timer fires (or,
 just cancelled, had fired already), requests arrive and end, the clock moves; and the
 operator restarts, reloads (new arguments or not; the weight cache on or off) and stops.
 
@@ -22,6 +23,8 @@ After every step:
   the serving bay, the standby's role and its bay, the weight cache's state and its bay);
 - an engine spawns on the weight cache exactly when the cache is ready, and the serving
   one never while the cache starts or stops;
+- only a proven, sleeping standby is dumped, and a copy of its images is restored only
+  where a sleeping engine fits on the card;
 - the proxy follows a standby that took over only once it was proven and awake; nothing
   but its proof and its sleep reach a standby before that; held requests are released
   only by a proof of the engine the proxy follows (answered since its last health or
@@ -108,8 +111,13 @@ MODES: dict[str, dict[str, Any]] = {
 # an awake standby and a weight cache (`vllm preload`) beside both engines, in the third
 # bay (a cache rules out sleep mode)
 MODES["cached"] = {**MODES["awake"], "weight_cache": True}
+# a standby kept as images (issue 49's route 3): on a full card the standby starts first,
+# sleeps and is dumped; copies restored from its images (asleep from their start: room
+# for one beside the serving engine) are the standby after
+MODES["snapshot"] = {**MODES["sleep_first"], "standby": "snapshot", "criu": "criu"}
 ROOM_BESIDE = {"awake": True, "sleep_beside": True, "sleep_first": False, "thin": True,
-               "cached": True}
+               "cached": True, "snapshot": False}
+SLEEPING_MODES = ("sleep_first", "sleep_beside", "snapshot")
 CARD = THIN_PAIR_MAX  # what an asymmetric pair's engines awake on one card may add up to
 
 
@@ -241,6 +249,7 @@ class PairMachine(RuleBasedStateMachine):
         self.crashed = False  # the unit raised a known bug's exception: the run ends
         self.event: Event | None = None  # the one being fed
         self.weights_bytes = 4 * GIB  # each engine's, as its sleep says (`start` draws it)
+        self.dumps: set[int] = set()  # generations whose take-down is a dump (a snapshot's)
         self.cache_on = False  # `engine.weight_cache`, as the last config said
 
     # ---- the world ----------------------------------------------------------------------
@@ -365,6 +374,8 @@ class PairMachine(RuleBasedStateMachine):
                 asked = next(d for n, d in reversed(spawn)
                              if n == "spawn" and d["generation"] == ev.generation)
                 proc = Proc(ev.engine, asked["bay"])
+                if asked["spec"].restore is not None:  # (proven and asleep when dumped)
+                    proc.asleep = proc.ever_proven = True
                 self.procs[ev.generation] = self.by_pid[ev.engine.pid] = proc
                 self.step_spawned = ev.generation
             return
@@ -436,12 +447,19 @@ class PairMachine(RuleBasedStateMachine):
             return
         self.expect(sum(b in ENGINE_BAYS for b in taken) < 2, "a_third_engine", self.describe)
         self.on_the_cache(d)
+        if d["spec"].restore is not None:  # a copy of a snapshot's images: asleep from
+            # its start, with room beside the serving engine
+            self.expect(self.mode == "snapshot", "restore_unasked", self.describe)
+            self.expect(CARD_BYTES - self.card_used() >= ASLEEP_BYTES, "restore_past_the_card",
+                        self.describe)
+            self.spawns[d["generation"]] = d
+            return
         if self.mode == "thin":
             self.expect(self.awake_share() + share_of(d["spec"].argv) <= CARD,
                         "spawn_past_the_card", lambda: (
                             f"a spawn at {share_of(d['spec'].argv)} beside "
                             f"{self.awake_share():g} awake: {self.describe()}"))
-        if self.mode in ("sleep_first", "sleep_beside"):  # (vLLM's check at its start:
+        if self.mode in SLEEPING_MODES:  # (vLLM's check at its start:
             # its share of the card free; a standby's weights woken ahead take from it)
             need = share_of(d["spec"].argv) * CARD_BYTES
             self.expect(CARD_BYTES - self.card_used() >= need, "spawn_past_the_free_card",
@@ -531,6 +549,16 @@ class PairMachine(RuleBasedStateMachine):
         p.down_asked = True
         self.pending.append(("take_down", p.gen))
 
+    def asked_dump(self, d: dict[str, Any]) -> None:
+        """A sleeping standby kept as images: its take-down (`Down` answers it)."""
+        p = self.proc(d)
+        self.expect(self.mode == "snapshot" and p.alive and p.asleep and p.ever_proven
+                    and p is not self.following, "dump_of_unready",
+                    lambda: f"a dump of {p}: {self.describe()}")
+        p.down_asked = True
+        self.dumps.add(p.gen)
+        self.pending.append(("take_down", p.gen))
+
     def asked_drain(self, d: dict[str, Any]) -> None:
         p = self.proc(d)
         self.expect(not p.down, "drain_of_gone", lambda: f"{p}")
@@ -571,7 +599,7 @@ class PairMachine(RuleBasedStateMachine):
         # `ahead`: a sleeping standby's weights woken ahead of a fault where they fit
         self.mode, self.weights_bytes = mode, weights_gib * GIB
         self.cache_on = bool(MODES[mode].get("weight_cache"))
-        gpu = ahead and mode in ("sleep_first", "sleep_beside")
+        gpu = ahead and mode in SLEEPING_MODES
         self._w = world(self.tmp, mode, "gpu" if gpu else "host")
         self.failing = True
         self.w.sup.start("test")
@@ -678,18 +706,23 @@ class PairMachine(RuleBasedStateMachine):
         self.feed(HealthLost(self.healthy_cache()[0], "/health answered 503 (3 times)"))
 
     @precondition(lambda self: self.running and bool(self.pending_of("take_down")))
-    @rule(data=st.data(), proven_gone=st.booleans())
-    def take_down_ends(self, data: st.DataObject, proven_gone: bool) -> None:
+    @rule(data=st.data(), proven_gone=st.booleans(), dumped=st.booleans())
+    def take_down_ends(self, data: st.DataObject, proven_gone: bool, dumped: bool) -> None:
+        """(`dumped`: a dump, if it was one, made its images)"""
         gen = data.draw(st.sampled_from(self.pending_of("take_down")), label="generation")
-        self.feed(self.down_event(gen, proven_gone))
+        self.feed(self.down_event(gen, proven_gone, dumped))
 
-    def down_event(self, gen: int, proven_gone: bool) -> Down:
+    def down_event(self, gen: int, proven_gone: bool, dumped: bool = True) -> Down:
+        dump = gen in self.dumps
         if not proven_gone:
-            return Down(gen, None, "take-down failed: processes survived SIGKILL")
+            return Down(gen, None, "take-down failed: processes survived SIGKILL",
+                        None, None if not dump else "the tree did not go")
         p = self.procs[gen]
         return Down(gen, TakeDown(exit_code=p.exit_code if p.exited else -9,
                                   survivors=[], gpu_holders={}, port_problem=None,
-                                  duration_s=0.1, sigkilled=not p.exited))
+                                  duration_s=0.1, sigkilled=not p.exited), None,
+                    0.5 if dump and dumped else None,
+                    "SnapshotError: criu dump failed" if dump and not dumped else None)
 
     @precondition(lambda self: self.running and bool(self.pending_of("drain", "drain_behind")))
     @rule(data=st.data(), idle=st.booleans())
@@ -945,6 +978,6 @@ class PairMachine(RuleBasedStateMachine):
 
 
 PairMachine.TestCase.settings = settings(
-    max_examples=examples(200), stateful_step_count=30, deadline=None,
+    max_examples=examples(300), stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestPair = PairMachine.TestCase
