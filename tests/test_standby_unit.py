@@ -752,6 +752,45 @@ def test_a_snapshot_standby_on_a_full_card_is_dumped_then_a_copy_of_it_first(
         w.loop.close()
 
 
+@pytest.mark.parametrize("how", ["restart", "crash"])
+def test_a_cold_start_waits_for_a_copy_being_restored(tmp_path: Path, how: str) -> None:
+    """A copy of the standby's images is being restored when a cold start comes (an
+    operator's restart while nothing serves yet, or the serving engine's crash with no
+    ready standby): the engine spawns only once the copy is ready, asleep, never beside a
+    restore whose GPU memory still grows (vLLM's start would count it as its own). Found
+    by the pair machine."""
+    w = World(tmp_path, fronted=True, engine={**SNAPSHOT, "args": ["--enable-sleep-mode"]})
+    try:
+        spare = asleep_first(w)
+        dumped(w, spare)
+        if how == "restart":
+            assert w.fx.last("spawn")["spec"].restore is not None  # the copy, spawning
+            w.control("restart")
+        else:  # a copy took over from a crash; the next copy is being restored when
+            # the one serving crashes too (no standby ready: a cold start)
+            copy = w.spawned()
+            w.feed(HealthResult(copy.generation, True))
+            first = w.serving()
+            w.feed(GateProbe(first.generation, True, None))
+            crash_then_wake(w, first, copy)
+            assert w.fx.last("spawn")["spec"].restore is not None  # the next copy
+            w.feed(Exited(copy.generation, 0))
+            assert w.state == "BACKOFF"
+            w.down(copy)
+            backoff = w.fx.timers[-1]
+            w.now += backoff.delay_s
+            w.feed(backoff.event)
+        assert w.state == "STARTING"
+        spawns = w.fx.names().count("spawn")
+        restored = w.spawned()  # the copy's spawn ends
+        assert w.fx.names().count("spawn") == spawns, "the engine spawned beside a restore"
+        w.feed(HealthResult(restored.generation, True))  # ready, asleep
+        assert w.fx.names().count("spawn") == spawns + 1
+        assert w.fx.last("spawn")["spec"].restore is None  # now the engine, beside it
+    finally:
+        w.loop.close()
+
+
 def test_a_snapshot_standby_whose_dump_fails_is_a_sleeping_standby(tmp_path: Path) -> None:
     """The dump failed (CRIU missing, say): said in status and the audit, and from then
     on the standby is a sleeping one (no dump tried again until the daemon restarts);

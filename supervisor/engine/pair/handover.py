@@ -120,6 +120,12 @@ class Handover:
             # an engine starting while another releases the card fails vLLM's profiling
             self._set_phase(Phase.STANDBY_FIRST, f.now)
             return True, []
+        if st.restoring:
+            # a copy being restored: the engine starts once it is ready (asleep, room
+            # beside it), never beside a process whose GPU memory still grows (vLLM's
+            # start would count it as its own and keep a smaller KV cache)
+            self._set_phase(Phase.STANDBY_FIRST, f.now)
+            return True, []
         if (cfg.standby not in engine_checks.SLEEPING or self.standby.ready
                 or engine_checks.side_by_side(cfg)
                 or (self.standby.restorable(f.standby_spec(self.standby.slot.bay))

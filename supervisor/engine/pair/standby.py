@@ -157,6 +157,12 @@ class Standby:
         return self.state in ON_ITS_WAY and not self.slot.taking_down
 
     @property
+    def restoring(self) -> bool:
+        """A copy of the kept images being restored (spawned, not ready yet)."""
+        spec = self.slot.spec
+        return self.on_its_way and spec is not None and spec.restore is not None
+
+    @property
     def thin(self) -> bool:
         """The engine in its place (or coming) runs the thinner standby's arguments
         (`standby_args`): its spawn says so (`SpawnSpec.thin`)."""
