@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from supervisor.engine.events import (
+    CoreExited,
     Down,
     Drained,
     Exited,
@@ -787,6 +788,36 @@ def test_a_cold_start_waits_for_a_copy_being_restored(tmp_path: Path, how: str) 
         w.feed(HealthResult(restored.generation, True))  # ready, asleep
         assert w.fx.names().count("spawn") == spawns + 1
         assert w.fx.last("spawn")["spec"].restore is None  # now the engine, beside it
+    finally:
+        w.loop.close()
+
+
+def test_a_cold_start_waits_for_the_tree_in_the_standbys_place(tmp_path: Path) -> None:
+    """On a full card with kept images: the engine starting beside a copy is restarted,
+    the copy takes over, then dies too (a cold start after a backoff). The engine that was
+    starting is still being taken down in the standby's place when the backoff ends: the
+    cold start waits for its tree to be gone (its memory released), as with `"sleep"`,
+    rather than spawning beside it. Found by the pair machine."""
+    w = World(tmp_path, fronted=True, engine={**SNAPSHOT, "args": ["--enable-sleep-mode"]})
+    try:
+        spare = asleep_first(w)
+        dumped(w, spare)
+        copy = w.spawned()
+        w.feed(HealthResult(copy.generation, True))
+        first = w.spawned()  # the engine, starting beside the copy
+        w.control("restart")
+        assert w.sup.engine is copy and w.fx.last("take_down")["pid"] == first.pid
+        w.feed(CoreExited(copy.generation, copy.pid + 1))
+        assert w.state == "BACKOFF"
+        w.down(copy)
+        backoff = w.fx.timers[-1]
+        w.now += backoff.delay_s
+        spawns = w.fx.names().count("spawn")
+        w.feed(backoff.event)
+        assert w.state == "STARTING"
+        assert w.fx.names().count("spawn") == spawns, "spawned beside a tree going down"
+        w.down(first)
+        assert w.fx.names().count("spawn") == spawns + 1
     finally:
         w.loop.close()
 

@@ -129,9 +129,10 @@ class Handover:
         if (cfg.standby not in engine_checks.SLEEPING or self.standby.ready
                 or engine_checks.side_by_side(cfg)
                 or (self.standby.restorable(f.standby_spec(self.standby.slot.bay))
-                    and not self.standby.adopted)):
-            # (a copy of the kept images is restored beside the engine, asleep; the first
-            # of an earlier run's goes first, while a fresh standby could still start)
+                    and not self.standby.adopted and self.standby.idle)):
+            # (a copy of the kept images is restored beside the engine, asleep, once its
+            # place is free; the first of an earlier run's goes first, while a fresh
+            # standby could still start)
             return False, []
         why = self.standby.no_sleep(cfg)
         if why is not None:
