@@ -76,6 +76,8 @@ from supervisor.engine.events import (
     HealthLost,
     HealthResult,
     Reloaded,
+    RemedyDone,
+    SleepModeProbed,
     Slept,
     Spawned,
     Tick,
@@ -89,7 +91,7 @@ from supervisor.settings.bays import BAYS, ENGINE_BAYS, WEIGHT_CACHE_BAY
 from supervisor.settings.config import parse_config
 from supervisor.settings.engine_checks import THIN_PAIR_MAX
 from supervisor.watchdog.gpu import GpuReading
-from supervisor.watchdog.remedy import REST, WEIGHTS
+from supervisor.watchdog.remedy import REST, WEIGHTS, RemedyOutcome
 from tests.hypothesis_profiles import examples
 from tests.test_supervisor_unit import FakeTimer, World
 
@@ -358,7 +360,10 @@ class PairMachine(RuleBasedStateMachine):
                        and t.due <= self.w.now]
         if held_before and self.gate.held_reason is None:
             e = self.following
-            self.expect(isinstance(ev, GateProbe) and e is not None
+            # (a proof of the engine followed, or the end of its KV reset: woken, and
+            # its golden answer judged)
+            by = (GateProbe, RemedyDone)
+            self.expect(isinstance(ev, by) and e is not None
                         and ev.generation == e.gen, "released_without_proof", lambda: (
                             f"held requests released by {ev!r}, not by a proof of the "
                             f"followed engine {e}: {self.describe()}"))
@@ -381,7 +386,8 @@ class PairMachine(RuleBasedStateMachine):
             return
         if p is None:  # (a timer's or the operator's: about no engine)
             assert not isinstance(ev, HealthResult | GateProbe | Slept | Woken | Exited
-                                  | CoreExited | Down | Drained), ev
+                                  | CoreExited | Down | Drained | RemedyDone
+                                  | SleepModeProbed), ev
             return
         if isinstance(ev, HealthResult):
             p.health_fed = True
@@ -416,6 +422,10 @@ class PairMachine(RuleBasedStateMachine):
         elif isinstance(ev, Drained):
             kind = "drain" if ("drain", p.gen) in self.pending else "drain_behind"
             self.pending.remove((kind, p.gen))
+        elif isinstance(ev, RemedyDone):
+            self.pending.remove(("remedy", p.gen))
+        elif isinstance(ev, SleepModeProbed):
+            self.pending.remove(("sleep_probe", p.gen))
 
     def absorb(self) -> None:
         """Every effect the unit asked for since the last look, checked and recorded."""
@@ -499,6 +509,9 @@ class PairMachine(RuleBasedStateMachine):
         self.expect(p.alive and p.healthy and not p.asleep
                     and (p.gen == self.step_healthy or p.ever_proven), "serve_unproven",
                     lambda: f"serve {p}: not healthy, asleep or not proven: {self.describe()}")
+        if ("sleep_probe", p.gen) not in self.pending:  # (its development routes probed:
+            # whether a KV reset can sleep and wake it)
+            self.pending.append(("sleep_probe", p.gen))
 
     def asked_gate_probe(self, d: dict[str, Any]) -> None:
         p = self.proc(d)
@@ -558,6 +571,14 @@ class PairMachine(RuleBasedStateMachine):
         p.down_asked = True
         self.dumps.add(p.gen)
         self.pending.append(("take_down", p.gen))
+
+    def asked_remedy(self, d: dict[str, Any]) -> None:
+        """An in-place remedy (a KV reset: the engine slept and woken behind a hold)."""
+        p = self.proc(d)
+        self.expect(p.alive and p.healthy and not p.asleep and p is self.following
+                    and p.ever_proven, "remedy_of_unready",
+                    lambda: f"a {d['rung']} asked of {p}: {self.describe()}")
+        self.pending.append(("remedy", p.gen))
 
     def asked_drain(self, d: dict[str, Any]) -> None:
         p = self.proc(d)
@@ -731,6 +752,32 @@ class PairMachine(RuleBasedStateMachine):
                         label="generation")
         self.feed(Drained(gen, idle, 0.5 if idle else 30.0))
 
+    @precondition(lambda self: self.running and bool(self.pending_of("remedy")))
+    @rule(data=st.data(), ok=st.booleans())
+    def remedy_ends(self, data: st.DataObject, ok: bool) -> None:
+        """A KV reset ends: slept and woken (its golden answer as before), or not."""
+        gen = data.draw(st.sampled_from(self.pending_of("remedy")), label="generation")
+        self.feed(self.remedy_done(gen, ok))
+
+    @precondition(lambda self: self.running and bool(self.pending_of("sleep_probe")))
+    @rule(data=st.data())
+    def sleep_mode_probed(self, data: st.DataObject) -> None:
+        gen = data.draw(st.sampled_from(self.pending_of("sleep_probe")), label="generation")
+        self.feed(self.sleep_probe(gen))
+
+    def sleep_probe(self, gen: int) -> SleepModeProbed:
+        """What the engine's development routes say: sleep mode where it was started
+        with it."""
+        argv = self.procs[gen].engine.spec.argv
+        on = "--enable-sleep-mode" in argv
+        return SleepModeProbed(gen, on, None if on else "started without --enable-sleep-mode")
+
+    def remedy_done(self, gen: int, ok: bool) -> RemedyDone:
+        ok = ok and self.procs[gen].alive
+        outcome = RemedyOutcome(ok=True, steps={"sleep": 0.1, "wake": 0.2}) if ok else \
+            RemedyOutcome(ok=False, steps={"sleep": 0.1}, error="POST /wake_up: HTTP 500")
+        return RemedyDone(gen, "kv_reset", outcome, 0.4)
+
     @precondition(lambda self: self.running and bool(self.live_timers()))
     @rule()
     def timer_fires(self) -> None:
@@ -791,14 +838,15 @@ class PairMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.running)
     @rule(action=st.sampled_from(["restart", "stop", "reload_new_arguments", "reload_same",
-                                  "reload_cache"]))
+                                  "reload_cache", "kv-reset"]))
     def operator(self, action: str) -> None:
         """`vllm-supervisorctl restart` or `stop`, or a reload (SIGHUP) that changes the
         engine's arguments (a new revision) or only what it does not run (a grace), or
         turns the weight cache on or off (where the standby is awake: a cache rules out
         sleep mode)."""
         self.racing = []
-        if action in ("restart", "stop"):
+        if action in ("restart", "stop", "kv-reset"):  # (a KV reset: refused, saying why,
+            # without sleep mode or while it cannot be done)
             self.stop_asked = self.stop_asked or action == "stop"
             self.control(action)
             return
@@ -873,6 +921,10 @@ class PairMachine(RuleBasedStateMachine):
             return lambda: self.feed(self.down_event(take_downs[0], proven_gone=True))
         if drains := self.pending_of("drain", "drain_behind"):
             return lambda: self.feed(Drained(drains[0], True, 0.5))
+        if remedies := self.pending_of("remedy"):
+            return lambda: self.feed(self.remedy_done(remedies[0], ok=True))
+        if probes := self.pending_of("sleep_probe"):
+            return lambda: self.feed(self.sleep_probe(probes[0]))
         if unhealthy := self.unhealthy_yet():
             p = self.procs[unhealthy[0]]
             return lambda: self.feed(HealthResult(p.gen, not p.dead and not p.down))
