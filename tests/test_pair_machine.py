@@ -12,8 +12,9 @@ passes or fails, a sleep or a wake works or not, any live engine (serving, stand
 starting, asleep, retiring) exits or loses its core unasked, a weight cache loses its
 health, a take-down or a snapshot standby's dump ends (its tree proven gone or not, its
 images made or not), a drain ends, a timer fires (or,
-just cancelled, had fired already), requests arrive and end, the clock moves; and the
-operator restarts, reloads (new arguments or not; the weight cache on or off) and stops.
+just cancelled, had fired already), requests arrive and end, the clock moves, a KV
+reset or the probe of sleep mode ends; and the operator restarts, resets the KV cache,
+reloads (new arguments or not; the weight cache on or off) and stops.
 
 After every step:
 - never two processes (live or being spawned) in one bay, never three engines at all,
