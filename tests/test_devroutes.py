@@ -178,6 +178,7 @@ def test_an_engine_without_the_dev_routes_has_its_remedies_off_from_its_start(
     entries = [e for e in d.events() if e["event"] == "dev_routes"]
     assert len(entries) == 2 and entries[1]["off"] == {} and entries[1]["pid"] == st["pid"]
     assert metric(d, "engine_capability") == {"reset_prefix_cache": 1.0, "kv_reset": 1.0}
+    wait_for(lambda: d.status()["admission"]["held"] is None, 30, "the gate to open")
     assert d.ctl("kv-reset", timeout=60).returncode == 0
 
 

@@ -79,6 +79,7 @@ def test_kv_reset_cuts_the_daemons_own_canary_before_the_engine_sleeps(
     d.wait_state("RUNNING")
     wait_for(lambda: d.status()["remedies"]["kv_reset"], 10, "sleep mode to be probed")
     wait_for(lambda: any(e["event"] == "warmed_up" for e in d.events()), 30, "warmed up")
+    wait_for(lambda: d.status()["admission"]["held"] is None, 30, "the gate to open")
     asked = tmp_path / "requests"
 
     def canaries() -> int:
@@ -111,6 +112,7 @@ def test_a_failed_wake_is_audited_and_becomes_a_restart_that_loses_nothing(daemo
     d.wait_state("RUNNING")
     wait_for(lambda: d.status()["remedies"]["kv_reset"], 10, "sleep mode to be probed")
     wait_for(lambda: any(e["event"] == "warmed_up" for e in d.events()), 10, "warmed up")
+    wait_for(lambda: d.status()["admission"]["held"] is None, 30, "the gate to open")
     wake_fault.write_text(fault)  # (its warm-up wake before it served went well)
     r = d.ctl("kv-reset", timeout=60)
     assert r.returncode == 1 and "KV reset failed" in r.stdout

@@ -21,6 +21,7 @@ import pytest
 from supervisor.engine.events import (
     BackoffElapsed,
     CanaryDone,
+    CommandError,
     ControlRequest,
     CoreExited,
     Down,
@@ -32,6 +33,7 @@ from supervisor.engine.events import (
     MetricsSampled,
     Reloaded,
     RemedyDone,
+    SleepModeProbed,
     Spawned,
 )
 from supervisor.engine.process import kv_tier
@@ -495,6 +497,29 @@ def test_an_engine_that_dies_during_a_restarts_drain_is_taken_down_at_once(
         assert w.fx.names().count("take_down") == 1
         w.down(engine)
         assert w.state == "STARTING" and w.fx.last("spawn")["generation"] == 2
+    finally:
+        w.loop.close()
+
+
+def test_an_operators_kv_reset_waits_for_the_engine_to_be_proven(tmp_path: Path) -> None:
+    """`kv-reset` while the engine that just became healthy is still proven (its first
+    generation, after the warm-up's own sleep and wake) is refused, saying so: a second
+    sleep under the proof's can wedge vLLM, and the reset's end would let held requests
+    through to an engine never proven. Once the gate opens, it is taken. (Found by the
+    pair machine.)"""
+    w = World(tmp_path, fronted=True, engine={"env": {"VLLM_SERVER_DEV_MODE": "1"},
+                                               "args": ["--enable-sleep-mode"]})
+    try:
+        engine = w.serving()
+        w.feed(SleepModeProbed(engine.generation, True, None))
+        reply = w.control("kv-reset")
+        with pytest.raises(CommandError, match="being proven"):
+            reply.result()
+        assert "remedy" not in w.fx.names()
+        w.feed(GateProbe(engine.generation, True, None))
+        assert w.sup.gate.held_reason is None
+        w.control("kv-reset")
+        assert w.fx.last("remedy") == {"pid": engine.pid, "rung": "kv_reset"}
     finally:
         w.loop.close()
 

@@ -368,6 +368,11 @@ class EngineWatch:
             return f"a {self.remedy.rung} is already in progress"
         if not self.sleep_mode:
             return f"this engine cannot drop its KV cache in place: {self.sleep_mode_why}"
+        if unit.proving:
+            # (its proof may sleep and wake it too, and sends it a generation: a second
+            # sleep under either can wedge vLLM)
+            return ("the engine is being proven (its first generation, after its warm-up "
+                    "sleep and wake): try again once the gate opens")
         return None
 
     def begin_remedy(self, rung: str, reason: str, unit: UnitFacts) -> BeginRemedy:
