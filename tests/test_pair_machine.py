@@ -254,6 +254,7 @@ class PairMachine(RuleBasedStateMachine):
         self.weights_bytes = 4 * GIB  # each engine's, as its sleep says (`start` draws it)
         self.dumps: set[int] = set()  # generations whose take-down is a dump (a snapshot's)
         self.cache_on = False  # `engine.weight_cache`, as the last config said
+        self.held_by_operator = False  # `drain` asked, `resume` not yet
 
     # ---- the world ----------------------------------------------------------------------
 
@@ -833,22 +834,27 @@ class PairMachine(RuleBasedStateMachine):
         reply = self.w.control(command)
         self.replies.append(reply)
         self.absorb()
-        self.expect(not (before and self.gate.held_reason is None), "released_without_proof",
+        # (`resume` lets go the operator's own hold: the gate opens only to a proven
+        # engine all the same, which `the_pair_holds` checks)
+        self.expect(command == "resume" or not (before and self.gate.held_reason is None),
+                    "released_without_proof",
                     lambda: f"held requests released by {command}: {self.describe()}")
         self.failing = False
 
     @precondition(lambda self: self.running)
     @rule(action=st.sampled_from(["restart", "stop", "reload_new_arguments", "reload_same",
-                                  "reload_cache", "kv-reset"]))
+                                  "reload_cache", "kv-reset", "rearm", "drain", "resume"]))
     def operator(self, action: str) -> None:
         """`vllm-supervisorctl restart` or `stop`, or a reload (SIGHUP) that changes the
         engine's arguments (a new revision) or only what it does not run (a grace), or
         turns the weight cache on or off (where the standby is awake: a cache rules out
-        sleep mode)."""
+        sleep mode); or a KV reset, a re-arm, a hold of new requests (`drain`) or its end
+        (`resume`), each refused, saying why, where it cannot be done now."""
         self.racing = []
-        if action in ("restart", "stop", "kv-reset"):  # (a KV reset: refused, saying why,
-            # without sleep mode or while it cannot be done)
+        if action in ("restart", "stop", "kv-reset", "rearm", "drain", "resume"):
             self.stop_asked = self.stop_asked or action == "stop"
+            if action in ("drain", "resume"):
+                self.held_by_operator = action == "drain"
             self.control(action)
             return
         if action == "reload_new_arguments":
@@ -887,6 +893,9 @@ class PairMachine(RuleBasedStateMachine):
         self.expect(wc.slot.phase in CACHE_BAYS[wc.state], "cache_and_bay", lambda: (
             f"a {wc.state.value} weight cache in a {wc.slot.phase.value} bay: "
             f"{self.describe()}"))
+        self.expect(not (self.held_by_operator and self.gate.held_reason is None),
+                    "operator_hold_lost", lambda: (
+                        f"the operator's drain no longer holds requests: {self.describe()}"))
         if self.gate.held_reason is None:
             e = self.following
             st_ = self.w.sup.status()
@@ -958,6 +967,9 @@ class PairMachine(RuleBasedStateMachine):
     def settle(self) -> None:
         while self.tickets:
             self.gate.done(self.tickets.pop())
+        if self.held_by_operator and self.w.state != "STOPPED":
+            self.held_by_operator = False
+            self.control("resume")
         for _ in range(ANSWERS_TO_REST):
             if self.w.state == "STOPPED":
                 return
