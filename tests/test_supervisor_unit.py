@@ -524,6 +524,28 @@ def test_an_operators_kv_reset_waits_for_the_engine_to_be_proven(tmp_path: Path)
         w.loop.close()
 
 
+def test_an_operators_kv_reset_under_way_when_the_engine_stops_is_answered(
+        tmp_path: Path) -> None:
+    """A stop while an operator's `kv-reset` is under way: the reset's job ends with the
+    unit, so its answer would never come; the operator is told it did not finish, at the
+    stop's end, rather than left waiting. (Found by the pair machine.)"""
+    w = World(tmp_path, fronted=True, engine={"env": {"VLLM_SERVER_DEV_MODE": "1"},
+                                               "args": ["--enable-sleep-mode"]})
+    try:
+        engine = w.serving()
+        w.feed(SleepModeProbed(engine.generation, True, None))
+        w.feed(GateProbe(engine.generation, True, None))
+        reset = w.control("kv-reset")
+        assert w.fx.last("remedy") == {"pid": engine.pid, "rung": "kv_reset"}
+        stop = w.control("stop")
+        w.down(engine)
+        assert w.state == "STOPPED" and stop.result()["state"] == "STOPPED"
+        with pytest.raises(CommandError, match="kv-reset not finished: the engine was stopped"):
+            reset.result()
+    finally:
+        w.loop.close()
+
+
 def test_a_failed_in_place_remedy_becomes_a_drained_restart(world: World) -> None:
     engine = world.serving()
     world.sup.begin_remedy("reset_prefix_cache", "test")

@@ -16,7 +16,7 @@ import asyncio
 from typing import Any
 
 from supervisor.engine import steps as do
-from supervisor.engine.events import RemedyDone
+from supervisor.engine.events import CommandError, RemedyDone
 from supervisor.engine.intents import (
     BeginRemedy,
     Decided,
@@ -93,3 +93,11 @@ class Remedies:
                 reply.set_result(fields)
         self._replies.clear()
         return self.carry_out(intents, facts)
+
+    def abandon(self, why: str) -> None:
+        """The unit stopped before the remedy under way ended (its job ends with the
+        unit): its operators are told so rather than left waiting."""
+        for reply in self._replies:
+            if not reply.done():
+                reply.set_exception(CommandError(f"kv-reset not finished: {why}"))
+        self._replies.clear()

@@ -393,6 +393,7 @@ class UnitState:
         if self.weights.unproven is not None:
             self.exit_code = 1
         self.set_state(State.STOPPED, "engine stopped")
+        self.remedies.abandon("the engine was stopped")
         for reply in self._stop_replies:
             if not reply.done():
                 reply.set_result({"state": State.STOPPED.value, "exit_code": self.exit_code})
