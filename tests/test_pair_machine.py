@@ -577,8 +577,10 @@ class PairMachine(RuleBasedStateMachine):
     def asked_remedy(self, d: dict[str, Any]) -> None:
         """An in-place remedy (a KV reset: the engine slept and woken behind a hold)."""
         p = self.proc(d)
+        # (answered: its proof came back, passed or failed: a failed first canary lets
+        # clients in all the same, said)
         self.expect(p.alive and p.healthy and not p.asleep and p is self.following
-                    and p.ever_proven, "remedy_of_unready",
+                    and (p.answered or p.ever_proven), "remedy_of_unready",
                     lambda: f"a {d['rung']} asked of {p}: {self.describe()}")
         self.pending.append(("remedy", p.gen))
 
