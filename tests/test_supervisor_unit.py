@@ -546,6 +546,32 @@ def test_an_operators_kv_reset_under_way_when_the_engine_stops_is_answered(
         w.loop.close()
 
 
+def test_a_restart_of_a_starting_engine_drains_nothing(tmp_path: Path) -> None:
+    """A restart while the engine starts (after a crash, with a request still in flight at
+    the proxy from the engine before): no request is at an engine that never served, so
+    it is taken down at once, not after waiting out the drain's timeout. (Found by the
+    pair machine: DRAINING with a starting engine.)"""
+    w = World(tmp_path, fronted=True, engine={"drain_timeout_s": 30})
+    try:
+        first = w.serving()
+        w.feed(GateProbe(first.generation, True, None))
+        ticket = w.loop.run_until_complete(w.sup.gate.acquire(1))  # a request in flight
+        w.feed(Exited(first.generation, -9))  # a crash: a cold start after the backoff
+        w.down(first)
+        w.now += w.fx.timers[-1].delay_s
+        w.feed(w.fx.timers[-1].event)
+        second = w.spawned()
+        assert w.state == "STARTING" and w.sup.gate.in_flight == 1
+        w.control("restart")
+        assert "drain" not in w.fx.names()
+        assert w.fx.last("take_down")["pid"] == second.pid
+        w.down(second)
+        assert w.state == "STARTING" and w.fx.last("spawn")["generation"] == 3
+        w.sup.gate.done(ticket)
+    finally:
+        w.loop.close()
+
+
 def test_a_failed_in_place_remedy_becomes_a_drained_restart(world: World) -> None:
     engine = world.serving()
     world.sup.begin_remedy("reset_prefix_cache", "test")

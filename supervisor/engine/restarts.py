@@ -1,15 +1,16 @@
 """A restart of the serving engine (an operator's, a remedy's, an upgrade's, a re-arm's),
 as steps: a decider, as `Failures` and `Handover` are (`supervisor/engine/steps.py`).
 
-From STARTING or RUNNING the unit drains: new requests are held, and with
-`drain = "continue"` the streams at the engine are paused to go on on the next one.
+From RUNNING the unit drains: new requests are held, and with `drain = "continue"` the
+streams at the engine are paused to go on on the next one.
 Then, in the first of these that applies:
 - an awake, up-to-date standby takes the new requests at once, and the requests at the
   old engine finish there behind it (`FailOver(drain_behind=True)`);
 - the requests at the engine finish there first, within the drain's deadline (`Drain`);
 - the standby takes over, or the engine is taken down for a cold start (`SwapOrTakeDown`).
-An engine still spawning is taken down once its spawn ends; none at all (a standby
-starting first) is started. From BACKOFF or FATAL the failure decider restarts it. A
+From STARTING there is nothing to drain: the standby takes over or the starting engine
+is taken down. An engine still spawning is taken down once its spawn ends; none at all (a
+standby starting first) is started. From BACKOFF or FATAL the failure decider restarts it. A
 restart during one, or while the daemon stops, is refused, saying why.
 """
 
@@ -47,6 +48,10 @@ def restart(f: PairFacts, reason: str, graceful: bool, in_flight: int,
         # taken down when its spawn ends, and a take-down already running (a crash being
         # reaped) ends in the serving role's `Gone` (engine/pair/serving.py)
         return [*out, do.StartEngine(reason)] if e is None and not f.slot.spawning else out
+    if f.state is State.STARTING:
+        # (no request is at an engine that never served: nothing to drain or pause, even
+        # with requests in flight at the proxy for the one before it)
+        return [*out, do.SwapOrTakeDown(graceful)]
     if f.fronted:
         log.info("restart: new requests held", in_flight=in_flight)
     drain = graceful and f.fronted
