@@ -416,6 +416,32 @@ def test_a_cache_turned_off_and_on_again_before_it_was_down_starts_again(
     assert w.sup.status()["weight_cache"]["state"] == "starting"
 
 
+@pytest.mark.parametrize("why", ["its health lost", "its arguments changed"])
+def test_a_cache_going_down_to_start_again_stays_down_when_the_daemon_stops(
+        w: World, tmp_path: Path, why: str) -> None:
+    """The cache is being taken down to start again (after its health was lost, or a
+    reload changed what it runs) when the daemon stops: once its tree is gone nothing
+    starts again, and the stop ends STOPPED. (Found by the pair machine's cache bay: a
+    cache spawned while the daemon stopped.)"""
+    w.sup.start("daemon started")
+    cache = ready_cache(w)
+    engine = started(w, 0)
+    w.feed(HealthResult(engine.generation, True))
+    if why == "its health lost":
+        w.feed(HealthLost(cache.generation, "/health answered 503 (3 times in a row)"))
+    else:
+        reload(w, tmp_path, weight_cache=True, args=["--dtype", "float16"])
+    assert w.sup.status()["weight_cache"]["state"] == "stopping"
+    reply = w.control("stop")
+    cache.exit_code = 0
+    down(w, cache)  # (its tree gone first, the engine's still going)
+    engine.exit_code = 0
+    down(w, engine)
+    assert len(spawns(w, CACHE_BAY)) == 1, "a cache spawned while the daemon stopped"
+    assert w.state == "STOPPED" and reply.result()["state"] == "STOPPED"
+    assert w.sup.status()["weight_cache"]["state"] == "off"
+
+
 def test_a_cache_whose_tree_was_not_proven_gone_stays_failed_through_reloads(
         w: World, tmp_path: Path) -> None:
     """(found by tests/test_weight_cache_machine.py)"""

@@ -338,6 +338,10 @@ class WeightCache:
                 if problem is not None:
                     self.unproven = self.last_error = problem
                     self._then = Cache.FAILED
+                elif stopping and self._then is not Cache.OFF:
+                    # (down for a restart or after a failure, and the daemon stops
+                    # meanwhile: nothing starts again)
+                    self._then, self.why = Cache.OFF, "the daemon is stopping"
                 return self._after_down()
         return []
 
