@@ -110,6 +110,14 @@ OLD_TREE_GONE = pytest.mark.parametrize("proven_gone", [False, True],
                                         ids=["old_tree_not_proven_gone", "old_tree_gone"])
 
 
+def old_tree_ends(w: World, first: EngineProcess, proven_gone: bool) -> None:
+    """The crashed engine's take-down ends: its tree proven gone, or its memory held."""
+    if proven_gone:
+        w.down(first)
+    else:
+        w.feed(Down(first.generation, None, "GPU memory still held by the old engine tree"))
+
+
 @OLD_TREE_GONE
 def test_a_restart_while_the_standby_waits_to_be_woken_ends_its_wake(
         tmp_path: Path, proven_gone: bool) -> None:
@@ -121,10 +129,7 @@ def test_a_restart_while_the_standby_waits_to_be_woken_ends_its_wake(
         first, spare = crashed_beside_a_sleeping_standby(w)
         w.control("restart")
         assert w.state == "DRAINING" and w.fx.last("take_down")["pid"] == spare.pid
-        if proven_gone:
-            w.down(first)
-        else:
-            w.feed(Down(first.generation, None, "GPU memory still held by the old engine tree"))
+        old_tree_ends(w, first, proven_gone)
         assert "wake" not in w.fx.names(), "a wake asked of the engine being taken down"
         w.down(spare)
         assert w.state in ("STARTING", "FATAL")
@@ -142,10 +147,7 @@ def test_a_stop_while_the_standby_waits_to_be_woken_ends_its_wake(
         first, spare = crashed_beside_a_sleeping_standby(w)
         stop = w.control("stop")
         assert w.state == "STOPPING" and w.fx.last("take_down")["pid"] == spare.pid
-        if proven_gone:
-            w.down(first)
-        else:
-            w.feed(Down(first.generation, None, "GPU memory still held by the old engine tree"))
+        old_tree_ends(w, first, proven_gone)
         assert "wake" not in w.fx.names(), "a wake asked of the engine being stopped"
         w.down(spare)
         assert w.state == "STOPPED" and stop.result()["state"] == "STOPPED"
@@ -174,6 +176,31 @@ def test_a_restart_while_the_first_standby_is_retired_waits_for_its_tree(
         w.loop.close()
 
 
+def crashed_then_reloaded(w: World, tmp: Path) -> tuple[EngineProcess, EngineProcess]:
+    """An awake standby is starting when the serving engine crashes (BACKOFF, a cold
+    start); a reload then changes the engine's arguments. (the crashed one, the standby)"""
+    first = w.serving()
+    w.feed(GateProbe(first.generation, True, None))
+    spare = w.spawned()  # the standby, starting
+    w.feed(Exited(first.generation, 0))
+    assert w.state == "BACKOFF"
+    reloaded_arguments(w, tmp, "awake", "v2")
+    return first, spare
+
+
+def the_next_crash_fails_over(w: World, spare: EngineProcess, second: EngineProcess) -> None:
+    """The standby started with the old arguments, if replaced, by one with the new
+    (proven); then `second`, serving, crashes: a failover, not a cold start."""
+    if w.fx.last("take_down")["pid"] == spare.pid:  # (replaced: the new one ready)
+        w.down(spare)
+        ready = w.spawned()
+        assert "--revision" in ready.spec.argv
+        w.feed(HealthResult(ready.generation, True))
+        w.feed(GateProbe(ready.generation, True, None))
+    w.feed(Exited(second.generation, 0))
+    assert w.state == "RUNNING", "the next crash is a cold start, not a failover"
+
+
 def test_a_standby_started_before_a_reload_during_a_backoff_is_replaced(
         tmp_path: Path) -> None:
     """The serving engine crashes while its awake standby is still starting: BACKOFF,
@@ -183,28 +210,16 @@ def test_a_standby_started_before_a_reload_during_a_backoff_is_replaced(
     is a failover."""
     w = world(tmp_path, "awake")
     try:
-        first = w.serving()
-        w.feed(GateProbe(first.generation, True, None))
-        spare = w.spawned()  # the standby, starting
-        w.feed(Exited(first.generation, 0))
-        assert w.state == "BACKOFF"
-        reloaded_arguments(w, tmp_path, "awake", "v2")
+        first, spare = crashed_then_reloaded(w, tmp_path)
         w.feed(HealthResult(spare.generation, True))
         w.feed(GateProbe(spare.generation, True, None))
         assert w.sup.status()["standby"]["state"] == "ready"  # with the old arguments
         w.down(first)
-        w.now += w.fx.timers[-1].delay_s
-        w.feed(w.fx.timers[-1].event)
+        w.last_timer_fires()
         second = w.serving()
         assert "--revision" in second.spec.argv
         w.feed(GateProbe(second.generation, True, None))
-        if w.fx.last("take_down")["pid"] == spare.pid:  # (replaced: the new one ready)
-            w.down(spare)
-            ready = w.spawned()
-            w.feed(HealthResult(ready.generation, True))
-            w.feed(GateProbe(ready.generation, True, None))
-        w.feed(Exited(second.generation, 0))
-        assert w.state == "RUNNING", "the next crash is a cold start, not a failover"
+        the_next_crash_fails_over(w, spare, second)
     finally:
         w.loop.close()
 
@@ -215,27 +230,14 @@ def test_a_standby_ready_only_after_the_cold_start_that_follows_a_reload_is_repl
     cold start with the new ones serves: it must be replaced all the same."""
     w = world(tmp_path, "awake")
     try:
-        first = w.serving()
-        w.feed(GateProbe(first.generation, True, None))
-        spare = w.spawned()  # the standby, starting
-        w.feed(Exited(first.generation, 0))
-        assert w.state == "BACKOFF"
-        reloaded_arguments(w, tmp_path, "awake", "v2")
+        first, spare = crashed_then_reloaded(w, tmp_path)
         w.down(first)
-        w.now += w.fx.timers[-1].delay_s
-        w.feed(w.fx.timers[-1].event)
+        w.last_timer_fires()
         second = w.serving()  # the cold start, with the new arguments
         assert "--revision" in second.spec.argv
         w.feed(GateProbe(second.generation, True, None))
         w.feed(HealthResult(spare.generation, True))  # only now the old standby is proven
         w.feed(GateProbe(spare.generation, True, None))
-        if w.fx.last("take_down")["pid"] == spare.pid:  # (replaced: the new one ready)
-            w.down(spare)
-            ready = w.spawned()
-            assert "--revision" in ready.spec.argv
-            w.feed(HealthResult(ready.generation, True))
-            w.feed(GateProbe(ready.generation, True, None))
-        w.feed(Exited(second.generation, 0))
-        assert w.state == "RUNNING", "the next crash is a cold start, not a failover"
+        the_next_crash_fails_over(w, spare, second)
     finally:
         w.loop.close()

@@ -369,9 +369,7 @@ def test_a_standby_without_room_beside_starts_first_and_wakes_once_the_old_is_go
         w.feed(Exited(spare.generation, 0))
         assert w.state == "BACKOFF"
         w.down(spare)
-        timer = w.fx.timers[-1]
-        w.now += timer.delay_s
-        w.feed(timer.event)
+        w.last_timer_fires()  # (the backoff's)
         assert w.state == "STARTING" and w.fx.names().count("spawn") == spawns + 1
         assert w.fx.last("spawn")["bay"] == 0  # (the places swapped): the standby's now
         assert w.sup.status()["standby"]["state"] == "starting"
@@ -778,9 +776,7 @@ def test_a_cold_start_waits_for_a_copy_being_restored(tmp_path: Path, how: str) 
             w.feed(Exited(copy.generation, 0))
             assert w.state == "BACKOFF"
             w.down(copy)
-            backoff = w.fx.timers[-1]
-            w.now += backoff.delay_s
-            w.feed(backoff.event)
+            w.last_timer_fires()  # (the backoff's)
         assert w.state == "STARTING"
         spawns = w.fx.names().count("spawn")
         restored = w.spawned()  # the copy's spawn ends
@@ -810,10 +806,8 @@ def test_a_cold_start_waits_for_the_tree_in_the_standbys_place(tmp_path: Path) -
         w.feed(CoreExited(copy.generation, copy.pid + 1))
         assert w.state == "BACKOFF"
         w.down(copy)
-        backoff = w.fx.timers[-1]
-        w.now += backoff.delay_s
         spawns = w.fx.names().count("spawn")
-        w.feed(backoff.event)
+        w.last_timer_fires()  # (the backoff's)
         assert w.state == "STARTING"
         assert w.fx.names().count("spawn") == spawns, "spawned beside a tree going down"
         w.down(first)

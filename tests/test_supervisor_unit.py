@@ -209,6 +209,12 @@ class World:
         self.feed(HealthResult(engine.generation, True))
         return engine
 
+    def last_timer_fires(self) -> None:
+        """The last timer asked for (a backoff's, say) fires: the clock moved to it."""
+        timer = self.fx.timers[-1]
+        self.now += timer.delay_s
+        self.feed(timer.event)
+
     def down(self, engine: EngineProcess) -> None:
         self.feed(Down(engine.generation, TakeDown(
             exit_code=engine.exit_code, survivors=[], gpu_holders={}, port_problem=None,
@@ -558,8 +564,7 @@ def test_a_restart_of_a_starting_engine_drains_nothing(tmp_path: Path) -> None:
         ticket = w.loop.run_until_complete(w.sup.gate.acquire(1))  # a request in flight
         w.feed(Exited(first.generation, -9))  # a crash: a cold start after the backoff
         w.down(first)
-        w.now += w.fx.timers[-1].delay_s
-        w.feed(w.fx.timers[-1].event)
+        w.last_timer_fires()
         second = w.spawned()
         assert w.state == "STARTING" and w.sup.gate.in_flight == 1
         w.control("restart")

@@ -155,10 +155,8 @@ def test_a_thin_engine_that_dies_while_the_full_size_one_starts_is_a_cold_start_
         w.feed(Exited(thin.generation, 0))  # the thin one dies meanwhile
         assert w.state == "BACKOFF"
         w.down(thin)
-        timer = w.fx.timers[-1]
-        w.now += timer.delay_s
         spawns = w.fx.names().count("spawn")
-        w.feed(timer.event)
+        w.last_timer_fires()  # (the backoff's)
         assert w.state == "STARTING"
         assert w.fx.last("take_down") == {"pid": rearm.pid, "graceful": False,
                                           "evidence": None}
