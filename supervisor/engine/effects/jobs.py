@@ -109,7 +109,7 @@ class JobEffects:
         self.gpu_state = gpu_state  # the CUDA driver's checkpoint API, for dumps and copies
         # what the host lacks of a KV tier's floor, now (blocking: through a thread)
         self.host_short = host_short
-        # each bay (settings/config.py `BAYS`) its own state file and guard
+        # each bay (settings/bays.py) its own state file and guard
         self.bays = {b: (proctree.StateFile(config().state_file_of(b)), proctree.Guard())
                      for b in BAYS}
         self._in_bay: dict[int, eng.EngineProcess] = {}  # watched, not yet forgotten
