@@ -11,8 +11,9 @@ from typing import Any, Protocol
 from supervisor.engine.events import DecisionRecord
 from supervisor.engine.failures import Failures
 from supervisor.engine.golden_check import GoldenCheck
+from supervisor.engine.pair import early_wake, weights_ahead
 from supervisor.engine.pair.handover import Handover
-from supervisor.engine.pair.pair_states import Cache
+from supervisor.engine.pair.pair_states import Cache, Phase
 from supervisor.engine.pair.weight_cache import WeightCache
 from supervisor.engine.process.kv_tier import Record as KvTierRecord
 from supervisor.engine.process.process import EngineProcess
@@ -181,6 +182,19 @@ def capabilities(unit: Viewable) -> dict[str, bool]:
     return out
 
 
+def standby_status(h: Handover, now: float, mode: str, thin_serves: bool,
+                   f: PairFacts) -> dict[str, Any]:
+    """`status`'s `standby`: `"ready"` when armed (awake or asleep, and proven);
+    `thin_serves`, the serving engine is an asymmetric pair's thin standby;
+    `early_wake` (`early_wake.armed`); `weights_off` (`weights_ahead.why_not`)."""
+    if mode == "none" and h.standby.idle:
+        return {"state": "none"}
+    return {"mode": mode, **h.standby.status(now), "thin_serves": thin_serves,
+            "early_wake": early_wake.armed(h.standby, f),
+            "weights_off": weights_ahead.why_not(h.standby, f,
+                                                 idle=h.phase is Phase.IDLE)}
+
+
 def status(unit: Viewable) -> dict[str, Any]:
     """What `vllm-supervisorctl status` shows of this engine."""
     now = unit.clock.monotonic()
@@ -217,8 +231,8 @@ def status(unit: Viewable) -> dict[str, Any]:
         "stop_deadline_in_s": (round(max(0.0, unit.stop_deadline - now), 3)
                                if unit.stop_deadline is not None else None),
         "fatal_reason": unit.failures.fatal_reason if unit.state is State.FATAL else None,
-        "standby": unit.handover.status(now, unit.config.engine.standby, unit.thin_serves,
-                                        unit.pair_facts()),
+        "standby": standby_status(unit.handover, now, unit.config.engine.standby,
+                                  unit.thin_serves, unit.pair_facts()),
         # the weight cache beside it (engine/pair/weight_cache.py); None: none configured
         "weight_cache": unit.weights.status(now),
         # the KV tier both engines share (engine/process/kv_tier.py); None: none configured

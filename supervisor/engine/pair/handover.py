@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import datetime
-from typing import Any
 
 import structlog
 
@@ -588,15 +587,3 @@ class Handover:
         if engine_checks.side_by_side(cfg):
             return f"{why}: the standby is kept awake"
         return f"{why}: no standby (an awake one does not fit beside the engine)"
-
-    def status(self, now: float, mode: str, thin_serves: bool,
-               f: PairFacts) -> dict[str, Any]:
-        """`status`'s `standby`: `"ready"` when armed (awake or asleep, and proven);
-        `thin_serves`, the serving engine is an asymmetric pair's thin standby;
-        `early_wake` (`early_wake.armed`); `weights_off` (`weights_ahead.why_not`)."""
-        if mode == "none" and self.standby.idle:
-            return {"state": "none"}
-        return {"mode": mode, **self.standby.status(now), "thin_serves": thin_serves,
-                "early_wake": early_wake.armed(self.standby, f),
-                "weights_off": weights_ahead.why_not(self.standby, f,
-                                                     idle=self.phase is Phase.IDLE)}

@@ -470,7 +470,7 @@ class Standby:
                 "asleep": self.asleep, "thin": self.thin,
                 # where a sleeping one's weights are (`engine.standby_weights`): "host",
                 # "waking" (onto the card, ahead of a fault), "gpu" (and why not:
-                # `Handover.status`)
+                # `views.standby_status`)
                 "weights": ({"asked": "waking", "back": "gpu"}.get(self.weights or "", "host")
                             if self.asleep else None),
                 # what it can carry of streams after a failover (a thin one: less than
