@@ -9,11 +9,19 @@ import errno
 import os
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
 
-from supervisor.engine.process.corewatch import CORE_TITLE, DYING_POLL_S, CoreWatch, exiting
+from supervisor.engine.process.corewatch import (
+    CORE_TITLE,
+    DYING_POLL_S,
+    CoreWatch,
+    exiting,
+    exiting_at,
+    open_stat,
+)
 from supervisor.engine.process.proctree import ProcInfo
 from tests.harness import until
 
@@ -90,3 +98,27 @@ def test_a_live_process_is_not_exiting_and_one_gone_is() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     assert exiting(child.pid) is True  # (reaped: no /proc entry)
+
+
+def test_a_stat_file_kept_open_reads_its_own_process_only() -> None:
+    """The flags are read through the stat file opened when the core was first seen: it
+    says live, then exiting (a zombie), then gone once reaped, and never reads another
+    process that took the pid meanwhile."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    stat = open_stat(child.pid)
+    assert stat is not None
+    try:
+        assert exiting_at(stat) is False
+        assert child.stdin is not None
+        child.stdin.close()
+        deadline = time.monotonic() + 10
+        while not exiting_at(stat) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert exiting_at(stat) is True  # (exited, not yet reaped: a zombie)
+        child.wait()
+        assert exiting_at(stat) is True  # reaped: its file reads nothing any more
+    finally:
+        os.close(stat)
+        child.kill()
+        child.wait()
