@@ -21,6 +21,7 @@ from supervisor.engine.events import (
     Exited,
     GateProbe,
     HealthResult,
+    RemedyDone,
     SleepModeProbed,
     Slept,
     Woken,
@@ -134,7 +135,10 @@ def test_a_woken_standby_that_answers_otherwise_is_not_served_from(tmp_path: Pat
         w.feed(Slept(spare.generation, None, 0.2))
         w.feed(Exited(first.generation, 0))
         w.feed(Woken(spare.generation, None, 0.5))
-        w.feed(GateProbe(spare.generation, True, None, golden=answer(shift=1)))
+        # proven as a woken engine: its golden answers on one route, no canary first
+        assert w.fx.woken_asked[-1] is True and w.fx.golden_asked[-1] is True
+        one_route = dataclasses.replace(answer(shift=1), chat=None)
+        w.feed(GateProbe(spare.generation, True, None, golden=one_route))
         assert w.state == "BACKOFF" and "golden check failed" in w.sup.state_reason
         assert w.sup.gate.held_reason is not None  # nothing went to it
         mismatch = next(e for e in events(tmp_path) if e["event"] == "golden_mismatch")
@@ -200,6 +204,7 @@ def test_the_golden_check_is_asked_where_an_engine_may_have_changed(tmp_path: Pa
         first, _ = proven_with_a_standby(w)
         w.feed(Exited(first.generation, 0))  # the awake standby takes over
         assert w.fx.golden_asked == [True, True, False]
+        assert w.fx.woken_asked == [False, False, False]  # (never asleep)
         # the warm-up sleep (where the engine's flags give it sleep mode) before an
         # engine serves and before an awake standby is ready; not in a takeover
         assert w.fx.warm_asked == [True, True, False]
@@ -326,3 +331,95 @@ def test_answers_shared_at_every_try_say_so_and_neither_record_nor_condemn(
         assert w.sup.status()["golden"]["passed"] == 1
     finally:
         w.loop.close()
+
+
+# ---- a woken engine's proof: the golden answers on one route -------------------------------
+
+def after_wake(tmp_path: Path, logprobs: bool, remedy: bool = False
+               ) -> tuple[GateProbe | RemedyDone, list[str]]:
+    """Through the daemon's own jobs, against an engine that answers the golden prompt
+    (with log-probabilities or not): `gate_probe(woken=True)` (a woken takeover's proof)
+    or, with `remedy`, a KV reset; the event it reports and the paths it asked, in
+    order."""
+    from tests.test_fd_exhaustion import client_of, config, effects, engine_of, next_event
+
+    cfg = config(tmp_path, canary={"model": "fake", "warm_up": False})
+    paths: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.path)
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text='vllm:generation_tokens_total{engine="0"} 0\n')
+        if request.url.path == "/version":
+            return httpx.Response(200, json={"version": "0.26.0"})
+        if request.url.path == "/is_sleeping":
+            return httpx.Response(200, json={"is_sleeping": False})
+        if request.url.path in ("/sleep", "/wake_up"):
+            return httpx.Response(200)
+        chat = request.url.path == "/v1/chat/completions"
+        n = json.loads(request.content).get("max_tokens", 1)
+        choice: dict[str, object] = {"text": "x", "message": {"content": "x"}}
+        if logprobs:
+            choice["logprobs"] = logprobs_of(PROMPT, n, chat)
+        return httpx.Response(200, json={"choices": [choice], "usage": {
+            "prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}})
+
+    async def main() -> GateProbe | RemedyDone:
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        act = effects(cfg, queue)  # type: ignore[arg-type]
+        engine = engine_of(cfg, type("Running", (), {"returncode": None, "pid": 1 << 22})())
+        engine.warmed = None
+        task = asyncio.ensure_future(act.http.apply_remedy(engine, "kv_reset") if remedy
+                                     else act.http.gate_probe(engine, True, False,
+                                                              woken=True))
+        try:
+            return await next_event(queue, RemedyDone if remedy  # type: ignore[arg-type]
+                                    else GateProbe)
+        finally:
+            await asyncio.gather(task, return_exceptions=True)
+
+    import supervisor.engine.effects.http_jobs as http_jobs
+    saved = http_jobs.http_client
+    http_jobs.http_client = lambda **kw: client_of(handler)  # type: ignore[assignment]
+    try:
+        return asyncio.run(main()), paths
+    finally:
+        http_jobs.http_client = saved  # type: ignore[assignment]
+
+
+def test_a_woken_takeover_is_proven_by_the_golden_answers_on_one_route(
+        tmp_path: Path) -> None:
+    """Clients wait for this proof: one generation (the completions route's golden
+    answer) instead of three (a canary, then both routes); the chat route's template is
+    the API server's, which no wake touches."""
+    probe, paths = after_wake(tmp_path, logprobs=True)
+    assert isinstance(probe, GateProbe)
+    assert paths == ["/metrics", "/v1/completions", "/metrics"]
+    assert probe.ok and isinstance(probe.golden, golden.Golden)
+    assert probe.golden.completion == answer().completion and probe.golden.chat is None
+    # judged against a baseline of both routes: the route asked is compared
+    assert golden.compare(answer(), probe.golden, 0.1) is None
+    assert golden.compare(answer(shift=1), probe.golden, 0.1) is not None
+
+
+def test_golden_answers_that_prove_nothing_leave_the_proof_to_the_canary(
+        tmp_path: Path) -> None:
+    """No log-probabilities (no verdict): the canary proves the generation, as for any
+    engine, and the golden answers are not asked again."""
+    probe, paths = after_wake(tmp_path, logprobs=False)
+    assert isinstance(probe, GateProbe) and probe.ok
+    assert probe.golden == "no log-probabilities in either answer"
+    assert paths == ["/metrics", "/v1/completions",  # the golden prompt, one route
+                     "/v1/completions"]  # then the canary
+
+
+def test_a_kv_resets_golden_answers_after_its_wake_are_asked_on_one_route(
+        tmp_path: Path) -> None:
+    """Its clients are held through them too: the completions route's answer only."""
+    done, paths = after_wake(tmp_path, logprobs=True, remedy=True)
+    assert isinstance(done, RemedyDone) and done.outcome.ok, done
+    assert [p for p in paths if p in ("/sleep", "/wake_up")] == ["/sleep", "/wake_up"]
+    assert "/v1/chat/completions" not in paths
+    assert paths[-3:] == ["/metrics", "/v1/completions", "/metrics"]  # after the canary's
+    assert isinstance(done.golden, golden.Golden) and done.golden.chat is None
+    assert done.golden.completion == answer().completion

@@ -67,6 +67,7 @@ class RecordingEffects:
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.golden_asked: list[bool] = []  # each gate probe's: with the golden check?
         self.warm_asked: list[bool] = []  # each gate probe's: after a warm-up sleep?
+        self.woken_asked: list[bool] = []  # each gate probe's: a woken takeover's?
         self.timers: list[FakeTimer] = []
         self.deadlines: list[float] = []  # of each drain and take-down, in order
 
@@ -90,10 +91,11 @@ class RecordingEffects:
         self.calls.append(("watch_health", {"pid": engine.pid}))
 
     def gate_probe(self, engine: EngineProcess, golden: bool = True,
-                   warm: bool = False) -> None:
+                   warm: bool = False, woken: bool = False) -> None:
         self.calls.append(("gate_probe", {"pid": engine.pid}))
         self.golden_asked.append(golden)
         self.warm_asked.append(warm)
+        self.woken_asked.append(woken)
 
     def sleep(self, engine: EngineProcess) -> None:
         self.calls.append(("sleep", {"pid": engine.pid}))

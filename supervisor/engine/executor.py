@@ -252,8 +252,8 @@ class Executor:
                 u.act.follow(engine)
             case do.Serve(engine):
                 u.act.serve(engine)
-            case do.ProbeGate(engine, golden, warm):
-                u.act.gate_probe(engine, golden, warm=warm)
+            case do.ProbeGate(engine, golden, warm, woken):
+                u.act.gate_probe(engine, golden, warm=warm, woken=woken)
             case do.Wake(engine, tags):
                 u.act.wake(engine, tags)
             case do.DrainBehind(engine, deadline):

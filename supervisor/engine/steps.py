@@ -472,6 +472,9 @@ class ProbeGate:
     engine: eng.EngineProcess
     golden: bool = True
     warm: bool = False  # after one sleep and wake, where the engine has sleep mode
+    # a standby woken to take over, clients waiting: its golden answers on one route are
+    # the proof, no canary before them (`golden.AFTER_WAKE`)
+    woken: bool = False
 
 
 @dataclass(frozen=True)
@@ -543,14 +546,14 @@ class RelaunchFinish:
 
 
 def proof(engine: eng.EngineProcess, *, prove: bool, golden: bool = True,
-          warm: bool = False) -> list[Step]:
+          warm: bool = False, woken: bool = False) -> list[Step]:
     """Healthy, then proven: held requests go once `engine` answered a first generation
     (`ProbeGate`, with the golden check unless `golden` is False; `warm`: after one sleep
     and wake), or at once when nothing proves it (`prove` False: no canary, healthy is
     all that is known). The one ending of a start's engine (`serving.on_process`) and of
     a standby that took over (`Handover._serve`)."""
     if prove:
-        return [ProbeGate(engine, golden=golden, warm=warm)]
+        return [ProbeGate(engine, golden=golden, warm=warm, woken=woken)]
     return [Admit(), RelaunchFinish("ok", None)]
 
 

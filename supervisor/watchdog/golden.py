@@ -56,6 +56,12 @@ ACCEPTANCE_DROP = 0.5
 # tokens drafted 2-4 and accepted none once, where a restart accepted half)
 MIN_DRAFT_TOKENS = 12
 TRIES = 3  # asks of the golden prompt while another client's tokens share its batch
+ROUTES = ("completion", "chat")
+# after a wake, the completions route alone: what a wake can break is on the card (the
+# weights, the KV cache), which either route's answer shows; the chat route adds the API
+# server's template, which no wake touches (one generation less while clients wait: about
+# 0.07 s of an 8B engine's failover and KV reset on the H200)
+AFTER_WAKE = ("completion",)
 
 
 @dataclass(frozen=True)
@@ -154,8 +160,10 @@ def speculative(argv: list[str] | tuple[str, ...]) -> bool:
 
 
 async def fetch(client: httpx.AsyncClient, base_url: str, model: str, prompt: str,
-                max_tokens: int, timeout_s: float, drafts: bool = False) -> Golden | str:
-    """The engine's greedy answers to `prompt` on both routes, or why there are none
+                max_tokens: int, timeout_s: float, drafts: bool = False,
+                routes: tuple[str, ...] = ROUTES) -> Golden | str:
+    """The engine's greedy answers to `prompt` on `routes` (a route not asked: None), or
+    why there are none
     (an error, or no log-probabilities); asked again while another client's tokens
     shared their batch (up to TRIES asks; `Golden.shared` says the last one's). With
     `drafts`, the share of draft tokens it accepted meanwhile, from its /metrics before
@@ -164,7 +172,8 @@ async def fetch(client: httpx.AsyncClient, base_url: str, model: str, prompt: st
     got: Golden | str = "not asked"
     before = await _counters(client, base_url, timeout_s)
     for asked in range(1, TRIES + 1):
-        answered = await _ask(client, base_url, model, prompt, max_tokens, timeout_s)
+        answered = await _ask(client, base_url, model, prompt, max_tokens, timeout_s,
+                              routes)
         if isinstance(answered, str):
             return answered
         answers, generated = answered
@@ -181,21 +190,25 @@ async def fetch(client: httpx.AsyncClient, base_url: str, model: str, prompt: st
 
 
 async def _ask(client: httpx.AsyncClient, base_url: str, model: str, prompt: str,
-               max_tokens: int, timeout_s: float
+               max_tokens: int, timeout_s: float, routes: tuple[str, ...] = ROUTES
                ) -> tuple[tuple[Answer | None, Answer | None], int] | str:
-    """Both routes' answers and the tokens they generated (their `usage`), or why none."""
+    """The routes' answers (None: not asked, or no log-probabilities) and the tokens they
+    generated (their `usage`), or why none."""
     # (ignore_eos: always `max_tokens` tokens to compare, and drafts to count, where a
     # model would stop at once)
     common = {"model": model, "max_tokens": max_tokens, "temperature": 0,
               "ignore_eos": True, "return_tokens_as_token_ids": True}
-    asks = (("/v1/completions", {**common, "prompt": prompt, "logprobs": TOP},
+    asks = (("completion", "/v1/completions", {**common, "prompt": prompt, "logprobs": TOP},
              parse_completion),
-            ("/v1/chat/completions", {**common, "logprobs": True, "top_logprobs": TOP,
-                                      "messages": [{"role": "user", "content": prompt}]},
-             parse_chat))
+            ("chat", "/v1/chat/completions",
+             {**common, "logprobs": True, "top_logprobs": TOP,
+              "messages": [{"role": "user", "content": prompt}]}, parse_chat))
     got: list[Answer | None] = []
     generated = 0
-    for path, body, parse in asks:
+    for route, path, body, parse in asks:
+        if route not in routes:
+            got.append(None)
+            continue
         try:
             r = await client.post(f"{base_url}{path}", json=body, timeout=timeout_s)
         except httpx.TimeoutException:

@@ -42,6 +42,7 @@ from supervisor.ops.descriptors import OutOfDescriptors, Shortage
 from supervisor.settings.config import Config
 from supervisor.settings.sections import MetricsConfig
 from supervisor.watchdog import devroutes, golden, remedy, warmup
+from supervisor.watchdog import golden as golden_answers  # (`gate_probe`'s flag is `golden`)
 from supervisor.watchdog.metrics import sleep_op_seconds
 from supervisor.watchdog.poller import scrape
 from supervisor.watchdog.remedy import WarmUp
@@ -158,7 +159,7 @@ class HttpJobs:
                                                  self.clock.monotonic()))
 
     async def gate_probe(self, engine: eng.EngineProcess, golden: bool,
-                         warm: bool) -> None:
+                         warm: bool, woken: bool = False) -> None:
         """Healthy is not enough to release held requests: one canary must pass first
         (bounded: a few tries, then the gate opens anyway and the hang rule judges).
         Before it, at an engine process's first proof, every path a client may take is
@@ -166,7 +167,10 @@ class HttpJobs:
         any client comes; silence past `canary.warm_up_timeout_s` fails the proof.
         With `warm`, an engine that can sleep then sleeps and wakes once
         (`remedy.warm_up`: its first KV reset then costs sleep and wake alone), and is
-        proven again after the wake, its golden answers taken again."""
+        proven again after the wake, its golden answers taken again. `woken` (a sleeping
+        standby that took over, its clients waiting): the golden answers on the completions
+        route are the generation that proves it, with no canary before them (the canary
+        only where they give no verdict)."""
         error: str | None = None
         async with http_client() as client:
             warmed: warmup.Warmed | None = None
@@ -180,27 +184,46 @@ class HttpJobs:
                                                     f"warm-up: {warmed.error}",
                                                     warmed=warmed))
                     return
+            said: golden_answers.Golden | str | None = None  # a woken one's, no verdict
+            if woken and golden and not warm:
+                said = await self._answers_after_wake(client, engine)
+                if isinstance(said, golden_answers.Golden):
+                    self.queue.put_nowait(GateProbe(engine.generation, True, None,
+                                                    golden=said, warmed=warmed))
+                    return
             for _ in range(3):
                 try:
                     model, _, outcome = await self.probes.probe(client, engine, None)
-                    answers = await self.probes.answers(client, engine, model) \
+                    answers = said if said is not None else \
+                        await self.probes.answers(client, engine, model) \
                         if golden and outcome.ok and model is not None else None
                 except OutOfDescriptors as exc:  # (the gate opens all the same, bounded)
                     error = str(exc)
                 else:
                     if outcome.ok:
-                        slept, woken = await self._warm_up(client, engine, model, golden) \
+                        slept, again = await self._warm_up(client, engine, model, golden) \
                             if warm else (None, None)
                         broken = slept is not None and slept.broken
                         self.queue.put_nowait(GateProbe(
                             engine.generation, not broken,
                             slept.error if slept is not None and broken else None,
-                            golden=answers, warm_up=slept, golden_woken=woken,
+                            golden=answers, warm_up=slept, golden_woken=again,
                             broken_by_wake=broken, warmed=warmed))
                         return
                     error = outcome.error
                 await asyncio.sleep(0.5)
         self.queue.put_nowait(GateProbe(engine.generation, False, error, warmed=warmed))
+
+    async def _answers_after_wake(self, client: httpx.AsyncClient, engine: eng.EngineProcess
+                                  ) -> golden.Golden | str | None:
+        """A woken engine's golden answers (completions route): a proof of a generation
+        when they came back, else why not (no verdict: no log-probabilities, no answer)
+        or None (the check off, or the daemon could not ask): the canary's to prove."""
+        try:
+            return await self.probes.answers(client, engine, None, after_wake=True)
+        except OutOfDescriptors as exc:  # (the canary's path then: bounded, as ever)
+            log.warning("the golden answers could not be asked", error=str(exc))
+            return None
 
     async def _warm_up(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
                        model: str | None, with_golden: bool,
@@ -316,7 +339,8 @@ class HttpJobs:
                         # (a copy's, read from its /version: not asked again)
                         engine.vllm_version = engine.vllm_version or outcome.vllm_version
                         if outcome.ok and c.golden:  # (right after its wake, not just alive)
-                            answers = await self.probes.golden_unlocked(client, engine)
+                            answers = await self.probes.golden_unlocked(client, engine,
+                                                                        after_wake=True)
                     finally:
                         self.probes.lock(engine).release()
                     outcome = dataclasses.replace(outcome, steps={"drain": waited,

@@ -126,16 +126,19 @@ class EngineProbes:
                 self._in_flight[gen] = self._in_flight.get(gen, 1) - 1
 
     async def answers(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
-                      model: str) -> golden.Golden | str | None:
+                      model: str | None, after_wake: bool = False
+                      ) -> golden.Golden | str | None:
         """The engine's answers to the golden prompt (the unit judges them), when the
-        check is on; never beside a KV reset of its engine."""
+        check is on; never beside a KV reset of its engine. `after_wake`: the
+        completions route's alone (`golden.AFTER_WAKE`)."""
         if not self.config().canary.golden:
             return None
         async with self.lock(engine):
-            return await self.golden_unlocked(client, engine, model)
+            return await self.golden_unlocked(client, engine, model, after_wake)
 
     async def golden_unlocked(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
-                              model: str | None = None) -> golden.Golden | str | None:
+                              model: str | None = None, after_wake: bool = False
+                              ) -> golden.Golden | str | None:
         """(the caller holds the engine's probe lock)"""
         cfg = self.config().canary
         base = engine.config.base_url
@@ -147,6 +150,8 @@ class EngineProbes:
             # mean the answers shared a batch, asked again; and drafts to count)
             return await golden.fetch(client, base, model, cfg.golden_prompt,
                                       cfg.golden_tokens, max(cfg.timeout_s, 5.0),
-                                      drafts=golden.speculative(engine.spec.argv))
+                                      drafts=golden.speculative(engine.spec.argv),
+                                      routes=golden.AFTER_WAKE if after_wake
+                                      else golden.ROUTES)
         except OutOfDescriptors as exc:  # (no verdict: the daemon could not ask)
             return f"no golden check: {exc}"

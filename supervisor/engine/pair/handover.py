@@ -486,7 +486,7 @@ class Handover:
         out: list[Step] = [do.Follow(engine)] if f.fronted else []
         woken = self.phase is Phase.PROVING_WOKEN
         prove = woken or (f.fronted and f.config.canary.enabled)
-        out += [do.Serve(engine), *do.proof(engine, prove=prove, golden=woken)]
+        out += [do.Serve(engine), *do.proof(engine, prove=prove, golden=woken, woken=woken)]
         return out if prove else [*out, *self.done(f)]  # (unproven: the handover is over)
 
     def drained_behind(self, f: PairFacts, ev: Drained) -> list[Step]:
