@@ -56,6 +56,10 @@ script a fault:
                         it sleeps on until `tags=kv_cache`; each wake's tags, or "all",
                         appended to <pidfile dir>/wakes)
   --weights-gib G       each sleep says, as vLLM's allocator does, that it backed up G GiB
+  --worker-extension-cls C  with the daemon's (vllm_supervisor_worker.HostCache),
+                        `POST /collective_rpc` of `vs_empty_host_cache` answers as its
+                        one worker would ("emptied"), appended to <pidfile dir>/host-cache;
+                        any other method answers 500, as vLLM's worker without it
   --dev-routes LIST     which of vLLM's development routes it serves with
                         VLLM_SERVER_DEV_MODE=1 (comma-separated paths; default "all":
                         /reset_prefix_cache, /sleep, /wake_up, /is_sleeping,
@@ -196,6 +200,7 @@ def main() -> None:
     p.add_argument("--first-token-delay", type=float, default=0)
     p.add_argument("--answer-delay", type=float, default=0)
     p.add_argument("--enable-sleep-mode", action="store_true")
+    p.add_argument("--worker-extension-cls", default=None)
     p.add_argument("--wake-fails", action="store_true")
     p.add_argument("--vllm-version", default=None)
     p.add_argument("--dev-routes", default="all")

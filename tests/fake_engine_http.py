@@ -371,6 +371,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
                     e.drafts_broken.set()
             body, code = (b'{"error": "fake wake failure"}', 500) if fails \
                 else (b"", 200)
+        elif self.path == "/collective_rpc" and self.path in e.dev:
+            method = req.get("method")
+            if method == "vs_empty_host_cache" \
+                    and e.a.worker_extension_cls == "vllm_supervisor_worker.HostCache":
+                if e.pidfile:
+                    with open(os.path.join(os.path.dirname(e.pidfile), "host-cache"),
+                              "a") as f:
+                        f.write("emptied\n")
+                body, code = b'{"results": [{"emptied": true, "seconds": 0.01}]}', 200
+            else:
+                body, code = json.dumps({"error": f"AttributeError: 'Worker' object has "
+                                         f"no attribute {method!r}"}).encode(), 500
         elif self.path == "/reset_prefix_cache" and e.pidfile and self.path in e.dev:
             with open(os.path.join(os.path.dirname(e.pidfile), "prefix-resets"), "a") as f:
                 f.write("1\n")

@@ -19,6 +19,7 @@ answered.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -37,6 +38,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from supervisor.engine.process import host_cache
 from supervisor.front.routes import ADMIN, LOCAL, Routes
 from supervisor.watchdog import devroutes
 from tests.harness import Checked, Daemon, alive, free_port, path_tricks, raw_request, wait_for
@@ -58,6 +60,10 @@ def fronted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, 
     cfg["engine"]["drain_timeout_s"] = 20.0  # in-flight streams finish during a restart
     cfg["engine"]["env"]["VLLM_SERVER_DEV_MODE"] = "1"  # the routes the proxy must hide
     cfg["engine"]["access_log"] = True  # vLLM's own access log: the path tests' witness
+    # the daemon's worker extension, named as an operator would (the daemon adds it to an
+    # engine with sleep mode, which the CPU build refuses): vLLM loads it from its folder
+    cfg["engine"]["args"] += [host_cache.EXTENSION_FLAG, host_cache.EXTENSION]
+    cfg["engine"]["env"]["PYTHONPATH"] = host_cache.FOLDER
     d = Daemon(tmp, cfg)
     d.seen_pids = []  # type: ignore[attr-defined]
     try:
@@ -209,6 +215,26 @@ def test_path_tricks_through_the_proxy_never_reach_the_engines_admin_routes(fron
     assert reached == ["/server_info?witness=1"], reached
     assert all(code in (400, 403) for code in answers.values()), answers
     assert out.status_code == 200 and out.json()["choices"][0]["text"]
+
+
+def test_the_real_vllm_loads_the_daemons_worker_extension_and_answers_its_call(fronted):
+    """`--worker-extension-cls vllm_supervisor_worker.HostCache` from the folder the
+    daemon puts on an engine's PYTHONPATH (engine/process/host_cache.py): vLLM imports it
+    into its worker, and `POST /collective_rpc` reaches the method there. The CPU torch
+    has no pinned host cache, and the daemon reads that answer as no emptying, with
+    torch's own words; clients cannot call it through the proxy."""
+    d, cfg = fronted
+    d.wait_state("RUNNING", START_TIMEOUT)
+
+    async def ask() -> host_cache.Emptied:
+        async with httpx.AsyncClient() as client:
+            return await host_cache.empty(client, f"http://127.0.0.1:{cfg['engine']['port']}")
+    got = asyncio.run(ask())
+    assert not got.emptied and got.error is not None, got
+    assert got.error.startswith("torch 2.") and "has no pinned host cache" in got.error
+    r = httpx.post(proxy_url(cfg, "/collective_rpc"), json={"method": host_cache.METHOD},
+                   timeout=30)
+    assert r.status_code == 403, r.text  # (an admin route: never through the front door)
 
 
 def test_a_client_disconnect_aborts_the_request_in_vllm(fronted):

@@ -418,8 +418,10 @@ def test_with_standby_weights_on_the_gpu_a_kill_wakes_only_the_kv_cache(daemon_f
     """`engine.standby_weights = "gpu"` (pair/weights_ahead.py): both engines at 0.88, the
     standby first and asleep (4 GiB of weights, as its sleep says). With the card's reading
     (scripted NVML) leaving room for them and 1 GiB more, the standby's weights are woken
-    ahead (`/wake_up?tags=weights`: it sleeps on), and a core SIGKILL later wakes only its
-    KV cache (`tags=kv_cache`) once the old tree is gone; every stream whole."""
+    ahead (`/wake_up?tags=weights`: it sleeps on), then its pinned host cache emptied
+    through the daemon's worker extension (`/collective_rpc`: engine/process/host_cache.py),
+    and a core SIGKILL later wakes only its KV cache (`tags=kv_cache`) once the old tree
+    is gone; every stream whole."""
     gpu = tmp_path / "gpu.json"
     gpu.write_text(json.dumps({"memory_used_bytes": 60 * 2**30,
                                "memory_total_bytes": 80 * 2**30}))
@@ -441,6 +443,12 @@ def test_with_standby_weights_on_the_gpu_a_kill_wakes_only_the_kv_cache(daemon_f
     assert "(its weights on the GPU)" in d.ctl("status").stdout
     on_card = next(e for e in d.events() if e["event"] == "standby_weights_on_card")
     assert on_card["pid"] == spare and on_card["weights_bytes"] == 4 * 2**30
+    # its weights' backup let go while it serves nobody: asked once, of it alone
+    wait_for(lambda: d.status()["standby"]["host_cache"] == "emptied", 20,
+             "the standby's host cache emptied")
+    assert (tmp_path / "host-cache").read_text().split() == ["emptied"]
+    emptied = next(e for e in d.events() if e["event"] == "standby_host_cache_emptied")
+    assert emptied["pid"] == spare
     pids = d.engine_pids()
     core = pids[pids.index(st["pid"]) + 1]
     streams_under(cfg, lambda: os.kill(core, signal.SIGKILL))

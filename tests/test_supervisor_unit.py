@@ -103,6 +103,9 @@ class RecordingEffects:
     def wake(self, engine: EngineProcess, tags: tuple[str, ...] = ()) -> None:
         self.calls.append(("wake", {"pid": engine.pid, **({"tags": list(tags)} if tags else {})}))
 
+    def empty_host_cache(self, engine: EngineProcess) -> None:
+        self.calls.append(("empty_host_cache", {"pid": engine.pid}))
+
     def dump(self, engine: EngineProcess, snapshot: Any, made: Any, deadline: float) -> None:
         self.calls.append(("dump", {"pid": engine.pid, "images": snapshot.images}))
         self.deadlines.append(deadline)

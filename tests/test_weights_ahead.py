@@ -25,9 +25,11 @@ from tests.test_supervisor_unit import World
 ROOM = WEIGHTS + AHEAD_MARGIN_BYTES
 
 
-def gpu_world(tmp: Path, weights: str = "gpu") -> World:
-    return World(tmp, fronted=True, engine={**MODES["sleep_first"], "env": dict(
-        MODES["sleep_first"]["env"]), "standby_weights": weights})
+def gpu_world(tmp: Path, weights: str = "gpu", args: tuple[str, ...] = ()) -> World:
+    mode = MODES["sleep_first"]
+    return World(tmp, fronted=True, engine={**mode, "env": dict(mode["env"]),
+                                             "standby_weights": weights,
+                                             "args": [*mode["args"], *args]})
 
 
 def asked_ahead(w: World) -> tuple[EngineProcess, EngineProcess]:

@@ -252,6 +252,18 @@ class Woken(Event):
 
 
 @dataclass(frozen=True)
+class HostCacheEmptied(Event):
+    """The answer of `EmptyHostCache` (`engine/process/host_cache.py`): emptied by every
+    worker, or why not; the daemon's seconds, and the workers' own (the longest)."""
+    name = "host_cache_emptied"
+    generation: int
+    emptied: bool
+    seconds: float
+    worker_s: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class GateProbe(Event):
     """The first canary of a new engine: its answer opens the gate (held requests go)."""
 

@@ -256,6 +256,8 @@ class Executor:
                 u.act.gate_probe(engine, golden, warm=warm, woken=woken)
             case do.Wake(engine, tags):
                 u.act.wake(engine, tags)
+            case do.EmptyHostCache(engine):
+                u.act.empty_host_cache(engine)
             case do.DrainBehind(engine, deadline):
                 u.act.drain_behind(engine, deadline)
             case do.SyncGate():

@@ -488,6 +488,15 @@ class Wake:
 
 
 @dataclass(frozen=True)
+class EmptyHostCache:
+    """Empty `engine`'s pinned host cache (its weights' backup, kept by torch after their
+    wake), through its worker extension (`engine/process/host_cache.py`): asked of a
+    standby that serves nobody."""
+
+    engine: eng.EngineProcess
+
+
+@dataclass(frozen=True)
 class DrainBehind:
     """The requests at the old `engine` behind a swap finish there, up to `deadline`."""
 
@@ -567,5 +576,5 @@ Step = (SetState | Decide | Record | Audit | CountRestart | CountOomDeath | Star
         | MaybeFinishStop | Started | StartRefused | EngineHealthy | GoldenFailed
         | GoldenPassed | HandoverDone | ServingFailed
         | FailedDown | NotifyReady | Fail | GiveUp | Abandon | Upgrade
-        | Admit | Follow | Serve | ProbeGate | Wake | DrainBehind | SyncGate
+        | Admit | Follow | Serve | ProbeGate | Wake | EmptyHostCache | DrainBehind | SyncGate
         | PauseStreams | StartRemedy | Throttle | RelaunchBegin | Relaunch | RelaunchFinish)

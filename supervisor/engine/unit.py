@@ -62,6 +62,7 @@ from supervisor.engine.events import (
     GateProbe,
     GpuSampled,
     HealthLost,
+    HostCacheEmptied,
     KvTierSeen,
     MetricsSampled,
     Reloaded,
@@ -306,6 +307,12 @@ class EngineUnit(UnitState):
 
     def handle_woken(self, ev: Woken) -> None:
         self.run_steps(self.handover.woken(self.pair_facts(), ev))
+
+    def handle_host_cache_emptied(self, ev: HostCacheEmptied) -> None:
+        """The answer of a standby's host cache emptied after it took over (or went):
+        logged, nothing follows (an engine that serves is never asked)."""
+        log.info("host cache answer of an engine no longer the standby", emptied=ev.emptied,
+                 generation=ev.generation, error=ev.error)
 
     def handle_slept(self, ev: Slept) -> None:
         """The answer of a sleep asked of a standby no longer in its place (retired, its

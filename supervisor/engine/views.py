@@ -186,13 +186,16 @@ def standby_status(h: Handover, now: float, mode: str, thin_serves: bool,
                    f: PairFacts) -> dict[str, Any]:
     """`status`'s `standby`: `"ready"` when armed (awake or asleep, and proven);
     `thin_serves`, the serving engine is an asymmetric pair's thin standby;
-    `early_wake` (`early_wake.armed`); `weights_off` (`weights_ahead.why_not`)."""
+    `early_wake` (`early_wake.armed`); `weights_off` (`weights_ahead.why_not`);
+    `host_cache`, once its weights are on the card: "asked", "emptied" or why kept
+    (`weights_ahead.host_cache_emptied`)."""
     if mode == "none" and h.standby.idle:
         return {"state": "none"}
     return {"mode": mode, **h.standby.status(now), "thin_serves": thin_serves,
             "early_wake": early_wake.armed(h.standby, f),
             "weights_off": weights_ahead.why_not(h.standby, f,
-                                                 idle=h.phase is Phase.IDLE)}
+                                                 idle=h.phase is Phase.IDLE),
+            "host_cache": h.standby.host_cache}
 
 
 def status(unit: Viewable) -> dict[str, Any]:

@@ -4,7 +4,9 @@ what their absence turns off, in the operator's words.
 With VLLM_SERVER_DEV_MODE=1 vLLM's API server adds the routes the daemon's in-place
 remedies use: `POST /reset_prefix_cache` (the ladder's first rung), `POST /sleep`, `POST
 /wake_up` and `GET /is_sleeping` (the KV reset, the warm-up, the sleeping standby).
-(`/collective_rpc` is one too; the daemon never calls it.) An engine may lack them: dev
+(`/collective_rpc` is one too: the daemon calls it only to empty a standby's pinned
+host cache, engine/process/host_cache.py, and a refusal costs nothing but that.) An
+engine may lack them: dev
 mode forgotten, vLLM 0.33's Rust front end (`VLLM_USE_RUST_FRONTEND=1`, whose dev
 routes are undocumented), another server in vLLM's place. `probe` asks an engine, once
 its health check answers, which of them it serves; the pure functions below say what

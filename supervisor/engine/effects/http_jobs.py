@@ -28,14 +28,15 @@ from supervisor.engine.events import (
     GateProbe,
     HealthLost,
     HealthResult,
+    HostCacheEmptied,
     MetricsSampled,
     RemedyDone,
     SleepModeProbed,
     Slept,
     Woken,
 )
+from supervisor.engine.process import host_cache, takedown
 from supervisor.engine.process import process as eng
-from supervisor.engine.process import takedown
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock, http_client
 from supervisor.ops.descriptors import OutOfDescriptors, Shortage
@@ -280,6 +281,16 @@ class HttpJobs:
             self.queue.put_nowait(Slept(engine.generation, error, seconds, took))
         else:
             self.queue.put_nowait(Woken(engine.generation, error, seconds, took, tags))
+
+    async def empty_host_cache(self, engine: eng.EngineProcess) -> None:
+        """Bounded (`host_cache.EMPTY_TIMEOUT_S`, and the call's own margin)."""
+        async with http_client() as client:
+            try:
+                got = await host_cache.empty(client, engine.config.base_url)
+            except OutOfDescriptors as exc:
+                got = host_cache.Emptied(False, 0.0, error=str(exc))
+        self.queue.put_nowait(HostCacheEmptied(engine.generation, got.emptied, got.seconds,
+                                               got.worker_s, got.error))
 
     async def _vllm_timed(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
                           call: Awaitable[T]) -> tuple[T, float, dict[str, float] | None]:

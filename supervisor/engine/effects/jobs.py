@@ -182,6 +182,9 @@ class JobEffects:
     def wake(self, engine: eng.EngineProcess, tags: tuple[str, ...] = ()) -> None:
         self._launch(self.http.sleep_or_wake(engine, asleep=False, tags=tags), "wake up")
 
+    def empty_host_cache(self, engine: eng.EngineProcess) -> None:
+        self._launch(self.http.empty_host_cache(engine), "empty the host cache")
+
     def take_down(self, engine: eng.EngineProcess, graceful: bool, force: asyncio.Event,
                   req: evidence.EvidenceRequest | None, deadline: float) -> None:
         self._launch(self._take_down(engine, graceful, force, req, deadline), "take down")

@@ -81,6 +81,9 @@ class Effects(Protocol):
         """Wake a sleeping standby (only the memory of `tags`, when given): `Woken` (its
         generation proves it afterwards)."""
 
+    def empty_host_cache(self, engine: EngineProcess) -> None:
+        """Empty its pinned host cache through its worker extension: `HostCacheEmptied`."""
+
     def take_down(self, engine: EngineProcess, graceful: bool, force: asyncio.Event,
                   req: evidence.EvidenceRequest | None, deadline: float) -> None:
         """Evidence first when asked, then drain, SIGTERM, SIGKILL the group, reap and

@@ -28,7 +28,7 @@ from datetime import datetime
 import structlog
 
 from supervisor.engine import steps as do
-from supervisor.engine.events import Drained, Event, GateProbe, Woken
+from supervisor.engine.events import Drained, Event, GateProbe, HostCacheEmptied, Woken
 from supervisor.engine.pair import early_wake, outcomes, weights_ahead
 from supervisor.engine.pair.pair_states import HANDING_OVER, PHASE, Phase, Role, check
 from supervisor.engine.pair.standby import Standby
@@ -225,6 +225,8 @@ class Handover:
         if isinstance(ev, Woken):  # (a ready standby's weights, woken ahead of a fault)
             return self._followed(f, False, weights_ahead.woken(self.standby, f, ev),
                                   gone=False)
+        if isinstance(ev, HostCacheEmptied):  # (... and then their backup let go)
+            return weights_ahead.host_cache_emptied(self.standby, ev)
         free, out = self.standby.handle(ev, f.standby_deadline(),
                                         awake_fits=engine_checks.side_by_side(f.config.engine))
         return self._followed(f, free, out, gone=False)

@@ -107,6 +107,9 @@ class Standby:
         # and why none is woken ahead (until the serving engine's next cold start)
         self.weights: str | None = None
         self.weights_off: str | None = None
+        # ... and once they are, its pinned host cache (their backup, kept by torch):
+        # None (not asked), "asked", "emptied", or why it is kept
+        self.host_cache: str | None = None
 
     def learned(self, engine: eng.EngineProcess) -> str | None:
         """An engine of this unit (either role) was probed at its start: whether engines
@@ -196,7 +199,7 @@ class Standby:
     def start(self, spec: eng.SpawnSpec, cfg: EngineConfig, mode: str) -> list[do.Step]:
         self._to(Role.STARTING)
         self.mode, self.asleep, self.next_now = mode, False, False
-        self.weights = None
+        self.weights = self.host_cache = None
         self._copy = spec.restore is not None  # (a copy of the images: one that fails
         # drops them, and the next standby is a fresh one, dumped again)
         log.info("standby starting", port=spec.port, mode=mode,
@@ -242,7 +245,7 @@ class Standby:
         and be the standby again."""
         new = self.slot.view()
         asleep, self.asleep = self.asleep, False
-        self.weights = None  # (the handover's now: `Handover.fail_over`)
+        self.weights = self.host_cache = None  # (the handover's now: `Handover.fail_over`)
         self.failures = 0
         if keep:
             self._to(Role.RETURNING, "a full-size engine took over")

@@ -28,8 +28,9 @@ from __future__ import annotations
 import structlog
 
 from supervisor.engine import steps as do
-from supervisor.engine.events import Woken
+from supervisor.engine.events import HostCacheEmptied, Woken
 from supervisor.engine.pair.standby import Standby
+from supervisor.engine.process import host_cache
 from supervisor.engine.states import State
 from supervisor.engine.steps import PairFacts
 from supervisor.watchdog.remedy import WEIGHTS
@@ -133,4 +134,27 @@ def woken(standby: Standby, f: PairFacts, ev: Woken) -> list[do.Step]:
     fields = {"pid": e.pid, "seconds": round(ev.seconds, 3), "vllm_s": ev.vllm_s,
               "weights_bytes": e.weights_bytes}
     log.info("standby's weights on the card: a failover wakes only its KV cache", **fields)
-    return [do.Audit("standby_weights_on_card", fields)]
+    out: list[do.Step] = [do.Audit("standby_weights_on_card", fields)]
+    # their backup stays in torch's pinned host cache, which the engine's death would
+    # unpin before the card's memory comes back: emptied now, while it serves nobody
+    standby.host_cache = host_cache.why_not(e.spec.argv) or "asked"
+    if standby.host_cache == "asked":
+        out.append(do.EmptyHostCache(e))
+    return out
+
+
+def host_cache_emptied(standby: Standby, ev: HostCacheEmptied) -> list[do.Step]:
+    """The answer of the standby's pinned host cache emptied (`woken` asked it)."""
+    e = standby.slot.current(ev.generation)
+    if e is None or standby.host_cache != "asked":
+        return []  # (stale: the standby went, or took over, meanwhile)
+    fields = {"pid": e.pid, "seconds": round(ev.seconds, 3), "worker_s": ev.worker_s}
+    if not ev.emptied:
+        standby.host_cache = f"kept: {ev.error}"
+        log.warning("standby's pinned host cache not emptied: its death gives the card "
+                    "back later", error=ev.error, **fields)
+        return [do.Audit("standby_host_cache_kept", {**fields, "error": ev.error})]
+    standby.host_cache = "emptied"
+    log.info("standby's pinned host cache emptied: its death gives the card back at once",
+             **fields)
+    return [do.Audit("standby_host_cache_emptied", fields)]

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import structlog
 
-from supervisor.engine.process import kv_tier, proctree, sleep_backup
+from supervisor.engine.process import host_cache, kv_tier, proctree, sleep_backup
 from supervisor.engine.process.enginelog import (
     boot_failure_of,
     kv_tokens_of,
@@ -143,6 +143,9 @@ def build_spawn_spec(cfg: EngineConfig, environ: Mapping[str, str]) -> SpawnSpec
     argv = [*cfg.command, "--host", cfg.host, "--port", str(cfg.port),
             "--shutdown-timeout", f"{cfg.drain_timeout_s:g}", *cfg.args, *kv_tier.argv(cfg)]
     env.update(sleep_backup.env(argv, env))  # (a woken engine's exit frees the card at once)
+    extension, extension_env = host_cache.argv_env(argv, env)  # (... and once emptied,
+    argv += extension  # sooner still)
+    env.update(extension_env)
     if not cfg.access_log and not any(a.endswith("disable-uvicorn-access-log")
                                       for a in cfg.args):
         # (either spelling in the operator's args wins)
