@@ -76,6 +76,7 @@ from supervisor.engine.events import (
     GpuSampled,
     HealthLost,
     HealthResult,
+    HostCacheEmptied,
     Reloaded,
     RemedyDone,
     SleepModeProbed,
@@ -389,7 +390,7 @@ class PairMachine(RuleBasedStateMachine):
         if p is None:  # (a timer's or the operator's: about no engine)
             assert not isinstance(ev, HealthResult | GateProbe | Slept | Woken | Exited
                                   | CoreExited | Down | Drained | RemedyDone
-                                  | SleepModeProbed), ev
+                                  | SleepModeProbed | HostCacheEmptied), ev
             return
         if isinstance(ev, HealthResult):
             p.health_fed = True
@@ -428,6 +429,8 @@ class PairMachine(RuleBasedStateMachine):
             self.pending.remove(("remedy", p.gen))
         elif isinstance(ev, SleepModeProbed):
             self.pending.remove(("sleep_probe", p.gen))
+        elif isinstance(ev, HostCacheEmptied):
+            self.pending.remove(("host_cache", p.gen))
 
     def absorb(self) -> None:
         """Every effect the unit asked for since the last look, checked and recorded."""
@@ -557,6 +560,15 @@ class PairMachine(RuleBasedStateMachine):
                 f"a wake beside another engine, with no room for both: {self.describe()}"))
         self.pending.append(("wake_rest" if tags == REST else "wake", p.gen))
 
+    def asked_empty_host_cache(self, d: dict[str, Any]) -> None:
+        """Only of a standby asleep with its weights on the card: never of an engine that
+        serves (the emptying holds it), nor one whose weights' backup is still in use."""
+        p = self.proc(d)
+        self.expect(p.alive and p.asleep and p.weights and p is not self.following
+                    and self.w.sup.engine is not p.engine, "host_cache_of_unready",
+                    lambda: f"host cache emptying asked of {p}: {self.describe()}")
+        self.pending.append(("host_cache", p.gen))
+
     def asked_take_down(self, d: dict[str, Any]) -> None:
         p = self.proc(d)
         self.expect(not p.down and not p.down_asked, "take_down_twice",
@@ -684,6 +696,18 @@ class PairMachine(RuleBasedStateMachine):
     def wake_answers(self, data: st.DataObject, ok: bool) -> None:
         kind, gen = data.draw(st.sampled_from(self.wakes()), label="wake")
         self.feed(self.woken(kind, gen, ok))
+
+    @precondition(lambda self: self.running and bool(self.pending_of("host_cache")))
+    @rule(data=st.data(), ok=st.booleans())
+    def host_cache_answers(self, data: st.DataObject, ok: bool) -> None:
+        gen = data.draw(st.sampled_from(self.pending_of("host_cache")), label="generation")
+        self.feed(self.host_cache_emptied(gen, ok))
+
+    def host_cache_emptied(self, gen: int, ok: bool) -> HostCacheEmptied:
+        p = self.procs[gen]
+        ok = ok and not p.dead and not p.down
+        return HostCacheEmptied(gen, ok, 0.5, 0.48 if ok else None,
+                                None if ok else "POST /collective_rpc: HTTP 500")
 
     def wakes(self) -> list[tuple[str, int]]:
         return sorted((k, g) for k, g in self.pending if k.startswith("wake"))
@@ -942,6 +966,8 @@ class PairMachine(RuleBasedStateMachine):
             return lambda: self.feed(HealthResult(p.gen, not p.dead and not p.down))
         if wakes := self.wakes():
             return lambda: self.feed(self.woken(*wakes[0], ok=True))
+        if caches := self.pending_of("host_cache"):
+            return lambda: self.feed(self.host_cache_emptied(caches[0], ok=True))
         for kind in ("gate_probe", "sleep"):
             if gens := self.pending_of(kind):
                 p = self.procs[gens[0]]
