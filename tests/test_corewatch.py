@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -102,8 +103,8 @@ def test_a_live_process_is_not_exiting_and_one_gone_is() -> None:
 
 def test_a_stat_file_kept_open_reads_its_own_process_only() -> None:
     """The flags are read through the stat file opened when the core was first seen: it
-    says live, then exiting (a zombie), then gone once reaped, and never reads another
-    process that took the pid meanwhile."""
+    says live, then exiting (a zombie), then gone once reaped (its reads fail then: the
+    kernel ties the open file to that process, not to its pid)."""
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
                              stdin=subprocess.PIPE)
     stat = open_stat(child.pid)
@@ -122,3 +123,35 @@ def test_a_stat_file_kept_open_reads_its_own_process_only() -> None:
         os.close(stat)
         child.kill()
         child.wait()
+
+
+def test_a_watch_closes_the_descriptors_it_opened_for_each_core() -> None:
+    """A pidfd and a stat file per core, closed when the core ends and at `close`."""
+    children = [subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                                 stdin=subprocess.PIPE) for _ in range(2)]
+    infos = [ProcInfo(c.pid, psutil.Process(c.pid).create_time(), CORE_TITLE + "e")
+             for c in children]
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def main() -> tuple[int, int, int, list[int]]:
+        ended: list[int] = []
+        watch = CoreWatch(ended.append)
+        before = fds()
+        watch.add(infos)
+        watching = fds() - before
+        os.kill(children[0].pid, signal.SIGKILL)  # (a zombie until the end: not reaped)
+        await until(lambda: ended, 10, "the first core reported ended")
+        one_left = fds() - before
+        watch.close()
+        return watching, one_left, fds() - before, ended
+
+    try:
+        watching, one_left, after, ended = asyncio.run(main())
+        assert ended == [children[0].pid]
+        assert (watching, one_left, after) == (4, 2, 0)
+    finally:
+        for c in children:
+            c.kill()
+            c.wait()

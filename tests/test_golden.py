@@ -335,16 +335,17 @@ def test_answers_shared_at_every_try_say_so_and_neither_record_nor_condemn(
 
 # ---- a woken engine's proof: the golden answers on one route -------------------------------
 
-def after_wake(tmp_path: Path, logprobs: bool, remedy: bool = False
-               ) -> tuple[GateProbe | RemedyDone, list[str]]:
+def after_wake(tmp_path: Path, logprobs: bool, remedy: bool = False,
+               first_times_out: bool = False) -> tuple[GateProbe | RemedyDone, list[str]]:
     """Through the daemon's own jobs, against an engine that answers the golden prompt
     (with log-probabilities or not): `gate_probe(woken=True)` (a woken takeover's proof)
     or, with `remedy`, a KV reset; the event it reports and the paths it asked, in
-    order."""
+    order. `first_times_out`: the first golden ask gets no answer in time."""
     from tests.test_fd_exhaustion import client_of, config, effects, engine_of, next_event
 
     cfg = config(tmp_path, canary={"model": "fake", "warm_up": False})
     paths: list[str] = []
+    timed_out: list[str] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         paths.append(request.url.path)
@@ -357,7 +358,11 @@ def after_wake(tmp_path: Path, logprobs: bool, remedy: bool = False
         if request.url.path in ("/sleep", "/wake_up"):
             return httpx.Response(200)
         chat = request.url.path == "/v1/chat/completions"
-        n = json.loads(request.content).get("max_tokens", 1)
+        body = json.loads(request.content)
+        if first_times_out and "logprobs" in body and not timed_out:
+            timed_out.append(request.url.path)
+            raise httpx.ReadTimeout("no answer", request=request)
+        n = body.get("max_tokens", 1)
         choice: dict[str, object] = {"text": "x", "message": {"content": "x"}}
         if logprobs:
             choice["logprobs"] = logprobs_of(PROMPT, n, chat)
@@ -423,3 +428,35 @@ def test_a_kv_resets_golden_answers_after_its_wake_are_asked_on_one_route(
     assert paths[-3:] == ["/metrics", "/v1/completions", "/metrics"]  # after the canary's
     assert isinstance(done.golden, golden.Golden) and done.golden.chat is None
     assert done.golden.completion == answer().completion
+
+
+def test_one_routes_answers_after_a_wake_record_no_baseline(tmp_path: Path) -> None:
+    """Where no proof asked both routes yet (no canary before the engine served), a
+    KV reset's or a takeover's answers on one route neither record a baseline (the chat
+    route would never be compared) nor condemn; the next proof of both records it."""
+    w = World(tmp_path, fronted=True)
+    try:
+        first = w.serving()
+        one_route = dataclasses.replace(answer(), chat=None, routes=golden.AFTER_WAKE)
+        w.feed(GateProbe(first.generation, True, None, golden=one_route))
+        st = w.sup.status()["golden"]
+        assert st["baselines"] == 0 and st["last"]["verdict"] == "unavailable"
+        assert "one route's" in st["last"]["why"]
+        w.feed(GateProbe(first.generation, True, None, golden=answer()))
+        assert w.sup.status()["golden"]["baselines"] == 1
+        # from then on one route's answers are compared on that route
+        assert golden.compare(answer(), one_route, 0.1) is None
+    finally:
+        w.loop.close()
+
+
+def test_a_woken_takeovers_golden_ask_that_fails_is_asked_again_after_the_canary(
+        tmp_path: Path) -> None:
+    """No answer in time is no verdict to keep: the canary proves the generation, then
+    the golden prompt is asked again as at any proof, both routes."""
+    probe, paths = after_wake(tmp_path, logprobs=True, first_times_out=True)
+    assert isinstance(probe, GateProbe) and probe.ok
+    assert isinstance(probe.golden, golden.Golden) and probe.golden.chat is not None
+    assert paths == ["/metrics", "/v1/completions",  # the one route: no answer
+                     "/v1/completions",  # the canary
+                     "/metrics", "/v1/completions", "/v1/chat/completions", "/metrics"]

@@ -54,16 +54,22 @@ def test_no_extension_where_it_cannot_sleep_or_names_its_own(argv: list[str],
     assert said is not None and why in said
 
 
-def test_the_spawn_spec_of_an_engine_that_can_sleep_carries_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("weights", ["gpu", "host"])
+def test_the_spawn_spec_of_an_engine_that_can_sleep_carries_it_whatever_standby_weights(
+        tmp_path: Path, weights: str) -> None:
+    """Whatever `standby_weights` says (a reload of it changes nothing that runs), and
+    the same each time it is built (a standby built again still `fits`)."""
     cfg = parse_config({"engine": {"command": ["vllm", "serve", "m"],
-                                   "args": ["--enable-sleep-mode"]},
+                                   "args": ["--enable-sleep-mode"], "standby": "sleep",
+                                   "standby_weights": weights,
+                                   "env": {"VLLM_SERVER_DEV_MODE": "1"}},
                         "daemon": {"runtime_dir": str(tmp_path)}}, "t.toml", tmp_path)
     spec = build_spawn_spec(cfg.engine, {"PYTHONPATH": "/opt/mine", "PATH": "/usr/bin"})
     i = spec.argv.index("--worker-extension-cls")
     assert spec.argv[i + 1] == host_cache.EXTENSION
     assert spec.env["PYTHONPATH"] == f"/opt/mine:{host_cache.FOLDER}"
     again = build_spawn_spec(cfg.engine, {"PYTHONPATH": "/opt/mine", "PATH": "/usr/bin"})
-    assert again == spec  # (stable: a standby built again still `fits`)
+    assert again == spec
 
 
 TORCH = {"with": "class _C:\n    @staticmethod\n    def _host_emptyCache():\n"

@@ -87,6 +87,13 @@ class GoldenCheck:
             log.warning("golden check: no verdict, the engine was not asked alone",
                         pid=engine.pid, shared_tokens=got.shared)
             return None
+        if want is None and got.routes != golden.ROUTES:
+            # (after a wake one route is asked: a baseline takes both, at a proof that
+            # asks both, so that the chat route is compared from then on)
+            self._note("unavailable", engine, why=(
+                "no baseline yet, and these answers are one route's (after a wake): "
+                "the next proof that asks both records it"))
+            return None
         if want is None:
             self.baselines[key] = got
             if len(self.baselines) > 1:

@@ -195,7 +195,7 @@ def standby_status(h: Handover, now: float, mode: str, thin_serves: bool,
             "early_wake": early_wake.armed(h.standby, f),
             "weights_off": weights_ahead.why_not(h.standby, f,
                                                  idle=h.phase is Phase.IDLE),
-            "host_cache": h.standby.host_cache}
+            "host_cache": h.standby.host_cache if h.standby.weights == "back" else None}
 
 
 def status(unit: Viewable) -> dict[str, Any]:

@@ -62,6 +62,7 @@ ROUTES = ("completion", "chat")
 # server's template, which no wake touches (one generation less while clients wait: about
 # 0.07 s of an 8B engine's failover and KV reset on the H200)
 AFTER_WAKE = ("completion",)
+NO_LOGPROBS = "no log-probabilities in either answer"  # (no verdict, asked again or not)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class Golden:
     # 0: none, or no counter to tell
     shared: int = 0
     asked: int = 1  # how many times the prompt was asked (again while shared)
+    routes: tuple[str, ...] = ROUTES  # the routes asked (after a wake: AFTER_WAKE)
 
     def doc(self) -> dict[str, Any]:
         return {"completion": self.completion.doc() if self.completion else None,
@@ -182,7 +184,7 @@ async def fetch(client: httpx.AsyncClient, base_url: str, model: str, prompt: st
         if before is not None and after is not None and None not in (before[0], after[0]):
             shared = max(0, round(after[0] - before[0]) - generated)  # type: ignore[operator]
         got = Golden(*answers, acceptance=_acceptance(before, after) if drafts else None,
-                     shared=shared, asked=asked)
+                     shared=shared, asked=asked, routes=routes)
         if not shared:
             break
         before = after  # (the next ask's reads start where this one's ended)
@@ -229,7 +231,7 @@ async def _ask(client: httpx.AsyncClient, base_url: str, model: str, prompt: str
         got.append(answer)
         generated += _generated(doc, answer)
     if all(a is None for a in got):
-        return "no log-probabilities in either answer"
+        return NO_LOGPROBS
     return (got[0], got[1]), generated
 
 

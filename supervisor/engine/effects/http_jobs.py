@@ -185,13 +185,16 @@ class HttpJobs:
                                                     f"warm-up: {warmed.error}",
                                                     warmed=warmed))
                     return
-            said: golden_answers.Golden | str | None = None  # a woken one's, no verdict
+            # a woken one's answers without log-probabilities: no verdict, and none to
+            # come by asking again (any other failure: asked again after the canary)
+            said: str | None = None
             if woken and golden and not warm:
-                said = await self._answers_after_wake(client, engine)
-                if isinstance(said, golden_answers.Golden):
+                got = await self._answers_after_wake(client, engine)
+                if isinstance(got, golden_answers.Golden):
                     self.queue.put_nowait(GateProbe(engine.generation, True, None,
-                                                    golden=said, warmed=warmed))
+                                                    golden=got, warmed=warmed))
                     return
+                said = got if got == golden_answers.NO_LOGPROBS else None
             for _ in range(3):
                 try:
                     model, _, outcome = await self.probes.probe(client, engine, None)
@@ -218,13 +221,9 @@ class HttpJobs:
     async def _answers_after_wake(self, client: httpx.AsyncClient, engine: eng.EngineProcess
                                   ) -> golden.Golden | str | None:
         """A woken engine's golden answers (completions route): a proof of a generation
-        when they came back, else why not (no verdict: no log-probabilities, no answer)
-        or None (the check off, or the daemon could not ask): the canary's to prove."""
-        try:
-            return await self.probes.answers(client, engine, None, after_wake=True)
-        except OutOfDescriptors as exc:  # (the canary's path then: bounded, as ever)
-            log.warning("the golden answers could not be asked", error=str(exc))
-            return None
+        when they came back, else why not (no log-probabilities, no answer, the daemon
+        could not ask) or None (the check off): then the canary's to prove."""
+        return await self.probes.answers(client, engine, None, after_wake=True)
 
     async def _warm_up(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
                        model: str | None, with_golden: bool,

@@ -121,20 +121,21 @@ class CoreWatch:
         except AttributeError as exc:
             self.unsupported = f"pidfd_open: {exc}"
             return
+        # (opened with the pidfd, before the check below: both are then the process seen)
+        stat = open_stat(info.pid)
         try:
             same = psutil.Process(info.pid).create_time() == info.create_time
         except psutil.NoSuchProcess:
             same = False
         except (psutil.Error, OSError):  # (no descriptor to read it with: try again later)
-            os.close(fd)
+            _close(fd, stat)
             self._seen.discard(info.pid)
             return
         if not same:  # it died after the look at the tree (its pid may be another's now)
-            os.close(fd)
+            _close(fd, stat)
             self._on_exit(info.pid)
             return
         self._fds[info.pid] = fd
-        stat = open_stat(info.pid)
         if stat is not None:  # (else read by pid at each look)
             self._stats[info.pid] = stat
         loop = asyncio.get_running_loop()
@@ -176,3 +177,10 @@ class CoreWatch:
             self._poll = None
         for pid in list(self._fds):
             self._forget(pid)
+
+
+def _close(*fds: int | None) -> None:
+    for fd in fds:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)

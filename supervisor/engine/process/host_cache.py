@@ -13,11 +13,15 @@ nobody is asked, a standby whose weights were woken onto the card ahead of a fau
 
 vLLM calls into a worker only through its `--worker-extension-cls` (methods mixed into
 the worker) and `/collective_rpc`. So an engine started with `--enable-sleep-mode` gets
-`--worker-extension-cls vllm_supervisor_worker.HostCache`, and the folder of that module
+`--worker-extension-cls vllm_supervisor_worker.HostCache` and the folder of that module
 (`worker_ext/`, nothing else in it) at the end of its PYTHONPATH, unless its arguments
-name an extension of their own (vLLM takes one): then no cache is emptied, and
-`status` says why. Every such engine gets it, whatever `standby_weights` says, so that
-a reload of that setting does not change the engines' arguments.
+name an extension of their own (vLLM takes one): then no cache is emptied, and `status`
+says why. Every such engine gets it, whatever `engine.standby_weights` says (the one
+setting under which a cache is emptied, reloaded at once): were it added only with
+"gpu", a reload to "gpu" would change the arguments of what runs, and a full-size
+standby that no longer matched them could not be started again beside its engine. The
+engines are the daemon's children on this host, which read its files; the class is
+mixed in and does nothing until it is called.
 
 `argv_env` and `why_not` are pure (what to add to an engine's argv and environment; why
 an engine has no cache to empty); `empty` asks an engine over its port, bounded.
