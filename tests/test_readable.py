@@ -149,6 +149,13 @@ def test_status_says_where_the_standby_stands_and_why_it_is_not_ready() -> None:
         "mode": "snapshot", "state": "ready", "pid": 11, "port": 8101, "for_s": 65,
         "reason": None, "asleep": True, "weights": "gpu", "early_wake": None}})
     assert "standby    ready, asleep (its weights on the GPU) (pid 11, port 8101)" in on_card
+    assert "host backup" not in on_card
+    kept = format_status({**base, "standby": {
+        "mode": "snapshot", "state": "ready", "pid": 11, "port": 8101, "for_s": 65,
+        "reason": None, "asleep": True, "weights": "gpu", "early_wake": None,
+        "host_cache": "kept: POST /collective_rpc: HTTP 404: Not Found"}})
+    assert ("\n           its weights' host backup kept (POST /collective_rpc: HTTP 404: "
+            "Not Found): its death gives the card back later") in kept
     host = format_status({**base, "standby": {
         "mode": "snapshot", "state": "ready", "pid": 11, "port": 8101, "for_s": 65,
         "reason": None, "asleep": True, "weights": "host", "early_wake": True,

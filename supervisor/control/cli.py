@@ -240,6 +240,10 @@ def format_status(st: dict[str, Any]) -> str:
                      f"{rss}{kv}{why}")
         if sb.get("weights_off"):  # (engine.standby_weights = "gpu", and why not now)
             lines.append(f"           its weights stay on the host: {sb['weights_off']}")
+        kept = sb.get("host_cache") or ""
+        if kept.startswith("kept: "):  # (their backup still pinned: engine/process/host_cache.py)
+            lines.append(f"           its weights' host backup kept ({kept[6:]}): its "
+                         f"death gives the card back later")
         if sb.get("unprotected_for_s") is not None:
             lines.append(f"protected  no, for {_duration(sb['unprotected_for_s'])}: the next "
                          f"crash or restart is a cold start (`rearm` brings a standby back)")
