@@ -189,7 +189,8 @@ class HttpJobs:
             # come by asking again (any other failure: asked again after the canary)
             said: str | None = None
             if woken and golden and not warm:
-                got = await self._answers_after_wake(client, engine)
+                # (the completions route's: a proof of a generation when they came back)
+                got = await self.probes.answers(client, engine, None, after_wake=True)
                 if isinstance(got, golden_answers.Golden):
                     self.queue.put_nowait(GateProbe(engine.generation, True, None,
                                                     golden=got, warmed=warmed))
@@ -217,13 +218,6 @@ class HttpJobs:
                     error = outcome.error
                 await asyncio.sleep(0.5)
         self.queue.put_nowait(GateProbe(engine.generation, False, error, warmed=warmed))
-
-    async def _answers_after_wake(self, client: httpx.AsyncClient, engine: eng.EngineProcess
-                                  ) -> golden.Golden | str | None:
-        """A woken engine's golden answers (completions route): a proof of a generation
-        when they came back, else why not (no log-probabilities, no answer, the daemon
-        could not ask) or None (the check off): then the canary's to prove."""
-        return await self.probes.answers(client, engine, None, after_wake=True)
 
     async def _warm_up(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
                        model: str | None, with_golden: bool,

@@ -161,10 +161,7 @@ class CoreWatch:
         self._on_exit(pid)
 
     def _forget(self, pid: int) -> None:
-        stat = self._stats.pop(pid, None)
-        if stat is not None:
-            with contextlib.suppress(OSError):
-                os.close(stat)
+        _close(self._stats.pop(pid, None))
         fd = self._fds.pop(pid, None)
         if fd is not None:
             with contextlib.suppress(ValueError, OSError):

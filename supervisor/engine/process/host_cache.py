@@ -37,10 +37,11 @@ from typing import Any
 
 import httpx
 
+from supervisor.engine.process.sleep_backup import SLEEP_FLAG
 from supervisor.ops.descriptors import raise_if_exhausted
 from supervisor.settings.weight_cache_argv import has_flag
+from supervisor.watchdog.relaunch import arg_value
 
-SLEEP_FLAG = "--enable-sleep-mode"
 EXTENSION_FLAG = "--worker-extension-cls"
 EXTENSION = "vllm_supervisor_worker.HostCache"
 METHOD = "vs_empty_host_cache"  # (HostCache's, in worker_ext/vllm_supervisor_worker.py)
@@ -63,14 +64,10 @@ def argv_env(argv: Sequence[str], environ: Mapping[str, str]
 def why_not(argv: Sequence[str]) -> str | None:
     """Why an engine of `argv` has no pinned host cache the daemon can empty (None: it
     has the extension)."""
-    args = list(argv)
-    if not has_flag(args, SLEEP_FLAG):
+    if not has_flag(list(argv), SLEEP_FLAG):
         return "it cannot sleep (no --enable-sleep-mode): it has no such cache"
-    for i, a in enumerate(args):
-        if a == EXTENSION_FLAG and i + 1 < len(args) and args[i + 1] == EXTENSION:
-            return None
-        if a == f"{EXTENSION_FLAG}={EXTENSION}":
-            return None
+    if arg_value(argv, EXTENSION_FLAG) == EXTENSION:
+        return None
     return ("its arguments name a worker extension of their own (--worker-extension-cls: "
             "vLLM takes one), so the daemon's is not added")
 
@@ -117,8 +114,7 @@ def _answers(r: httpx.Response, seconds: float) -> Emptied:
     try:
         results: Any = r.json()["results"]
     except (ValueError, KeyError, TypeError):
-        return Emptied(False, seconds, error=f"POST /collective_rpc: unexpected answer "
-                       f"{r.text[:200]!r}")
+        results = None
     if not isinstance(results, list) or not results \
             or not all(isinstance(x, dict) for x in results):
         return Emptied(False, seconds, error=f"POST /collective_rpc: unexpected answer "
