@@ -63,10 +63,16 @@ script a fault:
   --dev-routes LIST     which of vLLM's development routes it serves with
                         VLLM_SERVER_DEV_MODE=1 (comma-separated paths; default "all":
                         /reset_prefix_cache, /sleep, /wake_up, /is_sleeping,
-                        /collective_rpc; "none": a front end without them, as vLLM 0.33's
+                        /collective_rpc, /pause, /resume, /is_paused; POST
+                        /pause?mode=abort&clear_cache=true is vLLM 0.26+'s: the requests
+                        at it aborted as by a 0.26+ sleep, new ones queued until POST
+                        /resume, the number running as it arrived appended to <pidfile
+                        dir>/pauses; "none": a front end without them, as vLLM 0.33's
                         Rust one may be). Without VLLM_SERVER_DEV_MODE=1 it serves none,
                         as vLLM. A GET of a POST-only one answers 405, of one not served
                         404, as vLLM's routers do
+  --kv-leak             POST /reset_prefix_cache while paused answers {"success": false}
+                        (blocks held that no abort frees, as vLLM answers then)
   --first-sleep-delay S the first sleep answers after S seconds, later ones at once (vLLM
                         pins the weights in host RAM at an engine's first sleep)
   --logprobs            a non-streamed answer carries vLLM-shaped logprobs when asked
@@ -204,6 +210,7 @@ def main() -> None:
     p.add_argument("--wake-fails", action="store_true")
     p.add_argument("--vllm-version", default=None)
     p.add_argument("--dev-routes", default="all")
+    p.add_argument("--kv-leak", action="store_true")
     p.add_argument("--first-sleep-delay", type=float, default=0)
     p.add_argument("--weights-gib", type=float, default=0)  # each sleep says it backed up
     p.add_argument("--logprobs", action="store_true")  # answers them (a greedy golden)

@@ -36,7 +36,8 @@ class FakeEngine:
         # vLLM's development routes: only with VLLM_SERVER_DEV_MODE=1, and those
         # --dev-routes names; each path and the method it takes
         dev = {"/reset_prefix_cache": "POST", "/sleep": "POST", "/wake_up": "POST",
-               "/is_sleeping": "GET", "/collective_rpc": "POST"}
+               "/is_sleeping": "GET", "/collective_rpc": "POST", "/pause": "POST",
+               "/resume": "POST", "/is_paused": "GET"}
         if os.environ.get("VLLM_SERVER_DEV_MODE") != "1" or a.dev_routes == "none":
             dev = {}
         elif a.dev_routes != "all":
@@ -53,6 +54,7 @@ class FakeEngine:
         m = re.match(r"(\d+)\.(\d+)", a.vllm_version or "")
         self.sleep_aborts = m is not None and (int(m[1]), int(m[2])) >= (0, 26)
         self.sleeps = 0  # how many sleeps began: a stream begun before one is aborted
+        self.paused = threading.Event()  # (a pause: as a 0.26+ sleep, without the sleep)
         self.slept_once = threading.Event()
         self.wrong = threading.Event()  # a wake broke it: other tokens from then on
         self.drafts_broken = threading.Event()  # a wake zeroed its draft model
@@ -199,9 +201,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 {"id": e.a.served_model_name, "object": "model"}]}).encode()
         route = self.path.partition("?")[0]
         if route in ("/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping",
-                     "/collective_rpc"):  # (a development route: as vLLM routes it)
+                     "/collective_rpc", "/pause", "/resume", "/is_paused"):
+            # (a development route: as vLLM routes it; 0.26+ says it sleeps while paused)
             code = 404 if route not in e.dev else 405 if e.dev[route] == "POST" else 200
-            body = json.dumps({"is_sleeping": e.asleep.is_set()}).encode() \
+            body = json.dumps({"is_sleeping": e.asleep.is_set() or e.paused.is_set()}
+                              if route == "/is_sleeping" else
+                              {"is_paused": e.paused.is_set()}).encode() \
                 if code == 200 else b'{"detail": "refused"}'
         if self.path == "/metrics":
             body = b"# fake engine: no metrics\n"
@@ -383,10 +388,29 @@ class Handler(http.server.BaseHTTPRequestHandler):
             else:
                 body, code = json.dumps({"error": f"AttributeError: 'Worker' object has "
                                          f"no attribute {method!r}"}).encode(), 500
+        elif self.path == "/pause?mode=abort&clear_cache=true" and "/pause" in e.dev:
+            # vLLM 0.26+'s: every request at it aborted (a stream at its next token), new
+            # ones queued until the resume, the caches cleared
+            with e.lock:
+                running = e.running[0]
+                e.sleeps += 1
+                e.awake.clear()
+            e.paused.set()
+            if e.pidfile:  # (what a pause met as it arrived)
+                with open(os.path.join(os.path.dirname(e.pidfile), "pauses"), "a") as f:
+                    f.write(f"{running}\n")
+            body, code = b'{"status": "paused"}', 200
+        elif self.path == "/resume" and "/resume" in e.dev:
+            e.paused.clear()
+            if not e.asleep.is_set():
+                e.awake.set()
+            body, code = b'{"status": "resumed"}', 200
         elif self.path == "/reset_prefix_cache" and e.pidfile and self.path in e.dev:
             with open(os.path.join(os.path.dirname(e.pidfile), "prefix-resets"), "a") as f:
                 f.write("1\n")
-            body, code = b'{"success": true}', 200
+            # (--kv-leak: blocks held that no abort frees, as vLLM answers then)
+            leak = e.a.kv_leak and e.paused.is_set()
+            body, code = b'{"success": %s}' % (b"false" if leak else b"true"), 200
         else:
             body, code = b'{"error": "not found"}', 404
         self.send_response(code)
@@ -429,7 +453,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             e.prefill(prompt)
             time.sleep(e.a.first_token_delay)
             for i in range(tokens):
-                if e.sleep_aborts and e.sleeps != self.began:  # (a sleep aborted it)
+                if (e.sleep_aborts or e.paused.is_set()) and e.sleeps != self.began:
+                    # (a sleep of 0.26+, or a pause, aborted it)
                     if e.pidfile:
                         with open(os.path.join(os.path.dirname(e.pidfile), "sleep-aborts"),
                                   "a") as f:

@@ -502,10 +502,12 @@ def test_a_kv_reset_of_an_engine_whose_sleep_aborts_does_not_wait_for_its_count(
     of its count (on the H200 that wait took 2-5 s of a reset): the sleep is sent at
     once, `mode=abort` said, and every stream still goes on token-exact after the wake.
     The engine notices a client gone only at its next token (0.15 s here), so the sleep
-    meets the paused requests (as a rule) and aborts them."""
+    meets the paused requests (as a rule) and aborts them. (Its front end serves no
+    /pause here: with one, the reset pauses instead of sleeping, the test below.)"""
     # (the drain's bound shorter than the streams: they are paused)
     cfg, d = sleep_mode_daemon(daemon_factory, tmp_path, 2.0, "--token-delay", "0.15",
-                               "--vllm-version", "0.26.0")
+                               "--vllm-version", "0.26.0", "--dev-routes",
+                               "/reset_prefix_cache,/sleep,/wake_up,/is_sleeping")
     n = 60  # 9 s a stream: paused, however late the reset comes
     ev = kv_reset_under_streams(d, cfg, [comp(prompt=f"abort {i}", max_tokens=n)
                                          for i in range(4)], n)
@@ -523,6 +525,55 @@ def test_a_kv_reset_of_an_engine_whose_sleep_aborts_does_not_wait_for_its_count(
     print("kv reset of a 0.26 engine under 4 streams:", json.dumps(
         {"duration_s": ev["duration_s"], "steps_s": ev["steps_s"], "sleep_met": met[1]}))
     assert d.status()["restarts"] == 0
+
+
+def test_a_kv_reset_of_an_engine_that_empties_its_cache_when_paused_does_not_sleep_it(
+        daemon_factory, tmp_path):
+    """vLLM 0.26+ with its `/pause` served: the reset pauses the engine (every request at
+    it aborted, its caches cleared), checks that no block is held, resumes it: no sleep,
+    no wake (the weights' round trip to host RAM was 0.5-0.8 s of a reset's 1.5-2.0 s on
+    an 8B engine), and every stream still goes on token-exact after it."""
+    cfg, d = sleep_mode_daemon(daemon_factory, tmp_path, 2.0, "--token-delay", "0.15",
+                               "--vllm-version", "0.26.0")
+    assert d.status()["remedies"]["kv_reset_by"] == "pause"
+    n = 60  # 9 s a stream: paused, however late the reset comes
+    ev = kv_reset_under_streams(d, cfg, [comp(prompt=f"pause {i}", max_tokens=n)
+                                         for i in range(4)], n)
+    assert list(ev["steps_s"]) == ["drain", "pause", "check", "resume", "canary"], ev
+    assert ev["idle_counts"] is None and ev["vllm_version"] == "0.26.0", ev
+    calls = (tmp_path / "requests").read_text().splitlines()
+    assert calls.count("POST /pause?mode=abort&clear_cache=true") == 1
+    assert calls.index("POST /reset_prefix_cache") > calls.index(
+        "POST /pause?mode=abort&clear_cache=true") and "POST /resume" in calls
+    # the warm-up's sleep (before it served) was its only one
+    assert (tmp_path / "sleeps").read_text().split() == ["0"]
+    met = [int(x) for x in (tmp_path / "pauses").read_text().split()]
+    aborted = tmp_path / "sleep-aborts"  # (each one the pause met, at its next token)
+    assert (len(aborted.read_text().split()) if aborted.exists() else 0) == met[0], met
+    assert paused_streams(d)[0] == 4
+    print("kv reset by pause under 4 streams:", json.dumps(
+        {"duration_s": ev["duration_s"], "steps_s": ev["steps_s"], "pause_met": met[0]}))
+    assert d.status()["restarts"] == 0
+
+
+def test_a_kv_reset_that_finds_blocks_held_after_the_pause_resumes_and_restarts(
+        daemon_factory, tmp_path):
+    """A leak that aborting every request does not free (the prefix-cache reset answers
+    `success: false` while paused): the engine is resumed (never left paused, holding
+    every request), the reset fails saying so, and the ladder's restart follows."""
+    _, d = sleep_mode_daemon(daemon_factory, tmp_path, 2.0, "--vllm-version", "0.26.0",
+                             "--kv-leak")
+    pid = d.status()["pid"]
+    r = d.ctl("kv-reset", timeout=60)
+    assert r.returncode != 0, r.stdout
+    (ev,) = d.remedies()[:1]
+    assert ev["rung"] == "kv_reset" and ev["outcome"] == "failed", ev
+    assert list(ev["steps_s"]) == ["drain", "pause", "check", "resume"], ev
+    assert "a leak this reset cannot free" in ev["error"], ev
+    calls = (tmp_path / "requests").read_text().splitlines()
+    assert calls.index("POST /resume") > calls.index("POST /reset_prefix_cache")
+    st = d.wait_state("RUNNING", extra=lambda s: s["restarts"] == 1 and s["pid"] != pid)
+    assert st["restarts"] == 1
 
 
 def priorities(d: Any) -> list[int]:

@@ -43,6 +43,8 @@ def vllm_like(served: set[str], asleep: bool = False) -> Callable[..., httpx.Res
             return httpx.Response(404, json={"detail": "Not Found"})
         if path == "/is_sleeping":
             return httpx.Response(200, json={"is_sleeping": asleep})
+        if path == "/is_paused":
+            return httpx.Response(200, json={"is_paused": False})
         return httpx.Response(405, json={"detail": "Method Not Allowed"})
     return handler
 
@@ -51,9 +53,10 @@ def test_a_get_refused_with_405_is_a_route_served_and_a_404_one_not_served():
     r = probe(vllm_like(set(devroutes.ROUTES), asleep=True))
     assert r.as_dict() == dict.fromkeys(devroutes.ROUTES, True) and r.asleep is True
     assert r.errors == {}
-    r = probe(vllm_like({"/is_sleeping", "/reset_prefix_cache"}))
+    r = probe(vllm_like({"/is_sleeping", "/reset_prefix_cache", "/is_paused"}))
     assert r.as_dict() == {"/reset_prefix_cache": True, "/sleep": False,
-                           "/wake_up": False, "/is_sleeping": True}
+                           "/wake_up": False, "/is_sleeping": True, "/pause": False,
+                           "/resume": False, "/is_paused": True}
     assert r.absent(devroutes.SLEEP_ROUTES) == ["/sleep", "/wake_up"]
     assert r.asleep is False
 
@@ -70,7 +73,8 @@ def test_no_answer_is_no_verdict_and_the_configuration_stands():
 
     r = probe(flaky)
     assert r.as_dict() == {"/reset_prefix_cache": None, "/sleep": None, "/wake_up": None,
-                           "/is_sleeping": True}
+                           "/is_sleeping": True, "/pause": None, "/resume": None,
+                           "/is_paused": None}
     assert r.errors["/sleep"] == "GET /sleep: no answer within 1 s"
     assert r.errors["/wake_up"] == "GET /wake_up: HTTP 500"
     assert r.errors["/reset_prefix_cache"].startswith("GET /reset_prefix_cache: ConnectError")
@@ -88,13 +92,19 @@ def test_what_is_off_names_the_routes_not_served_and_why():
                         "routes, such as VLLM_USE_RUST_FRONTEND=1's?)",
         "sleep": "the engine does not serve /sleep, /wake_up, /is_sleeping though "
                  "VLLM_SERVER_DEV_MODE=1 (a front end without vLLM's development routes, "
-                 "such as VLLM_USE_RUST_FRONTEND=1's?)"}
+                 "such as VLLM_USE_RUST_FRONTEND=1's?)",
+        "pause": "the engine does not serve /pause, /resume, /is_paused, "
+                 "/reset_prefix_cache though VLLM_SERVER_DEV_MODE=1 (a front end without "
+                 "vLLM's development routes, such as VLLM_USE_RUST_FRONTEND=1's?)"}
     assert devroutes.off(none, SLEEPY, {}) == {
         "prefix_reset": "the engine does not serve /reset_prefix_cache: "
                         "VLLM_SERVER_DEV_MODE is not 1",
         "sleep": "the engine does not serve /sleep, /wake_up, /is_sleeping: "
-                 "VLLM_SERVER_DEV_MODE is not 1"}
-    assert devroutes.missing_asked(none, SLEEPY, DEV) == list(devroutes.ROUTES)
+                 "VLLM_SERVER_DEV_MODE is not 1",
+        "pause": "the engine does not serve /pause, /resume, /is_paused, "
+                 "/reset_prefix_cache: VLLM_SERVER_DEV_MODE is not 1"}
+    assert devroutes.missing_asked(none, SLEEPY, DEV) == [
+        *devroutes.PREFIX_RESET_ROUTES, *devroutes.SLEEP_ROUTES]
     assert devroutes.missing_asked(none, [], DEV) == ["/reset_prefix_cache"]
     assert devroutes.missing_asked(none, SLEEPY, {}) == []  # (none was asked for)
     every = DevRoutes(dict.fromkeys(devroutes.ROUTES, True))
@@ -104,7 +114,7 @@ def test_what_is_off_names_the_routes_not_served_and_why():
     assert devroutes.off(every, SLEEPY, DEV) == {}
     # not probed (None): the configuration's word, as before the probe
     assert devroutes.off(None, SLEEPY, DEV) == {}
-    assert set(devroutes.off(None, SLEEPY, {})) == {"prefix_reset", "sleep"}
+    assert set(devroutes.off(None, SLEEPY, {})) == {"prefix_reset", "sleep", "pause"}
 
 
 # ---- through the daemon, against fake engines ------------------------------------------
@@ -149,11 +159,14 @@ def test_an_engine_without_the_dev_routes_has_its_remedies_off_from_its_start(
     assert "off        reset prefix cache: the engine does not serve" in d.ctl("status").stdout
     (entry,) = [e for e in d.events() if e["event"] == "dev_routes"]
     assert entry["pid"] == st["pid"] and entry["routes"] == st["dev_routes"]
-    assert set(entry["off"]) == {"prefix_reset", "sleep"}
+    assert set(entry["off"]) == {"prefix_reset", "sleep", "pause"}
     (warning,) = [r for r in d.log_records()
                   if str(r.get("event", "")).startswith("the engine does not serve "
                                                         "development routes")]
-    assert warning["level"] == "warning" and warning["missing"] == list(devroutes.ROUTES)
+    # (what the configuration asks for: dev mode's routes, sleep's with its flag; not
+    # /pause, which only makes a KV reset cheaper where the vLLM has it)
+    assert warning["level"] == "warning" and warning["missing"] == [
+        *devroutes.PREFIX_RESET_ROUTES, *devroutes.SLEEP_ROUTES]
     assert metric(d, "engine_capability") == {"reset_prefix_cache": 0.0, "kv_reset": 0.0}
     # the ladder: both in-place rungs skipped, each with the probe's reason
     decision = wait_for(lambda: next((e for e in d.events() if e["event"] == "decision"),

@@ -1,12 +1,12 @@
-"""End-to-end: the remediation ladder's CPU rungs against the real vLLM CPU engine.
+"""End-to-end: the remediation ladder's rungs against the real vLLM CPU engine.
 
-The CPU backend has no sleep mode, so the KV reset is the rung it lacks; the others run
-for real. Two rules whose symptom is made to persist on any serving engine (the point is
-the ladder, not the symptom) drive one daemon, with the front proxy and
-VLLM_SERVER_DEV_MODE=1: the throttle rule throttles live at the proxy; the other resets
-the real engine's prefix cache (POST /reset_prefix_cache, answered by vLLM), and, its
-symptom outliving that, climbs past the KV reset (not supported here, and said so) to a
-drained restart, while a small load through the proxy loses nothing.
+The CPU backend has no sleep mode, but its vLLM (0.26 or later) empties its KV cache when
+paused, so every rung runs for real. Two rules whose symptom is made to persist on any
+serving engine (the point is the ladder, not the symptom) drive one daemon, with the
+front proxy and VLLM_SERVER_DEV_MODE=1: the throttle rule throttles live at the proxy;
+the other resets the real engine's prefix cache (POST /reset_prefix_cache, answered by
+vLLM), and, its symptom outliving that, the KV cache (POST /pause, checked, POST /resume),
+then climbs to a drained restart, while a small load through the proxy loses nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ ALWAYS = "engine_uptime_s >= 0"  # holds on every serving engine
 NEVER = "engine_uptime_s < 0"
 
 
-def test_the_ladder_throttles_resets_the_prefix_cache_then_restarts_losing_nothing(
+def test_the_ladder_throttles_resets_the_prefix_cache_and_kv_cache_then_restarts(
         tmp_path):
     cfg: dict[str, Any] = vllm_config(tmp_path)
     cfg["engine"]["env"]["VLLM_SERVER_DEV_MODE"] = "1"
@@ -74,31 +74,34 @@ def test_the_ladder_throttles_resets_the_prefix_cache_then_restarts_losing_nothi
 
         decisions = [(e["rule"], e["action"], e["reason"]) for e in d.events()
                      if e["event"] == "decision"]
-        assert [(r, a) for r, a, _ in decisions[:3]] == [
+        assert [(r, a) for r, a, _ in decisions[:4]] == [
             ("ladder_throttle", "throttle"), ("ladder_cache", "reset_prefix_cache"),
-            ("ladder_cache", "restart")]
-        why = decisions[2][2]
-        assert "after reset_prefix_cache" in why
-        # (the CPU build refuses --enable-sleep-mode: the probe's reason, named)
-        assert "kv_reset: the engine was not started with --enable-sleep-mode" in why
+            ("ladder_cache", "kv_reset"), ("ladder_cache", "restart")]
+        assert "after kv_reset" in decisions[3][2]
         remedies = d.remedies()
         # each rung tried is one entry: rung, outcome, duration
-        assert [(e["rung"], e["outcome"]) for e in remedies[:3]] == [
-            ("throttle", "ok"), ("reset_prefix_cache", "ok"), ("restart", "ok")], remedies
+        assert [(e["rung"], e["outcome"]) for e in remedies[:4]] == [
+            ("throttle", "ok"), ("reset_prefix_cache", "ok"), ("kv_reset", "ok"),
+            ("restart", "ok")], remedies
         assert remedies[0]["throttle_level"] == 1
         assert "reset_prefix_cache" in remedies[1]["steps_s"]  # the real engine answered 200
-        restart = remedies[2]
+        # the real engine paused (its requests aborted, its caches cleared), found
+        # holding no block, resumed, and answered a canary: no sleep on CPU
+        kv = remedies[2]
+        assert list(kv["steps_s"]) == ["drain", "pause", "check", "resume", "canary"], kv
+        assert kv["vllm_version"] and kv["error"] is None, kv
+        restart = remedies[3]
         assert list(restart["steps_s"]) == ["drain", "take_down", "start"]
         assert st["throttle_level"] == 1  # live at the proxy: not lifted by the restart
         assert st["admission"]["max_concurrency"] == 12  # 16 x 0.75
-        assert st["remedies"]["kv_reset"] is False
-        assert "--enable-sleep-mode" in st["remedies"]["kv_reset_unavailable"]
+        assert st["remedies"]["kv_reset"] is True and st["remedies"]["kv_reset_by"] == "pause"
+        assert st["remedies"]["kv_reset_unavailable"] is None
         # dev mode on: the real engine serves every development route (a GET of a POST
-        # one refused with 405), so the prefix-cache reset is on; no sleep on CPU
+        # one refused with 405), so the prefix-cache reset and the pause are on
         assert st["dev_routes"] == dict.fromkeys(
-            ("/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping"), True)
-        assert st["off"] == {"kv_reset": "the engine was not started with "
-                                         "--enable-sleep-mode"}, st["off"]
+            ("/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping", "/pause",
+             "/resume", "/is_paused"), True)
+        assert st["off"] == {}, st["off"]
         assert st["remedies"]["reset_prefix_cache"] is True
         probed = [e for e in d.events(1000) if e["event"] == "dev_routes"]
         assert len(probed) == 2 and all(e["off"] == {"sleep": "the engine was not started "
@@ -107,6 +110,7 @@ def test_the_ladder_throttles_resets_the_prefix_cache_then_restarts_losing_nothi
         assert codes and all(c == 200 for c in codes), sorted(set(codes))
         print("ladder:", {"decisions": [(r, a) for r, a, _ in decisions],
                           "prefix_reset_s": remedies[1]["duration_s"],
+                          "kv_reset_s": kv["duration_s"], "kv_reset_held": kv["held"],
                           "restart_s": restart["duration_s"], "held": restart["held"],
                           "requests": len(codes)})
         r = d.ctl("stop", timeout=120)

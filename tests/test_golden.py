@@ -374,7 +374,7 @@ def after_wake(tmp_path: Path, logprobs: bool, remedy: bool = False,
         act = effects(cfg, queue)  # type: ignore[arg-type]
         engine = engine_of(cfg, type("Running", (), {"returncode": None, "pid": 1 << 22})())
         engine.warmed = None
-        task = asyncio.ensure_future(act.http.apply_remedy(engine, "kv_reset") if remedy
+        task = asyncio.ensure_future(act.http.apply_remedy(engine, "kv_reset", ("sleep",)) if remedy
                                      else act.http.gate_probe(engine, True, False,
                                                               woken=True))
         try:

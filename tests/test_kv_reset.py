@@ -2,8 +2,9 @@
 httpx.MockTransport: an engine older than vLLM 0.26 is told to sleep only once its own
 count of requests (running and waiting, on its /metrics) reads 0, waited for within a
 bound; one that publishes no count is not waited on; one whose count stays up is not put
-to sleep. A vLLM 0.26+ engine (its sleep aborts what is at it) is told to sleep at once.
-The daemon's side, through the proxy and the fake engine, is in
+to sleep. A vLLM 0.26+ engine (its sleep aborts what is at it) is told to sleep at once;
+where it serves /pause, it is paused instead (its cache emptied without a sleep), checked,
+resumed. The daemon's side, through the proxy and the fake engine, is in
 tests/test_continuation_proxy.py (issue 48)."""
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class Engine:
         self.version = version  # what GET /version says (None: 404, as before 0.2)
         self.calls: list[str] = []
         self.asleep = False
+        self.paused = False
+        self.pause_status = 200  # what POST /pause answers (404: not served)
+        self.blocks_held = False  # POST /reset_prefix_cache's `success: false`
 
     def __call__(self, req: httpx.Request) -> httpx.Response:
         path = req.url.path + (f"?{req.url.query.decode()}" if req.url.query else "")
@@ -56,6 +60,16 @@ class Engine:
             return httpx.Response(200)
         if path == "/is_sleeping":
             return httpx.Response(200, json={"is_sleeping": self.asleep})
+        if path == "/pause?mode=abort&clear_cache=true":
+            self.paused = self.pause_status == 200
+            return httpx.Response(self.pause_status, json={"status": "paused"})
+        if path == "/reset_prefix_cache":
+            return httpx.Response(200, json={"success": not self.blocks_held})
+        if path == "/resume":
+            self.paused = False
+            return httpx.Response(200, json={"status": "resumed"})
+        if path == "/is_paused":
+            return httpx.Response(200, json={"is_paused": self.paused})
         if path == "/v1/completions":
             return httpx.Response(200, json={"choices": [{"index": 0, "text": "x"}]})
         return httpx.Response(404)
@@ -65,12 +79,13 @@ class Engine:
 
 
 def reset(engine: Callable[[httpx.Request], httpx.Response], metrics: str | None,
-          within_s: float, version: str | None = None) -> remedy.RemedyOutcome:
+          within_s: float, version: str | None = None, pause: bool = False,
+          sleep: bool = True) -> remedy.RemedyOutcome:
     async def go() -> remedy.RemedyOutcome:
         async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
             return await remedy.kv_reset(client, BASE, "m", "hi", 5.0, 5.0,
                                          metrics_url=metrics, idle_within_s=within_s,
-                                         version=version)
+                                         version=version, pause=pause, sleep=sleep)
     return asyncio.run(go())
 
 
@@ -236,3 +251,91 @@ def test_a_sleep_that_fails_otherwise_is_a_failed_reset(short_bounds: None) -> N
         return Engine([page(0)], version="0.26.0")(req)
     out = reset(engine, METRICS, 10.0)
     assert not out.ok and out.attempted and "HTTP 500" in (out.error or ""), out
+
+
+# ---- a KV reset without a sleep: pause, check, resume ---------------------------------
+
+PAUSED = ["POST /pause?mode=abort&clear_cache=true", "POST /reset_prefix_cache",
+          "POST /resume", "GET /is_paused", "POST /v1/completions"]
+
+
+@pytest.mark.parametrize("sleep", [True, False])
+def test_an_engine_that_empties_its_cache_when_paused_is_paused_not_put_to_sleep(
+        short_bounds: None, sleep: bool) -> None:
+    """vLLM 0.26+ with /pause served: no sleep, no wake, no wait for its count (the pause
+    aborts what is at it), with or without sleep mode (vLLM's CPU build has none)."""
+    e = Engine([page(256)], version="0.26.0")
+    out = reset(e, METRICS, 10.0, pause=True, sleep=sleep)
+    assert out.ok and out.error is None, out
+    assert e.calls == ["GET /version", *PAUSED]
+    assert list(out.steps) == ["pause", "check", "resume", "canary"]
+    assert out.idle_counts is None and out.vllm_version == "0.26.0" and not e.paused
+
+
+@pytest.mark.parametrize("status", [404, 405, 422])
+def test_a_pause_refused_as_unknown_goes_on_to_the_sleep(short_bounds: None,
+                                                         status: int) -> None:
+    """Not routed, or a front end that does not take its arguments: the engine was not
+    touched, so the sleep follows where the engine has one."""
+    e = Engine([page(0)], version="0.33.0")
+    e.pause_status = status
+    out = reset(e, METRICS, 10.0, pause=True)
+    assert out.ok, out
+    assert e.calls == ["GET /version", "POST /pause?mode=abort&clear_cache=true",
+                       "POST /sleep?level=1&mode=abort", *AFTER_SLEEP]
+    assert list(out.steps) == ["pause_refused", "sleep", "wake_up", "canary"]
+    # without sleep mode: not attempted, nothing touched, said so
+    e = Engine([page(0)], version="0.33.0")
+    e.pause_status = status
+    out = reset(e, METRICS, 10.0, pause=True, sleep=False)
+    assert not out.ok and not out.attempted, out
+    assert (out.error or "").startswith(f"POST /pause?mode=abort&clear_cache=true: HTTP "
+                                        f"{status}"), out
+    assert e.calls == ["GET /version", "POST /pause?mode=abort&clear_cache=true"]
+
+
+def test_a_pause_that_fails_otherwise_is_a_failed_reset(short_bounds: None) -> None:
+    """A 500 or no answer may have left it paused: failed, attempted (the restart)."""
+    e = Engine([page(0)], version="0.26.0")
+    e.pause_status = 500
+    out = reset(e, METRICS, 10.0, pause=True)
+    assert not out.ok and out.attempted and "POST /pause" in (out.error or ""), out
+    assert "POST /sleep?level=1&mode=abort" not in e.calls
+
+
+def test_blocks_held_after_the_pause_fail_the_reset_and_the_engine_is_resumed(
+        short_bounds: None) -> None:
+    """A leak that aborting every request did not free: said, not hidden (a sleep's
+    reset would have woken the engine with the leak still in its scheduler); the engine
+    is resumed all the same and no canary is sent."""
+    e = Engine([page(0)], version="0.26.0")
+    e.blocks_held = True
+    out = reset(e, METRICS, 10.0, pause=True)
+    assert not out.ok and out.attempted, out
+    assert "a leak this reset cannot free" in (out.error or "")
+    assert e.calls == ["GET /version", *PAUSED[:4]] and not e.paused
+    assert list(out.steps) == ["pause", "check", "resume"]
+
+
+@pytest.mark.parametrize("version", ["0.25.1", None])
+def test_an_older_or_unknown_version_is_not_paused(short_bounds: None,
+                                                   version: str | None) -> None:
+    """Before 0.26 a pause need not empty the cache in the engine: the sleep's reset."""
+    e = Engine([page(0)], version=version)
+    out = reset(e, METRICS, 10.0, pause=True)
+    assert out.ok and "POST /pause?mode=abort&clear_cache=true" not in e.calls, e.calls
+    assert list(out.steps) == ["engine_idle", "sleep", "wake_up", "canary"]
+    e = Engine([page(0)], version=version)
+    out = reset(e, METRICS, 10.0, pause=True, sleep=False)
+    assert not out.ok and not out.attempted and e.calls == ["GET /version"], out
+    assert "does not empty its KV cache when paused (0.26 or later does)" in (out.error or "")
+
+
+def test_an_engine_still_paused_after_its_resume_fails_the_reset(short_bounds: None) -> None:
+    def engine(req: httpx.Request) -> httpx.Response:
+        if req.url.path == "/is_paused":
+            return httpx.Response(200, json={"is_paused": True})
+        return base(req)
+    base = Engine([page(0)], version="0.26.0")
+    out = reset(engine, METRICS, 10.0, pause=True)
+    assert not out.ok and out.error == "the engine still reports it is paused", out

@@ -127,8 +127,8 @@ class RecordingEffects:
         self.calls.append(("drain_behind", {"pid": engine.pid}))
         self.deadlines.append(deadline)
 
-    def remedy(self, engine: EngineProcess, rung: str) -> None:
-        self.calls.append(("remedy", {"pid": engine.pid, "rung": rung}))
+    def remedy(self, engine: EngineProcess, rung: str, ways: tuple[str, ...]) -> None:
+        self.calls.append(("remedy", {"pid": engine.pid, "rung": rung, "ways": ways}))
 
     def sample_gpu(self, sampler: Any) -> None:
         self.calls.append(("sample_gpu", {}))
@@ -530,7 +530,7 @@ def test_an_operators_kv_reset_waits_for_the_engine_to_be_proven(tmp_path: Path)
         w.feed(GateProbe(engine.generation, True, None))
         assert w.sup.gate.held_reason is None
         w.control("kv-reset")
-        assert w.fx.last("remedy") == {"pid": engine.pid, "rung": "kv_reset"}
+        assert w.fx.last("remedy") == {"pid": engine.pid, "rung": "kv_reset", "ways": ("sleep",)}
     finally:
         w.loop.close()
 
@@ -547,7 +547,7 @@ def test_an_operators_kv_reset_under_way_when_the_engine_stops_is_answered(
         w.feed(SleepModeProbed(engine.generation, True, None))
         w.feed(GateProbe(engine.generation, True, None))
         reset = w.control("kv-reset")
-        assert w.fx.last("remedy") == {"pid": engine.pid, "rung": "kv_reset"}
+        assert w.fx.last("remedy") == {"pid": engine.pid, "rung": "kv_reset", "ways": ("sleep",)}
         stop = w.control("stop")
         w.down(engine)
         assert w.state == "STOPPED" and stop.result()["state"] == "STOPPED"
@@ -585,7 +585,8 @@ def test_a_restart_of_a_starting_engine_drains_nothing(tmp_path: Path) -> None:
 def test_a_failed_in_place_remedy_becomes_a_drained_restart(world: World) -> None:
     engine = world.serving()
     world.sup.begin_remedy("reset_prefix_cache", "test")
-    assert world.fx.last("remedy") == {"pid": engine.pid, "rung": "reset_prefix_cache"}
+    assert world.fx.last("remedy") == {"pid": engine.pid, "rung": "reset_prefix_cache",
+                                       "ways": ()}
     assert world.sup.status()["remedies"]["running"]["rung"] == "reset_prefix_cache"
     world.now += 2
     world.feed(RemedyDone(engine.generation, "reset_prefix_cache",

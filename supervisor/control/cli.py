@@ -53,8 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     add("unthrottle", help="throttle level 0")
     add("pause-policy", help="maintenance: the watchdog takes no action until resumed")
     add("resume-policy", help="the watchdog acts again")
-    add("kv-reset", help="drop and rebuild the KV cache in place (sleep mode), new "
-                                    "requests held meanwhile; returns when done")
+    add("kv-reset", help="empty the KV cache in place (a pause, vLLM 0.26+; else sleep "
+                         "mode), new requests held meanwhile; returns when done")
     add("rearm", help="protection back now: a standby waiting out its backoff starts; "
                       "one with no room beside the engine comes back by a drained restart, "
                       "the standby first (requests held through both starts)")

@@ -210,12 +210,15 @@ class RemedyDone(Event):
 
 @dataclass(frozen=True)
 class SleepModeProbed(Event):
-    """Whether this engine can drop its KV cache in place (sleep and wake)."""
+    """Whether this engine can drop its KV cache in place: by a sleep and a wake
+    (`available`), by a pause and a resume (`pause`); why not, each."""
 
     name = "sleep_mode_probed"
     generation: int
     available: bool
     why: str | None
+    pause: bool = False
+    pause_why: str | None = None
 
 
 @dataclass(frozen=True)

@@ -265,9 +265,9 @@ class Executor:
             case do.PauseStreams(engine, why):
                 paused = u.act.pause_streams(engine)
                 log.info("streams paused, to go on after it", during=why, paused=paused)
-            case do.StartRemedy(rung):
+            case do.StartRemedy(rung, ways):
                 assert u.engine is not None
-                u.act.remedy(u.engine, rung)
+                u.act.remedy(u.engine, rung, ways)
             case do.Throttle(rule, level):
                 u.sync_gate()  # live at the proxy: in force at once
                 remedy_ended(u.audit, {

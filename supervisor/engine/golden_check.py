@@ -55,12 +55,13 @@ class GoldenCheck:
 
     def judge_remedy(self, ev: RemedyDone, engine: eng.EngineProcess | None,
                      tolerance: float) -> RemedyDone:
-        """A KV reset's answers after its wake, against the engine's baseline: a
-        mismatch fails the remedy (the unit restarts the engine)."""
+        """A KV reset's answers after its wake or its resume, against the engine's
+        baseline: a mismatch fails the remedy (the unit restarts the engine)."""
         o = ev.outcome
         if not o.ok or engine is None:
             return ev
-        why = self.verdict(ev.golden, engine, tolerance, " after the KV reset's wake")
+        why = self.verdict(ev.golden, engine, tolerance, " after the KV reset's wake"
+                           if "wake_up" in o.steps else " after the KV reset")
         if why is None:
             return ev
         return dataclasses.replace(ev, outcome=dataclasses.replace(

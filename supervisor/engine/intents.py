@@ -45,6 +45,8 @@ class BeginRemedy:
 
     rung: str
     reason: str
+    # a KV reset's ways of emptying the cache, in the order tried: "pause", "sleep"
+    ways: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

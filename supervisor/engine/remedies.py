@@ -70,7 +70,7 @@ class Remedies:
                     # ("auto" too: waiting for them fails the reset whenever one
                     # outlasts drain_timeout_s, the busy engine's case; issue 48)
                     out.append(do.PauseStreams(e, "the KV reset"))
-                out.append(do.StartRemedy(intent.rung))
+                out.append(do.StartRemedy(intent.rung, intent.ways))
             elif isinstance(intent, Throttled):
                 out.append(do.Throttle(intent.rule, intent.level))  # live at the proxy
         return out

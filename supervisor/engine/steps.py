@@ -523,6 +523,7 @@ class StartRemedy:
     """An in-place remedy on the serving engine (a KV reset, a prefix-cache reset)."""
 
     rung: str
+    ways: tuple[str, ...] = ()  # a KV reset's (`BeginRemedy.ways`)
 
 
 @dataclass(frozen=True)

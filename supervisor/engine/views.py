@@ -255,7 +255,9 @@ def status(unit: Viewable) -> dict[str, Any]:
             "allowed": list(unit.config.policy.remedies),
             "reset_prefix_cache": facts.can_reset_prefix_cache,
             "kv_reset": facts.can_kv_reset,
-            "kv_reset_unavailable": None if w.sleep_mode else w.sleep_mode_why,
+            # how: "pause" (no sleep) or "sleep"; null with why unavailable
+            "kv_reset_by": w.kv_reset_by(),
+            "kv_reset_unavailable": w.kv_reset_off(),
             "running": (None if w.remedy is None else {
                 "rung": w.remedy.rung, "for_s": round(now - w.remedy.since, 3)})},
         "last_engine_errors": unit.failures.fatal_errors if unit.state is State.FATAL else [],

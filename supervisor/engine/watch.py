@@ -104,6 +104,10 @@ class EngineWatch:
         # in-place remedies: what this engine supports, the one in progress
         self.sleep_mode = False  # probed once the engine serves
         self.sleep_mode_why: str | None = "the engine has not started"
+        # and whether it empties its KV cache when paused (its KV reset then needs no
+        # sleep: remedy.pause_resets), why not
+        self.pause_resets = False
+        self.pause_why: str | None = "the engine has not started"
         # why this unit's engines no longer sleep: a wake broke one (its warm-up wake
         # failed, or its answers changed after it), until the daemon restarts
         self.wake_broken: str | None = None
@@ -118,6 +122,7 @@ class EngineWatch:
         self.scrapes.reset()
         self.window.reset()
         self.sleep_mode, self.sleep_mode_why = False, "the engine is not serving yet"
+        self.pause_resets, self.pause_why = False, "the engine is not serving yet"
 
     def reconfigure(self, config: Config) -> None:
         self.config = config
@@ -236,7 +241,7 @@ class EngineWatch:
     def facts(self, unit: UnitFacts) -> EngineFacts:
         """What the policy knows of the engine and of the remedies it allows."""
         prefix_off = self.prefix_reset_off(unit.engine)
-        kv_off = self.sleep_mode_why if not self.sleep_mode else \
+        kv_off = self.kv_reset_off() if self.kv_reset_by() is None else \
             None if unit.fronted else "no front proxy to hold requests while it sleeps"
         return EngineFacts(
             state=unit.state.value,
@@ -248,7 +253,7 @@ class EngineWatch:
                              or relaunch.spec_tokens(self.config.engine.args) or 0),
             can_reset_prefix_cache=prefix_off is None,
             # sleep and wake behind a hold of new requests: the proxy must be there to hold
-            can_kv_reset=self.sleep_mode and unit.fronted,
+            can_kv_reset=self.kv_reset_by() is not None and unit.fronted,
             # with the proxy, throttling is admission control; without it, a relaunch
             live_throttle=unit.fronted,
             why_off={k: v for k, v in (("reset_prefix_cache", prefix_off),
@@ -354,20 +359,42 @@ class EngineWatch:
         if unit.engine is None or unit.engine.generation != ev.generation:
             return
         self.sleep_mode, self.sleep_mode_why = ev.available, ev.why
+        self.pause_resets, self.pause_why = ev.pause, ev.pause_why
         if ev.available and self.wake_broken is not None:
             self.sleep_mode, self.sleep_mode_why = False, self.wake_broken
-        if ev.available:
-            log.info("the engine can drop its KV cache in place (sleep and wake)")
+        by = self.kv_reset_by()
+        if by is not None:
+            log.info("the engine can drop its KV cache in place", by=by)
         else:
-            log.info("no KV reset in place for this engine", reason=ev.why)
+            log.info("no KV reset in place for this engine", reason=self.kv_reset_off())
+
+    def kv_reset_ways(self) -> tuple[str, ...]:
+        """The ways this engine's KV cache can be emptied in place, in the order a KV
+        reset tries them: "pause" (no sleep, where its vLLM empties it when paused; a
+        pause refused goes on to the sleep), "sleep" (a sleep and a wake)."""
+        return (("pause",) if self.pause_resets else ()) + \
+            (("sleep",) if self.sleep_mode else ())
+
+    def kv_reset_by(self) -> str | None:
+        """How this engine's KV cache is emptied in place ("pause", "sleep"), or None."""
+        ways = self.kv_reset_ways()
+        return ways[0] if ways else None
+
+    def kv_reset_off(self) -> str | None:
+        """Why this engine has no KV reset in place (None: it has one)."""
+        if self.kv_reset_by() is not None:
+            return None
+        if self.pause_why is None or self.pause_why == self.sleep_mode_why:
+            return self.sleep_mode_why
+        return f"{self.sleep_mode_why}; no pause either: {self.pause_why}"
 
     def kv_reset_refusal(self, unit: UnitFacts) -> str | None:
         if unit.state is not State.RUNNING or unit.engine is None or unit.taking_down:
             return f"the engine is not serving (state {unit.state.value})"
         if self.remedy is not None:
             return f"a {self.remedy.rung} is already in progress"
-        if not self.sleep_mode:
-            return f"this engine cannot drop its KV cache in place: {self.sleep_mode_why}"
+        if self.kv_reset_by() is None:
+            return f"this engine cannot drop its KV cache in place: {self.kv_reset_off()}"
         if unit.proving:
             # (its proof may sleep and wake it too, and sends it a generation: a second
             # sleep under either can wedge vLLM)
@@ -378,7 +405,7 @@ class EngineWatch:
     def begin_remedy(self, rung: str, reason: str, unit: UnitFacts) -> BeginRemedy:
         self.remedy = Remedy(rung, self._monotonic(), reason)
         log.info("remedy started", rung=rung, reason=reason, in_flight=unit.at_engine)
-        return BeginRemedy(rung, reason)
+        return BeginRemedy(rung, reason, self.kv_reset_ways() if rung == "kv_reset" else ())
 
     def suspect(self) -> str | None:
         """Why the engine may be frozen: canaries failing in a row with no progress (the

@@ -3,7 +3,8 @@ what their absence turns off, in the operator's words.
 
 With VLLM_SERVER_DEV_MODE=1 vLLM's API server adds the routes the daemon's in-place
 remedies use: `POST /reset_prefix_cache` (the ladder's first rung), `POST /sleep`, `POST
-/wake_up` and `GET /is_sleeping` (the KV reset, the warm-up, the sleeping standby).
+/wake_up` and `GET /is_sleeping` (the KV reset, the warm-up, the sleeping standby),
+`POST /pause`, `POST /resume` and `GET /is_paused` (the KV reset without a sleep).
 (`/collective_rpc` is one too: the daemon calls it only to empty a standby's pinned
 host cache, engine/process/host_cache.py, and a refusal costs nothing but that.) An
 engine may lack them: dev
@@ -40,10 +41,13 @@ from supervisor.ops.descriptors import exhausted
 
 # the development routes the daemon calls, and the method it calls each with
 ROUTES: dict[str, str] = {"/reset_prefix_cache": "POST", "/sleep": "POST",
-                          "/wake_up": "POST", "/is_sleeping": "GET"}
+                          "/wake_up": "POST", "/is_sleeping": "GET", "/pause": "POST",
+                          "/resume": "POST", "/is_paused": "GET"}
 PREFIX_RESET_ROUTES = ("/reset_prefix_cache",)
 SLEEP_ROUTES = ("/sleep", "/wake_up", "/is_sleeping")
-PROBE_TIMEOUT_S = 5.0  # each GET; the four go together
+# (the prefix-cache reset checks, while paused, that no block is held: remedy.py)
+PAUSE_ROUTES = ("/pause", "/resume", "/is_paused", "/reset_prefix_cache")
+PROBE_TIMEOUT_S = 5.0  # each GET; they go together
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,8 @@ async def _ask(client: httpx.AsyncClient, base_url: str, route: str,
     if r.status_code == 404:
         return False, None, None
     if ROUTES[route] == "GET" and r.status_code == 200:
+        if route != "/is_sleeping":
+            return True, None, None
         try:
             value = r.json().get("is_sleeping")
         except (ValueError, AttributeError):
@@ -142,11 +148,18 @@ def sleep_off(routes: DevRoutes | None, argv: Sequence[str],
                        "(vLLM serves /sleep and /wake_up only then)")
 
 
+def pause_off(routes: DevRoutes | None, env: Mapping[str, str]) -> str | None:
+    """Why an engine started with `env` cannot be paused and resumed (no KV reset
+    without a sleep; its vLLM version is the caller's to judge), or None when it can."""
+    return _routes_off(routes, PAUSE_ROUTES, env, "VLLM_SERVER_DEV_MODE is not 1 "
+                       "(vLLM serves /pause and /resume only then)")
+
+
 def off(routes: DevRoutes | None, argv: Sequence[str],
         env: Mapping[str, str]) -> dict[str, str]:
-    """What of the engine's own is off, and why: `prefix_reset`, `sleep`."""
+    """What of the engine's own is off, and why: `prefix_reset`, `sleep`, `pause`."""
     out = {"prefix_reset": prefix_reset_off(routes, env),
-           "sleep": sleep_off(routes, argv, env)}
+           "sleep": sleep_off(routes, argv, env), "pause": pause_off(routes, env)}
     return {k: v for k, v in out.items() if v is not None}
 
 

@@ -246,21 +246,35 @@ class HttpJobs:
         return warmed, await self.probes.answers(client, engine, model) if with_golden else None
 
     async def probe_sleep_mode(self, engine: eng.EngineProcess) -> None:
-        """Can this engine drop its KV cache in place? Its flags and the development
-        routes it was found serving at its health check say whether it should; its
-        /is_sleeping endpoint, once it serves, says whether it does."""
+        """Can this engine drop its KV cache in place, by a pause or a sleep? Its flags
+        and the development routes it was found serving at its health check say whether
+        it should; its vLLM version whether a pause empties the cache
+        (`remedy.pause_resets`); its /is_sleeping endpoint, once it serves, whether it
+        sleeps."""
         env = eng.build_spawn_spec(engine.config, self.environ).env
         why = devroutes.sleep_off(engine.routes, engine.spec.argv, env)
-        if why is None and self.front is None:
-            why = "no front proxy to hold requests while the engine sleeps ([proxy] is off)"
-        if why is None:
-            base = engine.config.base_url
-            # (not in the middle of the engine's warm-up sleep: it would read as asleep)
-            async with http_client() as client, self.probes.lock(engine):
-                asleep, why = await remedy.is_sleeping(client, base, 10.0)
-            if asleep:
-                why = "the engine reports it is asleep"
-        self.queue.put_nowait(SleepModeProbed(engine.generation, why is None, why))
+        paused = devroutes.pause_off(engine.routes, env)
+        no_front = "no front proxy to hold requests while the engine sleeps ([proxy] is off)"
+        base = engine.config.base_url
+        async with http_client() as client:
+            if paused is None and self.front is not None:
+                version = engine.vllm_version or await remedy.engine_version(
+                    client, base, remedy.VERSION_TIMEOUT_S)
+                if not remedy.pause_resets(version):
+                    paused = (f"vLLM {version or 'of unknown version'}: only 0.26 or "
+                              "later empties its KV cache when paused")
+            if why is None and self.front is None:
+                why = no_front
+            if why is None:
+                # (not in the middle of the engine's warm-up sleep: it would read as asleep)
+                async with self.probes.lock(engine):
+                    asleep, why = await remedy.is_sleeping(client, base, 10.0)
+                if asleep:
+                    why = "the engine reports it is asleep"
+        if self.front is None:
+            paused = no_front
+        self.queue.put_nowait(SleepModeProbed(engine.generation, why is None, why,
+                                              pause=paused is None, pause_why=paused))
 
     async def sleep_or_wake(self, engine: eng.EngineProcess, asleep: bool,
                             tags: tuple[str, ...] = ()) -> None:
@@ -304,7 +318,10 @@ class HttpJobs:
         took = sleep_op_seconds(before, engine.sleep_ops)
         return result, seconds, {k: round(v, 3) for k, v in took.items()} or None
 
-    async def apply_remedy(self, engine: eng.EngineProcess, rung: str) -> None:
+    async def apply_remedy(self, engine: eng.EngineProcess, rung: str,
+                           ways: tuple[str, ...]) -> None:
+        """A prefix-cache reset, or a KV reset by `ways` ("pause", "sleep": the watch's
+        verdict at the engine's probe, in the order tried): `RemedyDone`."""
         cfg = engine.config
         base = cfg.base_url
         t0 = self.clock.monotonic()
@@ -338,7 +355,8 @@ class HttpJobs:
                             client, base, c.model or None, c.prompt, 60.0,
                             max(c.timeout_s, 10.0), metrics_url=base + m.path if m.enabled
                             else None, idle_within_s=cfg.drain_timeout_s - waited,
-                            version=engine.vllm_version))
+                            version=engine.vllm_version, pause="pause" in ways,
+                            sleep="sleep" in ways))
                         outcome = dataclasses.replace(outcome, vllm_s=took)
                         # (a copy's, read from its /version: not asked again)
                         engine.vllm_version = engine.vllm_version or outcome.vllm_version

@@ -208,8 +208,8 @@ class JobEffects:
     def drain_behind(self, engine: eng.EngineProcess, deadline: float) -> None:
         self._launch(self._drain_behind(engine, deadline), "drain behind a swap")
 
-    def remedy(self, engine: eng.EngineProcess, rung: str) -> None:
-        self._launch(self.http.apply_remedy(engine, rung), rung)
+    def remedy(self, engine: eng.EngineProcess, rung: str, ways: tuple[str, ...]) -> None:
+        self._launch(self.http.apply_remedy(engine, rung, ways), rung)
 
     def sample_gpu(self, sampler: GpuSampler) -> None:
         self._launch(self._sample_gpu(sampler), "gpu sampler")

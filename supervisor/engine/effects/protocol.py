@@ -109,8 +109,9 @@ class Effects(Protocol):
         (the old one; new requests go to the standby meanwhile) to end, up to its drain
         timeout and `deadline`: `Drained` with its generation."""
 
-    def remedy(self, engine: EngineProcess, rung: str) -> None:
-        """An in-place remedy (prefix-cache reset, KV reset): `RemedyDone`."""
+    def remedy(self, engine: EngineProcess, rung: str, ways: tuple[str, ...]) -> None:
+        """An in-place remedy (prefix-cache reset; KV reset, by `ways`, in order: "pause",
+        "sleep"): `RemedyDone`."""
 
     def follow(self, engine: EngineProcess) -> None:
         """The proxy's route for this engine goes to `engine`'s address and models."""
