@@ -101,7 +101,8 @@ def test_admin_routes_are_refused_and_health_endpoints_answer(daemon_factory, tm
 # the proof's warm-up (`/tokenize`: a token id for its long prefill), canary, golden check)
 ENGINE_PROBES = {"GET /health", "GET /metrics", "GET /v1/models", "POST /v1/completions",
                  "POST /v1/chat/completions", "POST /tokenize", "GET /reset_prefix_cache",
-                 "GET /sleep", "GET /wake_up", "GET /is_sleeping"}
+                 "GET /sleep", "GET /wake_up", "GET /is_sleeping", "GET /pause",
+                 "GET /resume", "GET /is_paused", "GET /version"}
 
 
 def test_path_tricks_never_reach_the_engine_and_the_path_checked_is_the_path_sent(

@@ -223,12 +223,20 @@ class HttpJobs:
                        model: str | None, with_golden: bool,
                        ) -> tuple[WarmUp | None, golden.Golden | str | None]:
         """The warm-up sleep and wake of an engine whose flags give it sleep mode (None:
-        they do not), no canary of the daemon's beside it; then a canary and, with
-        `with_golden`, the golden answers again: a wake can leave an engine broken or
-        wrong."""
+        they do not, or its KV reset will pause it instead of a sleep), no canary of the
+        daemon's beside it; then a canary and, with `with_golden`, the golden answers
+        again: a wake can leave an engine broken or wrong. An engine that pauses for its
+        KV reset never sleeps, and a sleep would leave its weights' pinned host copy
+        behind (16 GiB for an 8B model, and 0.5 s more to give the card back when it
+        is killed)."""
         env = eng.build_spawn_spec(engine.config, self.environ).env
         if self.front is None or devroutes.sleep_off(engine.routes, engine.spec.argv,
                                                      env) is not None:
+            return None, None
+        if devroutes.pause_off(engine.routes, env) is None \
+                and remedy.pause_resets(engine.vllm_version):
+            log.info("no warm-up sleep: its KV reset pauses it instead", pid=engine.pid,
+                     vllm_version=engine.vllm_version)
             return None, None
         async with self.probes.lock(engine):
             warmed, _, took = await self._vllm_timed(client, engine, remedy.warm_up(
