@@ -78,14 +78,22 @@ def test_the_standby_is_a_copy_of_its_images_before_and_after_a_failover(daemon_
     warmed = [e["pid"] for e in events if e["event"] == "paths_warmed"]
     assert manifest["warmed"] is True and main in warmed and copy not in warmed, warmed
 
+    # both warmed up (a sleep and a wake before they served): the engine, whose KV reset
+    # pauses it, let go of the pinned host copy its sleep left; the standby, dumped
+    # asleep after, kept it for that sleep
+    warmups = {e["pid"]: e for e in events if e["event"] == "warmed_up"}
+    assert warmups[main]["host_cache"] == "emptied", warmups
+    assert [e["host_cache"] for p, e in warmups.items() if p != main] == [None], warmups
+
     # a copy prints no start lines: it knows its vLLM from its images, and a KV reset
-    # of it sleeps it at once (0.26+), asking the engine nothing about its version
+    # of it pauses it at once (0.26+), asking the engine nothing about its version
     assert manifest["vllm_version"] == "0.26.0"
     assert manifest["weights_bytes"] == 2 * 2**30  # (as its sleep said: an early wake's)
     r = d.ctl("kv-reset", timeout=60)
     assert r.returncode == 0 and "KV reset ok" in r.stdout, (r.stdout, r.stderr)
     reset = [e for e in audit(cfg) if e["event"] == "remedy"][-1]
     assert reset["vllm_version"] == "0.26.0" and reset["idle_counts"] is None, reset
+    assert list(reset["steps_s"]) == ["drain", "pause", "check", "resume", "canary"], reset
     assert "GET /version" not in (tmp_path / "requests").read_text().splitlines()
 
     # the next standby: another copy of the same images, beside the copy that serves

@@ -91,7 +91,8 @@ class RecordingEffects:
         self.calls.append(("watch_health", {"pid": engine.pid}))
 
     def gate_probe(self, engine: EngineProcess, golden: bool = True,
-                   warm: bool = False, woken: bool = False) -> None:
+                   warm: bool = False, woken: bool = False,
+                   sleeps_later: bool = False) -> None:
         self.calls.append(("gate_probe", {"pid": engine.pid}))
         self.golden_asked.append(golden)
         self.warm_asked.append(warm)

@@ -252,8 +252,9 @@ class Executor:
                 u.act.follow(engine)
             case do.Serve(engine):
                 u.act.serve(engine)
-            case do.ProbeGate(engine, golden, warm, woken):
-                u.act.gate_probe(engine, golden, warm=warm, woken=woken)
+            case do.ProbeGate(engine, golden, warm, woken, sleeps_later):
+                u.act.gate_probe(engine, golden, warm=warm, woken=woken,
+                                 sleeps_later=sleeps_later)
             case do.Wake(engine, tags):
                 u.act.wake(engine, tags)
             case do.EmptyHostCache(engine):

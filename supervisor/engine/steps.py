@@ -475,6 +475,9 @@ class ProbeGate:
     # a standby woken to take over, clients waiting: its golden answers on one route are
     # the proof, no canary before them (`golden.AFTER_WAKE`)
     woken: bool = False
+    # it will sleep again (a standby to be dumped asleep): the warm-up's pinned host copy
+    # of its weights is kept for that sleep, even where its KV reset would pause it
+    sleeps_later: bool = False
 
 
 @dataclass(frozen=True)

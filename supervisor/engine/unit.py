@@ -183,7 +183,7 @@ class EngineUnit(UnitState):
 
     def _warmed_up(self, engine: eng.EngineProcess, w: remedy.WarmUp) -> None:
         fields = {"pid": engine.pid, "steps_s": {k: round(v, 3) for k, v in w.steps.items()},
-                  "vllm_s": w.vllm_s}
+                  "vllm_s": w.vllm_s, "host_cache": w.host_cache}
         if w.skipped is not None:
             log.info("no warm-up sleep: its sleep mode did not answer", why=w.skipped,
                      **fields)

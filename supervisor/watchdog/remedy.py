@@ -168,6 +168,9 @@ class WarmUp:
     # after it: unusable
     broken: bool = False
     vllm_s: dict[str, float] | None = None  # vLLM's own timing (RemedyOutcome's)
+    # its weights' pinned host copy after it, for an engine that will not sleep again
+    # (its KV reset pauses it): "emptied", "kept: why"; None: not asked
+    host_cache: str | None = None
 
 
 async def warm_up(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> WarmUp:

@@ -160,7 +160,8 @@ class HttpJobs:
                                                  self.clock.monotonic()))
 
     async def gate_probe(self, engine: eng.EngineProcess, golden: bool,
-                         warm: bool, woken: bool = False) -> None:
+                         warm: bool, woken: bool = False,
+                         sleeps_later: bool = False) -> None:
         """Healthy is not enough to release held requests: one canary must pass first
         (bounded: a few tries, then the gate opens anyway and the hang rule judges).
         Before it, at an engine process's first proof, every path a client may take is
@@ -206,7 +207,8 @@ class HttpJobs:
                     error = str(exc)
                 else:
                     if outcome.ok:
-                        slept, again = await self._warm_up(client, engine, model, golden) \
+                        slept, again = await self._warm_up(
+                            client, engine, model, golden, sleeps_later) \
                             if warm else (None, None)
                         broken = slept is not None and slept.broken
                         self.queue.put_nowait(GateProbe(
@@ -220,28 +222,34 @@ class HttpJobs:
         self.queue.put_nowait(GateProbe(engine.generation, False, error, warmed=warmed))
 
     async def _warm_up(self, client: httpx.AsyncClient, engine: eng.EngineProcess,
-                       model: str | None, with_golden: bool,
+                       model: str | None, with_golden: bool, sleeps_later: bool = False,
                        ) -> tuple[WarmUp | None, golden.Golden | str | None]:
         """The warm-up sleep and wake of an engine whose flags give it sleep mode (None:
-        they do not, or its KV reset will pause it instead of a sleep), no canary of the
-        daemon's beside it; then a canary and, with `with_golden`, the golden answers
-        again: a wake can leave an engine broken or wrong. An engine that pauses for its
-        KV reset never sleeps, and a sleep would leave its weights' pinned host copy
-        behind (16 GiB for an 8B model, and 0.5 s more to give the card back when it
-        is killed)."""
+        they do not), no canary of the daemon's beside it; then a canary and, with
+        `with_golden`, the golden answers again: a wake can leave an engine broken or
+        wrong.
+
+        An engine whose KV reset pauses it (`remedy.pause_resets`) will not sleep again,
+        but is warmed all the same: the sleep empties torch's cache on the card (the
+        profiling's activations, 1-2 GiB on an 8B engine), room a sleeping standby's
+        weights need beside it (on an H200 at 0.85 an engine that never slept left 15.6
+        GiB free where they need 16.5). What the sleep leaves behind, its weights' pinned
+        host copy in torch's host cache (16 GiB, and 0.5 s more to give the card back
+        when it is killed), is then let go (`host_cache.empty`): step
+        `empty_host_cache`; not for an engine that `sleeps_later` (a standby to be
+        dumped asleep: its sleep would pin that copy again, 2.2 s at 8B)."""
         env = eng.build_spawn_spec(engine.config, self.environ).env
         if self.front is None or devroutes.sleep_off(engine.routes, engine.spec.argv,
                                                      env) is not None:
-            return None, None
-        if devroutes.pause_off(engine.routes, env) is None \
-                and remedy.pause_resets(engine.vllm_version):
-            log.info("no warm-up sleep: its KV reset pauses it instead", pid=engine.pid,
-                     vllm_version=engine.vllm_version)
             return None, None
         async with self.probes.lock(engine):
             warmed, _, took = await self._vllm_timed(client, engine, remedy.warm_up(
                 client, engine.config.base_url, remedy.SLEEP_TIMEOUT_S))
             warmed = dataclasses.replace(warmed, vllm_s=took)
+            if warmed.error is None and warmed.skipped is None and not sleeps_later \
+                    and devroutes.pause_off(engine.routes, env) is None \
+                    and remedy.pause_resets(engine.vllm_version):
+                warmed = await self._let_go_of_host_cache(client, engine, warmed)
         if warmed.broken or warmed.skipped is not None or model is None:
             return warmed, None
         try:
@@ -252,6 +260,24 @@ class HttpJobs:
             return dataclasses.replace(warmed, broken=True,
                                        error=f"a canary after its wake: {outcome.error}"), None
         return warmed, await self.probes.answers(client, engine, model) if with_golden else None
+
+    async def _let_go_of_host_cache(self, client: httpx.AsyncClient,
+                                    engine: eng.EngineProcess, warmed: WarmUp) -> WarmUp:
+        """After the warm-up of an engine that will not sleep again: its pinned host copy
+        of the weights let go, said in `warmed` (`host_cache`, step `empty_host_cache`).
+        Where it cannot be (no worker extension, an answer that says no), it is kept:
+        the engine serves as before."""
+        why = host_cache.why_not(engine.spec.argv)
+        if why is None:
+            try:
+                got = await host_cache.empty(client, engine.config.base_url)
+            except OutOfDescriptors as exc:
+                got = host_cache.Emptied(False, 0.0, error=str(exc))
+            why = None if got.emptied else got.error
+            warmed = dataclasses.replace(
+                warmed, steps={**warmed.steps, "empty_host_cache": got.seconds})
+        return dataclasses.replace(warmed, host_cache="emptied" if why is None
+                                   else f"kept: {why}")
 
     async def probe_sleep_mode(self, engine: eng.EngineProcess) -> None:
         """Can this engine drop its KV cache in place, by a pause or a sleep? Its flags

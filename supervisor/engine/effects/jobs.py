@@ -173,8 +173,10 @@ class JobEffects:
                          "measure the compile cache")
 
     def gate_probe(self, engine: eng.EngineProcess, golden: bool = True,
-                   warm: bool = False, woken: bool = False) -> None:
-        self._launch(self.http.gate_probe(engine, golden, warm, woken), "gate probe")
+                   warm: bool = False, woken: bool = False,
+                   sleeps_later: bool = False) -> None:
+        self._launch(self.http.gate_probe(engine, golden, warm, woken, sleeps_later),
+                     "gate probe")
 
     def sleep(self, engine: eng.EngineProcess) -> None:
         self._launch(self.http.sleep_or_wake(engine, asleep=True), "sleep")

@@ -67,12 +67,15 @@ class Effects(Protocol):
         current config says: `MetricsSampled`, `CanaryDone`, `SleepModeProbed`."""
 
     def gate_probe(self, engine: EngineProcess, golden: bool = True,
-                   warm: bool = False, woken: bool = False) -> None:
+                   warm: bool = False, woken: bool = False,
+                   sleeps_later: bool = False) -> None:
         """One canary before held requests are let through: `GateProbe`; with `golden`,
         the golden check's answers too (`supervisor/watchdog/golden.py`); with `warm`,
         after one sleep and wake of an engine that has sleep mode (the first sleep's
-        cost paid before it serves); `woken` (a standby woken to take over): the golden
-        answers on one route are the proof, the canary only where they give none."""
+        cost paid before it serves; the pinned host copy it leaves let go where the
+        engine's KV reset pauses it, unless it `sleeps_later`); `woken` (a standby woken
+        to take over): the golden answers on one route are the proof, the canary only
+        where they give none."""
 
     def sleep(self, engine: EngineProcess) -> None:
         """Put a proven standby to sleep (vLLM's sleep mode, level 1): `Slept`."""

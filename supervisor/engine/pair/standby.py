@@ -402,8 +402,10 @@ class Standby:
             case out.Healthy(e):
                 self._to(Role.PROVING)
                 # a real generation proves it; one to be kept awake sleeps and wakes
-                # once before (its first KV reset after a takeover costs no first sleep)
-                return False, [do.ProbeGate(e, warm=self.warm_up and self.mode != "sleep")]
+                # once before (its first KV reset after a takeover costs no first sleep;
+                # one to be dumped sleeps again: it keeps what that sleep reuses)
+                return False, [do.ProbeGate(e, warm=self.warm_up and self.mode != "sleep",
+                                            sleeps_later=self.mode == "snapshot")]
             case out.Unhealthy(_, why):
                 return False, self._failed(why, deadline)
             case out.Died(_, why):
