@@ -391,14 +391,21 @@ async def _pause_reset(client: httpx.AsyncClient, base_url: str, model: str | No
                        steps: dict[str, float]) -> RemedyOutcome:
     """A KV reset without a sleep: pause (every request aborted, the caches cleared),
     `POST /reset_prefix_cache` to check that no block is held, resume, check that it
-    serves, one canary; each step's seconds added to `steps`. Once paused, it is resumed
-    whatever the check found: an engine left paused would hold every request."""
+    serves, one canary; each step's seconds added to `steps`. Once paused, or perhaps
+    paused (a pause that failed otherwise than refused: vLLM 0.32 pauses, then raises
+    when its cache reset fails), it is resumed whatever else was found: an engine left
+    paused would hold every request."""
     t = time.monotonic()
     status, error = await _post_answer(
         client, f"{base_url}/pause?mode=abort&clear_cache=true", timeout_s)
     steps["pause"] = time.monotonic() - t
+    if error is not None and status in PAUSE_REFUSED:
+        return RemedyOutcome(False, steps, error, attempted=False)
     if error is not None:
-        return RemedyOutcome(False, steps, error, attempted=status not in PAUSE_REFUSED)
+        t = time.monotonic()
+        resumed = await _post(client, f"{base_url}/resume", timeout_s)
+        steps["resume"] = time.monotonic() - t
+        return RemedyOutcome(False, steps, "; ".join(e for e in (error, resumed) if e))
     t = time.monotonic()
     held = await _prefix_reset_failure(client, base_url, timeout_s)
     steps["check"] = time.monotonic() - t
