@@ -254,6 +254,7 @@ class PairMachine(RuleBasedStateMachine):
         self.event: Event | None = None  # the one being fed
         self.weights_bytes = 4 * GIB  # each engine's, as its sleep says (`start` draws it)
         self.dumps: set[int] = set()  # generations whose take-down is a dump (a snapshot's)
+        self.remedy_ways: dict[int, tuple[str, ...]] = {}  # a KV reset's, as asked
         self.cache_on = False  # `engine.weight_cache`, as the last config said
         self.held_by_operator = False  # `drain` asked, `resume` not yet
 
@@ -594,6 +595,12 @@ class PairMachine(RuleBasedStateMachine):
         self.expect(p.alive and p.healthy and not p.asleep and p is self.following
                     and (p.answered or p.ever_proven), "remedy_of_unready",
                     lambda: f"a {d['rung']} asked of {p}: {self.describe()}")
+        # (a KV reset by a way its probe found: a pause, a sleep, or both in that order)
+        ways = tuple(d.get("ways", ()))
+        self.expect(d["rung"] != "kv_reset" or ways in (("pause",), ("sleep",),
+                                                        ("pause", "sleep")),
+                    "kv_reset_without_a_way", lambda: f"a KV reset by {ways} of {p}")
+        self.remedy_ways[p.gen] = ways
         self.pending.append(("remedy", p.gen))
 
     def asked_drain(self, d: dict[str, Any]) -> None:
@@ -788,22 +795,29 @@ class PairMachine(RuleBasedStateMachine):
         self.feed(self.remedy_done(gen, ok))
 
     @precondition(lambda self: self.running and bool(self.pending_of("sleep_probe")))
-    @rule(data=st.data())
-    def sleep_mode_probed(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), pause=st.booleans())
+    def sleep_mode_probed(self, data: st.DataObject, pause: bool) -> None:
         gen = data.draw(st.sampled_from(self.pending_of("sleep_probe")), label="generation")
-        self.feed(self.sleep_probe(gen))
+        self.feed(self.sleep_probe(gen, pause))
 
-    def sleep_probe(self, gen: int) -> SleepModeProbed:
+    def sleep_probe(self, gen: int, pause: bool = False) -> SleepModeProbed:
         """What the engine's development routes say: sleep mode where it was started
-        with it."""
+        with it; a pause that empties its KV cache (vLLM 0.26+ with /pause) as drawn."""
         argv = self.procs[gen].engine.spec.argv
         on = "--enable-sleep-mode" in argv
-        return SleepModeProbed(gen, on, None if on else "started without --enable-sleep-mode")
+        return SleepModeProbed(gen, on, None if on else "started without --enable-sleep-mode",
+                               pause=pause, pause_why=None if pause else "vLLM 0.25.0")
 
     def remedy_done(self, gen: int, ok: bool) -> RemedyDone:
         ok = ok and self.procs[gen].alive
-        outcome = RemedyOutcome(ok=True, steps={"sleep": 0.1, "wake": 0.2}) if ok else \
-            RemedyOutcome(ok=False, steps={"sleep": 0.1}, error="POST /wake_up: HTTP 500")
+        if self.remedy_ways.get(gen, ("sleep",))[0] == "pause":
+            outcome = RemedyOutcome(ok=True, steps={"pause": 0.1, "check": 0.01,
+                                                    "resume": 0.01, "canary": 0.02}) \
+                if ok else RemedyOutcome(ok=False, steps={"pause": 0.1, "resume": 0.01},
+                                         error="POST /pause: HTTP 500")
+        else:
+            outcome = RemedyOutcome(ok=True, steps={"sleep": 0.1, "wake": 0.2}) if ok else \
+                RemedyOutcome(ok=False, steps={"sleep": 0.1}, error="POST /wake_up: HTTP 500")
         return RemedyDone(gen, "kv_reset", outcome, 0.4)
 
     @precondition(lambda self: self.running and bool(self.live_timers()))
