@@ -422,25 +422,38 @@ async def _pause_reset(client: httpx.AsyncClient, base_url: str, model: str | No
                          "after its resume")
 
 
+# how long a pause-reset's check asks again while vLLM says blocks are held: vLLM
+# documents the reset as failing while in-flight KV offload transfers hold blocks
+# ("callers may retry"), which a KV tier's last stores can be just after the abort
+CHECK_WITHIN_S = 2.0
+CHECK_POLL_S = 0.05
+
+
 async def _prefix_reset_failure(client: httpx.AsyncClient, base_url: str,
                                 timeout_s: float) -> str | None:
     """None when `POST /reset_prefix_cache` succeeds (no block of the KV cache held),
-    else what it said."""
+    asked again for up to CHECK_WITHIN_S while it says blocks are held; else what it
+    said."""
     url = f"{base_url}/reset_prefix_cache"
-    try:
-        r = await client.post(url, timeout=timeout_s)
-    except (httpx.HTTPError, OSError) as exc:  # (httpx lets a bare OSError through)
-        return f"POST /reset_prefix_cache: {_failure(exc)}"
-    if r.status_code != 200:
-        return f"POST /reset_prefix_cache: HTTP {r.status_code}: {r.text[:200]}"
-    try:
-        success = r.json().get("success")
-    except (ValueError, AttributeError):
-        success = None
-    if success is False:
-        return ("blocks of the KV cache still held once every request was aborted (POST "
-                "/reset_prefix_cache: success false): a leak this reset cannot free")
-    return None
+    deadline = time.monotonic() + CHECK_WITHIN_S
+    while True:
+        try:
+            r = await client.post(url, timeout=timeout_s)
+        except (httpx.HTTPError, OSError) as exc:  # (httpx lets a bare OSError through)
+            return f"POST /reset_prefix_cache: {_failure(exc)}"
+        if r.status_code != 200:
+            return f"POST /reset_prefix_cache: HTTP {r.status_code}: {r.text[:200]}"
+        try:
+            success = r.json().get("success")
+        except (ValueError, AttributeError):
+            success = None
+        if success is not False:
+            return None
+        if time.monotonic() >= deadline:
+            return (f"blocks of the KV cache still held {CHECK_WITHIN_S:g} s after every "
+                    "request was aborted (POST /reset_prefix_cache: success false): a leak "
+                    "this reset cannot free")
+        await asyncio.sleep(CHECK_POLL_S)
 
 
 async def _canary(client: httpx.AsyncClient, base_url: str, model: str | None,
