@@ -29,7 +29,8 @@ ENGINE_VLLM = ROOT / ".venv-engine" / "bin" / "vllm"
 MODEL = ROOT / "models" / "tiny-llama"
 START_TIMEOUT = 300.0
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'
-DEV_ROUTES = ("/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping")
+DEV_ROUTES = ("/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping", "/pause",
+              "/resume", "/is_paused")
 
 
 def vllm_config(tmp: Path) -> dict[str, dict[str, object]]:
@@ -151,7 +152,9 @@ def test_daemon_starts_the_engine_and_a_completion_is_served(served):
     assert st["off"] == {
         "reset_prefix_cache": "the engine does not serve /reset_prefix_cache: "
                               "VLLM_SERVER_DEV_MODE is not 1",
-        "kv_reset": "the engine was not started with --enable-sleep-mode"}, st["off"]
+        "kv_reset": "the engine was not started with --enable-sleep-mode; no pause either: "
+                    "the engine does not serve /pause, /resume, /is_paused, "
+                    "/reset_prefix_cache: VLLM_SERVER_DEV_MODE is not 1"}, st["off"]
     assert sig["requests_waiting"] == 0
     assert sig["engine_rss_bytes"] > 200 << 20  # API server, engine core and worker
     # its KV cache as its core said ("CPU KV cache size: 1,048,576 tokens" on this build)
@@ -226,7 +229,7 @@ def test_status_and_events_show_what_happened(served):
     # each start's engine probed anew (a relaunch may change what it serves)
     probed = [e for e in d.events(5000) if e["event"] == "dev_routes"]
     assert [e["pid"] for e in probed][-1] == st["pid"] and len(probed) == 2, probed
-    assert all(set(e["off"]) == {"prefix_reset", "sleep"} for e in probed)
+    assert all(set(e["off"]) == {"prefix_reset", "sleep", "pause"} for e in probed)
     # the golden check across the restart: the same tokens, and speculative decoding's
     # drafts accepted as at the first start (a wake or restart that broke the drafts
     # would keep the tokens and lose this)

@@ -305,7 +305,7 @@ class HttpJobs:
                     asleep, why = await remedy.is_sleeping(client, base, 10.0)
                 if asleep:
                     why = "the engine reports it is asleep"
-        if self.front is None:
+        if self.front is None and paused is None:
             paused = no_front
         self.queue.put_nowait(SleepModeProbed(engine.generation, why is None, why,
                                               pause=paused is None, pause_why=paused))
