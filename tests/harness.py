@@ -266,7 +266,10 @@ class Daemon:
                 return None
             return st if st["state"] == state and (extra is None or extra(st)) else None
 
-        return wait_for(check, timeout, f"state {state}; log:\n{self.log_tail()}")
+        try:
+            return wait_for(check, timeout, f"state {state}")
+        except AssertionError as exc:  # (the log as it is now, at the timeout)
+            raise AssertionError(f"{exc}; log:\n{self.log_tail(40, polls=False)}") from None
 
     def events(self, n: int = 200) -> list[dict[str, Any]]:
         return list(self.call("events", {"n": n})["events"])
@@ -280,11 +283,16 @@ class Daemon:
                 continue
         return out
 
-    def log_tail(self, n: int = 30) -> str:
+    def log_tail(self, n: int = 30, polls: bool = True) -> str:
+        """The log's last `n` lines (without `polls`: less the control requests, such as
+        a test's own polls of `status`)."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+            lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return ""
+        if not polls:
+            lines = [x for x in lines if '"event": "control request"' not in x]
+        return "\n".join(lines[-n:])
 
     @property
     def exporter_url(self) -> str:
