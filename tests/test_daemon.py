@@ -53,10 +53,13 @@ def test_starting_to_running_when_health_answers(daemon_factory, tmp_path):
 
 
 def test_running_to_backoff_when_engine_exits_zero_unasked(daemon_factory, tmp_path):
-    d = daemon_factory(fake_engine_config(tmp_path, "--child", "--crash-after", "1",
+    # (3 s: a loaded machine can take most of a second from the spawn to RUNNING, its
+    # dev routes probed first; with 1 s the first engine was sometimes gone unseen)
+    d = daemon_factory(fake_engine_config(tmp_path, "--child", "--crash-after", "3",
                                           "--exit-code", "0"))
-    d.wait_state("RUNNING", 20)
+    st = d.wait_state("RUNNING", 20)
     first = d.engine_pids()
+    assert st["restarts"] == 0 and st["pid"] == first[0], (st["pid"], first)
     st = d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] >= 1)
     assert st["pid"] not in first
     assert alive(first) == []  # the old tree, child included, is gone
