@@ -401,23 +401,20 @@ async def _pause_reset(client: httpx.AsyncClient, base_url: str, model: str | No
     steps["pause"] = time.monotonic() - t
     if error is not None and status in PAUSE_REFUSED:
         return RemedyOutcome(False, steps, error, attempted=False)
-    if error is not None:
-        t = time.monotonic()
-        resumed = await _post(client, f"{base_url}/resume", timeout_s)
-        steps["resume"] = time.monotonic() - t
-        return RemedyOutcome(False, steps, "; ".join(e for e in (error, resumed) if e))
-    t = time.monotonic()
-    held = await _prefix_reset_failure(client, base_url, timeout_s)
-    steps["check"] = time.monotonic() - t
-    t = time.monotonic()
-    error = await _post(client, f"{base_url}/resume", timeout_s)
-    steps["resume"] = time.monotonic() - t
+    held = None
     if error is None:
+        t = time.monotonic()
+        held = await _prefix_reset_failure(client, base_url, timeout_s)
+        steps["check"] = time.monotonic() - t
+    t = time.monotonic()
+    resumed = await _post(client, f"{base_url}/resume", timeout_s)
+    steps["resume"] = time.monotonic() - t
+    if error is None and resumed is None:
         paused, why = await _flag(client, base_url, "/is_paused", "is_paused", timeout_s)
-        error = why if paused is None else \
+        resumed = why if paused is None else \
             "the engine still reports it is paused" if paused else None
-    if error is not None or held is not None:
-        return RemedyOutcome(False, steps, "; ".join(e for e in (held, error) if e))
+    if error is not None or held is not None or resumed is not None:
+        return RemedyOutcome(False, steps, "; ".join(e for e in (error, held, resumed) if e))
     return await _canary(client, base_url, model, prompt, canary_timeout_s, steps,
                          "after its resume")
 
