@@ -1,0 +1,14 @@
+#!/bin/bash
+# On a lent GPU machine (docs/gpu-validation.md): install the staged vLLM (~/vllm-stage's
+# parts, one call each before) and the supervisor's wheel (.whl/, carried), then run
+# `tests/gpu_vllm.py start` and `plan` in the background, in their own session, so that
+# no call's limit ends them; `scripts/gpu/poll.sh` then brings their results back.
+#   bash scripts/gpu/go.sh "snapshot 0.85" "kill kill kill restart stop" SHAPE=8b STANDBY_WEIGHTS=gpu
+set -e
+cd ~/vllm-stage && cat part* | tar x && python3 -m pip install -q --no-index --no-deps --no-compile --target ~/vllm-site wheels/*.whl
+cd - >/dev/null
+python3 -m pip install -q --no-index --no-deps --target /tmp/sup-site .whl/*.whl
+rm -rf /tmp/r1 && cp -r $PWD /tmp/r1 && cd /tmp/r1
+START="$1"; PLAN="$2"; shift 2
+env "$@" setsid nohup sh -c "python3 tests/gpu_vllm.py start $START > /tmp/start.log 2>&1; python3 tests/gpu_vllm.py plan $PLAN > /tmp/plan.log 2>&1; echo DONE > /tmp/done" > /dev/null 2>&1 < /dev/null &
+echo started
