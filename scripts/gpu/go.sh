@@ -10,5 +10,6 @@ cd - >/dev/null
 python3 -m pip install -q --no-index --no-deps --target /tmp/sup-site .whl/*.whl
 rm -rf /tmp/r1 && cp -r $PWD /tmp/r1 && cd /tmp/r1
 START="$1"; PLAN="$2"; shift 2
+rm -f /tmp/done  # (a second run on the same machine: `stop` first, then this again)
 env "$@" setsid nohup sh -c "python3 tests/gpu_vllm.py start $START > /tmp/start.log 2>&1; python3 tests/gpu_vllm.py plan $PLAN > /tmp/plan.log 2>&1; echo DONE > /tmp/done" > /dev/null 2>&1 < /dev/null &
 echo started
