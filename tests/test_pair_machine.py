@@ -67,6 +67,7 @@ from hypothesis.stateful import (
 )
 
 from supervisor.engine.events import (
+    CardReleased,
     CoreExited,
     Down,
     Drained,
@@ -191,6 +192,7 @@ class Proc:
     proven: bool = False  # ... an ok one
     ever_proven: bool = False
     weights: bool = False  # asleep, its weights woken alone (`/wake_up?tags=weights`)
+    card_free: bool = False  # being taken down, its memory on the card released
 
     @property
     def gen(self) -> int:
@@ -283,10 +285,16 @@ class PairMachine(RuleBasedStateMachine):
     def running(self) -> bool:
         return self._w is not None and self.w.state != "STOPPED" and not self.crashed
 
+    @property
+    def on_card(self) -> list[Proc]:
+        """The live engines that hold memory on the card (not one being taken down whose
+        memory NVML no longer lists: `CardReleased`)."""
+        return [p for p in self.engines if not p.card_free]
+
     def awake_share(self) -> float:
         """The card's share that engines hold now: each live one not asleep (or being
         woken), and each spawn under way."""
-        held = [share_of(p.engine.spec.argv) for p in self.engines
+        held = [share_of(p.engine.spec.argv) for p in self.on_card
                 if not p.asleep or ("wake", p.gen) in self.pending
                 or ("wake_rest", p.gen) in self.pending]
         return sum(held) + sum(share_of(d["spec"].argv) for d in self.spawns.values()
@@ -295,7 +303,7 @@ class PairMachine(RuleBasedStateMachine):
     def card_used(self) -> int:
         """The card's memory the engines hold now (every one whose tree is not gone)."""
         used = 0
-        for p in self.engines:
+        for p in self.on_card:
             if p.asleep:
                 used += ASLEEP_BYTES + (self.weights_bytes if p.weights else 0)
             else:
@@ -390,7 +398,7 @@ class PairMachine(RuleBasedStateMachine):
             return
         if p is None:  # (a timer's or the operator's: about no engine)
             assert not isinstance(ev, HealthResult | GateProbe | Slept | Woken | Exited
-                                  | CoreExited | Down | Drained | RemedyDone
+                                  | CoreExited | CardReleased | Down | Drained | RemedyDone
                                   | SleepModeProbed | HostCacheEmptied), ev
             return
         if isinstance(ev, HealthResult):
@@ -420,6 +428,8 @@ class PairMachine(RuleBasedStateMachine):
             p.exited, p.exit_code = True, ev.code
         elif isinstance(ev, CoreExited):
             p.core_lost = True
+        elif isinstance(ev, CardReleased):
+            p.card_free = True
         elif isinstance(ev, Down):
             self.pending.remove(("take_down", p.gen))
             p.down = True
@@ -557,7 +567,8 @@ class PairMachine(RuleBasedStateMachine):
             self.expect(self.awake_share() + share_of(p.engine.spec.argv) <= CARD,
                         "wake_past_the_card", lambda: f"wake of {p}: {self.describe()}")
         if not ROOM_BESIDE[self.mode] and p.alive:
-            self.expect(self.live == [p] and not self.spawns, "wake_beside_no_room", lambda: (
+            on_card = [q for q in self.live if not q.card_free]
+            self.expect(on_card == [p] and not self.spawns, "wake_beside_no_room", lambda: (
                 f"a wake beside another engine, with no room for both: {self.describe()}"))
         self.pending.append(("wake_rest" if tags == REST else "wake", p.gen))
 
@@ -767,6 +778,17 @@ class PairMachine(RuleBasedStateMachine):
         """(`dumped`: a dump, if it was one, made its images)"""
         gen = data.draw(st.sampled_from(self.pending_of("take_down")), label="generation")
         self.feed(self.down_event(gen, proven_gone, dumped))
+
+    def card_not_told(self) -> list[int]:
+        return [g for g in self.pending_of("take_down") if not self.procs[g].card_free]
+
+    @precondition(lambda self: self.running and bool(self.card_not_told()))
+    @rule(data=st.data())
+    def card_released(self, data: st.DataObject) -> None:
+        """A take-down under way: NVML lists none of the tree any more (its memory on the
+        card released; its tree perhaps not gone yet)."""
+        gen = data.draw(st.sampled_from(self.card_not_told()), label="generation")
+        self.feed(CardReleased(gen, 0.05))
 
     def down_event(self, gen: int, proven_gone: bool, dumped: bool = True) -> Down:
         dump = gen in self.dumps

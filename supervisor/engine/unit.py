@@ -340,6 +340,9 @@ class EngineUnit(UnitState):
 
     def handle_gpu_sampled(self, ev: GpuSampled) -> None:
         self.watch.on_gpu_sampled(ev, self.engine, self.facts().settled())
+        listed, e = ev.reading.process_memory, self.engine
+        if listed and e is not None and not e.gpu_listed:  # (`takedown.card_released`)
+            e.gpu_listed = e.pid in listed or any(p.pid in listed for p in e.known)
         if self.state is State.STARTING and self.engine is not None \
                 and not self.slot.taking_down:
             self._xid_while_starting(ev)

@@ -25,6 +25,7 @@ import structlog
 from supervisor.engine.effects.http_jobs import HttpJobs
 from supervisor.engine.effects.protocol import Front, Timer
 from supervisor.engine.events import (
+    CardReleased,
     CoreExited,
     Down,
     Drained,
@@ -454,9 +455,11 @@ class JobEffects:
             if req is not None:
                 await self._evidence(engine, req)
             # the engine's own config: a reload since its start does not change its stop
-            result = await takedown.take_down(engine, engine.config, graceful=graceful,
-                                              force=force, gpu=self.gpu,
-                                              budget_s=deadline - self.clock.monotonic())
+            result = await takedown.take_down(
+                engine, engine.config, graceful=graceful, force=force, gpu=self.gpu,
+                budget_s=deadline - self.clock.monotonic(),
+                on_card_released=lambda s: self.queue.put_nowait(
+                    CardReleased(engine.generation, s)))
             # With the tree gone the pipes close: let the relays log the engine's last
             # words (a boot failure's traceback) before anyone reads them.
             if engine.relays:

@@ -224,25 +224,29 @@ class Handover:
             return self.drained_behind(f, ev)
         if isinstance(ev, Woken):  # (a ready standby's weights, woken ahead of a fault)
             return self._followed(f, False, weights_ahead.woken(self.standby, f, ev),
-                                  gone=False)
+                                  released=False)
         if isinstance(ev, HostCacheEmptied):  # (... and then their backup let go)
             return weights_ahead.host_cache_emptied(self.standby, ev)
         free, out = self.standby.handle(ev, f.standby_deadline(),
                                         awake_fits=engine_checks.side_by_side(f.config.engine))
-        return self._followed(f, free, out, gone=False)
+        return self._followed(f, free, out, released=False)
 
     def on_outcome(self, f: PairFacts, outcome: outcomes.Outcome) -> list[Step]:
         """The process of the engine in the standby's place, as its bay read it
         (`EngineSlot.on`), and what follows from it."""
         free, out = self.standby.on_outcome(outcome, f.standby_deadline(),
                                             stopping=f.state is State.STOPPING)
-        return self._followed(f, free, out, gone=isinstance(outcome, outcomes.Gone))
+        # (the old engine's memory is released once NVML lists none of its tree, or its
+        # tree is gone: the first of the two wakes a standby that waits for it)
+        released = isinstance(outcome, outcomes.Gone | outcomes.CardFreed)
+        return self._followed(f, free, out, released=released)
 
-    def _followed(self, f: PairFacts, free: bool, out: list[Step], gone: bool) -> list[Step]:
+    def _followed(self, f: PairFacts, free: bool, out: list[Step],
+                  released: bool) -> list[Step]:
         """What follows the standby's own steps: a wake waiting for the old engine's
-        tree (`gone`: it is), the stop's end, a standby armed in a freed place, an
-        upgrade whose standby is ready."""
-        if self.phase is Phase.WAKING_WHEN_DOWN and gone:
+        memory (`released`: its tree is gone, or NVML lists none of it), the stop's end, a
+        standby armed in a freed place, an upgrade whose standby is ready."""
+        if self.phase is Phase.WAKING_WHEN_DOWN and released:
             if f.state is not State.RUNNING or f.engine is None or f.slot.taking_down:
                 # a restart or a stop overtook the handover: nothing to wake, and the
                 # engine being taken down is theirs to finish
@@ -456,7 +460,7 @@ class Handover:
             self._set_phase(Phase.PROVING, f.now)
             out += self._serve(f, engine)
         elif when_down:
-            self._set_phase(Phase.WAKING_WHEN_DOWN, f.now)  # (woken in `on_event`)
+            self._set_phase(Phase.WAKING_WHEN_DOWN, f.now)  # (woken in `_followed`)
             # every client waits for the old engine's memory now: its requests are done,
             # paused for continuation or past the drain's timeout (vLLM's own SIGTERM
             # would abort them too), so it is killed, not waited for (a graceful exit of
@@ -542,7 +546,7 @@ class Handover:
         log.info("standby's weights woken while the old engine's memory is released",
                  **woken)
         out: list[Step] = [do.Audit("standby_weights_woken", woken)]
-        if self.phase is Phase.WAKING:  # (the old engine's tree went first)
+        if self.phase is Phase.WAKING:  # (the old engine's memory was released first)
             out.append(do.Wake(engine, REST))
         return out
 

@@ -2,7 +2,7 @@
 life (spawned, healthy or not, died unasked, seen, gone) that every bay's role acts on.
 
 `EngineSlot.on` turns a process event (`Spawned`, `HealthResult`, `Exited`, `CoreExited`,
-`TreeSeen`, `Down`) into one of these, once, for every bay, in one place (the unit's
+`TreeSeen`, `CardReleased`, `Down`) into one of these, once, for every bay, in one place (the unit's
 `_on_process`, which also carries out `steps.lifecycle`); the role in the bay then says
 what it does with it in one `match`: the serving engine's
 (`supervisor/engine/pair/serving.py`), the standby's (`supervisor/engine/pair/standby.py`)
@@ -17,6 +17,7 @@ another copy of the reading.
 | Exited | not asked: no take-down, none expected | `Died` |
 | CoreExited | the same, the API server still up | `Died` (`core=True`) |
 | TreeSeen | the engine of that generation | `Seen` |
+| CardReleased | its take-down under way | `CardFreed` (its memory on the card released) |
 | Down | (ends the take-down) | `Gone`, with why its tree is not proven gone |
 | the rest, or a gone generation's | | `NOTHING` |
 """
@@ -25,12 +26,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from supervisor.engine.events import CoreExited, Down, Exited, HealthResult, Spawned, TreeSeen
+from supervisor.engine.events import (
+    CardReleased,
+    CoreExited,
+    Down,
+    Exited,
+    HealthResult,
+    Spawned,
+    TreeSeen,
+)
 from supervisor.engine.process import process as eng
 
 # The events of a process's life, each read by `EngineSlot.on`.
-PROCESS_EVENTS = (Spawned, HealthResult, Exited, CoreExited, TreeSeen, Down)
-ProcessEvent = Spawned | HealthResult | Exited | CoreExited | TreeSeen | Down
+PROCESS_EVENTS = (Spawned, HealthResult, Exited, CoreExited, TreeSeen, CardReleased, Down)
+ProcessEvent = (Spawned | HealthResult | Exited | CoreExited | TreeSeen | CardReleased
+                | Down)
 
 
 @dataclass(frozen=True)
@@ -85,6 +95,16 @@ class Seen:
 
 
 @dataclass(frozen=True)
+class CardFreed:
+    """Being taken down, it holds nothing of the GPU any more (NVML lists none of its
+    tree): a wake that waited for its memory can begin; its tree may not be gone yet
+    (`Gone` follows)."""
+
+    engine: eng.EngineProcess
+    after_s: float  # since its take-down began
+
+
+@dataclass(frozen=True)
 class Gone:
     """The take-down ended: the engine left the bay. `problem`: why its tree is not proven
     gone (None: it is). A take-down that was a dump (`DumpIn`) says how it went:
@@ -96,4 +116,4 @@ class Gone:
     dump_error: str | None = None
 
 
-Outcome = Nothing | SpawnFailed | Up | Healthy | Unhealthy | Died | Seen | Gone
+Outcome = Nothing | SpawnFailed | Up | Healthy | Unhealthy | Died | Seen | CardFreed | Gone

@@ -139,7 +139,7 @@ class Phase(enum.Enum):
     STANDBY_FIRST = "standby_first"  # a cold start waits for its standby to be asleep
     # first (two engines do not fit side by side while both start)
     WAKING_WHEN_DOWN = "waking_when_down"  # the standby serves, asleep: woken once the
-    # old engine's tree is gone and its memory released
+    # old engine's memory is released (NVML lists none of its tree, or its tree is gone)
     WAKING = "waking"  # the standby that took over is being woken
     PROVING = "proving"  # the standby serves: held requests go once it answers a
     # generation

@@ -21,7 +21,15 @@ from typing import Any
 
 import structlog
 
-from supervisor.engine.events import CoreExited, Down, Exited, HealthResult, Spawned, TreeSeen
+from supervisor.engine.events import (
+    CardReleased,
+    CoreExited,
+    Down,
+    Exited,
+    HealthResult,
+    Spawned,
+    TreeSeen,
+)
 from supervisor.engine.intents import EvidenceFor
 from supervisor.engine.pair import outcomes as out
 from supervisor.engine.pair.pair_states import BAY, Bay, check
@@ -161,6 +169,14 @@ class EngineSlot(_BayReading):
                 cpu = self.tree_seen(ev)
                 e = self.current(ev.generation)
                 return out.Seen(e, ev, cpu) if e is not None else out.NOTHING
+            case CardReleased():
+                e = self.current(ev.generation)
+                if e is None or not self.taking_down:
+                    return out.NOTHING
+                log.info(f"old {self.what}'s memory on the card released", pid=e.pid,
+                         after_s=round(ev.after_s, 3))
+                self._event("card_released", pid=e.pid, after_s=round(ev.after_s, 3))
+                return out.CardFreed(e, ev.after_s)
             case Down():
                 engine, problem = self.down(ev)
                 return out.Gone(engine, problem, ev.dumped_s, ev.dump_error)

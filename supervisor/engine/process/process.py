@@ -250,6 +250,9 @@ class EngineProcess:
     # its weights on one GPU, as its sleeps say (a copy: its images'): what a wake of its
     # weights alone needs free there; None: it has not slept
     weights_bytes: int | None = None
+    # NVML has listed processes of its tree on the card (the GPU samples while it served):
+    # its take-down can then tell when none is listed any more (`takedown.card_released`)
+    gpu_listed: bool = False
     # while it starts: when a line of its said that its core failed to start, and that line
     boot_failed_at: float | None = None  # monotonic
     boot_failure: str | None = None

@@ -108,11 +108,42 @@ def stop_budget_s(cfg: EngineConfig, *, proxy_drain: bool, evidence_s: float) ->
             + cfg.stop_grace_s + 3 * cfg.reap_timeout_s + cfg.gpu_release_timeout_s)
 
 
+async def card_released(gpu: GpuProcessLister, pids: set[int], listed_before: bool,
+                        tell: Callable[[], None], timeout_s: float) -> bool:
+    """Tell (once) when NVML lists none of `pids` any more, having listed some of them
+    (before this take-down, `listed_before`, or at a look here): the tree's memory on the
+    card is released, whatever of the tree is still going. Looked at every
+    `QUICK_INTERVAL_S` for up to `timeout_s`. A tree that NVML never listed (no GPU, no
+    NVML, a container whose pids it cannot see) is told nothing: its end (`Down`) is the
+    only proof. Whether it told."""
+    seen = listed_before
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listed = await asyncio.to_thread(gpu.processes)
+        if listed is not None:
+            if pids & listed.keys():
+                seen = True
+            elif seen:
+                tell()
+                return True
+            else:
+                return False  # (never listed: nothing to tell before the tree's end)
+        elif not seen:
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(QUICK_INTERVAL_S)
+
+
 async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
                     force: asyncio.Event, gpu: GpuProcessLister,
-                    budget_s: float | None = None) -> TakeDown:
+                    budget_s: float | None = None,
+                    on_card_released: Callable[[float], None] | None = None) -> TakeDown:
     """Stop the engine and prove its tree gone, within `budget_s` (what is left of the
     restart's or stop's deadline; None: the steps' own bounds added up).
+    `on_card_released(seconds)`: called, at most once and before this returns, as soon
+    as NVML lists none of the tree's processes (`card_released`), which can be before the
+    tree is gone (a core killed first, its API server still going).
 
     graceful: SIGTERM to the main pid only (vLLM drains for --shutdown-timeout, and its
     workers exit at once on SIGTERM, so never the group), wait for the drain plus a
@@ -129,6 +160,25 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
     def within(bound: float, floor: float = 0.0) -> float:
         return min(bound, max(floor, end - time.monotonic()))
 
+    tree_pids = {i.pid for i in engine.known} | {engine.pid}
+    card: asyncio.Task[bool] | None = None
+    if on_card_released is not None:
+        tell = on_card_released
+        card = asyncio.ensure_future(card_released(
+            gpu, tree_pids, engine.gpu_listed, lambda: tell(time.monotonic() - t0),
+            within(cfg.gpu_release_timeout_s + cfg.drain_timeout_s + cfg.stop_grace_s)))
+    try:
+        return await _take_down(engine, cfg, graceful, force, gpu, within, tree_pids, t0)
+    finally:
+        if card is not None:
+            card.cancel()
+
+
+async def _take_down(engine: EngineProcess, cfg: EngineConfig, graceful: bool,
+                     force: asyncio.Event, gpu: GpuProcessLister,
+                     within: Callable[..., float], tree_pids: set[int],
+                     t0: float) -> TakeDown:
+    """`take_down`'s steps (its docstring), `within` its budget."""
     proc = engine.proc
     sigkilled = False
     if graceful and proc.returncode is None:
@@ -167,7 +217,6 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
 
     survivors = await poll_until_clear(still_there, within(cfg.reap_timeout_s, 1.0),
                                        quick_for_s=QUICK_FOR_S)
-    tree_pids = {i.pid for i in known} | {engine.pid}
 
     def gpu_held() -> dict[int, int]:
         listed = gpu.processes() or {}
