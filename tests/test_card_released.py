@@ -240,3 +240,17 @@ def test_the_jobs_tell_the_unit_before_the_tree_is_down(tmp_path: Path) -> None:
     assert isinstance(told, CardReleased) and isinstance(down, Down)
     assert told.generation == down.generation == gen and down.error is None
     assert down.result is not None and 0 <= told.after_s <= down.result.duration_s
+
+
+def test_a_graceful_take_down_tells_nothing() -> None:
+    """(No wake waits on one: a failover that waits for the old engine's memory kills it.)"""
+    async def run() -> list[float]:
+        cfg = engine_config("--child")
+        e = await spawn_running(cfg)
+        told: list[float] = []
+        gpu = ScriptedGpu({e.known[-1].pid: 6 << 30}, polls=2)
+        await takedown.take_down(e, cfg, graceful=True, force=asyncio.Event(), gpu=gpu,
+                                 on_card_released=told.append)
+        return told
+
+    assert asyncio.run(run()) == []

@@ -141,9 +141,10 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
                     on_card_released: Callable[[float], None] | None = None) -> TakeDown:
     """Stop the engine and prove its tree gone, within `budget_s` (what is left of the
     restart's or stop's deadline; None: the steps' own bounds added up).
-    `on_card_released(seconds)`: called, at most once and before this returns, as soon
-    as NVML lists none of the tree's processes (`card_released`), which can be before the
-    tree is gone (a core killed first, its API server still going).
+    `on_card_released(seconds)`: for a take-down that is not graceful (the one a wake
+    can wait on), called at most once and before this returns, as soon as NVML lists
+    none of the tree's processes (`card_released`), which can be before the tree is gone
+    (a core killed first, its API server still going).
 
     graceful: SIGTERM to the main pid only (vLLM drains for --shutdown-timeout, and its
     workers exit at once on SIGTERM, so never the group), wait for the drain plus a
@@ -162,11 +163,11 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
 
     tree_pids = {i.pid for i in engine.known} | {engine.pid}
     card: asyncio.Task[bool] | None = None
-    if on_card_released is not None:
+    if on_card_released is not None and not graceful:
         tell = on_card_released
         card = asyncio.ensure_future(card_released(
             gpu, tree_pids, engine.gpu_listed, lambda: tell(time.monotonic() - t0),
-            within(cfg.gpu_release_timeout_s + cfg.drain_timeout_s + cfg.stop_grace_s)))
+            within(cfg.reap_timeout_s + cfg.gpu_release_timeout_s)))
     try:
         return await _take_down(engine, cfg, graceful, force, gpu, within, tree_pids, t0)
     finally:
