@@ -773,10 +773,17 @@ class PairMachine(RuleBasedStateMachine):
         self.feed(HealthLost(self.healthy_cache()[0], "/health answered 503 (3 times)"))
 
     @precondition(lambda self: self.running and bool(self.pending_of("take_down")))
-    @rule(data=st.data(), proven_gone=st.booleans(), dumped=st.booleans())
-    def take_down_ends(self, data: st.DataObject, proven_gone: bool, dumped: bool) -> None:
-        """(`dumped`: a dump, if it was one, made its images)"""
+    @rule(data=st.data(), proven_gone=st.booleans(), dumped=st.booleans(),
+          released_first=st.booleans())
+    def take_down_ends(self, data: st.DataObject, proven_gone: bool, dumped: bool,
+                       released_first: bool) -> None:
+        """(`dumped`: a dump, if it was one, made its images; `released_first`: NVML
+        stopped listing the tree just before its end, `CardReleased` first)"""
         gen = data.draw(st.sampled_from(self.pending_of("take_down")), label="generation")
+        if released_first and not self.procs[gen].card_free:
+            self.feed(CardReleased(gen, 0.05))
+            if not self.running or gen not in self.pending_of("take_down"):
+                return  # (the unit crashed on it, or it ended its take-down otherwise)
         self.feed(self.down_event(gen, proven_gone, dumped))
 
     def card_not_told(self) -> list[int]:
