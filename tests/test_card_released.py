@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
+import psutil
 from structlog.testing import capture_logs
 
 from supervisor.engine.effects import jobs
@@ -25,15 +28,18 @@ from supervisor.engine.events import (
     Woken,
 )
 from supervisor.engine.process import takedown
+from supervisor.engine.process.process import EngineProcess
 from supervisor.engine.process.takedown import TakeDown
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock
 from supervisor.settings.config import parse_config
+from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog.gpu import GpuReading, NoGpu
 from tests.harness import FAKE_ENGINE, free_port
+from tests.harness import until as until_async
 from tests.test_early_wake import WEIGHTS, armed, reading, wakes
 from tests.test_pair_machine import world
-from tests.test_takedown import ScriptedGpu, engine_config, spawn_running
+from tests.test_takedown import engine_config, spawn_running
 
 GIB = 2**30
 GUARD_S = 30.0  # a hang guard, not a timing assertion
@@ -157,10 +163,27 @@ class Listings:
         return self.listings[min(self.calls, len(self.listings)) - 1]
 
 
+class WhileAlive:
+    """NVML as a dying engine shows it: `pid` listed with its memory while it runs (a
+    zombie or a gone pid holds nothing); `calls` counted."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.calls = 0
+
+    def processes(self) -> dict[int, int] | None:
+        self.calls += 1
+        try:
+            running = psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            running = False
+        return {self.pid: 6 << 30} if running else {}
+
+
 def released(gpu: Listings, listed_before: bool = False, timeout_s: float = 1.0
              ) -> tuple[bool, int]:
     told: list[int] = []
-    ok = asyncio.run(takedown.card_released(gpu, {10, 11}, listed_before,
+    ok = asyncio.run(takedown.card_released(gpu, lambda: {10, 11}, listed_before,
                                             lambda: told.append(1), timeout_s))
     assert len(told) == (1 if ok else 0)
     return ok, gpu.calls
@@ -184,11 +207,23 @@ def test_nvml_unreadable_after_listing_is_no_release() -> None:
     assert not ok and calls > 2  # (looked at until its bound, never told)
 
 
+async def core_killed(cfg: EngineConfig) -> tuple[EngineProcess, int]:
+    """A fake engine whose child (its "core", on the card) was SIGKILLed and is gone, its
+    main process still up: a crash as the failover sees it. (engine, the child's pid)"""
+    e = await spawn_running(cfg)
+    child = next(p.pid for p in e.known if p.pid != e.pid)
+    os.kill(child, signal.SIGKILL)
+    await until_async(lambda: not WhileAlive(child).processes(), GUARD_S, "the child's end")
+    e.gpu_listed = True  # (NVML listed it while it served)
+    return e, child
+
+
 def test_the_take_down_tells_before_it_ends_and_only_where_nvml_listed_the_tree() -> None:
     async def run(gpu_of: str) -> tuple[TakeDown, list[float], list[str]]:
         cfg = engine_config("--child")
-        e = await spawn_running(cfg)
-        pids = [p.pid for p in e.known]
+        e, child = await core_killed(cfg)
+        if gpu_of == "none":
+            e.gpu_listed = False
         order: list[str] = []
         told: list[float] = []
 
@@ -196,7 +231,7 @@ def test_the_take_down_tells_before_it_ends_and_only_where_nvml_listed_the_tree(
             told.append(s)
             order.append("told")
 
-        gpu = ScriptedGpu({pids[-1]: 6 << 30}, polls=2) if gpu_of == "nvml" else NoGpu()
+        gpu = WhileAlive(child) if gpu_of == "nvml" else NoGpu()
         r = await takedown.take_down(e, cfg, graceful=False, force=asyncio.Event(),
                                      gpu=gpu, on_card_released=tell)
         order.append("down")
@@ -218,8 +253,8 @@ def test_the_jobs_tell_the_unit_before_the_tree_is_down(tmp_path: Path) -> None:
     async def main() -> tuple[int, list[Event]]:
         queue: asyncio.Queue[Event] = asyncio.Queue()
         clock = Clock()
-        e = await spawn_running(cfg.engine)
-        gpu = ScriptedGpu({e.known[-1].pid: 6 << 30}, polls=2)
+        e, child = await core_killed(cfg.engine)
+        gpu = WhileAlive(child)
         fx = jobs.JobEffects(queue=queue, config=lambda: cfg, clock=clock, environ={},
                              gpu=gpu, siblings=set, gate=Gate(), front=None, name="e")
         seen: list[Event] = []
@@ -248,9 +283,46 @@ def test_a_graceful_take_down_tells_nothing() -> None:
         cfg = engine_config("--child")
         e = await spawn_running(cfg)
         told: list[float] = []
-        gpu = ScriptedGpu({e.known[-1].pid: 6 << 30}, polls=2)
+        gpu = WhileAlive(e.known[-1].pid)
         await takedown.take_down(e, cfg, graceful=True, force=asyncio.Event(), gpu=gpu,
                                  on_card_released=told.append)
         return told
 
     assert asyncio.run(run()) == []
+
+
+def test_a_process_of_the_tree_not_yet_recorded_is_waited_for_too() -> None:
+    """The tree as it is at the take-down's start counts with the recorded one: a child
+    the daemon's looks have not seen yet, on the card, is never told released while it
+    runs (without that, NVML listing none of the recorded pids would tell at once)."""
+    async def run() -> list[bool]:
+        cfg = engine_config("--child")
+        e = await spawn_running(cfg)
+        child = next(p.pid for p in e.known if p.pid != e.pid)
+        e.known = [p for p in e.known if p.pid == e.pid]  # (not recorded yet)
+        e.gpu_listed = True
+        gpu = WhileAlive(child)
+        child_ran: list[bool] = []
+
+        def tell(_: float) -> None:
+            child_ran.append(gpu.processes() != {})
+
+        await takedown.take_down(e, cfg, graceful=False, force=asyncio.Event(), gpu=gpu,
+                                 on_card_released=tell)
+        return child_ran
+
+    assert True not in asyncio.run(run())  # (told, if at all, with the child gone)
+
+
+class Broken:
+    def processes(self) -> dict[int, int] | None:
+        raise RuntimeError("NVML went away")
+
+
+def test_a_look_that_fails_tells_nothing_and_says_so() -> None:
+    with capture_logs() as logs:
+        ok = asyncio.run(takedown.card_released(Broken(), lambda: {1}, True,
+                                                lambda: None, 1.0))
+    assert not ok
+    assert [x["error"] for x in logs if "look at the card" in x["event"]] == [
+        "RuntimeError: NVML went away"]

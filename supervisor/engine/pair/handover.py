@@ -469,7 +469,8 @@ class Handover:
             if early:
                 self._weights = "asked"
                 out.append(do.Wake(engine, WEIGHTS))
-            elif ahead is not None:  # (the rest once the tree is gone and they are back)
+            elif ahead is not None:  # (the rest once the old memory is released and they
+                # are back)
                 self._weights = ahead
         else:
             self._set_phase(Phase.WAKING, f.now)

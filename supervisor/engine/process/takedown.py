@@ -108,20 +108,32 @@ def stop_budget_s(cfg: EngineConfig, *, proxy_drain: bool, evidence_s: float) ->
             + cfg.stop_grace_s + 3 * cfg.reap_timeout_s + cfg.gpu_release_timeout_s)
 
 
-async def card_released(gpu: GpuProcessLister, pids: set[int], listed_before: bool,
-                        tell: Callable[[], None], timeout_s: float) -> bool:
-    """Tell (once) when NVML lists none of `pids` any more, having listed some of them
-    (before this take-down, `listed_before`, or at a look here): the tree's memory on the
-    card is released, whatever of the tree is still going. Looked at every
+async def card_released(gpu: GpuProcessLister, pids: Callable[[], set[int]],
+                        listed_before: bool, tell: Callable[[], None],
+                        timeout_s: float) -> bool:
+    """Tell (once) when NVML lists none of the tree's `pids()` any more, having listed
+    some of them (before this take-down, `listed_before`, or at a look here): the tree's
+    memory on the card is released, whatever of the tree is still going. Looked at every
     `QUICK_INTERVAL_S` for up to `timeout_s`. A tree that NVML never listed (no GPU, no
     NVML, a container whose pids it cannot see) is told nothing: its end (`Down`) is the
-    only proof. Whether it told."""
+    only proof. Whether it told (a look that fails is logged, and tells nothing)."""
+    try:
+        return await _card_released(gpu, pids, listed_before, tell, timeout_s)
+    except Exception as exc:  # (the take-down goes on: its end wakes the standby)
+        log.warning("could not look at the card for the old engine's memory",
+                    error=f"{type(exc).__name__}: {exc}")
+        return False
+
+
+async def _card_released(gpu: GpuProcessLister, pids: Callable[[], set[int]],
+                         listed_before: bool, tell: Callable[[], None],
+                         timeout_s: float) -> bool:
     seen = listed_before
     deadline = time.monotonic() + timeout_s
     while True:
         listed = await asyncio.to_thread(gpu.processes)
         if listed is not None:
-            if pids & listed.keys():
+            if pids() & listed.keys():
                 seen = True
             elif seen:
                 tell()
@@ -133,6 +145,14 @@ async def card_released(gpu: GpuProcessLister, pids: set[int], listed_before: bo
         if time.monotonic() >= deadline:
             return False
         await asyncio.sleep(QUICK_INTERVAL_S)
+
+
+def _tree_now(pid: int) -> set[int]:
+    """The pids of the tree under `pid` now (none where /proc cannot be read)."""
+    try:
+        return {i.pid for i in proctree.snapshot_tree(pid)}
+    except OSError:  # (out of descriptors: the recorded tree alone)
+        return set()
 
 
 async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
@@ -161,24 +181,26 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
     def within(bound: float, floor: float = 0.0) -> float:
         return min(bound, max(floor, end - time.monotonic()))
 
-    tree_pids = {i.pid for i in engine.known} | {engine.pid}
     card: asyncio.Task[bool] | None = None
     if on_card_released is not None and not graceful:
         tell = on_card_released
+        # the tree as recorded (its looks, every 10 s once healthy) and as it is now,
+        # before the kill: a process of it that holds the card counts, recorded or not
+        tree_now = await asyncio.to_thread(_tree_now, engine.pid)
         card = asyncio.ensure_future(card_released(
-            gpu, tree_pids, engine.gpu_listed, lambda: tell(time.monotonic() - t0),
+            gpu, lambda: {i.pid for i in engine.known} | {engine.pid} | tree_now,
+            engine.gpu_listed, lambda: tell(time.monotonic() - t0),
             within(cfg.reap_timeout_s + cfg.gpu_release_timeout_s)))
     try:
-        return await _take_down(engine, cfg, graceful, force, gpu, within, tree_pids, t0)
+        return await _take_down(engine, cfg, graceful, force, gpu, within, t0)
     finally:
         if card is not None:
-            card.cancel()
+            card.cancel()  # (it never raises: `card_released`)
 
 
 async def _take_down(engine: EngineProcess, cfg: EngineConfig, graceful: bool,
                      force: asyncio.Event, gpu: GpuProcessLister,
-                     within: Callable[..., float], tree_pids: set[int],
-                     t0: float) -> TakeDown:
+                     within: Callable[..., float], t0: float) -> TakeDown:
     """`take_down`'s steps (its docstring), `within` its budget."""
     proc = engine.proc
     sigkilled = False
@@ -218,6 +240,7 @@ async def _take_down(engine: EngineProcess, cfg: EngineConfig, graceful: bool,
 
     survivors = await poll_until_clear(still_there, within(cfg.reap_timeout_s, 1.0),
                                        quick_for_s=QUICK_FOR_S)
+    tree_pids = {i.pid for i in known} | {engine.pid}
 
     def gpu_held() -> dict[int, int]:
         listed = gpu.processes() or {}
