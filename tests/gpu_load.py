@@ -232,7 +232,8 @@ def quantiles(xs: list[float]) -> dict[str, float] | None:
 
 HANDOVER_EVENTS = ("core_exit", "failover", "standby_weights_woken", "standby_woken",
                    "failover_done",
-                   "failover_failed", "drained", "take_down", "reaped", "remedy",
+                   "failover_failed", "drained", "take_down", "card_released", "reaped",
+                   "remedy",
                    # an asymmetric pair's re-arm: a full-size engine spawned, ready, the
                    # swap back to it (an upgrade), the thin one asleep again
                    "spawn", "standby_ready", "upgrade", "rearm", "standby_failed",
@@ -258,7 +259,7 @@ def handover_times(audit: list[dict[str, Any]]) -> dict[str, Any]:
         out["weights_early"] = bool(fo.get("weights_early"))
         out["weights_ahead"] = fo.get("weights_ahead")  # (on the card before the fault)
         for name in ("standby_weights_woken", "standby_woken", "failover_done", "take_down",
-                     "reaped"):
+                     "card_released", "reaped"):
             if name in first:
                 out[f"{name}_after_failover_s"] = round(at(first[name]) - at(fo), 3)
     if "standby_weights_woken" in first:  # (the weights alone, while the old engine went)
