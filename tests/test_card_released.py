@@ -8,7 +8,6 @@ clock of tests/test_supervisor_unit.py; the take-down's side on real processes b
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import sys
@@ -37,17 +36,12 @@ from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog.gpu import GpuReading, NoGpu
 from tests.harness import FAKE_ENGINE, free_port
 from tests.harness import until as until_async
-from tests.test_early_wake import WEIGHTS, armed, reading, wakes
+from tests.test_early_wake import WEIGHTS, armed, audited, reading, wakes
 from tests.test_pair_machine import world
 from tests.test_takedown import engine_config, spawn_running
 
 GIB = 2**30
 GUARD_S = 30.0  # a hang guard, not a timing assertion
-
-
-def audited(tmp: Path, event: str) -> list[dict[str, object]]:
-    lines = (tmp / "events.jsonl").read_text().splitlines()
-    return [d for d in map(json.loads, lines) if d.get("event") == event]
 
 
 def spawns(w: object) -> int:
