@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from supervisor.engine.events import (
 from supervisor.engine.process import takedown
 from supervisor.engine.process.process import EngineProcess
 from supervisor.engine.process.takedown import TakeDown
+from supervisor.engine.snapshot import cuda
 from supervisor.front.admission import Gate
 from supervisor.loop import Clock
 from supervisor.settings.config import parse_config
@@ -320,3 +322,38 @@ def test_a_look_that_fails_tells_nothing_and_says_so() -> None:
     assert not ok
     assert [x["error"] for x in logs if "look at the card" in x["event"]] == [
         "RuntimeError: NVML went away"]
+
+
+HOLDER = "import sys, time; f = open(sys.argv[1], 'w'); print('open', flush=True); time.sleep(60)"
+
+
+def test_a_process_that_holds_the_device_open_keeps_the_card_though_nvml_lists_none(
+        tmp_path: Path) -> None:
+    """A child that inherited the GPU's descriptors keeps the memory with NVML listing
+    nobody (a killed parent's memory stays until the child goes): not told until it
+    is gone. Its device file: one of the test's, in place of /dev/nvidia*."""
+    device = str(tmp_path / "nvidia")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, device + "0"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "open\n"
+        assert cuda.may_hold([holder.pid, 999_999_999], device)
+        assert not cuda.may_hold([holder.pid], str(tmp_path / "other"))
+
+        async def run() -> tuple[bool, list[bool]]:
+            ran: list[bool] = []
+            asyncio.get_running_loop().call_later(0.3, holder.kill)
+            ok = await takedown.card_released(
+                Listings({}), lambda: {holder.pid}, True,
+                lambda: ran.append(holder.poll() is None and psutil.pid_exists(holder.pid)
+                                   and psutil.Process(holder.pid).status()
+                                   != psutil.STATUS_ZOMBIE),
+                GUARD_S, device)
+            return ok, ran
+
+        ok, ran = asyncio.run(run())
+        assert ok and ran == [False]  # told once, with the holder dead
+        assert not cuda.may_hold([holder.pid], device)  # (a zombie, or gone)
+    finally:
+        holder.kill()
+        holder.wait()

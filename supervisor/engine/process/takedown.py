@@ -21,6 +21,7 @@ import structlog
 
 from supervisor.engine.process import proctree
 from supervisor.engine.process.process import EngineProcess
+from supervisor.engine.snapshot import cuda
 from supervisor.ops.descriptors import Shortage, exhausted
 from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog.gpu import GpuProcessLister
@@ -110,15 +111,17 @@ def stop_budget_s(cfg: EngineConfig, *, proxy_drain: bool, evidence_s: float) ->
 
 async def card_released(gpu: GpuProcessLister, pids: Callable[[], set[int]],
                         listed_before: bool, tell: Callable[[], None],
-                        timeout_s: float) -> bool:
+                        timeout_s: float, device: str = cuda.NVIDIA) -> bool:
     """Tell (once) when NVML lists none of the tree's `pids()` any more, having listed
-    some of them (before this take-down, `listed_before`, or at a look here): the tree's
+    some of them (before this take-down, `listed_before`, or at a look here), and no
+    process of the tree holds the GPU's device files open (`device`; one that does keeps
+    its memory though NVML lists nobody: a forked child with the descriptors): the tree's
     memory on the card is released, whatever of the tree is still going. Looked at every
     `QUICK_INTERVAL_S` for up to `timeout_s`. A tree that NVML never listed (no GPU, no
     NVML, a container whose pids it cannot see) is told nothing: its end (`Down`) is the
     only proof. Whether it told (a look that fails is logged, and tells nothing)."""
     try:
-        return await _card_released(gpu, pids, listed_before, tell, timeout_s)
+        return await _card_released(gpu, pids, listed_before, tell, timeout_s, device)
     except Exception as exc:  # (the take-down goes on: its end wakes the standby)
         log.warning("could not look at the card for the old engine's memory",
                     error=f"{type(exc).__name__}: {exc}")
@@ -127,19 +130,20 @@ async def card_released(gpu: GpuProcessLister, pids: Callable[[], set[int]],
 
 async def _card_released(gpu: GpuProcessLister, pids: Callable[[], set[int]],
                          listed_before: bool, tell: Callable[[], None],
-                         timeout_s: float) -> bool:
+                         timeout_s: float, device: str) -> bool:
     seen = listed_before
     deadline = time.monotonic() + timeout_s
     while True:
         listed = await asyncio.to_thread(gpu.processes)
         if listed is not None:
-            if pids() & listed.keys():
+            tree = pids()
+            if tree & listed.keys():
                 seen = True
-            elif seen:
+            elif not seen:
+                return False  # (never listed: nothing to tell before the tree's end)
+            elif not await asyncio.to_thread(cuda.may_hold, tree, device):
                 tell()
                 return True
-            else:
-                return False  # (never listed: nothing to tell before the tree's end)
         elif not seen:
             return False
         if time.monotonic() >= deadline:

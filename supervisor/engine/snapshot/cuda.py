@@ -111,6 +111,29 @@ def gpu_holders(pids: Iterable[int], device: str = NVIDIA) -> list[int]:
     return out
 
 
+def may_hold(pids: Iterable[int], device: str = NVIDIA) -> bool:
+    """Whether any of `pids` has a device file under `device` open, or may have: one whose
+    descriptors cannot be read while it runs counts (a gone pid, or a zombie, holds
+    nothing). Where a process holds the device open, its GPU memory is not released,
+    whatever NVML lists (a forked child that inherited the descriptors keeps it all)."""
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return True
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(device):
+                    return True
+            except FileNotFoundError:
+                continue  # (closed meanwhile)
+            except OSError:
+                return True
+    return False
+
+
 def bring_back(driver: Driver, pids: Iterable[int]) -> dict[int, str]:
     """Each process's GPU state restored and unlocked; what failed, by pid (a process
     not checkpointed is only unlocked, one not locked left alone)."""
