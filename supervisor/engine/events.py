@@ -105,9 +105,9 @@ class EvidenceCaptured(Event):
 @dataclass(frozen=True)
 class CardReleased(Event):
     """An engine being taken down holds nothing of the GPU any more, its tree perhaps not
-    gone yet: NVML, which had listed processes of its tree, lists none of them now
-    (`takedown.card_released`). A sleeping standby waiting for that memory wakes on it
-    instead of on the tree's end (`Down`)."""
+    gone yet: NVML, which had listed processes of its tree, lists none of them now, and
+    none of them has the GPU's device files open (`takedown.card_released`). A sleeping
+    standby waiting for that memory wakes on it instead of on the tree's end (`Down`)."""
     name = "card_released"
     generation: int
     after_s: float  # since its take-down began

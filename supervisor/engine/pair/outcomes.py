@@ -2,8 +2,8 @@
 life (spawned, healthy or not, died unasked, seen, gone) that every bay's role acts on.
 
 `EngineSlot.on` turns a process event (`Spawned`, `HealthResult`, `Exited`, `CoreExited`,
-`TreeSeen`, `CardReleased`, `Down`) into one of these, once, for every bay, in one place (the unit's
-`_on_process`, which also carries out `steps.lifecycle`); the role in the bay then says
+`TreeSeen`, `CardReleased`, `Down`) into one of these, once, for every bay, in one place
+(the unit's `_on_process`, which also carries out `steps.lifecycle`); the role in the bay then says
 what it does with it in one `match`: the serving engine's
 (`supervisor/engine/pair/serving.py`), the standby's (`supervisor/engine/pair/standby.py`)
 and the weight cache's (`supervisor/engine/pair/weight_cache.py`). A new role is a new
@@ -96,9 +96,8 @@ class Seen:
 
 @dataclass(frozen=True)
 class CardFreed:
-    """Being taken down, it holds nothing of the GPU any more (NVML lists none of its
-    tree): a wake that waited for its memory can begin; its tree may not be gone yet
-    (`Gone` follows)."""
+    """Being taken down, it holds nothing of the GPU any more (`CardReleased`): a wake that
+    waited for its memory can begin; its tree may not be gone yet (`Gone` follows)."""
 
     engine: eng.EngineProcess
     after_s: float  # since its take-down began

@@ -166,9 +166,9 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
     """Stop the engine and prove its tree gone, within `budget_s` (what is left of the
     restart's or stop's deadline; None: the steps' own bounds added up).
     `on_card_released(seconds)`: for a take-down that is not graceful (the one a wake
-    can wait on), called at most once and before this returns, as soon as NVML lists
-    none of the tree's processes (`card_released`), which can be before the tree is gone
-    (a core killed first, its API server still going).
+    can wait on), called at most once and before this returns, as soon as the tree's
+    memory on the card is released (`card_released`), which can be before the tree is
+    gone (a core killed first, its API server still going).
 
     graceful: SIGTERM to the main pid only (vLLM drains for --shutdown-timeout, and its
     workers exit at once on SIGTERM, so never the group), wait for the drain plus a
