@@ -3,8 +3,8 @@ life (spawned, healthy or not, died unasked, seen, gone) that every bay's role a
 
 `EngineSlot.on` turns a process event (`Spawned`, `HealthResult`, `Exited`, `CoreExited`,
 `TreeSeen`, `CardReleased`, `Down`) into one of these, once, for every bay, in one place
-(the unit's `_on_process`, which also carries out `steps.lifecycle`); the role in the bay then says
-what it does with it in one `match`: the serving engine's
+(the unit's `_on_process`, which also carries out `steps.lifecycle`); the role in the bay
+then says what it does with it in one `match`: the serving engine's
 (`supervisor/engine/pair/serving.py`), the standby's (`supervisor/engine/pair/standby.py`)
 and the weight cache's (`supervisor/engine/pair/weight_cache.py`). A new role is a new
 `match` and its `reads` (whether it awaits health, whether an exit is expected), not
