@@ -40,14 +40,15 @@ from tests.harness import FAKE_ENGINE, free_port
 from tests.harness import until as until_async
 from tests.test_early_wake import WEIGHTS, armed, audited, reading, wakes
 from tests.test_pair_machine import world
+from tests.test_supervisor_unit import World
 from tests.test_takedown import engine_config, spawn_running
 
 GIB = 2**30
 GUARD_S = 30.0  # a hang guard, not a timing assertion
 
 
-def spawns(w: object) -> int:
-    return sum(1 for name, _ in w.fx.calls if name == "spawn")  # type: ignore[attr-defined]
+def spawns(w: World) -> int:
+    return sum(1 for name, _ in w.fx.calls if name == "spawn")
 
 
 def test_the_standby_wakes_once_the_old_engines_memory_is_released_not_its_tree(

@@ -18,7 +18,6 @@ through `asyncio.to_thread`, never on its loop.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 from collections.abc import Iterable
@@ -98,17 +97,30 @@ def open_driver(name: str = "libcuda.so.1") -> tuple[Driver | None, str | None]:
         return None, str(e)
 
 
+def _opens(pid: int, device: str) -> bool | None:
+    """Whether process `pid` has a device file under `device` open; None where that
+    cannot be read of it (a gone pid, or a zombie, holds nothing: False)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    unread = False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(device):
+                return True
+        except FileNotFoundError:
+            continue  # (closed meanwhile)
+        except OSError:
+            unread = True
+    return None if unread else False
+
+
 def gpu_holders(pids: Iterable[int], device: str = NVIDIA) -> list[int]:
     """The processes among `pids` with a device file under `device` open."""
-    out = []
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(device):
-                        out.append(pid)
-                        break
-    return out
+    return [pid for pid in pids if _opens(pid, device) is True]
 
 
 def may_hold(pids: Iterable[int], device: str = NVIDIA) -> bool:
@@ -116,22 +128,7 @@ def may_hold(pids: Iterable[int], device: str = NVIDIA) -> bool:
     descriptors cannot be read while it runs counts (a gone pid, or a zombie, holds
     nothing). Where a process holds the device open, its GPU memory is not released,
     whatever NVML lists (a forked child that inherited the descriptors keeps it all)."""
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return True
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(device):
-                    return True
-            except FileNotFoundError:
-                continue  # (closed meanwhile)
-            except OSError:
-                return True
-    return False
+    return any(_opens(pid, device) is not False for pid in pids)
 
 
 def bring_back(driver: Driver, pids: Iterable[int]) -> dict[int, str]:
