@@ -3,7 +3,8 @@
 One daemon, started with the brief's KV-pressure flags (8 blocks of 128 tokens, 16
 sequences) and the default rules, periods and windows (only the thermal rule is made
 fast), serves the tests in order: (a) the brief's KV recipe, 24 clients asking 400
-tokens each, trips the default kv_saturation rule and throttles by relaunch; (b)
+tokens each, trips the default kv_saturation rule and throttles by relaunch; (b) its
+API server silent for 40 s while its core computes (SIGSTOP) is left alone; (c)
 scripted NVML readings throttle for heat and lift with hysteresis. Each engine start
 costs 40-80 s here, so the levels are few. (A SIGSTOPped EngineCore, decided by the
 progress rule, is in tests/test_e2e_proxy.py: the daemon knows the requests at the
@@ -134,6 +135,73 @@ def test_kv_saturation_trips_the_rule_and_throttles_with_evidence(watched):
                                         "reason": dec["reason"],
                                         "evidence": ev, "decided_at": first,
                                         "client_results": dict(Counter(results))}))
+
+
+SILENT_S = 40.0  # past the hang rule's 30 s and three of the canary's 10 s periods
+
+
+def test_an_api_server_silent_for_40_s_while_its_core_computes_is_left_alone(watched):
+    """What an 8B engine's API server does under waves of 128 prompts of 4k tokens (the
+    H200, docs/gpu-validation.md 2026-11-30 22:23): it answers nothing (/health,
+    /metrics, a canary) for 10-18 s at a time while its core computes. Longer prompts
+    make it longer. Here the real API server is stopped (SIGSTOP: it answers nothing) for
+    40 s with a stream running, its core left to compute it. At the default rules and
+    periods no decision follows: a silent scrape is no evidence of a stall, and each
+    canary that failed meanwhile is weighed at the next scrape, which shows the counters
+    moved. The stream ends whole."""
+    d, cfg = watched
+    st = d.wait_state("RUNNING", START_TIMEOUT)
+    api, restarts, decided = st["pid"], st["restarts"], len(d.decisions())
+    port = cfg["engine"]["port"]
+    wait_for(lambda: d.status()["signals"]["canary_latency_s"] is not None, 30, "a canary")
+    failures_before = d.status()["signals"]["scrape_failures_total"]
+    chunks: list[dict[str, Any]] = []
+    begun = threading.Event()
+
+    def stream() -> None:
+        body = {"model": "tiny-llama", "prompt": "tell me a story", "max_tokens": 300,
+                "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                          timeout=SILENT_S + 60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    begun.set()
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    assert begun.wait(60), "the stream's first token"
+    os.kill(api, signal.SIGSTOP)  # the API server only: its EngineCore runs on
+    stopped_at = time.monotonic()
+    try:
+        wait_for(lambda: d.status()["signals"]["scrape_failures_total"] > failures_before,
+                 20, "a scrape the silent API server did not answer")
+        time.sleep(max(0.0, SILENT_S - (time.monotonic() - stopped_at)))
+    finally:
+        os.kill(api, signal.SIGCONT)
+    reader.join(60)
+    assert not reader.is_alive()
+    ends = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert ends[-1] == "length" and chunks[-1]["usage"]["completion_tokens"] == 300, \
+        chunks[-1]
+    # a good scrape since, and the engine answers: the silence is over for the daemon too
+    wait_for(lambda: (s := d.status()["signals"])["metrics_age_s"] is not None
+             and s["metrics_age_s"] < 5, 40, "scrapes again")
+    assert complete(port)
+    assert len(d.decisions()) == decided, d.decisions()[decided:]
+    st = d.status()
+    assert (st["pid"], st["restarts"], st["state"]) == (api, restarts, "RUNNING")
+    silent = [r for r in d.log_records() if r.get("event") == "canary failed"
+              and r.get("pid") == api]
+    assert len(silent) >= 2 and not any(r["counted"] is True for r in silent), silent
+    assert d.status()["signals"]["canary_failures"] == 0
+    assert not [r for r in d.log_records()
+                if r.get("event", "").startswith("canary failures judged by a scrape")]
+    print("silent API server:", json.dumps({
+        "silent_s": round(time.monotonic() - stopped_at, 1), "stream_chunks": len(chunks),
+        "scrape_failures": d.status()["signals"]["scrape_failures_total"] - failures_before,
+        "canaries_failed": len(silent), "decisions": 0}))
 
 
 def test_scripted_nvml_heat_throttles_and_lifts_with_hysteresis(watched):
