@@ -42,6 +42,27 @@ def test_kv_leak_without_sleep_mode_skips_to_a_restart_and_says_why():
     assert "kv_reset: the engine cannot drop its KV cache in place" in d.reason
 
 
+def test_a_kv_reset_waits_while_the_api_server_is_silent_and_goes_once_it_answers():
+    """A KV reset pauses the engine through its API server; one that does not answer
+    (its last scrape failed) would hold every request until it does. The reset is held
+    back, said once, and taken at the first tick after a scrape is answered; the same
+    silence holds back no other rung."""
+    silent = "the engine's last /metrics scrape failed"
+    r = Run(config(**only("kv_leak")), SLEEPY)
+    assert r.over(seconds(0, 29), LEAK) == []
+    ds = [r.at(t, LEAK, api_silent=silent) for t in (30, 31, 32)]
+    assert [d.action for d in ds] == ["none"] * 3
+    assert ds[0].held_back == (f"kv_reset held back: {silent}: its pause would hold every "
+                               "request until it answers")
+    assert ds[1].held_back is None and ds[2].held_back is None  # (said once)
+    d = r.at(33, LEAK, api_silent=None)
+    assert (d.action, d.rule) == ("kv_reset", "kv_leak")
+    # the rung above it is not an API call: a silent server does not hold it back
+    r = Run(config(**only("kv_leak")), EngineFacts(live_throttle=True, api_silent=silent))
+    (d,) = r.over(seconds(0, 30), LEAK)
+    assert d.action == "restart"
+
+
 def test_a_rung_the_operator_does_not_allow_is_skipped():
     r = Run(with_remedies(config(**only("kv_leak")), "throttle", "restart"), SLEEPY)
     (d,) = r.over(seconds(0, 30), LEAK)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.watchdog.stackdumps import MAX_FILE_BYTES
-from tests.harness import fake_engine_config, wait_for, write_config
+from tests.harness import fake_engine_config, free_port, wait_for, write_config
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -431,3 +432,52 @@ def test_dry_run_pause_budget_and_the_exporter(daemon_factory, tmp_path, metrics
     assert ("vllm_supervisor_gpu_temperature_celsius", ()) not in m  # unknown, not 0
     assert httpx.get(f"{d.exporter_url}/readyz", timeout=5).status_code == 200
     assert httpx.get(f"{d.exporter_url}/healthz", timeout=5).status_code == 200
+
+
+def test_a_kv_reset_waits_while_the_api_server_is_silent_and_goes_once_it_answers(
+        daemon_factory, tmp_path, metrics):
+    """The KV reset pauses the engine through its API server, holding every request at the
+    proxy until the engine answers. While the real API server answers nothing (SIGSTOP;
+    its EngineCore child runs on), the kv_leak rule's reset is held back, said once in
+    the audit; once a scrape is answered again it goes, by a pause."""
+    metrics.set(kv=0.1, running=0)
+    cfg = fake_engine_config(
+        tmp_path, "--child", "--enable-sleep-mode", "--vllm-version", "0.26.0",
+        "--metrics-file", str(metrics.path),
+        canary={"period_s": 30.0, "timeout_s": 2.0})  # (the proof's; no canary meanwhile)
+    cfg["engine"]["env"]["VLLM_SERVER_DEV_MODE"] = "1"
+    cfg["proxy"] = {"enabled": True, "listen": f"127.0.0.1:{free_port()}"}
+    cfg["policy"] = {"min_action_gap_s": 0}
+    cfg["policy.rules.kv_leak"] = {"for_s": 0.5, "cooldown_s": 1}
+    d = daemon_factory(cfg)
+    st = d.wait_state("RUNNING")
+    wait_for(lambda: d.status()["remedies"]["kv_reset_by"] == "pause", 10, "the pause")
+    api = st["pid"]
+    assert d.ctl("pause-policy").returncode == 0
+    metrics.set(kv=0.6)  # a leak's signature: blocks held, nothing running
+    wait_for(lambda: d.status()["signals"]["kv_cache_usage"] == 0.6, 10, "the leak seen")
+    failures = d.status()["signals"]["scrape_failures_total"]
+    os.kill(api, signal.SIGSTOP)
+    try:
+        wait_for(lambda: d.status()["signals"]["scrape_failures_total"] > failures, 10,
+                 "a scrape not answered")
+        assert d.ctl("resume-policy").returncode == 0
+        held = wait_for(lambda: [e for e in d.events() if e["event"] == "decision_held_back"
+                                 and "scrape failed" in e["held_back"]], 10,
+                        "the reset held back")
+        assert held[0]["rule"] == "kv_leak" and held[0]["held_back"] == (
+            "kv_reset held back: the engine's last /metrics scrape failed: its pause "
+            "would hold every request until it answers"), held
+        time.sleep(1.0)  # (ticks go by: still held, said once)
+        assert d.remedies() == [] and d.decisions() == []
+        assert len([e for e in d.events() if e["event"] == "decision_held_back"
+                    and "scrape failed" in e["held_back"]]) == 1
+    finally:
+        os.kill(api, signal.SIGCONT)
+    (rem,) = wait_for(lambda: d.remedies(), 20, "the KV reset")
+    assert (rem["rung"], rem["outcome"]) == ("kv_reset", "ok"), rem
+    assert "pause" in rem["steps_s"], rem
+    (dec,) = d.decisions()
+    assert (dec["rule"], dec["action"]) == ("kv_leak", "kv_reset")
+    st = d.status()
+    assert (st["pid"], st["restarts"]) == (api, 0)

@@ -45,6 +45,10 @@ from supervisor.watchdog.signals import Signals, SignalWindow
 
 log = structlog.get_logger("supervisor")
 
+# why a KV reset waits (`EngineFacts.api_silent`): an API server that does not answer
+# would not answer the reset's pause either
+API_SILENT = "the engine's last /metrics scrape failed"
+
 
 @dataclass(frozen=True)
 class UnitFacts:
@@ -256,6 +260,7 @@ class EngineWatch:
             can_kv_reset=self.kv_reset_by() is not None and unit.fronted,
             # with the proxy, throttling is admission control; without it, a relaunch
             live_throttle=unit.fronted,
+            api_silent=API_SILENT if self.scrapes.streak else None,
             why_off={k: v for k, v in (("reset_prefix_cache", prefix_off),
                                        ("kv_reset", kv_off)) if v is not None})
 

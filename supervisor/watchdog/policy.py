@@ -104,6 +104,9 @@ class EngineFacts:
     can_reset_prefix_cache: bool = False  # VLLM_SERVER_DEV_MODE=1 and its route served
     can_kv_reset: bool = False  # sleep mode and its endpoints, requests held at the proxy
     live_throttle: bool = False  # admission control in front: throttling needs no restart
+    # why the engine's API server is taken for silent now (None: it answered its last
+    # scrape): a KV reset's pause waits for it to answer, holding every request meanwhile
+    api_silent: str | None = None
     # why an in-place rung the engine lacks is off (its probe's word: a route not
     # served, a flag missing), named when the ladder skips it; else the general reason
     why_off: Mapping[str, str] = field(default_factory=dict)
@@ -380,6 +383,11 @@ def decide(signals: Mapping[str, float | None], state: PolicyState, config: Poli
     if (not urgent and mem.last_action_at is not None
             and now - mem.last_action_at < config.min_action_gap_s):
         return held_back(f"less than {config.min_action_gap_s:g} s since the last action")
+    if d.action == "kv_reset" and e.api_silent is not None:
+        # (an 8B engine's API server under waves of 4k-token prompts answers nothing for
+        # 10-18 s at a time; a reset begun then held its requests 14 s: docs/watchdog.md)
+        return held_back(f"{e.api_silent}: its pause would hold every request until it "
+                         "answers")
 
     m = rules[d.rule]
     level, reduced, spec = e.throttle_level, e.batch_reduced, e.spec_tokens
