@@ -42,25 +42,47 @@ def test_kv_leak_without_sleep_mode_skips_to_a_restart_and_says_why():
     assert "kv_reset: the engine cannot drop its KV cache in place" in d.reason
 
 
+SILENT = "the engine did not answer its last /metrics scrape"
+HELD = (f"kv_reset held back: {SILENT}: its pause would hold every request until it "
+        "answers (at most 60 s)")
+
+
 def test_a_kv_reset_waits_while_the_api_server_is_silent_and_goes_once_it_answers():
     """A KV reset pauses the engine through its API server; one that does not answer
-    (its last scrape failed) would hold every request until it does. The reset is held
-    back, said once, and taken at the first tick after a scrape is answered; the same
-    silence holds back no other rung."""
-    silent = "the engine's last /metrics scrape failed"
+    (its last scrape timed out) would hold every request until it does. The reset is
+    held back, said once, and taken at the first tick after a scrape is answered."""
     r = Run(config(**only("kv_leak")), SLEEPY)
     assert r.over(seconds(0, 29), LEAK) == []
-    ds = [r.at(t, LEAK, api_silent=silent) for t in (30, 31, 32)]
+    ds = [r.at(t, LEAK, api_silent=SILENT) for t in (30, 31, 32)]
     assert [d.action for d in ds] == ["none"] * 3
-    assert ds[0].held_back == (f"kv_reset held back: {silent}: its pause would hold every "
-                               "request until it answers")
+    assert ds[0].held_back == HELD
     assert ds[1].held_back is None and ds[2].held_back is None  # (said once)
     d = r.at(33, LEAK, api_silent=None)
     assert (d.action, d.rule) == ("kv_reset", "kv_leak")
-    # the rung above it is not an API call: a silent server does not hold it back
-    r = Run(config(**only("kv_leak")), EngineFacts(live_throttle=True, api_silent=silent))
-    (d,) = r.over(seconds(0, 30), LEAK)
-    assert d.action == "restart"
+    assert r.state.memory.silent_since is None
+
+
+def test_a_kv_reset_waits_for_a_silent_api_server_at_most_60_s_then_goes():
+    """A server that never answers again: the reset goes after 60 s of waiting, as it
+    did before it waited (its pause's timeout and the ladder's restart judge then)."""
+    r = Run(config(**only("kv_leak")), SLEEPY)
+    r.over(seconds(0, 29), LEAK)
+    held = [r.at(t, LEAK, api_silent=SILENT) for t in seconds(30, 89)]
+    assert {d.action for d in held} == {"none"} and held[0].held_back == HELD
+    d = r.at(90, LEAK, api_silent=SILENT)
+    assert (d.action, d.rule) == ("kv_reset", "kv_leak")
+
+
+def test_a_kv_reset_waiting_for_a_silent_api_server_lets_the_other_rules_act():
+    """The wait holds back the KV reset alone: a throttle for heat, due at the same
+    time and lower in priority, is taken meanwhile (it asks the engine nothing)."""
+    r = Run(config(**only("kv_leak", "thermal")), SLEEPY)
+    both = {**LEAK, **gpu(4)}
+    r.over(seconds(0, 29), both)
+    d = r.at(30, both, api_silent=SILENT)
+    assert (d.action, d.rule) == ("throttle", "thermal")
+    d = r.at(31, both, api_silent=None)
+    assert (d.action, d.rule) == ("kv_reset", "kv_leak")
 
 
 def test_a_rung_the_operator_does_not_allow_is_skipped():

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 
 from supervisor.watchdog.metrics import parse_metrics
-from supervisor.watchdog.poller import ScrapeHealth, scrape
+from supervisor.watchdog.poller import NO_ANSWER, ScrapeHealth, scrape
 
 FIX = Path(__file__).parent / "fixtures" / "vllm-0.32-cpu-metrics"
 SATURATED = (FIX / "kv-saturated.txt").read_text()
@@ -52,6 +52,28 @@ def test_failures_are_logged_once_per_streak_and_counted_always():
     assert [h.failed(), h.failed(), h.failed()] == [True, False, False]
     assert h.succeeded(parse_metrics(IDLE), 10.0) == 3
     assert h.failed() is True and h.failures_total == 4
+
+
+def test_a_scrape_that_timed_out_marks_the_api_server_silent_until_one_is_answered():
+    """Silent (a KV reset waits: `EngineFacts.api_silent`) only when nothing answered in
+    time; a page that answers wrongly, or a refused connection, is not silence."""
+    h = ScrapeHealth()
+
+    def slow(req: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=req)
+
+    _, error = run_scrape(slow)
+    h.failed(silent=error.startswith(NO_ANSWER))
+    assert h.silent
+    _, error = run_scrape(lambda req: httpx.Response(200, text="<html>oops</html>"))
+    h.failed(silent=error.startswith(NO_ANSWER))
+    assert not h.silent and h.streak == 2
+    h.failed(silent=True)
+    h.succeeded(parse_metrics(IDLE), 3.0)
+    assert not h.silent
+    h.failed(silent=True)
+    h.reset()  # (a new engine)
+    assert not h.silent
 
 
 def test_identical_scrapes_while_busy_are_stale():

@@ -40,14 +40,14 @@ from supervisor.engine.states import State
 from supervisor.settings.config import Config
 from supervisor.watchdog import devroutes, relaunch, xid
 from supervisor.watchdog.policy import EngineFacts, PolicyMemory, PolicyState, decide
-from supervisor.watchdog.poller import ScrapeHealth
+from supervisor.watchdog.poller import NO_ANSWER, ScrapeHealth
 from supervisor.watchdog.signals import Signals, SignalWindow
 
 log = structlog.get_logger("supervisor")
 
 # why a KV reset waits (`EngineFacts.api_silent`): an API server that does not answer
 # would not answer the reset's pause either
-API_SILENT = "the engine's last /metrics scrape failed"
+API_SILENT = "the engine did not answer its last /metrics scrape"
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,8 @@ class EngineWatch:
         if e is None or e.generation != ev.generation:
             return
         if ev.snapshot is None:
-            if self.scrapes.failed():  # logged once per streak, counted always
+            # (logged once per streak, counted always)
+            if self.scrapes.failed(silent=(ev.error or "").startswith(NO_ANSWER)):
                 log.warning("metrics scrape failed", error=ev.error, pid=e.pid)
             return
         now = self._monotonic()
@@ -260,7 +261,7 @@ class EngineWatch:
             can_kv_reset=self.kv_reset_by() is not None and unit.fronted,
             # with the proxy, throttling is admission control; without it, a relaunch
             live_throttle=unit.fronted,
-            api_silent=API_SILENT if self.scrapes.streak else None,
+            api_silent=API_SILENT if self.scrapes.silent else None,
             why_off={k: v for k, v in (("reset_prefix_cache", prefix_off),
                                        ("kv_reset", kv_off)) if v is not None})
 

@@ -27,7 +27,8 @@ top rung is an alert: the policy gives up on that symptom until it clears.
 
 Guardrails, in order: pause (maintenance), the restart budget (past it: one alert, then
 nothing), the minimum gap between actions (a frozen engine's restart and a hold-down
-skip it), the per-rule cooldown, dry-run (decided, audited, not done).
+skip it), a KV reset's wait for a silent API server (up to SILENT_HOLD_MAX_S; other
+actions due go meanwhile), the per-rule cooldown, dry-run (decided, audited, not done).
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ from typing import Protocol
 from supervisor.watchdog.conditions import Condition, parse_condition
 from supervisor.watchdog.rules import IN_PLACE, LADDER, LIFTABLE, RuleConfig
 from supervisor.watchdog.signals import SIGNAL_NAMES
+
+# A due kv_reset waits at most this long for a silent API server (`EngineFacts.api_silent`)
+# to answer a scrape: 10-18 s silences under 4k-token prompts on an H200 (docs/watchdog.md).
+# Past it the reset goes as before: a server that never answers again is for the pause's
+# timeout, and the ladder's restart after it, to judge.
+SILENT_HOLD_MAX_S = 60.0
 
 # Several rules may be due at once; one action per decision, the most drastic first.
 PRIORITY = ("hold_down", "restart_now", "restart", "reduce_batch", "kv_reset", "throttle",
@@ -73,6 +80,8 @@ class PolicyMemory:
     last_action_at: float | None = None
     budget_alerted: bool = False
     last_note: tuple[str, str] | None = None  # (rule, why held back), reported once
+    # since when a due kv_reset has waited for a silent API server (None: none waits)
+    silent_since: float | None = None
 
 
 class PolicySettings(Protocol):
@@ -341,7 +350,8 @@ def decide(signals: Mapping[str, float | None], state: PolicyState, config: Poli
         for name, m in rules.items():
             rules[name] = dataclasses.replace(m, true_since=None, clear_since=None,
                                               top_since=None, samples=(), judged_since=None)
-        return unchanged(dataclasses.replace(mem, rules=rules, restarts=restarts))
+        return unchanged(dataclasses.replace(mem, rules=rules, restarts=restarts,
+                                             silent_since=None))
 
     due: list[_Due] = []
     for name, rule in config.rules.items():
@@ -356,7 +366,16 @@ def decide(signals: Mapping[str, float | None], state: PolicyState, config: Poli
     mem = dataclasses.replace(mem, rules=rules, restarts=restarts,
                               budget_alerted=mem.budget_alerted and not budget_left)
     if not due:
-        return unchanged(dataclasses.replace(mem, last_note=None))
+        return unchanged(dataclasses.replace(mem, last_note=None, silent_since=None))
+    # A KV reset pauses the engine through its API server: while that server is silent it
+    # waits (held back below), up to SILENT_HOLD_MAX_S, and whatever else is due goes
+    # meanwhile.
+    waits = e.api_silent is not None and any(x.action == "kv_reset" for x in due)
+    mem = dataclasses.replace(mem, silent_since=(mem.silent_since if mem.silent_since
+                                                 is not None else now) if waits else None)
+    holding = waits and now - (mem.silent_since or now) < SILENT_HOLD_MAX_S
+    if holding and any(x.action != "kv_reset" for x in due):
+        due = [x for x in due if x.action != "kv_reset"]
     d = min(due, key=lambda x: PRIORITY.index(x.action))
     restarting = _restarts(d.action, e, rules[d.rule].reduced)
 
@@ -383,11 +402,11 @@ def decide(signals: Mapping[str, float | None], state: PolicyState, config: Poli
     if (not urgent and mem.last_action_at is not None
             and now - mem.last_action_at < config.min_action_gap_s):
         return held_back(f"less than {config.min_action_gap_s:g} s since the last action")
-    if d.action == "kv_reset" and e.api_silent is not None:
+    if d.action == "kv_reset" and holding:
         # (an 8B engine's API server under waves of 4k-token prompts answers nothing for
         # 10-18 s at a time; a reset begun then held its requests 14 s: docs/watchdog.md)
         return held_back(f"{e.api_silent}: its pause would hold every request until it "
-                         "answers")
+                         f"answers (at most {SILENT_HOLD_MAX_S:g} s)")
 
     m = rules[d.rule]
     level, reduced, spec = e.throttle_level, e.batch_reduced, e.spec_tokens

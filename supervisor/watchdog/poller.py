@@ -20,6 +20,10 @@ import httpx
 from supervisor.ops.descriptors import raise_if_exhausted
 from supervisor.watchdog.metrics import MetricsParseError, Snapshot, parse_metrics
 
+# how a scrape that timed out begins its reason: the API server did not answer at all
+# (`ScrapeHealth.silent`), as against one that answered wrongly
+NO_ANSWER = "no answer within"
+
 
 async def scrape(client: httpx.AsyncClient, url: str,
                  timeout_s: float) -> tuple[Snapshot | None, str | None]:
@@ -27,7 +31,7 @@ async def scrape(client: httpx.AsyncClient, url: str,
     try:
         r = await client.get(url, timeout=timeout_s)
     except httpx.TimeoutException:
-        return None, f"no answer within {timeout_s:g} s"
+        return None, f"{NO_ANSWER} {timeout_s:g} s"
     except (httpx.HTTPError, OSError) as exc:  # (httpx lets a bare OSError through)
         raise_if_exhausted(exc)
         return None, f"{type(exc).__name__}: {exc}"
@@ -47,16 +51,19 @@ class ScrapeHealth:
     last: Snapshot | None = None
     last_at: float | None = None  # monotonic time of the last good scrape
     unchanged_since: float | None = None  # first scrape of a run of identical ones, busy
+    silent: bool = False  # the last scrape timed out: no answer at all (`NO_ANSWER`)
 
-    def failed(self) -> bool:
-        """Count a failure; True when it starts a streak (the one to log)."""
+    def failed(self, silent: bool = False) -> bool:
+        """Count a failure (`silent`: it timed out); True when it starts a streak (the
+        one to log)."""
         self.failures_total += 1
         self.streak += 1
+        self.silent = silent
         return self.streak == 1
 
     def succeeded(self, snap: Snapshot, now: float) -> int:
         """Record a good scrape; returns the length of the failure streak it ended."""
-        ended, self.streak = self.streak, 0
+        ended, self.streak, self.silent = self.streak, 0, False
         busy = (snap.requests_running or 0) > 0
         if busy and snap == self.last:
             if self.unchanged_since is None:
@@ -73,4 +80,4 @@ class ScrapeHealth:
     def reset(self) -> None:
         """A new engine: its counters start afresh."""
         self.last = self.last_at = self.unchanged_since = None
-        self.streak = 0
+        self.streak, self.silent = 0, False
