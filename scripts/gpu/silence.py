@@ -57,7 +57,12 @@ def longest_silence(probes: list[tuple[float, float, bool]]) -> tuple[float, int
     return round(best, 2), best_n
 
 
-def save(doc: dict) -> None:
+def save(doc: dict, probes: list[tuple[float, float, bool]] | None = None) -> None:
+    """Write `doc`, with the probes so far and their summary when given."""
+    if probes is not None:
+        doc["longest_silence_s"], doc["longest_silence_probes"] = longest_silence(probes)
+        doc["unanswered"] = sum(1 for p in probes if not p[2])
+        doc["probes"] = probes
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "silence.json").write_text(json.dumps(doc))
 
@@ -99,16 +104,10 @@ def main(input_len: int, prompts: int) -> None:
              str(OUT), "--result-filename", "bench.json", "--ready-check-timeout-sec", "0"],
             stdout=(OUT / "bench.log").open("wb"), stderr=subprocess.STDOUT, env=env)
         while bench.poll() is None:
-            doc["longest_silence_s"], doc["longest_silence_probes"] = longest_silence(probes)
-            doc["unanswered"] = sum(1 for p in probes if not p[2])
-            doc["probes"] = probes
-            save(doc)
+            save(doc, probes)
             time.sleep(3)
         stop.set()
         prober.join(5)
-        doc["longest_silence_s"], doc["longest_silence_probes"] = longest_silence(probes)
-        doc["unanswered"] = sum(1 for p in probes if not p[2])
-        doc["probes"] = probes
         doc["bench_rc"] = bench.returncode
         result = OUT / "bench.json"
         if result.exists():
@@ -116,7 +115,7 @@ def main(input_len: int, prompts: int) -> None:
             doc["bench"] = {k: b.get(k) for k in (
                 "completed", "failed", "duration", "median_ttft_ms", "p99_ttft_ms",
                 "median_itl_ms", "p99_itl_ms", "output_throughput", "total_input_tokens")}
-        save(doc)
+        save(doc, probes)
     finally:
         os.killpg(engine.pid, 9)
 

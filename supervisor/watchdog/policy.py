@@ -371,9 +371,9 @@ def decide(signals: Mapping[str, float | None], state: PolicyState, config: Poli
     # waits (held back below), up to SILENT_HOLD_MAX_S, and whatever else is due goes
     # meanwhile.
     waits = e.api_silent is not None and any(x.action == "kv_reset" for x in due)
-    mem = dataclasses.replace(mem, silent_since=(mem.silent_since if mem.silent_since
-                                                 is not None else now) if waits else None)
-    holding = waits and now - (mem.silent_since or now) < SILENT_HOLD_MAX_S
+    since = (now if mem.silent_since is None else mem.silent_since) if waits else None
+    mem = dataclasses.replace(mem, silent_since=since)
+    holding = since is not None and now - since < SILENT_HOLD_MAX_S
     if holding and any(x.action != "kv_reset" for x in due):
         due = [x for x in due if x.action != "kv_reset"]
     d = min(due, key=lambda x: PRIORITY.index(x.action))
