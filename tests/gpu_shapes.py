@@ -9,17 +9,40 @@ from pathlib import Path
 STAGED = Path.home() / "vllm-stage" / "model"  # the tiny model, as staged
 VLLM_SITE = str(Path.home() / "vllm-site")  # the staged vLLM, installed
 
+VOCAB = 128256  # Llama-3.1-8B's
+
 
 def make_m8b(model: Path) -> None:
     """An 8B-shaped Llama (Llama-3.1-8B's dimensions) from the staged tiny model's files,
-    for `--load-format dummy` (as ../shared/tools/gpu-vllm/standby_probe.py makes it)."""
+    for `--load-format dummy` (as ../shared/tools/gpu-vllm/standby_probe.py makes it),
+    with a tokenizer that decodes every one of its ids (`covering_tokenizer`)."""
     model.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((STAGED / "config.json").read_text())
     cfg.update(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, num_hidden_layers=32,
-               max_position_embeddings=8192, vocab_size=128256, dtype="bfloat16",
+               max_position_embeddings=8192, vocab_size=VOCAB, dtype="bfloat16",
                rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
     (model / "config.json").write_text(json.dumps(cfg, indent=1))
     for f in STAGED.iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
+        if f.name not in ("config.json", "model.safetensors", "tokenizer.json"):
             (model / f.name).write_bytes(f.read_bytes())
+    tok = json.loads((STAGED / "tokenizer.json").read_text())
+    (model / "tokenizer.json").write_text(json.dumps(covering_tokenizer(tok, VOCAB)))
+
+
+def covering_tokenizer(tok: dict, vocab_size: int) -> dict:
+    """The tiny model's byte-level BPE tokenizer (512 ids) grown to `vocab_size` ids, each
+    new one decoding to a word of its own (" w<id>"), as a real model's tokenizer decodes
+    every id its model can sample.
+
+    Without it, random weights sample ids the tokenizer does not know (99.6 % of them);
+    they decode to nothing, so vLLM's incremental detokenizer (the tokenizers library's
+    DecodeStream, primed with the prompt) never advances and decodes the whole prompt again
+    at every token: with 128 streams of 4k-token prompts its API server answered nothing
+    for 16-20 s at a time (docs/gpu-validation.md, "The silences were the test model's
+    tokenizer"). The new ids have no merges, so text is still encoded with the 512 old
+    ones: prompts keep their lengths."""
+    vocab = tok["model"]["vocab"]
+    for i in range(len(vocab), vocab_size):
+        vocab[f"\u0120w{i}"] = i  # "Ġ" is the byte-level alphabet's space
+    return tok
