@@ -44,7 +44,7 @@ from supervisor.watchdog.rules import IN_PLACE, LADDER, LIFTABLE, RuleConfig
 from supervisor.watchdog.signals import SIGNAL_NAMES
 
 # A due kv_reset waits at most this long for a silent API server (`EngineFacts.api_silent`)
-# to answer a scrape: 10-18 s silences under 4k-token prompts on an H200 (docs/watchdog.md).
+# to answer a scrape: a blocked event loop held a GPU test's pause 14 s (docs/watchdog.md).
 # Past it the reset goes as before: a server that never answers again is for the pause's
 # timeout, and the ladder's restart after it, to judge.
 SILENT_HOLD_MAX_S = 60.0
@@ -403,8 +403,8 @@ def decide(signals: Mapping[str, float | None], state: PolicyState, config: Poli
             and now - mem.last_action_at < config.min_action_gap_s):
         return held_back(f"less than {config.min_action_gap_s:g} s since the last action")
     if d.action == "kv_reset" and holding:
-        # (an 8B engine's API server under waves of 4k-token prompts answers nothing for
-        # 10-18 s at a time; a reset begun then held its requests 14 s: docs/watchdog.md)
+        # (a pause is a request to that server: begun while its event loop was blocked for
+        # 10-20 s, a reset held its requests 14 s; docs/watchdog.md)
         return held_back(f"{e.api_silent}: its pause would hold every request until it "
                          f"answers (at most {SILENT_HOLD_MAX_S:g} s)")
 
