@@ -141,14 +141,14 @@ SILENT_S = 40.0  # past the hang rule's 30 s and three of the canary's 10 s peri
 
 
 def test_an_api_server_silent_for_40_s_while_its_core_computes_is_left_alone(watched):
-    """What an 8B engine's API server does under waves of 128 prompts of 4k tokens (the
-    H200, docs/gpu-validation.md 2026-11-30 22:23): it answers nothing (/health,
-    /metrics, a canary) for 10-18 s at a time while its core computes. Longer prompts
-    make it longer. Here the real API server is stopped (SIGSTOP: it answers nothing) for
-    40 s with a stream running, its core left to compute it. At the default rules and
-    periods no decision follows: a silent scrape is no evidence of a stall, and each
-    canary that failed meanwhile is weighed at the next scrape, which shows the counters
-    moved. The stream ends whole."""
+    """An API server whose event loop is blocked while its core computes answers nothing
+    (/health, /metrics, a canary): on an H200 a test engine's did for 10-20 s at a time
+    under 128 prompts of 4k tokens, its detokenizer decoding each prompt again at every
+    token (docs/gpu-validation.md, 2026-11-30 22:23 and 2026-12-01). Here the real API
+    server is stopped (SIGSTOP: it answers nothing) for 40 s with a stream running, its
+    core left to compute it. At the default rules and periods no decision follows: a
+    silent scrape is no evidence of a stall, and each canary that failed meanwhile is
+    weighed at the next scrape, which shows the counters moved. The stream ends whole."""
     d, cfg = watched
     st = d.wait_state("RUNNING", START_TIMEOUT)
     api, restarts, decided = st["pid"], st["restarts"], len(d.decisions())
