@@ -10,24 +10,28 @@ STAGED = Path.home() / "vllm-stage" / "model"  # the tiny model, as staged
 VLLM_SITE = str(Path.home() / "vllm-site")  # the staged vLLM, installed
 
 VOCAB = 128256  # Llama-3.1-8B's
+# Llama-3.1-8B's dimensions, over the tiny model's config
+SHAPE_8B: dict[str, object] = dict(
+    hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, num_hidden_layers=32, max_position_embeddings=8192, vocab_size=VOCAB,
+    dtype="bfloat16", rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
 
 
-def make_m8b(model: Path) -> None:
-    """An 8B-shaped Llama (Llama-3.1-8B's dimensions) from the staged tiny model's files,
-    for `--load-format dummy` (as ../shared/tools/gpu-vllm/standby_probe.py makes it),
-    with a tokenizer that decodes every one of its ids (`covering_tokenizer`)."""
+def make_m8b(model: Path, staged: Path = STAGED, **shape: object) -> None:
+    """An 8B-shaped Llama (`SHAPE_8B`, updated by `shape`) from the staged tiny model's
+    files, for `--load-format dummy` or weights written beside it (as
+    ../shared/tools/gpu-vllm/standby_probe.py makes it), with a tokenizer that decodes
+    every one of its ids (`covering_tokenizer`)."""
     model.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads((STAGED / "config.json").read_text())
-    cfg.update(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128, num_hidden_layers=32,
-               max_position_embeddings=8192, vocab_size=VOCAB, dtype="bfloat16",
-               rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
+    cfg = json.loads((staged / "config.json").read_text())
+    cfg.update(SHAPE_8B, **shape)
     (model / "config.json").write_text(json.dumps(cfg, indent=1))
-    for f in STAGED.iterdir():
+    for f in staged.iterdir():
         if f.name not in ("config.json", "model.safetensors", "tokenizer.json"):
             (model / f.name).write_bytes(f.read_bytes())
-    tok = json.loads((STAGED / "tokenizer.json").read_text())
-    (model / "tokenizer.json").write_text(json.dumps(covering_tokenizer(tok, VOCAB)))
+    tok = json.loads((staged / "tokenizer.json").read_text())
+    covering = covering_tokenizer(tok, int(cfg["vocab_size"]))
+    (model / "tokenizer.json").write_text(json.dumps(covering))
 
 
 def covering_tokenizer(tok: dict, vocab_size: int) -> dict:

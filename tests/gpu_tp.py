@@ -25,6 +25,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.gpu_shapes import make_m8b
+
 HOME = Path.home()
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 STAGE = HOME / "vllm-stage"
@@ -52,16 +55,7 @@ def install() -> None:
              f"{STAGE}/wheels/vllm_supervisor*.whl {STAGE}/wheels/structlog*.whl "
              f"{STAGE}/wheels/tenacity*.whl $(ls {STAGE}/wheels/httptools*.whl 2>/dev/null) "
              f"2>&1 | tail -3"))
-    M8B.mkdir(exist_ok=True)
-    cfg = json.loads((STAGE / "model" / "config.json").read_text())
-    cfg.update(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128, num_hidden_layers=32,
-               max_position_embeddings=8192, vocab_size=128256, dtype="bfloat16",
-               rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
-    (M8B / "config.json").write_text(json.dumps(cfg, indent=1))
-    for f in (STAGE / "model").iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            (M8B / f.name).write_bytes(f.read_bytes())
+    make_m8b(M8B, STAGE / "model")
     print(sh("nvidia-smi --query-gpu=index,name,memory.used --format=csv"))
 
 

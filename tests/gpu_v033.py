@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import statistics
 import subprocess
@@ -37,6 +36,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.gpu_shapes import make_m8b
+
 WORK = Path(os.environ.get("WORK", "/tmp/vs-gpu"))
 VLLM_SITE = os.environ.get("VLLM_SITE", str(Path.home() / "vllm-site"))
 STAGED = Path.home() / "vllm-stage" / "model"
@@ -45,12 +47,6 @@ PORT = 8100
 HEALTH_PORT = 8190
 RESULTS = WORK / "v033.jsonl"
 VLLM = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-# Llama-3.1-8B's dimensions (as tests/gpu_vllm.py's make_m8b)
-SHAPE_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, num_hidden_layers=32,
-                max_position_embeddings=8192, vocab_size=128256, dtype="bfloat16",
-                tie_word_embeddings=False,
-                rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
 
 
 def result(phase: str, **values: Any) -> None:
@@ -177,13 +173,7 @@ def phase_ckpt() -> None:
     from safetensors.torch import save_file
 
     t0 = time.monotonic()
-    CKPT.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads((STAGED / "config.json").read_text())
-    cfg.update(SHAPE_8B)
-    (CKPT / "config.json").write_text(json.dumps(cfg, indent=1))
-    for f in STAGED.iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            shutil.copy(f, CKPT / f.name)
+    make_m8b(CKPT, STAGED, tie_word_embeddings=False)
     h, i, kv, layers, v = 4096, 14336, 8 * 128, 32, 128256
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (v, h))]
     for n in range(layers):
