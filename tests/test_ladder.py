@@ -7,7 +7,7 @@ from __future__ import annotations
 from supervisor.settings.sections import PolicyConfig
 from supervisor.watchdog.policy import EngineFacts
 from supervisor.watchdog.rules import LADDER, REMEDIES
-from tests.test_policy import COLLAPSE, LEAK, SATURATED, Run, config, gpu, only, seconds
+from tests.policy_runs import COLLAPSE, LEAK, SATURATED, Run, config, gpu, only, seconds
 
 SLEEPY = EngineFacts(can_kv_reset=True, can_reset_prefix_cache=True, live_throttle=True)
 
