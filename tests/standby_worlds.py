@@ -18,7 +18,7 @@ from supervisor.engine.events import (
 )
 from supervisor.engine.process.process import EngineProcess
 from supervisor.engine.process.takedown import TakeDown
-from tests.test_supervisor_unit import World
+from tests.unit_world import World
 
 SLEEP = {"standby": "sleep", "env": {"VLLM_SERVER_DEV_MODE": "1"}}
 

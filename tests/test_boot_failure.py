@@ -97,7 +97,7 @@ def test_the_daemon_takes_down_an_engine_whose_core_failed_and_that_never_exits(
 def test_no_eta_for_a_start_whose_core_failed(tmp_path: Path) -> None:
     """`status`'s ETA and a refusal's Retry-After come from past starts; once the core
     said it failed to start, there is none to promise."""
-    from tests.test_supervisor_unit import World
+    from tests.unit_world import World
 
     w = World(tmp_path)
     try:

@@ -40,8 +40,8 @@ from tests.harness import FAKE_ENGINE, free_port
 from tests.harness import until as until_async
 from tests.test_early_wake import WEIGHTS, armed, audited, reading, wakes
 from tests.test_pair_machine import world
-from tests.test_supervisor_unit import World
 from tests.test_takedown import engine_config, spawn_running
+from tests.unit_world import World
 
 GIB = 2**30
 GUARD_S = 30.0  # a hang guard, not a timing assertion

@@ -22,7 +22,7 @@ from supervisor.engine.process.enginelog import weights_backup_of
 from supervisor.engine.process.process import EngineProcess
 from supervisor.watchdog.gpu import DeviceReading, GpuReading
 from tests.test_pair_machine import world
-from tests.test_supervisor_unit import World
+from tests.unit_world import World
 
 GIB = 2**30
 CARD = 80 * GIB

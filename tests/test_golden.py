@@ -32,7 +32,7 @@ from supervisor.watchdog.remedy import WarmUp
 from tests.fake_tokens import logprobs_of
 from tests.harness import FAKE_ENGINE, free_port, wait_for
 from tests.standby_worlds import SLEEP
-from tests.test_supervisor_unit import World
+from tests.unit_world import World
 
 PROMPT = [ord(c) for c in "The capital of France is"]
 

@@ -18,7 +18,7 @@ from supervisor.engine.process.process import EngineProcess
 from supervisor.engine.views import exporter_view
 from tests.test_early_wake import armed
 from tests.test_pair_machine import world
-from tests.test_supervisor_unit import World
+from tests.unit_world import World
 
 
 def looked(w: World, engine: EngineProcess, oom_kills: int | None) -> None:

@@ -96,7 +96,7 @@ from supervisor.settings.engine_checks import THIN_PAIR_MAX
 from supervisor.watchdog.gpu import GpuReading
 from supervisor.watchdog.remedy import REST, WEIGHTS, RemedyOutcome
 from tests.hypothesis_profiles import examples
-from tests.test_supervisor_unit import FakeTimer, World
+from tests.unit_world import FakeTimer, World
 
 SLEEP_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 # the three shapes of the pair: an awake standby; a sleeping one beside the engine (room

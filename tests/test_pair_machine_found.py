@@ -24,7 +24,7 @@ from supervisor.engine.events import (
 from supervisor.engine.process.process import EngineProcess
 from supervisor.settings.config import parse_config
 from tests.test_pair_machine import MODES, world
-from tests.test_supervisor_unit import World
+from tests.unit_world import World
 
 
 def reloaded_arguments(w: World, tmp: Path, mode: str, revision: str) -> None:

@@ -22,7 +22,7 @@ from supervisor.engine.process.process import EngineProcess
 from supervisor.engine.states import State
 from supervisor.engine.steps import PairFacts
 from supervisor.watchdog.warmup import Warmed
-from tests.test_supervisor_unit import World
+from tests.unit_world import World
 
 
 def facts(tmp: Path, state: State, fronted: bool = True, canary: bool = True) -> PairFacts:

@@ -30,7 +30,7 @@ from tests.standby_worlds import (
     ready_standby,
     unprotected_after_a_crash,
 )
-from tests.test_supervisor_unit import World
+from tests.unit_world import World
 
 
 def test_a_drain_before_a_swap_keeps_the_engine_healthy_for_routers() -> None:

@@ -24,7 +24,7 @@ from tests.standby_worlds import (
     crash_then_wake,
     dumped,
 )
-from tests.test_supervisor_unit import World
+from tests.unit_world import World
 
 
 def test_a_snapshot_standby_on_a_full_card_is_dumped_then_a_copy_of_it_first(

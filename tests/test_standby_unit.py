@@ -31,7 +31,7 @@ from tests.standby_worlds import (
     crash_then_wake,
     ready_standby,
 )
-from tests.test_supervisor_unit import World
+from tests.unit_world import World
 
 
 def test_a_standby_is_proven_then_takes_over_a_crash_and_a_restart_without_a_cold_start(

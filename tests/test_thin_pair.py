@@ -25,7 +25,7 @@ from supervisor.engine.events import (
 from supervisor.engine.process.process import EngineProcess
 from supervisor.settings.config import ConfigError, parse_config
 from tests.standby_worlds import SLEEP, armed_asleep
-from tests.test_supervisor_unit import World
+from tests.unit_world import World
 
 # an asymmetric pair: an engine at 0.60 of the card, its standby at 0.28 (both awake fit)
 THIN = {**SLEEP, "args": ["--enable-sleep-mode", "--gpu-memory-utilization", "0.60"],

@@ -40,7 +40,7 @@ from supervisor.engine.process.takedown import TakeDown
 from supervisor.engine.unit import EngineUnit
 from supervisor.settings.config import parse_config
 from tests.hypothesis_profiles import examples
-from tests.test_supervisor_unit import RecordingEffects, World
+from tests.unit_world import RecordingEffects, World
 
 CACHE_BAY = 2
 

@@ -33,7 +33,7 @@ from supervisor.engine.process.takedown import TakeDown
 from supervisor.settings import weight_cache_argv
 from supervisor.settings.config import ConfigError, parse_config
 from supervisor.settings.sections import EngineConfig
-from tests.test_supervisor_unit import World
+from tests.unit_world import World
 
 CACHE_BAY = 2
 

@@ -20,7 +20,7 @@ from supervisor.engine.process.process import EngineProcess
 from supervisor.settings.config import ConfigError, parse_config
 from tests.test_early_wake import GIB, WEIGHTS, armed, audited, reading, wakes
 from tests.test_pair_machine import MODES
-from tests.test_supervisor_unit import World
+from tests.unit_world import World
 
 ROOM = WEIGHTS + AHEAD_MARGIN_BYTES
 

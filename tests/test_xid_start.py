@@ -12,7 +12,7 @@ from typing import Any
 from supervisor.engine.events import GpuSampled, HealthResult
 from supervisor.watchdog.gpu import DeviceReading, GpuReading
 from tests.harness import fake_engine_config
-from tests.test_supervisor_unit import World
+from tests.unit_world import World
 
 
 def starting(tmp_path: Path, **sections: dict[str, Any]) -> World:
