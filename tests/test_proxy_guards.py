@@ -9,7 +9,7 @@ import aiohttp
 from aiohttp import web
 from structlog.testing import capture_logs
 
-from tests.test_proxy_inprocess import _proxy, _upstream
+from tests.inprocess_proxy import proxy_to, scripted_upstream
 
 
 def test_json_nested_too_deep_is_a_400_and_never_reaches_the_engine() -> None:
@@ -20,8 +20,8 @@ def test_json_nested_too_deep_is_a_400_and_never_reaches_the_engine() -> None:
         return web.json_response({})
 
     async def main() -> None:
-        runner, url = await _upstream(engine)
-        proxy = await _proxy(url)
+        runner, url = await scripted_upstream(engine)
+        proxy = await proxy_to(url)
         try:
             async with aiohttp.ClientSession() as s:
                 body = b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"

@@ -1,15 +1,12 @@
 """The front proxy in this process, in front of a scripted upstream (an aiohttp app, or a
 raw socket server that misbehaves on purpose): how answers are framed to the client,
-and what it does when an engine fails inside an answer. Fast: no daemon, no engine."""
+and what it does when an engine fails inside an answer. Fast: no daemon, no engine.
+Streams: tests/test_proxy_inprocess_streams.py."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import re
-import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -19,78 +16,19 @@ from structlog.testing import capture_logs
 from yarl import URL
 
 from supervisor.front.admission import Gate, GateLimits
-from supervisor.front.exchange import Exchange, ProxySettings
+from supervisor.front.exchange import ProxySettings
 from supervisor.front.proxy import ENGINE_HEADER, FrontProxy
-
-COMPLETION = json.dumps({
-    "id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
-    "choices": [{"index": 0, "text": " hi", "logprobs": None, "finish_reason": "length"}],
-    "usage": {"prompt_tokens": 1, "completion_tokens": 7, "total_tokens": 8}}).encode()
-
-
-async def _upstream(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                    ) -> tuple[web.AppRunner, str]:
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    return runner, f"http://127.0.0.1:{port}"
-
-
-async def _proxy(upstream: str, **settings: Any) -> FrontProxy:
-    gate = Gate(GateLimits(concurrency=100, max_wait_s=5))
-    gate.release()
-    proxy = FrontProxy(ProxySettings("127.0.0.1", 0, upstream, **settings), gate,
-                       ready=lambda: True)
-    await proxy.start()
-    return proxy
-
-
-RawEngine = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-@contextlib.asynccontextmanager
-async def _behind_raw_engine(engine: RawEngine, **settings: Any) -> AsyncIterator[FrontProxy]:
-    """The proxy in front of a raw socket server (an engine that misbehaves on purpose)."""
-    server = await asyncio.start_server(engine, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    proxy = await _proxy(f"http://127.0.0.1:{port}", **settings)
-    try:
-        yield proxy
-    finally:
-        await proxy.close()
-        server.close()
-        await server.wait_closed()
-
-
-async def _read_body(reader: asyncio.StreamReader, head: bytes) -> bytes:
-    """The body of a request whose head was read, by its Content-Length."""
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length")))
-    return await reader.readexactly(length)
-
-
-HEALTHY = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-
-
-async def _answer_health_or_read_body(reader: asyncio.StreamReader,
-                                     writer: asyncio.StreamWriter) -> bytes | None:
-    """A raw engine's next request: a /health check answered 200 and closed (None), or
-    the body of any other request."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    if head.startswith(b"GET /health"):
-        writer.write(HEALTHY)
-        await writer.drain()
-        writer.close()
-        return None
-    return await _read_body(reader, head)
-
-
-def _post(body: dict[str, Any]) -> bytes:
-    return json.dumps(body).encode()
+from tests.inprocess_proxy import (
+    COMPLETION,
+    answer_health_or_read_body,
+    behind_raw_engine,
+    completion_through,
+    post_body,
+    proxy_to,
+    read_body,
+    replaced_after_its_first_answer,
+    scripted_upstream,
+)
 
 
 def test_a_sized_answer_goes_to_the_client_whole_with_its_length_and_headers() -> None:
@@ -110,13 +48,13 @@ def test_a_sized_answer_goes_to_the_client_whole_with_its_length_and_headers() -
                             headers={"X-Engine-Own": "1"}, status=201)
 
     async def main() -> None:
-        runner, up = await _upstream(handler)
-        proxy = await _proxy(up)
+        runner, up = await scripted_upstream(handler)
+        proxy = await proxy_to(up)
         try:
             async with aiohttp.ClientSession() as s:
                 with capture_logs() as logs:
                     async with s.post(f"http://127.0.0.1:{proxy.port}/v1/completions",
-                                      data=_post({"model": "m", "prompt": "x"})) as r:
+                                      data=post_body({"model": "m", "prompt": "x"})) as r:
                         body = await r.read()
                         assert r.status == 201 and body == COMPLETION
                         assert r.headers["Content-Length"] == str(len(COMPLETION))
@@ -125,7 +63,7 @@ def test_a_sized_answer_goes_to_the_client_whole_with_its_length_and_headers() -
                         assert r.headers["Content-Type"] == "application/json"
                         assert r.headers[ENGINE_HEADER] == "default"
                     async with s.post(f"http://127.0.0.1:{proxy.port}/v1/embeddings",
-                                      data=_post({"model": "m", "input": "x"})) as r:
+                                      data=post_body({"model": "m", "input": "x"})) as r:
                         assert await r.read() == COMPLETION
                         assert r.headers["Transfer-Encoding"] == "chunked"
             access = [e for e in logs if e["event"] == "request"]
@@ -147,7 +85,7 @@ def test_a_sized_answer_cut_by_a_dying_engine_is_sent_again_never_half_delivered
     attempts: list[int] = []
 
     async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_body(reader, await reader.readuntil(b"\r\n\r\n"))
+        await read_body(reader, await reader.readuntil(b"\r\n\r\n"))
         attempts.append(1)
         status = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(COMPLETION))
@@ -159,10 +97,10 @@ def test_a_sized_answer_cut_by_a_dying_engine_is_sent_again_never_half_delivered
         writer.close()
 
     async def main() -> None:
-        async with _behind_raw_engine(engine) as proxy:
+        async with behind_raw_engine(engine) as proxy:
             async with aiohttp.ClientSession() as s, s.post(
                     f"http://127.0.0.1:{proxy.port}/v1/completions",
-                    data=_post({"model": "m", "prompt": "x"})) as r:
+                    data=post_body({"model": "m", "prompt": "x"})) as r:
                 assert r.status == 200 and await r.read() == COMPLETION
             assert len(attempts) == 2
             assert proxy.stats.retried_connects == 1
@@ -180,8 +118,8 @@ def test_the_raw_target_is_checked_and_the_body_bounded_before_the_engine_sees_t
         return web.Response(body=COMPLETION, content_type="application/json")
 
     async def main() -> None:
-        runner, up = await _upstream(handler)
-        proxy = await _proxy(up, max_body_bytes=100)
+        runner, up = await scripted_upstream(handler)
+        proxy = await proxy_to(up, max_body_bytes=100)
         base = f"http://127.0.0.1:{proxy.port}"
         try:
             async with aiohttp.ClientSession() as s:
@@ -194,7 +132,7 @@ def test_the_raw_target_is_checked_and_the_body_bounded_before_the_engine_sees_t
                 async with s.get(base + "/healthz") as r:
                     assert r.status == 200
                 async with s.post(URL(base + "/v1/completions?a=%2F", encoded=True),
-                                  data=_post({"model": "m"})) as r:
+                                  data=post_body({"model": "m"})) as r:
                     assert r.status == 200 and await r.read() == COMPLETION
             assert seen == ["/v1/completions?a=%2F"]
         finally:
@@ -215,7 +153,7 @@ def test_a_sized_answer_cut_by_a_healthy_engine_is_a_502_not_sent_again() -> Non
         if head.startswith(b"GET /health"):
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
         else:
-            await _read_body(reader, head)
+            await read_body(reader, head)
             attempts.append(1)
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n" % len(COMPLETION) + COMPLETION[:10])
@@ -223,10 +161,10 @@ def test_a_sized_answer_cut_by_a_healthy_engine_is_a_502_not_sent_again() -> Non
         writer.close()
 
     async def main() -> None:
-        async with _behind_raw_engine(engine) as proxy:
+        async with behind_raw_engine(engine) as proxy:
             async with aiohttp.ClientSession() as s, s.post(
                     f"http://127.0.0.1:{proxy.port}/v1/completions",
-                    data=_post({"model": "m", "prompt": "x"})) as r:
+                    data=post_body({"model": "m", "prompt": "x"})) as r:
                 assert r.status == 502
                 assert (await r.json())["error"]["type"] == "engine_failed"
             assert len(attempts) == 1 and proxy.stats.retried_connects == 0
@@ -257,10 +195,10 @@ def test_expect_100_continue_is_answered_before_the_body_and_an_unknown_expect_r
 
     async def main() -> None:
         nonlocal proxy
-        runner, upstream = await _upstream(handler)
-        proxy = await _proxy(upstream)
+        runner, upstream = await scripted_upstream(handler)
+        proxy = await proxy_to(upstream)
         try:
-            interim, final = await ask("100-continue", _post({"model": "m", "prompt": "x"}))
+            interim, final = await ask("100-continue", post_body({"model": "m", "prompt": "x"}))
             assert interim.startswith(b"HTTP/1.1 100 Continue") and final.startswith(
                 b"HTTP/1.1 200")
             refused, _ = await ask("something-else", b"{}")
@@ -285,23 +223,23 @@ def test_a_kept_connection_the_engine_closed_is_not_a_death_nor_a_resend() -> No
     async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         me = len(connections) + 1
         connections.append(me)
-        await _read_body(reader, await reader.readuntil(b"\r\n\r\n"))
+        await read_body(reader, await reader.readuntil(b"\r\n\r\n"))
         seen.append(me)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(COMPLETION) + COMPLETION)
         await writer.drain()
         if me == 1:  # kept: the next request on it is read, then the connection closed
-            await _read_body(reader, await reader.readuntil(b"\r\n\r\n"))
+            await read_body(reader, await reader.readuntil(b"\r\n\r\n"))
             seen.append(me)
         writer.transport.abort()
 
     connections: list[int] = []
 
     async def main() -> None:
-        async with _behind_raw_engine(engine) as proxy, aiohttp.ClientSession() as s:
+        async with behind_raw_engine(engine) as proxy, aiohttp.ClientSession() as s:
             for _ in range(4):
                 async with s.post(f"http://127.0.0.1:{proxy.port}/v1/completions",
-                                  data=_post({"model": "m", "prompt": "x"})) as r:
+                                  data=post_body({"model": "m", "prompt": "x"})) as r:
                     assert r.status == 200 and await r.read() == COMPLETION
             backend = proxy.backends["default"]
             assert backend.failure_seen == {} and proxy.stats.retried_connects == 0
@@ -327,7 +265,7 @@ def test_a_request_a_healthy_engine_drops_unanswered_is_sent_again_twice_then_fa
     async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # (no connection kept: one the engine closes unanswered once kept is sent again
         # by the upstream client itself, as not reached)
-        if await _answer_health_or_read_body(reader, writer) is None:
+        if await answer_health_or_read_body(reader, writer) is None:
             return
         posts.append(1)
         if stream and len(posts) == 1:
@@ -337,10 +275,10 @@ def test_a_request_a_healthy_engine_drops_unanswered_is_sent_again_twice_then_fa
         writer.transport.abort()
 
     async def main() -> None:
-        async with _behind_raw_engine(engine, continue_timeout_s=5.0) as proxy, \
+        async with behind_raw_engine(engine, continue_timeout_s=5.0) as proxy, \
                 aiohttp.ClientSession() as s, s.post(
                     f"http://127.0.0.1:{proxy.port}/v1/completions",
-                    data=_post({"model": "m", "prompt": "x", "stream": stream})) as r:
+                    data=post_body({"model": "m", "prompt": "x", "stream": stream})) as r:
             body = await r.read()
             if stream:
                 assert r.status == 200 and b"[DONE]" not in body, body
@@ -387,7 +325,7 @@ def test_a_request_asking_more_tokens_than_the_engine_takes_does_not_hold_the_ot
             await arrived.wait_for(lambda: running >= set(prompts))
 
     async def main() -> None:
-        runner, upstream = await _upstream(handler)
+        runner, upstream = await scripted_upstream(handler)
         gate = Gate(GateLimits(concurrency=100, tokens=1000, max_wait_s=30))
         gate.release()
         proxy = FrontProxy(ProxySettings("127.0.0.1", 0, upstream), gate, ready=lambda: True)
@@ -397,7 +335,7 @@ def test_a_request_asking_more_tokens_than_the_engine_takes_does_not_hold_the_ot
             async with aiohttp.ClientSession() as s:
 
                 async def post(prompt: str, max_tokens: int) -> int:
-                    async with s.post(url, data=_post({"model": "m", "prompt": prompt,
+                    async with s.post(url, data=post_body({"model": "m", "prompt": prompt,
                                                        "max_tokens": max_tokens})) as r:
                         await r.read()
                         return r.status
@@ -418,55 +356,16 @@ def test_a_request_asking_more_tokens_than_the_engine_takes_does_not_hold_the_ot
     asyncio.run(main())
 
 
-def _replaced_after_its_first_answer(first: Callable[[asyncio.StreamWriter], None]
-                                     ) -> tuple[RawEngine, list[int]]:
-    """An engine whose first completion is answered by `first` (a drop, a 500) as its
-    start is replaced (the start number, by the time /health is asked, is the next
-    one's, and the next start answers /health 200); every later completion whole."""
-    start = [1]
-
-    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        if head.startswith(b"GET /health"):
-            writer.write(HEALTHY)
-        else:
-            await _read_body(reader, head)
-            if start[0] == 1:
-                start[0] = 2
-                first(writer)
-                if writer.transport.is_closing():
-                    return
-            else:
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n" % len(COMPLETION) + COMPLETION)
-        await writer.drain()
-        writer.close()
-
-    return engine, start
-
-
-async def _completion_through(proxy: FrontProxy, start: list[int]) -> Any:
-    """One completion through the proxy, the backend's start number read from `start`;
-    the backend."""
-    backend = proxy.backends["default"]
-    backend.generation = lambda: start[0]
-    async with aiohttp.ClientSession() as s, s.post(
-            f"http://127.0.0.1:{proxy.port}/v1/completions",
-            data=_post({"model": "m", "prompt": "x"})) as r:
-        assert r.status == 200 and await r.read() == COMPLETION
-    return backend
-
-
 def test_a_drop_whose_health_check_a_new_engine_start_answers_is_a_death() -> None:
     """The engine start that had the request went (its connection closed unanswered);
     the /health asked then is answered by the start that replaced it: that says nothing
     of the one that had the request, which is counted as a death it was at, not as a
     drop by an engine that still serves."""
-    engine, start = _replaced_after_its_first_answer(lambda w: w.transport.abort())
+    engine, start = replaced_after_its_first_answer(lambda w: w.transport.abort())
 
     async def main() -> None:
-        async with _behind_raw_engine(engine) as proxy:
-            backend = await _completion_through(proxy, start)
+        async with behind_raw_engine(engine) as proxy:
+            backend = await completion_through(proxy, start)
             assert set(backend.failure_seen) == {1} and proxy.stats.retried_connects == 1
 
     asyncio.run(main())
@@ -478,239 +377,14 @@ def test_a_500_whose_health_check_the_engine_that_took_over_answers_goes_there()
     answer it (200): the 500 is still the dying start's, and the request goes to the
     start that serves now, not to the client (a CI run saw it reach the client)."""
     dead = b'{"error": {"message": "EngineCore encountered an issue"}}'
-    engine, start = _replaced_after_its_first_answer(lambda w: w.write(
+    engine, start = replaced_after_its_first_answer(lambda w: w.write(
         b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n" % len(dead) + dead))
 
     async def main() -> None:
-        async with _behind_raw_engine(engine) as proxy:
-            backend = await _completion_through(proxy, start)
+        async with behind_raw_engine(engine) as proxy:
+            backend = await completion_through(proxy, start)
             assert set(backend.failure_seen) == {1}
             assert proxy.stats.responses == {"200": 1}
-
-    asyncio.run(main())
-
-
-def _token_event(i: int, first: bool = False, last: bool = False) -> bytes:
-    """A completions chunk as vLLM writes it with `return_token_ids`."""
-    choice = {"index": 0, "text": f" t{i}", "logprobs": None,
-              "finish_reason": "length" if last else None, "stop_reason": None,
-              "prompt_token_ids": [1, 2] if first else None, "token_ids": [100 + i]}
-    doc = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
-           "choices": [choice]}
-    data = b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
-    return b"%x\r\n%b\r\n" % (len(data), data)
-
-
-SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n")
-
-
-def _stream_request(tokens: int) -> bytes:
-    body = _post({"model": "m", "prompt": "hi", "max_tokens": tokens, "stream": True})
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
-
-
-def test_a_continuable_stream_to_a_client_that_reads_late_gets_every_token_in_order() -> None:
-    """The engine writes far faster than the client reads: the client's buffer fills,
-    the relay waits for it to drain and goes on, every token once and in order."""
-    n = 30000
-
-    async def fast(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        assert b"return_token_ids" in await _read_body(reader, head)
-        writer.write(SSE_HEAD)
-        for i in range(n):
-            writer.write(_token_event(i, first=i == 0, last=i == n - 1))
-            if i % 50 == 0:
-                await writer.drain()
-        writer.write(b"%x\r\ndata: [DONE]\n\n\r\n0\r\n\r\n" % len(b"data: [DONE]\n\n"))
-        await writer.drain()
-        await reader.read()
-
-    async def main() -> None:
-        async with _behind_raw_engine(fast) as proxy:
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (fills soon)
-            sock.connect(("127.0.0.1", proxy.port))
-            reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 20)
-            writer.write(_stream_request(n))
-            await writer.drain()
-            await asyncio.sleep(0.5)  # not reading: the proxy's writes back up
-            got = bytearray()
-            while not got.endswith(b"0\r\n\r\n"):
-                part = await asyncio.wait_for(reader.read(1 << 16), 10)
-                assert part, bytes(got[-300:])
-                got += part
-            writer.close()
-            texts = [int(t) for t in re.findall(rb'"text":" t(\d+)"', got)]
-            assert texts == list(range(n))
-            assert b"token_ids" not in got and got.count(b"data: [DONE]") == 1
-
-    asyncio.run(main())
-
-
-def test_a_continuable_stream_to_a_client_that_reads_nothing_is_cut_and_its_engine_freed(
-        ) -> None:
-    """`send_timeout_s` holds on the relay's path too: the client cut, the engine's
-    connection closed (vLLM aborts the request), the cut counted."""
-    freed = asyncio.Event()
-
-    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        await _read_body(reader, head)
-        writer.write(SSE_HEAD)
-        try:
-            for i in range(10**6):
-                writer.write(_token_event(i, first=i == 0))
-                await writer.drain()
-        except ConnectionError:
-            pass
-        freed.set()
-
-    async def main() -> None:
-        async with _behind_raw_engine(endless, send_timeout_s=0.3) as proxy:
-            _reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-            writer.write(_stream_request(10**6))
-            await writer.drain()
-            await asyncio.wait_for(freed.wait(), 30)
-            assert proxy.stats.rejections.get("send_timeout") == 1
-            writer.close()
-
-    asyncio.run(main())
-
-
-def test_a_stream_unanswered_when_its_engine_pauses_is_cut_and_sent_again_never_dropped(
-        ) -> None:
-    """A pause of the engine's streams (a KV reset, a drained restart with continue)
-    cuts the continuable requests it has not begun to answer too, rather than wait for
-    their answers (vLLM under load answers some seconds late): each goes again, as often
-    as it is cut: no death of the engine start, no drop counted (a drop is sent again
-    twice at most), and the client gets the whole stream once."""
-    posts: list[int] = []
-    waiting = asyncio.Event()
-    n = 5
-
-    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if await _answer_health_or_read_body(reader, writer) is None:
-            return
-        posts.append(1)
-        if len(posts) <= 3:  # unanswered until the proxy closes the connection
-            waiting.set()
-            await reader.read()
-            writer.close()
-            return
-        writer.write(SSE_HEAD)
-        for i in range(n):
-            writer.write(_token_event(i, first=i == 0, last=i == n - 1))
-        writer.write(b"%x\r\ndata: [DONE]\n\n\r\n0\r\n\r\n" % len(b"data: [DONE]\n\n"))
-        await writer.drain()
-        await reader.read()
-
-    async def main() -> None:
-        async with _behind_raw_engine(engine) as proxy:
-            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-            writer.write(_stream_request(n))
-            await writer.drain()
-            cut = []
-            for _ in range(3):
-                await asyncio.wait_for(waiting.wait(), 10)
-                waiting.clear()
-                cut.append(proxy.pause_streams("default"))
-            got = bytearray()
-            while not got.endswith(b"0\r\n\r\n"):
-                part = await asyncio.wait_for(reader.read(1 << 16), 10)
-                assert part, bytes(got[-300:])
-                got += part
-            writer.close()
-            assert [int(t) for t in re.findall(rb'"text":" t(\d+)"', got)] == list(range(n))
-            assert got.count(b"data: [DONE]") == 1
-            assert cut == [1, 1, 1] and len(posts) == 4
-            assert proxy.backends["default"].failure_seen == {}  # no death
-            assert proxy.stats.rejections == {}  # never engine_dropped
-
-    asyncio.run(main())
-
-
-def test_a_stream_admitted_as_its_engine_pauses_is_not_sent_until_it_serves() -> None:
-    """Admitted just before a pause's hold, sent after the pause cut the others: it
-    would wait at the engine for a place in the batch the pause is emptying (a KV
-    reset's drain held 1.1-1.4 s on the H100 with nothing else left), so it is not sent
-    while the hold lasts (it goes back to the held gate); once the hold is over it is."""
-
-    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.read()
-
-    async def main() -> None:
-        async with _behind_raw_engine(engine) as proxy:
-            backend = proxy.backends["default"]
-            ex = Exchange(arrived=0.0, backend=backend)
-            call = proxy._upstream.request("POST", backend.upstream, "/v1/completions",  # type: ignore[union-attr]
-                                           [], b"{}")
-            backend.gate.hold("a KV reset")
-            proxy.pause_streams("default")
-            assert not proxy.streams.unanswered(ex, call, "default")
-            backend.gate.release()  # (the reset is over: the pause with it)
-            assert proxy.streams.unanswered(ex, call, "default")
-            proxy.streams.answered(ex)
-
-    asyncio.run(main())
-
-
-def test_a_request_that_would_wait_past_the_hold_timeout_gets_503_over_capacity_at_once(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 51 over real HTTP: an engine of one slot that serves ~20 requests a second,
-    160 requests queued behind it; once the gate has measured that pace (its window made
-    short here), a newcomer would wait ~8 s, past the 3 s hold timeout: 503 at once, its
-    reason `over_capacity` in the body and on the exporter's count, with Retry-After."""
-    from supervisor.front import admission
-
-    monkeypatch.setattr(admission, "RATE_WINDOW_S", 0.5)
-    monkeypatch.setattr(admission, "RATE_MIN_DONE", 3)
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        await asyncio.sleep(0.05)
-        return web.Response(body=COMPLETION, content_type="application/json")
-
-    async def main() -> None:
-        runner, up = await _upstream(handler)
-        gate = Gate(GateLimits(concurrency=1, max_wait_s=3.0))
-        gate.release()
-        proxy = FrontProxy(ProxySettings("127.0.0.1", 0, up), gate, ready=lambda: True)
-        await proxy.start()
-        url = f"http://127.0.0.1:{proxy.port}/v1/completions"
-        body = _post({"model": "m", "prompt": "x", "max_tokens": 8})
-        try:
-            async with aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=0)) as s:
-                async def one() -> int:
-                    async with s.post(url, data=body) as r:
-                        await r.read()
-                        return r.status
-
-                load = [asyncio.create_task(one()) for _ in range(160)]
-                for _ in range(500):  # (bounded: 10 s) until the pace is known
-                    if gate.predicted_wait(1) is not None:
-                        break
-                    await asyncio.sleep(0.02)
-                guess = gate.predicted_wait(1)
-                assert guess is not None and guess[0] > 3.0, guess
-                waiting = gate.waiting
-                async with s.post(url, data=body) as r:
-                    doc = await r.json()
-                    assert r.status == 503, doc
-                    assert doc["error"]["type"] == "over_capacity", doc
-                    assert "past the hold timeout" in doc["error"]["message"]
-                    assert int(r.headers["Retry-After"]) > 0
-                assert gate.waiting <= waiting  # (it took no place in the queue)
-                codes = await asyncio.gather(*load)
-            assert proxy.stats.rejections.get("over_capacity") == 1, proxy.stats.rejections
-            # the ones already queued were served or timed out as before, none refused so
-            assert set(codes) <= {200, 503} and codes.count(200) >= 1
-        finally:
-            await proxy.close()
-            await runner.cleanup()
 
     asyncio.run(main())
