@@ -1,7 +1,7 @@
 """The standby's states that the unit tests of the pair start from (tests/test_standby*.py,
 tests/test_thin_pair.py, tests/test_golden.py): a ready standby, a pair proven and asleep
 (side by side or the standby first), a crash and the wake after it, a pair unprotected
-after a crash, a snapshot standby asleep and dumped. Over tests/test_supervisor_unit.py's
+after a crash, a snapshot standby asleep and dumped. Over tests/unit_world.py's
 `World`: recorded effects, a driven clock, no process."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ soon as NVML lists none of the old tree (`CardReleased`, told by the take-down:
 `takedown.card_released`), not when the whole tree is gone (`Down`): a killed core's
 memory is back while its API server, or a copy's namespace, still goes (0.15-0.2 s on
 the H200, docs/gpu-validation.md). Decided over the recording effects and the driven
-clock of tests/test_supervisor_unit.py; the take-down's side on real processes below."""
+clock of tests/unit_world.py; the take-down's side on real processes below."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog.gpu import GpuReading, NoGpu
 from tests.harness import FAKE_ENGINE, free_port
 from tests.harness import until as until_async
+from tests.pair_world import world
 from tests.test_early_wake import WEIGHTS, armed, audited, reading, wakes
-from tests.test_pair_machine import world
 from tests.test_takedown import engine_config, spawn_running
 from tests.unit_world import World
 

@@ -6,7 +6,7 @@ engine's tree is gone. When NVML's last reading, taken with the old engine healt
 room on the card for the standby's weights (as its sleep said them) with a margin, their
 wake (`/wake_up?tags=weights`) is asked at once, and only the rest (`tags=kv_cache`) once
 the tree is gone. Decided over the recording effects and the driven clock of
-tests/test_supervisor_unit.py; the HTTP and the fake engine's side through the daemon in
+tests/unit_world.py; the HTTP and the fake engine's side through the daemon in
 tests/test_standby.py."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from supervisor.engine.pair.early_wake import EARLY_WAKE_MARGIN_BYTES
 from supervisor.engine.process.enginelog import weights_backup_of
 from supervisor.engine.process.process import EngineProcess
 from supervisor.watchdog.gpu import DeviceReading, GpuReading
-from tests.test_pair_machine import world
+from tests.pair_world import world
 from tests.unit_world import World
 
 GIB = 2**30

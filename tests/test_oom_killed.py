@@ -16,8 +16,8 @@ import pytest
 from supervisor.engine.events import CoreExited, Exited, TreeSeen
 from supervisor.engine.process.process import EngineProcess
 from supervisor.engine.views import exporter_view
+from tests.pair_world import world
 from tests.test_early_wake import armed
-from tests.test_pair_machine import world
 from tests.unit_world import World
 
 

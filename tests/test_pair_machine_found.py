@@ -23,7 +23,7 @@ from supervisor.engine.events import (
 )
 from supervisor.engine.process.process import EngineProcess
 from supervisor.settings.config import parse_config
-from tests.test_pair_machine import MODES, world
+from tests.pair_world import MODES, world
 from tests.unit_world import World
 
 

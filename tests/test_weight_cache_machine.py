@@ -1,6 +1,6 @@
 """The engine and its weight cache (`engine.weight_cache`) as a Hypothesis state machine:
 events fed in any order the world allows, over the recording effects and the driven clock
-of tests/test_supervisor_unit.py, with no process.
+of tests/unit_world.py, with no process.
 
 The world is read from the effects log: a spawn asked and not yet answered, a process
 spawned and not yet taken down (its health, its exit), the take-downs asked and not yet

@@ -1,6 +1,6 @@
 """The weight cache beside an engine (`engine.weight_cache`, supervisor/engine/
 weight_cache.py) with no process at all: the unit's effects recorded, its events fed by
-hand, its clock driven by the test (tests/test_supervisor_unit.py's `World`).
+hand, its clock driven by the test (tests/unit_world.py's `World`).
 
 The same transitions run against the fake engine and a fake `vllm preload` in
 tests/test_weight_cache.py."""

@@ -5,7 +5,7 @@ more beside the serving engine, a ready standby's weights are woken (`tags=weigh
 sleeps on) long before any fault, and a failover then wakes only its KV cache once the old
 engine's tree is gone. A card that runs short takes them back (the standby replaced: woken
 weights cannot sleep again). Decided over the recording effects and the driven clock of
-tests/test_supervisor_unit.py; through the daemon and the fake engine in
+tests/unit_world.py; through the daemon and the fake engine in
 tests/test_standby.py."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from supervisor.engine.events import Exited, GateProbe, GpuSampled, Tick, Woken
 from supervisor.engine.pair.weights_ahead import AHEAD_MARGIN_BYTES, FLOOR_BYTES
 from supervisor.engine.process.process import EngineProcess
 from supervisor.settings.config import ConfigError, parse_config
+from tests.pair_world import MODES
 from tests.test_early_wake import GIB, WEIGHTS, armed, audited, reading, wakes
-from tests.test_pair_machine import MODES
 from tests.unit_world import World
 
 ROOM = WEIGHTS + AHEAD_MARGIN_BYTES
