@@ -6,7 +6,7 @@ event on the queue (`supervisor/engine/events.py`) and returns at once, or (the 
 `follow` and `pause_streams`, `kill_now`) acts at once. The daemon's implementation is
 `JobEffects` (`supervisor/engine/effects/jobs.py`: the jobs themselves; those that talk to an
 engine over HTTP in `supervisor/engine/effects/http_jobs.py`); tests pass a recording
-fake (`tests/test_supervisor_unit.py`) and feed the events by hand, with a driven clock,
+fake (`tests/unit_world.py`) and feed the events by hand, with a driven clock,
 so the lifecycle is tested without a process. It holds no state the unit reads but the
 count of the daemon's own generations at the engine (`probes_in_flight`).
 """
