@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import httpx
 
-from tests import test_continuation_proxy
-from tests.fake_tokens import prompt_ids
-from tests.harness import wait_for, write_config
-from tests.test_continuation_proxy import (
+from tests import continuation_streams
+from tests.continuation_streams import (
     TOKENS,
     chat,
     comp,
@@ -20,9 +18,11 @@ from tests.test_continuation_proxy import (
     run,
     under_fault,
 )
+from tests.fake_tokens import prompt_ids
+from tests.harness import wait_for, write_config
 from tests.test_proxy import url
 
-fronted = test_continuation_proxy.fronted  # (the fixture: a daemon before a fake engine)
+fronted = continuation_streams.fronted  # (the fixture: a daemon before a fake engine)
 
 STALLED = ("vllm_supervisor_proxy_rejections_total", (("reason", "stalled"),))
 TIMED_OUT = ("vllm_supervisor_proxy_rejections_total", (("reason", "request_timeout"),))

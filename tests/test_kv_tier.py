@@ -32,9 +32,9 @@ from supervisor.loop import Clock
 from supervisor.settings.config import ConfigError, parse_config
 from supervisor.settings.sections import EngineConfig
 from supervisor.watchdog.gpu import NoGpu
+from tests.continuation_streams import Seen, comp, expected_text, metrics, run
 from tests.fake_tokens import prompt_ids
 from tests.harness import wait_for, write_config
-from tests.test_continuation_proxy import Seen, comp, expected_text, metrics, run
 from tests.test_proxy import proxy_config
 from tests.test_standby import standby_ready
 

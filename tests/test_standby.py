@@ -18,9 +18,9 @@ import httpx
 import psutil
 import pytest
 
+from tests.continuation_streams import Seen, comp, expected_text, metrics, run
 from tests.fake_tokens import prompt_ids
 from tests.harness import wait_for
-from tests.test_continuation_proxy import Seen, comp, expected_text, metrics, run
 from tests.test_e2e_prometheus import NEEDS_STANDBY
 from tests.test_e2e_vllm import NGRAM
 from tests.test_proxy import proxy_config, url

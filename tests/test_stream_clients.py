@@ -19,10 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from tests import continuation_streams
+from tests.continuation_streams import expected_text, metrics
 from tests.fake_tokens import prompt_ids
 from tests.harness import ROOT, wait_for
-from tests.test_continuation_proxy import expected_text, fronted, metrics  # noqa: F401
 from tests.test_proxy import url
+
+fronted = continuation_streams.fronted  # (the fixture: a daemon before a fake engine)
 
 ENGINE_PY = ROOT / ".venv-engine" / "bin" / "python"
 CLIENT = Path(__file__).with_name("vllm_bench_client.py")
@@ -32,7 +35,7 @@ TOKENS = 120
 @pytest.mark.e2e  # needs .venv-engine (vLLM's client); the engine is the fake one
 @pytest.mark.parametrize("backend", ["openai", "openai-chat"])
 def test_vllm_bench_client_gets_every_token_of_resent_and_continued_streams(
-        fronted, tmp_path, backend):  # noqa: F811 (the fixture)
+        fronted, tmp_path, backend):
     # every answer starts after 1.5 s (its prefill); the restarted engine listens after
     # 1 s; keep-alives every 0.5 s while the streams wait
     d, cfg = fronted("--first-token-delay", "1.5", "--startup-delay", "1", keepalive_s=0.5)
