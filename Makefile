@@ -39,7 +39,7 @@ test-fast:
 explore: setup
 	.venv/bin/python -m pytest -q -p no:cacheprovider --hypothesis-profile=explore $(PARALLEL) \
 		tests/test_pair_machine.py tests/test_weight_cache_machine.py \
-		tests/test_continuation.py tests/test_plane_codec.py tests/test_policy.py
+		tests/test_continuation.py tests/test_plane_codec.py tests/test_policy_guardrails.py
 
 lint:
 	.venv/bin/ruff check supervisor tests bench

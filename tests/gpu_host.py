@@ -138,11 +138,11 @@ def engine_config(i: int, name: str, gpus: list[int]) -> dict[str, Any]:
 
 
 def host_config() -> Path:
-    from tests.gpu_shapes import make_m8b
+    from tests.gpu_shapes import ensure_m8b
     from tests.harness import write_config
 
-    if not DRY and not (Path(MODEL) / "config.json").exists():
-        make_m8b(Path(MODEL))
+    if not DRY:
+        ensure_m8b(Path(MODEL))
     sections: dict[str, dict[str, Any]] = {
         f"engines.{n}": engine_config(i, n, g) for i, (n, g) in enumerate(gpus_of().items())}
     sections.update({

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.gpu_shapes import STAGED, VLLM_SITE, make_m8b
+from tests.gpu_shapes import STAGED, VLLM_SITE, ensure_m8b
 
 WORK = Path(os.environ.get("WORK", "/tmp/vs-kvprobe"))
 MODEL = Path.home() / "m8b"
@@ -180,8 +180,7 @@ def standby_first() -> None:
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "bytes"
     WORK.mkdir(parents=True, exist_ok=True)
-    if not (MODEL / "config.json").exists():
-        make_m8b(MODEL)
+    ensure_m8b(MODEL)
     assert STAGED.exists()
     result("card", **card())
     if mode == "first":

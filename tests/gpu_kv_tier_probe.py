@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("WORK", "/tmp/vs-tier")
 os.environ["PYTHONHASHSEED"] = "0"  # every engine the same block hashes (the tier's doc)
 from tests.gpu_kv_probe import MODEL, WORK, Engine, card, result
-from tests.gpu_shapes import STAGED, make_m8b
+from tests.gpu_shapes import STAGED, ensure_m8b
 
 ROOT = Path("/dev/shm/vs-kv-tier")
 OUT_TOKENS = 128
@@ -148,8 +148,7 @@ def main() -> None:
     streams = int(sys.argv[1]) if len(sys.argv) > 1 else 128
     prompt_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 1536
     WORK.mkdir(parents=True, exist_ok=True)
-    if not (MODEL / "config.json").exists():
-        make_m8b(MODEL)
+    ensure_m8b(MODEL)
     assert STAGED.exists()
     # the streams' blocks, at 128 KiB a token in this shape, all go to the fs tier; the CPU
     # tier (a /dev/shm file of its own per engine) is the way in and out, half as large

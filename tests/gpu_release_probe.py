@@ -65,7 +65,7 @@ from typing import Any
 os.environ.setdefault("WORK", "/tmp/vs-release")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.gpu_kv_probe import MODEL, WORK, Engine, card, result
-from tests.gpu_shapes import STAGED, VLLM_SITE, make_m8b
+from tests.gpu_shapes import STAGED, VLLM_SITE, ensure_m8b
 from tests.gpu_snapshot_probe import tree
 
 FULL = ["--gpu-memory-utilization", "0.88"]
@@ -242,8 +242,7 @@ def run(name: str, port: int, sleep_first: bool, reap: bool, empty: bool = False
 
 def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
-    if not (MODEL / "config.json").exists():
-        make_m8b(MODEL)
+    ensure_m8b(MODEL)
     assert STAGED.exists()
     (Path(VLLM_SITE) / f"{EXT}.py").write_text(EXT_SOURCE)
     result("card", kernel=os.uname().release, thp=thp_settings(), **card())

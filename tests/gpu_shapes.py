@@ -34,6 +34,19 @@ def make_m8b(model: Path, staged: Path = STAGED, **shape: object) -> None:
     (model / "tokenizer.json").write_text(json.dumps(covering))
 
 
+def ensure_m8b(model: Path) -> None:
+    """`make_m8b`, unless `model` is one already with a tokenizer that covers its vocabulary
+    (one made before `covering_tokenizer` is made again)."""
+    try:
+        cfg = json.loads((model / "config.json").read_text())
+        tok = json.loads((model / "tokenizer.json").read_text())
+        if len(tok["model"]["vocab"]) >= int(cfg["vocab_size"]):
+            return
+    except (OSError, ValueError, KeyError):
+        pass
+    make_m8b(model)
+
+
 def covering_tokenizer(tok: dict, vocab_size: int) -> dict:
     """The tiny model's byte-level BPE tokenizer (512 ids) grown to `vocab_size` ids, each
     new one decoding to a word of its own (" w<id>"), as a real model's tokenizer decodes
@@ -47,6 +60,8 @@ def covering_tokenizer(tok: dict, vocab_size: int) -> dict:
     tokenizer"). The new ids have no merges, so text is still encoded with the 512 old
     ones: prompts keep their lengths."""
     vocab = tok["model"]["vocab"]
-    for i in range(len(vocab), vocab_size):
-        vocab[f"\u0120w{i}"] = i  # "Ġ" is the byte-level alphabet's space
+    taken = set(vocab.values()) | {t["id"] for t in tok.get("added_tokens", [])}
+    for i in range(vocab_size):
+        if i not in taken:
+            vocab[f"\u0120w{i}"] = i  # "Ġ" is the byte-level alphabet's space
     return tok

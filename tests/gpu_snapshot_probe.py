@@ -61,7 +61,7 @@ os.environ.setdefault("WORK", "/tmp/vs-snap")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from supervisor.engine.snapshot.cuda import LOCK_MS, LibCuda, open_driver
 from tests.gpu_kv_probe import MODEL, WORK, Engine, card, released, result
-from tests.gpu_shapes import STAGED, make_m8b
+from tests.gpu_shapes import STAGED, ensure_m8b
 
 T = TypeVar("T")
 CRIU_DEBS = Path(__file__).resolve().parent.parent / os.environ.get("CRIU_DEBS", ".criu")
@@ -415,8 +415,7 @@ def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     RPC.mkdir(exist_ok=True)
     os.environ["VLLM_RPC_BASE_PATH"] = str(RPC)  # (the engines' environment is ours)
-    if not (MODEL / "config.json").exists():
-        make_m8b(MODEL)
+    ensure_m8b(MODEL)
     assert STAGED.exists()
     step_env()
     cuda = cuda_driver()

@@ -45,7 +45,7 @@ from tests.gpu_daemon import (
     status,
     wait,
 )
-from tests.gpu_shapes import make_m8b
+from tests.gpu_shapes import ensure_m8b
 from tests.harness import write_config
 
 
@@ -65,8 +65,7 @@ def phase_start(standby: str | None = None, share: str | None = None,
         thin = ["--gpu-memory-utilization", thin_share or "0.28"]
     if SHAPE == "8b":
         standby, share = standby or "sleep", share or "0.88"
-        if not (Path(MODEL) / "config.json").exists():
-            make_m8b(Path(MODEL))
+        ensure_m8b(Path(MODEL))
         # torch.compile and CUDA graphs on (no --enforce-eager): a cold start of the
         # standby and then the engine took about 240 s on a fresh H100
         # MAX_MODEL_LEN (issue 51): 4608 lets the `cost` steps send 4096-token prompts
