@@ -149,3 +149,13 @@ def stream_request(tokens: int) -> bytes:
     body = post_body({"model": "m", "prompt": "hi", "max_tokens": tokens, "stream": True})
     return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+
+
+async def read_to_the_last_chunk(reader: asyncio.StreamReader) -> bytes:
+    """A chunked answer as the client reads it, to its last (empty) chunk; 10 s a read."""
+    got = bytearray()
+    while not got.endswith(b"0\r\n\r\n"):
+        part = await asyncio.wait_for(reader.read(1 << 16), 10)
+        assert part, bytes(got[-300:])
+        got += part
+    return bytes(got)

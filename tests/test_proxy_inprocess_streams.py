@@ -23,6 +23,7 @@ from tests.inprocess_proxy import (
     behind_raw_engine,
     post_body,
     read_body,
+    read_to_the_last_chunk,
     scripted_upstream,
     stream_request,
     token_event,
@@ -55,11 +56,7 @@ def test_a_continuable_stream_to_a_client_that_reads_late_gets_every_token_in_or
             writer.write(stream_request(n))
             await writer.drain()
             await asyncio.sleep(0.5)  # not reading: the proxy's writes back up
-            got = bytearray()
-            while not got.endswith(b"0\r\n\r\n"):
-                part = await asyncio.wait_for(reader.read(1 << 16), 10)
-                assert part, bytes(got[-300:])
-                got += part
+            got = await read_to_the_last_chunk(reader)
             writer.close()
             texts = [int(t) for t in re.findall(rb'"text":" t(\d+)"', got)]
             assert texts == list(range(n))
@@ -135,11 +132,7 @@ def test_a_stream_unanswered_when_its_engine_pauses_is_cut_and_sent_again_never_
                 await asyncio.wait_for(waiting.wait(), 10)
                 waiting.clear()
                 cut.append(proxy.pause_streams("default"))
-            got = bytearray()
-            while not got.endswith(b"0\r\n\r\n"):
-                part = await asyncio.wait_for(reader.read(1 << 16), 10)
-                assert part, bytes(got[-300:])
-                got += part
+            got = await read_to_the_last_chunk(reader)
             writer.close()
             assert [int(t) for t in re.findall(rb'"text":" t(\d+)"', got)] == list(range(n))
             assert got.count(b"data: [DONE]") == 1
