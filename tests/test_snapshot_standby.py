@@ -3,7 +3,7 @@ CRIU (issue 49's route 3): the standby is proven, put to sleep, kept as images (
 ends it) and a copy restored from them is the standby, asleep; a crash of the serving
 engine's core wakes the copy and the streams go on there token-exact; the next standby
 is another copy of the same images, restored beside the engine that serves, with no
-dump. A dump that cannot be made leaves a sleeping standby, said in status."""
+dump, and a crash of the copy that serves hands over to it in turn. A dump that cannot be made leaves a sleeping standby, said in status."""
 
 from __future__ import annotations
 
@@ -103,7 +103,20 @@ def test_the_standby_is_a_copy_of_its_images_before_and_after_a_failover(daemon_
     assert again["asleep"] is True and again["snapshot"]["copy"] is True
     assert in_a_namespace(again["pid"])
     assert [e["event"] for e in audit(cfg)].count("standby_dumped") == 1  # (no new dump)
-    pids = [copy, again["pid"]]
+
+    # a crash of the copy that serves: the next copy takes over, as the first did (the
+    # H200 found a take-down of a copy, promoted, that failed and cold-started instead)
+    core = next(c.pid for c in psutil.Process(copy).children(recursive=True)
+                if c.name().startswith("VLLM::EngineCo"))
+    streams_under(cfg, lambda: os.kill(core, signal.SIGKILL))
+    st = d.status()
+    events = audit(cfg)
+    assert not [e for e in events if e["event"] in ("failover_failed", "standby_failed")], \
+        [e for e in events if e["event"] in ("failover_failed", "standby_failed")]
+    assert st["state"] == "RUNNING" and st["pid"] == again["pid"] and st["restarts"] == 2
+    wait_for(lambda: standby_ready(d) and d.status()["standby"]["pid"]
+             not in (copy, main, again["pid"]), 60, "a third copy, the standby")
+    pids = [copy, again["pid"], d.status()["standby"]["pid"]]
     stopped = d.ctl("stop")
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert d.proc.wait(timeout=60) == 0

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import structlog
+import uvloop
 
 from supervisor.engine.process import host_cache, kv_tier, proctree, sleep_backup
 from supervisor.engine.process.enginelog import (
@@ -342,12 +343,37 @@ async def spawn_engine(spec: SpawnSpec, generation: int, now: float,
     return engine
 
 
+class _PipeProtocol(asyncio.StreamReaderProtocol):
+    """A pipe read to its end has nothing more to give: its transport closes then (the
+    stream protocol's own keeps it open, half-closed, as a socket's; uvloop then closed
+    it only when collected)."""
+
+    def eof_received(self) -> bool:
+        super().eof_received()
+        return False
+
+
 async def pipe_reader(fd: int) -> asyncio.StreamReader:
-    """The event loop's reader of a pipe's read end (its file is the transport's)."""
+    """The event loop's reader of a pipe's read end, which it closes at its end of file.
+
+    The descriptor is closed once. uvloop's transport closes it itself (libuv's
+    `uv_close`), then closes the file object it was handed: the same number a second
+    time (uvloop#763), and a descriptor another thread opened in between (a /proc read
+    of the take-down's, in a worker thread) was closed from under it. On the H200 that
+    failed a take-down with EBADF as a copy's core died, and a cold start replaced the
+    wake. Under uvloop the file object does not own the descriptor; under the standard
+    loop it does (its transport closes only the file object)."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=LINE_LIMIT, loop=loop)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop),
-                                 os.fdopen(fd, "rb", buffering=0))
+    owned = not isinstance(loop, uvloop.Loop)
+    pipe = os.fdopen(fd, "rb", buffering=0, closefd=owned)
+    try:
+        await loop.connect_read_pipe(lambda: _PipeProtocol(reader, loop=loop), pipe)
+    except BaseException:
+        if not owned:
+            os.close(fd)
+        pipe.close()
+        raise
     return reader
 
 
