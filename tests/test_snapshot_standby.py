@@ -3,7 +3,8 @@ CRIU (issue 49's route 3): the standby is proven, put to sleep, kept as images (
 ends it) and a copy restored from them is the standby, asleep; a crash of the serving
 engine's core wakes the copy and the streams go on there token-exact; the next standby
 is another copy of the same images, restored beside the engine that serves, with no
-dump, and a crash of the copy that serves hands over to it in turn. A dump that cannot be made leaves a sleeping standby, said in status."""
+dump, and a crash of the copy that serves hands over to it in turn. A dump that cannot
+be made leaves a sleeping standby, said in status."""
 
 from __future__ import annotations
 
