@@ -111,7 +111,8 @@ answer would; a token's text is "t<id> ". A string prompt's token ids are its ch
 On SIGTERM it stops accepting and lets running requests finish for --shutdown-timeout,
 as vLLM does. A client that goes away mid-stream is counted in <pidfile dir>/aborts;
 the most requests ever running at once is written to <pidfile dir>/max-running.
-Serves GET /health, /metrics, /v1/models, POST /v1/completions (one token) and, with
+Serves GET /health, /metrics, /v1/models (with vLLM's --max-model-len, when given,
+listed as vLLM lists it), POST /v1/completions (one token) and, with
 VLLM_SERVER_DEV_MODE=1, /reset_prefix_cache (counted in $FAKE_ENGINE_PIDFILE's directory
 as prefix-resets); any other GET answers 200.
 `preload ARGS` runs a stand-in for `vllm preload` instead (tests/fake_preload.py), and
@@ -231,6 +232,8 @@ def main() -> None:
     p.add_argument("--die-on-prompt", default=None)
     p.add_argument("--die-answering", action="store_true")
     p.add_argument("--served-model-name", default="fake")  # the one name it answers to
+    # vLLM's own flag: its /v1/models then lists it, as vLLM's always does
+    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-tokens", type=int, default=65536)  # said at start, as vLLM's core
     # as vLLM: a request's non-zero priority is refused unless "priority"; each one taken
     # is logged (`request priority N`) for the tests

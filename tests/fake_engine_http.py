@@ -197,8 +197,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if self.path == "/version" and e.a.vllm_version:
             body = json.dumps({"version": e.a.vllm_version}).encode()
         if self.path == "/v1/models":
-            body = json.dumps({"object": "list", "data": [
-                {"id": e.a.served_model_name, "object": "model"}]}).encode()
+            listed: dict[str, object] = {"id": e.a.served_model_name, "object": "model"}
+            if e.a.max_model_len is not None:
+                listed["max_model_len"] = e.a.max_model_len
+            body = json.dumps({"object": "list", "data": [listed]}).encode()
         route = self.path.partition("?")[0]
         if route in ("/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping",
                      "/collective_rpc", "/pause", "/resume", "/is_paused"):

@@ -61,8 +61,11 @@ def seconds(a: float, b: float, step: float = 1.0) -> list[float]:
     return out
 
 
+# saturated by its load: the running requests can hold every block held
 SATURATED: Signals = {"kv_cache_usage": 0.97, "requests_waiting": 5, "preemption_rate": 0.5,
-                      "requests_running": 8}
+                      "requests_running": 8, "kv_blocks_unaccounted": -120.0}
+# saturated, with blocks held that no running request can hold: leaked
+LEAKING: Signals = {**SATURATED, "kv_blocks_unaccounted": 4000.0}
 ONLY = {name: {"enabled": False} for name in DEFAULT_RULES}
 
 

@@ -56,6 +56,9 @@ def test_a_new_rule_needs_when_and_action():
     ({"for_fraction": 0}, "policy.rules.kv_saturation.for_fraction", "above 0 and at most 1"),
     ({"for_fraction": 1.5}, "policy.rules.kv_saturation.for_fraction", "got 1.5"),
     ({"escalate_action": ""}, "policy.rules.kv_saturation.escalate_action", "required"),
+    ({"escalate_when": "leaked > 0"}, "policy.rules.kv_saturation.escalate_when",
+     "unknown signal"),
+    ({"escalate_when": 3}, "policy.rules.kv_saturation.escalate_when", "condition string"),
 ])
 def test_bad_rule_values_name_the_full_key(rule, where, what):
     msg = problems(doc(policy={"rules": {"kv_saturation": rule}}))

@@ -144,6 +144,9 @@ def test_daemon_starts_the_engine_and_a_completion_is_served(served):
     wait_for(lambda: d.status()["golden"]["baselines"] == 1, 120,
              "the golden baseline of the first start")
     assert sig["kv_cache_usage"] is not None and sig["metrics_age_s"] < 10
+    # its max_model_len, asked of its /v1/models once healthy, bounds the blocks its
+    # running requests can hold: none is held beyond them (nothing leaked)
+    assert sig["kv_blocks_unaccounted"] is not None and sig["kv_blocks_unaccounted"] <= 0
     # vLLM's development routes, probed at its start: without VLLM_SERVER_DEV_MODE the
     # real engine serves none (a GET of each answered 404), so both in-place rungs are
     # off from the start, each saying why (supervisor/watchdog/devroutes.py)

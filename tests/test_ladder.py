@@ -7,7 +7,7 @@ from __future__ import annotations
 from supervisor.settings.sections import PolicyConfig
 from supervisor.watchdog.policy import EngineFacts
 from supervisor.watchdog.rules import LADDER, REMEDIES
-from tests.policy_runs import COLLAPSE, LEAK, SATURATED, Run, config, gpu, only, seconds
+from tests.policy_runs import COLLAPSE, LEAK, LEAKING, SATURATED, Run, config, gpu, only, seconds
 
 SLEEPY = EngineFacts(can_kv_reset=True, can_reset_prefix_cache=True, live_throttle=True)
 
@@ -143,7 +143,7 @@ def test_kv_saturation_escalates_through_kv_reset_restart_and_reduced_batch_to_a
     cfg = config(**only("kv_saturation", kv_saturation={"cooldown_s": 10,
                                                          "escalate_after_s": 100}))
     r = Run(cfg, SLEEPY)
-    acted = [d.action for d in r.over(seconds(0, 2000, 5), SATURATED)]
+    acted = [d.action for d in r.over(seconds(0, 2000, 5), LEAKING)]
     assert acted == ["throttle", "throttle", "throttle", "kv_reset", "restart",
                      "reduce_batch", "alert"]
     assert r.state.engine.throttle_level == 3 and r.state.engine.batch_reduced
@@ -152,7 +152,7 @@ def test_kv_saturation_escalates_through_kv_reset_restart_and_reduced_batch_to_a
 def test_kv_saturation_without_sleep_mode_escalates_to_a_restart_as_before():
     cfg = config(**only("kv_saturation", kv_saturation={"cooldown_s": 10}))
     r = Run(cfg, EngineFacts(live_throttle=True))
-    acted = [d for d in r.over(seconds(0, 700, 5), SATURATED)]
+    acted = [d for d in r.over(seconds(0, 700, 5), LEAKING)]
     assert [d.action for d in acted] == ["throttle"] * 3 + ["restart"]
     assert "kv_reset: the engine cannot drop its KV cache in place" in acted[-1].reason
 
@@ -181,3 +181,39 @@ def test_dry_run_reports_the_first_rung_each_cooldown_and_climbs_nothing():
     acted = r.over(seconds(0, 400, 10), LEAK)
     assert [d.action for d in acted] == ["kv_reset"] * 4
     assert r.state.memory.rules["kv_leak"].rung == ""
+
+
+# ---- an escalation needs its evidence (`escalate_when`) ---------------------------------
+
+def test_a_saturation_by_load_stays_at_the_top_throttle_and_says_once_why_it_does_not_climb():
+    """Every block held is one the running requests can hold: a KV reset would free none
+    and make every stream compute its prompt again, so the rule never takes it."""
+    cfg = config(**only("kv_saturation", kv_saturation={"cooldown_s": 10,
+                                                         "escalate_after_s": 100}))
+    r = Run(cfg, SLEEPY)
+    assert actions(r, seconds(0, 2000, 5), SATURATED) == ["throttle"] * 3
+    notes = [d.held_back for _, d in r.decisions if d.held_back]
+    assert notes == ["kv_reset held back: it needs kv_blocks_unaccounted > 0, which does "
+                     "not hold: nothing says kv_reset would cure it"], notes
+    held = next(d for _, d in r.decisions if d.held_back)
+    assert held.rule == "kv_saturation" and held.evidence["kv_blocks_unaccounted"] == -120.0
+    assert r.state.engine.throttle_level == 3 and not r.state.engine.batch_reduced
+
+
+def test_the_escalation_goes_once_its_evidence_appears_and_not_while_it_is_unknown():
+    cfg = config(**only("kv_saturation", kv_saturation={"cooldown_s": 10,
+                                                         "escalate_after_s": 100}))
+    r = Run(cfg, SLEEPY)
+    unknown = {**SATURATED, "kv_blocks_unaccounted": None}  # (no max_model_len said)
+    assert actions(r, seconds(0, 600, 5), unknown) == ["throttle"] * 3
+    # blocks held that no running request can hold: leaked, and the reset frees them
+    assert actions(r, seconds(605, 700, 5), LEAKING) == ["kv_reset"]
+
+
+def test_an_escalation_held_for_its_evidence_does_not_hold_back_another_rules_action():
+    cfg = config(**only("kv_saturation", "prefix_collapse",
+                        kv_saturation={"cooldown_s": 10, "escalate_after_s": 100}))
+    r = Run(cfg, SLEEPY)
+    assert actions(r, seconds(0, 600, 5), SATURATED) == ["throttle"] * 3
+    both = {**SATURATED, **COLLAPSE}
+    assert actions(r, seconds(605, 1000, 5), both) == ["reset_prefix_cache"]

@@ -10,6 +10,7 @@ from supervisor.watchdog.rules import DEFAULT_RULES
 from tests.policy_runs import (
     COLLAPSE,
     LEAK,
+    LEAKING,
     SATURATED,
     UNKNOWN,
     UNSATURATED,
@@ -116,7 +117,7 @@ def test_a_windowed_rule_starts_afresh_on_a_new_engine_and_off_running():
 
 def test_kv_saturation_steps_per_cooldown_then_escalates_to_restart_at_the_top():
     r = Run(config(**only("kv_saturation")), EngineFacts(max_throttle_level=2))
-    acted = r.over(seconds(0, 1000), SATURATED)
+    acted = r.over(seconds(0, 1000), LEAKING)
     steps = [(t, d.action, d.throttle_level) for t, d in r.decisions if d.action != "none"]
     assert [a for _, a, _ in steps[:3]] == ["throttle", "throttle", "restart"]
     assert steps[0][0] == 90 and steps[1][0] == 90 + 120  # cooldown 120 s

@@ -68,6 +68,25 @@ def test_kv_saturated_scrape_gives_full_cache_a_queue_and_blocks_per_request():
     assert s["preemption_rate"] is None  # one scrape is not a rate
 
 
+def test_the_saturated_scrape_is_its_load_and_blocks_beyond_it_are_unaccounted():
+    """The real saturated engine (8 blocks of 128 tokens, 4 running, all held), with the
+    max_model_len its /v1/models says: the 4 requests can hold 4 x (2 + 1) blocks, so no
+    block is unaccounted for. Unknown without max_model_len."""
+    w = SignalWindow(WindowConfig())
+    w.add_metrics(0.0, scrape("kv-saturated.txt"))
+    assert compute(w, 0.0)["kv_blocks_unaccounted"] is None
+    s = w.compute(0.0, metrics_age_s=1.0, staleness_s=0.0, scrape_failures_total=0,
+                  engine_uptime_s=100.0, max_model_len=256)
+    assert s["kv_blocks_unaccounted"] == 8.0 - 4 * 3
+    # one request of at most 129 tokens running: it holds 3 blocks at most, 5 are held
+    # by none (leaked)
+    snap = dataclasses.replace(scrape("kv-saturated.txt"), requests_running=1.0)
+    assert signals.unaccounted(8.0, snap, 129) == 8.0 - 3
+    assert signals.unaccounted(8.0, dataclasses.replace(snap, requests_running=0.0),
+                               129) == 8.0  # (nothing running holds nothing)
+    assert signals.unaccounted(8.0, dataclasses.replace(snap, block_size=None), 129) is None
+
+
 def test_idle_scrape_holds_no_blocks_and_per_request_is_unknown_with_nothing_running():
     w = SignalWindow(WindowConfig())
     w.add_metrics(0.0, scrape("idle.txt"))

@@ -62,7 +62,11 @@ class MetricsScript:
             "# TYPE vllm:num_preemptions counter",
             f"vllm:num_preemptions_total{lbl} {c['preemptions']}",
             "# TYPE vllm:generation_tokens counter",
-            f"vllm:generation_tokens_total{lbl} {c['generation']}", ""]))
+            f"vllm:generation_tokens_total{lbl} {c['generation']}",
+            *([] if "blocks" not in v else [  # (vLLM's cache config, when set)
+                "# TYPE vllm:cache_config_info gauge",
+                f'vllm:cache_config_info{{block_size="{v.get("block_size", 16):g}",'
+                f'engine="0",num_gpu_blocks="{v["blocks"]:g}"}} 1.0']), ""]))
 
     def _run(self) -> None:
         last = time.monotonic()
@@ -483,3 +487,38 @@ def test_a_kv_reset_waits_while_the_api_server_is_silent_and_goes_once_it_answer
     assert (dec["rule"], dec["action"]) == ("kv_leak", "kv_reset")
     st = d.status()
     assert (st["pid"], st["restarts"]) == (api, 0)
+
+
+def test_a_saturation_by_load_is_throttled_and_not_reset_and_a_leak_is(
+        daemon_factory, tmp_path, metrics):
+    """The KV saturation rule's escalation needs blocks held that no running request can
+    hold (`kv_blocks_unaccounted`, from the engine's max_model_len as its /v1/models says
+    it, asked once healthy): 64 blocks of 16 tokens, 97 % held. With 4 requests of at most
+    256 tokens running (17 blocks each, 68 in all) that is load, and the rule stays at its
+    top throttle level, saying once why; with 2 (34 blocks) 28 blocks are held by none,
+    and it climbs."""
+    cfg = watchdog_config(
+        tmp_path, "--metrics-file", str(metrics.path),
+        engine={"args": ["--max-num-seqs", "16", "--max-model-len", "256"]},
+        throttle={"level_factors": [0.5]},
+        rules={"kv_saturation": {"for_s": 1, "clear_for_s": 1, "cooldown_s": 1,
+                                 "escalate_after_s": 2}})
+    d = daemon_factory(cfg)
+    d.wait_state("RUNNING")
+    metrics.set(kv=0.97, waiting=5, running=4, preemptions=3.0, blocks=64)
+    d.wait_state("RUNNING", 30, extra=lambda s: s["restarts"] == 1)  # the throttle
+    held = wait_for(lambda: [e for e in d.events() if e["event"] == "decision_held_back"],
+                    30, "the escalation held back")
+    assert held[0]["rule"] == "kv_saturation", held
+    assert "it needs kv_blocks_unaccounted > 0, which does not hold" in held[0]["held_back"]
+    signals = d.status()["signals"]
+    assert signals["kv_blocks_unaccounted"] == pytest.approx(0.97 * 64 - 4 * 17)
+    time.sleep(3)  # (past escalate_after_s again: still nothing but the throttle)
+    assert [e["action"] for e in d.decisions()] == ["throttle"]
+    assert len([e for e in d.events() if e["event"] == "decision_held_back"]) == 1
+
+    metrics.set(running=2)  # the same blocks held by half the requests: leaked
+    dec = wait_for(lambda: [e for e in d.decisions() if e["action"] != "throttle"], 30,
+                   "the escalation")[0]
+    assert dec["rule"] == "kv_saturation" and dec["action"] in ("kv_reset", "restart"), dec
+    assert dec["evidence"]["kv_blocks_unaccounted"] == pytest.approx(0.97 * 64 - 2 * 17)

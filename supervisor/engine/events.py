@@ -71,6 +71,8 @@ class HealthResult(Event):
     # not healthy, though it runs: why its start is over before its startup timeout
     # (`process.start_given_up`); None: the timeout itself
     why: str | None = None
+    # healthy: the max_model_len its /v1/models lists (None: not said, or not asked)
+    max_model_len: int | None = None
 
 
 @dataclass(frozen=True)

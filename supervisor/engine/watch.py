@@ -196,7 +196,8 @@ class EngineWatch:
         return self.window.compute(
             now, metrics_age_s=round(now - at, 3) if at is not None else None,
             staleness_s=round(self.scrapes.staleness_s(now), 3),
-            scrape_failures_total=self.scrapes.failures_total, engine_uptime_s=up)
+            scrape_failures_total=self.scrapes.failures_total, engine_uptime_s=up,
+            max_model_len=engine.max_model_len if engine is not None else None)
 
     def on_canary_done(self, ev: CanaryDone, unit: UnitFacts) -> None:
         if not unit.serving_engine(ev.generation):

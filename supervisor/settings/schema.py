@@ -185,7 +185,7 @@ def build_rules(prefix: str, table: Any, problems: list[str]) -> dict[str, RuleC
                 else:
                     problems.append(f"{where}: expected a share above 0 and at most 1, "
                                     f"got {v!r}")
-            elif k in ("when", "clear_when"):
+            elif k in ("when", "clear_when", "escalate_when"):
                 if not isinstance(v, str) or (k == "when" and not v.strip()):
                     problems.append(f"{where}: expected a condition string, got {v!r}")
                 elif v.strip():

@@ -13,8 +13,9 @@ last `for_s`, the window covered and the condition true now); the rule acts, the
 it acts and re-armed once its clear condition has held `clear_for_s` (hysteresis: the
 same symptom does not fire twice without clearing in between) or a new engine starts. A
 throttle rule steps one level per cooldown while its condition holds, escalates when it
-still holds `escalate_after_s` after reaching the top level, and lifts one step per
-`clear_for_s` of its clear condition.
+still holds `escalate_after_s` after reaching the top level (and its `escalate_when`, the
+evidence that the next rung can cure it, holds then: else it stays there and says why
+once), and lifts one step per `clear_for_s` of its clear condition.
 
 The remediation ladder (`rules.LADDER`): every remedy is a rung, taken only when the
 operator allows it (`policy.remedies`) and the engine supports it (a prefix-cache reset
@@ -25,10 +26,11 @@ the next rung; after a restart the new engine re-arms it, and if the symptom per
 there too, the next rung again; a throttle rule's escalations climb the same way. The
 top rung is an alert: the policy gives up on that symptom until it clears.
 
-Guardrails, in order: pause (maintenance), the restart budget (past it: one alert, then
-nothing), the minimum gap between actions (a frozen engine's restart and a hold-down
-skip it), a KV reset's wait for a silent API server (up to SILENT_HOLD_MAX_S; other
-actions due go meanwhile), the per-rule cooldown, dry-run (decided, audited, not done).
+Guardrails, in order: an escalation's evidence (`escalate_when`), pause (maintenance),
+the restart budget (past it: one alert, then nothing), the minimum gap between actions
+(a frozen engine's restart and a hold-down skip it), a KV reset's wait for a silent API
+server (up to SILENT_HOLD_MAX_S; other actions due go meanwhile), the per-rule cooldown,
+dry-run (decided, audited, not done).
 """
 
 from __future__ import annotations
@@ -154,6 +156,8 @@ class _Due:
     action: str
     reason: str
     evidence: dict[str, float | None]
+    # why it may not go now though due (an escalation without its evidence); None: it may
+    unproven: str | None = None
 
 
 def _evidence(signals: Mapping[str, float | None], *texts: str) -> dict[str, float | None]:
@@ -270,9 +274,15 @@ def _step_rule(name: str, rule: RuleConfig, m: RuleMemory, signals: Mapping[str,
                     and m.rung != "alert"):
                 want = _climb(m.rung) if m.rung else rule.escalate_action
                 esc, skipped = _rung(want, e, allowed)
+                unproven = None
+                if rule.escalate_when:  # (its evidence, named either way)
+                    ev = {**ev, **_evidence(signals, rule.escalate_when)}
+                    if not _cond(rule.escalate_when).holds(signals):
+                        unproven = (f"it needs {rule.escalate_when}, which does not hold: "
+                                    f"nothing says {esc} would cure it")
                 return m, _Due(name, esc, f"{name}: still {rule.when} after "
                                f"{now - top_since:.0f} s at the top throttle level"
-                               + (f" (skipped {skipped})" if skipped else ""), ev)
+                               + (f" (skipped {skipped})" if skipped else ""), ev, unproven)
             return m, None
         if clear_since is not None and cleared and (m.levels > 0 or m.reduced) and (
                 m.last_fired is None or now - m.last_fired >= rule.clear_for_s):
@@ -370,12 +380,15 @@ def decide(signals: Mapping[str, float | None], state: PolicyState, config: Poli
     # A KV reset pauses the engine through its API server: while that server is silent it
     # waits (held back below), up to SILENT_HOLD_MAX_S, and whatever else is due goes
     # meanwhile.
-    waits = e.api_silent is not None and any(x.action == "kv_reset" for x in due)
+    waits = e.api_silent is not None and any(x.action == "kv_reset" and x.unproven is None
+                                             for x in due)
     since = (now if mem.silent_since is None else mem.silent_since) if waits else None
     mem = dataclasses.replace(mem, silent_since=since)
     holding = since is not None and now - since < SILENT_HOLD_MAX_S
     if holding and any(x.action != "kv_reset" for x in due):
         due = [x for x in due if x.action != "kv_reset"]
+    # (an escalation without its evidence never goes; whatever else is due goes instead)
+    due = [x for x in due if x.unproven is None] or due
     d = min(due, key=lambda x: PRIORITY.index(x.action))
     restarting = _restarts(d.action, e, rules[d.rule].reduced)
 
@@ -386,6 +399,8 @@ def decide(signals: Mapping[str, float | None], state: PolicyState, config: Poli
                          held_back=None if mem.last_note == note
                          else f"{d.action} held back: {why}")
 
+    if d.unproven is not None:
+        return held_back(d.unproven)
     if state.paused:
         return held_back("the policy is paused")
     if restarting and not budget_left:

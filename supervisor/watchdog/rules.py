@@ -44,6 +44,10 @@ class RuleConfig:
     cooldown_s: float = 300.0
     escalate_after_s: float = 0.0  # 0: never
     escalate_action: str = ""
+    # the escalation also needs this to hold now (empty: nothing more): the evidence that
+    # the next rung can cure what the throttle did not; while it does not hold, the rule
+    # stays at the top throttle level and says once why it does not climb
+    escalate_when: str = ""
 
 
 DEFAULT_RULES: dict[str, RuleConfig] = {
@@ -54,7 +58,11 @@ DEFAULT_RULES: dict[str, RuleConfig] = {
     "kv_saturation": RuleConfig(
         when="preemption_rate >= 0.2",
         for_s=90, for_fraction=0.8, clear_when="kv_cache_usage < 0.85", clear_for_s=300,
-        action="throttle", cooldown_s=120, escalate_after_s=300, escalate_action="kv_reset"),
+        action="throttle", cooldown_s=120, escalate_after_s=300, escalate_action="kv_reset",
+        # a KV reset (and the restart above it) costs every running stream its prefill
+        # again, and frees only blocks that no running request holds: escalate on that
+        # evidence alone, never on load that the cache is too small for
+        escalate_when="kv_blocks_unaccounted > 0"),
     "kv_leak": RuleConfig(
         when="kv_cache_usage >= 0.5 and requests_running == 0", for_s=30, for_fraction=0.8,
         action="kv_reset", cooldown_s=120),

@@ -61,6 +61,9 @@ SIGNALS: tuple[SignalSpec, ...] = (
     _s("kv_blocks_held", "kv_blocks_held", "KV blocks in use (usage x blocks)"),
     _s("kv_blocks_per_running_request", "kv_blocks_per_running_request",
        "KV blocks held per running request (the leak signature); unknown when none run"),
+    _s("kv_blocks_unaccounted", "kv_blocks_unaccounted",
+       "KV blocks held beyond what the running requests can hold at the engine's "
+       "max_model_len (above 0: held by no running request, leaked); unknown without it"),
     _s("requests_running", "requests_running", "requests the engine is running"),
     _s("requests_waiting", "requests_waiting", "requests queued in the engine"),
     _s("preemption_rate", "preemptions_per_second", "preemptions per second over the window"),
@@ -192,6 +195,20 @@ class _Gpu:
     engine_bytes: int | None
     settled: bool = True  # taken while the engine served, no remedy under way
 
+
+
+def unaccounted(held: float, snap: Snapshot, max_model_len: int | None) -> float | None:
+    """KV blocks held beyond the most that the running requests can hold: each at most
+    its max_model_len in blocks, and one more (a speculative lookahead's). vLLM's usage
+    counts the blocks of running requests only (a cached prefix's free blocks count as
+    free, a preempted request gives its blocks back), so above 0 some blocks are held by
+    no running request: leaked, and a KV reset frees them. At or below 0 the load alone
+    may hold them all (a saturation that a reset would only make every stream compute
+    again). None where the block size, the running count or max_model_len is unknown."""
+    if max_model_len is None or not snap.block_size or snap.requests_running is None:
+        return None
+    per_request = -(-max_model_len // snap.block_size) + 1
+    return held - snap.requests_running * per_request
 
 def _rate(first: float | None, last: float | None, dt: float) -> float | None:
     if first is None or last is None or dt <= 0 or last < first:  # a reset: unknown
@@ -458,7 +475,8 @@ class SignalWindow:
         return t_last - first[0], first[1], last
 
     def compute(self, now: float, *, metrics_age_s: float | None, staleness_s: float,
-                scrape_failures_total: int, engine_uptime_s: float | None) -> Signals:
+                scrape_failures_total: int, engine_uptime_s: float | None,
+                max_model_len: int | None = None) -> Signals:
         out: Signals = dict.fromkeys(s.name for s in SIGNALS)
         snap = self._snaps[-1][1] if self._snaps else None
         if snap is not None:
@@ -473,6 +491,7 @@ class SignalWindow:
                     out["kv_blocks_held"] = held
                     if snap.requests_running:
                         out["kv_blocks_per_running_request"] = held / snap.requests_running
+                    out["kv_blocks_unaccounted"] = unaccounted(held, snap, max_model_len)
         span = self._span(now)
         if span is not None:
             dt, a, b = span

@@ -42,7 +42,7 @@ from supervisor.loop import Clock, http_client
 from supervisor.ops.descriptors import OutOfDescriptors, Shortage
 from supervisor.settings.config import Config
 from supervisor.settings.sections import MetricsConfig
-from supervisor.watchdog import devroutes, golden, remedy, warmup
+from supervisor.watchdog import devroutes, golden, model_len, remedy, warmup
 from supervisor.watchdog import golden as golden_answers  # (`gate_probe`'s flag is `golden`)
 from supervisor.watchdog.metrics import sleep_op_seconds
 from supervisor.watchdog.poller import scrape
@@ -95,15 +95,17 @@ class HttpJobs:
         healthy = await eng.wait_healthy(
             cfg.base_url + cfg.health_path, cfg.health_interval_s, cfg.startup_timeout_s,
             exited, lambda: eng.start_given_up(engine, time.monotonic()))
-        routes = None
+        routes, length = None, None
         if healthy and not exited.done():
             try:
                 async with http_client() as client:
-                    routes = await devroutes.probe(client, cfg.base_url)
+                    routes, length = await asyncio.gather(
+                        devroutes.probe(client, cfg.base_url),
+                        model_len.ask(client, cfg.base_url))
             except Exception as exc:  # (never a failed start: the configuration decides)
                 log.warning("the development routes were not probed", error=repr(exc))
         why = None if healthy else eng.start_given_up(engine, time.monotonic())
-        return HealthResult(engine.generation, healthy, routes, why)
+        return HealthResult(engine.generation, healthy, routes, why, length)
 
     async def watch_health(self, engine: eng.EngineProcess) -> None:
         cfg = engine.config

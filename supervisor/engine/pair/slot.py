@@ -148,7 +148,8 @@ class EngineSlot(_BayReading):
                     if self.phase is Bay.STARTING:  # (not after its exit was seen)
                         self._set_phase(Bay.HEALTHY)
                     # (a weight cache serves no development routes of an engine's)
-                    self.healthy(e, now, ev.routes if self.what == "engine" else None)
+                    self.healthy(e, now, ev.routes if self.what == "engine" else None,
+                                 ev.max_model_len)
                     return out.Healthy(e)
                 if e.exit_code is not None:
                     return out.NOTHING  # (its exit says why)
@@ -200,13 +201,15 @@ class EngineSlot(_BayReading):
         return engine
 
     def healthy(self, engine: eng.EngineProcess, now: float,
-                routes: DevRoutes | None = None) -> None:
+                routes: DevRoutes | None = None, max_model_len: int | None = None) -> None:
         """The engine in the slot answered /health: since `now`, serving `routes` of
-        vLLM's development routes (None: not asked). One log line and one audit entry
-        (`dev_routes`) say which, and what of the engine's is off for want of them; a
-        warning when its configuration asks for routes it does not serve."""
+        vLLM's development routes (None: not asked), with `max_model_len` (None: not
+        said). One log line and one audit entry (`dev_routes`) say which routes, and
+        what of the engine's is off for want of them; a warning when its configuration
+        asks for routes it does not serve."""
         engine.healthy_at = now
         engine.routes = routes
+        engine.max_model_len = max_model_len
         if routes is None:
             return
         spec = engine.spec

@@ -265,6 +265,9 @@ class EngineProcess:
     # which of vLLM's development routes it serves, asked once its health check answered
     # (None: not asked, or not yet healthy)
     routes: DevRoutes | None = None
+    # the longest sequence it takes, as its /v1/models said once healthy (None: not said);
+    # bounds the KV blocks its running requests can hold (`signals.unaccounted`)
+    max_model_len: int | None = None
     recent_errors: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     recent_lines: deque[str] = field(default_factory=lambda: deque(maxlen=200))  # evidence
     relays: list[asyncio.Task[None]] = field(default_factory=list)  # stdout, stderr readers
