@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -238,6 +239,36 @@ def test_the_take_down_tells_before_it_ends_and_only_where_nvml_listed_the_tree(
     assert r.survivors == [] and order == ["told", "down"] and 0 <= told[0] < r.duration_s
     r, told, order = asyncio.run(run("none"))
     assert r.survivors == [] and told == [] and order == ["down"]
+
+
+class SlowFirstLook(WhileAlive):
+    """NVML whose first answer (the card's look, which begins before the take-down's
+    own) takes 0.5 s: a loaded host's worker threads."""
+
+    first = True
+
+    def processes(self) -> dict[int, int] | None:
+        if self.first:
+            self.first = False
+            time.sleep(0.5)
+        return super().processes()
+
+
+def test_the_take_down_waits_for_the_cards_look_in_flight_to_tell() -> None:
+    """The take-down proved the tree gone before the card's look came back: it still
+    tells before it returns, as promised (CI once saw the look cancelled instead)."""
+    async def run() -> tuple[TakeDown, list[str]]:
+        cfg = engine_config("--child")
+        e, child = await core_killed(cfg)
+        order: list[str] = []
+        r = await takedown.take_down(e, cfg, graceful=False, force=asyncio.Event(),
+                                     gpu=SlowFirstLook(child),
+                                     on_card_released=lambda s: order.append("told"))
+        order.append("down")
+        return r, order
+
+    r, order = asyncio.run(run())
+    assert r.survivors == [] and r.gpu_holders == {} and order == ["told", "down"], order
 
 
 def test_the_jobs_tell_the_unit_before_the_tree_is_down(tmp_path: Path) -> None:

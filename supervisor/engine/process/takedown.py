@@ -48,6 +48,9 @@ class TakeDown:
 # proof, and the card came back 0.27-0.71 s after a kill (docs/standby.md, "Why a woken
 # engine's memory comes back slowly"): a 0.25 s poll alone added up to a quarter second.
 QUICK_INTERVAL_S = 0.02
+# the most a take-down that proved the tree gone waits for the card's look in flight to
+# tell (`take_down`): two calls in worker threads
+CARD_TELL_S = 1.0
 QUICK_FOR_S = 2.0
 
 
@@ -196,7 +199,14 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
             engine.gpu_listed, lambda: tell(time.monotonic() - t0),
             within(cfg.reap_timeout_s + cfg.gpu_release_timeout_s)))
     try:
-        return await _take_down(engine, cfg, graceful, force, gpu, within, t0)
+        result = await _take_down(engine, cfg, graceful, force, gpu, within, t0)
+        if card is not None and not card.done() and not result.survivors \
+                and not result.gpu_holders:
+            # The tree is gone and NVML lists none of it: the look in flight tells, as
+            # promised, before this returns (on a loaded host the take-down's own looks
+            # could end first), within a bound.
+            await asyncio.wait({card}, timeout=within(CARD_TELL_S, 0.1))
+        return result
     finally:
         if card is not None:
             card.cancel()  # (it never raises: `card_released`)
