@@ -196,7 +196,6 @@ class _Gpu:
     settled: bool = True  # taken while the engine served, no remedy under way
 
 
-
 def unaccounted(held: float, snap: Snapshot, max_model_len: int | None) -> float | None:
     """KV blocks held beyond the most that the running requests can hold: each at most
     its max_model_len in blocks, and one more (a speculative lookahead's). vLLM's usage
@@ -209,6 +208,7 @@ def unaccounted(held: float, snap: Snapshot, max_model_len: int | None) -> float
         return None
     per_request = -(-max_model_len // snap.block_size) + 1
     return held - snap.requests_running * per_request
+
 
 def _rate(first: float | None, last: float | None, dt: float) -> float | None:
     if first is None or last is None or dt <= 0 or last < first:  # a reset: unknown
