@@ -7,6 +7,9 @@ while :; do
   cp /tmp/vs-gpu/results.jsonl /tmp/vs-gpu/events.jsonl $OUT/ 2>/dev/null
   cp /tmp/start.log /tmp/plan.log $OUT/ 2>/dev/null
   tail -c 300000 /tmp/vs-gpu/daemon.log > $OUT/daemon.log 2>/dev/null
+  # a take-down's or failover's warning scrolls out of the tail under load: keep them all
+  grep -E '"level": ?"(warning|error|critical)"|Traceback' /tmp/vs-gpu/daemon.log 2>/dev/null \
+    | tail -c 2000000 > $OUT/daemon-warnings.log
   [ -f /tmp/done ] && { echo DONE; break; }
   [ $(date +%s) -ge $end ] && break
   sleep 5
