@@ -11,5 +11,7 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/sup-site .whl/*.whl
 rm -rf /tmp/r1 && cp -r $PWD /tmp/r1 && cd /tmp/r1
 START="$1"; PLAN="$2"; shift 2
 rm -f /tmp/done  # (a second run on the same machine: `stop` first, then this again)
+# the host's memory every 2 s, for two hours at most (a core that dies unasked: was it the OOM killer?)
+setsid nohup sh -c 'i=0; while [ $i -lt 3600 ]; do i=$((i+1)); echo "$(date +%s) $(grep -E "^(MemAvailable|Shmem):" /proc/meminfo | tr -s " " | tr "\n" " ")"; sleep 2; done' > /tmp/meminfo.log 2>&1 < /dev/null &
 env "$@" setsid nohup sh -c "python3 tests/gpu_vllm.py start $START > /tmp/start.log 2>&1; python3 tests/gpu_vllm.py plan $PLAN > /tmp/plan.log 2>&1; echo DONE > /tmp/done" > /dev/null 2>&1 < /dev/null &
 echo started
