@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import sys
+import time
 import types
 from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
 
 from supervisor.engine.process import process as eng
 from supervisor.engine.process import proctree, takedown
@@ -161,3 +166,65 @@ def test_a_sibling_engines_gpu_memory_is_neither_waited_for_nor_foreign() -> Non
         assert f"pid {sibling}" in str(exc) and "5120 MiB" in str(exc)
     else:
         raise AssertionError("a process the daemon did not start was not refused")
+
+
+def _survivors_failing(monkeypatch, times: int) -> list[int]:
+    """`proctree.survivors` raising EBADF (a descriptor closed under the take-down, as
+    uvloop's double close did on the GPU, 2026-12-01) its first `times` calls."""
+    real = proctree.survivors
+    calls = [0]
+
+    def flaky(known, pgid):
+        calls[0] += 1
+        if calls[0] <= times:
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real(known, pgid)
+
+    monkeypatch.setattr(proctree, "survivors", flaky)
+    return calls
+
+
+def test_a_take_down_whose_step_raised_is_tried_again_and_proves_the_tree_gone(monkeypatch):
+    calls = _survivors_failing(monkeypatch, times=1)
+
+    async def run() -> tuple[takedown.TakeDown, list[int]]:
+        cfg = engine_config("--child")
+        e = await spawn_running(cfg)
+        pids = [p.pid for p in e.known]
+        with capture_logs() as logs:
+            r = await takedown.take_down(e, cfg, graceful=False, force=asyncio.Event(),
+                                         gpu=NoGpu())
+        assert [x["event"] for x in logs if x["log_level"] == "warning"] == [
+            "take-down failed; trying it again, straight to the kill"]
+        return r, pids
+
+    r, pids = asyncio.run(run())
+    assert calls[0] >= 2 and r.survivors == [] and alive(pids) == []
+    assert len(pids) >= 2 and r.sigkilled
+
+
+def test_a_take_down_that_keeps_failing_raises_its_last_error_with_the_tree_killed(
+        monkeypatch):
+    _survivors_failing(monkeypatch, times=10**6)
+
+    async def run() -> list[int]:
+        cfg = engine_config("--child")
+        e = await spawn_running(cfg)
+        pids = [p.pid for p in e.known]
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            await takedown.take_down(e, cfg, graceful=True, force=asyncio.Event(),
+                                     gpu=NoGpu())
+        return pids
+
+    pids = asyncio.run(run())
+    # not proven by the take-down (its caller says so and trusts nothing of it), but the
+    # group was killed before the proof failed
+    assert _gone_within(pids, 5.0) == []
+
+
+def _gone_within(pids: list[int], seconds: float) -> list[int]:
+    """The pids still alive once `seconds` have passed or none is (reaped by init)."""
+    end = time.monotonic() + seconds
+    while (left := alive(pids)) and time.monotonic() < end:
+        time.sleep(0.05)
+    return left

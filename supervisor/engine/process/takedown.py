@@ -52,6 +52,10 @@ QUICK_INTERVAL_S = 0.02
 # tell (`take_down`): two calls in worker threads
 CARD_TELL_S = 1.0
 QUICK_FOR_S = 2.0
+# A take-down whose steps raised (a /proc read, a signal, NVML: EBADF from a descriptor
+# closed under it, 2026-12-01) is tried once more, straight to the kill: a take-down not
+# proven costs the standby's failover and a cold start (docs/standby.md)
+TAKE_DOWN_TRIES = 2
 
 
 async def poll_until_clear(check: Callable[[], T], timeout_s: float,
@@ -179,7 +183,8 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
     every process of the tree to vanish, for the port to free and for the GPU to be
     released by the old tree. Each wait is its own bound or what is left of the budget,
     whichever is less; past the budget, the kill is still made and checked once (the
-    exit and the tree for at least a second).
+    exit and the tree for at least a second). Steps that raise are tried once more,
+    straight to the kill (`TAKE_DOWN_TRIES`); then the error is raised.
     """
     t0 = time.monotonic()
     end = t0 + (budget_s if budget_s is not None
@@ -199,7 +204,7 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
             engine.gpu_listed, lambda: tell(time.monotonic() - t0),
             within(cfg.reap_timeout_s + cfg.gpu_release_timeout_s)))
     try:
-        result = await _take_down(engine, cfg, graceful, force, gpu, within, t0)
+        result = await _tried(engine, cfg, graceful, force, gpu, within, t0)
         if card is not None and not card.done() and not result.survivors \
                 and not result.gpu_holders:
             # The tree is gone and NVML lists none of it: the look in flight tells, as
@@ -212,12 +217,36 @@ async def take_down(engine: EngineProcess, cfg: EngineConfig, *, graceful: bool,
             card.cancel()  # (it never raises: `card_released`)
 
 
+async def _tried(engine: EngineProcess, cfg: EngineConfig, graceful: bool,
+                 force: asyncio.Event, gpu: GpuProcessLister,
+                 within: Callable[..., float], t0: float) -> TakeDown:
+    """`_take_down`, tried again where its steps raised: up to `TAKE_DOWN_TRIES` times,
+    each later try straight to the kill (its steps are safe to repeat: a signal to a
+    group gone is nothing, the proofs look again); the last one's error is raised."""
+    killed = _Killed()  # (shared by the tries: the first one's SIGKILL is the result's)
+    for attempt in range(1, TAKE_DOWN_TRIES):
+        try:
+            return await _take_down(engine, cfg, graceful and attempt == 1, force, gpu,
+                                    within, t0, killed)
+        except Exception as exc:
+            log.warning("take-down failed; trying it again, straight to the kill",
+                        pid=engine.pid, attempt=attempt, error=repr(exc)[:500])
+    return await _take_down(engine, cfg, graceful and TAKE_DOWN_TRIES == 1, force, gpu,
+                            within, t0, killed)
+
+
+@dataclass
+class _Killed:
+    """Whether a try of the take-down found the main process alive and SIGKILLed it."""
+
+    sigkilled: bool = False
+
+
 async def _take_down(engine: EngineProcess, cfg: EngineConfig, graceful: bool,
                      force: asyncio.Event, gpu: GpuProcessLister,
-                     within: Callable[..., float], t0: float) -> TakeDown:
+                     within: Callable[..., float], t0: float, killed: _Killed) -> TakeDown:
     """`take_down`'s steps (its docstring), `within` its budget."""
     proc = engine.proc
-    sigkilled = False
     if graceful and proc.returncode is None:
         proctree.signal_pid(engine.pid, signal.SIGTERM)
         waiter = asyncio.ensure_future(wait_exit(proc))
@@ -228,7 +257,7 @@ async def _take_down(engine: EngineProcess, cfg: EngineConfig, graceful: bool,
         forced.cancel()
         waiter.cancel()
     if proc.returncode is None:
-        sigkilled = True
+        killed.sigkilled = True
     # The group may hold the engine core and workers even when the main pid has exited.
     known = list(engine.known)
     await asyncio.to_thread(proctree.kill_group, engine.pgid, known)
@@ -271,7 +300,7 @@ async def _take_down(engine: EngineProcess, cfg: EngineConfig, graceful: bool,
         port_problem = await asyncio.to_thread(_port_holder, cfg.host, cfg.port)
     return TakeDown(exit_code=proc.returncode, survivors=survivors, gpu_holders=gpu_holders,
                     port_problem=port_problem, duration_s=time.monotonic() - t0,
-                    sigkilled=sigkilled)
+                    sigkilled=killed.sigkilled)
 
 
 _UNCHECKED = "cannot check"
