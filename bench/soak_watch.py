@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from supervisor.control.client import ControlClientError  # noqa: E402
 from supervisor.watchdog.conditions import Condition, parse_condition  # noqa: E402
 from supervisor.watchdog.rules import DEFAULT_RULES  # noqa: E402
-from supervisor.watchdog.signals import SIGNAL_NAMES  # noqa: E402
+from supervisor.watchdog.signal_list import SIGNAL_NAMES  # noqa: E402
 from tests.harness import Daemon  # noqa: E402
 
 CONDITIONS: dict[str, Condition] = {name: parse_condition(r.when, SIGNAL_NAMES)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from supervisor.watchdog.conditions import Comparison, parse_condition
 from supervisor.watchdog.rules import DEFAULT_RULES
-from supervisor.watchdog.signals import SIGNAL_NAMES
+from supervisor.watchdog.signal_list import SIGNAL_NAMES
 
 KNOWN = {"a", "b", "c", "kv_cache_usage"}
 

@@ -223,7 +223,7 @@ def test_status_says_where_vllm_writes_its_own_stack_dumps() -> None:
 
 def test_every_signal_but_a_count_prints_with_its_unit() -> None:
     """A new signal must say its unit in `status` (or be declared a plain count here)."""
-    from supervisor.watchdog.signals import SIGNAL_NAMES
+    from supervisor.watchdog.signal_list import SIGNAL_NAMES
 
     counts = {"requests_waiting", "requests_running", "canary_failures",
               "scrape_failures_total", "gpu_xid_reset_errors", "gpu_xid_restart_errors",

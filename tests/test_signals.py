@@ -11,14 +11,8 @@ import pytest
 from supervisor.watchdog import signals
 from supervisor.watchdog.gpu import DeviceReading, GpuReading, summarise
 from supervisor.watchdog.metrics import Snapshot, parse_metrics
-from supervisor.watchdog.signals import (
-    SIGNAL_NAMES,
-    SIGNALS,
-    Signals,
-    SignalWindow,
-    WindowConfig,
-    histogram_quantile,
-)
+from supervisor.watchdog.signal_list import SIGNAL_NAMES, SIGNALS, Signals
+from supervisor.watchdog.signals import SignalWindow, WindowConfig, histogram_quantile
 
 FIX = Path(__file__).parent / "fixtures" / "vllm-0.32-cpu-metrics"
 

@@ -26,7 +26,7 @@ from supervisor.loop import Clock
 from supervisor.ops.exposition import ExporterView, ProxyView
 from supervisor.settings.config import Config
 from supervisor.watchdog.policy import PRIORITY, EngineFacts
-from supervisor.watchdog.signals import SIGNALS
+from supervisor.watchdog.signal_list import SIGNALS
 
 RESTART_REASONS = ("crash", "boot_failure", "policy", "operator")  # the exporter's labels
 

@@ -41,7 +41,8 @@ from supervisor.settings.config import Config
 from supervisor.watchdog import devroutes, relaunch, xid
 from supervisor.watchdog.policy import EngineFacts, PolicyMemory, PolicyState, decide
 from supervisor.watchdog.poller import NO_ANSWER, ScrapeHealth
-from supervisor.watchdog.signals import Signals, SignalWindow
+from supervisor.watchdog.signal_list import Signals
+from supervisor.watchdog.signals import SignalWindow
 
 log = structlog.get_logger("supervisor")
 

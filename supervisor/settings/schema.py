@@ -19,7 +19,7 @@ from typing import Any
 
 from supervisor.watchdog.conditions import parse_condition
 from supervisor.watchdog.rules import ACTIONS, DEFAULT_RULES, RuleConfig
-from supervisor.watchdog.signals import SIGNAL_NAMES
+from supervisor.watchdog.signal_list import SIGNAL_NAMES
 
 
 class ConfigError(Exception):

@@ -43,7 +43,7 @@ from typing import Protocol
 
 from supervisor.watchdog.conditions import Condition, parse_condition
 from supervisor.watchdog.rules import IN_PLACE, LADDER, LIFTABLE, RuleConfig
-from supervisor.watchdog.signals import SIGNAL_NAMES
+from supervisor.watchdog.signal_list import SIGNAL_NAMES
 
 # A due kv_reset waits at most this long for a silent API server (`EngineFacts.api_silent`)
 # to answer a scrape: a blocked event loop held a GPU test's pause 14 s (docs/watchdog.md).

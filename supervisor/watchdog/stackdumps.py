@@ -38,7 +38,7 @@ from typing import Any
 from supervisor.ops import vllm_versions
 from supervisor.watchdog.conditions import parse_condition
 from supervisor.watchdog.rules import RuleConfig
-from supervisor.watchdog.signals import SIGNAL_NAMES
+from supervisor.watchdog.signal_list import SIGNAL_NAMES
 
 FLAG = "--watchdog-config"
 FIRST_VERSION = (0, 33)
