@@ -128,6 +128,22 @@ def test_the_kv_tiers_refused_stores_and_its_bytes_from_vllm_033s_counters():
             idle.kv_offload_loaded_bytes_total) == (None, None, None)
 
 
+def test_requests_deferred_are_read_from_the_waiting_reasons():
+    """The waiting requests vLLM deferred (a KV load among the causes), summed over the
+    engines; the ones waiting for capacity are not among them; a page without reasons
+    knows none."""
+    assert scrape("vllm-0.33-h100/after-one-request.txt").requests_deferred == 0.0
+    page = """# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 7.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="deferred"} 3.0
+vllm:num_requests_waiting_by_reason{engine="1",model_name="m",reason="deferred"} 2.0
+"""
+    s = parse_metrics(page)
+    assert s.requests_deferred == 5.0 and s.engines == 2
+    assert scrape("vllm-0.26-h100-metrics/idle.txt").requests_deferred == 0.0
+    assert parse_metrics("vllm:num_requests_waiting 3\n").requests_deferred is None
+
+
 def test_sleep_operations_in_flight_are_summed_and_never_count_as_an_engine():
     page = """# TYPE vllm:sleep_mode_operations_in_flight gauge
 vllm:sleep_mode_operations_in_flight{operation="sleep"} 0.0

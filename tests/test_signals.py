@@ -79,6 +79,12 @@ def test_the_saturated_scrape_is_its_load_and_blocks_beyond_it_are_unaccounted()
     assert signals.unaccounted(8.0, dataclasses.replace(snap, requests_running=0.0),
                                129) == 8.0  # (nothing running holds nothing)
     assert signals.unaccounted(8.0, dataclasses.replace(snap, block_size=None), 129) is None
+    # a request vLLM deferred, waiting on its KV tier's load, holds the blocks it loads
+    # into: counted as one that runs, its blocks are accounted for
+    assert signals.unaccounted(8.0, dataclasses.replace(snap, requests_deferred=1.0),
+                               129) == 8.0 - 2 * 3
+    assert signals.unaccounted(8.0, dataclasses.replace(snap, requests_deferred=None),
+                               129) == 8.0 - 3  # (no reasons on the page: none deferred)
 
 
 def test_idle_scrape_holds_no_blocks_and_per_request_is_unknown_with_nothing_running():

@@ -43,6 +43,10 @@ class Snapshot:
     kv_cache_usage: float | None = None  # 0..1
     requests_running: float | None = None
     requests_waiting: float | None = None
+    # of those waiting, the ones vLLM deferred (a KV load or transfer, a LoRA budget; its
+    # `num_requests_waiting_by_reason`, 0.26 on): a request waiting on its KV tier's load
+    # already holds the blocks it loads into (None: the page has no reasons)
+    requests_deferred: float | None = None
     preemptions_total: float | None = None
     prefix_cache_queries_total: float | None = None  # tokens
     prefix_cache_hits_total: float | None = None  # tokens
@@ -103,6 +107,7 @@ _MAXED = {
 _TTFT = "vllm:time_to_first_token_seconds"
 _SLEEP_OP = "vllm:sleep_mode_operation_duration_seconds"
 _SLEEP_IN_FLIGHT = "vllm:sleep_mode_operations_in_flight"
+_WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 
 
 # a sample line of the text format: name, labels, value, optional timestamp
@@ -118,7 +123,8 @@ _UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 def _wanted() -> frozenset[str]:
     names = {n for ns in (*_SUMMED.values(), *_MAXED.values()) for n in ns}
     return frozenset(names | {f"{_TTFT}_bucket", f"{_TTFT}_count", "vllm:cache_config_info",
-                              f"{_SLEEP_OP}_count", f"{_SLEEP_OP}_sum", _SLEEP_IN_FLIGHT})
+                              f"{_SLEEP_OP}_count", f"{_SLEEP_OP}_sum", _SLEEP_IN_FLIGHT,
+                              _WAITING_BY_REASON})
 
 
 _WANTED = _wanted()
@@ -173,6 +179,7 @@ def parse_metrics(text: str) -> Snapshot:
     block_size: int | None = None
     ops: dict[str, list[float]] = {}  # operation -> [count, sum]
     in_flight: float | None = None
+    deferred: float | None = None
     for name, labels, value in _samples(text):
         if not name.startswith("vllm:"):
             continue
@@ -192,6 +199,9 @@ def parse_metrics(text: str) -> Snapshot:
             ttft[le] = ttft.get(le, 0.0) + value
         elif name == f"{_TTFT}_count":
             ttft_count = (ttft_count or 0.0) + value
+        elif name == _WAITING_BY_REASON:
+            if labels.get("reason") == "deferred":
+                deferred = (deferred or 0.0) + value
         elif name == "vllm:cache_config_info":
             blocks = _int_label(labels, "num_gpu_blocks_override") or _int_label(
                 labels, "num_gpu_blocks")
@@ -210,7 +220,7 @@ def parse_metrics(text: str) -> Snapshot:
                     ttft_buckets=tuple(sorted(ttft.items())), ttft_count=ttft_count,
                     engines=len(engines),
                     sleep_ops=tuple((op, n, total) for op, (n, total) in sorted(ops.items())),
-                    sleep_ops_in_flight=in_flight)
+                    sleep_ops_in_flight=in_flight, requests_deferred=deferred)
 
 
 def sleep_op_seconds(before: SleepOps | None, after: SleepOps | None) -> dict[str, float]:

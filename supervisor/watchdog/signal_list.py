@@ -29,8 +29,8 @@ SIGNALS: tuple[SignalSpec, ...] = (
     _s("kv_blocks_per_running_request", "kv_blocks_per_running_request",
        "KV blocks held per running request (the leak signature); unknown when none run"),
     _s("kv_blocks_unaccounted", "kv_blocks_unaccounted",
-       "KV blocks held beyond what the running requests can hold at the engine's "
-       "max_model_len (above 0: held by no running request, leaked); unknown without it"),
+       "KV blocks held beyond what the running (and deferred) requests can hold at the "
+       "engine's max_model_len (above 0: held by no request, leaked); unknown without it"),
     _s("requests_running", "requests_running", "requests the engine is running"),
     _s("requests_waiting", "requests_waiting", "requests queued in the engine"),
     _s("preemption_rate", "preemptions_per_second", "preemptions per second over the window"),

@@ -109,15 +109,17 @@ class _Gpu:
 def unaccounted(held: float, snap: Snapshot, max_model_len: int | None) -> float | None:
     """KV blocks held beyond the most that the running requests can hold: each at most
     its max_model_len in blocks, and one more (a speculative lookahead's). vLLM's usage
-    counts the blocks of running requests only (a cached prefix's free blocks count as
-    free, a preempted request gives its blocks back), so above 0 some blocks are held by
-    no running request: leaked, and a KV reset frees them. At or below 0 the load alone
-    may hold them all (a saturation that a reset would only make every stream compute
-    again). None where the block size, the running count or max_model_len is unknown."""
+    counts the blocks of running requests (a cached prefix's free blocks count as free,
+    a preempted request gives its blocks back) and of those it deferred (a request
+    waiting on its KV tier's load holds the blocks it loads into: counted as running
+    here), so above 0 some blocks are held by no request: leaked, and a KV reset
+    frees them. At or below 0 the load alone may hold them all (a saturation that a
+    reset would only make every stream compute again). None where the block size, the
+    running count or max_model_len is unknown."""
     if max_model_len is None or not snap.block_size or snap.requests_running is None:
         return None
     per_request = -(-max_model_len // snap.block_size) + 1
-    return held - snap.requests_running * per_request
+    return held - (snap.requests_running + (snap.requests_deferred or 0.0)) * per_request
 
 
 def _rate(first: float | None, last: float | None, dt: float) -> float | None:
