@@ -17,6 +17,7 @@ from supervisor.engine.events import (
     HealthResult,
     Slept,
     Spawned,
+    Woken,
 )
 from tests.standby_worlds import (
     SNAPSHOT,
@@ -78,9 +79,11 @@ def test_a_snapshot_standby_on_a_full_card_is_dumped_then_a_copy_of_it_first(
 def test_a_cold_start_waits_for_a_copy_being_restored(tmp_path: Path, how: str) -> None:
     """A copy of the standby's images is being restored when a cold start comes (an
     operator's restart while nothing serves yet, or the serving engine's crash with no
-    ready standby): the engine spawns only once the copy is ready, asleep, never beside a
-    restore whose GPU memory still grows (vLLM's start would count it as its own). Found
-    by the pair machine."""
+    ready standby): nothing spawns beside a restore whose GPU memory still grows (vLLM's
+    start would count it as its own; found by the pair machine). Once the copy is ready,
+    asleep: before any engine of the unit served, the engine spawns beside it; after one
+    did (the crash), the copy serves in place of the cold start, woken and proven, and
+    another copy is restored as the standby."""
     w = World(tmp_path, fronted=True, engine={**SNAPSHOT, "args": ["--enable-sleep-mode"]})
     try:
         spare = asleep_first(w)
@@ -105,8 +108,24 @@ def test_a_cold_start_waits_for_a_copy_being_restored(tmp_path: Path, how: str) 
         restored = w.spawned()  # the copy's spawn ends
         assert w.fx.names().count("spawn") == spawns, "the engine spawned beside a restore"
         w.feed(HealthResult(restored.generation, True))  # ready, asleep
+        if how == "restart":
+            assert w.fx.names().count("spawn") == spawns + 1
+            assert w.fx.last("spawn")["spec"].restore is None  # now the engine, beside it
+            return
+        assert w.fx.names().count("spawn") == spawns, "a cold start beside a ready copy"
+        assert w.sup.engine is restored and w.state == "RUNNING"
+        assert w.fx.last("wake") == {"pid": restored.pid}  # (nothing old to wait for)
+        assert w.sup.gate.held_reason is not None  # held until it is proven
+        w.feed(Woken(restored.generation, None, 0.5))
+        w.feed(GateProbe(restored.generation, True, None))
+        assert w.sup.gate.held_reason is None
+        failover = [e for e in w.audit() if e["event"] == "failover"][-1]
+        assert failover["reason"] == "a copy of the images serves in place of a cold start"
+        assert failover["old_pid"] is None and failover["asleep"] is True
+        again = w.fx.last("spawn")  # the next standby: another copy, restored
         assert w.fx.names().count("spawn") == spawns + 1
-        assert w.fx.last("spawn")["spec"].restore is None  # now the engine, beside it
+        assert again["bay"] != 0 or again["spec"].restore is not None
+        assert again["spec"].restore is not None
     finally:
         w.loop.close()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,11 @@ class World:
     @property
     def state(self) -> str:
         return self.sup.state.value
+
+    def audit(self) -> list[dict[str, Any]]:
+        """The audit trail's entries so far, oldest first."""
+        path = Path(self.doc["audit"]["path"])
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
     def feed(self, ev: Event) -> None:
         self.sup.handle(ev)

@@ -29,7 +29,7 @@ import structlog
 
 from supervisor.engine import steps as do
 from supervisor.engine.events import Drained, Event, GateProbe, HostCacheEmptied, Woken
-from supervisor.engine.pair import early_wake, outcomes, weights_ahead
+from supervisor.engine.pair import copy_start, early_wake, outcomes, weights_ahead
 from supervisor.engine.pair.pair_states import HANDING_OVER, PHASE, Phase, Role, check
 from supervisor.engine.pair.standby import Standby
 from supervisor.engine.process import process as eng
@@ -46,6 +46,9 @@ class Handover:
     def __init__(self, standby: Standby) -> None:
         self.standby = standby
         self.failovers = 0
+        # an engine of this unit served (its proof, or a failover): a cold start after
+        # that may be served by a copy of the images (pair/copy_start.py)
+        self.served = False
         self.last_failover_s: float | None = None  # fault seen to held requests released
         # the handover under way (supervisor/engine/pair/pair_states.py), and since when
         self.phase = Phase.IDLE
@@ -119,10 +122,13 @@ class Handover:
             # an engine starting while another releases the card fails vLLM's profiling
             self._set_phase(Phase.STANDBY_FIRST, f.now)
             return True, []
+        if (served := copy_start.serves(self, f)) is not None:
+            return True, served  # (no engine spawned: the copy serves)
         if st.restoring:
             # a copy being restored: the engine starts once it is ready (asleep, room
             # beside it), never beside a process whose GPU memory still grows (vLLM's
-            # start would count it as its own and keep a smaller KV cache)
+            # start would count it as its own and keep a smaller KV cache); after an
+            # engine of the unit served, the copy serves instead (`copy_start`)
             self._set_phase(Phase.STANDBY_FIRST, f.now)
             return True, []
         if (cfg.standby not in engine_checks.SLEEPING or self.standby.ready
@@ -210,6 +216,7 @@ class Handover:
         """The serving engine's development routes were probed at its start: whether a
         standby so started could sleep, as far as it says (`Standby.learned`)."""
         self.standby.learned(engine)
+        self.served = True
 
     def due(self, f: PairFacts) -> list[Step]:
         """The standby's backoff is over."""
@@ -272,7 +279,8 @@ class Handover:
                 self._set_phase(Phase.IDLE, f.now)
                 if (f.state is State.STARTING and f.engine is None
                         and not f.slot.spawning):
-                    out.append(do.SpawnServing())  # beside the sleeping standby (or alone)
+                    # beside the sleeping standby (or alone); or the copy there serves
+                    out += copy_start.serves(self, f) or [do.SpawnServing()]
         elif free:
             out += self.arm(f)
         else:
@@ -434,6 +442,7 @@ class Handover:
         engine = new.engine
         assert engine is not None
         self.failovers += 1
+        self.served = True
         old_pid = old.engine.pid if old.engine else None
         log.warning("failover: the standby serves", reason=reason, pid=engine.pid,
                     port=engine.config.port, old_pid=old_pid, asleep=asleep,
