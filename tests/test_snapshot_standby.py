@@ -3,8 +3,9 @@ CRIU (issue 49's route 3): the standby is proven, put to sleep, kept as images (
 ends it) and a copy restored from them is the standby, asleep; a crash of the serving
 engine's core wakes the copy and the streams go on there token-exact; the next standby
 is another copy of the same images, restored beside the engine that serves, with no
-dump, and a crash of the copy that serves hands over to it in turn. A dump that cannot
-be made leaves a sleeping standby, said in status."""
+dump, and a crash of the copy that serves hands over to it in turn; a crash while the
+next copy is still being restored lets that copy serve once ready, in place of a cold
+start. A dump that cannot be made leaves a sleeping standby, said in status."""
 
 from __future__ import annotations
 
@@ -106,18 +107,45 @@ def test_the_standby_is_a_copy_of_its_images_before_and_after_a_failover(daemon_
     assert [e["event"] for e in audit(cfg)].count("standby_dumped") == 1  # (no new dump)
 
     # a crash of the copy that serves: the next copy takes over, as the first did (the
-    # H200 found a take-down of a copy, promoted, that failed and cold-started instead)
-    core = next(c.pid for c in psutil.Process(copy).children(recursive=True)
-                if c.name().startswith("VLLM::EngineCo"))
-    streams_under(cfg, lambda: os.kill(core, signal.SIGKILL))
+    # H200 found a take-down of a copy, promoted, that failed and cold-started instead);
+    # then, while the third copy is still being restored, a crash of that one too: no
+    # standby ready, a cold start, and the copy being restored serves in its place once
+    # ready (no engine started cold); the streams go on across both
+    def core_of(pid: int) -> int:
+        return next(c.pid for c in psutil.Process(pid).children(recursive=True)
+                    if c.name().startswith("VLLM::EngineCo"))
+
+    third: list[int] = []
+
+    def two_crashes() -> None:
+        at = len(audit(cfg))
+        os.kill(core_of(copy), signal.SIGKILL)
+        # (the restore, CRIU's, is under way from the failover's end to the copy's spawn)
+        wait_for(lambda: any(e["event"] == "failover_done" for e in audit(cfg)[at:]), 30,
+                 "the second failover done", interval=0.01)
+        assert not any(e["event"] == "standby_ready" for e in audit(cfg)[at:])
+        os.kill(core_of(again["pid"]), signal.SIGKILL)
+
+    streams_under(cfg, two_crashes)
+    wait_for(lambda: [e for e in audit(cfg) if e["event"] == "failover"][-1]["pid"]
+             not in (main, copy, again["pid"]), 60, "a third copy took over")
+    third.append([e for e in audit(cfg) if e["event"] == "failover"][-1]["pid"])
+    wait_for(lambda: d.status()["pid"] == third[0], 60, "the third copy serving")
     st = d.status()
     events = audit(cfg)
     assert not [e for e in events if e["event"] in ("failover_failed", "standby_failed")], \
         [e for e in events if e["event"] in ("failover_failed", "standby_failed")]
-    assert st["state"] == "RUNNING" and st["pid"] == again["pid"] and st["restarts"] == 2
+    assert st["state"] == "RUNNING" and st["restarts"] == 3
+    took = [e for e in events if e["event"] == "failover"][-1]
+    assert took["reason"] == "a copy of the images serves in place of a cold start", took
+    assert took["pid"] == third[0] and took["old_pid"] is None
     wait_for(lambda: standby_ready(d) and d.status()["standby"]["pid"]
-             not in (copy, main, again["pid"]), 60, "a third copy, the standby")
-    pids = [copy, again["pid"], d.status()["standby"]["pid"]]
+             not in (copy, main, again["pid"], third[0]), 60, "a fourth copy, the standby")
+    fourth = d.status()["standby"]["pid"]
+    spawns = [e["pid"] for e in audit(cfg) if e["event"] == "spawn"]
+    # no engine spawned cold after the third copy: the next spawn is the fourth copy
+    assert spawns[spawns.index(third[0]) + 1:] == [fourth], spawns
+    pids = [copy, again["pid"], third[0], fourth]
     stopped = d.ctl("stop")
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert d.proc.wait(timeout=60) == 0

@@ -338,7 +338,8 @@ class UnitState:
         the old engine's take-down has its own deadline."""
         standby = self.handover.standby
         self.slot, standby.slot = standby.slot, self.slot
-        self.serving_starts += 1
+        if self.state is not State.STARTING:  # (else the cold start it ends counted it)
+            self.serving_starts += 1
         self.stop_deadline = None
         self.watch.engine_starting()
         self.keeper.hold_until_proven()

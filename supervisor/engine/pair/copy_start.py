@@ -45,7 +45,9 @@ def serves(h: Handover, f: PairFacts) -> list[Step] | None:
             and copy is not None and copy.spec.restore is not None and h.fits(f)):
         return None
     log.warning(REASON, pid=copy.pid, port=copy.config.port)
-    return [do.SetState(State.RUNNING, f"{REASON} (pid {copy.pid})"),
-            *h.fail_over(dataclasses.replace(f, state=State.RUNNING), REASON,
-                         graceful=False)]
+    # RUNNING once the copy's place is the serving one (`ServeFrom`, which counts no
+    # second start while the unit is STARTING: the cold start counted this one)
+    return [*h.fail_over(dataclasses.replace(f, state=State.RUNNING), REASON,
+                         graceful=False),
+            do.SetState(State.RUNNING, f"{REASON} (pid {copy.pid})")]
 
