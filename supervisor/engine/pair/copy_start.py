@@ -17,20 +17,30 @@ A decider only: `Handover` asks `serves(...)` where a cold start would spawn the
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 
 from supervisor.engine import steps as do
+from supervisor.engine.pair.standby import Standby
 from supervisor.engine.states import State
 from supervisor.engine.steps import PairFacts, Step
-
-if TYPE_CHECKING:
-    from supervisor.engine.pair.handover import Handover
 
 log = structlog.get_logger("supervisor")
 
 REASON = "a copy of the images serves in place of a cold start"
+
+
+class Handover(Protocol):
+    """What of `pair.handover.Handover` this decider reads and asks."""
+
+    standby: Standby
+    served: bool
+
+    def fits(self, f: PairFacts) -> bool: ...
+
+    def fail_over(self, f: PairFacts, reason: str, graceful: bool,
+                  drain_behind: bool = False) -> list[Step]: ...
 
 
 def serves(h: Handover, f: PairFacts) -> list[Step] | None:
