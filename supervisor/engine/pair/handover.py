@@ -46,9 +46,7 @@ class Handover:
     def __init__(self, standby: Standby) -> None:
         self.standby = standby
         self.failovers = 0
-        # an engine of this unit served (its proof, or a failover): a cold start after
-        # that may be served by a copy of the images (pair/copy_start.py)
-        self.served = False
+        self.served = False  # an engine of this unit served (pair/copy_start.py)
         self.last_failover_s: float | None = None  # fault seen to held requests released
         # the handover under way (supervisor/engine/pair/pair_states.py), and since when
         self.phase = Phase.IDLE
@@ -127,8 +125,7 @@ class Handover:
         if st.restoring:
             # a copy being restored: the engine starts once it is ready (asleep, room
             # beside it), never beside a process whose GPU memory still grows (vLLM's
-            # start would count it as its own and keep a smaller KV cache); after an
-            # engine of the unit served, the copy serves instead (`copy_start`)
+            # start would count it as its own and keep a smaller KV cache)
             self._set_phase(Phase.STANDBY_FIRST, f.now)
             return True, []
         if (cfg.standby not in engine_checks.SLEEPING or self.standby.ready
@@ -279,8 +276,7 @@ class Handover:
                 self._set_phase(Phase.IDLE, f.now)
                 if (f.state is State.STARTING and f.engine is None
                         and not f.slot.spawning):
-                    # beside the sleeping standby (or alone); or the copy there serves
-                    out += copy_start.serves(self, f) or [do.SpawnServing()]
+                    out += copy_start.serves(self, f) or [do.SpawnServing()]  # (beside it)
         elif free:
             out += self.arm(f)
         else:
