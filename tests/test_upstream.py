@@ -229,6 +229,48 @@ def test_idle_and_unfinished_connections_are_not_reused() -> None:
     asyncio.run(main())
 
 
+def test_connections_kept_from_a_burst_are_let_go_once_idle_while_traffic_goes_on() -> None:
+    """Issue 50's RSS finding: after a burst, traffic that needs one connection at a time
+    takes the newest kept one again and again (last in, first out); the burst's others
+    used to stay in the pool as objects until the next burst. Now they go once idle past
+    `keepalive_s`, when another connection is put back after them."""
+    started = asyncio.Event()
+    answering = 0
+
+    async def answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal answering
+        while True:
+            head, _ = await read_request(reader)
+            if head.startswith(b"POST /burst"):  # answered once all 16 are in
+                answering += 1
+                if answering == 16:
+                    started.set()
+                await started.wait()
+            writer.write(OK)
+
+    async def main() -> None:
+        async with engine(answer_each) as e:
+            u = Upstream(1.0, 5.0, keepalive_s=0.2)
+
+            async def one(target: str) -> None:
+                async with u.request("POST", e.url, target, [], b"{}") as a:
+                    assert await a.read() == b"{}"
+
+            await asyncio.gather(*(one("/burst") for _ in range(16)))
+            assert u.kept() == 16 and e.connections == 16
+            loop = asyncio.get_running_loop()
+            until = loop.time() + 0.5  # one at a time, past the burst's keepalive_s
+            while loop.time() < until:
+                await one("/one")
+                await asyncio.sleep(0.02)
+            assert e.connections == 16  # each on the newest kept one, none new
+            assert u.kept() == 1
+            await u.close()
+            assert u.kept() == 0
+
+    asyncio.run(main())
+
+
 def test_a_request_given_up_before_its_answer_closes_its_connection() -> None:
     """Its caller cancelled (the proxy's client went away) while the engine has not
     answered: the engine sees the connection close, as vLLM must to abort the request."""

@@ -22,7 +22,8 @@ keeps for its own client going away.
 
 Connections are kept for the next request once an answer was read to its end, and
 dropped after `keepalive_s` idle (below uvicorn's own 5 s, so that the engine seldom
-closes one under a request being sent), or when the answer asked for it. A reader slower
+closes one under a request being sent: when it is next taken, or when another is put
+back after it), or when the answer asked for it. A reader slower
 than its engine pauses the socket's reading (64 KiB buffered at most), as aiohttp did.
 
 A kept connection may still have been closed by the engine while it was idle, the close
@@ -488,8 +489,18 @@ class Upstream:
                 or not answer.complete or not answer.keep_alive or answer._error is not None):
             conn.close()
             return
-        conn.idle_since = time.monotonic()
-        self._idle.setdefault((host, port), []).append(conn)
+        conn.idle_since = now = time.monotonic()
+        idle = self._idle.setdefault((host, port), [])
+        # the oldest first: those kept from a burst that traffic since never reached
+        # (taken last in, first out) are let go once idle past `keepalive_s`, not kept as
+        # objects to the next burst (their sockets the engine's to close meanwhile)
+        while idle and (idle[0].closed or now - idle[0].idle_since >= self.keepalive_s):
+            idle.pop(0).close()
+        idle.append(conn)
+
+    def kept(self) -> int:
+        """The idle connections kept for the next requests, every address."""
+        return sum(len(conns) for conns in self._idle.values())
 
 
 class Call:
