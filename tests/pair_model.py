@@ -398,11 +398,13 @@ class PairModel:
         self.pending.append(("wake_rest" if tags == REST else "wake", p.gen))
 
     def asked_empty_host_cache(self, d: dict[str, Any]) -> None:
-        """Only of a standby asleep with its weights on the card: never of an engine that
-        serves (the emptying holds it), nor one whose weights' backup is still in use."""
+        """Only of an engine asleep with its weights on the card (a standby, or a copy
+        taking over with requests held): never of one that requests reach (the emptying
+        holds it), nor one whose weights' backup is still in use."""
         p = self.proc(d)
         self.expect(p.alive and p.asleep and p.weights and p is not self.following
-                    and self.w.sup.engine is not p.engine, "host_cache_of_unready",
+                    and (self.w.sup.engine is not p.engine
+                         or self.gate.held_reason is not None), "host_cache_of_unready",
                     lambda: f"host cache emptying asked of {p}: {self.describe()}")
         self.pending.append(("host_cache", p.gen))
 

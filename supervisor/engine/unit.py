@@ -309,10 +309,10 @@ class EngineUnit(UnitState):
         self.run_steps(self.handover.woken(self.pair_facts(), ev))
 
     def handle_host_cache_emptied(self, ev: HostCacheEmptied) -> None:
-        """The answer of a standby's host cache emptied after it took over (or went):
-        logged, nothing follows (an engine that serves is never asked)."""
-        log.info("host cache answer of an engine no longer the standby", emptied=ev.emptied,
-                 generation=ev.generation, error=ev.error)
+        """The answer of a host cache emptied of an engine no longer in the standby's
+        place: the one taking over, its rest woken next; else (it went, or took over
+        after its weights' wake ahead) logged, nothing follows."""
+        self.run_steps(self.handover.host_cache_emptied(self.pair_facts(), ev))
 
     def handle_slept(self, ev: Slept) -> None:
         """The answer of a sleep asked of a standby no longer in its place (retired, its

@@ -39,6 +39,7 @@ from supervisor.engine.gatekeeper import GateKeeper
 from supervisor.engine.golden_check import GoldenCheck
 from supervisor.engine.intents import Intent, RelaunchLog
 from supervisor.engine.notices import SystemdNotices
+from supervisor.engine.pair import rearm
 from supervisor.engine.pair.handover import Handover
 from supervisor.engine.pair.slot import EngineSlot
 from supervisor.engine.pair.standby import Standby
@@ -231,8 +232,8 @@ class UnitState:
         self.run_steps(self.remedies.begin(self.watch, self.facts(), rung, reason, reply))
 
     def rearm(self, reason: str) -> str:
-        """Protection back now (`Handover.rearm`): what is done; ValueError: why not."""
-        what, steps = self.handover.rearm(self.pair_facts(), reason)
+        """Protection back now (`pair/rearm.py`): what is done; ValueError: why not."""
+        what, steps = rearm.rearm(self.handover, self.pair_facts(), reason)
         self.run_steps(steps)
         return what
 

@@ -29,7 +29,7 @@ import structlog
 
 from supervisor.engine import steps as do
 from supervisor.engine.events import Drained, Event, GateProbe, HostCacheEmptied, Woken
-from supervisor.engine.pair import copy_start, early_wake, outcomes, weights_ahead
+from supervisor.engine.pair import copy_start, early_wake, outcomes, rearm, weights_ahead
 from supervisor.engine.pair.pair_states import HANDING_OVER, PHASE, Phase, Role, check
 from supervisor.engine.pair.standby import Standby
 from supervisor.engine.process import process as eng
@@ -55,10 +55,13 @@ class Handover:
         # new arguments, then a swap to it ((why, the restart's reason label) meanwhile;
         # not a phase: the engine serves until the swap, which is a failover like any)
         self._upgrade: tuple[str, str] | None = None
-        self._rearmed_on: str | None = None  # the quiet window used (the day it began)
+        self.rearmed_on: str | None = None  # the quiet window used (the day it began)
         # a failover that woke the standby's weights before the old engine's memory was
         # released: "asked", then "back" (None: none, or its whole wake waits for that)
         self._weights: str | None = None
+        # ... and their host backup let go before the rest wakes (a copy that serves in
+        # place of a cold start: pair/copy_start.py)
+        self._let_go = False
         # (an asymmetric pair, `engine.standby_args`: while the thin standby serves, which
         # the serving bay's spawn says, `f.slot.thin`, a full-size engine starts beside it
         # and takes over again, as an upgrade)
@@ -76,7 +79,7 @@ class Handover:
         elif self.since is None:
             self.since = now
         if new in (Phase.IDLE, Phase.PROVING_WOKEN):
-            self._weights = None
+            self._weights, self._let_go = None, False
 
     def cold_start(self, f: PairFacts) -> list[Step]:
         """A cold start ends any handover, and applies any upgrade. A full-size engine in
@@ -291,62 +294,11 @@ class Handover:
 
     # ---- re-arming ------------------------------------------------------------------
 
-    def rearm(self, f: PairFacts, reason: str) -> tuple[str, list[Step]]:
-        """Protection back now (an operator's `rearm`, or the quiet window): a standby
-        waiting out its backoff starts at once; one with no room beside the serving
-        engine comes back through a drained restart that starts it first (clients held
-        through both starts: never done unasked outside the window). What is done, and
-        its steps; a refusal raises ValueError, saying why."""
-        st = self.standby
-        if f.config.engine.standby == "none":
-            raise ValueError('no standby is configured (engine.standby = "none")')
-        if f.state is not State.RUNNING or self.phase is not Phase.IDLE:
-            raise ValueError(f"the engine is {f.state.value}"
-                             + (f", a handover under way ({self.phase.value})"
-                                if self.phase is not Phase.IDLE else "")
-                             + ": a standby is armed once it serves")
-        if st.ready:
-            raise ValueError("already protected: the standby is ready")
-        if st.on_its_way:
-            raise ValueError(f"already re-arming: the standby is {st.state.value}")
-        if st.state is Role.FAILED:
-            raise ValueError(f"the standby's place is not free ({st.why}): only a "
-                             f"restart of the daemon clears it")
-        if st.state is Role.RETIRING:
-            raise ValueError("the engine in the standby's place is being taken down: "
-                             "a standby starts there once it is gone")
-        if st.state is Role.RETURNING:
-            raise ValueError("already re-arming: the thin engine is the standby again "
-                             "once its requests end")
-        no_sleep = st.no_sleep(f.engine_config(st.slot.bay))
-        if st.state is Role.NO_ROOM and no_sleep is not None:
-            raise ValueError(f"the engine cannot sleep ({no_sleep}), and an awake standby "
-                             f"does not fit beside it: no standby until that changes")
-        if st.state is Role.NO_ROOM:
-            log.warning("re-arm: a drained restart, the standby first", reason=reason)
-            return ("drained restart: the standby starts first, then the engine beside "
-                    "it (requests held meanwhile)",
-                    [do.Audit("rearm", {"reason": reason, "how": "restart"}),
-                     do.CountRestart("rearm"), do.RestartEngine(f"re-arm: {reason}")])
-        out = st.cancel_timer()
-        st.due()  # (a backoff under way is cut short)
-        out += self.arm(f, due=True)
-        return (f"the standby is {st.state.value}",
-                [*out, do.Audit("rearm", {"reason": reason, "how": "start"})])
-
     def tick(self, f: PairFacts, local: datetime) -> list[Step]:
-        """The quiet window (`engine.rearm_window`): a standby with no room beside the
-        serving engine is re-armed once per window."""
-        out = weights_ahead.steps(self.standby, f, idle=self.phase is Phase.IDLE)
-        text = f.config.engine.rearm_window
-        if not text or self.standby.state is not Role.NO_ROOM:
-            return out
-        day = engine_checks.DailyWindow.parse(text).occurrence(local)
-        if day is None or day == self._rearmed_on or f.state is not State.RUNNING \
-                or self.phase is not Phase.IDLE:
-            return out
-        self._rearmed_on = day
-        return [*out, *self.rearm(f, f"the quiet window {text}")[1]]
+        """At each tick: a ready standby's weights woken ahead of a fault or taken back
+        (pair/weights_ahead.py), and the quiet window's re-arm (pair/rearm.py)."""
+        return [*weights_ahead.steps(self.standby, f, idle=self.phase is Phase.IDLE),
+                *rearm.in_window(self, f, local)]
 
     # ---- an upgrade -----------------------------------------------------------------
 
@@ -413,7 +365,7 @@ class Handover:
         return [*out, do.TakeDown(graceful)]
 
     def fail_over(self, f: PairFacts, reason: str, graceful: bool,
-                  drain_behind: bool = False) -> list[Step]:
+                  drain_behind: bool = False, let_go: bool = False) -> list[Step]:
         """The ready standby serves now: the proxy sends this engine's requests to it
         (streams in flight are continued on it, held requests go to it once it answered
         a generation); the old engine is taken down in the standby's place, and a new
@@ -421,7 +373,9 @@ class Handover:
         first: at once when the two engines fit on the card side by side, else once the
         old engine's memory is released (a wake before that fails and wedges it).
         `drain_behind` (a drained restart to an awake standby): the requests at the old
-        engine finish there first, up to its drain timeout, and then it is taken down."""
+        engine finish there first, up to its drain timeout, and then it is taken down.
+        `let_go` (a sleeping one, no old engine): its weights first, then their pinned
+        host backup let go, then the rest (pair/copy_start.py)."""
         old = f.slot
         # a thin engine handing back to a full-size one (an asymmetric pair's re-arm) is
         # kept, to be the standby again once its requests ended
@@ -480,7 +434,10 @@ class Handover:
         else:
             self._set_phase(Phase.WAKING, f.now)
             self._weights = ahead
-            if ahead is None:
+            if ahead is None and let_go:
+                self._weights, self._let_go = "asked", True
+                out.append(do.Wake(engine, WEIGHTS))
+            elif ahead is None:
                 out.append(do.Wake(engine))
             elif ahead == "back":  # (else the rest once they are: `_weights_woken`)
                 out.append(do.Wake(engine, REST))
@@ -549,12 +506,38 @@ class Handover:
             return self.takeover_failed(f, f"the standby's weights did not wake: {ev.error}")
         self._weights = "back"
         woken = {"pid": engine.pid, "seconds": round(ev.seconds, 3), "vllm_s": ev.vllm_s}
-        log.info("standby's weights woken while the old engine's memory is released",
+        log.info("standby's weights woken: their host backup let go next" if self._let_go
+                 else "standby's weights woken while the old engine's memory is released",
                  **woken)
         out: list[Step] = [do.Audit("standby_weights_woken", woken)]
-        if self.phase is Phase.WAKING:  # (the old engine's memory was released first)
+        if self.phase is Phase.WAKING and self._let_go:
+            out.append(do.EmptyHostCache(engine))  # (the rest once it answered)
+        elif self.phase is Phase.WAKING:  # (the old engine's memory was released first)
             out.append(do.Wake(engine, REST))
         return out
+
+    def host_cache_emptied(self, f: PairFacts, ev: HostCacheEmptied) -> list[Step]:
+        """The answer of the pinned host cache emptied of the engine taking over
+        (`let_go`): the rest of it wakes now, the cache emptied or not."""
+        engine = f.slot.current(ev.generation)
+        if (engine is None or f.slot.taking_down or self.phase is not Phase.WAKING
+                or not self._let_go or self._weights != "back"):
+            log.info("host cache answer of an engine no longer the standby",
+                     emptied=ev.emptied, generation=ev.generation, error=ev.error)
+            return []
+        self._let_go = False
+        fields = {"pid": engine.pid, "seconds": round(ev.seconds, 3),
+                  "worker_s": ev.worker_s}
+        if ev.emptied:
+            log.info("pinned host cache emptied before the engine serves: its death "
+                     "gives the card back at once", **fields)
+        else:
+            log.warning("pinned host cache not emptied: its death gives the card back "
+                        "later", error=ev.error, **fields)
+        return [do.Audit("standby_host_cache_emptied" if ev.emptied
+                         else "standby_host_cache_kept",
+                         {**fields, **({} if ev.emptied else {"error": ev.error})}),
+                do.Wake(engine, REST)]
 
     def proof_failed(self, f: PairFacts, ev: GateProbe) -> list[Step] | None:
         """The first generation after a handover answered: the steps when it was a woken
