@@ -34,7 +34,8 @@ class ScriptedGpu:
 
 def engine_config(*args: str, **kw: float) -> EngineConfig:
     return EngineConfig(command=[sys.executable, str(FAKE_ENGINE), *args], port=free_port(),
-                        cwd=str(Path.cwd()), drain_timeout_s=1, stop_grace_s=1,
+                        cwd=str(Path.cwd()), drain_timeout_s=1,
+                        stop_grace_s=kw.get("grace", 1),
                         reap_timeout_s=3, gpu_release_timeout_s=kw.get("gpu_timeout", 3))
 
 
@@ -49,7 +50,8 @@ async def spawn_running(cfg: EngineConfig) -> eng.EngineProcess:
 
 def test_take_down_waits_until_the_gpu_is_released():
     async def run() -> tuple[takedown.TakeDown, ScriptedGpu, list[int]]:
-        cfg = engine_config("--child")
+        # (a grace a loaded host keeps within: at 1 s, CI's busiest minute SIGKILLed it)
+        cfg = engine_config("--child", grace=10)
         e = await spawn_running(cfg)
         pids = [p.pid for p in e.known]
         gpu = ScriptedGpu({pids[-1]: 6 << 30, 999_999: 1 << 30}, polls=3)
