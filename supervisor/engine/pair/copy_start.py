@@ -63,9 +63,9 @@ def serves(h: Handover, f: PairFacts) -> list[Step] | None:
     # RUNNING once the copy's place is the serving one (`ServeFrom`, which counts no
     # second start while the unit is STARTING: the cold start counted this one)
     # with `standby_weights = "gpu"` it serves as a copy whose weights went ahead does:
-    # their pinned host backup let go before the rest wakes (~0.75 s added to a wait
-    # that is mostly the restore's), else its own death gives the card back ~0.45 s
-    # later, on the next failover's critical path (docs/standby.md)
+    # their pinned host backup let go before the rest wakes (0.52 s more on the H200,
+    # on a wait that is mostly the restore's), else its own death gives the card back
+    # ~0.5 s later, on the next failover's critical path (docs/standby.md)
     let_go = (f.config.engine.standby_weights == "gpu"
               and host_cache.why_not(copy.spec.argv) is None)
     return [*h.fail_over(dataclasses.replace(f, state=State.RUNNING), REASON,
