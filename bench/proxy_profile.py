@@ -100,7 +100,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
                                                      "Call.__aexit__")),
     ("client: response body read (Answer.pump, its sink; upstream_chunks before)",
      ("upstream_chunks", "Answer.pump", "Answer._to_sink")),
-    ("client: protocol (data_received, parser)", ("ResponseHandler.", "_Connection.",
+    ("client: protocol (data_received, parser)", ("ResponseHandler.", "EngineConnection.",
                                                   "Answer._wake")),
     ("server: response headers (StreamResponse.prepare)", ("StreamResponse.prepare",)),
     ("server: body write (resp.write, write_eof)", ("StreamResponse.write",
